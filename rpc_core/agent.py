@@ -1,0 +1,515 @@
+"""The worker: connections, pending calls, request dispatch, timeouts, shutdown.
+
+Threads: one acceptor; one reader per connection (it parses frames, completes response
+futures, and hands requests to the pool); an elastic pool that runs user functions; one
+timer that fails calls past their deadline. Higher layers (RRefs, distributed autograd,
+the profiler) plug in as ``Middleware`` and never touch sockets.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import pickle
+import socket
+import threading
+import time
+import traceback
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from . import transport, wire
+from .errors import ProtocolError, RpcError, RpcNotInitializedError, RpcTimeoutError, WorkerUnavailableError
+from .options import RpcBackendOptions
+from .pool import ElasticPool
+from .rendezvous import World, WorkerInfo
+from .serialization import deserialize, encode_head, loopback, serialize
+
+log = logging.getLogger("rpc_core")
+
+_agent: Optional["Agent"] = None
+_HELLO_ID = 0  # msg_id of the identity frame a dialer sends first
+
+
+def current_agent() -> "Agent":
+    if _agent is None:
+        raise RpcNotInitializedError("RPC has not been initialized. Call rpc_core.init_rpc first.")
+    return _agent
+
+
+def set_current_agent(agent: Optional["Agent"]) -> None:
+    global _agent
+    _agent = agent
+
+
+class RpcFuture(torch.futures.Future):
+    """A torch Future that knows whether user callbacks hang on it, so a reader thread
+    completes it inline only when no callback could block that reader."""
+
+    _has_callbacks = False
+
+    def then(self, callback):  # type: ignore[override]
+        self._has_callbacks = True
+        return super().then(callback)
+
+    def add_done_callback(self, callback):  # type: ignore[override]
+        self._has_callbacks = True
+        return super().add_done_callback(callback)
+
+
+class Middleware:
+    """Hooks for higher layers; every method is optional and may be left as is."""
+
+    def outgoing(self, dst: int, tensors: List[torch.Tensor], extras: Dict[str, Any], request_extras: Optional[Dict[str, Any]]) -> None:
+        """Before a message leaves: add entries to ``extras`` (request_extras is set for responses)."""
+
+    def incoming(self, src: int, tensors: List[torch.Tensor], extras: Dict[str, Any], is_response: bool) -> List[torch.Tensor]:
+        """After a message's tensors are rebuilt, before the body is unpickled."""
+        return tensors
+
+    def enter_call(self, src: int, extras: Dict[str, Any]) -> Any:
+        """Around a user function on the callee; returns a token for ``exit_call``."""
+
+    def exit_call(self, token: Any, extras: Dict[str, Any], result_future: Optional[torch.futures.Future]) -> None:
+        """After the function returned (result_future is set for async execution)."""
+
+    def response_extras(self, extras: Dict[str, Any], response: Dict[str, Any]) -> None:
+        """Add entries to a response's extras from the request's extras."""
+
+    def on_response(self, extras: Optional[Dict[str, Any]], call_extras: Dict[str, Any]) -> None:
+        """On the caller, when a response with extras arrives."""
+
+
+class _Loopback:
+    """A 'connection' to ourselves: calls to self are serialized and dispatched like any other."""
+
+    def __init__(self, agent: "Agent") -> None:
+        self.agent = agent
+        self.bytes_sent = self.bytes_received = 0
+
+    def send(self, kind: int, flags: int, msg_id: int, head: bytes, body: bytes, buffers: Sequence[memoryview] = ()) -> None:
+        storages = loopback(buffers)
+        h = wire.FrameHeader(kind, flags, len(buffers), len(head), len(body), msg_id)
+        self.agent._on_frame(self, self.agent.me.id, h, head, body, storages)
+
+    def close(self) -> None:
+        pass
+
+
+class Agent:
+    def __init__(self, world: World, options: RpcBackendOptions) -> None:
+        self.me: WorkerInfo = world.me
+        self.workers = world.workers
+        self.by_name = {w.name: w for w in world.workers}
+        self.addresses = world.addresses
+        self.options = options
+        self.default_timeout = options.rpc_timeout
+        self.middleware: List[Middleware] = []
+        self._secret = options.auth_secret
+        self._listener = world.listener
+        self._lock = threading.Lock()
+        self._incoming_cv = threading.Condition(self._lock)
+        self._out: Dict[int, Any] = {self.me.id: _Loopback(self)}
+        self._dial_locks: Dict[int, threading.Lock] = {w.id: threading.Lock() for w in world.workers}
+        self._incoming: List[transport.Connection] = []
+        # msg_id -> (future, destination rank, extras for response middleware, timeout, flags)
+        self._pending: Dict[int, Tuple[RpcFuture, int, Dict[str, Any], float, int]] = {}
+        self._ids = itertools.count(1)
+        self._closing = False
+        self.dead: Dict[int, str] = {}
+        # Counters for graceful shutdown's quiescence check (user calls only, not CONTROL).
+        self.n_sent = self.n_done = self.n_received = self.n_answered = 0
+        self._timer_heap: List[Tuple[float, int]] = []
+        self._timer_cv = threading.Condition()
+        self.pool = ElasticPool(options.num_worker_threads, f"rpc-{self.me.name}")
+        self.on_peer_lost: List[Callable[[int, str], None]] = []
+        threading.Thread(target=self._timer_loop, name="rpc-timer", daemon=True).start()
+        for rank, conn in world.connections.items():
+            if self.me.id == 0:
+                self._incoming.append(conn)
+                self._start_reader(conn, rank, outgoing=False)
+            else:
+                self._out[rank] = conn
+                self._start_reader(conn, rank, outgoing=True)
+        threading.Thread(target=self._accept_loop, name="rpc-accept", daemon=True).start()
+
+    # -- naming ---------------------------------------------------------------------------
+    def worker_info(self, to: Any) -> WorkerInfo:
+        if isinstance(to, WorkerInfo):
+            return to
+        if isinstance(to, str):
+            info = self.by_name.get(to)
+            if info is None:
+                raise RpcError(f"could not find destination worker {to!r}; known workers: {sorted(self.by_name)}")
+            return info
+        if isinstance(to, int) and not isinstance(to, bool):
+            if not 0 <= to < len(self.workers):
+                raise RpcError(f"could not find destination rank {to}; ranks are 0..{len(self.workers) - 1}")
+            return self.workers[to]
+        raise ValueError(f"Cannot get WorkerInfo from name {to!r} (type {type(to).__name__}); pass a name, WorkerInfo or rank")
+
+    def describe(self, rank: int) -> str:
+        return f"worker {self.workers[rank].name!r} (rank {rank})"
+
+    # -- sending ---------------------------------------------------------------------------
+    def send_request(self, dst: int, func: Any, args: tuple, kwargs: dict, timeout: float,
+                     extras: Optional[Dict[str, Any]] = None, flags: int = 0,
+                     call_extras: Optional[Dict[str, Any]] = None) -> RpcFuture:
+        """Serialize and send ``func(*args, **kwargs)`` to rank ``dst``; the Future holds its result."""
+        if self._closing:
+            raise RpcError(f"RPC agent of {self.me.name!r} is shut down; cannot send new calls")
+        timeout = self.default_timeout if timeout is None or timeout < 0 else timeout
+        fut = RpcFuture()
+        ser = serialize((func, args, kwargs or {}))
+        extras = dict(extras) if extras else {}
+        for m in self.middleware:
+            m.outgoing(dst, ser.tensors, extras, None)
+        head = encode_head(ser.metas, extras)
+        msg_id = next(self._ids)
+        self._pending[msg_id] = (fut, dst, call_extras if call_extras is not None else extras, timeout, flags)
+        if not flags & wire.CONTROL:
+            self.n_sent += 1
+        if timeout > 0:
+            self._arm_timer(time.monotonic() + timeout, msg_id)
+        try:
+            self._connection(dst).send(wire.REQUEST, flags, msg_id, head, ser.body, ser.buffers)
+        except (OSError, RpcError) as e:
+            self._fail(msg_id, e if isinstance(e, RpcError) else self._lost_error(dst, e))
+        return fut
+
+    def _connection(self, dst: int) -> Any:
+        conn = self._out.get(dst)
+        if conn is not None:
+            return conn
+        if dst in self.dead:
+            raise WorkerUnavailableError(self.dead[dst])
+        with self._dial_locks[dst]:
+            conn = self._out.get(dst)
+            if conn is not None:
+                return conn
+            host, port = self.addresses[dst]
+            try:
+                sock = transport.dial((host, port), self._secret, timeout=10.0)
+            except (ConnectionRefusedError, socket.timeout, transport.PeerClosed, ConnectionResetError) as e:
+                raise WorkerUnavailableError(
+                    f"cannot reach {self.describe(dst)} at {host}:{port} ({e.__class__.__name__}: {e}); "
+                    "it has probably exited or crashed"
+                ) from None
+            conn = transport.Connection(sock)
+            conn.send(wire.REQUEST, wire.CONTROL, _HELLO_ID, b"", pickle.dumps(self.me.id))
+            self._out[dst] = conn
+            self._start_reader(conn, dst, outgoing=True)
+            return conn
+
+    # -- timeouts --------------------------------------------------------------------------
+    def _arm_timer(self, deadline: float, msg_id: int) -> None:
+        entry = (deadline, msg_id)
+        with self._timer_cv:
+            heapq.heappush(self._timer_heap, entry)
+            if self._timer_heap[0] is entry:
+                self._timer_cv.notify()
+            # Completed calls leave stale entries; rebuild when they dominate (amortised O(1)).
+            if len(self._timer_heap) > 2 * len(self._pending) + 1024:
+                self._timer_heap = [e for e in self._timer_heap if e[1] in self._pending]
+                heapq.heapify(self._timer_heap)
+
+    def _timer_loop(self) -> None:
+        while not self._closing:
+            with self._timer_cv:
+                now = time.monotonic()
+                expired = []
+                while self._timer_heap and self._timer_heap[0][0] <= now:
+                    expired.append(heapq.heappop(self._timer_heap)[1])
+                if not expired:
+                    wait = self._timer_heap[0][0] - now if self._timer_heap else 1.0
+                    self._timer_cv.wait(min(wait, 1.0))
+                    continue
+            for msg_id in expired:
+                rec = self._pending.get(msg_id)
+                if rec is not None:
+                    self._fail(msg_id, RpcTimeoutError(
+                        f"RPC ran for more than set timeout ({int(rec[3] * 1000)} ms) and will now be marked "
+                        f"with an error (call to {self.describe(rec[1])}); raise the timeout per call "
+                        "(timeout=...) or in RpcBackendOptions(rpc_timeout=...), 0 means none"))
+
+    # -- completing calls ---------------------------------------------------------------------
+    def _complete(self, fut: RpcFuture, value: Any = None, error: Optional[BaseException] = None, inline: bool = True) -> None:
+        def run() -> None:
+            try:
+                if error is not None:
+                    fut.set_exception(error)
+                else:
+                    fut.set_result(value)
+            except RuntimeError:
+                pass  # already completed (e.g. timed out first)
+
+        if fut._has_callbacks and not inline:
+            self.pool.submit(run)
+        else:
+            run()
+
+    def _fail(self, msg_id: int, error: BaseException, inline: bool = True) -> None:
+        rec = self._pending.pop(msg_id, None)
+        if rec is not None:
+            if not rec[4] & wire.CONTROL:
+                self.n_done += 1
+            self._complete(rec[0], error=error, inline=inline)
+
+    # -- receiving -----------------------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        while not self._closing:
+            try:
+                sock, peer = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve_incoming, args=(sock, peer), name="rpc-in", daemon=True).start()
+
+    def _serve_incoming(self, sock: socket.socket, peer: Tuple[str, int]) -> None:
+        from .errors import AuthenticationError
+
+        try:
+            transport.accept(sock, self._secret, timeout=10.0)
+            conn = transport.Connection(sock)
+            sock.settimeout(10.0)
+            h, _, body, _ = conn.recv()
+            sock.settimeout(None)
+            if h.kind != wire.REQUEST or h.msg_id != _HELLO_ID:
+                raise ProtocolError("first frame is not an identity frame")
+            src = pickle.loads(body)
+            if not isinstance(src, int) or not 0 <= src < len(self.workers):
+                raise ProtocolError(f"bad identity {src!r}")
+        except AuthenticationError:
+            log.warning("rpc_core %s: rejected a connection from %s:%s: wrong or missing auth secret",
+                        self.me.name, peer[0], peer[1])
+            sock.close()
+            return
+        except (ProtocolError, OSError, transport.PeerClosed, pickle.UnpicklingError, ValueError, EOFError) as e:
+            log.warning("rpc_core %s: dropped a connection from %s:%s: %s", self.me.name, peer[0], peer[1], e)
+            sock.close()
+            return
+        with self._lock:
+            if self._closing:
+                conn.close()
+                return
+            self._incoming.append(conn)
+        self._read_loop(conn, src, outgoing=False)
+
+    def _start_reader(self, conn: transport.Connection, peer: int, outgoing: bool) -> None:
+        threading.Thread(target=self._read_loop, args=(conn, peer, outgoing), name=f"rpc-read-{peer}", daemon=True).start()
+
+    def _read_loop(self, conn: transport.Connection, peer: int, outgoing: bool) -> None:
+        reason = ""
+        try:
+            while True:
+                h, head, body, storages = conn.recv()
+                self._on_frame(conn, peer, h, head, body, storages)
+        except ProtocolError as e:
+            reason = f"malformed bytes from {self.describe(peer)}: {e}"
+            log.warning("rpc_core %s: dropping connection: %s", self.me.name, reason)
+        except (OSError, transport.PeerClosed) as e:
+            reason = f"{self.describe(peer)} closed the connection ({e}); it has probably exited or crashed"
+        conn.close()
+        with self._lock:
+            if conn in self._incoming:
+                self._incoming.remove(conn)
+                self._incoming_cv.notify_all()
+            if self._out.get(peer) is conn:
+                del self._out[peer]
+        if self._closing:
+            return
+        if outgoing or (self.me.id == 0 and peer != 0 and "malformed" not in reason):
+            self._peer_lost(peer, reason, conn if outgoing else None)
+
+    def _peer_lost(self, peer: int, reason: str, conn: Any) -> None:
+        if self.me.id == 0 or peer == 0:
+            self.dead.setdefault(peer, reason)
+        for msg_id, rec in list(self._pending.items()):
+            if rec[1] == peer:
+                self._fail(msg_id, WorkerUnavailableError(reason), inline=False)
+        for cb in self.on_peer_lost:
+            cb(peer, reason)
+
+    def _lost_error(self, dst: int, e: BaseException) -> WorkerUnavailableError:
+        return WorkerUnavailableError(f"sending to {self.describe(dst)} failed ({e}); it has probably exited or crashed")
+
+    def _on_frame(self, conn: Any, src: int, h: wire.FrameHeader, head: bytes, body: bytes, storages: list) -> None:
+        if h.kind == wire.REQUEST:
+            if not h.flags & wire.CONTROL:
+                self.n_received += 1
+            self.pool.submit(self._run_request, conn, src, h, head, body, storages)
+            return
+        rec = self._pending.pop(h.msg_id, None)
+        if rec is None:
+            return  # timed out or failed already; the late answer is dropped
+        fut, dst, call_extras = rec[:3]
+        if not h.flags & wire.CONTROL:
+            self.n_done += 1
+        try:
+            if h.kind == wire.RESPONSE:
+                value, extras = deserialize(head, body, storages, self._incoming_hook(src, True))
+                if extras:
+                    for m in self.middleware:
+                        m.on_response(extras, call_extras)
+                self._complete(fut, value, inline=False)
+            else:
+                info, _ = deserialize(head, body, storages)
+                self._complete(fut, error=rebuild_exception(info), inline=False)
+        except BaseException as e:  # a response we cannot decode fails its call, not the reader
+            self._complete(fut, error=RpcError(f"could not decode the response from {self.describe(src)}: {e!r}"), inline=False)
+
+    def _incoming_hook(self, src: int, is_response: bool):
+        if not self.middleware:
+            return None
+
+        def hook(tensors, metas, extras):
+            for m in self.middleware:
+                tensors = m.incoming(src, tensors, extras, is_response)
+            return tensors
+
+        return hook
+
+    # -- executing requests ----------------------------------------------------------------------
+    def _run_request(self, conn: Any, src: int, h: wire.FrameHeader, head: bytes, body: bytes, storages: list) -> None:
+        extras: Dict[str, Any] = {}
+        try:
+            try:
+                waits: List[torch.futures.Future] = []
+                (func, args, kwargs), extras_ = deserialize(head, body, storages, self._incoming_hook(src, False), waits)
+                extras = extras_ or {}
+            except (AttributeError, ModuleNotFoundError, ImportError) as e:
+                raise RpcError(
+                    f"{self.me.name} could not load the function or arguments of a call from "
+                    f"{self.describe(src)}: {e}. The RPC pickler does not serialize function code: define "
+                    "the function in a module that both caller and callee can import."
+                ) from None
+            if waits:  # RRef forks in the arguments must be confirmed by their owners first
+                torch.futures.collect_all(waits).add_done_callback(
+                    lambda _: self.pool.submit(self._execute, conn, src, h, func, args, kwargs, extras))
+                return
+            self._execute(conn, src, h, func, args, kwargs, extras)
+        except BaseException as e:
+            self._respond_error(conn, h, e, extras)
+
+    def _execute(self, conn: Any, src: int, h: wire.FrameHeader, func: Any, args: tuple, kwargs: dict, extras: Dict[str, Any]) -> None:
+        tokens = [m.enter_call(src, extras) for m in self.middleware] if self.middleware else ()
+        fut = None
+        try:
+            if getattr(func, "_wrapped_async_rpc_function", None) is not None:
+                fut = func(*args, **kwargs)
+                if not isinstance(fut, torch.futures.Future):
+                    raise TypeError(
+                        "Functions decorated with @rpc.async_function must return a torch.futures.Future "
+                        f"object, but got {type(fut)}"
+                    )
+                fut.add_done_callback(lambda f: self._respond_future(conn, src, h, f, extras))
+            else:
+                result = func(*args, **kwargs)
+                self._respond(conn, src, h, result, extras)
+        except BaseException as e:
+            self._respond_error(conn, h, e, extras)
+        finally:
+            for m, tok in zip(self.middleware, tokens):
+                m.exit_call(tok, extras, fut)
+
+    def _respond_future(self, conn: Any, src: int, h: wire.FrameHeader, f: torch.futures.Future, extras: Dict[str, Any]) -> None:
+        try:
+            value = f.value()
+        except BaseException as e:
+            self._respond_error(conn, h, e, extras)
+            return
+        self._respond(conn, src, h, value, extras)
+
+    def _respond(self, conn: Any, src: int, h: wire.FrameHeader, value: Any, extras: Dict[str, Any]) -> None:
+        try:
+            ser = serialize(value)
+            resp: Dict[str, Any] = {}
+            for m in self.middleware:
+                m.outgoing(src, ser.tensors, resp, extras)
+                m.response_extras(extras, resp)
+            head = encode_head(ser.metas, resp)
+        except BaseException as e:
+            self._respond_error(conn, h, RpcError(f"{self.me.name} could not serialize the result: {e!r}"), extras)
+            return
+        self._send_answer(conn, h, wire.RESPONSE, head, ser.body, ser.buffers)
+
+    def _respond_error(self, conn: Any, h: wire.FrameHeader, e: BaseException, extras: Dict[str, Any]) -> None:
+        info = wire.ExceptionInfo(
+            type(e).__module__, type(e).__qualname__,
+            f"{e}\n\nRemote traceback (on {self.me.name}):\n{''.join(traceback.format_exception(e))}",
+            self.me.name,
+        )
+        ser = serialize(info)
+        resp: Dict[str, Any] = {}
+        for m in self.middleware:
+            m.response_extras(extras, resp)
+        self._send_answer(conn, h, wire.EXCEPTION, encode_head(ser.metas, resp), ser.body, [])
+
+    def _send_answer(self, conn: Any, h: wire.FrameHeader, kind: int, head: bytes, body: bytes, buffers: list) -> None:
+        if not h.flags & wire.CONTROL:
+            self.n_answered += 1
+        try:
+            conn.send(kind, h.flags & wire.CONTROL, h.msg_id, head, body, buffers)
+        except OSError as e:
+            if not self._closing:
+                log.warning("rpc_core %s: could not send a response: %s", self.me.name, e)
+
+    # -- teardown ----------------------------------------------------------------------------------
+    def in_flight(self) -> int:
+        return sum(1 for rec in list(self._pending.values()) if not rec[4] & wire.CONTROL)
+
+    def wait_idle(self, deadline: Optional[float]) -> None:
+        """Wait until no user call made by this worker is pending (or the deadline passes)."""
+        while True:
+            futs = [rec[0] for rec in list(self._pending.values()) if not rec[4] & wire.CONTROL]
+            if not futs:
+                return
+            done = threading.Event()
+            torch.futures.collect_all(futs).add_done_callback(lambda _: done.set())
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0 or not done.wait(remaining):
+                return
+
+    def wait_incoming_closed(self, timeout: float) -> None:
+        """Rank 0, at the end of graceful shutdown: let peers close first, so our last
+        replies are read before our sockets go away."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while self._incoming and time.monotonic() < deadline:
+                self._incoming_cv.wait(max(0.0, deadline - time.monotonic()))
+
+    def close(self) -> None:
+        with self._lock:
+            self._closing = True
+            conns = list(self._out.values()) + list(self._incoming)
+        with self._timer_cv:
+            self._timer_cv.notify_all()
+        try:
+            self._listener.close()
+        except OSError:
+            pass
+        for c in conns:
+            c.close()
+        for msg_id in list(self._pending):
+            self._fail(msg_id, RpcError(f"RPC agent of {self.me.name!r} shut down before this call completed"))
+        self.pool.close()
+
+
+def rebuild_exception(info: wire.ExceptionInfo) -> BaseException:
+    """The remote exception with its original type, or a RuntimeError saying why not."""
+    import importlib
+
+    try:
+        obj: Any = importlib.import_module(info.type_module)
+        for part in info.type_qualname.split("."):
+            obj = getattr(obj, part)
+        if isinstance(obj, type) and issubclass(obj, BaseException):
+            return obj(info.message)
+    except Exception:
+        pass
+    from .errors import RemoteFunctionError
+
+    return RemoteFunctionError(
+        f"Error on {info.worker}; its type could not be rebuilt here. Original exception on remote side was "
+        f"{info.type_module}.{info.type_qualname}: {info.message}"
+    )

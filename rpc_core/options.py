@@ -1,0 +1,116 @@
+"""Backend options: the knobs of an rpc_core agent.
+
+Field names follow ``torch.distributed.rpc.TensorPipeRpcBackendOptions`` so that programs
+that build options port unchanged; ``TensorPipeRpcBackendOptions`` is an alias of this class.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any, Dict, List, Optional
+
+DEFAULT_RPC_TIMEOUT_SEC: float = 60.0
+UNSET_RPC_TIMEOUT: float = -1.0
+DEFAULT_INIT_METHOD: str = "env://"
+DEFAULT_NUM_WORKER_THREADS: int = 16
+DEFAULT_SHUTDOWN_TIMEOUT: float = 0.0
+AUTH_SECRET_ENV = "RPC_CORE_AUTH_SECRET"
+
+
+class RpcBackendOptions:
+    """Options of an rpc_core worker.
+
+    Args:
+        num_worker_threads: threads kept ready to run incoming calls. The pool grows past
+            this when every thread is blocked (nested calls), so it never deadlocks.
+        rpc_timeout: default per-call timeout in seconds; 0 means no timeout.
+        init_method: ``env://`` (MASTER_ADDR/MASTER_PORT) or ``tcp://host:port``.
+        auth_secret: shared secret peers must prove they know before any byte of theirs is
+            unpickled. ``None`` reads the ``RPC_CORE_AUTH_SECRET`` environment variable.
+        init_timeout: seconds to wait for every worker to join at ``init_rpc``; ``None``
+            uses ``rpc_timeout`` (or 60 s when that is 0).
+        device_maps / devices: accepted for torch compatibility; only CPU is supported, so a
+            non-empty value raises ``ValueError`` saying so.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_worker_threads: int = DEFAULT_NUM_WORKER_THREADS,
+        rpc_timeout: float = DEFAULT_RPC_TIMEOUT_SEC,
+        init_method: str = DEFAULT_INIT_METHOD,
+        auth_secret: Optional[str | bytes] = None,
+        init_timeout: Optional[float] = None,
+        device_maps: Optional[Dict[str, Dict[Any, Any]]] = None,
+        devices: Optional[List[Any]] = None,
+        _transports: Optional[List[str]] = None,
+        _channels: Optional[List[str]] = None,
+    ) -> None:
+        if isinstance(rpc_timeout, datetime.timedelta) or not isinstance(rpc_timeout, (int, float)):
+            raise TypeError(
+                f"rpc_timeout must be a number of seconds (float), got {type(rpc_timeout).__name__}; "
+                "pass e.g. rpc_timeout=60.0"
+            )
+        if rpc_timeout < 0:
+            raise ValueError(f"rpc_timeout must be >= 0 seconds (0 = no timeout), got {rpc_timeout}")
+        if not isinstance(num_worker_threads, int) or num_worker_threads <= 0:
+            raise ValueError(f"num_worker_threads must be a positive int, got {num_worker_threads!r}")
+        if not isinstance(init_method, str) or not (
+            init_method.startswith("env://") or init_method.startswith("tcp://")
+        ):
+            raise ValueError(
+                f"init_method {init_method!r} is not supported: use 'env://' (reads MASTER_ADDR and "
+                "MASTER_PORT) or 'tcp://HOST:PORT'"
+            )
+        if device_maps or devices:
+            raise ValueError(
+                "rpc_core moves CPU tensors only: device_maps/devices are not supported. Move tensors "
+                "to the CPU before sending them and drop device_maps/devices from the options."
+            )
+        if init_timeout is not None and init_timeout <= 0:
+            raise ValueError(f"init_timeout must be > 0 seconds, got {init_timeout}")
+        self.num_worker_threads = num_worker_threads
+        self.rpc_timeout = float(rpc_timeout)
+        self.init_method = init_method
+        self.init_timeout = init_timeout
+        self.device_maps: Dict[str, Dict[Any, Any]] = {}
+        self.devices: List[Any] = []
+        # Transports/channels are TensorPipe internals; ours is always TCP (+ same-host fast paths).
+        self._transports = _transports
+        self._channels = _channels
+        self._auth_secret = auth_secret
+
+    @property
+    def auth_secret(self) -> bytes:
+        secret = self._auth_secret
+        if secret is None:
+            secret = os.environ.get(AUTH_SECRET_ENV, "")
+        return secret.encode() if isinstance(secret, str) else bytes(secret)
+
+    @auth_secret.setter
+    def auth_secret(self, value: Optional[str | bytes]) -> None:
+        self._auth_secret = value
+
+    def effective_init_timeout(self) -> float:
+        if self.init_timeout is not None:
+            return self.init_timeout
+        return self.rpc_timeout if self.rpc_timeout > 0 else DEFAULT_RPC_TIMEOUT_SEC
+
+    def set_device_map(self, to: str, device_map: Dict[Any, Any]) -> None:
+        raise ValueError(
+            f"set_device_map({to!r}, ...): rpc_core moves CPU tensors only; move tensors to the CPU "
+            "before sending them"
+        )
+
+    def set_devices(self, devices: List[Any]) -> None:
+        raise ValueError("set_devices: rpc_core moves CPU tensors only")
+
+    def __repr__(self) -> str:
+        return (
+            f"RpcBackendOptions(num_worker_threads={self.num_worker_threads}, "
+            f"rpc_timeout={self.rpc_timeout}, init_method={self.init_method!r})"
+        )
+
+
+# Torch programs build this name; it is the same class here.
+TensorPipeRpcBackendOptions = RpcBackendOptions

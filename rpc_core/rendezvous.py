@@ -1,0 +1,274 @@
+"""How workers find each other: names, ranks and addresses.
+
+Rank 0 listens on the rendezvous address (``env://`` reads MASTER_ADDR/MASTER_PORT,
+``tcp://host:port`` names it); its listening socket then serves as its RPC port. Every other
+rank opens its own listening socket, dials rank 0, authenticates, and sends
+(name, rank, world_size, address). Rank 0 validates the world (ranks in range, names valid
+and unique, same world_size), then sends everyone the full table. The join connection stays
+open: it becomes the worker's connection to rank 0, which is how rank 0 notices a dead worker.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+from . import transport, wire
+from .errors import AuthenticationError, ProtocolError, RendezvousError
+
+log = logging.getLogger("rpc_core")
+
+MAX_NAME_LEN = 128
+_NAME_RE = re.compile(r"^[A-Za-z0-9_:\-]+$")
+_HANDSHAKE_TIMEOUT = 10.0
+
+
+class WorkerInfo:
+    """A worker's name and id (its rank). Equal and hashable by both."""
+
+    __slots__ = ("_name", "_id")
+
+    def __init__(self, name: str, id: int) -> None:
+        validate_name(name)
+        self._name = name
+        self._id = int(id)
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def id(self) -> int:
+        return self._id
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, WorkerInfo) and other._id == self._id and other._name == self._name
+
+    def __hash__(self) -> int:
+        return hash((self._id, self._name))
+
+    def __repr__(self) -> str:
+        return f"WorkerInfo(id={self._id}, name={self._name})"
+
+    def __reduce__(self):
+        return WorkerInfo, (self._name, self._id)
+
+
+def validate_name(name: str) -> None:
+    if not isinstance(name, str):
+        raise TypeError(f"worker name must be a str, got {type(name).__name__}")
+    if not name:
+        raise ValueError("Worker name must be non-empty")
+    if len(name) >= MAX_NAME_LEN:
+        raise ValueError(f"Worker name must be shorter than {MAX_NAME_LEN} chars, got {len(name)}: {name[:40]!r}...")
+    if not _NAME_RE.match(name):
+        raise ValueError(
+            f"Worker name must match ^[A-Za-z0-9_:-]+$ (letters, digits, '_', ':' and '-'), got {name!r}"
+        )
+
+
+@dataclass
+class World:
+    """Result of a rendezvous: who is who, and the sockets it leaves us with."""
+
+    me: WorkerInfo
+    workers: List[WorkerInfo]  # by rank
+    addresses: Dict[int, Tuple[str, int]]
+    listener: socket.socket
+    # rank 0: {rank: incoming connection}; others: {0: outgoing connection to rank 0}
+    connections: Dict[int, transport.Connection]
+
+
+def resolve_init_method(init_method: str) -> Tuple[str, int]:
+    if init_method.startswith("env://"):
+        addr = os.environ.get("MASTER_ADDR")
+        port = os.environ.get("MASTER_PORT")
+        missing = [k for k, v in (("MASTER_ADDR", addr), ("MASTER_PORT", port)) if not v]
+        if missing:
+            raise RendezvousError(
+                f"init_method 'env://' needs {' and '.join(missing)} in the environment: export "
+                "MASTER_ADDR=<rank 0 host> MASTER_PORT=<free port>, or pass init_method='tcp://HOST:PORT'"
+            )
+        where = "MASTER_PORT"
+    else:
+        rest = init_method[len("tcp://"):].rstrip("/")
+        addr, _, port = rest.rpartition(":")
+        addr = addr.strip("[]")
+        where = f"init_method {init_method!r}"
+        if not addr:
+            raise RendezvousError(f"{where} has no host: use 'tcp://HOST:PORT'")
+    try:
+        port_n = int(port)  # type: ignore[arg-type]
+    except ValueError:
+        raise RendezvousError(f"{where}: port {port!r} is not a number") from None
+    if not 0 < port_n < 65536:
+        raise RendezvousError(f"{where}: port {port_n} is out of range 1-65535")
+    return addr, port_n  # type: ignore[return-value]
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    family, _, _, _, sockaddr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(sockaddr)
+    sock.listen(128)
+    return sock
+
+
+def rendezvous(name: str, rank: int, world_size: int, init_method: str, secret: bytes, timeout: float) -> World:
+    validate_name(name)
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be an int in [0, {world_size}), got {rank!r}")
+    host, port = resolve_init_method(init_method)
+    if rank == 0:
+        return _host(name, world_size, host, port, secret, timeout)
+    return _join(name, rank, world_size, host, port, secret, timeout)
+
+
+def _host(name: str, world_size: int, host: str, port: int, secret: bytes, timeout: float) -> World:
+    try:
+        listener = _listen(host, port)
+    except OSError as e:
+        raise RendezvousError(
+            f"rank 0 cannot listen on {host}:{port} for the rendezvous: {e.strerror or e}. "
+            "If the port is in use (another program or an earlier run), choose another MASTER_PORT "
+            "or stop the process holding it; if the host is wrong, fix MASTER_ADDR."
+        ) from None
+    me = WorkerInfo(name, 0)
+    joined: Dict[int, Tuple[WorkerInfo, Tuple[str, int], transport.Connection, int]] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(joined) < world_size - 1:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(1, world_size)) - set(joined))
+                raise RendezvousError(
+                    f"only {len(joined) + 1} of {world_size} workers joined the rendezvous at "
+                    f"{host}:{port} within {timeout:g} s (missing ranks {missing}); start the missing "
+                    "workers, check their MASTER_ADDR/MASTER_PORT and world_size, or raise init_timeout"
+                )
+            listener.settimeout(min(remaining, 1.0))
+            try:
+                sock, peer = listener.accept()
+            except socket.timeout:
+                continue
+            conn = _accept_joiner(sock, peer, world_size, secret, deadline)
+            if conn is None:
+                continue
+            c, info, address, msg_id = conn
+            err = _check_joiner(info, me, joined)
+            if err:
+                _reply(c, msg_id, err)
+                raise RendezvousError(err)
+            joined[info.id] = (info, address, c, msg_id)
+    except BaseException as exc:
+        for _, _, c, msg_id in joined.values():
+            _reply(c, msg_id, str(exc) if isinstance(exc, RendezvousError) else f"rank 0 failed: {exc!r}")
+            c.close()
+        listener.close()
+        raise
+    listener.settimeout(None)
+    workers = [me] + [joined[r][0] for r in range(1, world_size)]
+    addresses = {0: (host, port)}
+    addresses.update({r: joined[r][1] for r in joined})
+    table = ([(w.name, w.id) for w in workers], addresses)
+    for _, _, c, msg_id in joined.values():
+        s = _dumps(table)
+        c.send(wire.RESPONSE, 0, msg_id, b"", s)
+    return World(me, workers, addresses, listener, {r: joined[r][2] for r in joined})
+
+
+def _dumps(obj: object) -> bytes:
+    import pickle
+
+    return pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)
+
+
+def _reply(c: transport.Connection, msg_id: int, err: str) -> None:
+    try:
+        c.send(wire.EXCEPTION, 0, msg_id, b"", _dumps(err))
+    except OSError:
+        pass
+
+
+def _accept_joiner(sock: socket.socket, peer: Tuple[str, int], world_size: int, secret: bytes, deadline: float):
+    import pickle
+
+    try:
+        transport.accept(sock, secret, _HANDSHAKE_TIMEOUT)
+        c = transport.Connection(sock)
+        sock.settimeout(max(0.1, min(_HANDSHAKE_TIMEOUT, deadline - time.monotonic())))
+        h, _, body, _ = c.recv()
+        sock.settimeout(None)
+        name, rank, ws, address = pickle.loads(body)
+        if ws != world_size:
+            _reply(c, h.msg_id, f"world_size mismatch: worker {name!r} (rank {rank}) says {ws}, rank 0 says {world_size}")
+            c.close()
+            return None
+        return c, WorkerInfo(name, rank), tuple(address), h.msg_id
+    except AuthenticationError:
+        log.warning("rpc_core rendezvous: rejected a connection from %s:%s: wrong or missing auth secret", *peer[:2])
+    except (ProtocolError, OSError, transport.PeerClosed, ValueError, TypeError, pickle.UnpicklingError) as e:
+        log.warning("rpc_core rendezvous: dropped a bad connection from %s:%s: %s", peer[0], peer[1], e)
+    sock.close()
+    return None
+
+
+def _check_joiner(info: WorkerInfo, me: WorkerInfo, joined: Dict) -> Optional[str]:
+    if info.id in joined or info.id == 0:
+        other = me if info.id == 0 else joined[info.id][0]
+        return f"rank {info.id} is not unique: both {other.name!r} and {info.name!r} claim it"
+    names = {me.name: 0} | {j[0].name: r for r, j in joined.items()}
+    if info.name in names:
+        return f"worker name {info.name!r} is not unique: ranks {names[info.name]} and {info.id} both use it"
+    return None
+
+
+def _join(name: str, rank: int, world_size: int, host: str, port: int, secret: bytes, timeout: float) -> World:
+    import pickle
+
+    deadline = time.monotonic() + timeout
+    delay = 0.02
+    while True:
+        try:
+            sock = transport.dial((host, port), secret, timeout=max(0.1, min(_HANDSHAKE_TIMEOUT, deadline - time.monotonic())))
+            break
+        except (ConnectionRefusedError, socket.timeout, transport.PeerClosed, ConnectionResetError, socket.gaierror) as e:
+            if time.monotonic() + delay > deadline:
+                raise RendezvousError(
+                    f"worker {name!r} (rank {rank}) could not reach the rendezvous at {host}:{port} "
+                    f"within {timeout:g} s ({e}); is rank 0 running, and are MASTER_ADDR/MASTER_PORT "
+                    "(or the tcp:// init_method) right?"
+                ) from None
+            time.sleep(delay)  # retry backoff while rank 0 starts; not a test wait
+            delay = min(delay * 2, 0.5)
+    local_ip = sock.getsockname()[0]
+    try:
+        listener = _listen(local_ip, 0)
+    except OSError as e:
+        sock.close()
+        raise RendezvousError(f"worker {name!r} cannot open a listening socket on {local_ip}: {e}") from None
+    c = transport.Connection(sock)
+    try:
+        c.send(wire.REQUEST, 0, 1, b"", _dumps((name, rank, world_size, listener.getsockname()[:2])))
+        sock.settimeout(max(0.1, deadline - time.monotonic()) + 5.0)
+        h, _, body, _ = c.recv()
+        sock.settimeout(None)
+    except (OSError, transport.PeerClosed) as e:
+        listener.close()
+        c.close()
+        raise RendezvousError(f"worker {name!r} (rank {rank}): rendezvous with rank 0 at {host}:{port} failed: {e}") from None
+    if h.kind == wire.EXCEPTION:
+        listener.close()
+        c.close()
+        raise RendezvousError(pickle.loads(body))
+    names, addresses = pickle.loads(body)
+    workers = [WorkerInfo(n, r) for n, r in names]
+    return World(workers[rank], workers, addresses, listener, {0: c})

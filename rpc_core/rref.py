@@ -1,0 +1,475 @@
+"""Remote references: owners, users, and the fork/confirm/delete protocol.
+
+The owner of a value keeps one entry per RRef id: the value (a Future until it exists), the
+set of user forks that reference it, and a count of local owner handles. It frees the value
+when both are empty, so owner tables return to empty when users let go.
+
+Protocol (every message is an ordinary RPC to one of the ``_on_*`` functions below):
+- ``remote()`` registers the creator's fork with ``_on_create``, which runs the function and
+  stores its result or exception; the reply confirms the creator's RRef.
+- Sending an RRef forks it: the pickled form carries a fresh fork id and its parent. An
+  owner registers the fork before sending (owner forks are born confirmed). A user keeps
+  the parent alive (``_pending_children``) until the child is confirmed; the receiving
+  user asks the owner to register the fork (``_on_fork``), then tells the parent
+  (``_on_child_accept``). A function that receives RRefs runs only after all its forks
+  are confirmed. So a fork is always registered before its parent can be deleted.
+- A user RRef that is garbage collected sends ``_on_user_delete`` (after its creation was
+  confirmed). ``delete_all_user_rrefs`` does it for all of them at shutdown.
+"""
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import weakref
+from typing import Any, Dict, Generic, List, Optional, Set, Tuple, TypeVar
+
+import torch
+
+from . import agent as _agent_mod
+from .errors import RpcError
+from .functions import async_execution
+from .rendezvous import WorkerInfo
+from .serialization import defer_until, register_reducer
+
+T = TypeVar("T")
+Id = Tuple[int, int]  # GloballyUniqueId(created_on, local_id)
+
+_local_ids = itertools.count(0)
+
+
+def _new_id() -> Id:
+    return (_agent_mod.current_agent().me.id, next(_local_ids))
+
+
+def _fmt(i: Id) -> str:
+    return f"GloballyUniqueId(created_on={i[0]}, local_id={i[1]})"
+
+
+class _Entry:
+    __slots__ = ("value", "forks", "handles")
+
+    def __init__(self) -> None:
+        self.value: torch.futures.Future = torch.futures.Future()
+        self.forks: Set[Id] = set()
+        self.handles = 0
+
+
+class _Context:
+    """Per-process RRef state."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.owners: Dict[Id, _Entry] = {}
+        self.pending_children: Dict[Id, "RRef"] = {}
+        self.users: "weakref.WeakValueDictionary[Id, RRef]" = weakref.WeakValueDictionary()
+        self.unconfirmed: Set[Id] = set()
+        self.releases: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self.in_flight: List[torch.futures.Future] = []
+
+    def entry(self, rref_id: Id) -> _Entry:
+        with self.lock:
+            e = self.owners.get(rref_id)
+            if e is None:
+                e = self.owners[rref_id] = _Entry()
+            return e
+
+    def maybe_free(self, rref_id: Id) -> None:
+        with self.lock:
+            e = self.owners.get(rref_id)
+            if e is not None and not e.forks and e.handles <= 0:
+                del self.owners[rref_id]
+
+    def debug_info(self) -> Dict[str, int]:
+        with self.lock:
+            return {
+                "num_owner_rrefs": len(self.owners),
+                "num_forks": sum(len(e.forks) for e in self.owners.values()),
+                "num_user_rrefs": len(self.users),
+                "num_pending_users": len(self.unconfirmed),
+                "num_pending_children": len(self.pending_children),
+            }
+
+
+_ctx = _Context()
+
+
+def _release_loop() -> None:
+    """Turns garbage-collected handles into protocol messages. ``__del__`` only puts on a
+    SimpleQueue (safe in finalizers); the sends happen here, outside any lock."""
+    while True:
+        item = _ctx.releases.get()
+        kind, owner, rref_id, fork_id, creation = item
+        if kind == "barrier":
+            owner.set_result(None)
+        elif kind == "owner":
+            with _ctx.lock:
+                e = _ctx.owners.get(rref_id)
+                if e is not None:
+                    e.handles -= 1
+            _ctx.maybe_free(rref_id)
+        elif creation is not None and not creation.done():
+            creation.add_done_callback(lambda _, it=item: _ctx.releases.put(("user", it[1], it[2], it[3], None)))
+        else:
+            _send_delete(owner, rref_id, fork_id)
+
+
+def _send_delete(owner: int, rref_id: Id, fork_id: Id) -> None:
+    agent = _agent_mod._agent
+    if agent is None or agent._closing:
+        return
+    try:
+        fut = agent.send_request(owner, _on_user_delete, (rref_id, fork_id), {}, timeout=0)
+    except RpcError:
+        return
+    with _ctx.lock:
+        _ctx.in_flight.append(fut)
+        _ctx.in_flight = [f for f in _ctx.in_flight if not f.done()]
+
+
+threading.Thread(target=_release_loop, name="rref-release", daemon=True).start()
+
+
+class RRef(Generic[T]):
+    """A reference to a value owned by some worker (torch.distributed.rpc.RRef)."""
+
+    def __init__(self, value: T, type_hint: Optional[type] = None) -> None:
+        agent = _agent_mod.current_agent()
+        rref_id = _new_id()
+        e = _ctx.entry(rref_id)
+        e.value.set_result(value)
+        self._init(agent.me.id, rref_id, None, True)
+
+    # -- construction of the two flavours --------------------------------------------------------
+    def _init(self, owner: int, rref_id: Id, fork_id: Optional[Id], confirmed: bool,
+              creation: Optional[torch.futures.Future] = None) -> None:
+        self._owner_id = owner
+        self._rref_id = rref_id
+        self._fork_id = fork_id
+        self._confirmed = confirmed
+        self._creation = creation
+        self._deleted = False
+        self._type: Optional[type] = None
+        if fork_id is None:
+            with _ctx.lock:
+                _ctx.entry(rref_id).handles += 1
+        else:
+            _ctx.users[fork_id] = self
+
+    @classmethod
+    def _owner_handle(cls, rref_id: Id) -> "RRef":
+        r = cls.__new__(cls)
+        r._init(_agent_mod.current_agent().me.id, rref_id, None, True)
+        return r
+
+    @classmethod
+    def _user(cls, owner: int, rref_id: Id, fork_id: Id, confirmed: bool,
+              creation: Optional[torch.futures.Future] = None) -> "RRef":
+        r = cls.__new__(cls)
+        r._init(owner, rref_id, fork_id, confirmed, creation)
+        return r
+
+    def __del__(self) -> None:
+        if getattr(self, "_rref_id", None) is None or self._deleted:
+            return
+        kind = "owner" if self._fork_id is None else "user"
+        _ctx.releases.put((kind, self._owner_id, self._rref_id, self._fork_id, self._creation))
+
+    # -- public API -------------------------------------------------------------------------------
+    def is_owner(self) -> bool:
+        return self._fork_id is None
+
+    def owner(self) -> WorkerInfo:
+        return _agent_mod.current_agent().workers[self._owner_id]
+
+    def owner_name(self) -> str:
+        return self.owner().name
+
+    def confirmed_by_owner(self) -> bool:
+        return self._confirmed
+
+    def _check_alive(self, what: str) -> None:
+        if self._deleted:
+            raise RpcError(f"{self} has been deleted. Cannot call {what}() on it after deletion.")
+
+    def local_value(self) -> T:
+        self._check_alive("local_value")
+        if not self.is_owner():
+            me = _agent_mod.current_agent().me
+            raise RpcError(
+                f"For {self}, can't call localValue() on user {me}. Call it on owner {self.owner()}"
+            )
+        return _ctx.owners[self._rref_id].value.wait()
+
+    def to_here(self, timeout: float = -1) -> T:
+        """Copy the value from the owner (the value itself on the owner); blocks."""
+        self._check_alive("to_here")
+        if self.is_owner():
+            return _ctx.owners[self._rref_id].value.wait()
+        self._raise_creation_error()
+        from .api import _invoke
+
+        return _invoke(self._owner_id, _on_fetch, (self._rref_id,), None, timeout, "sync", force_ctx=True)
+
+    def _raise_creation_error(self) -> None:
+        c = self._creation
+        if c is not None and c.done():
+            try:
+                c.wait()
+            except RpcError as e:
+                if "RPC ran for more than" in str(e):
+                    raise RpcError(
+                        "RRef creation via rpc.remote() timed out, and it is possible that the RRef on the "
+                        "owner node does not exist."
+                    ) from e
+
+    def _get_future(self) -> torch.futures.Future:
+        if self._creation is not None:
+            return self._creation
+        f: torch.futures.Future = torch.futures.Future()
+        f.set_result(None)
+        return f
+
+    def _get_type(self, timeout: float = -1, blocking: bool = True) -> Any:
+        if self._type is None:
+            if self.is_owner():
+                self._type = type(self.local_value())
+            else:
+                from .api import _invoke
+
+                self._type = _invoke(self._owner_id, _on_type, (self._rref_id,), None, timeout, "sync")
+        if blocking:
+            return self._type
+        f: torch.futures.Future = torch.futures.Future()
+        f.set_result(self._type)
+        return f
+
+    def rpc_sync(self, timeout: float = -1) -> "_Proxy":
+        return _Proxy(self, "sync", timeout)
+
+    def rpc_async(self, timeout: float = -1) -> "_Proxy":
+        return _Proxy(self, "async", timeout)
+
+    def remote(self, timeout: float = -1) -> "_Proxy":
+        return _Proxy(self, "remote", timeout)
+
+    def backward(self, dist_autograd_ctx_id: int = -1, retain_graph: bool = False) -> None:
+        from .autograd import _rref_backward
+
+        _rref_backward(self, dist_autograd_ctx_id, retain_graph)
+
+    def __repr__(self) -> str:
+        if self.is_owner():
+            return f"OwnerRRef({_fmt(self._rref_id)})"
+        return f"UserRRef(RRefId = {_fmt(self._rref_id)}, ForkId = {_fmt(self._fork_id)})"  # type: ignore[arg-type]
+
+    def __reduce__(self):
+        raise RuntimeError("Can not pickle rref in python pickler, rref can only be pickled when using RPC")
+
+    @classmethod
+    def __class_getitem__(cls, item: Any) -> Any:
+        return cls
+
+
+class _Proxy:
+    """``rref.rpc_sync().method(*args)`` runs ``method`` on the owner's value."""
+
+    def __init__(self, rref: RRef, mode: str, timeout: float) -> None:
+        self._rref, self._mode, self._timeout = rref, mode, timeout
+
+    def __getattr__(self, name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            from . import api
+
+            fn = {"sync": api.rpc_sync, "async": api.rpc_async, "remote": api.remote}[self._mode]
+            return fn(self._rref.owner(), _on_invoke, args=(self._rref, name, args, kwargs), timeout=self._timeout)
+
+        return call
+
+
+# -- pickling RRefs inside RPC messages (forks) ----------------------------------------------------
+def _reduce(rref: RRef) -> Tuple[Any, tuple]:
+    rref._check_alive("fork")
+    me = _agent_mod.current_agent().me.id
+    fork_id = _new_id()
+    if rref.is_owner():
+        with _ctx.lock:
+            _ctx.entry(rref._rref_id).forks.add(fork_id)  # owner forks are born confirmed
+    else:
+        with _ctx.lock:
+            _ctx.pending_children[fork_id] = rref  # G2: keep the parent until the child is confirmed
+    return _from_fork, (rref._owner_id, rref._rref_id, fork_id, me)
+
+
+register_reducer(RRef, _reduce)
+
+
+def _from_fork(owner: int, rref_id: Id, fork_id: Id, parent: int) -> RRef:
+    agent = _agent_mod.current_agent()
+    me = agent.me.id
+    if owner == me:
+        if parent == me:
+            with _ctx.lock:
+                _ctx.owners[rref_id].forks.discard(fork_id)  # our own fork came back: no user exists
+        else:
+            agent.send_request(parent, _on_child_accept, (fork_id,), {}, timeout=0)
+        return RRef._owner_handle(rref_id)
+    if parent == owner:
+        return RRef._user(owner, rref_id, fork_id, True)
+    rref = RRef._user(owner, rref_id, fork_id, False)
+    with _ctx.lock:
+        _ctx.unconfirmed.add(fork_id)
+    confirmed = agent.send_request(owner, _on_fork, (rref_id, fork_id), {}, timeout=0)
+
+    def on_confirmed(f: torch.futures.Future) -> None:
+        rref._confirmed = True
+        with _ctx.lock:
+            _ctx.unconfirmed.discard(fork_id)
+        agent.send_request(parent, _on_child_accept, (fork_id,), {}, timeout=0)
+
+    done = confirmed.then(on_confirmed)
+    defer_until(done)  # the receiving user function waits for this
+    return rref
+
+
+# -- owner/parent side handlers (run as RPCs) ------------------------------------------------------
+@async_execution
+def _on_create(rref_id: Id, fork_id: Optional[Id], func: Any, args: tuple, kwargs: dict) -> torch.futures.Future:
+    e = _ctx.entry(rref_id)
+    if fork_id is not None:
+        with _ctx.lock:
+            e.forks.add(fork_id)
+    try:
+        result = func(*args, **(kwargs or {}))
+        if getattr(func, "_wrapped_async_rpc_function", None) is not None:
+            if not isinstance(result, torch.futures.Future):
+                raise TypeError("Functions decorated with @rpc.async_function must return a torch.futures.Future object")
+            result.add_done_callback(lambda f: _settle(e.value, f))
+        else:
+            e.value.set_result(result)
+    except BaseException as exc:
+        e.value.set_exception(exc)
+    return e.value.then(lambda _: None)
+
+
+def _settle(target: torch.futures.Future, source: torch.futures.Future) -> None:
+    try:
+        target.set_result(source.value())
+    except BaseException as exc:
+        target.set_exception(exc)
+
+
+@async_execution
+def _on_fetch(rref_id: Id) -> torch.futures.Future:
+    e = _ctx.owners.get(rref_id)
+    if e is None:
+        raise RpcError(f"RRef {_fmt(rref_id)} does not exist on its owner (it was already deleted)")
+    return e.value
+
+
+def _on_type(rref_id: Id) -> type:
+    return type(_ctx.owners[rref_id].value.wait())
+
+
+def _on_fork(rref_id: Id, fork_id: Id) -> None:
+    e = _ctx.entry(rref_id)
+    with _ctx.lock:
+        e.forks.add(fork_id)
+
+
+def _on_child_accept(fork_id: Id) -> None:
+    with _ctx.lock:
+        _ctx.pending_children.pop(fork_id, None)
+
+
+def _on_user_delete(rref_id: Id, fork_id: Id) -> None:
+    with _ctx.lock:
+        e = _ctx.owners.get(rref_id)
+        if e is not None:
+            e.forks.discard(fork_id)
+    _ctx.maybe_free(rref_id)
+
+
+@async_execution
+def _on_invoke(rref: RRef, name: str, args: tuple, kwargs: dict) -> torch.futures.Future:
+    method = getattr(rref.local_value(), name)
+    if getattr(method, "_wrapped_async_rpc_function", None) is not None:
+        return method(*args, **kwargs)
+    f: torch.futures.Future = torch.futures.Future()
+    f.set_result(method(*args, **kwargs))
+    return f
+
+
+# -- used by api ------------------------------------------------------------------------------------
+def new_user_for_remote(owner: int, rref_id: Id, fork_id: Id, creation: torch.futures.Future) -> RRef:
+    rref = RRef._user(owner, rref_id, fork_id, False, creation)
+    ref = weakref.ref(rref)
+
+    def confirm(f: torch.futures.Future) -> None:
+        r = ref()
+        if r is not None:
+            r._confirmed = _succeeded(f)
+
+    creation.add_done_callback(confirm)
+    return rref
+
+
+def _succeeded(f: torch.futures.Future) -> bool:
+    try:
+        f.wait()
+        return True
+    except BaseException:
+        return False
+
+
+def delete_all_user_rrefs(timeout: float) -> None:
+    """Shutdown: tell owners that every live user RRef is gone, and wait for them to hear it."""
+    agent = _agent_mod.current_agent()
+    futs = []
+    for fork_id, rref in list(_ctx.users.items()):
+        if rref._deleted:
+            continue
+        rref._deleted = True
+        try:
+            futs.append(agent.send_request(rref._owner_id, _on_user_delete, (rref._rref_id, fork_id), {}, timeout=timeout))
+        except RpcError:
+            pass
+    with _ctx.lock:
+        futs += _ctx.in_flight
+        _ctx.in_flight = []
+        _ctx.pending_children.clear()
+    for f in futs:
+        try:
+            f.wait()
+        except BaseException:
+            pass
+
+
+def reset() -> None:
+    """Forget all RRef state (after shutdown)."""
+    with _ctx.lock:
+        for rref in list(_ctx.users.values()):
+            rref._deleted = True
+        _ctx.owners.clear()
+        _ctx.pending_children.clear()
+        _ctx.unconfirmed.clear()
+        _ctx.in_flight = []
+
+
+def debug_info() -> Dict[str, int]:
+    return _ctx.debug_info()
+
+
+def flush() -> None:
+    """Send the deletes of handles already garbage collected and wait for owners to apply
+    them (tests use this to check owner tables return to empty without sleeping)."""
+    fut: torch.futures.Future = torch.futures.Future()
+    _ctx.releases.put(("barrier", fut, None, None, None))  # processed in order after earlier releases
+    fut.wait()
+    with _ctx.lock:
+        pending = list(_ctx.in_flight)
+    for f in pending:
+        try:
+            f.wait()
+        except BaseException:
+            pass

@@ -1,0 +1,211 @@
+"""Turn Python objects into (head, body, buffers) and back, tensors out of band.
+
+``serialize`` pickles an object; every tensor inside it is replaced by a reference into a
+table of tensor metas (dtype, shape, strides, storage offset, requires_grad) and its storage
+bytes become a separate buffer (a zero-copy memoryview of tensor memory). ``deserialize``
+first rebuilds the tensors from the buffers (which the transport received straight into
+fresh storage), lets a hook transform them (distributed autograd attaches its recv node
+there), then unpickles the body with the references resolved.
+
+Tensors that share a storage in one message share it again on the receiver, so views stay
+views; a small view of a large storage only ships the bytes it spans.
+
+Functions travel by reference (module + qualified name), never as code. Higher layers
+register reducers for their own types (``register_reducer``), e.g. RRef forks.
+"""
+from __future__ import annotations
+
+import ctypes
+import io
+import pickle
+import threading
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+
+_tls = threading.local()
+_REDUCERS: Dict[type, Callable[[Any], Any]] = {}
+
+
+class TensorMeta(NamedTuple):
+    buffer: int
+    dtype: torch.dtype
+    size: Tuple[int, ...]
+    stride: Tuple[int, ...]
+    offset: int  # in elements, relative to the start of the buffer
+    requires_grad: bool
+    is_param: bool
+
+
+def register_reducer(cls: type, reducer: Callable[[Any], Any]) -> None:
+    """Make ``cls`` pickle through ``reducer(obj) -> (callable, args)`` inside RPC messages."""
+    _REDUCERS[cls] = reducer
+
+
+def storage_view(storage: torch.UntypedStorage, start: int = 0, end: Optional[int] = None) -> memoryview:
+    """A writable byte memoryview over a storage's memory, without copying."""
+    end = storage.nbytes() if end is None else end
+    n = end - start
+    if n <= 0:
+        return memoryview(b"")
+    arr = (ctypes.c_char * n).from_address(storage.data_ptr() + start)
+    return memoryview(arr).cast("B")
+
+
+def _tensor_from_table(index: int) -> torch.Tensor:
+    return _tls.tensors[index]
+
+
+class _Pickler(pickle.Pickler):
+    def __init__(self, file: io.BytesIO, tensors: List[torch.Tensor]) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self._tensors = tensors
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            if obj.layout != torch.strided:
+                # Sparse tensors travel as their dense parts, which are tensors themselves.
+                if obj.layout == torch.sparse_coo:
+                    obj = obj.coalesce()
+                    return torch.sparse_coo_tensor, (obj.indices(), obj.values(), obj.size())
+                raise TypeError(f"rpc_core cannot send tensors with layout {obj.layout}")
+            if obj.device.type != "cpu":
+                raise TypeError(
+                    f"rpc_core sends CPU tensors only, got a tensor on {obj.device}; move it with "
+                    ".cpu() before sending (torch RPC needs a device map for this)"
+                )
+            self._tensors.append(obj)
+            return _tensor_from_table, (len(self._tensors) - 1,)
+        reducer = _REDUCERS.get(type(obj))
+        if reducer is not None:
+            return reducer(obj)
+        return NotImplemented
+
+
+def _span(t: torch.Tensor) -> Tuple[int, int]:
+    """[first, last+1) element range of the storage that ``t`` touches."""
+    if t.numel() == 0:
+        return t.storage_offset(), t.storage_offset()
+    last = t.storage_offset() + sum((s - 1) * st for s, st in zip(t.size(), t.stride()))
+    return t.storage_offset(), last + 1
+
+
+def _pack_tensors(tensors: Sequence[torch.Tensor]) -> Tuple[List[TensorMeta], List[memoryview], List[Any]]:
+    """Group tensors by storage; each storage ships once, or only the bytes its views span."""
+    metas: List[TensorMeta] = []
+    buffers: List[memoryview] = []
+    keepalive: List[Any] = []
+    groups: Dict[int, Tuple[int, int, int]] = {}  # data_ptr -> (buffer index, start byte, end byte)
+    by_storage: Dict[int, List[torch.Tensor]] = {}
+    for t in tensors:
+        by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(t)
+    for ptr, ts in by_storage.items():
+        storage = ts[0].untyped_storage()
+        lo = min(_span(t)[0] * t.element_size() for t in ts)
+        hi = max(_span(t)[1] * t.element_size() for t in ts)
+        if ptr == 0 or hi <= lo:
+            lo = hi = 0
+        elif (hi - lo) * 2 > storage.nbytes():
+            lo, hi = 0, storage.nbytes()  # mostly covered: ship it whole
+        groups[ptr] = (len(buffers), lo, hi)
+        buffers.append(storage_view(storage, lo, hi))
+        keepalive.append(storage)
+    for t in tensors:
+        index, lo, _ = groups[t.untyped_storage().data_ptr()]
+        esize = t.element_size()
+        offset = (t.storage_offset() * esize - lo) // esize if t.numel() else 0
+        metas.append(
+            TensorMeta(
+                index, t.dtype, tuple(t.size()), tuple(t.stride()), offset,
+                bool(t.requires_grad), isinstance(t, torch.nn.Parameter),
+            )
+        )
+    return metas, buffers, keepalive
+
+
+class Serialized(NamedTuple):
+    metas: List[TensorMeta]
+    body: bytes
+    buffers: List[memoryview]
+    tensors: List[torch.Tensor]  # the tensors found, in table order (autograd records sends on them)
+    keepalive: List[Any]  # storages that must outlive the send
+
+
+def serialize(obj: Any) -> Serialized:
+    f = io.BytesIO()
+    tensors: List[torch.Tensor] = []
+    _Pickler(f, tensors).dump(obj)
+    if not tensors:
+        return Serialized([], f.getvalue(), [], tensors, [])
+    metas, buffers, keepalive = _pack_tensors(tensors)
+    return Serialized(metas, f.getvalue(), buffers, tensors, keepalive)
+
+
+def encode_head(metas: Sequence[TensorMeta], extras: Optional[Dict[str, Any]]) -> bytes:
+    """The frame head: tensor metas and message extras (autograd ids, profiling, ...)."""
+    if not metas and not extras:
+        return b""
+    return pickle.dumps((metas, extras or None), pickle.HIGHEST_PROTOCOL)
+
+
+def decode_head(head: bytes) -> Tuple[Sequence[TensorMeta], Optional[Dict[str, Any]]]:
+    if not head:
+        return (), None
+    return pickle.loads(head)
+
+
+def rebuild_tensors(metas: Sequence[TensorMeta], storages: Sequence[torch.UntypedStorage]) -> List[torch.Tensor]:
+    out = []
+    for m in metas:
+        t = torch.empty(0, dtype=m.dtype).set_(storages[m.buffer], m.offset, m.size, m.stride)
+        if m.is_param:
+            t = torch.nn.Parameter(t, requires_grad=m.requires_grad)
+        elif m.requires_grad:
+            t.requires_grad_(True)
+        out.append(t)
+    return out
+
+
+def defer_until(fut: "torch.futures.Future") -> None:
+    """Called while unpickling: the message's user function must wait for ``fut``
+    (e.g. an RRef fork's confirmation) before it runs."""
+    waits = getattr(_tls, "waits", None)
+    if waits is not None:
+        waits.append(fut)
+
+
+def unpickle_body(body: Any, tensors: Sequence[torch.Tensor], waits: Optional[list] = None) -> Any:
+    prev = getattr(_tls, "tensors", None), getattr(_tls, "waits", None)
+    _tls.tensors, _tls.waits = tensors, waits
+    try:
+        return pickle.loads(body)
+    finally:
+        _tls.tensors, _tls.waits = prev
+
+
+def deserialize(
+    head: bytes,
+    body: Any,
+    storages: Sequence[torch.UntypedStorage],
+    tensor_hook: Optional[Callable[[List[torch.Tensor], Sequence[TensorMeta], Dict[str, Any]], List[torch.Tensor]]] = None,
+    waits: Optional[list] = None,
+) -> Tuple[Any, Optional[Dict[str, Any]]]:
+    """Inverse of ``serialize``; returns (object, extras). Futures the body's objects ask to
+    wait for (``defer_until``) are appended to ``waits``."""
+    metas, extras = decode_head(head)
+    tensors = rebuild_tensors(metas, storages) if metas else []
+    if tensor_hook is not None and tensors:
+        tensors = tensor_hook(tensors, metas, extras or {})
+    return unpickle_body(body, tensors, waits), extras
+
+
+def loopback(buffers: Sequence[memoryview]) -> List[torch.UntypedStorage]:
+    """Storages for a message delivered to this same process (a call to self still copies,
+    as torch does, so the callee never aliases the caller's tensors)."""
+    out = []
+    for mv in buffers:
+        st = torch.UntypedStorage(len(mv))
+        if len(mv):
+            storage_view(st)[:] = mv
+        out.append(st)
+    return out
