@@ -1,0 +1,132 @@
+"""Distributed autograd (``torch.distributed.autograd`` API).
+
+    import rpc_core.autograd as dist_autograd
+    with dist_autograd.context() as context_id:
+        loss = rpc.rpc_sync("ps", forward, args=(x,)).sum()
+        dist_autograd.backward(context_id, [loss])
+        grads = dist_autograd.get_gradients(context_id)   # {tensor: grad} on this worker
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Dict, Iterator, List
+
+import torch
+
+from .. import agent as _agent_mod
+from .. import api as _api
+from . import context as _context
+from .context import DistAutogradContext
+from .engine import backward
+from .recording import AutogradMiddleware
+
+__all__ = ["backward", "context", "get_gradients", "is_available", "DistAutogradContext"]
+
+_cleanups: List[torch.futures.Future] = []
+
+
+def is_available() -> bool:
+    return True
+
+
+def _install(agent: _agent_mod.Agent) -> None:
+    _context.init(agent.me.id)
+    agent.middleware.append(AutogradMiddleware())
+
+
+_api.init_hooks.append(_install)
+
+
+@contextlib.contextmanager
+def context() -> Iterator[int]:
+    """A distributed autograd context; yields its id. Leaving it releases the context here
+    and on every worker it touched."""
+    _agent_mod.current_agent()
+    ctx = _context.new_context()
+    try:
+        yield ctx.context_id
+    finally:
+        _context.set_current(None)
+        _release_context(ctx.context_id)
+
+
+def get_gradients(context_id: int) -> Dict[torch.Tensor, torch.Tensor]:
+    ctx = _context.retrieve(context_id)
+    with ctx.lock:
+        return dict(ctx.grads)
+
+
+def _release_context(context_id: int, skip: int = -1) -> None:
+    ctx = _context.release(context_id)
+    if ctx is None:
+        return
+    agent = _agent_mod._agent
+    if agent is None or agent._closing:
+        return
+    futs = []
+    for w in ctx.known_workers - {agent.me.id, skip}:
+        try:
+            futs.append(agent.send_request(w, _on_cleanup, (context_id, agent.me.id), {}, timeout=0))
+        except Exception:
+            pass  # a dead worker has nothing left to clean
+    _cleanups[:] = [f for f in _cleanups if not f.done()] + futs
+
+
+def _on_cleanup(context_id: int, sender: int) -> None:
+    _release_context(context_id, skip=sender)
+
+
+def _wait_cleanups() -> None:
+    """Wait until the cleanup messages this worker sent were handled (for tests)."""
+    for f in list(_cleanups):
+        try:
+            f.wait()
+        except BaseException:
+            pass
+
+
+def _current_context() -> DistAutogradContext:
+    cid = _context.current_id()
+    if cid is None:
+        raise RuntimeError("Current thread doesn't have a valid autograd context. Please wrap your code using "
+                           "`with rpc_core.autograd.context() as context_id` to generate a valid context")
+    return _context.retrieve(cid)
+
+
+def _retrieve_context(context_id: int) -> DistAutogradContext:
+    return _context.retrieve(context_id)
+
+
+def _is_valid_context(context_id: int) -> None:
+    _context.retrieve(context_id)
+
+
+def _get_max_id() -> int:
+    return _context.max_id()
+
+
+def _get_debug_info() -> Dict[str, Any]:
+    return {"num_autograd_contexts": _context.count()}
+
+
+def _rref_backward(rref: Any, context_id: int, retain_graph: bool) -> None:
+    """RRef.backward: run backward from the RRef's value (on its owner)."""
+    if context_id == -1:
+        if not rref.is_owner():
+            raise RuntimeError("User RRefs require 'dist_autograd_ctx_id' to be specified")
+        value = rref.local_value()
+        if not isinstance(value, torch.Tensor):
+            raise RuntimeError("RRef should contain a tensor for .backward()")
+        value.backward(retain_graph=retain_graph)
+        return
+    if rref.is_owner():
+        value = rref.local_value()
+        if not isinstance(value, torch.Tensor):
+            raise RuntimeError("RRef should contain a tensor for .backward()")
+        backward(context_id, [value], retain_graph)
+        return
+    _api.rpc_sync(rref.owner(), _rref_backward_on_owner, args=(rref, context_id, retain_graph))
+
+
+def _rref_backward_on_owner(rref: Any, context_id: int, retain_graph: bool) -> None:
+    _rref_backward(rref, context_id, retain_graph)

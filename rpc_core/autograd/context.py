@@ -1,0 +1,128 @@
+"""Distributed autograd contexts: ids, per-worker state, the thread's current context.
+
+A context id is 64 bits: the creating worker's id in the high 16, a counter in the low 48,
+so ids are unique across the world without coordination. Every worker a context touches
+holds a ``DistAutogradContext`` with the same id; it records the sends (tensors this worker
+sent that need gradients back), the recvs, the workers it talked to (for cleanup), and the
+gradients accumulated here in this context.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Any, Dict, List, Optional, Set
+
+import torch
+
+from ..errors import RpcError
+
+_ID_BITS = 48
+_tls = threading.local()
+_lock = threading.Lock()
+_contexts: Dict[int, "DistAutogradContext"] = {}
+_counter = itertools.count(0)
+_msg_counter = itertools.count(0)
+_worker_id = 0
+
+
+class DistAutogradContext:
+    def __init__(self, context_id: int) -> None:
+        self.context_id = context_id
+        self.lock = threading.Lock()
+        self.grads: Dict[torch.Tensor, torch.Tensor] = {}
+        self.sends: Dict[int, List[torch.Tensor]] = {}  # autograd message id -> tensors sent
+        self.recvs: Dict[int, Any] = {}  # autograd message id -> recv node
+        self.known_workers: Set[int] = set()
+        self.backward_passes = 0
+
+    # Names used by torch's tests.
+    def _context_id(self) -> int:
+        return self.context_id
+
+    def _send_functions(self) -> Dict[int, List[torch.Tensor]]:
+        return dict(self.sends)
+
+    def _recv_functions(self) -> Dict[int, Any]:
+        return dict(self.recvs)
+
+    def _known_worker_ids(self) -> Set[int]:
+        return set(self.known_workers)
+
+    def accumulate(self, leaf: torch.Tensor, grad: torch.Tensor) -> None:
+        with self.lock:
+            old = self.grads.get(leaf)
+            self.grads[leaf] = grad if old is None else old + grad
+
+
+def init(worker_id: int) -> None:
+    global _worker_id, _counter, _msg_counter
+    _worker_id = worker_id
+    _counter = itertools.count(0)
+    _msg_counter = itertools.count(0)
+    with _lock:
+        _contexts.clear()
+
+
+def new_message_id() -> int:
+    return (_worker_id << _ID_BITS) | next(_msg_counter)
+
+
+def new_context() -> DistAutogradContext:
+    if getattr(_tls, "context_id", None) is not None:
+        raise RpcError(
+            "Already have an autograd context id for this thread: distributed autograd contexts cannot "
+            "be nested on one thread; leave the current `with context()` block first"
+        )
+    ctx = DistAutogradContext((_worker_id << _ID_BITS) | next(_counter))
+    with _lock:
+        _contexts[ctx.context_id] = ctx
+    _tls.context_id = ctx.context_id
+    return ctx
+
+
+def get_or_create(context_id: int) -> DistAutogradContext:
+    with _lock:
+        ctx = _contexts.get(context_id)
+        if ctx is None:
+            ctx = _contexts[context_id] = DistAutogradContext(context_id)
+        return ctx
+
+
+def retrieve(context_id: int) -> DistAutogradContext:
+    with _lock:
+        ctx = _contexts.get(context_id)
+    if ctx is None:
+        raise RpcError(
+            f"Could not find autograd context with id: {context_id}. It was released (its `with "
+            "context()` block ended) or never existed on this worker."
+        )
+    return ctx
+
+
+def is_valid(context_id: int) -> bool:
+    with _lock:
+        return context_id in _contexts
+
+
+def release(context_id: int) -> Optional[DistAutogradContext]:
+    with _lock:
+        return _contexts.pop(context_id, None)
+
+
+def current_id() -> Optional[int]:
+    return getattr(_tls, "context_id", None)
+
+
+def set_current(context_id: Optional[int]) -> Optional[int]:
+    prev = getattr(_tls, "context_id", None)
+    _tls.context_id = context_id
+    return prev
+
+
+def count() -> int:
+    with _lock:
+        return len(_contexts)
+
+
+def max_id() -> int:
+    return (2**_ID_BITS - 1) + (_worker_id << _ID_BITS)

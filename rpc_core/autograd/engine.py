@@ -1,0 +1,156 @@
+"""The distributed backward pass.
+
+``backward(context_id, roots)`` runs a local pass from the roots. A local pass finds the
+leaves and recv nodes its graph reaches, runs ``torch.autograd.grad`` to them (so nothing
+lands in ``.grad``), and adds the leaves' gradients to the context. Each ``_Recv`` node
+the pass reaches ships its gradients to the worker that sent those tensors
+(``_on_backward``), which runs a local pass from the tensors it sent, and so on. A worker
+answers a gradient RPC only when every gradient RPC its own pass started has been
+answered, so when the root's calls return, the whole distributed pass is done.
+
+Unlike torch's FAST mode, nothing waits for gradients that never come: a send whose
+output the loss did not use is simply never visited, so it cannot make backward hang.
+Passes add up by linearity, so a tensor that gets gradients from several places (used
+locally and sent, or sent twice) receives their sum. Graphs are kept (retain_graph)
+because several passes may cross the same nodes; they are freed with their tensors.
+"""
+from __future__ import annotations
+
+from typing import Any, List, Sequence, Tuple
+
+import torch
+
+from .. import agent as _agent_mod
+from ..errors import RpcError, format_many
+from ..functions import async_execution
+from . import context as _context
+from .recording import _pass_tls, is_anchor
+
+
+def _discover(starts: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """Leaves (including recv anchors) reachable from ``starts``: the inputs of the pass."""
+    leaves: List[torch.Tensor] = []
+    seen = set()
+    stack = []
+    for t in starts:
+        if t.grad_fn is not None:
+            stack.append(t.grad_fn)
+        elif t.requires_grad and id(t) not in seen:
+            seen.add(id(t))
+            leaves.append(t)
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        var = getattr(node, "variable", None)
+        if var is not None:  # AccumulateGrad: a leaf
+            if id(var) not in seen:
+                seen.add(id(var))
+                leaves.append(var)
+            continue
+        for nxt, _ in node.next_functions:
+            if nxt is not None and nxt not in seen:
+                stack.append(nxt)
+    return leaves
+
+
+def local_pass(ctx: _context.DistAutogradContext, starts: Sequence[torch.Tensor],
+               grads: Sequence[torch.Tensor]) -> List[torch.futures.Future]:
+    """Backward from ``starts`` with ``grads`` on this worker; returns the futures of the
+    gradient RPCs it started."""
+    inputs = _discover(starts)
+    if not inputs:
+        return []
+    prev = getattr(_pass_tls, "futures", None)
+    futures: List[torch.futures.Future] = []
+    _pass_tls.futures = futures
+    prev_ctx = _context.set_current(ctx.context_id)
+    try:
+        results = torch.autograd.grad(list(starts), inputs, list(grads), retain_graph=True, allow_unused=True)
+    finally:
+        _pass_tls.futures = prev
+        _context.set_current(prev_ctx)
+    for leaf, g in zip(inputs, results):
+        if g is not None and not is_anchor(leaf):
+            ctx.accumulate(leaf, g)
+    ctx.backward_passes += 1
+    return futures
+
+
+def _check_roots(roots: Any) -> List[torch.Tensor]:
+    if not isinstance(roots, (list, tuple)):
+        raise TypeError(f"incompatible function arguments: roots must be a list of tensors, got {type(roots).__name__}")
+    if len(roots) == 0:
+        raise RpcError("No tensors provided for gradient computation.")
+    for i, r in enumerate(roots):
+        if not isinstance(r, torch.Tensor):
+            raise TypeError(f"incompatible function arguments: roots[{i}] is a {type(r).__name__}, not a Tensor")
+        if not r.requires_grad:
+            raise RpcError(f"requires_grad not set on root tensor {i}: it is not part of any autograd graph")
+        if r.numel() != 1:
+            raise RpcError(f"roots[{i}] of shape {tuple(r.shape)} is not a scalar, all roots need to be scalar")
+        if r.grad_fn is None and not r.is_leaf:
+            raise RpcError(f"roots[{i}] does not have a valid gradient function")
+    return list(roots)
+
+
+def backward(context_id: int, roots: List[torch.Tensor], retain_graph: bool = False) -> None:
+    """Run the distributed backward pass from scalar ``roots`` (local tensors) in context
+    ``context_id``; returns when every worker's part is done. Gradients accumulate in the
+    context of each worker (``get_gradients``), never in ``.grad``."""
+    roots = _check_roots(roots)
+    ctx = _context.retrieve(context_id)
+    me = _agent_mod.current_agent().me
+    try:
+        futures = local_pass(ctx, roots, [torch.ones_like(r) for r in roots])
+    except Exception as e:
+        raise RuntimeError(f"Error on Node {me.id} ({me.name}): {e}") from e
+    _raise_all(_wait(futures))
+
+
+def _wait(futures: List[torch.futures.Future]) -> List[BaseException]:
+    errors = []
+    for f in futures:
+        try:
+            f.wait()
+        except BaseException as e:
+            errors.append(e)
+    return errors
+
+
+def _raise_all(errors: List[BaseException]) -> None:
+    if len(errors) == 1:
+        raise errors[0]
+    if errors:
+        raise RuntimeError(format_many(errors, "distributed backward's gradient calls"))
+
+
+@async_execution
+def _on_backward(context_id: int, msg_id: int, grads: List[Any]) -> torch.futures.Future:
+    """On the worker that sent message ``msg_id``: continue backward from those tensors."""
+    me = _agent_mod.current_agent().me
+    ctx = _context.retrieve(context_id)
+    sent = ctx.sends.get(msg_id)
+    if sent is None:
+        raise RpcError(f"Error on Node {me.id} ({me.name}): no send with autograd message id {msg_id} in context {context_id}")
+    pairs: List[Tuple[torch.Tensor, torch.Tensor]] = [(t, g) for t, g in zip(sent, grads) if g is not None]
+    try:
+        futures = local_pass(ctx, [t for t, _ in pairs], [g for _, g in pairs])
+    except Exception as e:
+        raise RuntimeError(f"Error on Node {me.id} ({me.name}): {e}") from e
+    done: torch.futures.Future = torch.futures.Future()
+    if not futures:
+        done.set_result(None)
+        return done
+
+    def finish(_: Any) -> None:
+        errors = _wait(futures)
+        try:
+            _raise_all(errors)
+            done.set_result(None)
+        except BaseException as e:
+            done.set_exception(e)
+
+    torch.futures.collect_all(futures).add_done_callback(finish)
+    return done

@@ -1,0 +1,114 @@
+"""Recording sends and recvs while RPCs run inside a distributed autograd context.
+
+On the sending side, the tensors of a message that require grad are remembered in the
+context under a fresh autograd message id (a "send"). On the receiving side, those tensors
+come out of ``_Recv``, a custom autograd Function: when the local backward pass reaches it,
+its backward ships the gradients to the sender under that message id. Requests and
+responses are recorded alike, and the context id travels with every call made inside a
+context, so nested calls join the same context.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from .. import agent as _agent_mod
+from . import context as _context
+
+# Thread-local list of gradient-RPC futures started by the backward pass running on this
+# thread (the CPU autograd engine runs a pass on the thread that started it).
+import threading
+
+_pass_tls = threading.local()
+
+
+def _anchor() -> torch.Tensor:
+    # A 0-element leaf that makes _Recv part of the graph; its "gradient" is always None.
+    a = torch.empty(0, requires_grad=True)
+    a._dist_recv_anchor = True  # type: ignore[attr-defined]
+    return a
+
+
+def is_anchor(t: torch.Tensor) -> bool:
+    return getattr(t, "_dist_recv_anchor", False)
+
+
+class _Recv(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, info: Tuple[int, int, int], anchor: torch.Tensor, *tensors: torch.Tensor) -> Any:
+        ctx.set_materialize_grads(False)
+        ctx.info = info  # (context id, sender rank, autograd message id)
+        outs = tuple(t.detach() for t in tensors)
+        return outs if len(outs) > 1 else outs[0]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> Any:
+        context_id, sender, msg_id = ctx.info
+        if any(g is not None for g in grads):
+            from .engine import _on_backward
+
+            fut = _agent_mod.current_agent().send_request(
+                sender, _on_backward, (context_id, msg_id, list(grads)), {}, timeout=0)
+            outstanding = getattr(_pass_tls, "futures", None)
+            if outstanding is not None:
+                outstanding.append(fut)
+        return (None, None) + (None,) * len(grads)
+
+
+class AutogradMiddleware(_agent_mod.Middleware):
+    """Plugged into the agent: records sends on the way out, recvs on the way in, and
+    makes the request's context current while the callee runs the function."""
+
+    def outgoing(self, dst: int, tensors: List[torch.Tensor], extras: Dict[str, Any],
+                 request_extras: Optional[Dict[str, Any]]) -> None:
+        if request_extras is None:
+            context_id = _context.current_id()
+        else:
+            ag = request_extras.get("ag")
+            context_id = ag[0] if ag else None
+        if context_id is None:
+            return
+        ctx = _context.get_or_create(context_id)
+        ctx.known_workers.add(dst)
+        needs_grad = [t for t in tensors if t.requires_grad]
+        if needs_grad:
+            msg_id = _context.new_message_id()
+            ctx.sends[msg_id] = needs_grad
+            extras["ag"] = (context_id, msg_id)
+        else:
+            extras["ag"] = (context_id, -1)
+
+    def incoming(self, src: int, tensors: List[torch.Tensor], extras: Dict[str, Any], is_response: bool) -> List[torch.Tensor]:
+        ag = extras.get("ag")
+        if not ag or ag[1] < 0:
+            return tensors
+        context_id, msg_id = ag
+        ctx = _context.get_or_create(context_id)
+        ctx.known_workers.add(src)
+        idx = [i for i, t in enumerate(tensors) if t.requires_grad]
+        if not idx:
+            return tensors
+        with torch.enable_grad():
+            outs = _Recv.apply((context_id, src, msg_id), _anchor(), *[tensors[i].detach() for i in idx])
+        if not isinstance(outs, tuple):
+            outs = (outs,)
+        ctx.recvs[msg_id] = outs[0].grad_fn
+        tensors = list(tensors)
+        for i, o in zip(idx, outs):
+            tensors[i] = o
+        return tensors
+
+    def enter_call(self, src: int, extras: Dict[str, Any]) -> Any:
+        ag = extras.get("ag")
+        if not ag:
+            return _NO_TOKEN
+        _context.get_or_create(ag[0]).known_workers.add(src)
+        return _context.set_current(ag[0])
+
+    def exit_call(self, token: Any, extras: Dict[str, Any], result_future: Optional[torch.futures.Future]) -> None:
+        if token is not _NO_TOKEN:
+            _context.set_current(token)
+
+
+_NO_TOKEN = object()

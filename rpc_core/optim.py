@@ -1,0 +1,93 @@
+"""DistributedOptimizer (``torch.distributed.optim`` API).
+
+One local optimizer per owner of the parameters, built on that owner over RPC; ``step``
+applies one context's gradients on every owner at once. Any ``torch.optim`` class works,
+with its arguments; results equal the same optimizer run locally.
+"""
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from typing import Any, Dict, List, Type
+
+import torch
+
+from . import api
+from . import autograd as dist_autograd
+from .errors import RpcError, format_many
+from .rref import RRef
+
+__all__ = ["DistributedOptimizer"]
+
+
+class _LocalOptimizer:
+    # Concurrent steps on one worker (several trainers, several DistributedOptimizers over
+    # the same parameters) are serialized, as in torch.
+    global_lock = threading.Lock()
+
+    def __init__(self, optim_cls: Type[torch.optim.Optimizer], local_params_rref: List[RRef], *args: Any, **kwargs: Any) -> None:
+        self._params = [rref.local_value() for rref in local_params_rref]
+        self.optim = optim_cls(self._params, *args, **kwargs)
+
+    def step(self, context_id: int) -> None:
+        grads = dist_autograd.get_gradients(context_id)
+        with _LocalOptimizer.global_lock:
+            for p in self._params:
+                # Parameters without a gradient in this context must not be moved by a stale .grad.
+                p.grad = grads.get(p)
+            try:
+                self.optim.step()
+            finally:
+                for p in self._params:
+                    p.grad = None
+
+
+def _new_local_optimizer(optim_cls: Type[torch.optim.Optimizer], local_params_rref: List[RRef], *args: Any, **kwargs: Any) -> RRef:
+    return RRef(_LocalOptimizer(optim_cls, local_params_rref, *args, **kwargs))
+
+
+def _local_optimizer_step(local_optim_rref: RRef, context_id: int) -> None:
+    local_optim_rref.local_value().step(context_id)
+
+
+def _wait_all(futures: List[torch.futures.Future], what: str) -> List[Any]:
+    results, errors = [], []
+    for f in futures:
+        try:
+            results.append(f.wait())
+        except BaseException as e:
+            errors.append(e)
+    if errors:
+        if len(errors) == 1:
+            raise RpcError(f"{what}: {type(errors[0]).__name__}: {errors[0]}") from errors[0]
+        raise RpcError(f"{what}: " + format_many(errors, "owners"))
+    return results
+
+
+class DistributedOptimizer:
+    """``DistributedOptimizer(optimizer_class, params_rref, *args, **kwargs)``.
+
+    Args:
+        optimizer_class: any ``torch.optim.Optimizer`` subclass.
+        params_rref: RRefs of the parameters, on any workers.
+        args, kwargs: passed to ``optimizer_class`` on each owner.
+    """
+
+    def __init__(self, optimizer_class: Type[torch.optim.Optimizer], params_rref: List[RRef], *args: Any, **kwargs: Any) -> None:
+        per_owner: Dict[Any, List[RRef]] = defaultdict(list)
+        for p in params_rref:
+            per_owner[p.owner()].append(p)
+        futures = [
+            api.rpc_async(owner, _new_local_optimizer, args=(optimizer_class, rrefs) + tuple(args), kwargs=kwargs)
+            for owner, rrefs in per_owner.items()
+        ]
+        self.remote_optimizers: List[RRef] = _wait_all(futures, "Error creating optimizer.")
+
+    def step(self, context_id: int) -> None:
+        """Apply the gradients of ``context_id`` on every owner, concurrently."""
+        dist_autograd._is_valid_context(context_id)
+        futures = [
+            api.rpc_async(opt.owner(), _local_optimizer_step, args=(opt, context_id))
+            for opt in self.remote_optimizers
+        ]
+        _wait_all(futures, "Error running optimizer.")
