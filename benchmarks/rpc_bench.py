@@ -1,0 +1,434 @@
+"""Side-by-side RPC benchmark: rpc_core vs torch.distributed.rpc (TensorPipe).
+
+Usage (from the repo root)::
+
+    python benchmarks/rpc_bench.py                      # both implementations, full run (~1-3 min)
+    python benchmarks/rpc_bench.py --quick              # fewer iterations (well under a minute)
+    python benchmarks/rpc_bench.py --impl torch --quick # only torch.distributed.rpc
+    python benchmarks/rpc_bench.py --only sync_noop,echo --json benchmarks/results/run.json
+
+Options:
+    --impl both|rpc_core|torch   which implementations to run (default: both)
+    --quick                      reduced iteration counts
+    --only NAME,...              run only these workloads; a name also selects every workload
+                                 it prefixes (``echo`` = all four echo sizes)
+    --json PATH                  also write every figure, with per-repetition samples, as JSON
+    --timeout SECONDS            hard limit per implementation run; the workers are killed and
+                                 the missing figures show "timeout" (default 300, quick 120);
+                                 the note names the workload that hung, skip it with --only
+    --rounds N                   run each implementation N times, alternating the order
+                                 (torch, rpc_core, then rpc_core, torch, ...), and pool the
+                                 repetitions; use 2-3 for figures you publish (default 1)
+    --core-option KEY=VALUE      extra keyword for rpc_core's backend options (repeatable;
+                                 VALUE is parsed as a Python literal when possible), e.g. an
+                                 auth secret. Environment variables are inherited by the workers.
+    --list                       list the workloads and exit
+
+How it measures. For each implementation, in turn (never concurrently), two fresh processes
+are spawned ('spawn' start method): rank 0 "worker0" measures, rank 1 "worker1" is the callee.
+Rendezvous is ``tcp://127.0.0.1:<free port>`` through
+``TensorPipeRpcBackendOptions(num_worker_threads=16, rpc_timeout=60, init_method=...)``
+(``RpcBackendOptions`` if an implementation has no TensorPipe class). The modules are
+``torch.distributed.{rpc,autograd,optim}`` or ``rpc_core``, ``rpc_core.autograd``,
+``rpc_core.optim``; the repo checkout is put first on the workers' ``sys.path``.
+Both workers run with ``torch.set_num_threads(1)``. Every workload first checks its
+result once, warms up, then times several repetitions with ``time.perf_counter``; the
+table shows the median repetition. Remote functions live in ``benchmarks/_workloads.py``.
+
+Workloads:
+    sync_noop           rpc_sync of a no-op Python function                     us/call
+    sync_add            rpc_sync(torch.add) on two 10x10 float32 tensors        us/call
+    async_noop          rpc_async no-op, N issued back to back (all in flight),
+                        then torch.futures.wait_all; N / elapsed                calls/s
+    echo_<size>         rpc_sync of a function returning its float32 tensor
+                        argument, 1 KB / 1 MB / 16 MB / 64 MB (KB, MB = 2^10, 2^20 B)
+                        throughput = 2 * payload bytes (sent + received) / round
+                        trip time, GB = 1e9 bytes                               GB/s
+    remote_to_here      rpc.remote(worker1, returns 10x10 tensor).to_here()     us/call
+    remote_linear_step  callee owns nn.Linear(256, 256) (made with remote); in a
+                        dist_autograd.context: out = rref.rpc_sync().forward(x),
+                        x 64x256, loss = out.sum(), dist_autograd.backward      ms/step
+    mlp3_distopt_step   3 shards on worker1, each Linear(256,256)+ReLU+Linear+ReLU;
+                        forward through the shards over RPC (x 64x256), loss =
+                        mean(h^2), dist backward, DistributedOptimizer(SGD,
+                        lr=0.01).step(ctx)                                      ms/step
+
+The ratio column is always rpc_core / torch; the "better" column says whether a lower
+(times) or higher (throughputs) ratio is the improvement, and "target" shows the goal from
+the issues with whether this run met it.
+
+If rpc_core cannot be imported (or is incomplete: no ``init_rpc`` etc.), its column reads
+"not available" and the reason is printed under the table; a missing ``rpc_core.autograd``
+or ``rpc_core.optim`` only affects the two training-step workloads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import multiprocessing as mp
+import os
+import platform
+import queue as queue_mod
+import socket
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+IMPLS = ("torch", "rpc_core")
+WORLD_SIZE = 2
+
+# name, label, unit, better, target ratio (rpc_core/torch) or None,
+# full (warmup, iters, reps), quick (warmup, iters, reps)
+WORKLOADS = [
+    ("sync_noop", "rpc_sync no-op", "us/call", "lower", 0.2, (300, 500, 9), (50, 200, 3)),
+    ("sync_add", "rpc_sync torch.add 10x10", "us/call", "lower", None, (200, 500, 9), (50, 200, 3)),
+    ("async_noop", "rpc_async no-op, 5000 in flight", "calls/s", "higher", 5.0,
+     (2, 5000, 7), (1, 5000, 2)),
+    ("echo_1KB", "echo round trip 1 KB", "GB/s", "higher", None, (100, 300, 7), (20, 100, 3)),
+    ("echo_1MB", "echo round trip 1 MB", "GB/s", "higher", None, (20, 60, 7), (5, 20, 3)),
+    ("echo_16MB", "echo round trip 16 MB", "GB/s", "higher", 2.0, (10, 10, 9), (2, 4, 3)),
+    ("echo_64MB", "echo round trip 64 MB", "GB/s", "higher", 2.0, (3, 4, 9), (1, 2, 3)),
+    ("remote_to_here", "remote(...).to_here() small tensor", "us/call", "lower", 0.3,
+     (200, 300, 7), (30, 100, 3)),
+    ("remote_linear_step", "remote Linear(256) fwd+dist bwd", "ms/step", "lower", 0.25,
+     (20, 100, 7), (5, 30, 3)),
+    ("mlp3_distopt_step", "3-shard MLP + DistributedOptimizer", "ms/step", "lower", None,
+     (10, 40, 7), (3, 15, 3)),
+]
+NAMES = [w[0] for w in WORKLOADS]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def select(only: str | None) -> list[str]:
+    if not only:
+        return list(NAMES)
+    chosen = set()
+    for tok in (t.strip() for t in only.split(",")):
+        if not tok:
+            continue
+        hits = [n for n in NAMES if n == tok or n.startswith(tok)]
+        if not hits:
+            raise SystemExit(f"unknown workload {tok!r}; choose from: {', '.join(NAMES)}")
+        chosen.update(hits)
+    return [n for n in NAMES if n in chosen]
+
+
+def run_impl(impl: str, plan, options_extra: dict, timeout: float, log) -> dict:
+    """Run one implementation's world of 2; never hangs longer than ``timeout``."""
+    import _workloads  # imported here so the spawned children re-import it by name
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_workloads.worker_main,
+            args=(rank, WORLD_SIZE, impl, port, plan, options_extra, q),
+            name=f"rpc_bench-{impl}-worker{rank}",
+            daemon=True,
+        )
+        for rank in range(WORLD_SIZE)
+    ]
+    run = {"status": "ok", "notes": [], "results": {}, "errors": {}, "init_s": None,
+           "shutdown_s": None, "wall_s": None}
+    t_start = time.monotonic()
+    deadline = t_start + timeout
+    for p in procs:
+        p.start()
+
+    def handle(msg):
+        kind = msg[0]
+        if kind == "unavailable":
+            run["status"] = "unavailable"
+            run["notes"].append(f"{impl} not available: {msg[1]}")
+        elif kind == "ready":
+            run["init_s"] = msg[1]
+            log(f"  [{impl}] init_rpc took {msg[1]:.2f} s")
+        elif kind == "result":
+            _, name, value, samples = msg
+            run["results"][name] = {"value": value, "samples": samples}
+            log(f"  [{impl}] {name}: {fmt(value)}")
+        elif kind == "error":
+            _, name, what, text = msg
+            run["errors"][name] = what
+            run.setdefault("error_text", {})[name] = text
+            first = text.strip().splitlines()[0] if text.strip() else what
+            run["notes"].append(f"{impl} {name}: {first}")
+            log(f"  [{impl}] {name}: {what}: {text}")
+        elif kind == "shutdown":
+            run["shutdown_s"] = msg[1]
+        elif kind == "fatal":
+            run["status"] = "crashed"
+            last = msg[2].strip().splitlines()[-1]
+            run["notes"].append(f"{impl} worker{msg[1]} failed: {last}")
+            log(f"  [{impl}] worker{msg[1]} failed:\n{msg[2]}")
+
+    died_at = None
+    timed_out = False
+    while True:
+        try:
+            handle(q.get(timeout=0.2))
+            continue
+        except queue_mod.Empty:
+            pass
+        alive = [p for p in procs if p.is_alive()]
+        if not alive:
+            break
+        now = time.monotonic()
+        if now > deadline:
+            timed_out = True
+            break
+        # A worker died abnormally: its peer may be stuck waiting on it; give it a moment.
+        if died_at is None and any(p.exitcode not in (None, 0) for p in procs):
+            died_at = now
+        if died_at is not None and now - died_at > 10:
+            run["notes"].append(f"{impl}: a worker died; killed the remaining worker")
+            break
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join(5)
+    # Drain what arrived right before the processes ended.
+    while True:
+        try:
+            handle(q.get(timeout=0.5))
+        except Exception:  # noqa: BLE001 - Empty, or a message cut by a kill
+            break
+    run["wall_s"] = time.monotonic() - t_start
+    if timed_out:
+        run["status"] = "timeout"
+        done = set(run["results"]) | set(run["errors"])
+        pending = [name for name, _ in plan if name not in done]
+        stage = ("init_rpc" if run["init_s"] is None and run["status"] == "ok"
+                 else f"workload {pending[0]}" if pending else "shutdown")
+        run["notes"].append(f"{impl}: hard timeout after {timeout:.0f} s (during {stage}); "
+                            f"workers killed")
+    else:
+        for rank, p in enumerate(procs):
+            if p.exitcode not in (0, None):
+                if run["status"] == "ok":
+                    run["status"] = "crashed"
+                run["notes"].append(f"{impl} worker{rank} exited with code {p.exitcode}")
+    q.close()
+    return run
+
+
+def merge_rounds(rounds: list[dict]) -> dict:
+    """Pool the repetitions of several rounds of one implementation (median over all)."""
+    if len(rounds) == 1:
+        return rounds[0]
+    order = ("crashed", "timeout", "unavailable")
+    statuses = [r["status"] for r in rounds]
+    merged = {
+        "status": next((s for s in order if s in statuses), "ok"),
+        "notes": [f"round {i + 1}: {n}" for i, r in enumerate(rounds) for n in r["notes"]],
+        "results": {}, "errors": {},
+        "init_s": statistics.median([r["init_s"] for r in rounds if r["init_s"] is not None]
+                                    or [None]),
+        "shutdown_s": max((r["shutdown_s"] for r in rounds if r["shutdown_s"] is not None),
+                          default=None),
+        "wall_s": sum(r["wall_s"] or 0 for r in rounds),
+        "rounds": rounds,
+    }
+    for r in rounds:
+        for name, what in r["errors"].items():
+            merged["errors"].setdefault(name, what)
+        for name, res in r["results"].items():
+            slot = merged["results"].setdefault(name, {"samples": [], "per_round": []})
+            slot["samples"].extend(res["samples"])
+            slot["per_round"].append(res["value"])
+    for slot in merged["results"].values():
+        slot["value"] = statistics.median(slot["samples"])
+    return merged
+
+
+def fmt(v) -> str:
+    if v is None:
+        return "-"
+    if abs(v) >= 1000:
+        return f"{v:,.0f}"
+    if abs(v) >= 100:
+        return f"{v:.1f}"
+    if abs(v) >= 1:
+        return f"{v:.2f}"
+    return f"{v:.3g}"
+
+
+def cell(run: dict | None, name: str) -> str:
+    if run is None:
+        return "not run"
+    if name in run["results"]:
+        return fmt(run["results"][name]["value"])
+    if run["status"] == "unavailable":
+        return "not available"
+    if name in run["errors"]:
+        return run["errors"][name]
+    return {"timeout": "timeout", "crashed": "crashed"}.get(run["status"], "-")
+
+
+def build_rows(selected, runs):
+    rows = []
+    for name, label, unit, better, target, _full, _quick in WORKLOADS:
+        if name not in selected:
+            continue
+        t = runs.get("torch", {}) or {}
+        c = runs.get("rpc_core", {}) or {}
+        tv = t.get("results", {}).get(name, {}).get("value")
+        cv = c.get("results", {}).get(name, {}).get("value")
+        ratio = cv / tv if (tv and cv is not None) else None
+        met = None
+        if ratio is not None and target is not None:
+            met = ratio <= target if better == "lower" else ratio >= target
+        rows.append({
+            "name": name, "workload": label, "unit": unit, "better": better,
+            "torch": tv, "rpc_core": cv, "ratio": ratio, "target": target, "target_met": met,
+            "torch_cell": cell(runs.get("torch"), name),
+            "rpc_core_cell": cell(runs.get("rpc_core"), name),
+        })
+    return rows
+
+
+def render(rows, runs, rounds=1) -> str:
+    head = ["workload", "unit", "torch", "rpc_core", "ratio", "better", "target"]
+    body = []
+    for r in rows:
+        if r["target"] is None:
+            tgt = ""
+        else:
+            tgt = ("<=" if r["better"] == "lower" else ">=") + f"{r['target']:g}x"
+            if r["target_met"] is not None:
+                tgt += " met" if r["target_met"] else " MISSED"
+        body.append([
+            r["workload"], r["unit"], r["torch_cell"], r["rpc_core_cell"],
+            f"{r['ratio']:.2f}x" if r["ratio"] is not None else "-",
+            r["better"], tgt,
+        ])
+    widths = [max(len(str(x[i])) for x in [head] + body) for i in range(len(head))]
+    right = {2, 3, 4}
+
+    def line(cols):
+        return "| " + " | ".join(
+            str(c).rjust(w) if i in right else str(c).ljust(w)
+            for i, (c, w) in enumerate(zip(cols, widths))
+        ) + " |"
+
+    out = [line(head), "|" + "|".join(("-" * (w + 1) + ":") if i in right else "-" * (w + 2)
+                                       for i, w in enumerate(widths)) + "|"]
+    out += [line(b) for b in body]
+    out.append("")
+    out.append("ratio = rpc_core / torch; 'better' is the direction of improvement. "
+               "echo GB/s = 2 x payload bytes / round trip (GB = 1e9 B). Median of repetitions"
+               + (f", pooled over {rounds} rounds." if rounds > 1 else "."))
+    for impl in IMPLS:
+        run = runs.get(impl)
+        if not run:
+            continue
+        extra = []
+        if run.get("init_s") is not None:
+            extra.append(f"init_rpc {run['init_s']:.2f} s")
+        if run.get("shutdown_s") is not None:
+            extra.append(f"shutdown {run['shutdown_s']:.2f} s")
+        if run.get("wall_s") is not None:
+            extra.append(f"wall {run['wall_s']:.1f} s")
+        out.append(f"{impl}: {run['status']}" + (f" ({', '.join(extra)})" if extra else ""))
+        for n in run["notes"]:
+            out.append(f"  note: {n}")
+    return "\n".join(out)
+
+
+def parse_core_options(items):
+    extra = {}
+    for item in items or []:
+        if "=" not in item:
+            raise SystemExit(f"--core-option expects KEY=VALUE, got {item!r}")
+        k, v = item.split("=", 1)
+        try:
+            extra[k] = ast.literal_eval(v)
+        except (ValueError, SyntaxError):
+            extra[k] = v
+    return extra
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="rpc_core vs torch.distributed.rpc benchmark",
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("Options:")[0])
+    ap.add_argument("--impl", choices=("both",) + IMPLS, default="both")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", default=None)
+    ap.add_argument("--json", default=None, metavar="PATH")
+    ap.add_argument("--timeout", type=float, default=None)
+    ap.add_argument("--core-option", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--list", action="store_true")
+    args = ap.parse_args(argv)
+
+    if args.list:
+        for name, label, unit, *_ in WORKLOADS:
+            print(f"{name:20s} {unit:8s} {label}")
+        return 0
+
+    selected = select(args.only)
+    timeout = args.timeout or (120.0 if args.quick else 300.0)
+    impls = IMPLS if args.impl == "both" else (args.impl,)
+    plan = [(w[0], dict(zip(("warmup", "iters", "reps"), w[6] if args.quick else w[5])))
+            for w in WORKLOADS if w[0] in selected]
+    core_extra = parse_core_options(args.core_option)
+
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
+
+    per_round = {impl: [] for impl in impls}
+    for rnd in range(args.rounds):
+        # Alternate the order so slow drift in machine load does not favour one side.
+        for impl in impls if rnd % 2 == 0 else tuple(reversed(impls)):
+            if per_round[impl] and per_round[impl][-1]["status"] == "unavailable":
+                continue
+            log(f"running {impl} ({'quick' if args.quick else 'full'}, {len(plan)} workloads, "
+                f"round {rnd + 1}/{args.rounds}, timeout {timeout:.0f} s)")
+            per_round[impl].append(
+                run_impl(impl, plan, core_extra if impl == "rpc_core" else {}, timeout, log))
+    runs = {impl: merge_rounds(lst) for impl, lst in per_round.items()}
+
+    rows = build_rows(selected, runs)
+    print(render(rows, runs, args.rounds))
+
+    if args.json:
+        import torch
+
+        doc = {
+            "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "quick": args.quick,
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "cpus": os.cpu_count(),
+            "plan": dict(plan),
+            "rounds": args.rounds,
+            "rows": rows,
+            "runs": runs,
+        }
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=2)
+        log(f"wrote {args.json}")
+    # Non-zero when a run failed (timeout, crash, a workload error); an implementation that
+    # is simply not available yet is not a failure.
+    failed = any(r["status"] in ("timeout", "crashed") or "error" in r["errors"].values()
+                 for r in runs.values())
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
