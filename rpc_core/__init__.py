@@ -52,7 +52,7 @@ def _get_debug_info() -> dict:
     info.update({
         "agent.thread_pool_size": agent.pool.size,
         "agent.num_pending_requests": agent.in_flight(),
-        "agent.num_idle_threads": agent.pool._idle,
+        "agent.num_idle_threads": agent.pool.idle,
     })
     return info
 

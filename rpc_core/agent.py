@@ -124,8 +124,13 @@ class Agent:
         self._timer_cv = threading.Condition()
         self.pool = ElasticPool(options.num_worker_threads, f"rpc-{self.me.name}")
         self.on_peer_lost: List[Callable[[int, str], None]] = []
+        self._world_connections = world.connections
+
+    def start(self) -> None:
+        """Start serving. Called once the layers above have plugged in, so no request is
+        handled by a half-initialised worker."""
         threading.Thread(target=self._timer_loop, name="rpc-timer", daemon=True).start()
-        for rank, conn in world.connections.items():
+        for rank, conn in self._world_connections.items():
             if self.me.id == 0:
                 self._incoming.append(conn)
                 self._start_reader(conn, rank, outgoing=False)
@@ -397,7 +402,7 @@ class Agent:
         try:
             if getattr(func, "_wrapped_async_rpc_function", None) is not None:
                 fut = func(*args, **kwargs)
-                if not isinstance(fut, torch.futures.Future):
+                if not isinstance(fut, torch._C.Future):
                     raise TypeError(
                         "Functions decorated with @rpc.async_function must return a torch.futures.Future "
                         f"object, but got {type(fut)}"

@@ -61,6 +61,7 @@ def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: Optiona
     for hook in init_hooks:
         hook(agent)
     _agent_mod.set_current_agent(agent)
+    agent.start()
 
 
 def get_worker_info(worker_name: Optional[str] = None) -> WorkerInfo:

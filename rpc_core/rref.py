@@ -342,7 +342,7 @@ def _on_create(rref_id: Id, fork_id: Optional[Id], func: Any, args: tuple, kwarg
     try:
         result = func(*args, **(kwargs or {}))
         if getattr(func, "_wrapped_async_rpc_function", None) is not None:
-            if not isinstance(result, torch.futures.Future):
+            if not isinstance(result, torch._C.Future):
                 raise TypeError("Functions decorated with @rpc.async_function must return a torch.futures.Future object")
             result.add_done_callback(lambda f: _settle(e.value, f))
         else:
