@@ -1,0 +1,267 @@
+"""Datasets, per-trainer partitions and a resumable batch iterator.
+
+Every dataset is held in memory as tensors (``TensorSplit``): images stay in their stored
+dtype (uint8 for MNIST/CIFAR, 4x smaller than float) and are normalised per batch. A
+trainer sees a disjoint slice of a per-epoch seeded permutation (``partition``), so all
+trainers together cover the training set once per epoch, and ``BatchIterator`` records its
+position as ``(epoch, offset)`` so a resumed run continues with exactly the next batch.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.utils.data import Dataset, default_collate
+
+from ps_train.config import DataConfig, DigitsConfig, SyntheticConfig, VisionDataConfig
+
+__all__ = [
+    "TensorSplit", "DatasetNotFoundError", "data_shape", "num_classes", "load_data",
+    "partition", "steps_per_epoch", "total_steps", "BatchIterator", "iter_eval_batches",
+]
+
+# name -> (sample shape, torchvision class name, per-channel mean, std) of the 0..1 pixels.
+_VISION: dict[str, tuple[tuple[int, ...], str, tuple[float, ...], tuple[float, ...]]] = {
+    "mnist": ((1, 28, 28), "MNIST", (0.1307,), (0.3081,)),
+    "fashion_mnist": ((1, 28, 28), "FashionMNIST", (0.2860,), (0.3530,)),
+    "cifar10": ((3, 32, 32), "CIFAR10", (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
+}
+
+
+_MASK64 = (1 << 64) - 1
+
+
+class DatasetNotFoundError(FileNotFoundError):
+    """Dataset files are missing (or corrupt) under ``data.root``; the message says how to get them."""
+
+
+class TensorSplit(Dataset):
+    """One split (train or test) as in-memory tensors.
+
+    ``images``: ``[N, *in_shape]`` of any dtype; ``labels``: int64 ``[N]``. Indexing with an
+    int, slice or index tensor returns ``(x, y)`` with x float32 ``(images / scale - mean) / std``
+    (mean/std per channel for ``[C, H, W]`` samples).
+    """
+
+    def __init__(self, images: Tensor, labels: Tensor, n_classes: int, scale: float = 1.0,
+                 mean: Sequence[float] = (0.0,), std: Sequence[float] = (1.0,)) -> None:
+        if images.shape[0] != labels.shape[0]:
+            raise ValueError(f"images ({images.shape[0]}) and labels ({labels.shape[0]}) differ in length")
+        self.images = images
+        self.labels = labels.long()
+        self.num_classes = int(n_classes)
+        self.scale = float(scale)
+        # Shape [C, 1, 1] broadcasts over [B, C, H, W]; a scalar for other sample shapes.
+        view = (-1, 1, 1) if images.dim() == 4 else (-1,)
+        self._mean = torch.tensor(mean, dtype=torch.float32).view(view) if len(mean) > 1 else torch.tensor(float(mean[0]))
+        self._std = torch.tensor(std, dtype=torch.float32).view(view) if len(std) > 1 else torch.tensor(float(std[0]))
+
+    @property
+    def in_shape(self) -> tuple[int, ...]:
+        return tuple(self.images.shape[1:])
+
+    def __len__(self) -> int:
+        return self.images.shape[0]
+
+    def __getitem__(self, index: int | slice | Tensor) -> tuple[Tensor, Tensor]:
+        x = self.images[index].to(torch.float32)
+        if self.scale != 1.0:
+            x = x / self.scale
+        return (x - self._mean) / self._std, self.labels[index]
+
+
+def data_shape(cfg: DataConfig) -> tuple[int, ...]:
+    """Shape of one sample (no batch dim), known without loading the data."""
+    if isinstance(cfg, DigitsConfig):
+        return (1, 8, 8)
+    if isinstance(cfg, SyntheticConfig):
+        return tuple(cfg.shape)
+    if cfg.name in _VISION:
+        return _VISION[cfg.name][0]
+    raise ValueError(f"data.name: unknown dataset {cfg.name!r}; use digits, mnist, fashion_mnist, cifar10 or synthetic")
+
+
+def num_classes(cfg: DataConfig) -> int:
+    return cfg.num_classes if isinstance(cfg, SyntheticConfig) else 10
+
+
+def load_data(cfg: DataConfig) -> tuple[TensorSplit, TensorSplit]:
+    """Load ``(train, test)`` for ``cfg``."""
+    if isinstance(cfg, DigitsConfig):
+        return _digits(cfg)
+    if isinstance(cfg, SyntheticConfig):
+        return _synthetic(cfg)
+    if isinstance(cfg, VisionDataConfig) and cfg.name in _VISION:
+        return _vision(cfg)
+    raise ValueError(f"data.name: unknown dataset {cfg.name!r} for {type(cfg).__name__}; "
+                     "use data=digits, data=mnist, data=fashion_mnist, data=cifar10 or data=synthetic")
+
+
+def _digits(cfg: DigitsConfig) -> tuple[TensorSplit, TensorSplit]:
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    bunch = load_digits()  # ships inside scikit-learn: data [1797, 64] in 0..16, target [1797]
+    x = torch.tensor(bunch.data, dtype=torch.float32).view(-1, 1, 8, 8) / 16.0
+    y = torch.tensor(bunch.target, dtype=torch.int64)
+    # Stratified so both splits keep the class balance; fixed by split_seed alone.
+    train_idx, test_idx = train_test_split(torch.arange(len(y)).numpy(), test_size=cfg.test_fraction,
+                                           random_state=cfg.split_seed, stratify=y.numpy())
+    train_idx, test_idx = torch.from_numpy(train_idx), torch.from_numpy(test_idx)
+    # Standardise with train statistics only (no test leakage).
+    mean, std = x[train_idx].mean().item(), x[train_idx].std().item()
+    return (TensorSplit(x[train_idx], y[train_idx], 10, mean=(mean,), std=(std,)),
+            TensorSplit(x[test_idx], y[test_idx], 10, mean=(mean,), std=(std,)))
+
+
+def _synthetic(cfg: SyntheticConfig) -> tuple[TensorSplit, TensorSplit]:
+    # Class prototypes plus Gaussian noise: learnable, and sized freely for benchmarks.
+    g = torch.Generator().manual_seed(cfg.data_seed)
+    shape = tuple(cfg.shape)
+    prototypes = torch.randn((cfg.num_classes, *shape), generator=g)
+
+    def draw(n: int) -> TensorSplit:
+        y = torch.randint(cfg.num_classes, (n,), generator=g)
+        x = prototypes[y] + cfg.noise * torch.randn((n, *shape), generator=g)
+        return TensorSplit(x, y, cfg.num_classes)
+
+    train = draw(cfg.train_size)
+    return train, draw(cfg.test_size)
+
+
+def _expected_files(cls: Any, root: str) -> tuple[str, list[str]]:
+    """Where torchvision looks for ``cls``'s files under ``root``, and their names."""
+    if hasattr(cls, "base_folder"):  # CIFAR: python pickle batches + meta
+        names = [n for n, _ in cls.train_list + cls.test_list] + [cls.meta["filename"]]
+        return os.path.join(root, cls.base_folder), names
+    # MNIST family: unpacked idx files in <root>/<ClassName>/raw/
+    names = [os.path.splitext(os.path.basename(url))[0] for url, _ in cls.resources]
+    return os.path.join(root, cls.__name__, "raw"), names
+
+
+def _vision(cfg: VisionDataConfig) -> tuple[TensorSplit, TensorSplit]:
+    import torchvision.datasets as tvd
+
+    shape, cls_name, mean, std = _VISION[cfg.name]
+    cls = getattr(tvd, cls_name)
+    root = os.path.abspath(os.path.expanduser(cfg.root))
+    folder, names = _expected_files(cls, root)
+    missing = [n for n in names if not os.path.isfile(os.path.join(folder, n))]
+    if missing and not cfg.download:
+        raise DatasetNotFoundError(
+            f"data={cfg.name}: dataset files not found in {folder} (data.root={cfg.root!r}); missing: "
+            f"{', '.join(missing)}. Download them with data.download=true (needs internet), or copy the "
+            f"{cls_name} files torchvision uses there, or point data.root at a folder that has them.")
+    splits = []
+    for train in (True, False):
+        try:
+            ds = cls(root, train=train, download=cfg.download)
+        except RuntimeError as e:  # torchvision: not found / md5 mismatch / download failure
+            raise DatasetNotFoundError(
+                f"data={cfg.name}: torchvision could not load the files in {folder}: {e}. If they are "
+                "corrupt or incomplete, delete them and re-download with data.download=true.") from e
+        images = torch.as_tensor(ds.data)
+        # MNIST stores [N, H, W]; CIFAR stores HWC numpy [N, H, W, C]; both become [N, C, H, W].
+        images = images.unsqueeze(1) if images.dim() == 3 else images.permute(0, 3, 1, 2).contiguous()
+        if tuple(images.shape[1:]) != shape:
+            raise DatasetNotFoundError(f"data={cfg.name}: files in {folder} hold samples of shape "
+                                       f"{tuple(images.shape[1:])}, expected {shape}")
+        splits.append(TensorSplit(images, torch.as_tensor(ds.targets), 10, scale=255.0, mean=mean, std=std))
+    return splits[0], splits[1]
+
+
+def partition(n_items: int, rank: int, world: int, seed: int, epoch: int) -> Tensor:
+    """Indices (int64) of trainer ``rank``'s share of ``n_items`` for ``epoch``.
+
+    A seeded permutation per (seed, epoch), dealt out by stride: the ``world`` partitions are
+    disjoint, cover all items, differ in size by at most one, and depend on nothing else.
+    """
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"partition: rank {rank} must be in [0, world={world}) and world >= 1")
+    if n_items < 0 or epoch < 0:
+        raise ValueError(f"partition: n_items ({n_items}) and epoch ({epoch}) must be >= 0")
+    # NumPy's SeedSequence hashes (seed, epoch) in full; torch's CPU generator would keep
+    # only 32 bits of a combined seed, making different (seed, epoch) pairs collide.
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed & _MASK64, epoch])))
+    return torch.from_numpy(rng.permutation(n_items).astype(np.int64))[rank::world]
+
+
+def steps_per_epoch(n_items: int, world: int, batch_size: int) -> int:
+    """Full batches per epoch, the same for every trainer (the smallest partition decides),
+    so in sync mode all trainers take the same number of steps."""
+    return (n_items // world) // batch_size
+
+
+def total_steps(steps: int | None, epochs: int | None, n_items: int, world: int, batch_size: int) -> int:
+    """Steps each trainer runs for ``train.steps`` or ``train.epochs``."""
+    if steps is not None:
+        return steps
+    if epochs is None:
+        raise ValueError("train.steps/train.epochs: set one of them")
+    return epochs * steps_per_epoch(n_items, world, batch_size)
+
+
+class BatchIterator(Iterator[tuple[Tensor, Tensor]]):
+    """Endless batches of trainer ``rank``'s partition, epoch after epoch (drops the tail).
+
+    The position is ``(epoch, offset)`` with ``offset`` = samples of this epoch's partition
+    already consumed; ``state_dict`` / ``load_state_dict`` save and restore it exactly.
+    """
+
+    def __init__(self, dataset: Dataset, rank: int, world: int, batch_size: int, seed: int) -> None:
+        self.dataset, self.rank, self.world, self.seed = dataset, rank, world, seed
+        self.batch_size = batch_size
+        self.n_items = len(dataset)  # type: ignore[arg-type]
+        self.steps_per_epoch = steps_per_epoch(self.n_items, world, batch_size)
+        if batch_size < 1 or self.steps_per_epoch == 0:
+            raise ValueError(
+                f"train.batch_size={batch_size}: each of the {world} trainers gets only "
+                f"{self.n_items // world} of {self.n_items} training samples, not a full batch; "
+                "lower train.batch_size or cluster.num_trainers")
+        partition(self.n_items, rank, world, seed, 0)  # validates rank/world early
+        self.epoch, self.offset = 0, 0
+        self._perm: Tensor | None = None
+        self._perm_epoch = -1
+
+    def _indices(self) -> Tensor:
+        if self._perm is None or self._perm_epoch != self.epoch:
+            self._perm = partition(self.n_items, self.rank, self.world, self.seed, self.epoch)
+            self._perm_epoch = self.epoch
+        return self._perm
+
+    def __next__(self) -> tuple[Tensor, Tensor]:
+        # Only the first n_items // world samples of each partition are used, so every rank
+        # has the same batches per epoch.
+        if self.offset + self.batch_size > self.n_items // self.world:
+            self.epoch, self.offset = self.epoch + 1, 0
+        idx = self._indices()[self.offset:self.offset + self.batch_size]
+        self.offset += self.batch_size
+        if isinstance(self.dataset, TensorSplit):
+            return self.dataset[idx]
+        return default_collate([self.dataset[int(i)] for i in idx])
+
+    def state_dict(self) -> dict[str, int]:
+        """JSON-safe position (plus what it is only valid for)."""
+        return {"epoch": self.epoch, "offset": self.offset, "rank": self.rank,
+                "world": self.world, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        for key in ("rank", "world", "seed"):
+            if key in state and state[key] != getattr(self, key):
+                raise ValueError(
+                    f"cannot restore data position saved with {key}={state[key]} into a trainer with "
+                    f"{key}={getattr(self, key)}; resume with the same seed and cluster.num_trainers")
+        if state["epoch"] < 0 or not 0 <= state["offset"] <= self.n_items // self.world:
+            raise ValueError(f"invalid data position {state}")
+        self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
+
+
+def iter_eval_batches(dataset: TensorSplit, batch_size: int) -> Iterator[tuple[Tensor, Tensor]]:
+    """All samples in order, in batches (the last may be short): for evaluation."""
+    for start in range(0, len(dataset), batch_size):
+        yield dataset[start:start + batch_size]
