@@ -57,6 +57,11 @@ class RpcFuture(torch.futures.Future):
         self._has_callbacks = True
         return super().add_done_callback(callback)
 
+    def wait(self):  # type: ignore[override]
+        if not self.done() and _agent is not None:
+            _agent.pool.handoff()  # a pool thread about to block must not hold up queued calls
+        return super().wait()
+
 
 class Middleware:
     """Hooks for higher layers; every method is optional and may be left as is."""

@@ -199,13 +199,13 @@ class RRef(Generic[T]):
             raise RpcError(
                 f"For {self}, can't call localValue() on user {me}. Call it on owner {self.owner()}"
             )
-        return _ctx.owners[self._rref_id].value.wait()
+        return _ctx.entry(self._rref_id).value.wait()
 
     def to_here(self, timeout: float = -1) -> T:
         """Copy the value from the owner (the value itself on the owner); blocks."""
         self._check_alive("to_here")
         if self.is_owner():
-            return _ctx.owners[self._rref_id].value.wait()
+            return _ctx.entry(self._rref_id).value.wait()
         self._raise_creation_error()
         from .api import _invoke
 
@@ -310,7 +310,7 @@ def _from_fork(owner: int, rref_id: Id, fork_id: Id, parent: int) -> RRef:
     if owner == me:
         if parent == me:
             with _ctx.lock:
-                _ctx.owners[rref_id].forks.discard(fork_id)  # our own fork came back: no user exists
+                _ctx.entry(rref_id).forks.discard(fork_id)  # our own fork came back: no user exists
         else:
             agent.send_request(parent, _on_child_accept, (fork_id,), {}, timeout=0)
         return RRef._owner_handle(rref_id)
@@ -361,14 +361,13 @@ def _settle(target: torch.futures.Future, source: torch.futures.Future) -> None:
 
 @async_execution
 def _on_fetch(rref_id: Id) -> torch.futures.Future:
-    e = _ctx.owners.get(rref_id)
-    if e is None:
-        raise RpcError(f"RRef {_fmt(rref_id)} does not exist on its owner (it was already deleted)")
-    return e.value
+    # The creation request may still be queued behind this fetch: wait for the value.
+    return _ctx.entry(rref_id).value
 
 
-def _on_type(rref_id: Id) -> type:
-    return type(_ctx.owners[rref_id].value.wait())
+@async_execution
+def _on_type(rref_id: Id) -> torch.futures.Future:
+    return _ctx.entry(rref_id).value.then(lambda f: type(f.value()))
 
 
 def _on_fork(rref_id: Id, fork_id: Id) -> None:
