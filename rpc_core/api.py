@@ -26,8 +26,10 @@ from .rendezvous import WorkerInfo, rendezvous
 # Called with each new Agent (distributed autograd installs its middleware here).
 init_hooks: List[Callable[[Agent], None]] = []
 shutdown_hooks: List[Callable[[], None]] = []
-# Wrappers around outgoing user calls: fn(exec_mode, func, dst, send) -> Future. Empty unless
-# the profiler is on, so the call path pays nothing for it otherwise.
+# Wrappers around outgoing user calls: fn(exec_mode, func, dst, send) -> Future, where func is
+# the user's function (for remote, the one whose result the RRef holds) and send(extras=None)
+# sends the call, optionally with message extras. Empty unless the profiler is on, so the
+# call path pays nothing for it otherwise.
 call_wrappers: List[Callable[..., torch.futures.Future]] = []
 
 
@@ -81,7 +83,7 @@ def _set_rpc_timeout(rpc_timeout: float) -> None:
 
 
 def _invoke_async(to: Any, func: Any, args: Optional[tuple], kwargs: Optional[dict], timeout: float,
-                  exec_mode: str) -> torch.futures.Future:
+                  exec_mode: str, user_func: Any = None) -> torch.futures.Future:
     agent = current_agent()
     if not callable(func):
         raise TypeError("function should be callable.")
@@ -89,10 +91,12 @@ def _invoke_async(to: Any, func: Any, args: Optional[tuple], kwargs: Optional[di
     args = tuple(args) if args is not None else ()
     kwargs = kwargs if kwargs is not None else {}
     if call_wrappers:
-        def send(f: Any = func, a: tuple = args, k: dict = kwargs) -> torch.futures.Future:
-            return agent.send_request(dst, f, a, k, timeout)
+        wrap = next(reversed(call_wrappers), None)  # one read: another thread may empty the list
+        if wrap is not None:
+            def send(f: Any = func, a: tuple = args, k: dict = kwargs, extras: Optional[dict] = None) -> torch.futures.Future:
+                return agent.send_request(dst, f, a, k, timeout, extras=extras)
 
-        return call_wrappers[-1](exec_mode, func, dst, send)
+            return wrap(exec_mode, func if user_func is None else user_func, dst, send)
     return agent.send_request(dst, func, args, kwargs, timeout)
 
 
@@ -125,10 +129,10 @@ def remote(to: Any, func: Callable[..., Any], args: Optional[tuple] = None, kwar
     call_args = (tuple(args) if args is not None else (), kwargs if kwargs is not None else {})
     if dst == agent.me.id:
         handle = _rref.RRef._owner_handle(rref_id)  # registers the entry; the value follows
-        _invoke_async(dst, _rref._on_create, (rref_id, None, func) + call_args, None, timeout, "remote")
+        _invoke_async(dst, _rref._on_create, (rref_id, None, func) + call_args, None, timeout, "remote", user_func=func)
         return handle
     fork_id = _rref._new_id()
-    creation = _invoke_async(dst, _rref._on_create, (rref_id, fork_id, func) + call_args, None, timeout, "remote")
+    creation = _invoke_async(dst, _rref._on_create, (rref_id, fork_id, func) + call_args, None, timeout, "remote", user_func=func)
     return _rref.new_user_for_remote(dst, rref_id, fork_id, creation)
 
 
