@@ -9,12 +9,14 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any, Dict, Iterator, List
 
 import torch
 
 from .. import agent as _agent_mod
 from .. import api as _api
+from ..functions import async_execution
 from . import context as _context
 from .context import DistAutogradContext
 from .engine import backward
@@ -22,7 +24,8 @@ from .recording import AutogradMiddleware
 
 __all__ = ["backward", "context", "get_gradients", "is_available", "DistAutogradContext"]
 
-_cleanups: List[torch.futures.Future] = []
+_cleanups: List[torch.futures.Future] = []  # cleanup RPCs this worker sent, not yet known done
+_cleanups_lock = threading.Lock()
 
 
 def is_available() -> bool:
@@ -56,29 +59,47 @@ def get_gradients(context_id: int) -> Dict[torch.Tensor, torch.Tensor]:
         return dict(ctx.grads)
 
 
-def _release_context(context_id: int, skip: int = -1) -> None:
+def _release_context(context_id: int, skip: int = -1) -> List[torch.futures.Future]:
+    """Release the context here and tell the workers it touched (except ``skip``, who told
+    us); returns the futures of those cleanup calls. Each receiver does the same with the
+    workers *it* touched and answers only when they have answered, so waiting for these
+    futures waits for the whole cleanup."""
     ctx = _context.release(context_id)
     if ctx is None:
-        return
+        return []
     agent = _agent_mod._agent
     if agent is None or agent._closing:
-        return
+        return []
     futs = []
     for w in ctx.known_workers - {agent.me.id, skip}:
         try:
             futs.append(agent.send_request(w, _on_cleanup, (context_id, agent.me.id), {}, timeout=0))
         except Exception:
             pass  # a dead worker has nothing left to clean
-    _cleanups[:] = [f for f in _cleanups if not f.done()] + futs
+    if futs:
+        with _cleanups_lock:
+            _cleanups[:] = [f for f in _cleanups if not f.done()] + futs
+    return futs
 
 
-def _on_cleanup(context_id: int, sender: int) -> None:
-    _release_context(context_id, skip=sender)
+@async_execution
+def _on_cleanup(context_id: int, sender: int) -> torch.futures.Future:
+    futs = _release_context(context_id, skip=sender)
+    done: torch.futures.Future = torch.futures.Future()
+    if not futs:
+        done.set_result(None)
+        return done
+    # Errors (a dead worker) do not matter: there is nothing left to clean there.
+    torch.futures.collect_all(futs).add_done_callback(lambda _: done.set_result(None))
+    return done
 
 
 def _wait_cleanups() -> None:
-    """Wait until the cleanup messages this worker sent were handled (for tests)."""
-    for f in list(_cleanups):
+    """Wait until the cleanup messages this worker sent were handled, including the ones
+    their receivers passed on to the workers they touched (for tests)."""
+    with _cleanups_lock:
+        futs = list(_cleanups)
+    for f in futs:
         try:
             f.wait()
         except BaseException:

@@ -5,11 +5,17 @@ so ids are unique across the world without coordination. Every worker a context 
 holds a ``DistAutogradContext`` with the same id; it records the sends (tensors this worker
 sent that need gradients back), the recvs, the workers it talked to (for cleanup), and the
 gradients accumulated here in this context.
+
+Released ids are remembered (a bounded FIFO of tombstones): a message of a context that
+arrives after the context was released here (the late answer of an RPC nobody waited
+for, or a request overtaken by the cleanup) must not bring it back, or it would never be
+released again. Such messages get a throwaway context that is not registered.
 """
 from __future__ import annotations
 
 import itertools
 import threading
+from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Set
 
 import torch
@@ -23,6 +29,8 @@ _contexts: Dict[int, "DistAutogradContext"] = {}
 _counter = itertools.count(0)
 _msg_counter = itertools.count(0)
 _worker_id = 0
+_released: "OrderedDict[int, None]" = OrderedDict()  # tombstones of released ids
+_MAX_TOMBSTONES = 1 << 16
 
 
 class DistAutogradContext:
@@ -61,6 +69,7 @@ def init(worker_id: int) -> None:
     _msg_counter = itertools.count(0)
     with _lock:
         _contexts.clear()
+        _released.clear()
 
 
 def new_message_id() -> int:
@@ -81,10 +90,14 @@ def new_context() -> DistAutogradContext:
 
 
 def get_or_create(context_id: int) -> DistAutogradContext:
+    """The context with this id, created if new here; for an id already released here, a
+    throwaway context that is not registered (so late messages cannot resurrect it)."""
     with _lock:
         ctx = _contexts.get(context_id)
         if ctx is None:
-            ctx = _contexts[context_id] = DistAutogradContext(context_id)
+            ctx = DistAutogradContext(context_id)
+            if context_id not in _released:
+                _contexts[context_id] = ctx
         return ctx
 
 
@@ -105,7 +118,11 @@ def is_valid(context_id: int) -> bool:
 
 
 def release(context_id: int) -> Optional[DistAutogradContext]:
+    """Forget the context (if it is here) and tombstone its id; returns the context."""
     with _lock:
+        _released[context_id] = None
+        if len(_released) > _MAX_TOMBSTONES:
+            _released.popitem(last=False)
         return _contexts.pop(context_id, None)
 
 

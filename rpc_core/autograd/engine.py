@@ -90,8 +90,10 @@ def _check_roots(roots: Any) -> List[torch.Tensor]:
             raise RpcError(f"requires_grad not set on root tensor {i}: it is not part of any autograd graph")
         if r.numel() != 1:
             raise RpcError(f"roots[{i}] of shape {tuple(r.shape)} is not a scalar, all roots need to be scalar")
-        if r.grad_fn is None and not r.is_leaf:
-            raise RpcError(f"roots[{i}] does not have a valid gradient function")
+        if r.grad_fn is None:
+            # As in torch: a leaf root has nothing to differentiate through.
+            raise RpcError(f"roots[{i}] does not have a valid gradient function: it is a leaf tensor, "
+                           "not the result of a computation")
     return list(roots)
 
 
@@ -99,6 +101,8 @@ def backward(context_id: int, roots: List[torch.Tensor], retain_graph: bool = Fa
     """Run the distributed backward pass from scalar ``roots`` (local tensors) in context
     ``context_id``; returns when every worker's part is done. Gradients accumulate in the
     context of each worker (``get_gradients``), never in ``.grad``."""
+    if not isinstance(context_id, int) or isinstance(context_id, bool):
+        raise TypeError(f"incompatible function arguments: context_id must be an int, got {type(context_id).__name__}")
     roots = _check_roots(roots)
     ctx = _context.retrieve(context_id)
     me = _agent_mod.current_agent().me

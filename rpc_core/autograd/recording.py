@@ -57,6 +57,38 @@ class _Recv(torch.autograd.Function):
         return (None, None) + (None,) * len(grads)
 
 
+def _context_of_graph(tensors: List[torch.Tensor]) -> Optional[int]:
+    """The live context whose received tensors these tensors were computed from, if any.
+
+    A request sent by a thread without a current context (typically a callback of an
+    ``@async_execution`` function's future, which runs on whichever thread completes that
+    future) still belongs to the context its tensors came from: without this, their
+    gradients would silently stop at this worker. Only searched when this worker holds
+    contexts and a tensor requires grad, so it costs nothing outside distributed autograd.
+    """
+    if not _context.count():
+        return None
+    stack = [t.grad_fn for t in tensors if t.requires_grad and t.grad_fn is not None]
+    seen = set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if isinstance(node, _RecvBackward):
+            cid = node.info[0]
+            if _context.is_valid(cid):
+                return cid
+            continue  # a released context: its inputs are detached anyway
+        for nxt, _ in node.next_functions:
+            if nxt is not None and nxt not in seen:
+                stack.append(nxt)
+    return None
+
+
+_RecvBackward = _Recv._backward_cls  # type: ignore[attr-defined]
+
+
 class AutogradMiddleware(_agent_mod.Middleware):
     """Plugged into the agent: records sends on the way out, recvs on the way in, and
     makes the request's context current while the callee runs the function."""
@@ -65,6 +97,8 @@ class AutogradMiddleware(_agent_mod.Middleware):
                  request_extras: Optional[Dict[str, Any]]) -> None:
         if request_extras is None:
             context_id = _context.current_id()
+            if context_id is None:
+                context_id = _context_of_graph(tensors)
         else:
             ag = request_extras.get("ag")
             context_id = ag[0] if ag else None
