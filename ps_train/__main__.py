@@ -1,0 +1,39 @@
+"""``python -m ps_train [overrides]``: compose the Hydra config, convert it once, run it."""
+from __future__ import annotations
+
+import logging
+import sys
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+import ps_train.config  # noqa: F401  (registers the config schemas with Hydra)
+from ps_train.app import run
+from ps_train.config import ConfigError, from_dictconfig
+from ps_train.launch import RoleFailed
+
+log = logging.getLogger("ps_train")
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+def main(dcfg: DictConfig) -> float:
+    try:
+        cfg = from_dictconfig(dcfg)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    hc = HydraConfig.get()
+    run_dir = hc.runtime.output_dir
+    print(f"[ps_train] run dir: {run_dir}", flush=True)
+    try:
+        metrics = run(cfg, run_dir, overrides=list(hc.overrides.task))
+    except RoleFailed as e:
+        log.error("%s", e)
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    return float(metrics["test_accuracy"]) if metrics else 0.0
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""Which RPC stack the application runs on: rpc_core (default) or torch.distributed.rpc.
+
+Both expose the same names (that is rpc_core's contract), so the rest of ps_train only
+asks for ``rpc()``, ``dist_autograd()`` and builds options through ``make_options``.
+"""
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any, Optional
+
+_name: Optional[str] = None
+
+
+def select(name: str) -> None:
+    global _name
+    if name not in ("rpc_core", "torch"):
+        raise ValueError(f"backend: unknown backend {name!r}; choose rpc_core or torch")
+    _name = name
+
+
+def name() -> str:
+    return _name or "rpc_core"
+
+
+def rpc() -> ModuleType:
+    if name() == "torch":
+        import torch.distributed.rpc as m
+    else:
+        import rpc_core as m  # type: ignore[no-redef]
+    return m
+
+
+def dist_autograd() -> ModuleType:
+    if name() == "torch":
+        import torch.distributed.autograd as m
+    else:
+        import rpc_core.autograd as m  # type: ignore[no-redef]
+    return m
+
+
+def make_options(init_method: str, rpc_timeout: float, num_worker_threads: int, secret: Optional[str]) -> Any:
+    if name() == "torch":
+        import torch.distributed.rpc as trpc
+
+        # torch RPC has no authentication: anyone reaching its ports can run code in it.
+        return trpc.TensorPipeRpcBackendOptions(
+            num_worker_threads=num_worker_threads, rpc_timeout=rpc_timeout, init_method=init_method)
+    import rpc_core
+
+    return rpc_core.RpcBackendOptions(
+        num_worker_threads=num_worker_threads, rpc_timeout=rpc_timeout, init_method=init_method,
+        auth_secret=secret)

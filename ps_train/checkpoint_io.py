@@ -1,0 +1,88 @@
+"""Distributed checkpoints of a running job, and resuming from them.
+
+trainer0 coordinates: after step k (every ``checkpoint.every`` steps, and at the end) it
+asks each server to write its shards' weights and optimizer state (``save_server_state``,
+run on the server over RPC), then writes the manifest tying the files to step k, every
+trainer's data position and the RNG states. In sync mode the servers cannot move while
+trainer0 is busy checkpointing (step k+1 needs trainer0's gradients), so the checkpoint is
+exactly the state after step k. In async/ssp modes each shard is saved as it is at that
+moment and every trainer resumes from trainer0's step.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Callable, Dict, Optional
+
+from ps_train.checkpoint import (
+    Manifest, ShardFile, begin_checkpoint, capture_rng_state, load_checkpoint, prune_checkpoints,
+    resolve_resume, save_shard_state, write_manifest,
+)
+from ps_train.config import Config
+from ps_train.data import steps_per_epoch
+
+log = logging.getLogger("ps_train.checkpoint")
+
+
+def save_server_state(ckpt_dir: str) -> ShardFile:
+    """On a server: write this server's shards + optimizer state into ``ckpt_dir``."""
+    from ps_train.server import _server
+
+    if _server is None:
+        raise RuntimeError("save_server_state called on a worker that hosts no ParameterServer")
+    return save_shard_state(ckpt_dir, f"ps{_server.rank}", _server.state_dict())
+
+
+def load_server_state(ps: Any, resume_state: Dict[str, Any]) -> None:
+    ps.load_state_dict(resume_state["servers"][f"ps{ps.rank}"])
+
+
+def data_position(cfg: Config, n_items: int, step: int) -> Dict[str, int]:
+    """Where every trainer's batch iterator stands after ``step`` steps (the same for all)."""
+    spe = steps_per_epoch(n_items, cfg.cluster.num_trainers, cfg.train.batch_size)
+    return {"epoch": step // spe, "offset": (step % spe) * cfg.train.batch_size}
+
+
+def save(trainer: Any, step: int) -> Path:
+    """trainer0: write a complete checkpoint of the job after ``step``."""
+    cfg: Config = trainer.cfg
+    rpc = trainer.rpc
+    ckpt = begin_checkpoint(trainer.run_dir, step)
+    futs = [rpc.rpc_async(f"ps{r}", save_server_state, args=(str(ckpt),)) for r in range(cfg.cluster.num_servers)]
+    shards = [f.wait() for f in futs]
+    pos = data_position(cfg, len(trainer.train_set), step)
+    positions = {}
+    for k in range(cfg.cluster.num_trainers):
+        positions[f"trainer{k}"] = dict(pos, rank=k, world=cfg.cluster.num_trainers, seed=cfg.seed)
+    write_manifest(ckpt, Manifest(step=step, shards=shards, trainer_positions=positions,
+                                  rng_states={"trainer0": capture_rng_state()},
+                                  extra={"mode": cfg.mode.name, "backend": cfg.backend}))
+    prune_checkpoints(trainer.run_dir, cfg.checkpoint.keep)
+    log.info("checkpoint after step %d: %s", step, ckpt)
+    return ckpt
+
+
+def checkpoint_hook(cfg: Config, run_dir: str) -> Optional[Callable[[Any, int], None]]:
+    """The per-step callback trainer0 runs: checkpoint every ``checkpoint.every`` steps and
+    after the last step."""
+
+    def hook(trainer: Any, step: int) -> None:
+        if trainer.index != 0:
+            return
+        every = cfg.checkpoint.every
+        if (every and step % every == 0) or step == trainer.steps:
+            save(trainer, step)
+
+    return hook
+
+
+def load_resume_state(path: str) -> Dict[str, Any]:
+    """Read the latest complete checkpoint under ``path`` (a run dir or checkpoint dir)."""
+    ckpt = resolve_resume(path)
+    manifest, states = load_checkpoint(ckpt)
+    return {
+        "checkpoint": str(ckpt),
+        "step": manifest.step,
+        "servers": states,
+        "trainer_positions": manifest.trainer_positions,
+    }

@@ -1,0 +1,200 @@
+"""The parameter server: hosts shards of the model and applies updates to them.
+
+Every server builds the whole seeded model (cheap, and identical everywhere) and keeps the
+shards placed on it. Trainers call it through an RRef:
+
+- ``forward(shard, x, trainer)``: the shard's forward; under distributed autograd the
+  parameters' gradients land in the trainer's context on this server.
+- ``apply_sync(context_id, trainer, step)``: sync mode. Waits (without holding a thread)
+  until every trainer handed in its step-``step`` gradients, sums them in trainer-rank
+  order, and steps the optimizer once; bit-reproducible.
+- ``apply_async(context_id, trainer)``: async/ssp modes. Applies this trainer's gradients
+  now; returns the staleness (updates by others since this trainer's forward read the
+  parameters).
+- ``clock(trainer, completed)`` (on ps0, ssp mode): returns once no trainer is more than
+  ``staleness`` steps behind ``completed``.
+
+In async/ssp modes a forward reads a private copy of the parameters (``clone`` keeps the
+gradient path), so an update applied while another trainer's backward is still pending
+cannot invalidate the tensors that backward saved: the upstream example's "modified by an
+inplace operation" failure cannot happen.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+from typing import Any, Dict, List, Optional
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from rpc_core.functions import async_execution
+from ps_train import backend
+from ps_train.config import Config, optimizer_spec
+from ps_train.data import data_shape, num_classes
+from ps_train.models import build_model_shards, shards_of_server
+
+log = logging.getLogger("ps_train.server")
+
+_server: Optional["ParameterServer"] = None
+
+
+class ParameterServer:
+    def __init__(self, cfg: Config, rank: int) -> None:
+        self.rank = rank
+        self.mode = cfg.mode.name
+        self.staleness_bound = cfg.mode.staleness
+        self.num_trainers = cfg.cluster.num_trainers
+        shards = build_model_shards(cfg.model, data_shape(cfg.data), num_classes(cfg.data),
+                                    cfg.cluster.num_servers, cfg.cluster.placement, cfg.seed)
+        self.shards: Dict[int, nn.Module] = {s.index: s.module for s in shards_of_server(shards, rank)}
+        self.params: List[nn.Parameter] = [p for m in self.shards.values() for p in m.parameters()]
+        self.seed = cfg.seed
+        self.has_dropout = any(isinstance(x, nn.Dropout) and x.p > 0 for m in self.shards.values() for x in m.modules())
+        cls, kwargs = optimizer_spec(cfg.optim)
+        self.optimizer = cls(self.params, **kwargs) if self.params else None
+        self.lock = threading.Lock()
+        self.version = 0  # updates applied so far
+        self.updates = {i: 0 for i in self.shards}
+        self._read_version: Dict[int, int] = {}
+        self._rounds: Dict[int, Dict[str, Any]] = {}
+        self._clock: Dict[int, int] = {}
+        self._clock_waiters: List[Any] = []
+        self.max_staleness_seen = 0
+
+    # -- forward ----------------------------------------------------------------------------------
+    def forward(self, shard: int, x: torch.Tensor, trainer: int = -1, step: int = -1) -> torch.Tensor:
+        module = self.shards[shard]
+        if self.mode == "sync":
+            if not self.has_dropout or step < 0:
+                return module(x)
+            # Dropout draws from a generator seeded by (seed, shard, trainer, step), so masks do
+            # not depend on which trainer's request this server happened to serve first.
+            with self.lock, torch.random.fork_rng(devices=[]):
+                torch.manual_seed(hash((self.seed, shard, trainer, step)) & 0x7FFF_FFFF_FFFF_FFFF)
+                return module(x)
+        with self.lock:
+            # Private copies of the parameters for this forward (see module docstring).
+            params = {n: p.clone() for n, p in module.named_parameters()}
+            self._read_version[trainer] = self.version
+        return functional_call(module, params, (x,))
+
+    def predict(self, shard: int, x: torch.Tensor) -> torch.Tensor:
+        with self.lock:
+            module = copy.deepcopy(self.shards[shard])  # eval mode must not disturb training forwards
+        module.eval()
+        with torch.no_grad():
+            return module(x)
+
+    def parameter_rrefs(self) -> List[Any]:
+        rpc = backend.rpc()
+        return [rpc.RRef(p) for p in self.params]
+
+    # -- updates ----------------------------------------------------------------------------------
+    def _grads(self, context_id: int) -> Dict[nn.Parameter, torch.Tensor]:
+        grads = backend.dist_autograd().get_gradients(context_id)
+        return {p: grads[p] for p in self.params if p in grads}
+
+    def _step(self, grads: Dict[nn.Parameter, torch.Tensor]) -> None:
+        # Caller holds self.lock.
+        if self.optimizer is None:
+            return
+        for p in self.params:
+            p.grad = grads.get(p)
+        self.optimizer.step()
+        for p in self.params:
+            p.grad = None
+        self.version += 1
+        for i in self.updates:
+            self.updates[i] += 1
+
+    @async_execution
+    def apply_sync(self, context_id: int, trainer: int, step: int) -> torch.futures.Future:
+        grads = self._grads(context_id)
+        with self.lock:
+            r = self._rounds.setdefault(step, {"grads": {}, "future": torch.futures.Future()})
+            r["grads"][trainer] = grads
+            complete = len(r["grads"]) == self.num_trainers
+            if complete:
+                del self._rounds[step]
+                total: Dict[nn.Parameter, torch.Tensor] = {}
+                for t in sorted(r["grads"]):  # rank order: the same float sums every run
+                    for p, g in r["grads"][t].items():
+                        total[p] = g if p not in total else total[p] + g
+                self._step(total)
+        if complete:
+            r["future"].set_result(self.version)
+        return r["future"]
+
+    def apply_async(self, context_id: int, trainer: int) -> int:
+        grads = self._grads(context_id)
+        with self.lock:
+            staleness = self.version - self._read_version.pop(trainer, self.version)
+            self._step(grads)
+            self.max_staleness_seen = max(self.max_staleness_seen, staleness)
+        return staleness
+
+    @async_execution
+    def clock(self, trainer: int, completed: int) -> torch.futures.Future:
+        """SSP barrier: resolves (to the current staleness) once every trainer completed at
+        least ``completed - staleness_bound`` steps."""
+        fut: torch.futures.Future = torch.futures.Future()
+        with self.lock:
+            self._clock[trainer] = completed
+            self._clock_waiters.append((completed, fut))
+            slowest = min(self._clock.get(t, 0) for t in range(self.num_trainers))
+            ready = [(c, f) for c, f in self._clock_waiters if c - self.staleness_bound <= slowest]
+            self._clock_waiters = [(c, f) for c, f in self._clock_waiters if c - self.staleness_bound > slowest]
+        for c, f in ready:
+            f.set_result(c - slowest)
+        return fut
+
+    def finish(self, trainer: int) -> None:
+        """A trainer is done: it no longer holds back the others in ssp mode."""
+        self.clock(trainer, 1 << 60)
+
+    # -- state ------------------------------------------------------------------------------------
+    def stats(self) -> Dict[str, Any]:
+        out: Dict[str, Any] = {"version": self.version, "updates": dict(self.updates),
+                               "max_staleness": self.max_staleness_seen}
+        if backend.name() == "rpc_core":
+            from rpc_core.agent import current_agent
+
+            agent = current_agent()
+            conns = list(agent._out.values()) + list(agent._incoming)
+            out["bytes_sent"] = sum(getattr(c, "bytes_sent", 0) for c in conns)
+            out["bytes_received"] = sum(getattr(c, "bytes_received", 0) for c in conns)
+        return out
+
+    def state_dict(self) -> Dict[str, Any]:
+        with self.lock:
+            return {
+                "shards": {i: copy.deepcopy(m.state_dict()) for i, m in self.shards.items()},
+                "optimizer": copy.deepcopy(self.optimizer.state_dict()) if self.optimizer else None,
+                "version": self.version,
+                "updates": dict(self.updates),
+            }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        with self.lock:
+            for i, sd in state["shards"].items():
+                self.shards[int(i)].load_state_dict(sd)
+            if self.optimizer is not None and state.get("optimizer") is not None:
+                self.optimizer.load_state_dict(state["optimizer"])
+            self.version = state.get("version", 0)
+            self.updates = {int(k): v for k, v in state.get("updates", {}).items()} or self.updates
+
+
+def create(cfg: Config, rank: int) -> ParameterServer:
+    global _server
+    _server = ParameterServer(cfg, rank)
+    return _server
+
+
+def get_server_rref() -> Any:
+    """Called by trainers over RPC: an RRef to this process's ParameterServer."""
+    if _server is None:
+        raise RuntimeError("this worker hosts no ParameterServer (is it a trainer?)")
+    return backend.rpc().RRef(_server)

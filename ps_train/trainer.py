@@ -1,0 +1,223 @@
+"""The trainer: data -> forward through the shards over RPC -> distributed backward -> update.
+
+Each trainer owns a partition of the training data. Per step (batch x: [B, *in_shape]):
+
+    with dist_autograd.context() as ctx:
+        h = x
+        for shard in shards:                        # forward order; each on its server
+            h = server[shard].forward(shard, h)     # [B, features_k] over RPC
+        loss = cross_entropy(h, y)                  # logits h: [B, num_classes]
+        dist_autograd.backward(ctx, [loss])         # gradients land on the servers
+        sync:  every server: apply_sync(ctx, me, step)   (waits for all trainers)
+        async: every server: apply_async(ctx, me)
+    ssp: ps0.clock(me, step + 1)                    # wait if too far ahead
+
+trainer0 also evaluates on the test split, prints progress, and writes metrics.json.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+from rpc_core.functions import async_execution
+from ps_train import backend
+from ps_train.config import Config, config_to_dict
+from ps_train.data import BatchIterator, iter_eval_batches, load_data, total_steps
+from ps_train.metrics import LatencyStats, ThroughputMeter, flatten_hparams, make_writer, write_metrics_json
+from ps_train.models import build_model_shards
+from ps_train.data import data_shape, num_classes
+
+log = logging.getLogger("ps_train.trainer")
+
+_done: Optional[torch.futures.Future] = None
+
+
+@async_execution
+def final_stats() -> torch.futures.Future:
+    """Called by trainer0 over RPC: this trainer's totals, once it has finished."""
+    global _done
+    if _done is None:
+        _done = torch.futures.Future()
+    return _done
+
+
+def _publish(stats: Dict[str, Any]) -> None:
+    global _done
+    if _done is None:
+        _done = torch.futures.Future()
+    _done.set_result(stats)
+
+
+class Trainer:
+    def __init__(self, cfg: Config, index: int, run_dir: str, start_step: int = 0,
+                 data_state: Optional[Dict[str, int]] = None) -> None:
+        self.cfg = cfg
+        self.index = index
+        self.name = f"trainer{index}"
+        self.run_dir = run_dir
+        self.rpc = backend.rpc()
+        self.dist_autograd = backend.dist_autograd()
+        self.train_set, self.test_set = load_data(cfg.data)
+        self.batches = BatchIterator(self.train_set, index, cfg.cluster.num_trainers, cfg.train.batch_size, cfg.seed)
+        if data_state is not None:
+            self.batches.load_state_dict(data_state)
+        self.steps = total_steps(cfg.train.steps, cfg.train.epochs, len(self.train_set),
+                                 cfg.cluster.num_trainers, cfg.train.batch_size)
+        self.step = start_step
+        # The shard layout is computed, not asked for: every process derives the same one.
+        shards = build_model_shards(cfg.model, data_shape(cfg.data), num_classes(cfg.data),
+                                    cfg.cluster.num_servers, cfg.cluster.placement, cfg.seed)
+        self.shard_servers = [(s.index, s.server) for s in shards]
+        self.servers = [self.rpc.rpc_sync(f"ps{r}", _get_server_rref) for r in range(cfg.cluster.num_servers)]
+        self.writer = make_writer(cfg.logging.tensorboard, f"{run_dir}/tb/{self.name}", filename_suffix=f".{self.name}")
+        self.latency = {r: LatencyStats() for r in range(cfg.cluster.num_servers)}
+        self.meter = ThroughputMeter()
+
+    # -- one step ---------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, step: int = -1) -> torch.Tensor:
+        h = x
+        for shard, server in self.shard_servers:
+            t0 = time.perf_counter()
+            h = self.servers[server].rpc_sync().forward(shard, h, self.index, step)
+            self.latency[server].record(time.perf_counter() - t0)
+        return h
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> Dict[str, float]:
+        mode = self.cfg.mode.name
+        staleness = 0
+        with self.dist_autograd.context() as ctx:
+            logits = self.forward(x, self.step)  # [B, num_classes]
+            loss = F.cross_entropy(logits, y)
+            self.dist_autograd.backward(ctx, [loss])
+            if mode == "sync":
+                futs = [s.rpc_async().apply_sync(ctx, self.index, self.step) for s in self.servers]
+                torch.futures.wait_all(futs)
+            else:
+                futs = [s.rpc_async().apply_async(ctx, self.index) for s in self.servers]
+                staleness = max(torch.futures.wait_all(futs))
+        if mode == "ssp":
+            staleness = self.servers[0].rpc_sync().clock(self.index, self.step + 1)
+        acc = (logits.detach().argmax(1) == y).float().mean().item()
+        return {"loss": loss.item(), "accuracy": acc, "staleness": float(staleness)}
+
+    # -- evaluation -------------------------------------------------------------------------------
+    def evaluate(self) -> Dict[str, float]:
+        correct, total, loss_sum = 0, 0, 0.0
+        for x, y in iter_eval_batches(self.test_set, self.cfg.train.eval_batch_size):
+            h = x
+            for shard, server in self.shard_servers:
+                h = self.servers[server].rpc_sync().predict(shard, h)
+            loss_sum += F.cross_entropy(h, y, reduction="sum").item()
+            correct += int((h.argmax(1) == y).sum())
+            total += len(y)
+        return {"accuracy": correct / max(total, 1), "loss": loss_sum / max(total, 1)}
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def run(self, on_step: Any = None) -> Dict[str, Any]:
+        cfg = self.cfg
+        log_every = max(1, cfg.train.log_every)
+        is_chief = self.index == 0
+        t_start = self._t_start = time.perf_counter()
+        self._first_step = self.step
+        self.meter.start()
+        losses: List[float] = []
+        last: Dict[str, float] = {}
+        while self.step < self.steps:
+            x, y = next(self.batches)
+            last = self.train_step(x, y)
+            losses.append(last["loss"])
+            self.step += 1
+            self.meter.update(len(y))
+            step = self.step
+            if step % log_every == 0 or step == self.steps:
+                self._log_train(step, last)
+            if is_chief and cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < self.steps:
+                ev = self.evaluate()
+                self.writer.add_scalar("test/accuracy", ev["accuracy"], step)
+                self.writer.add_scalar("test/loss", ev["loss"], step)
+                log.info("step %d: test accuracy %.4f, loss %.4f", step, ev["accuracy"], ev["loss"])
+            if on_step is not None:
+                on_step(self, step)
+        wall = time.perf_counter() - t_start
+        if cfg.mode.name == "ssp":
+            self.servers[0].rpc_sync().finish(self.index)
+        mine = {"steps": self.step, "samples": self.meter.total, "wall_time_s": wall,
+                "samples_per_s": self.meter.overall(), "losses": losses}
+        _publish(mine)
+        if not is_chief:
+            self.writer.close()
+            return mine
+        return self._finish(mine, last)
+
+    def _log_train(self, step: int, last: Dict[str, float]) -> None:
+        rate = self.meter.rate()
+        w = self.writer
+        w.add_scalar("train/loss", last["loss"], step)
+        w.add_scalar("train/accuracy", last["accuracy"], step)
+        w.add_scalar("train/samples_per_s", rate, step)
+        w.add_scalar("train/lr", self.cfg.optim.lr, step)
+        if self.cfg.mode.name != "sync":
+            w.add_scalar("train/staleness", last["staleness"], step)
+        for r, stats in self.latency.items():
+            if stats.count:
+                w.add_scalar(f"rpc/forward_latency_ms/ps{r}", stats.mean_s * 1e3, step)
+            stats.reset()
+        if self.index == 0:
+            for r, s in enumerate(self.servers):
+                st = s.rpc_sync().stats()
+                for shard, n in st["updates"].items():
+                    w.add_scalar(f"server/updates/shard{shard}", n, step)
+                if "bytes_sent" in st:
+                    w.add_scalar(f"rpc/bytes_sent/ps{r}", st["bytes_sent"], step)
+                    w.add_scalar(f"rpc/bytes_received/ps{r}", st["bytes_received"], step)
+            if self.cfg.logging.progress:
+                eta = (self.steps - step) * (time.perf_counter() - self._t_start) / max(step - self._first_step, 1)
+                print(f"[{self.name}] step {step}/{self.steps}  loss {last['loss']:.4f}  "
+                      f"acc {last['accuracy']:.3f}  {rate:,.0f} samples/s  eta {eta:.0f}s", flush=True)
+
+    def _finish(self, mine: Dict[str, Any], last: Dict[str, float]) -> Dict[str, Any]:
+        cfg = self.cfg
+        others = [self.rpc.rpc_async(f"trainer{k}", final_stats, timeout=0) for k in range(1, cfg.cluster.num_trainers)]
+        all_stats = [mine] + [f.wait() for f in others]
+        ev = self.evaluate()
+        wall = max(s["wall_time_s"] for s in all_stats)
+        samples = sum(s["samples"] for s in all_stats)
+        server_stats = [s.rpc_sync().stats() for s in self.servers]
+        metrics = {
+            "test_accuracy": ev["accuracy"],
+            "test_loss": ev["loss"],
+            "final_train_loss": last.get("loss"),
+            "steps": self.step,
+            "samples": samples,
+            "samples_per_s": samples / wall if wall > 0 else 0.0,
+            "wall_time_s": wall,
+            "mode": cfg.mode.name,
+            "backend": backend.name(),
+            "num_servers": cfg.cluster.num_servers,
+            "num_trainers": cfg.cluster.num_trainers,
+            "server_updates": [s["version"] for s in server_stats],
+            "max_staleness": max([s["max_staleness"] for s in server_stats] + [0]),
+            "losses": {f"trainer{k}": s["losses"] for k, s in enumerate(all_stats)},
+        }
+        w = self.writer
+        w.add_scalar("test/accuracy", ev["accuracy"], self.step)
+        w.add_scalar("test/loss", ev["loss"], self.step)
+        w.add_hparams(flatten_hparams(config_to_dict(cfg)),
+                      {"hparam/test_accuracy": ev["accuracy"], "hparam/test_loss": ev["loss"],
+                       "hparam/samples_per_s": metrics["samples_per_s"]})
+        w.close()
+        write_metrics_json(f"{self.run_dir}/metrics.json", metrics)
+        print(f"[{self.name}] done: {self.step} steps, test accuracy {ev['accuracy']:.4f}, "
+              f"{metrics['samples_per_s']:,.0f} samples/s over {cfg.cluster.num_trainers} trainer(s), "
+              f"{wall:.1f}s", flush=True)
+        return metrics
+
+
+def _get_server_rref() -> Any:
+    from ps_train.server import get_server_rref
+
+    return get_server_rref()
