@@ -6,7 +6,7 @@ Port a ``torch.distributed.rpc`` program by changing its imports::
     import rpc_core.autograd as dist_autograd   # was: torch.distributed.autograd
     from rpc_core.optim import DistributedOptimizer
 """
-from . import autograd, functions, optim, profiler  # autograd, profiler: middleware installed at init_rpc
+from . import autograd, functions, optim, profiler  # autograd installs its middleware at init_rpc
 from .api import (
     BackendType,
     _all_gather,

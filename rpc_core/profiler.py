@@ -12,7 +12,7 @@ profiler, as torch RPC does. While one is active, a wrapper in ``api.call_wrappe
 every RPC made from a profiled thread into an event ``rpc_{sync|async|remote}#{func}(caller ->
 callee)`` (func: ``aten::add`` for torch builtins, else the qualified name) that lasts until
 the call's future completes, and asks the callee to profile the call. The callee (our
-middleware, idle unless a request asks) runs the function under a thread-local legacy
+middleware, installed by the first such request) runs the function under a thread-local legacy
 profiler, stops at the response (for ``async_execution`` functions: when their future
 completes) and returns its events, and those of the RPCs it made meanwhile, in the response
 extras. The caller adds them as ``{rpc event}#remote_op: {op}`` with ``node_id`` = the rank
@@ -144,7 +144,16 @@ class _Call:
         self.reply: Optional[tuple] = None  # (callee start us, callee end us, [event tuples])
 
     def __reduce__(self) -> Any:
-        return tuple, (tuple(self.options),)
+        return _activate, (tuple(self.options),)
+
+
+def _activate(options: tuple) -> tuple:
+    """Runs on the callee as a profiled request's extras are unpickled: makes sure its
+    agent has our middleware, which then profiles this request."""
+    agent = _agent_mod._agent
+    if agent is not None:
+        _ensure_middleware(agent)
+    return options
 
 
 class _Collector:
@@ -305,11 +314,13 @@ class _Middleware(_agent_mod.Middleware):
             call.t_reply, call.reply = time.time_ns(), reply
 
 
-def _install(agent: _agent_mod.Agent) -> None:
-    agent.middleware.append(_Middleware(agent.me.id))
-
-
-_api.init_hooks.append(_install)
+def _ensure_middleware(agent: _agent_mod.Agent) -> None:
+    """Install the middleware the first time a worker profiles or is asked to: until then
+    the RPC path does not run a line of profiler code. Installed for good (appending is safe
+    while requests run; removing is not), it then costs a few no-op calls per request."""
+    with _wrap_lock:
+        if not any(isinstance(m, _Middleware) for m in agent.middleware):
+            agent.middleware.append(_Middleware(agent.me.id))
 
 
 # -- results ------------------------------------------------------------------------------------------
@@ -412,6 +423,8 @@ class profile:
         self._node = agent.me.id if agent is not None else -1
         self._names = {w.id: w.name for w in agent.workers} if agent is not None else {}
         self._collector = _Collector(self._options, self._node)
+        if agent is not None:
+            _ensure_middleware(agent)
         _enable_profiler_legacy(self._options.legacy(self._state))
         self.entered = True
         self._prev, _tls.collector = getattr(_tls, "collector", None), self._collector
