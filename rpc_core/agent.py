@@ -319,6 +319,9 @@ class Agent:
             log.warning("rpc_core %s: dropping connection: %s", self.me.name, reason)
         except (OSError, transport.PeerClosed) as e:
             reason = f"{self.describe(peer)} closed the connection ({e}); it has probably exited or crashed"
+        except Exception as e:  # never leave a dead reader behind an open socket
+            reason = f"the connection to {self.describe(peer)} failed on {self.me.name}: {e!r}"
+            log.exception("rpc_core %s: dropping connection: %s", self.me.name, reason)
         conn.close()
         with self._lock:
             if conn in self._incoming:

@@ -215,7 +215,13 @@ class Connection:
             body = self._read_growing(h.body_len)
         storages = []
         for n in lens:
-            st = torch.UntypedStorage(n)  # uninitialised: pages are only touched as bytes arrive
+            try:
+                st = torch.UntypedStorage(n)  # uninitialised: pages are only touched as bytes arrive
+            except (RuntimeError, MemoryError) as e:
+                raise ProtocolError(
+                    f"cannot allocate the {n}-byte tensor buffer the peer announced ({e.__class__.__name__}); "
+                    "dropping the connection"
+                ) from None
             if n:
                 self._read_into(storage_view(st))
             storages.append(st)

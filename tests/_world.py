@@ -1,0 +1,224 @@
+"""Run a test body on N worker processes, each an rpc_core worker, and collect the results.
+
+    results = run_world(_body, 3, args=(...))      # _body is a module-level function
+
+Each child process (started clean: see ``_mp_context``) calls ``rpc_core.init_rpc(f"worker{rank}",
+rank=rank, world_size=N, ...)`` on ``tcp://127.0.0.1:<free port>`` with a fresh shared secret,
+runs ``body(ctx, *args)``, shuts down gracefully, and sends back ``("ok", result)`` or
+``("error", traceback)`` through a pipe. The parent waits on those pipes (no polling, no
+sleeps) up to a hard timeout; then it asks the stragglers for a stack dump and kills them, so a
+hung world fails with a message instead of stalling the suite.
+
+Bodies that manage init/shutdown themselves (rendezvous and failure tests) pass ``init=False``
+and call ``ctx.init(...)``; ranks listed in ``may_die`` are allowed to die without reporting.
+"""
+from __future__ import annotations
+
+import faulthandler
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import secrets
+import signal
+import socket
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+
+DEFAULT_TIMEOUT = 90.0
+_EXIT_GRACE = 20.0  # a child that reported must be gone within this
+
+
+class WorldError(AssertionError):
+    """A multi-process test world failed: a rank raised, died, hung, or did not exit."""
+
+
+def _mp_context() -> Any:
+    """Children start clean, never as forks of the pytest process (its threads and state).
+
+    Default: ``forkserver`` with torch preloaded. The fork server is itself a freshly spawned
+    interpreter that has imported torch and nothing else (no threads; rpc_core is imported by
+    each child, after the fork), so a child costs ~0.1 s instead of the 2-6 s a spawned one
+    pays to import torch on this 2-core machine. ``RPC_CORE_TEST_START=spawn`` uses plain spawn.
+    """
+    method = os.environ.get("RPC_CORE_TEST_START", "forkserver")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(["torch"])
+    return ctx
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (bind port 0, read it, release it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class WorkerContext:
+    """What a body gets: its rank and how to (re)join the world."""
+
+    rank: int
+    world_size: int
+    init_method: str
+    secret: str
+    options: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return f"worker{self.rank}"
+
+    def backend_options(self, **overrides: Any):
+        from rpc_core import RpcBackendOptions
+
+        kw = {"init_method": self.init_method, "auth_secret": self.secret}
+        kw.update(self.options)
+        kw.update(overrides)
+        return RpcBackendOptions(**kw)
+
+    def init(self, name: Optional[str] = None, rank: Optional[int] = None, **overrides: Any) -> None:
+        import rpc_core
+
+        rpc_core.init_rpc(
+            self.name if name is None else name,
+            rank=self.rank if rank is None else rank,
+            world_size=self.world_size,
+            rpc_backend_options=self.backend_options(**overrides),
+        )
+
+
+def _is_initialized() -> bool:
+    from rpc_core import agent
+
+    return agent._agent is not None
+
+
+def _child_main(body: Callable[..., Any], ctx: WorkerContext, args: tuple, init: bool,
+                env: Dict[str, str], conn: Any) -> None:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent asks for stacks on timeout
+    os.environ.update(env)
+    import torch
+
+    torch.set_num_threads(1)  # 2 shared cores: don't oversubscribe them
+    outcome: tuple
+    try:
+        if init:
+            ctx.init()
+        outcome = ("ok", body(ctx, *args))
+    except BaseException:
+        outcome = ("error", f"rank {ctx.rank} raised:\n{traceback.format_exc()}")
+    if _is_initialized():
+        import rpc_core
+
+        try:
+            rpc_core.shutdown()
+        except BaseException:
+            if outcome[0] == "ok":
+                outcome = ("error", f"rank {ctx.rank}: shutdown() raised:\n{traceback.format_exc()}")
+    try:
+        conn.send(outcome)
+    except BaseException:
+        conn.send(("error", f"rank {ctx.rank}: could not send its result back:\n{traceback.format_exc()}"))
+    conn.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown (torch's takes ~0.5 s a process); rpc_core's own threads are
+    # daemons, and test_port_torch_program runs real scripts that exit normally.
+    os._exit(0)
+
+
+def run_world(
+    body: Callable[..., Any],
+    world_size: int,
+    *,
+    args: Sequence[Any] = (),
+    timeout: float = DEFAULT_TIMEOUT,
+    init: bool = True,
+    options: Optional[Dict[str, Any]] = None,
+    may_die: Iterable[int] = (),
+    env: Optional[Dict[str, str]] = None,
+    port: Optional[int] = None,
+) -> List[Any]:
+    """Run ``body(ctx, *args)`` on ``world_size`` worker processes; return the per-rank results
+    (``None`` for ranks in ``may_die`` that died). Raise WorldError if any rank failed."""
+    ctx_mp = _mp_context()
+    port = free_port() if port is None else port
+    secret = secrets.token_hex(16)
+    where = f"{getattr(body, '__module__', '?')}:{getattr(body, '__qualname__', body)}"
+    may_die = set(may_die)
+    procs, conns = [], []
+    for rank in range(world_size):
+        ctx = WorkerContext(rank, world_size, f"tcp://127.0.0.1:{port}", secret, dict(options or {}))
+        recv_end, send_end = ctx_mp.Pipe(duplex=False)
+        p = ctx_mp.Process(
+            target=_child_main, args=(body, ctx, tuple(args), init, dict(env or {}), send_end),
+            name=f"worker{rank}", daemon=True,
+        )
+        p.start()
+        send_end.close()  # so the parent sees EOF when a child dies
+        procs.append(p)
+        conns.append(recv_end)
+
+    outcomes: Dict[int, tuple] = {}
+    failures: List[str] = []
+    deadline = time.monotonic() + timeout
+    try:
+        pending = {conns[r]: r for r in range(world_size)}
+        while pending:
+            remaining = deadline - time.monotonic()
+            ready = multiprocessing.connection.wait(list(pending), timeout=max(0.0, remaining))
+            if not ready:
+                stuck = sorted(pending.values())
+                _dump_stacks([procs[r] for r in stuck])
+                failures.append(
+                    f"world of {world_size} running {where} timed out after {timeout:g} s: ranks {stuck} "
+                    "did not finish and were killed (their thread stacks are in the captured stderr)"
+                )
+                break
+            for c in ready:
+                rank = pending.pop(c)
+                try:
+                    outcomes[rank] = c.recv()
+                except EOFError:
+                    procs[rank].join(5.0)
+                    outcomes[rank] = ("died", procs[rank].exitcode)
+        for rank, p in enumerate(procs):
+            if rank in outcomes and outcomes[rank][0] != "died":
+                p.join(_EXIT_GRACE)
+                if p.is_alive():
+                    _dump_stacks([p])
+                    failures.append(f"rank {rank} reported but did not exit")
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+        for c in conns:
+            c.close()
+
+    results: List[Any] = [None] * world_size
+    for rank in range(world_size):
+        kind, *rest = outcomes.get(rank, ("missing",))
+        if kind == "ok":
+            results[rank] = rest[0]
+        elif kind == "error":
+            failures.append(rest[0])
+        elif kind == "died" and rank not in may_die:
+            failures.append(f"rank {rank} died with exit code {rest[0]} before reporting a result")
+    if failures:
+        raise WorldError(f"{where} failed:\n" + "\n".join(failures))
+    return results
+
+
+def _dump_stacks(procs: Sequence[Any]) -> None:
+    for p in procs:
+        if p.is_alive() and p.pid:
+            try:
+                os.kill(p.pid, signal.SIGUSR1)
+            except OSError:
+                pass
+    for p in procs:
+        p.join(2.0)  # give faulthandler a moment to write the dump before the kill

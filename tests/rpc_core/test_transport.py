@@ -1,0 +1,267 @@
+"""Connections (rpc_core/transport.py): the authentication handshake, framing, and what a
+connection does with malformed bytes. Real TCP sockets on 127.0.0.1, in this process."""
+import os
+import resource
+import socket
+import struct
+import tracemalloc
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from rpc_core import transport, wire
+from rpc_core.errors import AuthenticationError, ProtocolError
+from rpc_core.serialization import storage_view
+
+IO_TIMEOUT = 30.0  # bounds every blocking step; a hang fails instead of stalling
+
+
+@pytest.fixture
+def pool():
+    with ThreadPoolExecutor(2) as ex:
+        yield ex
+
+
+@pytest.fixture
+def listener():
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.bind(("127.0.0.1", 0))
+    s.listen(8)
+    s.settimeout(IO_TIMEOUT)
+    yield s
+    s.close()
+
+
+def _accept(listener, secret):
+    sock, _ = listener.accept()
+    try:
+        transport.accept(sock, secret, timeout=IO_TIMEOUT)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _connected_pair(pool, listener, secret=b"s3cret"):
+    accepted = pool.submit(_accept, listener, secret)
+    dialed = transport.dial(listener.getsockname(), secret, timeout=IO_TIMEOUT)
+    return transport.Connection(dialed), transport.Connection(accepted.result(IO_TIMEOUT))
+
+
+def _raw_pair():
+    a, b = socket.socketpair()
+    b.settimeout(IO_TIMEOUT)
+    return a, transport.Connection(b)
+
+
+# -- handshake -------------------------------------------------------------------------------------
+def test_same_secret_authenticates_both_sides_and_frames_flow_both_ways(pool, listener):
+    c, a = _connected_pair(pool, listener)
+    c.send(wire.REQUEST, 0, 5, b"", b"ping")
+    h, head, body, bufs = a.recv()
+    assert (h.kind, h.msg_id, head, body, bufs) == (wire.REQUEST, 5, b"", b"ping", [])
+    a.send(wire.RESPONSE, 0, 5, b"", b"pong")
+    assert c.recv()[2] == b"pong"
+    c.close()
+    a.close()
+
+
+@pytest.mark.parametrize("dial_secret", [b"wrong", b""], ids=["wrong", "missing"])
+def test_wrong_or_missing_secret_is_rejected_with_a_clear_error_on_the_connecting_side(pool, listener, dial_secret):
+    accepted = pool.submit(_accept, listener, b"s3cret")
+    with pytest.raises(AuthenticationError, match="rejected our authentication.*same secret"):
+        transport.dial(listener.getsockname(), dial_secret, timeout=IO_TIMEOUT)
+    with pytest.raises(AuthenticationError, match="failed the shared-secret challenge"):
+        accepted.result(IO_TIMEOUT)
+
+
+def test_acceptor_that_does_not_know_the_secret_cannot_impersonate_a_worker(pool, listener):
+    def impostor():
+        sock, _ = listener.accept()
+        with sock:
+            sock.sendall(wire.HELLO.pack(wire.MAGIC, wire.VERSION, wire.new_nonce()))
+            transport._recv_exact(sock, wire.PROOF.size)
+            sock.sendall(wire.VERDICT.pack(1, os.urandom(wire.MAC_LEN)))  # "ok", but a forged MAC
+            sock.recv(1)  # hold the connection until the dialer gives up
+
+    done = pool.submit(impostor)
+    with pytest.raises(AuthenticationError, match="could not prove it knows the shared secret"):
+        transport.dial(listener.getsockname(), b"s3cret", timeout=IO_TIMEOUT)
+    done.result(IO_TIMEOUT)
+
+
+def test_dialing_something_that_is_not_an_rpc_core_worker_is_a_protocol_error(pool, listener):
+    def other_server():
+        sock, _ = listener.accept()
+        with sock:
+            sock.sendall(b"SSH-2.0-OpenSSH_9.2p1 Debian-2\r\n".ljust(wire.HELLO.size, b"\0"))
+            sock.recv(1)
+
+    done = pool.submit(other_server)
+    with pytest.raises(ProtocolError, match="is not an rpc_core worker"):
+        transport.dial(listener.getsockname(), b"s3cret", timeout=IO_TIMEOUT)
+    done.result(IO_TIMEOUT)
+
+
+def test_acceptor_rejects_garbage_in_place_of_a_proof(pool, listener):
+    accepted = pool.submit(_accept, listener, b"s3cret")
+    with socket.create_connection(listener.getsockname(), timeout=IO_TIMEOUT) as s:
+        transport._recv_exact(s, wire.HELLO.size)
+        s.sendall(os.urandom(wire.PROOF.size))
+        with pytest.raises(ProtocolError, match="bad handshake magic"):
+            accepted.result(IO_TIMEOUT)
+
+
+def test_acceptor_rejects_a_forged_proof_and_says_so_to_the_peer(pool, listener):
+    accepted = pool.submit(_accept, listener, b"s3cret")
+    with socket.create_connection(listener.getsockname(), timeout=IO_TIMEOUT) as s:
+        transport._recv_exact(s, wire.HELLO.size)
+        s.sendall(wire.PROOF.pack(wire.MAGIC, os.urandom(wire.MAC_LEN), wire.new_nonce()))
+        with pytest.raises(AuthenticationError):
+            accepted.result(IO_TIMEOUT)
+        ok, _ = wire.VERDICT.unpack(transport._recv_exact(s, wire.VERDICT.size))
+        assert ok == 0
+
+
+def test_acceptor_gives_up_on_a_peer_that_never_answers(listener):
+    with socket.create_connection(listener.getsockname(), timeout=IO_TIMEOUT):
+        sock, _ = listener.accept()
+        with sock, pytest.raises(OSError):
+            transport.accept(sock, b"s3cret", timeout=0.2)
+
+
+# -- frames --------------------------------------------------------------------------------------
+def _buffers(sizes):
+    out = []
+    for i, n in enumerate(sizes):
+        t = torch.arange(n, dtype=torch.uint8) ^ (i & 0xFF)
+        out.append(t)
+    return out
+
+
+@pytest.mark.parametrize(
+    "head, body_size, buffer_sizes",
+    [
+        (b"", 0, []),
+        (b"head", 100, [10, 0, 3]),
+        (b"", 1 << 20, []),  # body large enough to be read in growing chunks
+        (b"h" * 1000, 10, [3 << 20, 7]),  # buffer received straight into storage
+        (b"", 5, [1] * 600),  # more buffers than one sendmsg takes
+    ],
+    ids=["empty", "small", "large-body", "large-buffer", "many-buffers"],
+)
+def test_frames_round_trip_exactly(pool, listener, head, body_size, buffer_sizes):
+    c, a = _connected_pair(pool, listener)
+    body = os.urandom(body_size)
+    tensors = _buffers(buffer_sizes)
+    views = [storage_view(t.untyped_storage()) for t in tensors]
+    sent = pool.submit(c.send, wire.RESPONSE, wire.CONTROL, 2**63, head, body, views)
+    h, got_head, got_body, storages = a.recv()
+    sent.result(IO_TIMEOUT)
+    assert (h.kind, h.flags, h.msg_id, h.nbuf) == (wire.RESPONSE, wire.CONTROL, 2**63, len(buffer_sizes))
+    assert got_head == head and got_body == body
+    assert [s.nbytes() for s in storages] == buffer_sizes
+    for t, st in zip(tensors, storages):
+        assert torch.equal(torch.empty(0, dtype=torch.uint8).set_(st), t)
+    c.close()
+    a.close()
+
+
+def test_back_to_back_frames_keep_their_boundaries(pool, listener):
+    c, a = _connected_pair(pool, listener)
+    payloads = [os.urandom(n) for n in (0, 1, 24, 70_000, 3, 300_000, 5)]
+
+    def send_all():
+        for i, p in enumerate(payloads):
+            c.send(wire.REQUEST, 0, i, b"", p, [memoryview(p)])
+
+    sent = pool.submit(send_all)
+    for i, p in enumerate(payloads):
+        h, _, body, storages = a.recv()
+        assert h.msg_id == i and body == p and bytes(storage_view(storages[0])) == p
+    sent.result(IO_TIMEOUT)
+    c.close()
+    a.close()
+
+
+# -- malformed bytes --------------------------------------------------------------------------------
+def _header(kind=wire.REQUEST, head_len=0, body_len=0, buffer_lens=()):
+    return wire.pack_header(kind, 0, head_len, body_len, 1, list(buffer_lens))
+
+
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        (b"\xff" * 64, "unknown frame kind 255"),
+        (_header(kind=7), "unknown frame kind 7"),
+        (_header(body_len=2**63), "body length"),
+        (_header(head_len=2**32 - 1), "head length"),
+        (_header(buffer_lens=[2**62]), "buffer length"),
+        (_header(buffer_lens=[wire.MAX_BUFFER_BYTES] * 2), "frame of"),
+    ],
+    ids=["garbage", "bad-kind", "absurd-body", "absurd-head", "absurd-buffer", "absurd-total"],
+)
+def test_malformed_header_is_a_protocol_error_before_any_allocation(raw, message):
+    peer, conn = _raw_pair()
+    with peer:
+        peer.sendall(raw)
+        with pytest.raises(ProtocolError, match=message):
+            conn.recv()
+    conn.close()
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        _header()[:10],
+        _header(body_len=1000) + b"x" * 10,
+        _header(head_len=50, body_len=5) + b"h" * 50,
+        _header(body_len=1, buffer_lens=[100_000]) + b"b" + b"\0" * 5000,
+    ],
+    ids=["in-header", "in-body", "after-head", "in-buffer"],
+)
+def test_truncated_frame_is_reported_as_the_peer_closing(raw):
+    peer, conn = _raw_pair()
+    peer.sendall(raw)
+    peer.close()
+    with pytest.raises(transport.PeerClosed):
+        conn.recv()
+    conn.close()
+
+
+def _maxrss_mb():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _send_and_close(sock, data):
+    with sock:
+        sock.sendall(data)
+
+
+def test_lying_body_length_does_not_reserve_the_memory_it_claims(pool):
+    peer, conn = _raw_pair()
+    sent = pool.submit(_send_and_close, peer, _header(body_len=wire.MAX_BODY_BYTES - 1) + os.urandom(1 << 20))
+    tracemalloc.start()
+    try:
+        with pytest.raises(transport.PeerClosed):
+            conn.recv()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    sent.result(IO_TIMEOUT)
+    conn.close()
+    assert peak < 64 << 20, f"receiving a 1 MB frame that claims 4 GB allocated {peak >> 20} MB"
+
+
+def test_lying_buffer_length_is_dropped_without_touching_the_memory_it_claims(pool):
+    # 60 GB is under the absurdity bound (64 GB) but far more than this machine has: the
+    # connection must fail cleanly (allocation refused, or peer closed) and memory stay put.
+    before = _maxrss_mb()
+    peer, conn = _raw_pair()
+    sent = pool.submit(_send_and_close, peer, _header(buffer_lens=[60 << 30]) + os.urandom(1 << 16))
+    with pytest.raises((ProtocolError, transport.PeerClosed)):
+        conn.recv()
+    sent.result(IO_TIMEOUT)
+    conn.close()
+    assert _maxrss_mb() - before < 256
