@@ -14,7 +14,7 @@ import torch
 
 from . import api
 from . import autograd as dist_autograd
-from .errors import RpcError, format_many
+from .errors import format_many
 from .rref import RRef
 
 __all__ = ["DistributedOptimizer"]
@@ -32,14 +32,15 @@ class _LocalOptimizer:
     def step(self, context_id: int) -> None:
         grads = dist_autograd.get_gradients(context_id)
         with _LocalOptimizer.global_lock:
+            saved = [p.grad for p in self._params]
             for p in self._params:
                 # Parameters without a gradient in this context must not be moved by a stale .grad.
                 p.grad = grads.get(p)
             try:
                 self.optim.step()
             finally:
-                for p in self._params:
-                    p.grad = None
+                for p, g in zip(self._params, saved):
+                    p.grad = g  # .grad is the owner's business: leave it as it was
 
 
 def _new_local_optimizer(optim_cls: Type[torch.optim.Optimizer], local_params_rref: List[RRef], *args: Any, **kwargs: Any) -> RRef:
@@ -51,6 +52,9 @@ def _local_optimizer_step(local_optim_rref: RRef, context_id: int) -> None:
 
 
 def _wait_all(futures: List[torch.futures.Future], what: str) -> List[Any]:
+    """Wait for every owner; then raise the first owner's exception with its own type (as
+    torch does, so ``except ValueError`` around a step keeps working), noting ``what`` was
+    being done and the other owners' failures."""
     results, errors = [], []
     for f in futures:
         try:
@@ -58,9 +62,13 @@ def _wait_all(futures: List[torch.futures.Future], what: str) -> List[Any]:
         except BaseException as e:
             errors.append(e)
     if errors:
-        if len(errors) == 1:
-            raise RpcError(f"{what}: {type(errors[0]).__name__}: {errors[0]}") from errors[0]
-        raise RpcError(f"{what}: " + format_many(errors, "owners"))
+        first = errors[0]
+        note = f"{what} ({len(errors)} of {len(futures)} owners failed)"
+        if len(errors) > 1:
+            note += "\n" + format_many(errors[1:], "other owners")
+        if hasattr(first, "add_note"):  # Python >= 3.11
+            first.add_note(note)
+        raise first
     return results
 
 
