@@ -107,6 +107,10 @@ def _pack_tensors(tensors: Sequence[torch.Tensor]) -> Tuple[List[TensorMeta], Li
             lo = hi = 0
         elif (hi - lo) * 2 > storage.nbytes():
             lo, hi = 0, storage.nbytes()  # mostly covered: ship it whole
+        else:
+            # Views of several dtypes may share the storage: start the span on a multiple of
+            # every element size (all divide 16) so each view's offset stays a whole element.
+            lo -= lo % 16
         groups[ptr] = (len(buffers), lo, hi)
         buffers.append(storage_view(storage, lo, hi))
         keepalive.append(storage)
