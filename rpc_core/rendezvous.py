@@ -96,9 +96,11 @@ def resolve_init_method(init_method: str) -> Tuple[str, int]:
         where = "MASTER_PORT"
     else:
         rest = init_method[len("tcp://"):].rstrip("/")
-        addr, _, port = rest.rpartition(":")
+        addr, sep, port = rest.rpartition(":")
         addr = addr.strip("[]")
         where = f"init_method {init_method!r}"
+        if not sep or rest.endswith("]"):
+            raise RendezvousError(f"{where} has no port: use 'tcp://HOST:PORT'")
         if not addr:
             raise RendezvousError(f"{where} has no host: use 'tcp://HOST:PORT'")
     try:
