@@ -56,6 +56,7 @@ class ParameterServer:
         cls, kwargs = optimizer_spec(cfg.optim)
         self.optimizer = cls(self.params, **kwargs) if self.params else None
         self.lock = threading.Lock()
+        self.forward_lock = threading.Lock()
         self.version = 0  # updates applied so far
         self.updates = {i: 0 for i in self.shards}
         self._read_version: Dict[int, int] = {}
@@ -79,10 +80,12 @@ class ParameterServer:
             # Private copies of the parameters for this forward (see module docstring).
             params = {n: p.clone() for n, p in module.named_parameters()}
             self._read_version[trainer] = self.version
-        return functional_call(module, params, (x,))
+        # functional_call swaps the module's parameters while it runs: one at a time.
+        with self.forward_lock:
+            return functional_call(module, params, (x,))
 
     def predict(self, shard: int, x: torch.Tensor) -> torch.Tensor:
-        with self.lock:
+        with self.lock, self.forward_lock:
             module = copy.deepcopy(self.shards[shard])  # eval mode must not disturb training forwards
         module.eval()
         with torch.no_grad():

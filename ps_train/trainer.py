@@ -117,7 +117,8 @@ class Trainer:
         return {"accuracy": correct / max(total, 1), "loss": loss_sum / max(total, 1)}
 
     # -- the loop ---------------------------------------------------------------------------------
-    def run(self, on_step: Any = None) -> Dict[str, Any]:
+    def run(self, on_step: Any = None) -> Optional[Dict[str, Any]]:
+        """Train to the last step; trainer0 returns the run's final metrics, others None."""
         cfg = self.cfg
         log_every = max(1, cfg.train.log_every)
         is_chief = self.index == 0
@@ -150,7 +151,7 @@ class Trainer:
         _publish(mine)
         if not is_chief:
             self.writer.close()
-            return mine
+            return None
         return self._finish(mine, last)
 
     def _log_train(self, step: int, last: Dict[str, float]) -> None:
