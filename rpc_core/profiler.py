@@ -162,6 +162,7 @@ class _Collector:
     def __init__(self, options: _Options, node: int) -> None:
         self.options, self.node = options, node
         self.calls: List[_Call] = []
+        self.agent = _agent_mod._agent  # the agent known to have our middleware
 
 
 def _flatten(calls: List[_Call], node: int, thread: int) -> Tuple[List[_Event], int]:
@@ -224,33 +225,42 @@ def _wrap_call(exec_mode: str, func: Any, dst: int, send: Any) -> torch.futures.
         if col is None:
             return send()
     agent = _agent_mod.current_agent()
+    if col.agent is not agent:  # RPC was initialized after the profile started
+        _ensure_middleware(agent)
+        col.agent = agent
     call = _Call(f"rpc_{exec_mode}#{_func_name(func)}({agent.me.name} -> {agent.workers[dst].name})", col.options)
     fut = send(extras={_KEY: call})
     col.calls.append(call)
-    out: torch.futures.Future = torch.futures.Future()
+    out = _agent_mod.RpcFuture()  # the user waits on this one, so the end is stamped first
 
-    def done(f: torch.futures.Future) -> None:
-        call.t1 = time.time_ns()  # before the user's wait returns: it waits on ``out``
+    def finish(f: torch.futures.Future) -> None:
         try:
             out.set_result(f.value())
         except BaseException as e:
             out.set_exception(e)
 
-    fut.add_done_callback(done)
+    def done(f: torch.futures.Future) -> None:
+        call.t1 = time.time_ns()
+        if out._has_callbacks:  # as the agent does: user callbacks never run on a reader thread
+            agent.pool.submit(finish, f)
+        else:
+            finish(f)
+
+    torch.futures.Future.add_done_callback(fut, done)  # not RpcFuture's: ``done`` may run inline
     return out
 
 
 # -- the callee: middleware that profiles requests which ask for it ----------------------------------
 class _Served:
     """The callee's profile of one request: legacy profiler on the executing thread from
-    ``enter_call`` until the response (or, for async functions, ``exit_call``)."""
+    ``enter_call`` until the function returns; the RPCs it made are followed until the
+    response leaves (for an async function: when its future completes)."""
 
     def __init__(self, options: _Options, node: int) -> None:
         self.node = node
         self.collector = _Collector(options, node)
         self.thread = threading.get_ident()
         self.exited = threading.Event()
-        self.lock = threading.Lock()
         self.records: List[list] = []
         self.t_in = time.time_ns() / 1e3
         self.enabled = False
@@ -264,21 +274,21 @@ class _Served:
         _tls.collector = self.collector
         _use_wrapper(1)
 
-    def _stop(self) -> None:  # on the executing thread only
-        with self.lock:
-            if self.enabled:
-                self.enabled = False
-                self.records = _disable_profiler_legacy()
-
     def exit(self) -> None:
+        """On the executing thread, once the function has returned: stop profiling it."""
+        if self.exited.is_set():
+            return
         _tls.collector = self.prev
-        self._stop()
+        if self.enabled:
+            self.enabled = False
+            self.records = _disable_profiler_legacy()
         _use_wrapper(-1)
         self.exited.set()
 
     def reply(self) -> tuple:
+        """The events for the response, which leaves only once this request stopped profiling."""
         if threading.get_ident() == self.thread:
-            self._stop()
+            self.exit()  # the function has returned (sync, or an async one already done)
         else:  # an async function's future completed elsewhere; exit() is imminent
             self.exited.wait(_EXIT_WAIT)
         t_out = time.time_ns() / 1e3
@@ -355,7 +365,8 @@ class _EventList(EventList):
             pid = max(e.node_id, 0)
             if pid not in seen:
                 seen.add(pid)
-                label = f"node_id: {pid}" + (f" ({self.node_names[pid]})" if pid in self.node_names else "")
+                label = (f"node_id: {pid}" + (f" ({self.node_names[pid]})" if pid in self.node_names else "")
+                         if e.node_id >= 0 else "CPU functions")
                 out.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": label}})
                 out.append({"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": pid}})
             name, args = e.name, {"node_id": e.node_id}
