@@ -40,6 +40,10 @@ def nested_async(x: torch.Tensor):
     return rpc_core.rpc_async("worker2", torch.add, args=(x, x)).then(lambda f: f.value() * 2)
 
 
+def raise_value_error() -> None:
+    raise ValueError("boom from worker1")
+
+
 def has_profiler_middleware() -> bool:
     from rpc_core import agent, profiler
 
@@ -101,10 +105,17 @@ def _features_body(ctx):
             loss = rpc_core.rpc_sync("worker1", torch.mul, args=(w, x)).sum()
             dist_autograd.backward(cid, [loss])
             grad = dist_autograd.get_gradients(cid)[w]
+        try:
+            rpc_core.rpc_sync("worker1", raise_value_error)
+            raised = "no error"
+        except ValueError as e:  # the remote exception keeps its type under profiling
+            raised = str(e)
     assert torch.equal(nested, 4 * x) and torch.equal(scoped, torch.tanh(x))
     assert torch.equal(fetched, torch.zeros(4)) and torch.equal(grad, x)
     out = _summary(prof)
-    out["wrappers"] = len(api.call_wrappers)
+    out["wrappers"], out["raised"] = len(api.call_wrappers), raised
+    out["tanh_shapes"] = [e.input_shapes for e in prof.key_averages(group_by_input_shape=True)
+                          if e.key.endswith("#remote_op: aten::tanh")]
     rpc_core._barrier([f"worker{r}" for r in range(ctx.world_size)])
     return out
 
@@ -124,6 +135,35 @@ def _check_remote_events_nest(events) -> None:
         if is_remote:
             rpc = name.split("#remote_op: ")[0]
             assert any(s <= start and end <= e for s, e in spans[rpc]), (name, start, end, spans[rpc])
+
+
+def _check_trace_format(evs) -> None:
+    """What Perfetto's JSON importer needs: known phases, numeric times, integer ids, slices
+    on one thread properly nested, async begin/end paired."""
+    open_async = {}
+    by_thread = {}
+    for e in evs:
+        assert e["ph"] in ("M", "X", "b", "e") and isinstance(e["pid"], int), e
+        if e["ph"] == "M":
+            continue
+        assert isinstance(e["tid"], int) and isinstance(e["ts"], (int, float)) and isinstance(e["name"], str), e
+        if e["ph"] == "X":
+            assert e["dur"] >= 0, e
+            by_thread.setdefault((e["pid"], e["tid"]), []).append((e["ts"], e["ts"] + e["dur"], e["name"]))
+        else:
+            key = (e["pid"], e["cat"], e["id"])
+            if e["ph"] == "b":
+                open_async[key] = e["ts"]
+            else:
+                assert open_async.pop(key) <= e["ts"], e
+    assert not open_async
+    for slices in by_thread.values():
+        stack = []
+        for start, end, name in sorted(slices, key=lambda x: (x[0], -x[1])):
+            while stack and stack[-1][1] <= start:
+                stack.pop()
+            assert not stack or end <= stack[-1][1] + 1e-3, (name, start, end, stack[-1])
+            stack.append((start, end, name))
 
 
 def test_recipe_table_and_trace(tmp_path):
@@ -151,6 +191,7 @@ def test_recipe_table_and_trace(tmp_path):
 
     doc = json.loads(trace.read_text())
     evs = doc["traceEvents"]
+    _check_trace_format(evs)
     procs = {e["pid"]: e["args"]["name"] for e in evs if e.get("name") == "process_name"}
     assert procs == {0: "node_id: 0 (worker0)", 1: "node_id: 1 (worker1)"}
     on1 = {(e["name"], e["args"].get("rpc")) for e in evs if e["pid"] == 1 and e["ph"] == "X"}
@@ -178,5 +219,7 @@ def test_nested_async_scopes_remote_and_backward():
     assert grad_calls, out["table"]
     # the call made before the profile is not in it
     assert not any(k.startswith("rpc_sync#aten::add") for k, _ in keys)
+    assert "boom from worker1" in out["raised"]
+    assert out["tanh_shapes"] == [[[4]]]  # record_shapes reaches the callee
     _check_remote_events_nest(out["events"])
     assert out["wrappers"] == w1["wrappers"] == w2["wrappers"] == 0
