@@ -12,7 +12,11 @@ Unlike torch's FAST mode, nothing waits for gradients that never come: a send wh
 output the loss did not use is simply never visited, so it cannot make backward hang.
 Passes add up by linearity, so a tensor that gets gradients from several places (used
 locally and sent, or sent twice) receives their sum. Graphs are kept (retain_graph)
-because several passes may cross the same nodes; they are freed with their tensors.
+because several passes may cross the same nodes; they are freed with their tensors and
+the context, so ``retain_graph=False`` neither frees them early nor forbids a second
+backward. One consequence of passes: a gradient hook (``register_hook``) on a tensor
+reached by several passes sees each pass's part, not their sum, as torch's engine would
+give it; linear hooks (scaling) give the same result, non-linear ones (clamping) do not.
 """
 from __future__ import annotations
 
@@ -114,13 +118,28 @@ def backward(context_id: int, roots: List[torch.Tensor], retain_graph: bool = Fa
 
 
 def _wait(futures: List[torch.futures.Future]) -> List[BaseException]:
+    """Wait for every gradient RPC; their errors, each naming the node it happened on (an
+    error that does not yet, e.g. a peer that died, is named after this node, which saw it)."""
     errors = []
     for f in futures:
         try:
             f.wait()
         except BaseException as e:
-            errors.append(e)
+            errors.append(_on_this_node(e))
     return errors
+
+
+def _on_this_node(e: BaseException) -> BaseException:
+    if "Error on Node" in str(e):
+        return e
+    me = _agent_mod.current_agent().me
+    msg = f"Error on Node {me.id} ({me.name}): in distributed backward: {e}"
+    try:
+        wrapped = type(e)(msg)  # keep the type (WorkerUnavailableError, RpcTimeoutError, ...)
+    except Exception:
+        wrapped = RuntimeError(f"Error on Node {me.id} ({me.name}): in distributed backward: {type(e).__name__}: {e}")
+    wrapped.__cause__ = e
+    return wrapped
 
 
 def _raise_all(errors: List[BaseException]) -> None:
