@@ -9,7 +9,8 @@ gradients accumulated here in this context.
 Released ids are remembered (a bounded FIFO of tombstones): a message of a context that
 arrives after the context was released here (the late answer of an RPC nobody waited
 for, or a request overtaken by the cleanup) must not bring it back, or it would never be
-released again. Such messages get a throwaway context that is not registered.
+released again. Such messages are treated as outside any context (``is_released``), so
+they do not pass the dead id on to workers that never heard of it either.
 """
 from __future__ import annotations
 
@@ -115,6 +116,11 @@ def retrieve(context_id: int) -> DistAutogradContext:
 def is_valid(context_id: int) -> bool:
     with _lock:
         return context_id in _contexts
+
+
+def is_released(context_id: int) -> bool:
+    """Whether this id was released here (messages of it are then treated as context-free)."""
+    return context_id in _released
 
 
 def release(context_id: int) -> Optional[DistAutogradContext]:

@@ -102,7 +102,7 @@ class AutogradMiddleware(_agent_mod.Middleware):
         else:
             ag = request_extras.get("ag")
             context_id = ag[0] if ag else None
-        if context_id is None:
+        if context_id is None or _context.is_released(context_id):
             return
         ctx = _context.get_or_create(context_id)
         ctx.known_workers.add(dst)
@@ -119,6 +119,8 @@ class AutogradMiddleware(_agent_mod.Middleware):
         if not ag or ag[1] < 0:
             return tensors
         context_id, msg_id = ag
+        if _context.is_released(context_id):
+            return tensors  # a late message of a released context
         ctx = _context.get_or_create(context_id)
         ctx.known_workers.add(src)
         idx = [i for i, t in enumerate(tensors) if t.requires_grad]
@@ -136,7 +138,7 @@ class AutogradMiddleware(_agent_mod.Middleware):
 
     def enter_call(self, src: int, extras: Dict[str, Any]) -> Any:
         ag = extras.get("ag")
-        if not ag:
+        if not ag or _context.is_released(ag[0]):
             return _NO_TOKEN
         _context.get_or_create(ag[0]).known_workers.add(src)
         return _context.set_current(ag[0])

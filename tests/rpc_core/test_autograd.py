@@ -719,6 +719,11 @@ def gated_nested(key: str, dst: str, a: torch.Tensor, b: torch.Tensor) -> torch.
     return rpc.rpc_sync(dst, gated_mul, args=(key, a, b)) + a
 
 
+def gated_then_nested(key: str, dst: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    assert _gates.setdefault(key, threading.Event()).wait(30), f"gate {key} was never opened"
+    return rpc.rpc_sync(dst, torch.mul, args=(a, b))  # to a worker that never saw the context
+
+
 def open_gate(key: str) -> None:
     _gates.setdefault(key, threading.Event()).set()
 
@@ -730,10 +735,13 @@ def case_cleanup_late_messages() -> None:
     with dist_autograd.context() as cid:
         fut = rpc.rpc_async(W1, gated_mul, args=("late1", a, b))
         fut2 = rpc.rpc_async(W2, gated_nested, args=("late2", W1, a, b))  # worker2 -> worker1
+        fut3 = rpc.rpc_async(W2, gated_then_nested, args=("late3", W3, a, b))  # worker2 -> worker3, late
+        assert rpc.rpc_sync(W2, has_context, args=(cid,))
     dist_autograd._wait_cleanups()
     rpc.rpc_sync(W1, open_gate, args=("late1",))
     rpc.rpc_sync(W1, open_gate, args=("late2",))
-    assert fut.wait().requires_grad and fut2.wait().requires_grad
+    rpc.rpc_sync(W2, open_gate, args=("late3",))
+    assert fut.wait().requires_grad and fut2.wait().requires_grad and fut3.wait().requires_grad
     dist_autograd._wait_cleanups()
     left = [w for w in range(4) if rpc.rpc_sync(w, has_context, args=(cid,))]
     assert not left, f"context {cid} came back on workers {left} after it was released"
