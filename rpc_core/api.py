@@ -83,7 +83,9 @@ def _set_rpc_timeout(rpc_timeout: float) -> None:
 
 
 def _invoke_async(to: Any, func: Any, args: Optional[tuple], kwargs: Optional[dict], timeout: float,
-                  exec_mode: str, user_func: Any = None) -> torch.futures.Future:
+                  exec_mode: str, user_func: Any = None, keepalive: Any = None) -> torch.futures.Future:
+    """Send a call. ``keepalive`` is held until the answer arrives (an RRef whose id the call
+    carries instead of a fork)."""
     agent = current_agent()
     if not callable(func):
         raise TypeError("function should be callable.")
@@ -94,9 +96,12 @@ def _invoke_async(to: Any, func: Any, args: Optional[tuple], kwargs: Optional[di
         wrap = next(reversed(call_wrappers), None)  # one read: another thread may empty the list
         if wrap is not None:
             def send(f: Any = func, a: tuple = args, k: dict = kwargs, extras: Optional[dict] = None) -> torch.futures.Future:
-                return agent.send_request(dst, f, a, k, timeout, extras=extras)
+                return agent.send_request(dst, f, a, k, timeout, extras=extras,
+                                          call_extras=None if keepalive is None else {"keepalive": keepalive})
 
             return wrap(exec_mode, func if user_func is None else user_func, dst, send)
+    if keepalive is not None:
+        return agent.send_request(dst, func, args, kwargs, timeout, call_extras={"keepalive": keepalive})
     return agent.send_request(dst, func, args, kwargs, timeout)
 
 
@@ -118,7 +123,7 @@ def rpc_async(to: Any, func: Callable[..., Any], args: Optional[tuple] = None, k
 
 
 def remote(to: Any, func: Callable[..., Any], args: Optional[tuple] = None, kwargs: Optional[dict] = None,
-           timeout: float = UNSET_RPC_TIMEOUT) -> _rref.RRef:
+           timeout: float = UNSET_RPC_TIMEOUT, _keepalive: Any = None) -> _rref.RRef:
     """Run ``func`` on ``to`` and return an RRef to its result, owned by ``to``, at once.
     Errors inside ``func`` surface at ``to_here()`` with their type."""
     agent = current_agent()
@@ -129,10 +134,12 @@ def remote(to: Any, func: Callable[..., Any], args: Optional[tuple] = None, kwar
     call_args = (tuple(args) if args is not None else (), kwargs if kwargs is not None else {})
     if dst == agent.me.id:
         handle = _rref.RRef._owner_handle(rref_id)  # registers the entry; the value follows
-        _invoke_async(dst, _rref._on_create, (rref_id, None, func) + call_args, None, timeout, "remote", user_func=func)
+        _invoke_async(dst, _rref._on_create, (rref_id, None, func) + call_args, None, timeout, "remote",
+                      user_func=func, keepalive=_keepalive)
         return handle
     fork_id = _rref._new_id()
-    creation = _invoke_async(dst, _rref._on_create, (rref_id, fork_id, func) + call_args, None, timeout, "remote", user_func=func)
+    creation = _invoke_async(dst, _rref._on_create, (rref_id, fork_id, func) + call_args, None, timeout, "remote",
+                             user_func=func, keepalive=_keepalive)
     return _rref.new_user_for_remote(dst, rref_id, fork_id, creation)
 
 

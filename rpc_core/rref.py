@@ -281,8 +281,16 @@ class _Proxy:
         def call(*args: Any, **kwargs: Any) -> Any:
             from . import api
 
-            fn = {"sync": api.rpc_sync, "async": api.rpc_async, "remote": api.remote}[self._mode]
-            return fn(self._rref.owner(), _on_invoke, args=(self._rref, name, args, kwargs), timeout=self._timeout)
+            rref = self._rref
+            rref._check_alive(self._mode)
+            # The call names the RRef by id instead of forking it (no fork/accept messages);
+            # holding the RRef until the answer keeps the owner's value alive meanwhile.
+            call_args = (rref._rref_id, name, args, kwargs)
+            if self._mode == "remote":
+                return api.remote(rref._owner_id, _on_invoke, args=call_args, timeout=self._timeout, _keepalive=rref)
+            fut = api._invoke_async(rref._owner_id, _on_invoke, call_args, None, self._timeout, self._mode,
+                                    keepalive=rref)
+            return fut.wait() if self._mode == "sync" else fut
 
         return call
 
@@ -390,13 +398,27 @@ def _on_user_delete(rref_id: Id, fork_id: Id) -> None:
 
 
 @async_execution
-def _on_invoke(rref: RRef, name: str, args: tuple, kwargs: dict) -> torch.futures.Future:
-    method = getattr(rref.local_value(), name)
+def _on_invoke(rref_id: Id, name: str, args: tuple, kwargs: dict) -> torch.futures.Future:
+    """Run ``value.name(*args, **kwargs)`` on the owner (the RRef proxies)."""
+    value = _ctx.entry(rref_id).value
+    obj = value.wait() if value.done() else None
+    if obj is None and not value.done():
+        # Still being created by remote(): call once it exists, without holding a thread.
+        return value.then(lambda f: _call_method(f.value(), name, args, kwargs)).then(_unwrap)
+    return _call_method(obj, name, args, kwargs)
+
+
+def _call_method(obj: Any, name: str, args: tuple, kwargs: dict) -> torch.futures.Future:
+    method = getattr(obj, name)
     if getattr(method, "_wrapped_async_rpc_function", None) is not None:
         return method(*args, **kwargs)
     f: torch.futures.Future = torch.futures.Future()
     f.set_result(method(*args, **kwargs))
     return f
+
+
+def _unwrap(f: torch.futures.Future) -> Any:
+    return f.value().wait()
 
 
 # -- used by api ------------------------------------------------------------------------------------
