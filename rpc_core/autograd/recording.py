@@ -66,9 +66,9 @@ def _context_of_graph(tensors: List[torch.Tensor]) -> Optional[int]:
     gradients would silently stop at this worker. Only searched when this worker holds
     contexts and a tensor requires grad, so it costs nothing outside distributed autograd.
     """
-    if not _context.count():
-        return None
     stack = [t.grad_fn for t in tensors if t.requires_grad and t.grad_fn is not None]
+    if not stack or not _context.count():
+        return None
     seen = set()
     while stack:
         node = stack.pop()
