@@ -97,7 +97,7 @@ def _invoke_async(to: Any, func: Any, args: Optional[tuple], kwargs: Optional[di
         if wrap is not None:
             def send(f: Any = func, a: tuple = args, k: dict = kwargs, extras: Optional[dict] = None) -> torch.futures.Future:
                 return agent.send_request(dst, f, a, k, timeout, extras=extras,
-                                          call_extras=None if keepalive is None else {"keepalive": keepalive})
+                                          call_extras=None if keepalive is None else dict(extras or {}, keepalive=keepalive))
 
             return wrap(exec_mode, func if user_func is None else user_func, dst, send)
     if keepalive is not None:

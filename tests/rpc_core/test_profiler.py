@@ -100,6 +100,7 @@ def _features_body(ctx):
         scoped = rpc_core.rpc_async("worker1", udf_with_scope, args=(x,)).wait()
         rref = rpc_core.remote("worker2", torch.sub, args=(x, torch.ones(4)))
         fetched = rref.to_here()
+        via_proxy = rref.rpc_sync().add(x)
         w = torch.ones(4, requires_grad=True)
         with dist_autograd.context() as cid:
             loss = rpc_core.rpc_sync("worker1", torch.mul, args=(w, x)).sum()
@@ -111,7 +112,7 @@ def _features_body(ctx):
         except ValueError as e:  # the remote exception keeps its type under profiling
             raised = str(e)
     assert torch.equal(nested, 4 * x) and torch.equal(scoped, torch.tanh(x))
-    assert torch.equal(fetched, torch.zeros(4)) and torch.equal(grad, x)
+    assert torch.equal(fetched, torch.zeros(4)) and torch.equal(via_proxy, x) and torch.equal(grad, x)
     out = _summary(prof)
     out["wrappers"], out["raised"] = len(api.call_wrappers), raised
     out["tanh_shapes"] = [e.input_shapes for e in prof.key_averages(group_by_input_shape=True)
@@ -213,6 +214,8 @@ def test_nested_async_scopes_remote_and_backward():
     assert (f"rpc_async#udf_with_scope{W0_W1}#remote_op: user_scope_on_callee", 1) in keys, out["table"]
     assert (f"rpc_async#udf_with_scope{W0_W1}#remote_op: aten::tanh", 1) in keys
     assert ("rpc_remote#aten::sub(worker0 -> worker2)#remote_op: aten::sub", 2) in keys, out["table"]
+    assert ("rpc_sync#RRef.to_here(worker0 -> worker2)", 0) in keys
+    assert ("rpc_sync#_on_invoke(worker0 -> worker2)#remote_op: aten::add", 2) in keys, out["table"]  # RRef proxy
     assert ("rpc_sync#aten::mul(worker0 -> worker1)#remote_op: aten::mul", 1) in keys
     # distributed backward: the gradient RPC to worker1 and the backward work it did there
     grad_calls = [k for k, node in keys if k.startswith("rpc_async#_on_backward(worker0 -> worker1)") and node == 1]
