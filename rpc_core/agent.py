@@ -24,7 +24,7 @@ from .errors import ProtocolError, RpcError, RpcNotInitializedError, RpcTimeoutE
 from .options import RpcBackendOptions
 from .pool import ElasticPool
 from .rendezvous import World, WorkerInfo
-from .serialization import deserialize, encode_head, loopback, serialize
+from .serialization import decode_head, deserialize, encode_head, loopback, serialize
 
 log = logging.getLogger("rpc_core")
 
@@ -129,6 +129,8 @@ class Agent:
         self._timer_cv = threading.Condition()
         self.pool = ElasticPool(options.num_worker_threads, f"rpc-{self.me.name}")
         self.on_peer_lost: List[Callable[[int, str], None]] = []
+        # Called with (head extras, error) when a request cannot even be unpickled here.
+        self.request_failed_hooks: List[Callable[[Dict[str, Any], BaseException], None]] = []
         self._world_connections = world.connections
 
     def start(self) -> None:
@@ -390,12 +392,21 @@ class Agent:
                 waits: List[torch.futures.Future] = []
                 (func, args, kwargs), extras_ = deserialize(head, body, storages, self._incoming_hook(src, False), waits)
                 extras = extras_ or {}
-            except (AttributeError, ModuleNotFoundError, ImportError) as e:
-                raise RpcError(
-                    f"{self.me.name} could not load the function or arguments of a call from "
-                    f"{self.describe(src)}: {e}. The RPC pickler does not serialize function code: define "
-                    "the function in a module that both caller and callee can import."
-                ) from None
+            except BaseException as e:
+                if isinstance(e, (AttributeError, ModuleNotFoundError, ImportError)):
+                    e = RpcError(
+                        f"{self.me.name} could not load the function or arguments of a call from "
+                        f"{self.describe(src)}: {e}. The RPC pickler does not serialize function code: define "
+                        "the function in a module that both caller and callee can import."
+                    )
+                if self.request_failed_hooks:
+                    try:
+                        extras = decode_head(head)[1] or {}
+                    except Exception:
+                        extras = {}
+                    for hook in self.request_failed_hooks:
+                        hook(extras, e)
+                raise e from None
             if waits:  # RRef forks in the arguments must be confirmed by their owners first
                 torch.futures.collect_all(waits).add_done_callback(
                     lambda _: self.pool.submit(self._execute, conn, src, h, func, args, kwargs, extras))

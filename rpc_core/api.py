@@ -58,6 +58,7 @@ def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: Optiona
         raise ValueError("world_size is required: rpc_core supports static groups (dynamic membership is not implemented)")
     world = rendezvous(name, rank, world_size, options.init_method, options.auth_secret, options.effective_init_timeout())
     agent = Agent(world, options)
+    agent.request_failed_hooks.append(_rref.on_request_failed)
     if world.me.id == 0:
         _coordinator.start(agent)
     for hook in init_hooks:
@@ -83,9 +84,11 @@ def _set_rpc_timeout(rpc_timeout: float) -> None:
 
 
 def _invoke_async(to: Any, func: Any, args: Optional[tuple], kwargs: Optional[dict], timeout: float,
-                  exec_mode: str, user_func: Any = None, keepalive: Any = None) -> torch.futures.Future:
+                  exec_mode: str, user_func: Any = None, keepalive: Any = None,
+                  extras: Optional[dict] = None) -> torch.futures.Future:
     """Send a call. ``keepalive`` is held until the answer arrives (an RRef whose id the call
-    carries instead of a fork)."""
+    carries instead of a fork); ``extras`` travel in the frame head."""
+    base_extras = extras
     agent = current_agent()
     if not callable(func):
         raise TypeError("function should be callable.")
@@ -96,13 +99,15 @@ def _invoke_async(to: Any, func: Any, args: Optional[tuple], kwargs: Optional[di
         wrap = next(reversed(call_wrappers), None)  # one read: another thread may empty the list
         if wrap is not None:
             def send(f: Any = func, a: tuple = args, k: dict = kwargs, extras: Optional[dict] = None) -> torch.futures.Future:
+                extras = dict(base_extras or {}, **(extras or {}))
                 return agent.send_request(dst, f, a, k, timeout, extras=extras,
-                                          call_extras=None if keepalive is None else dict(extras or {}, keepalive=keepalive))
+                                          call_extras=None if keepalive is None else dict(extras, keepalive=keepalive))
 
             return wrap(exec_mode, func if user_func is None else user_func, dst, send)
     if keepalive is not None:
-        return agent.send_request(dst, func, args, kwargs, timeout, call_extras={"keepalive": keepalive})
-    return agent.send_request(dst, func, args, kwargs, timeout)
+        return agent.send_request(dst, func, args, kwargs, timeout, extras=extras,
+                                  call_extras=dict(extras or {}, keepalive=keepalive))
+    return agent.send_request(dst, func, args, kwargs, timeout, extras=extras)
 
 
 def _invoke(dst: int, func: Any, args: tuple, kwargs: Optional[dict], timeout: float, exec_mode: str,
@@ -135,11 +140,13 @@ def remote(to: Any, func: Callable[..., Any], args: Optional[tuple] = None, kwar
     if dst == agent.me.id:
         handle = _rref.RRef._owner_handle(rref_id)  # registers the entry; the value follows
         _invoke_async(dst, _rref._on_create, (rref_id, None, func) + call_args, None, timeout, "remote",
-                      user_func=func, keepalive=_keepalive)
+                      user_func=func, keepalive=_keepalive, extras={"rref_create": rref_id})
         return handle
     fork_id = _rref._new_id()
+    # The id also travels in the frame head: if the callee cannot even unpickle the call
+    # (function missing there), it still stores the error for to_here() to raise.
     creation = _invoke_async(dst, _rref._on_create, (rref_id, fork_id, func) + call_args, None, timeout, "remote",
-                             user_func=func, keepalive=_keepalive)
+                             user_func=func, keepalive=_keepalive, extras={"rref_create": rref_id})
     return _rref.new_user_for_remote(dst, rref_id, fork_id, creation)
 
 

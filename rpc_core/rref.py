@@ -360,6 +360,16 @@ def _on_create(rref_id: Id, fork_id: Optional[Id], func: Any, args: tuple, kwarg
     return e.value.then(lambda _: None)
 
 
+def on_request_failed(extras: Dict[str, Any], error: BaseException) -> None:
+    """The agent could not unpickle a request; if it was a remote() creation, store the
+    error as the RRef's value so to_here() raises it instead of waiting forever."""
+    rref_id = extras.get("rref_create")
+    if rref_id is not None:
+        value = _ctx.entry(tuple(rref_id)).value
+        if not value.done():
+            value.set_exception(error)
+
+
 def _settle(target: torch.futures.Future, source: torch.futures.Future) -> None:
     try:
         target.set_result(source.value())
