@@ -26,6 +26,9 @@ from .rendezvous import WorkerInfo, rendezvous
 # Called with each new Agent (distributed autograd installs its middleware here).
 init_hooks: List[Callable[[Agent], None]] = []
 shutdown_hooks: List[Callable[[], None]] = []
+# Called once every worker has entered graceful shutdown, before the in-flight work drains
+# (e.g. distributed autograd sends its deferred context releases).
+pre_shutdown_hooks: List[Callable[[], None]] = []
 # Wrappers around outgoing user calls: fn(exec_mode, func, dst, send) -> Future, where func is
 # the user's function (for remote, the one whose result the RRef holds) and send(extras=None)
 # sends the call, optionally with message extras. Empty unless the profiler is on, so the
@@ -238,6 +241,8 @@ def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -
     try:
         if graceful:
             _wait_all_workers(timeout)
+            for hook in pre_shutdown_hooks:
+                hook()
             _rref.delete_all_user_rrefs(timeout)
             _wait_quiescent(agent, timeout)
     except RpcError as e:

@@ -96,6 +96,11 @@ class AutogradMiddleware(_agent_mod.Middleware):
     def outgoing(self, dst: int, tensors: List[torch.Tensor], extras: Dict[str, Any],
                  request_extras: Optional[Dict[str, Any]]) -> None:
         if request_extras is None:
+            from . import take_deferred
+
+            released = take_deferred(dst)
+            if released:
+                extras["rel"] = released  # contexts we left: dst can drop them too
             context_id = _context.current_id()
             if context_id is None:
                 context_id = _context_of_graph(tensors)
@@ -137,6 +142,11 @@ class AutogradMiddleware(_agent_mod.Middleware):
         return tensors
 
     def enter_call(self, src: int, extras: Dict[str, Any]) -> Any:
+        released = extras.get("rel")
+        if released:
+            from . import _release_many
+
+            _release_many(released, src)
         ag = extras.get("ag")
         if not ag or _context.is_released(ag[0]):
             return _NO_TOKEN
