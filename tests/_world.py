@@ -29,6 +29,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 DEFAULT_TIMEOUT = 90.0
 _EXIT_GRACE = 20.0  # a child that reported must be gone within this
+_FAIL_GRACE = 15.0  # once a rank failed, how long the others get to report
 
 
 class WorldError(AssertionError):
@@ -110,14 +111,15 @@ def _child_main(body: Callable[..., Any], ctx: WorkerContext, args: tuple, init:
         outcome = ("ok", body(ctx, *args))
     except BaseException:
         outcome = ("error", f"rank {ctx.rank} raised:\n{traceback.format_exc()}")
-    if _is_initialized():
+    if outcome[0] == "ok" and _is_initialized():
         import rpc_core
 
         try:
             rpc_core.shutdown()
         except BaseException:
-            if outcome[0] == "ok":
-                outcome = ("error", f"rank {ctx.rank}: shutdown() raised:\n{traceback.format_exc()}")
+            outcome = ("error", f"rank {ctx.rank}: shutdown() raised:\n{traceback.format_exc()}")
+    # A failed rank reports at once and exits without a graceful shutdown (its peers may be
+    # waiting for it in a barrier); its closed connections tell them it is gone.
     try:
         conn.send(outcome)
     except BaseException:
@@ -165,6 +167,7 @@ def run_world(
     outcomes: Dict[int, tuple] = {}
     failures: List[str] = []
     deadline = time.monotonic() + timeout
+    first_failure: Optional[int] = None
     try:
         pending = {conns[r]: r for r in range(world_size)}
         while pending:
@@ -173,9 +176,11 @@ def run_world(
             if not ready:
                 stuck = sorted(pending.values())
                 _dump_stacks([procs[r] for r in stuck])
+                why = (f"timed out after {timeout:g} s" if first_failure is None else
+                       f"gave up {_FAIL_GRACE:g} s after rank {first_failure} failed")
                 failures.append(
-                    f"world of {world_size} running {where} timed out after {timeout:g} s: ranks {stuck} "
-                    "did not finish and were killed (their thread stacks are in the captured stderr)"
+                    f"world of {world_size} running {where} {why}: ranks {stuck} did not finish and "
+                    "were killed (their thread stacks are in the captured stderr)"
                 )
                 break
             for c in ready:
@@ -185,6 +190,12 @@ def run_world(
                 except EOFError:
                     procs[rank].join(5.0)
                     outcomes[rank] = ("died", procs[rank].exitcode)
+                failed = outcomes[rank][0] == "error" or (outcomes[rank][0] == "died" and rank not in may_die)
+                if failed and first_failure is None:
+                    # The others may wait for the failed rank forever: collect what they
+                    # report soon, then stop them.
+                    first_failure = rank
+                    deadline = min(deadline, time.monotonic() + _FAIL_GRACE)
         for rank, p in enumerate(procs):
             if rank in outcomes and outcomes[rank][0] != "died":
                 p.join(_EXIT_GRACE)
