@@ -1,4 +1,8 @@
-"""``python -m ps_train [overrides]``: compose the Hydra config, convert it once, run it."""
+"""``python -m ps_train [overrides]``: compose the Hydra config, convert it once, run it.
+
+Exit codes: 0 done; 1 a role failed (the message names it and the checkpoint to resume
+from); 2 invalid configuration or setup (nothing was started).
+"""
 from __future__ import annotations
 
 import logging
@@ -10,7 +14,9 @@ from omegaconf import DictConfig
 
 import ps_train.config  # noqa: F401  (registers the config schemas with Hydra)
 from ps_train.app import run
+from ps_train.checkpoint import CheckpointError
 from ps_train.config import ConfigError, from_dictconfig
+from ps_train.data import DatasetNotFoundError
 from ps_train.launch import RoleFailed
 
 log = logging.getLogger("ps_train")
@@ -25,9 +31,16 @@ def main(dcfg: DictConfig) -> float:
         sys.exit(2)
     hc = HydraConfig.get()
     run_dir = hc.runtime.output_dir
+    if cfg.cluster.launcher == "env" and not any(o.startswith("hydra.run.dir=") for o in hc.overrides.hydra):
+        log.warning("cluster.launcher=env without hydra.run.dir=...: each rank names its run folder by its own "
+                    "start time, so logs may be split over several folders; pass the same "
+                    "hydra.run.dir=<folder> to every rank")
     print(f"[ps_train] run dir: {run_dir}", flush=True)
     try:
         metrics = run(cfg, run_dir, overrides=list(hc.overrides.task))
+    except (ConfigError, CheckpointError, DatasetNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     except RoleFailed as e:
         log.error("%s", e)
         print(f"error: {e}", file=sys.stderr)

@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Optional
 
 from ps_train.checkpoint import (
-    Manifest, ShardFile, begin_checkpoint, capture_rng_state, load_checkpoint, prune_checkpoints,
-    resolve_resume, save_shard_state, write_manifest,
+    CheckpointError, Manifest, ShardFile, begin_checkpoint, capture_rng_state, load_shard_state, prune_checkpoints,
+    read_manifest, resolve_resume, save_shard_state, write_manifest,
 )
-from ps_train.config import Config
+from ps_train.config import Config, ConfigError, config_to_dict
 from ps_train.data import steps_per_epoch
 
 log = logging.getLogger("ps_train.checkpoint")
@@ -56,7 +56,8 @@ def save(trainer: Any, step: int) -> Path:
         positions[f"trainer{k}"] = dict(pos, rank=k, world=cfg.cluster.num_trainers, seed=cfg.seed)
     write_manifest(ckpt, Manifest(step=step, shards=shards, trainer_positions=positions,
                                   rng_states={"trainer0": capture_rng_state()},
-                                  extra={"mode": cfg.mode.name, "backend": cfg.backend}))
+                                  extra={"mode": cfg.mode.name, "backend": cfg.backend,
+                                         "config": config_to_dict(cfg)}))
     prune_checkpoints(trainer.run_dir, cfg.checkpoint.keep)
     log.info("checkpoint after step %d: %s", step, ckpt)
     return ckpt
@@ -76,13 +77,50 @@ def checkpoint_hook(cfg: Config, run_dir: str) -> Optional[Callable[[Any, int], 
     return hook
 
 
-def load_resume_state(path: str) -> Dict[str, Any]:
-    """Read the latest complete checkpoint under ``path`` (a run dir or checkpoint dir)."""
+def load_resume_state(path: str, server: Optional[str] = None) -> Dict[str, Any]:
+    """Read the latest complete checkpoint under ``path`` (a run dir or checkpoint dir).
+
+    ``server``: also load that server's state file (``ps0``, ...), hash-verified; trainers
+    need only the manifest.
+    """
     ckpt = resolve_resume(path)
-    manifest, states = load_checkpoint(ckpt)
+    manifest = read_manifest(ckpt)
+    servers = {}
+    if server is not None:
+        entry = {s.name: s for s in manifest.shards}.get(server)
+        if entry is None:
+            raise CheckpointError(f"resume={path}: checkpoint {ckpt} has no state for {server} (it has "
+                                  f"{sorted(s.name for s in manifest.shards)}); resume with the same "
+                                  "cluster.num_servers")
+        servers[server] = load_shard_state(ckpt, entry)
     return {
         "checkpoint": str(ckpt),
         "step": manifest.step,
-        "servers": states,
+        "servers": servers,
         "trainer_positions": manifest.trainer_positions,
+        "extra": manifest.extra,
     }
+
+
+def check_resumable(cfg: Config, path: str) -> Dict[str, Any]:
+    """In the launcher, before any role starts: the checkpoint to resume from exists and was
+    written by a run this config can continue (same model, cluster shape, seed and data)."""
+    state = load_resume_state(path)
+    saved = state["extra"].get("config")
+    if saved:
+        now = config_to_dict(cfg)
+        problems = [f"{key}: the checkpoint has {saved.get(key)!r}, this run {now.get(key)!r}"
+                    for key in _RESUME_MUST_MATCH if key in saved and saved.get(key) != now.get(key)]
+        for group, key in (("cluster", "num_servers"), ("cluster", "num_trainers"), ("cluster", "placement"),
+                           ("optim", "name"), ("data", "name")):
+            old, new = saved.get(group, {}).get(key), now[group][key]
+            if old is not None and old != new:
+                problems.append(f"{group}.{key}: the checkpoint has {old!r}, this run {new!r}")
+        if problems:
+            raise ConfigError(f"resume={path}: {state['checkpoint']} was written by a different setup; pass the "
+                              "original run's overrides again:\n  - " + "\n  - ".join(problems))
+    return state
+
+
+# Config sections a resumed run must share with the checkpoint's run (optim.lr etc. may change).
+_RESUME_MUST_MATCH = ("model", "seed")

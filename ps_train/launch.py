@@ -2,9 +2,21 @@
 
 Ranks 0..S-1 are the parameter servers ``ps0..``, ranks S..S+T-1 the trainers
 ``trainer0..``. ``launch_local`` starts all of them on this machine with a fresh auth
-secret and a free port, watches them, and stops the run as soon as one fails, naming it.
-``run_rank`` is what each process runs (and, with ``cluster.launcher=env``, what a
-torchrun/SLURM-started process runs directly).
+secret and a free port, watches them, and stops the run as soon as one fails, naming it
+(and the latest complete checkpoint to resume from). ``run_rank`` is what each process runs
+(and, with ``cluster.launcher=env``, what a torchrun/SLURM-started process runs directly).
+
+Local roles are forked from a ``forkserver`` that has imported torch and ps_train once, so
+a role starts in well under a second instead of re-importing torch (seconds per process on
+a busy machine). Each role gets the launcher's environment and working directory as of the
+launch (not the forkserver's), exits as soon as it is done (no slow interpreter teardown),
+and exits by itself if the launcher dies.
+
+Fault injection (test-only): ``PS_TRAIN_FAULT=<role>@<step>`` in the launcher's
+environment makes that role SIGKILL itself -- a trainer right after finishing step
+``<step>``, a server right after applying its ``<step>``-th update -- to test how the
+launcher reports a dead role and that resuming from the last checkpoint works. Never set it
+in real runs.
 """
 from __future__ import annotations
 
@@ -13,8 +25,10 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import secrets
+import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -27,9 +41,16 @@ from ps_train.config import Config, config_to_dict, from_dictconfig
 
 log = logging.getLogger("ps_train")
 
+FAULT_ENV = "PS_TRAIN_FAULT"
+# What the forkserver imports once, so forked roles start without importing anything heavy.
+_PRELOAD = ["ps_train.launch", "ps_train.server", "ps_train.trainer", "ps_train.checkpoint_io",
+            "ps_train.data", "ps_train.metrics", "rpc_core", "rpc_core.autograd", "sklearn.datasets",
+            "sklearn.model_selection", "torch.utils.tensorboard"]
+
 
 class RoleFailed(RuntimeError):
-    """A server or trainer process failed; the message names it."""
+    """A server or trainer process failed (or the run hit its time limit); the message names
+    the role, its log, and the latest complete checkpoint."""
 
 
 def role_name(rank: int, num_servers: int) -> str:
@@ -40,6 +61,20 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def maybe_inject_fault(role: str, step: int) -> None:
+    """Test-only: SIGKILL this process if ``PS_TRAIN_FAULT`` is ``<role>@<step>`` (see module doc)."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    who, _, at = spec.partition("@")
+    if who == role and at.isdigit() and int(at) == step:
+        log.warning("%s=%s: test fault injection, killing %s (pid %d) at step %d at unix time %.3f",
+                    FAULT_ENV, spec, role, os.getpid(), step, time.time())
+        for h in logging.getLogger().handlers:
+            h.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _setup_logging(run_dir: str, name: str, level: str) -> None:
@@ -53,8 +88,11 @@ def _setup_logging(run_dir: str, name: str, level: str) -> None:
 
 
 def run_rank(cfg: Config, rank: int, master_addr: str, master_port: int, secret: Optional[str], run_dir: str,
-             resume_state: Optional[Dict[str, Any]] = None) -> Optional[Dict[str, Any]]:
-    """Run one role until the whole job is done; returns the metrics on trainer0."""
+             resume: Optional[str] = None) -> Optional[Dict[str, Any]]:
+    """Run one role until the whole job is done; returns the metrics on trainer0.
+
+    ``resume``: a complete checkpoint dir (see ``checkpoint.resolve_resume``) to start from.
+    """
     S, T = cfg.cluster.num_servers, cfg.cluster.num_trainers
     name = role_name(rank, S)
     torch.set_num_threads(1)  # many small processes on few cores: intra-op threads only fight
@@ -63,16 +101,17 @@ def run_rank(cfg: Config, rank: int, master_addr: str, master_port: int, secret:
     rpc = backend.rpc()
     from ps_train import server as server_mod
     from ps_train import trainer as trainer_mod
+    from ps_train.checkpoint_io import checkpoint_hook, load_resume_state, load_server_state
 
+    resume_state = load_resume_state(resume, server=name if rank < S else None) if resume else None
     if rank < S:
         ps = server_mod.create(cfg, rank)  # before init_rpc: trainers may ask for it at once
         if resume_state is not None:
-            from ps_train.checkpoint_io import load_server_state
-
             load_server_state(ps, resume_state)
-    opts = backend.make_options(f"tcp://{master_addr}:{master_port}", cfg.cluster.rpc_timeout,
-                                cfg.cluster.num_worker_threads, secret)
-    log.info("starting %s (rank %d of %d) on %s backend", name, rank, S + T, cfg.backend)
+    init_method = f"tcp://{master_addr}:{master_port}"
+    opts = backend.make_options(init_method, cfg.cluster.rpc_timeout, cfg.cluster.num_worker_threads, secret)
+    log.info("starting %s (rank %d of %d) on the %s backend, rendezvous at %s%s", name, rank, S + T, cfg.backend,
+             init_method, f", resuming from {resume} (step {resume_state['step']})" if resume_state else "")
     rpc.init_rpc(name, rank=rank, world_size=S + T, rpc_backend_options=opts)
     result = None
     try:
@@ -82,8 +121,6 @@ def run_rank(cfg: Config, rank: int, master_addr: str, master_port: int, secret:
                 start = resume_state["step"]
                 data_state = resume_state["trainer_positions"].get(name)
             t = trainer_mod.Trainer(cfg, rank - S, run_dir, start_step=start, data_state=data_state)
-            from ps_train.checkpoint_io import checkpoint_hook
-
             result = t.run(on_step=checkpoint_hook(cfg, run_dir))
     finally:
         rpc.shutdown()
@@ -91,49 +128,107 @@ def run_rank(cfg: Config, rank: int, master_addr: str, master_port: int, secret:
     return result
 
 
+def _exit_with_parent() -> None:
+    """A role must not outlive its launcher (e.g. killed by a test timeout)."""
+    parent = mp.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-launcher", daemon=True).start()
+
+
 def _child(cfg_dict: Dict[str, Any], rank: int, port: int, secret: str, run_dir: str,
-           resume_state: Optional[Dict[str, Any]], results: Any) -> None:
+           resume: Optional[str], results: Any, env: Dict[str, str], cwd: str) -> None:
+    name = role_name(rank, cfg_dict["cluster"]["num_servers"])
     try:
+        # The forkserver was started by an earlier launch: take this launch's environment.
+        os.environ.clear()
+        os.environ.update(env)
+        os.chdir(cwd)
+        _exit_with_parent()
         cfg = from_dictconfig(cfg_dict)
-        out = run_rank(cfg, rank, cfg.cluster.master_addr, port, secret, run_dir, resume_state)
+        out = run_rank(cfg, rank, cfg.cluster.master_addr, port, secret, run_dir, resume)
         if out is not None:
             results.put(out)
+            results.close()
+            results.join_thread()  # the result is in the pipe before we exit
     except BaseException:
-        name = role_name(rank, cfg_dict["cluster"]["num_servers"])
         msg = traceback.format_exc()
         logging.getLogger("ps_train").error("%s failed:\n%s", name, msg)
         sys.stderr.write(f"[{name}] failed:\n{msg}")
         sys.stderr.flush()
+        logging.shutdown()
         os._exit(1)
+    # Done: skip the interpreter teardown (torch's takes seconds on a busy machine, and
+    # rpc threads have nothing left to do).
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
-def launch_local(cfg: Config, run_dir: str, resume_state: Optional[Dict[str, Any]] = None,
+def _context() -> Any:
+    if "forkserver" in mp.get_all_start_methods():
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(_PRELOAD)
+        return ctx
+    return mp.get_context("spawn")
+
+
+def launch_local(cfg: Config, run_dir: str, resume: Optional[str] = None,
                  timeout: Optional[float] = None) -> Dict[str, Any]:
-    """Start every role as a process on this machine; return trainer0's metrics."""
+    """Start every role as a process on this machine; return trainer0's metrics.
+
+    Raises ``RoleFailed`` naming the first role that failed (or, with ``timeout`` seconds,
+    the roles still running when time ran out), after stopping all the others.
+    """
     S, T = cfg.cluster.num_servers, cfg.cluster.num_trainers
+    # master_port=0: a free port for this run, so concurrent runs and -m sweep jobs never clash.
     port = cfg.cluster.master_port or free_port(cfg.cluster.master_addr)
     secret = secrets.token_hex(16)  # per run: only this run's processes can talk to each other
-    ctx = mp.get_context("spawn")
+    log.info("starting %d servers + %d trainers on %s:%d; logs in %s/logs", S, T, cfg.cluster.master_addr, port,
+             run_dir)
+    ctx = _context()
     results = ctx.Queue()
     cfg_dict = config_to_dict(cfg)
+    env, cwd = dict(os.environ), os.getcwd()
     procs = {}
-    for rank in range(S + T):
-        p = ctx.Process(target=_child, args=(cfg_dict, rank, port, secret, run_dir, resume_state, results),
-                        name=role_name(rank, S), daemon=False)
-        p.start()
-        procs[rank] = p
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
+        for rank in range(S + T):
+            p = ctx.Process(target=_child, args=(cfg_dict, rank, port, secret, run_dir, resume, results, env, cwd),
+                            name=role_name(rank, S), daemon=False)
+            p.start()
+            procs[rank] = p
         _watch(procs, S, run_dir, deadline)
     finally:
         for p in procs.values():
             if p.is_alive():
-                p.terminate()
+                p.kill()  # a role of a failed run holds nothing worth a graceful stop
         for p in procs.values():
             p.join(5)
-            if p.is_alive():
-                p.kill()
-    return results.get(timeout=10)
+    try:
+        return results.get(timeout=10)
+    except Exception:
+        raise RoleFailed(f"all roles exited cleanly but trainer0 reported no metrics; see {run_dir}/logs") from None
+
+
+def _describe(rank: int, exitcode: int, S: int, run_dir: str) -> str:
+    how = f"killed by signal {signal.Signals(-exitcode).name}" if exitcode < 0 else f"exit code {exitcode}"
+    name = role_name(rank, S)
+    return f"{name} (rank {rank}, {how}; log: {run_dir}/logs/{name}.log)"
+
+
+def _checkpoint_hint(run_dir: str) -> str:
+    from ps_train.checkpoint import latest_checkpoint
+
+    last = latest_checkpoint(run_dir)
+    return (f"the latest complete checkpoint is {last}; continue with resume={run_dir}" if last
+            else "no checkpoint was written yet; the run has to start over")
 
 
 def _watch(procs: Dict[int, Any], S: int, run_dir: str, deadline: Optional[float]) -> None:
@@ -144,17 +239,23 @@ def _watch(procs: Dict[int, Any], S: int, run_dir: str, deadline: Optional[float
         ready = multiprocessing.connection.wait([p.sentinel for p in alive.values()], timeout=remaining)
         if not ready:
             raise RoleFailed(f"the run did not finish within its time limit; roles still running: "
-                             f"{[role_name(r, S) for r in alive]}")
+                             f"{[role_name(r, S) for r in alive]}; {_checkpoint_hint(run_dir)}")
+        failed: List[int] = []
         for rank, p in list(alive.items()):
             if p.sentinel in ready:
                 p.join()
                 del alive[rank]
                 if p.exitcode != 0:
-                    from ps_train.checkpoint import latest_checkpoint
-
-                    last = latest_checkpoint(run_dir)
-                    hint = (f"; the latest complete checkpoint is {last} (resume with resume={run_dir})"
-                            if last else "; no checkpoint was written yet")
-                    how = f"killed by signal {-p.exitcode}" if p.exitcode < 0 else f"exit code {p.exitcode}"
-                    raise RoleFailed(f"{role_name(rank, S)} (rank {rank}) failed ({how}); stopped the run. "
-                                     f"Its log: {run_dir}/logs/{role_name(rank, S)}.log{hint}")
+                    failed.append(rank)
+        if failed:
+            # A dead role makes its peers fail too, soon after. Name the cause first: a role
+            # killed by a signal, else the first in rank order; list the others as well.
+            for rank, p in alive.items():
+                if p.exitcode is not None and p.exitcode != 0:
+                    failed.append(rank)
+            failed.sort(key=lambda r: (procs[r].exitcode >= 0, r))
+            first, *others = failed
+            also = f"; also failed: {', '.join(_describe(r, procs[r].exitcode, S, run_dir) for r in others)}" \
+                if others else ""
+            raise RoleFailed(f"{_describe(first, procs[first].exitcode, S, run_dir)} failed; stopped the run{also}. "
+                             f"{_checkpoint_hint(run_dir)}")

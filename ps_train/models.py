@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torchvision
 from torch import nn
 
 from ps_train.config import CNNConfig, MLPConfig, ModelConfig, ResNetConfig
@@ -110,6 +109,8 @@ def _cnn(cfg: CNNConfig, in_shape: tuple[int, ...], num_classes: int) -> list[nn
 def _resnet18(cfg: ResNetConfig, in_shape: tuple[int, ...], num_classes: int) -> list[nn.Module]:
     if len(in_shape) != 3:
         raise ValueError(f"model=resnet18 needs image samples [C, H, W]; got in_shape {in_shape}")
+    import torchvision  # here, not at the top: importing it costs every role ~2 s of CPU at start
+
     channels = in_shape[0]
     net = torchvision.models.resnet18(weights=None, num_classes=num_classes)
     if cfg.small_input:
