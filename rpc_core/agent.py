@@ -7,6 +7,7 @@ the profiler) plug in as ``Middleware`` and never touch sockets.
 """
 from __future__ import annotations
 
+import copy
 import heapq
 import itertools
 import logging
@@ -43,11 +44,42 @@ def set_current_agent(agent: Optional["Agent"]) -> None:
     _agent = agent
 
 
+def set_error(fut: torch._C.Future, error: BaseException) -> None:
+    """Complete ``fut`` with ``error``; every ``wait()``/``value()`` then raises a fresh copy.
+
+    torch's ``set_exception`` re-raises the stored exception object itself, so each waiter's
+    frames are appended to its traceback and stay reachable from the future: a frame that
+    holds the future (``self`` in ``wait``) or an RRef makes a cycle through C++ that the
+    garbage collector cannot break, and RRefs in those frames are never released. Here the
+    stored exception keeps only the lines of the frames it was raised in (their locals are
+    cleared), and waiters get a copy with the same type and message, chained to it.
+    """
+    tb = error.__traceback__
+    if tb is not None:
+        # The first frame is the one that caught it, still running: drop it; clear the rest.
+        traceback.clear_frames(tb.tb_next)
+        error.__traceback__ = tb.tb_next
+    fut._set_unwrap_func(_raise_copy)
+    fut.set_result(error)
+
+
+def _raise_copy(error: BaseException) -> None:
+    try:
+        fresh = copy.copy(error)
+    except Exception:
+        raise error from None  # its constructor cannot rebuild it from its args: raise the original
+    raise fresh from (error if error.__traceback__ is not None else None)
+
+
 class RpcFuture(torch.futures.Future):
     """A torch Future that knows whether user callbacks hang on it, so a reader thread
-    completes it inline only when no callback could block that reader."""
+    completes it inline only when no callback could block that reader. Errors set on it
+    raise fresh copies (see ``set_error``)."""
 
     _has_callbacks = False
+
+    def set_exception(self, result: BaseException) -> None:  # type: ignore[override]
+        set_error(self, result)
 
     def then(self, callback):  # type: ignore[override]
         self._has_callbacks = True
@@ -238,12 +270,17 @@ class Agent:
                     self._timer_cv.wait(min(wait, 1.0))
                     continue
             for msg_id in expired:
-                rec = self._pending.get(msg_id)
-                if rec is not None:
-                    self._fail(msg_id, RpcTimeoutError(
-                        f"RPC ran for more than set timeout ({int(rec[3] * 1000)} ms) and will now be marked "
-                        f"with an error (call to {self.describe(rec[1])}); raise the timeout per call "
-                        "(timeout=...) or in RpcBackendOptions(rpc_timeout=...), 0 means none"))
+                self._expire(msg_id)
+
+    def _expire(self, msg_id: int) -> None:
+        # A method of its own, so no local outlives the call: the timer thread then sleeps
+        # without pinning the call's record (and the RRef a proxy call keeps alive in it).
+        rec = self._pending.get(msg_id)
+        if rec is not None:
+            self._fail(msg_id, RpcTimeoutError(
+                f"RPC ran for more than set timeout ({int(rec[3] * 1000)} ms) and will now be marked "
+                f"with an error (call to {self.describe(rec[1])}); raise the timeout per call "
+                "(timeout=...) or in RpcBackendOptions(rpc_timeout=...), 0 means none"))
 
     # -- completing calls ---------------------------------------------------------------------
     def _complete(self, fut: RpcFuture, value: Any = None, error: Optional[BaseException] = None, inline: bool = True) -> None:

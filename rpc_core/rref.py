@@ -356,7 +356,7 @@ def _on_create(rref_id: Id, fork_id: Optional[Id], func: Any, args: tuple, kwarg
         else:
             e.value.set_result(result)
     except BaseException as exc:
-        e.value.set_exception(exc)
+        _agent_mod.set_error(e.value, exc)
     return e.value.then(lambda _: None)
 
 
@@ -367,14 +367,14 @@ def on_request_failed(extras: Dict[str, Any], error: BaseException) -> None:
     if rref_id is not None:
         value = _ctx.entry(tuple(rref_id)).value
         if not value.done():
-            value.set_exception(error)
+            _agent_mod.set_error(value, error)
 
 
 def _settle(target: torch.futures.Future, source: torch.futures.Future) -> None:
     try:
         target.set_result(source.value())
     except BaseException as exc:
-        target.set_exception(exc)
+        _agent_mod.set_error(target, exc)
 
 
 @async_execution

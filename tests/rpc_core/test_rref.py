@@ -1,0 +1,309 @@
+"""Remote references (rpc_core/rref.py): the RRef API, proxies, RRefs inside arguments and
+return values, forwarding between users, and owner-side reference counting (tables return
+to empty once users let go). Bodies run on worker processes (tests/_world.py)."""
+import gc
+import io
+import pickle
+import time
+
+import pytest
+import torch
+
+import rpc_core
+from rpc_core import RRef, RpcTimeoutError, WorkerInfo
+from rpc_core import rref as rref_mod
+from tests._world import run_world
+
+EMPTY = {"num_owner_rrefs": 0, "num_forks": 0, "num_user_rrefs": 0, "num_pending_users": 0,
+         "num_pending_children": 0}
+
+
+# -- helpers every body can call --------------------------------------------------------------------
+def _names():
+    return [f"worker{r}" for r in range(rpc_core.api.current_agent().workers.__len__())]
+
+
+def _rref_tables():
+    info = rpc_core._get_debug_info()
+    return {k: info[k] for k in EMPTY}
+
+
+def _settle_and_count():
+    """Every worker calls this last: once all are done, drop what is garbage, let the deletes
+    reach the owners, and report this worker's RRef tables.
+
+    Two rounds suffice: in round 1 a child's flush waits until its parents processed the
+    child-accept (which releases the parent's handle); in round 2 the parents' deletes reach
+    the owners. The barriers make every worker finish a round before any starts the next."""
+    names = _names()
+    rpc_core._barrier(names)
+    for _ in range(2):
+        gc.collect()
+        rref_mod.flush()
+        rpc_core._barrier(names)
+    return _rref_tables()
+
+
+# -- remote functions and classes ---------------------------------------------------------------------
+def _add(a, b):
+    return a + b
+
+
+def _sleep_then(seconds, value):
+    time.sleep(seconds)  # a slow remote function (timeout tests)
+    return value
+
+
+def _raise_value_error():
+    raise ValueError("raised inside remote")
+
+
+def _value_of(rref):
+    return rref.local_value() if rref.is_owner() else rref.to_here()
+
+
+def _owner_side_view(rref):
+    return rref.is_owner(), rref.confirmed_by_owner(), rref.local_value()
+
+
+def _sum_rrefs(rrefs, extra):
+    assert all(r.confirmed_by_owner() for r in rrefs), "a user function ran before its RRefs were confirmed"
+    assert all(r.confirmed_by_owner() for r in extra.values())
+    return sum(r.to_here() for r in rrefs) + sum(r.to_here() for r in extra.values())
+
+
+def _make_owned_rref(value):
+    return RRef(value)
+
+
+def _make_user_rref(owner, value):
+    """Return an RRef this worker holds as a user (owned by ``owner``): user -> user."""
+    return rpc_core.remote(owner, _add, args=(value, 0))
+
+
+def _forward(rref, hops):
+    """Pass ``rref`` on to another non-owner worker ``hops`` times, then fetch it."""
+    if hops == 0:
+        assert rref.confirmed_by_owner()
+        return rref.to_here()
+    me = rpc_core.get_worker_info().id
+    owner = rref.owner().id
+    nxt = next(r for r in range(3) if r not in (me, owner))
+    return rpc_core.rpc_sync(nxt, _forward, args=(rref, hops - 1))
+
+
+def _forward_chain(dst, rref, ttl):
+    """torch's test_rref_forward_chain: each level wraps the next level's RRef in a list."""
+    if ttl > 0:
+        nxt = (dst + 1) % 3
+        return [rpc_core.remote(nxt, _forward_chain, args=(nxt, rref, ttl - 1))]
+    return rref.to_here()
+
+
+_kept = []
+
+
+def _keep(rref):
+    _kept.append(rref)
+    return rref.confirmed_by_owner()
+
+
+def _use_kept_then_drop():
+    value = _kept[0].to_here()
+    _kept.clear()
+    return value
+
+
+class Counter:
+    def __init__(self, start):
+        self.value = start
+
+    def add(self, n):
+        self.value += n
+        return self.value
+
+    def slow(self, seconds):
+        time.sleep(seconds)
+        return self.value
+
+    @staticmethod
+    def static_sum(a, b):
+        return a + b
+
+    @classmethod
+    def class_name(cls):
+        return cls.__name__
+
+
+# -- the RRef API -------------------------------------------------------------------------------
+def _body_api(ctx):
+    if ctx.rank == 0:
+        rref = rpc_core.remote(1, torch.add, args=(torch.ones(2), 1))
+        assert not rref.is_owner()
+        assert rref.owner() == WorkerInfo("worker1", 1) and rref.owner_name() == "worker1"
+        assert torch.equal(rref.to_here(), torch.full((2,), 2.0))
+        rref._get_future().wait()
+        assert rref.confirmed_by_owner()
+        with pytest.raises(RuntimeError, match=r"can't call localValue\(\) on user WorkerInfo\(id=0, name=worker0\)\. "
+                                               r"Call it on owner WorkerInfo\(id=1, name=worker1\)"):
+            rref.local_value()
+        assert repr(rref).startswith("UserRRef(RRefId = GloballyUniqueId(created_on=0, local_id=")
+        # the owner sees its own value through the same RRef
+        assert rpc_core.rpc_sync(1, _owner_side_view, args=(rref,))[:2] == (True, True)
+
+        value = {"a": [1, 2]}
+        own = RRef(value)
+        assert own.is_owner() and own.confirmed_by_owner()
+        assert own.local_value() is value and own.to_here() is value
+        assert own.owner() == rpc_core.get_worker_info() and own.owner_name() == "worker0"
+        assert repr(own).startswith("OwnerRRef(GloballyUniqueId(created_on=0, local_id=")
+        assert rpc_core.rpc_sync(1, _value_of, args=(own,)) == value
+
+        to_self = rpc_core.remote("worker0", _add, args=(2, 3))
+        assert to_self.is_owner() and to_self.to_here() == 5 and to_self.local_value() == 5
+
+        for r in (rref, own):
+            with pytest.raises(RuntimeError, match="Can not pickle rref in python pickler, rref can only be pickled when using RPC"):
+                pickle.dumps(r)
+            with pytest.raises(RuntimeError, match="Can not pickle rref"):
+                torch.save(r, io.BytesIO())
+        del rref, own, to_self, r
+    return _settle_and_count()
+
+
+def test_rref_api_to_here_local_value_owner_and_pickling_outside_rpc():
+    assert run_world(_body_api, 2) == [EMPTY, EMPTY]
+
+
+def _body_proxies(ctx):
+    if ctx.rank == 0:
+        for owner in (1, 0):
+            rref = rpc_core.remote(owner, Counter, args=(5,))
+            assert rref.rpc_sync().add(2) == 7
+            assert rref.rpc_async().add(3).wait() == 10
+            assert rref.remote().add(1).to_here() == 11
+            assert rpc_core.rpc_sync(owner, _value_of, args=(rref,)).value == 11  # state persisted
+            assert rref.rpc_sync().static_sum(1, 2) == 3
+            assert rref.rpc_async().static_sum(3, 4).wait() == 7
+            assert rref.remote().static_sum(5, 6).to_here() == 11
+            assert rref.rpc_sync().class_name() == "Counter"
+            assert rref.remote().class_name().to_here() == "Counter"
+            with pytest.raises(AttributeError, match="no_such_method"):
+                rref.rpc_sync().no_such_method()
+            with pytest.raises(AttributeError):
+                rref.remote().no_such_method().to_here()
+        slow = rpc_core.remote(1, Counter, args=(0,))
+        with pytest.raises(RpcTimeoutError, match="RPC ran for more than"):
+            slow.rpc_sync(timeout=0.2).slow(1.0)
+        with pytest.raises(RpcTimeoutError, match="RPC ran for more than"):
+            slow.rpc_async(timeout=0.2).slow(1.0).wait()
+        del rref, slow
+    return _settle_and_count()
+
+
+def test_proxies_call_instance_static_and_class_methods_on_the_owner():
+    assert run_world(_body_proxies, 2) == [EMPTY, EMPTY]
+
+
+# -- RRefs inside arguments and return values -------------------------------------------------------
+def _body_args_and_returns(ctx):
+    if ctx.rank == 0:
+        a = rpc_core.remote(1, _add, args=(1, 0))
+        b = rpc_core.remote(1, _add, args=(2, 0))
+        c = rpc_core.remote(2, _add, args=(4, 0))  # owned by the callee below
+        own = RRef(8)
+        # user -> user (a, b to worker2), user -> owner (c), owner -> user (own), in containers
+        assert rpc_core.rpc_sync(2, _sum_rrefs, args=([a, b, c], {"own": own})) == 15
+        assert rpc_core.rpc_async(2, _sum_rrefs, args=([a], {"b": b})).wait() == 3
+        assert rpc_core.remote(2, _sum_rrefs, args=([a, b], {})).to_here() == 3
+        # owner -> user as a return value
+        returned = rpc_core.rpc_sync(1, _make_owned_rref, args=(16,))
+        assert returned.owner_name() == "worker1" and not returned.is_owner()
+        assert returned.to_here() == 16
+        # user -> user as a return value (worker2 holds a user RRef owned by worker1)
+        passed_on = rpc_core.rpc_sync(2, _make_user_rref, args=(1, 32))
+        assert passed_on.owner_name() == "worker1" and passed_on.to_here() == 32
+        # an RRef that comes back to its owner is the owner's own value
+        assert rpc_core.rpc_sync(1, _owner_side_view, args=(a,)) == (True, True, 1)
+        assert rpc_core.rpc_sync(0, _owner_side_view, args=(own,)) == (True, True, 8)
+        # returned RRefs dropped right away must not leak (delete vs. fork confirmation)
+        for i in range(10):
+            rpc_core.rpc_sync(2, _make_user_rref, args=(1, i))
+            rpc_core.rpc_sync(1, _make_owned_rref, args=(i,))
+        del a, b, c, own, returned, passed_on
+    return _settle_and_count()
+
+
+def test_rrefs_in_args_and_return_values_and_user_functions_see_them_confirmed():
+    assert run_world(_body_args_and_returns, 3) == [EMPTY] * 3
+
+
+def _body_forwarding(ctx):
+    if ctx.rank == 0:
+        rref = rpc_core.remote(1, torch.add, args=(torch.ones(2), 1))
+        assert torch.equal(rpc_core.rpc_sync(2, _forward, args=(rref, 5)), torch.full((2,), 2.0))
+        ret = rpc_core.remote(0, _forward_chain, args=(0, rref, 6))
+        for _ in range(6):
+            ret = ret.to_here()[0]
+        assert torch.equal(ret.to_here(), torch.full((2,), 2.0))
+        del rref, ret
+    return _settle_and_count()
+
+
+def test_rrefs_forwarded_user_to_user_across_three_workers():
+    assert run_world(_body_forwarding, 3) == [EMPTY] * 3
+
+
+# -- owner-side reference counting -----------------------------------------------------------------
+def _body_lifetime(ctx):
+    names = _names()
+    if ctx.rank == 0:
+        rref = rpc_core.remote(1, _add, args=(torch.ones(3), 0))
+        assert rpc_core.rpc_sync(2, _keep, args=(rref,))  # worker2 keeps a fork, confirmed
+        del rref
+        gc.collect()
+        rref_mod.flush()
+    rpc_core._barrier(names)  # worker0 let go; worker2 still holds its fork
+    if ctx.rank == 1:
+        tables = _rref_tables()
+        assert tables["num_owner_rrefs"] == 1 and tables["num_forks"] == 1, tables
+    rpc_core._barrier(names)
+    if ctx.rank == 0:  # the value is still alive on the owner for worker2
+        assert torch.equal(rpc_core.rpc_sync(2, _use_kept_then_drop), torch.ones(3))
+    return _settle_and_count()
+
+
+def test_owner_keeps_the_value_while_any_user_holds_it_and_frees_it_after():
+    assert run_world(_body_lifetime, 3) == [EMPTY] * 3
+
+
+# -- errors -------------------------------------------------------------------------------------
+def _body_errors(ctx):
+    if ctx.rank == 0:
+        for owner in (1, 0):
+            rref = rpc_core.remote(owner, _raise_value_error)
+            with pytest.raises(ValueError, match="raised inside remote"):
+                rref.to_here()
+            with pytest.raises(ValueError, match="raised inside remote"):
+                rref.to_here()  # and again
+        del rref
+    return _settle_and_count()
+
+
+def test_errors_inside_remote_surface_at_to_here_with_their_type():
+    assert run_world(_body_errors, 2) == [EMPTY, EMPTY]
+
+
+def _body_after_shutdown(ctx):
+    rref = rpc_core.remote(1 - ctx.rank, _add, args=(1, 1))
+    assert rref.to_here() == 2
+    rpc_core.shutdown()
+    with pytest.raises(RuntimeError, match=r"has been deleted\. Cannot call to_here\(\) on it after deletion"):
+        rref.to_here()
+    with pytest.raises(RuntimeError, match="has been deleted"):
+        rref.rpc_sync().bit_length()
+    return True
+
+
+def test_rrefs_cannot_be_used_after_shutdown():
+    assert run_world(_body_after_shutdown, 2) == [True, True]
