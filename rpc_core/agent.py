@@ -23,7 +23,7 @@ import torch
 from . import transport, wire
 from .errors import ProtocolError, RpcError, RpcNotInitializedError, RpcTimeoutError, WorkerUnavailableError
 from .options import RpcBackendOptions
-from .pool import ElasticPool
+from .pool import ElasticPool, init_torch_thread
 from .rendezvous import World, WorkerInfo
 from .serialization import decode_head, deserialize, encode_head, loopback, serialize
 
@@ -348,6 +348,7 @@ class Agent:
         threading.Thread(target=self._read_loop, args=(conn, peer, outgoing), name=f"rpc-read-{peer}", daemon=True).start()
 
     def _read_loop(self, conn: transport.Connection, peer: int, outgoing: bool) -> None:
+        init_torch_thread()  # readers rebuild tensors and run recv nodes
         reason = ""
         try:
             while True:
