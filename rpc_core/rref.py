@@ -109,7 +109,8 @@ def _release_loop() -> None:
                     e.handles -= 1
             _ctx.maybe_free(rref_id)
         elif creation is not None and not creation.done():
-            creation.add_done_callback(lambda _, it=item: _ctx.releases.put(("user", it[1], it[2], it[3], None)))
+            # Delete once the owner knows the fork; flush() waits for the re-queue.
+            _track(creation.then(lambda _, it=item: _ctx.releases.put(("user", it[1], it[2], it[3], None))))
         else:
             _send_delete(owner, rref_id, fork_id)
 
@@ -119,9 +120,13 @@ def _send_delete(owner: int, rref_id: Id, fork_id: Id) -> None:
     if agent is None or agent._closing:
         return
     try:
-        fut = agent.send_request(owner, _on_user_delete, (rref_id, fork_id), {}, timeout=0)
+        _track(agent.send_request(owner, _on_user_delete, (rref_id, fork_id), {}, timeout=0))
     except RpcError:
         return
+
+
+def _track(fut: torch.futures.Future) -> None:
+    """A protocol step in flight that ``flush`` (and shutdown) must wait for."""
     with _ctx.lock:
         _ctx.in_flight.append(fut)
         _ctx.in_flight = [f for f in _ctx.in_flight if not f.done()]
@@ -186,6 +191,9 @@ class RRef(Generic[T]):
         return self.owner().name
 
     def confirmed_by_owner(self) -> bool:
+        c = self._creation
+        if not self._confirmed and c is not None and c.done():
+            self._confirmed = _succeeded(c)  # a waiter on the creation may run before its callbacks
         return self._confirmed
 
     def _check_alive(self, what: str) -> None:
@@ -320,7 +328,7 @@ def _from_fork(owner: int, rref_id: Id, fork_id: Id, parent: int) -> RRef:
             with _ctx.lock:
                 _ctx.entry(rref_id).forks.discard(fork_id)  # our own fork came back: no user exists
         else:
-            agent.send_request(parent, _on_child_accept, (fork_id,), {}, timeout=0)
+            _track(agent.send_request(parent, _on_child_accept, (fork_id,), {}, timeout=0))
         return RRef._owner_handle(rref_id)
     if parent == owner:
         return RRef._user(owner, rref_id, fork_id, True)
@@ -333,7 +341,7 @@ def _from_fork(owner: int, rref_id: Id, fork_id: Id, parent: int) -> RRef:
         rref._confirmed = True
         with _ctx.lock:
             _ctx.unconfirmed.discard(fork_id)
-        agent.send_request(parent, _on_child_accept, (fork_id,), {}, timeout=0)
+        _track(agent.send_request(parent, _on_child_accept, (fork_id,), {}, timeout=0))
 
     done = confirmed.then(on_confirmed)
     defer_until(done)  # the receiving user function waits for this
@@ -492,15 +500,20 @@ def debug_info() -> Dict[str, int]:
 
 
 def flush() -> None:
-    """Send the deletes of handles already garbage collected and wait for owners to apply
-    them (tests use this to check owner tables return to empty without sleeping)."""
-    fut: torch.futures.Future = torch.futures.Future()
-    _ctx.releases.put(("barrier", fut, None, None, None))  # processed in order after earlier releases
-    fut.wait()
-    with _ctx.lock:
-        pending = list(_ctx.in_flight)
-    for f in pending:
-        try:
-            f.wait()
-        except BaseException:
-            pass
+    """Send the deletes of handles already garbage collected and wait until owners applied
+    them and parents heard their children's accepts (tests use this to check owner tables
+    return to empty without sleeping). Repeats until no protocol step is in flight, since
+    completing one (a creation, a child accept) can release more handles."""
+    while True:
+        fut: torch.futures.Future = torch.futures.Future()
+        _ctx.releases.put(("barrier", fut, None, None, None))  # processed in order after earlier releases
+        fut.wait()
+        with _ctx.lock:
+            pending = _ctx.in_flight = [f for f in _ctx.in_flight if not f.done()]
+        if not pending:
+            return
+        for f in pending:
+            try:
+                f.wait()
+            except BaseException:
+                pass
