@@ -1,0 +1,98 @@
+"""Helpers for the end-to-end ps_train tests: configs composed the way ``python -m ps_train``
+composes them, runs with a hard time limit, and readers for what a run leaves behind."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from hydra import compose, initialize_config_dir
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import ps_train.config  # noqa: F401  (registers the schemas)
+from ps_train.app import run
+from ps_train.checkpoint import latest_checkpoint, load_checkpoint
+from ps_train.config import Config, from_dictconfig
+
+REPO = Path(__file__).resolve().parents[2]
+CONF = REPO / "conf"
+RUN_TIMEOUT = 60.0  # seconds for one small run; the launcher raises RoleFailed after it
+CLI_TIMEOUT = 90.0
+
+# Small and quiet: every step logged (so TensorBoard has each tag), no periodic evaluation,
+# no progress lines.
+QUICK = ["train.eval_every=0", "train.log_every=1", "logging.progress=false"]
+
+# The uninterrupted sync run (conftest's ``sync_baseline``) other runs are compared with.
+BASELINE_STEPS = 8
+BASELINE = ("mode=sync", "model=mlp", "data=digits", "cluster.num_servers=2", "cluster.num_trainers=2",
+            f"train.steps={BASELINE_STEPS}", "checkpoint.every=4", "checkpoint.keep=0")
+
+
+def make_cfg(*overrides: str) -> Config:
+    """The validated Config that ``python -m ps_train <overrides>`` would run."""
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        dcfg = compose("config", overrides=[*QUICK, *overrides])
+    return from_dictconfig(dcfg)
+
+
+def run_app(run_dir: Path, *overrides: str, timeout: float = RUN_TIMEOUT) -> Dict[str, Any]:
+    return run(make_cfg(*overrides), str(run_dir), overrides=list(overrides), timeout=timeout)
+
+
+def read_json(path: Path) -> Any:
+    return json.loads(Path(path).read_text())
+
+
+def final_weights(run_dir: Path) -> Dict[Tuple[str, int, str], torch.Tensor]:
+    """Every tensor of the run's latest checkpoint: ``(server, shard index, state key)``."""
+    ckpt = latest_checkpoint(run_dir)
+    assert ckpt is not None, f"{run_dir} has no complete checkpoint"
+    _, states = load_checkpoint(ckpt)
+    return {(server, int(shard), key): t
+            for server, state in states.items()
+            for shard, sd in state["shards"].items()
+            for key, t in sd.items()}
+
+
+def assert_same_weights(a: Dict[Any, torch.Tensor], b: Dict[Any, torch.Tensor], exact: bool = True) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        if exact:
+            assert torch.equal(a[k], b[k]), f"{k} differs: max |diff| {(a[k] - b[k]).abs().max().item()}"
+        else:
+            torch.testing.assert_close(a[k], b[k], msg=lambda m, k=k: f"{k}: {m}")
+
+
+def scalars(tb_dir: Path) -> Dict[str, List[Tuple[int, float]]]:
+    """All scalar events under one TensorBoard run folder: tag -> [(step, value)]."""
+    ea = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0, "tensors": 0})
+    ea.Reload()
+    return {tag: [(e.step, e.value) for e in ea.Scalars(tag)] for tag in ea.Tags()["scalars"]}
+
+
+def hparams_plugin(tb_dir: Path) -> Dict[str, bytes]:
+    ea = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0, "tensors": 0})
+    ea.Reload()
+    return ea.PluginTagToContent("hparams")
+
+
+def cli(*args: str, cwd: Path, env: Optional[Dict[str, str]] = None,
+        timeout: float = CLI_TIMEOUT) -> subprocess.CompletedProcess:
+    """``python -m ps_train <args>`` in ``cwd`` (so default run folders land there)."""
+    full_env = dict(os.environ, **(env or {}))
+    full_env.pop("PS_TRAIN_FAULT", None)
+    return subprocess.run([sys.executable, "-m", "ps_train", *args], cwd=cwd, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def rendezvous_port(run_dir: Path, role: str = "ps0") -> int:
+    """The port a role's log says it joined at (``... rendezvous at tcp://host:port``)."""
+    for line in (Path(run_dir) / "logs" / f"{role}.log").read_text().splitlines():
+        if "rendezvous at tcp://" in line:
+            return int(line.split("rendezvous at tcp://", 1)[1].split(",")[0].rsplit(":", 1)[1])
+    raise AssertionError(f"{role}.log in {run_dir} names no rendezvous address")

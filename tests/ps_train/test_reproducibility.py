@@ -1,0 +1,96 @@
+"""Sync mode is exact: it equals single-process torch, repeats bit for bit, survives a resume,
+and gives the same numbers on torch.distributed.rpc (backend=torch)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from _app import BASELINE, BASELINE_STEPS, assert_same_weights, final_weights, make_cfg, read_json, run_app
+from ps_train.config import optimizer_spec
+from ps_train.data import BatchIterator, data_shape, load_data, num_classes
+from ps_train.models import build_shards, build_stages, place_stages, reference_model
+
+
+def single_process_run(cfg, steps):
+    """Plain torch: one model, each step sums the trainers' mean-loss gradients in rank order
+    (trainer k's batches from the same BatchIterator) and steps the optimizer once."""
+    shape, classes = data_shape(cfg.data), num_classes(cfg.data)
+    stages = build_stages(cfg.model, shape, classes, seed=cfg.seed)
+    shards = build_shards(stages, place_stages(stages, cfg.cluster.num_servers, cfg.cluster.placement))
+    model = reference_model(stages)
+    cls, kwargs = optimizer_spec(cfg.optim)
+    opt = cls(model.parameters(), **kwargs)
+    train, _ = load_data(cfg.data)
+    T = cfg.cluster.num_trainers
+    batches = [BatchIterator(train, k, T, cfg.train.batch_size, cfg.seed) for k in range(T)]
+    losses = {f"trainer{k}": [] for k in range(T)}
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        for k in range(T):  # .grad accumulates g0 + g1 + ...: the servers' rank-order sum
+            x, y = next(batches[k])
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            losses[f"trainer{k}"].append(loss.item())
+        opt.step()
+    weights = {(f"ps{s.server}", s.index, key): t.detach().clone()
+               for s in shards for key, t in s.module.state_dict().items()}
+    return losses, weights
+
+
+@pytest.mark.timeout(120)
+def test_sync_mode_equals_single_process_torch_bit_for_bit(sync_baseline):
+    run_dir, metrics = sync_baseline
+    losses, weights = single_process_run(make_cfg(*BASELINE), BASELINE_STEPS)
+    assert metrics["losses"] == losses  # per trainer, per step, exactly
+    assert_same_weights(final_weights(run_dir), weights, exact=True)
+
+
+@pytest.mark.timeout(120)
+def test_two_sync_runs_give_identical_losses_and_weights_with_dropout(tmp_path):
+    # Dropout makes the point: its masks are seeded per (seed, shard, trainer, step), not by
+    # which trainer's request a server happened to serve first.
+    cfg = ("mode=sync", "model=mlp", "model.dropout=0.3", "train.steps=6")
+    a = run_app(tmp_path / "a", *cfg)
+    b = run_app(tmp_path / "b", *cfg)
+    assert a["losses"] == b["losses"]
+    assert len(a["losses"]["trainer0"]) == len(a["losses"]["trainer1"]) == 6
+    assert_same_weights(final_weights(tmp_path / "a"), final_weights(tmp_path / "b"), exact=True)
+    # ... and the seed matters: another seed is another run.
+    c = run_app(tmp_path / "c", *cfg, "seed=1")
+    assert c["losses"]["trainer0"] != a["losses"]["trainer0"]
+
+
+@pytest.mark.timeout(120)
+def test_resume_from_run_dir_continues_exactly_like_an_uninterrupted_run(tmp_path):
+    cfg = ("mode=sync", "model=mlp", "model.dropout=0.3", "optim.momentum=0.9", "checkpoint.every=2",
+           "checkpoint.keep=0")
+    whole = run_app(tmp_path / "whole", *cfg, "train.steps=6")
+    first = run_app(tmp_path / "first", *cfg, "train.steps=4")
+    assert first["losses"]["trainer0"] == whole["losses"]["trainer0"][:4]
+    # The first run's latest checkpoint is its final one, after step 4 (with momentum buffers).
+    second = run_app(tmp_path / "second", *cfg, "train.steps=6", f"resume={tmp_path / 'first'}")
+    assert second["steps"] == 6
+    for trainer in ("trainer0", "trainer1"):
+        assert second["losses"][trainer] == whole["losses"][trainer][4:]
+    assert_same_weights(final_weights(tmp_path / "second"), final_weights(tmp_path / "whole"), exact=True)
+    manifest = read_json(sorted((tmp_path / "second" / "checkpoints").iterdir())[-1] / "manifest.json")
+    assert manifest["step"] == 6
+
+
+@pytest.mark.timeout(120)
+def test_resume_with_another_model_fails_before_starting_and_names_the_field(tmp_path, sync_baseline):
+    from ps_train.config import ConfigError
+
+    run_dir, _ = sync_baseline
+    with pytest.raises(ConfigError, match=r"model: the checkpoint has .*hidden_sizes"):
+        run_app(tmp_path / "r", *BASELINE, "model.hidden_sizes=[32,16]", f"resume={run_dir}")
+    assert not (tmp_path / "r" / "logs").exists()  # no role was started
+
+
+@pytest.mark.timeout(120)
+def test_torch_backend_sync_run_equals_rpc_core_run(tmp_path, sync_baseline):
+    run_dir, metrics = sync_baseline
+    torch_metrics = run_app(tmp_path / "torch", *BASELINE, "backend=torch")
+    assert torch_metrics["backend"] == "torch"
+    assert torch_metrics["losses"] == metrics["losses"]
+    assert_same_weights(final_weights(tmp_path / "torch"), final_weights(run_dir), exact=True)
+    assert read_json(tmp_path / "torch" / "metrics.json")["test_accuracy"] == metrics["test_accuracy"]
