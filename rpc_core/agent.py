@@ -8,7 +8,7 @@ the profiler) plug in as ``Middleware`` and never touch sockets.
 from __future__ import annotations
 
 import copy
-import heapq
+import collections
 import itertools
 import logging
 import pickle
@@ -16,7 +16,7 @@ import socket
 import threading
 import time
 import traceback
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -157,8 +157,11 @@ class Agent:
         self.dead: Dict[int, str] = {}
         # Counters for graceful shutdown's quiescence check (user calls only, not CONTROL).
         self.n_sent = self.n_done = self.n_received = self.n_answered = 0
-        self._timer_heap: List[Tuple[float, int]] = []
-        self._timer_cv = threading.Condition()
+        # Deadlines per timeout value: calls with the same timeout expire in the order they
+        # were made, so each deque stays sorted by deadline without a heap.
+        self._deadlines: Dict[float, Deque[Tuple[float, int]]] = {}
+        self._deadlines_lock = threading.Lock()
+        self._timer_wake = threading.Event()
         self.pool = ElasticPool(options.num_worker_threads, f"rpc-{self.me.name}")
         self.on_peer_lost: List[Callable[[int, str], None]] = []
         # Called with (head extras, error) when a request cannot even be unpickled here.
@@ -215,7 +218,7 @@ class Agent:
         if not flags & wire.CONTROL:
             self.n_sent += 1
         if timeout > 0:
-            self._arm_timer(time.monotonic() + timeout, msg_id)
+            self._arm_timer(timeout, msg_id)
         try:
             self._connection(dst).send(wire.REQUEST, flags, msg_id, head, ser.body, ser.buffers)
         except (OSError, RpcError) as e:
@@ -247,30 +250,38 @@ class Agent:
             return conn
 
     # -- timeouts --------------------------------------------------------------------------
-    def _arm_timer(self, deadline: float, msg_id: int) -> None:
-        entry = (deadline, msg_id)
-        with self._timer_cv:
-            heapq.heappush(self._timer_heap, entry)
-            if self._timer_heap[0] is entry:
-                self._timer_cv.notify()
-            # Completed calls leave stale entries; rebuild when they dominate (amortised O(1)).
-            if len(self._timer_heap) > 2 * len(self._pending) + 1024:
-                self._timer_heap = [e for e in self._timer_heap if e[1] in self._pending]
-                heapq.heapify(self._timer_heap)
+    def _arm_timer(self, timeout: float, msg_id: int) -> None:
+        with self._deadlines_lock:
+            q = self._deadlines.get(timeout)
+            if q is None:
+                q = self._deadlines[timeout] = collections.deque()
+            wake = not q  # only a deque that was empty can hold a deadline earlier than all others
+            q.append((time.monotonic() + timeout, msg_id))
+        if wake:
+            self._timer_wake.set()
 
     def _timer_loop(self) -> None:
         while not self._closing:
-            with self._timer_cv:
-                now = time.monotonic()
-                expired = []
-                while self._timer_heap and self._timer_heap[0][0] <= now:
-                    expired.append(heapq.heappop(self._timer_heap)[1])
-                if not expired:
-                    wait = self._timer_heap[0][0] - now if self._timer_heap else 1.0
-                    self._timer_cv.wait(min(wait, 1.0))
-                    continue
+            now = time.monotonic()
+            expired: List[int] = []
+            next_wake = now + 1.0
+            with self._deadlines_lock:
+                for q in self._deadlines.values():
+                    while q and q[0][0] <= now:
+                        expired.append(q.popleft()[1])
+                    # Answered calls leave stale entries; drop them when they dominate.
+                    if len(q) > 2 * len(self._pending) + 1024:
+                        live = [e for e in q if e[1] in self._pending]
+                        q.clear()
+                        q.extend(live)
+                    if q:
+                        next_wake = min(next_wake, q[0][0])
             for msg_id in expired:
-                self._expire(msg_id)
+                if msg_id in self._pending:
+                    self._expire(msg_id)
+            if not expired:
+                self._timer_wake.wait(max(0.0, next_wake - time.monotonic()))
+                self._timer_wake.clear()
 
     def _expire(self, msg_id: int) -> None:
         # A method of its own, so no local outlives the call: the timer thread then sleeps
@@ -544,8 +555,7 @@ class Agent:
         with self._lock:
             self._closing = True
             conns = list(self._out.values()) + list(self._incoming)
-        with self._timer_cv:
-            self._timer_cv.notify_all()
+        self._timer_wake.set()
         try:
             self._listener.close()
         except OSError:

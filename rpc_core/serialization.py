@@ -135,14 +135,39 @@ class Serialized(NamedTuple):
     keepalive: List[Any]  # storages that must outlive the send
 
 
+class _PicklerSlot:
+    """A per-thread pickler, reused across messages (building one costs more than a
+    small message's whole pickling)."""
+
+    def __init__(self) -> None:
+        self.file = io.BytesIO()
+        self.tensors: List[torch.Tensor] = []
+        self.pickler = _Pickler(self.file, self.tensors)
+        self.busy = False
+
+
 def serialize(obj: Any) -> Serialized:
-    f = io.BytesIO()
-    tensors: List[torch.Tensor] = []
-    _Pickler(f, tensors).dump(obj)
+    slot = getattr(_tls, "slot", None)
+    if slot is None or slot.busy:  # first use on this thread, or a reducer re-entered us
+        slot = _PicklerSlot()
+        if getattr(_tls, "slot", None) is None:
+            _tls.slot = slot
+    slot.busy = True
+    f, tensors = slot.file, slot.tensors
+    try:
+        slot.pickler.dump(obj)
+        body = f.getvalue()
+    finally:
+        slot.pickler.clear_memo()
+        f.seek(0)
+        f.truncate()
+        tensors = list(tensors)
+        slot.tensors.clear()
+        slot.busy = False
     if not tensors:
-        return Serialized([], f.getvalue(), [], tensors, [])
+        return Serialized([], body, [], tensors, [])
     metas, buffers, keepalive = _pack_tensors(tensors)
-    return Serialized(metas, f.getvalue(), buffers, tensors, keepalive)
+    return Serialized(metas, body, buffers, tensors, keepalive)
 
 
 def encode_head(metas: Sequence[TensorMeta], extras: Optional[Dict[str, Any]]) -> bytes:

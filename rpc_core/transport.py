@@ -239,7 +239,7 @@ class Connection:
         for n in lens:
             try:
                 st = new_storage(n)  # uninitialised: pages are only touched as bytes arrive
-            except (RuntimeError, MemoryError) as e:
+            except (RuntimeError, MemoryError, OSError) as e:
                 raise ProtocolError(
                     f"cannot allocate the {n}-byte tensor buffer the peer announced ({e.__class__.__name__}); "
                     "dropping the connection"

@@ -26,11 +26,7 @@ __all__ = ["backward", "context", "get_gradients", "is_available", "DistAutograd
 
 _cleanups: List[torch.futures.Future] = []  # cleanup RPCs this worker sent, not yet known done
 _cleanups_lock = threading.Lock()
-# Releases not yet told to a worker: they ride on the next request to it ("rel" extras),
-# which saves a cleanup RPC per worker per training step. Flushed as an explicit cleanup
-# when too many pile up, by _wait_cleanups, and before shutdown.
-_deferred: Dict[int, List[int]] = {}
-_MAX_DEFERRED = 16
+_MAX_DEFERRED = 16  # deferred releases per worker before they go out as a cleanup RPC
 
 
 def is_available() -> bool:
@@ -70,7 +66,7 @@ def _release_context(context_id: int, skip: int = -1, defer: bool = False) -> Li
     us); returns the futures of those cleanup calls. Each receiver does the same with the
     workers *it* touched and answers only when they have answered, so waiting for these
     futures waits for the whole cleanup. With ``defer`` the news waits for the next request
-    to each worker (see ``_deferred``)."""
+    to each worker (see ``context.deferred``)."""
     ctx = _context.release(context_id)
     if ctx is None:
         return []
@@ -80,9 +76,9 @@ def _release_context(context_id: int, skip: int = -1, defer: bool = False) -> Li
     targets = ctx.known_workers - {agent.me.id, skip}
     if defer:
         full = []
-        with _cleanups_lock:
+        with _context.deferred_lock:
             for w in targets:
-                ids = _deferred.setdefault(w, [])
+                ids = _context.deferred.setdefault(w, [])
                 ids.append(context_id)
                 if len(ids) >= _MAX_DEFERRED:
                     full.append(w)
@@ -108,21 +104,13 @@ def _send_cleanup(per_worker: Dict[int, List[int]]) -> List[torch.futures.Future
     return futs
 
 
-def take_deferred(worker: int) -> List[int]:
-    """The releases waiting for the next request to ``worker`` (the caller attaches them)."""
-    if not _deferred:
-        return []
-    with _cleanups_lock:
-        return _deferred.pop(worker, [])
-
-
 def _flush(worker: Optional[int] = None) -> None:
-    with _cleanups_lock:
+    with _context.deferred_lock:
         if worker is None:
-            pending = dict(_deferred)
-            _deferred.clear()
+            pending = dict(_context.deferred)
+            _context.deferred.clear()
         else:
-            pending = {worker: _deferred.pop(worker, [])}
+            pending = {worker: _context.deferred.pop(worker, [])}
     _send_cleanup({w: ids for w, ids in pending.items() if ids})
 
 

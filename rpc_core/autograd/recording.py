@@ -96,13 +96,14 @@ class AutogradMiddleware(_agent_mod.Middleware):
     def outgoing(self, dst: int, tensors: List[torch.Tensor], extras: Dict[str, Any],
                  request_extras: Optional[Dict[str, Any]]) -> None:
         if request_extras is None:
-            from . import take_deferred
-
-            released = take_deferred(dst)
-            if released:
-                extras["rel"] = released  # contexts we left: dst can drop them too
+            if _context.deferred:
+                released = _context.take_deferred(dst)
+                if released:
+                    extras["rel"] = released  # contexts we left: dst can drop them too
             context_id = _context.current_id()
             if context_id is None:
+                if not tensors:
+                    return
                 context_id = _context_of_graph(tensors)
         else:
             ag = request_extras.get("ag")
