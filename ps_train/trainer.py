@@ -77,6 +77,7 @@ class Trainer:
         self.writer = make_writer(cfg.logging.tensorboard, f"{run_dir}/tb/{self.name}", filename_suffix=f".{self.name}")
         self.latency = {r: LatencyStats() for r in range(cfg.cluster.num_servers)}
         self.meter = ThroughputMeter()
+        self.max_steps_ahead = 0  # ssp: the most steps this trainer ran ahead of the slowest
 
     # -- one step ---------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, step: int = -1) -> torch.Tensor:
@@ -100,10 +101,14 @@ class Trainer:
             else:
                 futs = [s.rpc_async().apply_async(ctx, self.index) for s in self.servers]
                 staleness = max(torch.futures.wait_all(futs))
+        out = {"staleness": float(staleness)}
         if mode == "ssp":
-            staleness = self.servers[0].rpc_sync().clock(self.index, self.step + 1)
+            # Waits while this trainer is more than mode.staleness steps ahead of the slowest;
+            # returns how far ahead it is when released.
+            out["steps_ahead"] = float(self.servers[0].rpc_sync().clock(self.index, self.step + 1))
+            self.max_steps_ahead = max(self.max_steps_ahead, int(out["steps_ahead"]))
         acc = (logits.detach().argmax(1) == y).float().mean().item()
-        return {"loss": loss.item(), "accuracy": acc, "staleness": float(staleness)}
+        return {"loss": loss.item(), "accuracy": acc, **out}
 
     # -- evaluation -------------------------------------------------------------------------------
     def evaluate(self) -> Dict[str, float]:
@@ -149,7 +154,8 @@ class Trainer:
         if cfg.mode.name == "ssp":
             self.servers[0].rpc_sync().finish(self.index)
         mine = {"steps": self.step, "samples": self.meter.total, "wall_time_s": wall,
-                "samples_per_s": self.meter.overall(), "losses": losses}
+                "samples_per_s": self.meter.overall(), "losses": losses,
+                "max_steps_ahead": self.max_steps_ahead}
         _publish(mine)
         if not is_chief:
             self.writer.close()
@@ -164,7 +170,10 @@ class Trainer:
         w.add_scalar("train/samples_per_s", rate, step)
         w.add_scalar("train/lr", self.cfg.optim.lr, step)
         if self.cfg.mode.name != "sync":
+            # Updates by other trainers between this step's forward and its update.
             w.add_scalar("train/staleness", last["staleness"], step)
+        if "steps_ahead" in last:
+            w.add_scalar("train/steps_ahead", last["steps_ahead"], step)
         for r, stats in self.latency.items():
             if stats.count:
                 w.add_scalar(f"rpc/forward_latency_ms/ps{r}", stats.mean_s * 1e3, step)
@@ -204,6 +213,7 @@ class Trainer:
             "num_trainers": cfg.cluster.num_trainers,
             "server_updates": [s["version"] for s in server_stats],
             "max_staleness": max([s["max_staleness"] for s in server_stats] + [0]),
+            "max_steps_ahead": max(s["max_steps_ahead"] for s in all_stats),
             "losses": {f"trainer{k}": s["losses"] for k, s in enumerate(all_stats)},
         }
         w = self.writer
