@@ -257,5 +257,5 @@ def _watch(procs: Dict[int, Any], S: int, run_dir: str, deadline: Optional[float
             first, *others = failed
             also = f"; also failed: {', '.join(_describe(r, procs[r].exitcode, S, run_dir) for r in others)}" \
                 if others else ""
-            raise RoleFailed(f"{_describe(first, procs[first].exitcode, S, run_dir)} failed; stopped the run{also}. "
+            raise RoleFailed(f"{_describe(first, procs[first].exitcode, S, run_dir)} failed; stopped the run{also}; "
                              f"{_checkpoint_hint(run_dir)}")

@@ -1,0 +1,121 @@
+"""Launching: a dead role stops the run naming it (and resuming works), torchrun-style env
+ranks, Hydra -m sweeps with a port and folder per job."""
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from _app import (
+    BASELINE, BASELINE_STEPS, QUICK, assert_same_weights, cli, final_weights, read_json, rendezvous_port, run_app,
+)
+from ps_train.launch import FAULT_ENV, RoleFailed, free_port
+
+KILL_STEP = 6  # BASELINE checkpoints every 4 steps: the last complete one is step 4
+
+
+def killed_at(log_text):
+    """Unix time the fault-injection hook logged just before SIGKILLing its process."""
+    m = re.search(r"test fault injection, killing \S+ \(pid \d+\) at step \d+ at unix time ([0-9.]+)", log_text)
+    assert m, "the role did not log the injected fault"
+    return float(m.group(1))
+
+
+@pytest.mark.timeout(120)
+def test_killed_trainer_stops_the_run_naming_it_and_the_checkpoint_and_resume_matches_uninterrupted(
+        tmp_path, monkeypatch, sync_baseline):
+    killed = tmp_path / "killed"
+    monkeypatch.setenv(FAULT_ENV, f"trainer1@{KILL_STEP}")
+    with pytest.raises(RoleFailed) as err:
+        run_app(killed, *BASELINE)
+    stopped = time.time()
+    monkeypatch.delenv(FAULT_ENV)
+    msg = str(err.value)
+    assert msg.startswith("trainer1 (rank 3, killed by signal SIGKILL; log: "), msg
+    assert f"the latest complete checkpoint is {killed / 'checkpoints' / 'step_000000004'}" in msg
+    assert f"continue with resume={killed}" in msg
+    assert stopped - killed_at((killed / "logs" / "trainer1.log").read_text()) < 10.0
+
+    base_dir, base = sync_baseline
+    resumed = run_app(tmp_path / "resumed", *BASELINE, f"resume={killed}")
+    assert resumed["steps"] == BASELINE_STEPS
+    for trainer, losses in base["losses"].items():
+        assert resumed["losses"][trainer] == losses[4:]
+    assert_same_weights(final_weights(tmp_path / "resumed"), final_weights(base_dir), exact=True)
+
+
+@pytest.mark.timeout(90)
+def test_killed_server_stops_the_run_naming_it(tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+    monkeypatch.setenv(FAULT_ENV, "ps1@5")  # after its 5th update, i.e. during step 5
+    with pytest.raises(RoleFailed) as err:
+        run_app(run_dir, *BASELINE)
+    stopped = time.time()
+    msg = str(err.value)
+    assert msg.startswith("ps1 (rank 1, killed by signal SIGKILL; log: "), msg
+    assert "step_000000004" in msg
+    assert stopped - killed_at((run_dir / "logs" / "ps1.log").read_text()) < 10.0
+
+
+@pytest.mark.timeout(60)
+def test_run_that_exceeds_its_timeout_is_stopped_naming_the_roles_still_running(tmp_path):
+    with pytest.raises(RoleFailed, match=r"did not finish within its time limit; roles still running: "
+                                         r"\['ps0', 'ps1', 'trainer0', 'trainer1'\]"):
+        run_app(tmp_path / "run", "train.steps=100000", timeout=3.0)
+
+
+@pytest.mark.timeout(120)
+def test_env_launcher_runs_four_ranks_started_from_torchrun_style_variables(tmp_path):
+    run_dir = tmp_path / "job"  # every rank is told the same run folder
+    port = free_port()
+    args = [sys.executable, "-m", "ps_train", "cluster=env", f"hydra.run.dir={run_dir}", "train.steps=3", *QUICK]
+    common = dict(os.environ, WORLD_SIZE="4", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                  RPC_CORE_AUTH_SECRET=os.urandom(16).hex())
+    common.pop(FAULT_ENV, None)
+    procs = [subprocess.Popen(args, cwd=tmp_path, env=dict(common, RANK=str(r), LOCAL_RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(4)]
+    deadline = time.monotonic() + 100
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic())))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for rank, (p, (out, err)) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0, f"rank {rank} exited {p.returncode}:\n{out}\n{err}"
+    metrics = read_json(run_dir / "metrics.json")  # written by trainer0 (rank 2)
+    assert metrics["steps"] == 3 and metrics["num_trainers"] == 2 and metrics["server_updates"] == [3, 3]
+    for role in ("ps0", "ps1", "trainer0", "trainer1"):
+        assert rendezvous_port(run_dir, role) == port
+    assert read_json(run_dir / "provenance.json")["config"]["cluster"]["launcher"] == "env"
+    assert (run_dir / "checkpoints" / "step_000000003" / "manifest.json").is_file()
+
+
+@pytest.mark.timeout(60)
+def test_env_launcher_needs_the_shared_auth_secret(tmp_path):
+    env = {"RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "RPC_CORE_AUTH_SECRET": ""}
+    r = cli("cluster=env", f"hydra.run.dir={tmp_path / 'job'}", cwd=tmp_path, env=env)
+    assert r.returncode == 2
+    assert "set RPC_CORE_AUTH_SECRET to the same secret on every rank" in r.stderr
+    assert not (tmp_path / "job" / "logs").exists()
+
+
+@pytest.mark.timeout(120)
+def test_multirun_sweep_gives_each_job_its_own_folder_port_and_overrides(tmp_path):
+    sweep = tmp_path / "sweep"
+    r = cli("-m", "optim.lr=0.01,0.1", "train.steps=2", *QUICK, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and not p.name.startswith("."))
+    assert [j.name for j in jobs] == ["0", "1"]
+    for job, lr in zip(jobs, ("0.01", "0.1")):
+        assert read_json(job / "metrics.json")["steps"] == 2
+        prov = read_json(job / "provenance.json")
+        assert f"optim.lr={lr}" in prov["overrides"] and prov["config"]["optim"]["lr"] == float(lr)
+        assert prov["config"]["cluster"]["master_port"] == 0  # so the launcher picked one per job
+    ports = [rendezvous_port(job) for job in jobs]
+    assert all(ports) and ports[0] != ports[1]
