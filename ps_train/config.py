@@ -366,6 +366,15 @@ def validate(cfg: Config) -> Config:
                  f"has sample shape {list(shape)}; need [C, H, W] with H, W >= {2 ** len(m.channels)}")
         if isinstance(m, ResNetConfig):
             need(len(shape) == 3, f"model: resnet18 needs image data [C, H, W]; data {d.name!r} has shape {list(shape)}")
+            if cfg.backend == "torch" and cfg.mode.name == "sync":
+                # Sync mode runs BatchNorm shards' forwards in trainer order: up to (trainers - 1)
+                # requests per shard wait in server threads, and torch's RPC pool has a fixed size.
+                per_server = 1 if c.placement == "balanced" else -(-stages // max(c.num_servers, 1))
+                least = (c.num_trainers - 1) * per_server + 2
+                need(c.num_worker_threads >= least,
+                     f"cluster.num_worker_threads: {c.num_worker_threads} is too few for resnet18 in sync mode on "
+                     f"backend=torch with {c.num_trainers} trainers (forwards wait for their turn in server "
+                     f"threads); use cluster.num_worker_threads>={least}")
 
     o = cfg.optim
     if o.name not in OPTIMIZERS:

@@ -65,18 +65,34 @@ class ParameterServer:
         self._clock: Dict[int, int] = {}
         self._clock_waiters: List[Any] = []
         self.max_staleness_seen = 0
+        # BatchNorm updates its running statistics in place during the forward: in sync mode
+        # the trainers' forwards of a step run on each shard in trainer-rank order, so those
+        # statistics are the same every run (and never updated by two threads at once).
+        self.ordered_forwards = self.mode == "sync" and any(
+            isinstance(x, nn.modules.batchnorm._NormBase) and x.track_running_stats
+            for m in self.shards.values() for x in m.modules())
+        self._turn = threading.Condition()
+        self._forwards_done: Dict[tuple, int] = {}  # (shard, step) -> trainers whose forward ran
 
     # -- forward ----------------------------------------------------------------------------------
     def forward(self, shard: int, x: torch.Tensor, trainer: int = -1, step: int = -1) -> torch.Tensor:
         module = self.shards[shard]
         if self.mode == "sync":
-            if not self.has_dropout or step < 0:
-                return module(x)
-            # Dropout draws from a generator seeded by (seed, shard, trainer, step), so masks do
-            # not depend on which trainer's request this server happened to serve first.
-            with self.lock, torch.random.fork_rng(devices=[]):
-                torch.manual_seed(hash((self.seed, shard, trainer, step)) & 0x7FFF_FFFF_FFFF_FFFF)
-                return module(x)
+            if not self.ordered_forwards or step < 0:
+                return self._sync_forward(module, shard, x, trainer, step)
+            key = (shard, step)
+            with self._turn:
+                self._turn.wait_for(lambda: self._forwards_done.get(key, 0) == trainer)
+            try:
+                return self._sync_forward(module, shard, x, trainer, step)
+            finally:
+                with self._turn:
+                    done = self._forwards_done.get(key, 0) + 1
+                    if done == self.num_trainers:
+                        self._forwards_done.pop(key, None)
+                    else:
+                        self._forwards_done[key] = done
+                    self._turn.notify_all()
         with self.lock:
             # Private copies of the parameters for this forward (see module docstring).
             params = {n: p.clone() for n, p in module.named_parameters()}
@@ -84,6 +100,15 @@ class ParameterServer:
         # functional_call swaps the module's parameters while it runs: one at a time.
         with self.forward_lock:
             return functional_call(module, params, (x,))
+
+    def _sync_forward(self, module: nn.Module, shard: int, x: torch.Tensor, trainer: int, step: int) -> torch.Tensor:
+        if not self.has_dropout or step < 0:
+            return module(x)
+        # Dropout draws from a generator seeded by (seed, shard, trainer, step), so masks do
+        # not depend on which trainer's request this server happened to serve first.
+        with self.lock, torch.random.fork_rng(devices=[]):
+            torch.manual_seed(hash((self.seed, shard, trainer, step)) & 0x7FFF_FFFF_FFFF_FFFF)
+            return module(x)
 
     def predict(self, shard: int, x: torch.Tensor) -> torch.Tensor:
         with self.lock, self.forward_lock:

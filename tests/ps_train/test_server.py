@@ -1,0 +1,33 @@
+"""ParameterServer without RPC: the parts of sync mode that threads could make nondeterministic."""
+import copy
+import threading
+
+import pytest
+import torch
+
+from ps_train.config import ClusterConfig, Config, ResNetConfig, SyntheticConfig, TrainConfig, validate
+from ps_train.server import ParameterServer
+
+
+@pytest.mark.timeout(60)
+def test_sync_forwards_with_batchnorm_run_in_trainer_order_whatever_order_requests_arrive():
+    cfg = validate(Config(model=ResNetConfig(), data=SyntheticConfig(shape=[3, 8, 8]),
+                          cluster=ClusterConfig(num_servers=1, num_trainers=2), train=TrainConfig(steps=1)))
+    ps = ParameterServer(cfg, rank=0)
+    assert ps.ordered_forwards
+    module = ps.shards[0]
+    reference = copy.deepcopy(module)
+    x0, x1 = torch.randn(4, 3, 8, 8), torch.randn(4, 3, 8, 8)
+
+    late = threading.Thread(target=ps.forward, args=(0, x1, 1, 0))  # trainer1's request comes first
+    late.start()
+    late.join(timeout=0.5)
+    assert late.is_alive(), "trainer1's step-0 forward ran before trainer0's"
+    ps.forward(0, x0, 0, 0)
+    late.join(timeout=30)
+    assert not late.is_alive()
+
+    reference(x0), reference(x1)  # running statistics updated in trainer order
+    for (name, a), (_, b) in zip(module.named_buffers(), reference.named_buffers()):
+        assert torch.equal(a, b), name
+    assert ps._forwards_done == {}  # the step's bookkeeping is dropped once every trainer ran
