@@ -2,5 +2,28 @@
 
 Run ``python -m ps_train`` (Hydra configs live in ``conf/``). The modules that do not touch
 RPC -- ``config``, ``models``, ``data``, ``metrics``, ``checkpoint`` -- are plain PyTorch and
-can be used and tested in a single process.
+can be used and tested in a single process; ``app.run(cfg, run_dir)`` is the entry point
+without Hydra.
+
+What a seed reproduces
+----------------------
+``mode=sync`` is bit-reproducible: with the same config (seed, model, data, cluster shape,
+batch size, optimizer) on the same torch build, two runs give identical per-step losses and
+identical final weights; so does a run resumed from a checkpoint, and ``backend=torch``
+gives the same numbers as rpc_core. Each step equals plain single-process torch that sums
+the trainers' mean-loss gradients in trainer-rank order (tests/ps_train/test_reproducibility.py).
+What makes it so: seeded init and shard placement, seeded per-epoch data partitions,
+gradients summed in rank order on every server, dropout masks seeded per (seed, shard,
+trainer, step), and BatchNorm statistics updated in trainer order. Changing
+``cluster.num_trainers`` or ``train.batch_size`` changes the computation itself.
+
+``mode=async`` and ``mode=ssp`` reproduce the initial weights, every trainer's data order and
+the shard placement, and ssp always keeps trainers within ``mode.staleness`` steps of the
+slowest. They cannot reproduce losses or weights: which parameter version a forward reads,
+and the order in which the trainers' gradients are applied, depend on process timing (that
+is the point of these modes), so losses, final weights, staleness values and dropout masks
+(drawn in arrival order) differ from run to run -- even with ``mode.staleness=0``, whose
+steps are in lockstep but whose updates within a step are applied as they arrive. A resumed
+async/ssp run restarts every trainer at trainer0's checkpointed step from shards saved as
+they were at that moment; it continues training correctly but not along the same path.
 """

@@ -18,6 +18,9 @@ In async/ssp modes a forward reads a private copy of the parameters (``clone`` k
 gradient path), so an update applied while another trainer's backward is still pending
 cannot invalidate the tensors that backward saved: the upstream example's "modified by an
 inplace operation" failure cannot happen.
+
+Sync mode is bit-reproducible; async/ssp are not (see the ``ps_train`` package docstring for
+exactly what they do and do not reproduce).
 """
 from __future__ import annotations
 
