@@ -294,7 +294,8 @@ class Agent:
                 "(timeout=...) or in RpcBackendOptions(rpc_timeout=...), 0 means none"))
 
     # -- completing calls ---------------------------------------------------------------------
-    def _complete(self, fut: RpcFuture, value: Any = None, error: Optional[BaseException] = None, inline: bool = True) -> None:
+    def _complete(self, fut: RpcFuture, value: Any = None, error: Optional[BaseException] = None, inline: bool = True,
+                  counted: bool = False) -> None:
         def run() -> None:
             try:
                 if error is not None:
@@ -303,6 +304,10 @@ class Agent:
                     fut.set_result(value)
             except RuntimeError:
                 pass  # already completed (e.g. timed out first)
+            if counted:
+                # Only now, after its callbacks ran: calls they made are counted as sent
+                # before this one counts as done, so shutdown cannot see a false quiet moment.
+                self.n_done += 1
 
         if fut._has_callbacks and not inline:
             self.pool.submit(run)
@@ -312,9 +317,7 @@ class Agent:
     def _fail(self, msg_id: int, error: BaseException, inline: bool = True) -> None:
         rec = self._pending.pop(msg_id, None)
         if rec is not None:
-            if not rec[4] & wire.CONTROL:
-                self.n_done += 1
-            self._complete(rec[0], error=error, inline=inline)
+            self._complete(rec[0], error=error, inline=inline, counted=not rec[4] & wire.CONTROL)
 
     # -- receiving -----------------------------------------------------------------------------
     def _accept_loop(self) -> None:
@@ -407,20 +410,20 @@ class Agent:
         if rec is None:
             return  # timed out or failed already; the late answer is dropped
         fut, dst, call_extras = rec[:3]
-        if not h.flags & wire.CONTROL:
-            self.n_done += 1
+        counted = not rec[4] & wire.CONTROL
         try:
             if h.kind == wire.RESPONSE:
                 value, extras = deserialize(head, body, storages, self._incoming_hook(src, True))
                 if extras:
                     for m in self.middleware:
                         m.on_response(extras, call_extras)
-                self._complete(fut, value, inline=False)
+                self._complete(fut, value, inline=False, counted=counted)
             else:
                 info, _ = deserialize(head, body, storages)
-                self._complete(fut, error=rebuild_exception(info), inline=False)
+                self._complete(fut, error=rebuild_exception(info), inline=False, counted=counted)
         except BaseException as e:  # a response we cannot decode fails its call, not the reader
-            self._complete(fut, error=RpcError(f"could not decode the response from {self.describe(src)}: {e!r}"), inline=False)
+            self._complete(fut, error=RpcError(f"could not decode the response from {self.describe(src)}: {e!r}"),
+                           inline=False, counted=counted)
 
     def _incoming_hook(self, src: int, is_response: bool):
         if not self.middleware:

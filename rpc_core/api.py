@@ -262,17 +262,23 @@ def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -
 
 def _wait_quiescent(agent: Agent, timeout: float) -> None:
     """Termination detection: every worker reports (sent, done, received, answered) call
-    counts; work is over when the sums balance and did not move between two rounds."""
+    counts; work is over when no worker has a call pending (sent == done) or a request
+    unanswered (received == answered), every request sent has arrived (a timed-out call may
+    still be on its way), and the counts did not move between two rounds. Requests from
+    connections that are not workers' calls (raw clients) count as received only, so
+    "arrived" is received >= sent rather than equality."""
     deadline = time.monotonic() + timeout if timeout > 0 else None
     previous = None
     while True:
         agent.wait_idle(deadline)
         got = _gather_round("quiesce", (agent.n_sent, agent.n_done, agent.n_received, agent.n_answered), timeout)
-        sums = tuple(sum(v[i] for v in got.values()) for i in range(4))
-        if sums == previous and len(set(sums)) == 1:
+        counts = tuple(sorted(got.items()))
+        idle = (all(sent == done and received == answered for sent, done, received, answered in got.values())
+                and sum(v[2] for v in got.values()) >= sum(v[0] for v in got.values()))
+        if idle and counts == previous:
             return
-        previous = sums
-        if len(set(sums)) != 1:
+        previous = counts
+        if not idle:
             time.sleep(0.005)  # work is still running somewhere; let it progress before re-polling
         if deadline is not None and time.monotonic() > deadline:
             raise RpcTimeoutError(f"shutdown timed out after {timeout:g} s: workers still have calls in flight")

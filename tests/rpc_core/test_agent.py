@@ -1,0 +1,281 @@
+"""The worker (rpc_core/agent.py, api.py shutdown): graceful shutdown waits for all work in
+flight, dead peers are reported quickly and by name, and a worker's port survives wrong
+secrets and malformed bytes. Bodies run on worker processes (tests/_world.py)."""
+import logging
+import os
+import pickle
+import resource
+import signal
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+import rpc_core
+from rpc_core import WorkerUnavailableError
+from rpc_core import transport, wire
+from rpc_core.errors import AuthenticationError
+from tests._world import run_world
+
+IO_TIMEOUT = 30.0
+
+
+def _whoami():
+    return rpc_core.get_worker_info().name
+
+
+def _die():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+_signal = threading.Event()
+
+
+def _set_signal():
+    _signal.set()
+
+
+def _wait_signal():
+    if not _signal.wait(60):
+        raise TimeoutError("the driving worker never signalled")
+
+
+# -- graceful shutdown with uneven workloads -----------------------------------------------------
+_work = {"slow": 0, "nested": 0, "from_callback": 0}
+_work_lock = threading.Lock()
+
+
+def _count(kind):
+    with _work_lock:
+        _work[kind] += 1
+
+
+def _slow(seconds, nested_to):
+    """Sleeps (uneven per caller), then leaves nested work in flight without waiting for it."""
+    time.sleep(seconds)
+    _count("slow")
+    rpc_core.rpc_async(nested_to, _nested, args=(seconds,))
+    return seconds
+
+
+def _nested(seconds):
+    time.sleep(seconds / 2)
+    _count("nested")
+
+
+def _body_uneven_shutdown(ctx):
+    n = ctx.world_size
+    futs = []
+    for peer in range(n):
+        if peer == ctx.rank:
+            continue
+        # rank r sends r calls of 0.1*r s to each peer: rank 0 has nothing to wait for itself
+        for _ in range(ctx.rank):
+            fut = rpc_core.rpc_async(peer, _slow, args=(0.1 * ctx.rank, (peer + 1) % n))
+            # work started from a callback, after the call completed
+            futs.append(fut.then(lambda f, to=(peer + 2) % n: rpc_core.rpc_async(to, _count, args=("from_callback",))))
+    rpc_core.shutdown()  # no wait on the futures: shutdown must wait for all of it, everywhere
+    assert all(f.done() for f in futs)
+    for f in futs:
+        f.wait()  # the callback's own call was sent before shutdown let go
+    return dict(_work)
+
+
+def test_graceful_shutdown_waits_for_all_work_in_flight_on_every_worker():
+    results = run_world(_body_uneven_shutdown, 4)
+    n = 4
+    calls = sum(r * (n - 1) for r in range(n))  # rank r sent r calls to each of the n-1 others
+    totals = {k: sum(r[k] for r in results) for k in ("slow", "nested", "from_callback")}
+    assert totals == {"slow": calls, "nested": calls, "from_callback": calls}
+
+
+# -- dead peers ---------------------------------------------------------------------------------
+def _call_dead_peer(rank):
+    with pytest.raises(WorkerUnavailableError, match=f"worker{rank}") as info:
+        rpc_core.rpc_sync(rank, _whoami)
+    return str(info.value)
+
+
+def _body_dead_peer(ctx):
+    if ctx.rank == 2:
+        _wait_signal()  # killed by worker0 meanwhile
+        return None
+    if ctx.rank == 0:
+        with pytest.raises(WorkerUnavailableError, match=r"worker 'worker2' \(rank 2\)"):
+            rpc_core.rpc_async(2, _die).wait()
+        with pytest.raises(WorkerUnavailableError, match="worker2"):
+            rpc_core.rpc_sync("worker2", _whoami)
+        with pytest.raises(WorkerUnavailableError, match="worker2"):
+            rpc_core.remote(2, _whoami).to_here()
+        # a worker that never talked to worker2 learns it is gone when it tries
+        message = rpc_core.rpc_sync(1, _call_dead_peer, args=(2,))
+        assert "worker2" in message
+        assert rpc_core.rpc_sync(1, _whoami) == "worker1"  # the living keep serving
+        rpc_core.rpc_sync(1, _set_signal)
+    else:
+        _wait_signal()  # worker0 drove worker1's failed call to worker2
+    with pytest.raises(RuntimeError, match=r"(?s)graceful shutdown of 'worker\d' failed.*worker2"):
+        rpc_core.shutdown()
+    return True
+
+
+def test_dead_peer_calls_fail_fast_by_name_and_shutdown_ends_naming_it():
+    assert run_world(_body_dead_peer, 3, may_die={2}) == [True, True, None]
+
+
+def _body_dead_rank0(ctx):
+    if ctx.rank == 0:
+        _wait_signal()  # killed by worker1
+        return None
+    with pytest.raises(WorkerUnavailableError, match=r"worker 'worker0' \(rank 0\)"):
+        rpc_core.rpc_sync(0, _die)
+    with pytest.raises(WorkerUnavailableError, match="worker0"):
+        rpc_core.rpc_sync(0, _whoami)
+    with pytest.raises(RuntimeError, match=r"(?s)graceful shutdown of 'worker1' failed.*worker0"):
+        rpc_core.shutdown()
+    return True
+
+
+def test_shutdown_ends_naming_rank_0_when_rank_0_died():
+    assert run_world(_body_dead_rank0, 2, may_die={0}) == [None, True]
+
+
+# -- a worker's port under attack ------------------------------------------------------------
+class _Recorder(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+        self.seen = threading.Condition()
+
+    def emit(self, record):
+        with self.seen:
+            self.messages.append(record.getMessage())
+            self.seen.notify_all()
+
+
+_recorder = _Recorder()
+
+
+def _install_recorder():
+    logging.getLogger("rpc_core").addHandler(_recorder)
+
+
+def _log_messages(n):
+    """The first ``n`` warnings this worker logged (waits for them to be logged)."""
+    with _recorder.seen:
+        if not _recorder.seen.wait_for(lambda: len(_recorder.messages) >= n, timeout=30):
+            raise TimeoutError(f"only {len(_recorder.messages)} warnings were logged: {_recorder.messages}")
+        return list(_recorder.messages)
+
+
+def _maxrss_mb():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _dropped(sock):
+    """True once the worker closed ``sock`` (reads to EOF; the socket timeout bounds the wait)."""
+    sock.settimeout(IO_TIMEOUT)
+    try:
+        while sock.recv(65536):
+            pass
+    except ConnectionResetError:
+        pass
+    return True
+
+
+def _send_ignoring_reset(sock, data):
+    try:
+        sock.sendall(data)
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the worker already hung up: that is the point
+
+
+def _body_wrong_secret(ctx):
+    if ctx.rank == 1:
+        _install_recorder()
+        rpc_core._barrier(["worker0", "worker1"])
+        _wait_signal()
+        return None
+    rpc_core._barrier(["worker0", "worker1"])
+    address = tuple(rpc_core.api.current_agent().addresses[1])
+    for secret in (b"wrong", b""):
+        with pytest.raises(AuthenticationError, match="rejected our authentication.*same secret"):
+            transport.dial(address, secret, timeout=IO_TIMEOUT)
+    # the worker logged both and keeps accepting and serving everyone else
+    logged = rpc_core.rpc_sync(1, _log_messages, args=(2,))
+    assert all("wrong or missing auth secret" in m for m in logged[:2]), logged
+    transport.dial(address, ctx.secret.encode(), timeout=IO_TIMEOUT).close()
+    assert rpc_core.rpc_sync(1, _whoami) == "worker1"
+    rpc_core.rpc_sync(1, _set_signal)
+    return True
+
+
+def test_wrong_secret_is_rejected_clearly_while_the_worker_keeps_serving():
+    assert run_world(_body_wrong_secret, 2) == [True, None]
+
+
+def _identity_frame(identity):
+    """The first frame of a connection: which rank is calling."""
+    body = pickle.dumps(identity)
+    return wire.pack_header(wire.REQUEST, wire.CONTROL, 0, len(body), 0, []) + body
+
+
+def _body_garbage(ctx):
+    if ctx.rank == 1:
+        _wait_signal()
+        return None
+    address = tuple(rpc_core.api.current_agent().addresses[1])
+    secret = ctx.secret.encode()
+    rss_before = rpc_core.rpc_sync(1, _maxrss_mb)
+
+    # Before authentication: nothing the peer sends is parsed beyond the fixed-size proof.
+    with socket.create_connection(address, timeout=IO_TIMEOUT):
+        pass  # connect and leave
+    with socket.create_connection(address, timeout=IO_TIMEOUT) as s:
+        _send_ignoring_reset(s, os.urandom(wire.PROOF.size))
+        assert _dropped(s)
+    with socket.create_connection(address, timeout=IO_TIMEOUT) as s:
+        _send_ignoring_reset(s, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + os.urandom(1 << 20))
+        assert _dropped(s)
+    with socket.create_connection(address, timeout=IO_TIMEOUT) as s:
+        _send_ignoring_reset(s, wire.MAGIC + b"\0" * 20)  # truncated proof, then silence
+        s.shutdown(socket.SHUT_WR)
+        assert _dropped(s)
+
+    # After authentication: malformed frames drop the connection.
+    bad_frames = [
+        b"\xff" * wire.FRAME_HEADER.size,  # garbage header instead of the identity frame
+        _identity_frame(0) + b"\x07" * 64,  # unknown kind
+        _identity_frame(0) + wire.pack_header(wire.REQUEST, 0, 0, 2**63, 1, []),  # absurd body
+        _identity_frame(0) + wire.pack_header(wire.REQUEST, 0, 0, 0, 1, [2**62]),  # absurd buffer
+        _identity_frame(0) + wire.pack_header(wire.REQUEST, 0, 0, 0, 1, [60 << 30]) + b"x" * 100,  # 60 GB claim
+        _identity_frame(0) + wire.pack_header(wire.REQUEST, 0, 0, 3 << 30, 1, []) + b"x" * 100,  # truncated 3 GB body
+        _identity_frame(99),  # identity out of range
+    ]
+    for raw in bad_frames:
+        s = transport.dial(address, secret, timeout=IO_TIMEOUT)
+        with s:
+            _send_ignoring_reset(s, raw)
+            s.shutdown(socket.SHUT_WR)
+            assert _dropped(s)
+
+    # A well-formed request whose body is not a pickle gets an error answer, not a crash.
+    with transport.dial(address, secret, timeout=IO_TIMEOUT) as s:
+        s.sendall(_identity_frame(0) + wire.pack_header(wire.REQUEST, 0, 0, 11, 42, []) + b"not pickled")
+        conn = transport.Connection(s)
+        s.settimeout(IO_TIMEOUT)
+        h, _, _, _ = conn.recv()
+        assert (h.kind, h.msg_id) == (wire.EXCEPTION, 42)
+
+    # The worker still serves, and did not allocate what the frames claimed.
+    assert rpc_core.rpc_sync(1, _whoami) == "worker1"
+    assert torch.equal(rpc_core.rpc_sync(1, torch.add, args=(torch.ones(3), 1)), torch.full((3,), 2.0))
+    assert rpc_core.rpc_sync(1, _maxrss_mb) - rss_before < 256
+    rpc_core.rpc_sync(1, _set_signal)
+    return True
+
+
+def test_garbage_truncated_frames_and_absurd_lengths_are_dropped_and_the_worker_keeps_serving():
+    assert run_world(_body_garbage, 2) == [True, None]
