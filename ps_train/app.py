@@ -49,8 +49,10 @@ def run(cfg: Config, run_dir: str, overrides: Optional[List[str]] = None, timeou
                          "once, then start the ranks); only processes that know it can join the job")
     if rank == 0:
         write_provenance(run_dir, cfg, overrides or [])
+    init_method = env_init_method(cfg, rank)
     # The secret comes from RPC_CORE_AUTH_SECRET (the same on every rank); rpc_core reads it.
-    return run_rank(cfg, rank, cfg.cluster.master_addr, cfg.cluster.master_port, None, run_dir, resume)
+    return run_rank(cfg, rank, cfg.cluster.master_addr, cfg.cluster.master_port, None, run_dir, resume,
+                    init_method=init_method)
 
 
 def env_rank() -> tuple[int, int]:
@@ -60,6 +62,38 @@ def env_rank() -> tuple[int, int]:
             return int(os.environ[rank_var]), int(os.environ[world_var])
     raise ConfigError("cluster.launcher=env needs RANK and WORLD_SIZE (torchrun) or SLURM_PROCID and "
                      "SLURM_NTASKS (srun) in the environment; to run everything here use cluster=local")
+
+
+def env_init_method(cfg: Config, rank: int) -> str:
+    """Where the ranks of a ``launcher=env`` job meet.
+
+    Plainly (two terminals, srun): ``tcp://MASTER_ADDR:MASTER_PORT``, rank 0 listens there.
+    Under torchrun, torchrun's own store already listens on MASTER_PORT: the torch backend
+    joins it (``env://``); for rpc_core, rank 0 picks a free port next to it and hands it
+    to the other ranks through torchrun's store.
+    """
+    addr, port = cfg.cluster.master_addr, cfg.cluster.master_port
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+        return f"tcp://{addr}:{port}"
+    if cfg.backend == "torch":
+        return "env://"
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from ps_train.launch import free_port
+
+    timeout = timedelta(seconds=cfg.cluster.rpc_timeout or 300)
+    store = TCPStore(addr, port, is_master=False, timeout=timeout)
+    key = (f"ps_train/rpc_core_port/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
+           f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
+    if rank == 0:
+        chosen = free_port(addr)
+        store.set(key, str(chosen))
+    else:
+        chosen = int(store.get(key))  # waits until rank 0 set it
+    log.info("torchrun's store holds %s:%d; rpc_core meets at port %d", addr, port, chosen)
+    return f"tcp://{addr}:{chosen}"
 
 
 def write_provenance(run_dir: str, cfg: Config, overrides: List[str]) -> None:

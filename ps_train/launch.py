@@ -88,10 +88,11 @@ def _setup_logging(run_dir: str, name: str, level: str) -> None:
 
 
 def run_rank(cfg: Config, rank: int, master_addr: str, master_port: int, secret: Optional[str], run_dir: str,
-             resume: Optional[str] = None) -> Optional[Dict[str, Any]]:
+             resume: Optional[str] = None, init_method: Optional[str] = None) -> Optional[Dict[str, Any]]:
     """Run one role until the whole job is done; returns the metrics on trainer0.
 
     ``resume``: a complete checkpoint dir (see ``checkpoint.resolve_resume``) to start from.
+    ``init_method``: where the ranks meet, if not ``tcp://master_addr:master_port``.
     """
     S, T = cfg.cluster.num_servers, cfg.cluster.num_trainers
     name = role_name(rank, S)
@@ -108,7 +109,7 @@ def run_rank(cfg: Config, rank: int, master_addr: str, master_port: int, secret:
         ps = server_mod.create(cfg, rank)  # before init_rpc: trainers may ask for it at once
         if resume_state is not None:
             load_server_state(ps, resume_state)
-    init_method = f"tcp://{master_addr}:{master_port}"
+    init_method = init_method or f"tcp://{master_addr}:{master_port}"
     opts = backend.make_options(init_method, cfg.cluster.rpc_timeout, cfg.cluster.num_worker_threads, secret)
     log.info("starting %s (rank %d of %d) on the %s backend, rendezvous at %s%s", name, rank, S + T, cfg.backend,
              init_method, f", resuming from {resume} (step {resume_state['step']})" if resume_state else "")

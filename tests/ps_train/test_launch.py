@@ -13,6 +13,8 @@ from _app import (
 )
 from ps_train.launch import FAULT_ENV, RoleFailed, free_port
 
+# Ranks started as separate programs each import everything: spare them TensorBoard.
+LIGHT = ("logging.tensorboard=false",)
 KILL_STEP = 6  # BASELINE checkpoints every 4 steps: the last complete one is step 4
 
 
@@ -70,7 +72,8 @@ def test_run_that_exceeds_its_timeout_is_stopped_naming_the_roles_still_running(
 def test_env_launcher_runs_four_ranks_started_from_torchrun_style_variables(tmp_path):
     run_dir = tmp_path / "job"  # every rank is told the same run folder
     port = free_port()
-    args = [sys.executable, "-m", "ps_train", "cluster=env", f"hydra.run.dir={run_dir}", "train.steps=3", *QUICK]
+    args = [sys.executable, "-m", "ps_train", "cluster=env", f"hydra.run.dir={run_dir}", "train.steps=3", *QUICK,
+            *LIGHT]
     common = dict(os.environ, WORLD_SIZE="4", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                   RPC_CORE_AUTH_SECRET=os.urandom(16).hex())
     common.pop(FAULT_ENV, None)
@@ -94,6 +97,23 @@ def test_env_launcher_runs_four_ranks_started_from_torchrun_style_variables(tmp_
         assert rendezvous_port(run_dir, role) == port
     assert read_json(run_dir / "provenance.json")["config"]["cluster"]["launcher"] == "env"
     assert (run_dir / "checkpoints" / "step_000000003" / "manifest.json").is_file()
+
+
+@pytest.mark.timeout(120)
+def test_torchrun_starts_a_four_rank_job_although_its_own_store_holds_master_port(tmp_path):
+    # torchrun's agent listens on MASTER_PORT itself; rank 0 hands the other ranks another port.
+    run_dir = tmp_path / "job"
+    port = free_port()
+    env = dict(os.environ, RPC_CORE_AUTH_SECRET=os.urandom(16).hex())
+    env.pop(FAULT_ENV, None)
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=4",
+                        "--master-addr=127.0.0.1", f"--master-port={port}", "--max-restarts=0",
+                        "-m", "ps_train", "cluster=env", f"hydra.run.dir={run_dir}", "train.steps=2", *QUICK, *LIGHT],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=100)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert read_json(run_dir / "metrics.json")["server_updates"] == [2, 2]
+    ports = {rendezvous_port(run_dir, role) for role in ("ps0", "ps1", "trainer0", "trainer1")}
+    assert len(ports) == 1 and port not in ports
 
 
 @pytest.mark.timeout(60)
