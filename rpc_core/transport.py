@@ -7,10 +7,11 @@ freshly allocated tensor storage.
 """
 from __future__ import annotations
 
+import ctypes
 import mmap
 import socket
 import threading
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -24,25 +25,40 @@ _IOV_MAX = 512
 _SOCK_BUF = 4 << 20
 
 
-_HUGE_ALLOC = 1 << 20  # buffers this large get memory backed by transparent huge pages
+_HUGE_ALLOC = 1 << 20  # buffers this large are advised for transparent huge pages
+
+
+def _load_madvise() -> Optional[Callable[[int, int, int], int]]:
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return fn
+
+
+_madvise = _load_madvise()
+_HUGE_PAGE = 2 << 20
 
 
 def new_storage(n: int) -> torch.UntypedStorage:
-    """Fresh storage for ``n`` received bytes.
+    """Fresh storage for ``n`` received bytes: an ordinary torch storage (resizable, like any
+    tensor's), never initialised, so its pages are only touched as bytes arrive.
 
-    A large receive is dominated by page faults on fresh memory, not by the copy: backing
-    the storage with an anonymous mapping advised for huge pages takes one fault per 2 MiB
-    instead of one per 4 KiB (about 3x faster here for 64 MB).
+    A large receive is dominated by page faults on fresh memory, not by the copy: advising
+    the storage's 2 MiB-aligned interior for transparent huge pages takes one fault per
+    2 MiB instead of one per 4 KiB (about 3x faster here for 64 MB).
     """
-    if n < _HUGE_ALLOC or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return torch.UntypedStorage(n)
-    mm = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        mm.madvise(mmap.MADV_HUGEPAGE)
-    except OSError:
-        pass  # THP disabled: still a valid (4 KiB-paged) buffer
-    # The tensor keeps the mapping alive; it is unmapped when the last tensor using it dies.
-    return torch.frombuffer(mm, dtype=torch.uint8).untyped_storage()
+    st = torch.UntypedStorage(n)
+    if n >= _HUGE_ALLOC and _madvise is not None:
+        start = st.data_ptr()
+        lo = -(-start // _HUGE_PAGE) * _HUGE_PAGE
+        hi = (start + n) // _HUGE_PAGE * _HUGE_PAGE
+        if hi > lo:
+            _madvise(lo, hi - lo, mmap.MADV_HUGEPAGE)  # best effort: THP may be off
+    return st
 
 
 class PeerClosed(ConnectionError):

@@ -181,6 +181,14 @@ def test_received_tensors_live_in_the_storage_the_transport_filled():
     assert out.data_ptr() != t.data_ptr()
 
 
+def test_large_received_tensors_are_ordinary_resizable_tensors():
+    t = torch.randn(1 << 20)  # 4 MB: the transport's large-buffer path
+    out = roundtrip(t)
+    assert torch.equal(out, t)
+    out.resize_(3 << 20)  # e.g. a buffer reused with resize_(), as with any local tensor
+    assert torch.equal(out[: 1 << 20], t)
+
+
 def test_a_call_to_self_copies_tensors_instead_of_aliasing_them():
     t = torch.zeros(3)
     s = ser.serialize(t)
