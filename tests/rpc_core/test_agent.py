@@ -91,6 +91,44 @@ def test_graceful_shutdown_waits_for_all_work_in_flight_on_every_worker():
     assert totals == {"slow": calls, "nested": calls, "from_callback": calls}
 
 
+def _sleep(seconds):
+    time.sleep(seconds)  # work that outlasts the shutdown timeout below
+
+
+def _body_shutdown_timeout(ctx):
+    if ctx.rank == 0:
+        rpc_core.rpc_async(1, _sleep, args=(3.0,))
+        with pytest.raises(RuntimeError, match=r"graceful shutdown of 'worker0' failed.*shutdown timed out after 0\.5 s"):
+            rpc_core.shutdown(timeout=0.5)
+    else:
+        # worker0 gave up and left: this worker's shutdown then fails naming it, promptly
+        with pytest.raises(RuntimeError, match=r"(?s)graceful shutdown of 'worker1' failed.*worker0"):
+            rpc_core.shutdown()
+    with pytest.raises(rpc_core.RpcNotInitializedError):
+        rpc_core.rpc_sync(1 - ctx.rank, _whoami)
+    return True
+
+
+def test_shutdown_with_a_timeout_gives_up_on_work_still_in_flight_saying_so():
+    assert run_world(_body_shutdown_timeout, 2) == [True, True]
+
+
+def _body_local_shutdown(ctx):
+    if ctx.rank == 0:
+        assert rpc_core.rpc_sync(1, _whoami) == "worker1"
+        rpc_core.rpc_async(1, _set_signal)  # not waited for: it may be cut off by the shutdowns
+    else:
+        _wait_signal()
+    rpc_core.shutdown(graceful=False)  # local: waits for nobody
+    with pytest.raises(rpc_core.RpcNotInitializedError):
+        rpc_core.get_worker_info()
+    return True
+
+
+def test_non_graceful_shutdown_is_local():
+    assert run_world(_body_local_shutdown, 2) == [True, True]
+
+
 # -- dead peers ---------------------------------------------------------------------------------
 def _call_dead_peer(rank):
     with pytest.raises(WorkerUnavailableError, match=f"worker{rank}") as info:

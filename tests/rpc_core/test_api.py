@@ -67,6 +67,19 @@ def _raise_needs_two_args():
     raise NeedsTwoArgs(7, "cannot be rebuilt from a message")
 
 
+def _raise_callee_only_error():
+    """Raise an exception whose class exists on this (the callee's) process only."""
+    name = f"tests.rpc_core._callee_only_{rpc_core.get_worker_info().id}"
+    module = sys.modules.setdefault(name, types.ModuleType(name))
+    cls = getattr(module, "GhostError", None) or type("GhostError", (Exception,), {"__module__": name})
+    module.GhostError = cls
+    raise cls("only the callee knows this type")
+
+
+def _return_unpicklable():
+    return threading.Lock()
+
+
 # -- calls by name, WorkerInfo and rank; to self -------------------------------------------------------
 def _body_targets(ctx):
     n = ctx.world_size
@@ -188,6 +201,9 @@ def _body_tensors(ctx):
     back = rpc_core.rpc_sync(0, _identity, args=(mine,))  # to self: a copy, not an alias
     back += 1
     assert mine.sum() == 0
+    big = torch.randn(5 << 20)  # 20 MB each way
+    back = rpc_core.rpc_sync(1, _identity, args=(big,))
+    assert torch.equal(back, big)
     return True
 
 
@@ -243,11 +259,13 @@ def test_function_missing_on_the_callee_gives_an_error_saying_so():
 def _body_unpicklable_function(ctx):
     with pytest.raises(Exception, match="lambda"):
         rpc_core.rpc_sync(1, lambda: 1)
+    with pytest.raises(TypeError, match="pickle.*lock"):
+        rpc_core.rpc_async(1, _identity, args=(threading.Lock(),))
     assert rpc_core.rpc_sync(1, _whoami) == "worker1"
     return True
 
 
-def test_a_lambda_cannot_be_sent_and_the_error_says_which_function():
+def test_a_lambda_or_unpicklable_argument_fails_at_the_caller_saying_what():
     assert run_world(_body_unpicklable_function, 2)[0]
 
 
@@ -276,6 +294,12 @@ def _body_remote_exceptions(ctx):
             assert type(info.value) is not NeedsTwoArgs
             assert f"Error on {where}" in msg and "Original exception on remote side was" in msg
             assert "NeedsTwoArgs" in msg and "7: cannot be rebuilt from a message" in msg
+    peer = 1 - ctx.rank
+    with pytest.raises(RuntimeError, match=rf"(?s)Error on worker{peer}.*Original exception on remote side was "
+                                           rf"tests\.rpc_core\._callee_only_{peer}\.GhostError: only the callee knows"):
+        rpc_core.rpc_sync(peer, _raise_callee_only_error)
+    with pytest.raises(RuntimeError, match=rf"worker{peer} could not serialize the result.*lock"):
+        rpc_core.rpc_sync(peer, _return_unpicklable)
     with pytest.raises(TypeError, match="positional argument"):
         rpc_core.rpc_sync(1, _add, args=(1, 2, 3, 4))
     return True

@@ -55,6 +55,17 @@ def test_names_may_use_letters_digits_underscore_colon_dash_up_to_127_chars():
     assert WorkerInfo("a" * 127, 0).id == 0
 
 
+def test_worker_info_compares_hashes_prints_and_pickles_like_torchs():
+    import pickle
+
+    info = WorkerInfo("worker1", 1)
+    assert info == WorkerInfo("worker1", 1) and info != WorkerInfo("worker1", 2)
+    assert len({info, WorkerInfo("worker1", 1)}) == 1
+    assert repr(info) == "WorkerInfo(id=1, name=worker1)"
+    assert pickle.loads(pickle.dumps(info)) == info
+    assert (info.name, info.id) == ("worker1", 1)
+
+
 def test_duplicate_name_fails_on_every_worker_saying_so():
     port = free_port()
     errors = _run_threads((_init, "same", 0, 2, _opts(port)), (_init, "same", 1, 2, _opts(port)))
