@@ -54,9 +54,6 @@ def test_two_sync_runs_give_identical_losses_and_weights_with_dropout(tmp_path):
     assert a["losses"] == b["losses"]
     assert len(a["losses"]["trainer0"]) == len(a["losses"]["trainer1"]) == 6
     assert_same_weights(final_weights(tmp_path / "a"), final_weights(tmp_path / "b"), exact=True)
-    # ... and the seed matters: another seed is another run.
-    c = run_app(tmp_path / "c", *cfg, "seed=1")
-    assert c["losses"]["trainer0"] != a["losses"]["trainer0"]
 
 
 @pytest.mark.timeout(120)
