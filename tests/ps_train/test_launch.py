@@ -128,7 +128,7 @@ def test_env_launcher_needs_the_shared_auth_secret(tmp_path):
 @pytest.mark.timeout(120)
 def test_multirun_sweep_gives_each_job_its_own_folder_port_and_overrides(tmp_path):
     sweep = tmp_path / "sweep"
-    r = cli("-m", "optim.lr=0.01,0.1", "train.steps=2", *QUICK, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    r = cli("-m", "optim.lr=0.01,0.1", "train.steps=2", *QUICK, *LIGHT, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and not p.name.startswith("."))
     assert [j.name for j in jobs] == ["0", "1"]
