@@ -5,9 +5,10 @@
 Each child process (started clean: see ``_mp_context``) calls ``rpc_core.init_rpc(f"worker{rank}",
 rank=rank, world_size=N, ...)`` on ``tcp://127.0.0.1:<free port>`` with a fresh shared secret,
 runs ``body(ctx, *args)``, shuts down gracefully, and sends back ``("ok", result)`` or
-``("error", traceback)`` through a pipe. The parent waits on those pipes (no polling, no
-sleeps) up to a hard timeout; then it asks the stragglers for a stack dump and kills them, so a
-hung world fails with a message instead of stalling the suite.
+``("error", traceback)`` through a pipe (a rank whose body raised reports at once and exits
+without shutting down). The parent waits on those pipes (no polling, no sleeps) up to a hard
+timeout, shortened once a rank failed; then it asks the stragglers for a stack dump and kills
+them, so a hung world fails with a message instead of stalling the suite.
 
 Bodies that manage init/shutdown themselves (rendezvous and failure tests) pass ``init=False``
 and call ``ctx.init(...)``; ranks listed in ``may_die`` are allowed to die without reporting.
@@ -128,7 +129,7 @@ def _child_main(body: Callable[..., Any], ctx: WorkerContext, args: tuple, init:
     sys.stdout.flush()
     sys.stderr.flush()
     # Skip interpreter teardown (torch's takes ~0.5 s a process); rpc_core's own threads are
-    # daemons, and test_port_torch_program runs real scripts that exit normally.
+    # daemons, and tests/rpc_core/test_port.py runs real scripts that exit normally.
     os._exit(0)
 
 
