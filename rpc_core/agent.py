@@ -54,6 +54,8 @@ def set_error(fut: torch._C.Future, error: BaseException) -> None:
     stored exception keeps only the lines of the frames it was raised in (their locals are
     cleared), and waiters get a copy with the same type and message, chained to it.
     """
+    if fut.done():  # before touching its unwrap function, which would apply to the old value
+        raise RuntimeError("set_error: this Future is already completed")
     tb = error.__traceback__
     if tb is not None:
         # The first frame is the one that caught it, still running: drop it; clear the rest.
