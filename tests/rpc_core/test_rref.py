@@ -286,11 +286,24 @@ def _body_errors(ctx):
                 rref.to_here()
             with pytest.raises(ValueError, match="raised inside remote"):
                 rref.to_here()  # and again
+        # the owner cannot even load the function
+        from tests.rpc_core.test_api import _install_caller_only_function
+
+        only_here, _ = _install_caller_only_function()
+        rref = rpc_core.remote(1, only_here)
+        with pytest.raises(RuntimeError, match="RPC pickler does not serialize function code"):
+            rref.to_here()
+        # the creation times out (the owner still runs it, and must not keep it forever)
+        rref = rpc_core.remote(1, _sleep_then, args=(1.0, "late"), timeout=0.2)
+        with pytest.raises(RpcTimeoutError, match="RPC ran for more than"):
+            rref._get_future().wait()
+        with pytest.raises(RuntimeError, match=r"RRef creation via rpc.remote\(\) timed out"):
+            rref.to_here()
         del rref
     return _settle_and_count()
 
 
-def test_errors_inside_remote_surface_at_to_here_with_their_type():
+def test_errors_inside_remote_surface_at_to_here_with_their_type_and_leave_no_entries():
     assert run_world(_body_errors, 2) == [EMPTY, EMPTY]
 
 
