@@ -158,9 +158,15 @@ class Connection:
     # -- send ---------------------------------------------------------------------------
     def send(self, kind: int, flags: int, msg_id: int, head: bytes, body: bytes, buffers: Sequence[memoryview] = ()) -> None:
         header = wire.pack_header(kind, flags, len(head), len(body), msg_id, [len(b) for b in buffers])
-        parts: List[memoryview] = [memoryview(header + head + body)] if len(body) < _DIRECT_READ else [
-            memoryview(header + head), memoryview(body)]
-        parts.extend(b for b in buffers if len(b))
+        small = len(body) + sum(len(b) for b in buffers) < _DIRECT_READ
+        if small:
+            # One contiguous write: copying a few KB costs less than a gather write, whose
+            # segments loopback TCP delivers (and wakes the reader for) one by one.
+            parts: List[memoryview] = [memoryview(b"".join([header, head, body, *buffers]))]
+        else:
+            parts = [memoryview(header + head), memoryview(body)] if len(body) >= _DIRECT_READ else [
+                memoryview(header + head + body)]
+            parts.extend(b for b in buffers if len(b))
         total = sum(len(p) for p in parts)
         with self._send_lock:
             if len(parts) == 1:
