@@ -61,6 +61,7 @@ def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: Optiona
         raise ValueError("world_size is required: rpc_core supports static groups (dynamic membership is not implemented)")
     world = rendezvous(name, rank, world_size, options.init_method, options.auth_secret, options.effective_init_timeout())
     agent = Agent(world, options)
+    _rref.start_release_thread()
     agent.request_failed_hooks.append(_rref.on_request_failed)
     if world.me.id == 0:
         _coordinator.start(agent)

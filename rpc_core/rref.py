@@ -132,7 +132,16 @@ def _track(fut: torch.futures.Future) -> None:
         _ctx.in_flight = [f for f in _ctx.in_flight if not f.done()]
 
 
-threading.Thread(target=_release_loop, name="rref-release", daemon=True).start()
+_release_thread: Optional[threading.Thread] = None
+
+
+def start_release_thread() -> None:
+    """Start the release loop (at init_rpc). Not at import: a process forked from one that
+    imported rpc_core (a forkserver preloading it) inherits the module but not the thread."""
+    global _release_thread
+    if _release_thread is None or not _release_thread.is_alive():
+        _release_thread = threading.Thread(target=_release_loop, name="rref-release", daemon=True)
+        _release_thread.start()
 
 
 class RRef(Generic[T]):

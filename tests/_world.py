@@ -48,7 +48,8 @@ def _mp_context() -> Any:
     method = os.environ.get("RPC_CORE_TEST_START", "forkserver")
     ctx = mp.get_context(method)
     if method == "forkserver":
-        ctx.set_forkserver_preload(["torch"])
+        # RPC_CORE_TEST_PRELOAD lets a test preload more, like ps_train's launcher does.
+        ctx.set_forkserver_preload(os.environ.get("RPC_CORE_TEST_PRELOAD", "torch").split(","))
     return ctx
 
 

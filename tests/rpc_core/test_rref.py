@@ -3,7 +3,10 @@ return values, forwarding between users, and owner-side reference counting (tabl
 to empty once users let go). Bodies run on worker processes (tests/_world.py)."""
 import gc
 import io
+import os
 import pickle
+import subprocess
+import sys
 import time
 
 import pytest
@@ -275,6 +278,20 @@ def _body_lifetime(ctx):
 
 def test_owner_keeps_the_value_while_any_user_holds_it_and_frees_it_after():
     assert run_world(_body_lifetime, 3) == [EMPTY] * 3
+
+
+def test_rrefs_are_freed_in_workers_forked_from_a_process_that_imported_rpc_core():
+    # ps_train's launcher forks roles from a server that preloaded rpc_core: the fork keeps
+    # the module but not its threads, so the RRef release loop must start at init_rpc.
+    code = (
+        "from tests._world import run_world\n"
+        "from tests.rpc_core.test_rref import _body_lifetime, EMPTY\n"
+        "assert run_world(_body_lifetime, 3, timeout=60) == [EMPTY] * 3\n"
+    )
+    env = dict(os.environ, RPC_CORE_TEST_START="forkserver", RPC_CORE_TEST_PRELOAD="torch,rpc_core")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 # -- errors -------------------------------------------------------------------------------------
