@@ -18,6 +18,7 @@ Protocol (every message is an ordinary RPC to one of the ``_on_*`` functions bel
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import queue
 import threading
@@ -55,6 +56,9 @@ class _Entry:
         self.handles = 0
 
 
+_FREED_MEMORY = 1 << 16
+
+
 class _Context:
     """Per-process RRef state."""
 
@@ -66,6 +70,9 @@ class _Context:
         self.unconfirmed: Set[Id] = set()
         self.releases: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
         self.in_flight: List[torch.futures.Future] = []
+        # Ids this owner freed (ids are never reused): a late request for one fails at once
+        # instead of waiting forever for a value that will not come. Bounded, oldest out.
+        self.freed: "collections.OrderedDict[Id, None]" = collections.OrderedDict()
 
     def entry(self, rref_id: Id) -> _Entry:
         with self.lock:
@@ -74,11 +81,25 @@ class _Context:
                 e = self.owners[rref_id] = _Entry()
             return e
 
+    def live_entry(self, rref_id: Id) -> _Entry:
+        """The entry of a value a user asks for: pending (its creation may still be on its
+        way) or present, but not one this owner already freed."""
+        with self.lock:
+            if rref_id in self.freed:
+                raise RpcError(
+                    f"RRef {_fmt(rref_id)} was already deleted on its owner: every user RRef to it "
+                    "had been released. Keep an RRef alive while calls through it are in flight."
+                )
+            return self.entry(rref_id)
+
     def maybe_free(self, rref_id: Id) -> None:
         with self.lock:
             e = self.owners.get(rref_id)
             if e is not None and not e.forks and e.handles <= 0:
                 del self.owners[rref_id]
+                self.freed[rref_id] = None
+                if len(self.freed) > _FREED_MEMORY:
+                    self.freed.popitem(last=False)
 
     def debug_info(self) -> Dict[str, int]:
         with self.lock:
@@ -397,12 +418,12 @@ def _settle(target: torch.futures.Future, source: torch.futures.Future) -> None:
 @async_execution
 def _on_fetch(rref_id: Id) -> torch.futures.Future:
     # The creation request may still be queued behind this fetch: wait for the value.
-    return _ctx.entry(rref_id).value
+    return _ctx.live_entry(rref_id).value
 
 
 @async_execution
 def _on_type(rref_id: Id) -> torch.futures.Future:
-    return _ctx.entry(rref_id).value.then(lambda f: type(f.value()))
+    return _ctx.live_entry(rref_id).value.then(lambda f: type(f.value()))
 
 
 def _on_fork(rref_id: Id, fork_id: Id) -> None:
@@ -427,7 +448,7 @@ def _on_user_delete(rref_id: Id, fork_id: Id) -> None:
 @async_execution
 def _on_invoke(rref_id: Id, name: str, args: tuple, kwargs: dict) -> torch.futures.Future:
     """Run ``value.name(*args, **kwargs)`` on the owner (the RRef proxies)."""
-    value = _ctx.entry(rref_id).value
+    value = _ctx.live_entry(rref_id).value
     obj = value.wait() if value.done() else None
     if obj is None and not value.done():
         # Still being created by remote(): call once it exists, without holding a thread.
@@ -502,6 +523,7 @@ def reset() -> None:
         _ctx.pending_children.clear()
         _ctx.unconfirmed.clear()
         _ctx.in_flight = []
+        _ctx.freed.clear()
 
 
 def debug_info() -> Dict[str, int]:

@@ -280,6 +280,25 @@ def test_owner_keeps_the_value_while_any_user_holds_it_and_frees_it_after():
     assert run_world(_body_lifetime, 3) == [EMPTY] * 3
 
 
+def _body_late_request(ctx):
+    if ctx.rank == 0:
+        rref = rpc_core.remote(1, _add, args=(torch.ones(2), 1))
+        assert torch.equal(rref.to_here(), torch.full((2,), 2.0))
+        rref_id = rref._rref_id
+        del rref
+        gc.collect()
+        rref_mod.flush()  # the owner has freed the value
+        # A request naming the freed RRef (what a buggy program could send) fails at once.
+        for handler, args in ((rref_mod._on_fetch, (rref_id,)), (rref_mod._on_invoke, (rref_id, "sum", (), {}))):
+            with pytest.raises(rpc_core.RpcError, match="already deleted on its owner"):
+                rpc_core.rpc_sync(1, handler, args=args, timeout=30)
+    return _settle_and_count()
+
+
+def test_a_request_for_an_rref_its_owner_already_freed_fails_instead_of_waiting():
+    assert run_world(_body_late_request, 2) == [EMPTY] * 2
+
+
 def test_rrefs_are_freed_in_workers_forked_from_a_process_that_imported_rpc_core():
     # ps_train's launcher forks roles from a server that preloaded rpc_core: the fork keeps
     # the module but not its threads, so the RRef release loop must start at init_rpc.
