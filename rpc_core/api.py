@@ -8,6 +8,7 @@ names the peer instead of hanging.
 from __future__ import annotations
 
 import enum
+import logging
 import threading
 import time
 from typing import Any, Callable, Dict, List, Optional
@@ -59,6 +60,11 @@ def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: Optiona
         raise TypeError("Argument rpc_backend_options must be an instance of RpcBackendOptions")
     if world_size is None:
         raise ValueError("world_size is required: rpc_core supports static groups (dynamic membership is not implemented)")
+    if not options.auth_secret:
+        logging.getLogger("rpc_core").warning(
+            "rpc_core worker %r runs without an auth secret: any process that can reach its port can make it "
+            "run functions. Set RpcBackendOptions(auth_secret=...) or RPC_CORE_AUTH_SECRET, the same on every worker.",
+            name)
     world = rendezvous(name, rank, world_size, options.init_method, options.auth_secret, options.effective_init_timeout())
     agent = Agent(world, options)
     _rref.start_release_thread()
