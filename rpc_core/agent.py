@@ -7,7 +7,6 @@ the profiler) plug in as ``Middleware`` and never touch sockets.
 """
 from __future__ import annotations
 
-import copy
 import collections
 import itertools
 import logging
@@ -23,6 +22,7 @@ import torch
 from . import transport, wire
 from .errors import ProtocolError, RpcError, RpcNotInitializedError, RpcTimeoutError, WorkerUnavailableError
 from .options import RpcBackendOptions
+from .futures import RpcFuture, rebuild_exception
 from .pool import ElasticPool, init_torch_thread
 from .rendezvous import World, WorkerInfo
 from .serialization import decode_head, deserialize, encode_head, loopback, serialize
@@ -42,59 +42,6 @@ def current_agent() -> "Agent":
 def set_current_agent(agent: Optional["Agent"]) -> None:
     global _agent
     _agent = agent
-
-
-def set_error(fut: torch._C.Future, error: BaseException) -> None:
-    """Complete ``fut`` with ``error``; every ``wait()``/``value()`` then raises a fresh copy.
-
-    torch's ``set_exception`` re-raises the stored exception object itself, so each waiter's
-    frames are appended to its traceback and stay reachable from the future: a frame that
-    holds the future (``self`` in ``wait``) or an RRef makes a cycle through C++ that the
-    garbage collector cannot break, and RRefs in those frames are never released. Here the
-    stored exception keeps only the lines of the frames it was raised in (their locals are
-    cleared), and waiters get a copy with the same type and message, chained to it.
-    """
-    if fut.done():  # before touching its unwrap function, which would apply to the old value
-        raise RuntimeError("set_error: this Future is already completed")
-    tb = error.__traceback__
-    if tb is not None:
-        # The first frame is the one that caught it, still running: drop it; clear the rest.
-        traceback.clear_frames(tb.tb_next)
-        error.__traceback__ = tb.tb_next
-    fut._set_unwrap_func(_raise_copy)
-    fut.set_result(error)
-
-
-def _raise_copy(error: BaseException) -> None:
-    try:
-        fresh = copy.copy(error)
-    except Exception:
-        raise error from None  # its constructor cannot rebuild it from its args: raise the original
-    raise fresh from (error if error.__traceback__ is not None else None)
-
-
-class RpcFuture(torch.futures.Future):
-    """A torch Future that knows whether user callbacks hang on it, so a reader thread
-    completes it inline only when no callback could block that reader. Errors set on it
-    raise fresh copies (see ``set_error``)."""
-
-    _has_callbacks = False
-
-    def set_exception(self, result: BaseException) -> None:  # type: ignore[override]
-        set_error(self, result)
-
-    def then(self, callback):  # type: ignore[override]
-        self._has_callbacks = True
-        return super().then(callback)
-
-    def add_done_callback(self, callback):  # type: ignore[override]
-        self._has_callbacks = True
-        return super().add_done_callback(callback)
-
-    def wait(self):  # type: ignore[override]
-        if not self.done() and _agent is not None:
-            _agent.pool.handoff()  # a pool thread about to block must not hold up queued calls
-        return super().wait()
 
 
 class Middleware:
@@ -570,23 +517,3 @@ class Agent:
         for msg_id in list(self._pending):
             self._fail(msg_id, RpcError(f"RPC agent of {self.me.name!r} shut down before this call completed"))
         self.pool.close()
-
-
-def rebuild_exception(info: wire.ExceptionInfo) -> BaseException:
-    """The remote exception with its original type, or a RuntimeError saying why not."""
-    import importlib
-
-    try:
-        obj: Any = importlib.import_module(info.type_module)
-        for part in info.type_qualname.split("."):
-            obj = getattr(obj, part)
-        if isinstance(obj, type) and issubclass(obj, BaseException):
-            return obj(info.message)
-    except Exception:
-        pass
-    from .errors import RemoteFunctionError
-
-    return RemoteFunctionError(
-        f"Error on {info.worker}; its type could not be rebuilt here. Original exception on remote side was "
-        f"{info.type_module}.{info.type_qualname}: {info.message}"
-    )

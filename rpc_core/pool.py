@@ -27,6 +27,13 @@ Job = Tuple[Callable[..., Any], Tuple[Any, ...]]
 _tls = threading.local()
 
 
+def handoff_current() -> None:
+    """If this thread is a pool thread about to block, let another thread take its queue."""
+    pool = getattr(_tls, "pool", None)
+    if pool is not None:
+        pool.handoff()
+
+
 def init_torch_thread() -> None:
     """Give this thread torch's intra-op thread count. OpenMP keeps that setting per thread:
     a new Python thread would otherwise run ops with one OpenMP thread per core, which on a

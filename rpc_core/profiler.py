@@ -35,6 +35,7 @@ from torch.autograd import ProfilerConfig, ProfilerState, _disable_profiler_lega
 from torch.autograd.profiler_util import EventList, FunctionEvent
 
 from . import agent as _agent_mod
+from . import futures as _futures
 from . import api as _api
 
 __all__ = ["profile", "record_function"]
@@ -231,7 +232,7 @@ def _wrap_call(exec_mode: str, func: Any, dst: int, send: Any) -> torch.futures.
     call = _Call(f"rpc_{exec_mode}#{_func_name(func)}({agent.me.name} -> {agent.workers[dst].name})", col.options)
     fut = send(extras={_KEY: call})
     col.calls.append(call)
-    out = _agent_mod.RpcFuture()  # the user waits on this one, so the end is stamped first
+    out = _futures.RpcFuture()  # the user waits on this one, so the end is stamped first
 
     def finish(f: torch.futures.Future) -> None:
         try:

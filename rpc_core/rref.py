@@ -28,6 +28,7 @@ from typing import Any, Dict, Generic, List, Optional, Set, Tuple, TypeVar
 import torch
 
 from . import agent as _agent_mod
+from . import futures as _futures
 from .errors import RpcError
 from .functions import async_execution
 from .rendezvous import WorkerInfo
@@ -394,7 +395,7 @@ def _on_create(rref_id: Id, fork_id: Optional[Id], func: Any, args: tuple, kwarg
         else:
             e.value.set_result(result)
     except BaseException as exc:
-        _agent_mod.set_error(e.value, exc)
+        _futures.set_error(e.value, exc)
     return e.value.then(lambda _: None)
 
 
@@ -405,14 +406,14 @@ def on_request_failed(extras: Dict[str, Any], error: BaseException) -> None:
     if rref_id is not None:
         value = _ctx.entry(tuple(rref_id)).value
         if not value.done():
-            _agent_mod.set_error(value, error)
+            _futures.set_error(value, error)
 
 
 def _settle(target: torch.futures.Future, source: torch.futures.Future) -> None:
     try:
         target.set_result(source.value())
     except BaseException as exc:
-        _agent_mod.set_error(target, exc)
+        _futures.set_error(target, exc)
 
 
 @async_execution
