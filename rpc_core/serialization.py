@@ -92,38 +92,45 @@ def _span(t: torch.Tensor) -> Tuple[int, int]:
 
 def _pack_tensors(tensors: Sequence[torch.Tensor]) -> Tuple[List[TensorMeta], List[memoryview], List[Any]]:
     """Group tensors by storage; each storage ships once, or only the bytes its views span."""
-    metas: List[TensorMeta] = []
+    # One pass over the tensors: every accessor below is a call into torch.
+    infos = []
+    by_storage: Dict[int, List[int]] = {}  # data_ptr -> indices into infos
+    for t in tensors:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        esize = t.element_size()
+        offset, size, stride = t.storage_offset(), tuple(t.size()), tuple(t.stride())
+        empty = t.numel() == 0
+        if empty:
+            first = last = offset
+        else:
+            first, last = offset, offset + 1 + sum((n - 1) * st for n, st in zip(size, stride))
+        by_storage.setdefault(ptr, []).append(len(infos))
+        infos.append((t, storage, ptr, esize, offset, size, stride, first * esize, last * esize, empty))
     buffers: List[memoryview] = []
     keepalive: List[Any] = []
-    groups: Dict[int, Tuple[int, int, int]] = {}  # data_ptr -> (buffer index, start byte, end byte)
-    by_storage: Dict[int, List[torch.Tensor]] = {}
-    for t in tensors:
-        by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(t)
-    for ptr, ts in by_storage.items():
-        storage = ts[0].untyped_storage()
-        lo = min(_span(t)[0] * t.element_size() for t in ts)
-        hi = max(_span(t)[1] * t.element_size() for t in ts)
+    groups: Dict[int, Tuple[int, int]] = {}  # data_ptr -> (buffer index, start byte)
+    for ptr, members in by_storage.items():
+        storage = infos[members[0]][1]
+        lo = min(infos[i][7] for i in members)
+        hi = max(infos[i][8] for i in members)
+        nbytes = storage.nbytes()
         if ptr == 0 or hi <= lo:
             lo = hi = 0
-        elif (hi - lo) * 2 > storage.nbytes():
-            lo, hi = 0, storage.nbytes()  # mostly covered: ship it whole
+        elif (hi - lo) * 2 > nbytes:
+            lo, hi = 0, nbytes  # mostly covered: ship it whole
         else:
             # Views of several dtypes may share the storage: start the span on a multiple of
             # every element size (all divide 16) so each view's offset stays a whole element.
             lo -= lo % 16
-        groups[ptr] = (len(buffers), lo, hi)
+        groups[ptr] = (len(buffers), lo)
         buffers.append(storage_view(storage, lo, hi))
         keepalive.append(storage)
-    for t in tensors:
-        index, lo, _ = groups[t.untyped_storage().data_ptr()]
-        esize = t.element_size()
-        offset = (t.storage_offset() * esize - lo) // esize if t.numel() else 0
-        metas.append(
-            TensorMeta(
-                index, t.dtype, tuple(t.size()), tuple(t.stride()), offset,
-                bool(t.requires_grad), isinstance(t, torch.nn.Parameter),
-            )
-        )
+    metas: List[TensorMeta] = []
+    for t, _, ptr, esize, offset, size, stride, _, _, empty in infos:
+        index, lo = groups[ptr]
+        metas.append(TensorMeta(index, t.dtype, size, stride, 0 if empty else (offset * esize - lo) // esize,
+                                bool(t.requires_grad), isinstance(t, torch.nn.Parameter)))
     return metas, buffers, keepalive
 
 

@@ -58,8 +58,9 @@ def test_dtype_shape_and_values_are_preserved(dtype):
 
 @pytest.mark.parametrize(
     "make",
-    [lambda: torch.tensor(3.5), lambda: torch.empty(0), lambda: torch.empty(2, 0, 3), lambda: torch.ones(1, 1, 1, 1)],
-    ids=["0-dim", "empty", "empty-2d", "unit-dims"],
+    [lambda: torch.tensor(3.5), lambda: torch.empty(0), lambda: torch.empty(2, 0, 3), lambda: torch.ones(1, 1, 1, 1),
+     lambda: torch.arange(10.0)[7], lambda: torch.zeros(1 << 16)[40000]],
+    ids=["0-dim", "empty", "empty-2d", "unit-dims", "0-dim-view-at-offset", "0-dim-view-of-large-storage"],
 )
 def test_scalar_and_empty_shapes_are_preserved(make):
     t = make()
