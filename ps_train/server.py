@@ -60,6 +60,7 @@ class ParameterServer:
         cls, kwargs = optimizer_spec(cfg.optim)
         self.optimizer = cls(self.params, **kwargs) if self.params else None
         self.lock = threading.Lock()
+        self._eval_copies: Dict[int, Any] = {}  # shard -> (version, eval-mode copy)
         self.forward_lock = threading.Lock()
         self.version = 0  # updates applied so far
         self.updates = {i: 0 for i in self.shards}
@@ -115,10 +116,14 @@ class ParameterServer:
 
     def predict(self, shard: int, x: torch.Tensor) -> torch.Tensor:
         with self.lock, self.forward_lock:
-            module = copy.deepcopy(self.shards[shard])  # eval mode must not disturb training forwards
-        module.eval()
+            # An eval-mode copy, so evaluation never disturbs training forwards; reused by
+            # every batch of an evaluation while no update changed the weights.
+            cached = self._eval_copies.get(shard)
+            if cached is None or cached[0] != self.version:
+                module = copy.deepcopy(self.shards[shard]).eval()
+                self._eval_copies[shard] = cached = (self.version, module)
         with torch.no_grad():
-            return module(x)
+            return cached[1](x)
 
     def parameter_rrefs(self) -> List[Any]:
         rpc = backend.rpc()
@@ -217,6 +222,7 @@ class ParameterServer:
             if self.optimizer is not None and state.get("optimizer") is not None:
                 self.optimizer.load_state_dict(state["optimizer"])
             self.version = state.get("version", 0)
+            self._eval_copies.clear()
             self.updates = {int(k): v for k, v in state.get("updates", {}).items()} or self.updates
 
 
