@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import importlib
 import traceback
-from typing import Any
+from typing import Any, Iterable, List, Tuple
 
 import torch
 
@@ -69,6 +69,19 @@ class RpcFuture(torch.futures.Future):
         if not self.done():
             handoff_current()  # a pool thread about to block must not hold up queued calls
         return super().wait()
+
+
+def settle(futures: Iterable[torch.futures.Future]) -> Tuple[List[Any], List[BaseException]]:
+    """Wait for every future, even after one failed; return (values of those that
+    succeeded, errors of those that failed), each in order."""
+    values: List[Any] = []
+    errors: List[BaseException] = []
+    for f in futures:
+        try:
+            values.append(f.wait())
+        except BaseException as e:
+            errors.append(e)
+    return values, errors
 
 
 def rebuild_exception(info: wire.ExceptionInfo) -> BaseException:

@@ -15,6 +15,7 @@ import torch
 from . import api
 from . import autograd as dist_autograd
 from .errors import format_many
+from .futures import settle
 from .rref import RRef
 
 __all__ = ["DistributedOptimizer"]
@@ -55,12 +56,7 @@ def _wait_all(futures: List[torch.futures.Future], what: str) -> List[Any]:
     """Wait for every owner; then raise the first owner's exception with its own type (as
     torch does, so ``except ValueError`` around a step keeps working), noting ``what`` was
     being done and the other owners' failures."""
-    results, errors = [], []
-    for f in futures:
-        try:
-            results.append(f.wait())
-        except BaseException as e:
-            errors.append(e)
+    results, errors = settle(futures)
     if errors:
         first = errors[0]
         note = f"{what} ({len(errors)} of {len(futures)} owners failed)"

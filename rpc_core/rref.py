@@ -30,6 +30,7 @@ import torch
 from . import agent as _agent_mod
 from . import futures as _futures
 from .errors import RpcError
+from .futures import settle
 from .functions import async_execution
 from .rendezvous import WorkerInfo
 from .serialization import defer_until, register_reducer
@@ -391,7 +392,7 @@ def _on_create(rref_id: Id, fork_id: Optional[Id], func: Any, args: tuple, kwarg
         if getattr(func, "_wrapped_async_rpc_function", None) is not None:
             if not isinstance(result, torch._C.Future):
                 raise TypeError("Functions decorated with @rpc.async_function must return a torch.futures.Future object")
-            result.add_done_callback(lambda f: _settle(e.value, f))
+            result.add_done_callback(lambda f: _copy_outcome(e.value, f))
         else:
             e.value.set_result(result)
     except BaseException as exc:
@@ -409,7 +410,7 @@ def on_request_failed(extras: Dict[str, Any], error: BaseException) -> None:
             _futures.set_error(value, error)
 
 
-def _settle(target: torch.futures.Future, source: torch.futures.Future) -> None:
+def _copy_outcome(target: torch.futures.Future, source: torch.futures.Future) -> None:
     try:
         target.set_result(source.value())
     except BaseException as exc:
@@ -508,11 +509,7 @@ def delete_all_user_rrefs(timeout: float) -> None:
         futs += _ctx.in_flight
         _ctx.in_flight = []
         _ctx.pending_children.clear()
-    for f in futs:
-        try:
-            f.wait()
-        except BaseException:
-            pass
+    settle(futs)  # errors (a dead owner) leave nothing to delete
 
 
 def reset() -> None:
@@ -544,8 +541,4 @@ def flush() -> None:
             pending = _ctx.in_flight = [f for f in _ctx.in_flight if not f.done()]
         if not pending:
             return
-        for f in pending:
-            try:
-                f.wait()
-            except BaseException:
-                pass
+        settle(pending)

@@ -16,6 +16,7 @@ import torch
 
 from .. import agent as _agent_mod
 from .. import api as _api
+from ..futures import settle
 from ..functions import async_execution
 from . import context as _context
 from .context import DistAutogradContext
@@ -139,11 +140,7 @@ def _wait_cleanups() -> None:
     _flush()
     with _cleanups_lock:
         futs = list(_cleanups)
-    for f in futs:
-        try:
-            f.wait()
-        except BaseException:
-            pass
+    settle(futs)  # a dead worker has nothing left to clean
 
 
 def _current_context() -> DistAutogradContext:

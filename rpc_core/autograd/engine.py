@@ -25,6 +25,7 @@ from typing import Any, List, Sequence, Tuple
 import torch
 
 from .. import agent as _agent_mod
+from ..futures import settle
 from ..errors import RpcError, format_many
 from ..functions import async_execution
 from . import context as _context
@@ -120,13 +121,7 @@ def backward(context_id: int, roots: List[torch.Tensor], retain_graph: bool = Fa
 def _wait(futures: List[torch.futures.Future]) -> List[BaseException]:
     """Wait for every gradient RPC; their errors, each naming the node it happened on (an
     error that does not yet, e.g. a peer that died, is named after this node, which saw it)."""
-    errors = []
-    for f in futures:
-        try:
-            f.wait()
-        except BaseException as e:
-            errors.append(_on_this_node(e))
-    return errors
+    return [_on_this_node(e) for e in settle(futures)[1]]
 
 
 def _on_this_node(e: BaseException) -> BaseException:
