@@ -4,18 +4,31 @@
 with one scatter-gather ``sendmsg`` straight from tensor memory; ``Connection.recv`` reads
 frames through a small reusable buffer, but receives large tensor buffers directly into
 freshly allocated tensor storage.
+
+Between processes that proved they can read each other's memory (``cma``), large buffers
+are not streamed at all: the frame names their addresses, the receiver copies them into
+its fresh storage with one ``process_vm_readv`` and answers RELEASE, and ``send`` returns
+only once that RELEASE arrived, so its caller may reuse the memory as after a plain write.
+Whoever waits for a RELEASE while nobody else reads the socket reads it itself, queueing
+the frames it meets for ``recv``; readers never block on the send lock (a RELEASE that
+cannot be written at once is written by the current sender when it is done), so two
+peers sending large frames to each other cannot deadlock.
 """
 from __future__ import annotations
 
+import collections
 import ctypes
+import itertools
 import mmap
+import os
 import socket
 import threading
-from typing import Callable, List, Optional, Sequence, Tuple
+import weakref
+from typing import Callable, Deque, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 import torch
 
-from . import wire
+from . import cma, wire
 from .errors import AuthenticationError, ProtocolError
 from .serialization import storage_view
 
@@ -23,6 +36,10 @@ _READ_CHUNK = 256 << 10
 _DIRECT_READ = 64 << 10  # buffers at least this large are received straight into storage
 _IOV_MAX = 512
 _SOCK_BUF = 4 << 20
+# Buffers at least this large go by address when the connection allows it. Below it, the
+# RELEASE round trip and the remote page pinning cost more than TCP's copies (measured
+# with benchmarks/rpc_bench.py echo: see the commit that set it).
+_CMA_MIN = 512 << 10
 
 
 _HUGE_ALLOC = 1 << 20  # buffers this large are advised for transparent huge pages
@@ -86,6 +103,37 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(out)
 
 
+class _Link(NamedTuple):
+    """What the cross-memory-attach step of the handshake found for one socket."""
+
+    peer_pid: int
+    send: bool  # the peer proved it can read our memory
+    recv: bool  # we proved we can read the peer's memory
+
+
+# dial/accept return plain sockets (callers wrap them in Connection themselves), so the
+# handshake's findings wait here for the Connection made from that socket.
+_links: "weakref.WeakKeyDictionary[socket.socket, _Link]" = weakref.WeakKeyDictionary()
+
+
+def _exchange_cma(sock: socket.socket) -> None:
+    """The OFFER/RESULT step of the handshake (see ``wire``); both sides run the same code."""
+    probe = cma.Probe() if cma.enabled() else None
+    if probe is not None:
+        sock.sendall(wire.OFFER.pack(os.getpid(), probe.address, probe.data))
+    else:
+        sock.sendall(wire.OFFER.pack(0, 0, bytes(cma.PROBE_LEN)))
+    pid, address, data = wire.OFFER.unpack(_recv_exact(sock, wire.OFFER.size))
+    readable = probe is not None and cma.can_read(pid, address, data)
+    sock.sendall(wire.RESULT.pack(int(readable)))
+    (peer_reads,) = wire.RESULT.unpack(_recv_exact(sock, wire.RESULT.size))
+    if peer_reads not in (0, 1):
+        raise ProtocolError(f"bad cross-memory-attach result {peer_reads}")
+    # The probe had to stay alive until the peer reported on it, i.e. until here.
+    _links[sock] = _Link(pid if readable else 0, probe is not None and peer_reads == 1, readable)
+    del probe
+
+
 def dial(address: Tuple[str, int], secret: bytes, timeout: float) -> socket.socket:
     """Connect and prove we know the secret; raise AuthenticationError if the peer rejects us
     (or cannot prove it knows the secret itself)."""
@@ -115,6 +163,7 @@ def dial(address: Tuple[str, int], secret: bytes, timeout: float) -> socket.sock
                 f"worker at {address[0]}:{address[1]} could not prove it knows the shared secret; "
                 "refusing to talk to it"
             )
+        _exchange_cma(sock)
         sock.settimeout(None)
         return sock
     except BaseException:
@@ -139,11 +188,28 @@ def accept(sock: socket.socket, secret: bytes, timeout: float) -> None:
             pass
         raise AuthenticationError("peer failed the shared-secret challenge (wrong or missing secret)")
     sock.sendall(wire.VERDICT.pack(1, wire.acceptor_mac(secret, nonce_c, nonce_a)))
+    _exchange_cma(sock)
     sock.settimeout(None)
 
 
+def _address(b: memoryview) -> int:
+    """Where a buffer's bytes live, or 0 if it cannot go by address (read-only or not
+    contiguous: rpc_core's own tensor views never are)."""
+    if b.readonly or not b.c_contiguous:
+        return 0
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(b))
+    except (TypeError, ValueError):
+        return 0
+
+
 class Connection:
-    """One authenticated socket. ``send`` is thread-safe; ``recv`` is for one reader thread."""
+    """One authenticated socket. ``send`` is thread-safe; ``recv`` serves one caller at a
+    time (concurrent callers queue), from any thread.
+
+    ``bytes_sent`` / ``bytes_received`` count frame bytes however they travelled;
+    ``bytes_cma_sent`` / ``bytes_cma_received`` the part that went by cross-memory attach.
+    """
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -154,10 +220,49 @@ class Connection:
         self._end = 0
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.bytes_cma_sent = 0
+        self.bytes_cma_received = 0
+        link = _links.pop(sock, None)
+        self.peer_pid = link.peer_pid if link else 0
+        self.cma_send = bool(link and link.send)
+        self.cma_recv = bool(link and link.recv)
+        # Reader role and RELEASE bookkeeping, all under _state.
+        self._state = threading.Condition(threading.Lock())
+        self._reading = False  # someone is reading the socket (recv, or a sender awaiting RELEASE)
+        self._inbox: Deque[tuple] = collections.deque()  # frames a waiting sender read for recv
+        self._failed: Optional[BaseException] = None  # the connection is unusable, and why
+        self._tokens = itertools.count(1)
+        self._outstanding: Set[int] = set()  # tokens sent, RELEASE not yet read
+        self._released: Set[int] = set()  # RELEASE read, sender not yet woken
+        self._release_q: Deque[int] = collections.deque()  # RELEASEs to write
 
     # -- send ---------------------------------------------------------------------------
     def send(self, kind: int, flags: int, msg_id: int, head: bytes, body: bytes, buffers: Sequence[memoryview] = ()) -> None:
-        header = wire.pack_header(kind, flags, len(head), len(body), msg_id, [len(b) for b in buffers])
+        addrs = [_address(b) if len(b) >= _CMA_MIN else 0 for b in buffers] if self.cma_send else ()
+        if not any(addrs):
+            header = wire.pack_header(kind, flags, len(head), len(body), msg_id, [len(b) for b in buffers])
+            self._write(header, head, body, buffers)
+            return
+        token = next(self._tokens)
+        with self._state:
+            if self._failed is not None:
+                raise PeerClosed(f"connection failed earlier: {self._failed}")
+            self._outstanding.add(token)
+        try:
+            header = wire.pack_header(kind, flags | wire.REMOTE, len(head), len(body), msg_id,
+                                      [len(b) for b in buffers]) + wire.pack_remote_table(token, addrs)
+            self._write(header, head, body, [b for b, a in zip(buffers, addrs) if not a])
+            self._await_release(token)
+        finally:
+            with self._state:
+                self._outstanding.discard(token)
+                self._released.discard(token)
+        remote = sum(len(b) for b, a in zip(buffers, addrs) if a)
+        with self._send_lock:
+            self.bytes_sent += remote
+            self.bytes_cma_sent += remote
+
+    def _write(self, header: bytes, head: bytes, body: bytes, buffers: Sequence[memoryview]) -> None:
         small = len(body) + sum(len(b) for b in buffers) < _DIRECT_READ
         if small:
             # One contiguous write: copying a few KB costs less than a gather write, whose
@@ -174,6 +279,8 @@ class Connection:
             else:
                 self._sendmsg_all(parts)
             self.bytes_sent += total
+        if self._release_q:
+            self._flush_releases()
 
     def _sendmsg_all(self, parts: List[memoryview]) -> None:
         i = 0
@@ -187,6 +294,67 @@ class Connection:
                 else:
                     parts[i] = parts[i][sent:]
                     sent = 0
+
+    def _flush_releases(self) -> None:
+        """Write queued RELEASEs if the send lock is free; if it is not, its holder calls
+        this again after its frame (it checks the queue after letting go of the lock, so
+        nothing queued is left behind). Never waits for the lock: readers call this."""
+        while self._release_q:
+            if not self._send_lock.acquire(blocking=False):
+                return
+            try:
+                tokens = []
+                while self._release_q:
+                    tokens.append(self._release_q.popleft())
+                self.sock.sendall(b"".join(wire.pack_header(wire.RELEASE, 0, 0, 0, t, []) for t in tokens))
+            except OSError as e:
+                # The stream is broken (maybe mid-frame): make sure both ends see it closed.
+                self._fail(PeerClosed(f"could not write RELEASE: {e}"))
+                try:
+                    self.sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                return
+            finally:
+                self._send_lock.release()
+
+    def _await_release(self, token: int) -> None:
+        """Return once the peer released ``token``; raise PeerClosed if the connection fails
+        first. Reads the socket itself while nobody else does."""
+        with self._state:
+            while True:
+                if token in self._released:
+                    return
+                if self._failed is not None:
+                    raise PeerClosed(f"the connection failed before the peer copied our buffers: {self._failed}")
+                if not self._reading:
+                    self._reading = True
+                    break
+                self._state.wait()
+        try:
+            while True:
+                frame = self._read_frame()
+                with self._state:
+                    if frame is not None:
+                        self._inbox.append(frame)
+                        self._state.notify_all()
+                    if token in self._released:
+                        return
+        except BaseException as e:
+            self._fail(e)
+            if isinstance(e, (OSError, ProtocolError)):
+                raise PeerClosed(f"the connection failed before the peer copied our buffers: {e}") from e
+            raise
+        finally:
+            with self._state:
+                self._reading = False
+                self._state.notify_all()
+
+    def _fail(self, e: BaseException) -> None:
+        with self._state:
+            if self._failed is None:
+                self._failed = e
+            self._state.notify_all()
 
     # -- recv ---------------------------------------------------------------------------
     def _fill(self) -> None:
@@ -237,12 +405,48 @@ class Connection:
         return out
 
     def recv(self) -> Tuple[wire.FrameHeader, bytes, bytes, List[torch.UntypedStorage]]:
-        """Read one frame. Raises PeerClosed on EOF, ProtocolError on malformed bytes."""
+        """Read one frame. Raises PeerClosed on EOF, ProtocolError on malformed bytes.
+        RELEASE frames are the transport's own: they are handled here, never returned."""
+        with self._state:
+            while True:
+                if self._inbox:
+                    return self._inbox.popleft()
+                if self._failed is not None:
+                    raise self._failed
+                if not self._reading:
+                    self._reading = True
+                    break
+                self._state.wait()
+        try:
+            while True:
+                frame = self._read_frame()
+                if frame is not None:
+                    return frame
+        except TimeoutError:
+            raise  # the caller's socket timeout: its call, not a broken connection
+        except BaseException as e:
+            self._fail(e)
+            raise
+        finally:
+            with self._state:
+                self._reading = False
+                self._state.notify_all()
+
+    def _read_frame(self) -> Optional[Tuple[wire.FrameHeader, bytes, bytes, List[torch.UntypedStorage]]]:
+        """Read the next frame off the socket; None if it was a RELEASE (handled here)."""
         h = wire.FrameHeader(*wire.FRAME_HEADER.unpack(self._read_small(wire.FRAME_HEADER.size)))
         try:
             wire.check_header(h)
         except ValueError as e:
             raise ProtocolError(f"malformed frame header: {e}") from None
+        if h.kind == wire.RELEASE:
+            with self._state:
+                if h.msg_id not in self._outstanding:
+                    raise ProtocolError(f"RELEASE of token {h.msg_id}, which names no frame we sent by address")
+                self._outstanding.discard(h.msg_id)
+                self._released.add(h.msg_id)
+                self._state.notify_all()
+            return None
         lens: tuple = ()
         if h.nbuf:
             raw = self._read_small(wire.BUFFER_LEN.size * h.nbuf)
@@ -251,6 +455,17 @@ class Connection:
                 wire.check_buffer_lens(lens, h)
             except ValueError as e:
                 raise ProtocolError(f"malformed frame: {e}") from None
+        addrs: tuple = ()
+        token = 0
+        if h.flags & wire.REMOTE:
+            if not self.cma_recv:
+                raise ProtocolError("frame sends buffers by address, but this connection cannot read the peer's memory")
+            token, addrs = wire.unpack_remote_table(self._read_small(wire.TOKEN.size * (1 + h.nbuf)), h.nbuf)
+            try:
+                wire.check_remote_table(addrs, lens)
+            except ValueError as e:
+                raise ProtocolError(f"malformed frame: {e}") from None
+            h = h._replace(flags=h.flags & ~wire.REMOTE)  # how the buffers came is our business
         head = self._read_small(h.head_len) if h.head_len else b""
         if h.body_len < _READ_CHUNK:
             body = self._read_small(h.body_len)
@@ -258,7 +473,7 @@ class Connection:
             # Large bodies grow as bytes arrive, so a lying length cannot reserve memory.
             body = self._read_growing(h.body_len)
         storages = []
-        for n in lens:
+        for i, n in enumerate(lens):
             try:
                 st = new_storage(n)  # uninitialised: pages are only touched as bytes arrive
             except (RuntimeError, MemoryError, OSError) as e:
@@ -266,9 +481,19 @@ class Connection:
                     f"cannot allocate the {n}-byte tensor buffer the peer announced ({e.__class__.__name__}); "
                     "dropping the connection"
                 ) from None
-            if n:
+            if n and addrs and addrs[i]:
+                try:
+                    cma.read(self.peer_pid, addrs[i], st.data_ptr(), n)
+                except OSError as e:
+                    raise ProtocolError(f"cannot copy the {n}-byte buffer the peer announced at {addrs[i]:#x}: {e}") from None
+                self.bytes_received += n
+                self.bytes_cma_received += n
+            elif n:
                 self._read_into(storage_view(st))
             storages.append(st)
+        if addrs:
+            self._release_q.append(token)
+            self._flush_releases()
         return h, head, body, storages
 
     def _read_growing(self, n: int) -> bytes:
@@ -282,6 +507,7 @@ class Connection:
         return b"".join(parts)
 
     def close(self) -> None:
+        self._fail(PeerClosed("connection closed"))
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:

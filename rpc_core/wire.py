@@ -13,23 +13,45 @@ Handshake (fixed sizes, so nothing from an unauthenticated peer is ever parsed f
 The acceptor checks mac_c before it reads anything else; the connector checks mac_a, so a
 peer that does not know the secret can neither talk to a worker nor impersonate one.
 
+Then, authenticated, both sides find out whether they may read each other's memory
+(cross-memory attach, Linux ``process_vm_readv``; see ``cma``). Each side sends, then reads:
+
+    both -> peer             OFFER     pid(u32) probe_addr(u64) probe(16)                = 28 bytes
+                             probe = 16 random bytes the sender keeps at probe_addr in
+                             process pid; pid 0 = not offered (RPC_CORE_CMA=0, not Linux)
+    both -> peer             RESULT    ok(u8)                                            =  1 byte
+                             ok = 1 iff we read the peer's probe bytes from its memory
+
+The direction A -> B uses cross-memory attach only if B's RESULT said 1 (B proved it can
+read A: same host, same pid namespace, ptrace allowed). Otherwise, silently, plain TCP.
+
 Frame (little endian):
 
     kind(u8) flags(u8) nbuf(u16) head_len(u32) body_len(u64) msg_id(u64)    = FRAME_HEADER, 24 bytes
     nbuf x buffer_len(u64)
+    [REMOTE table]          only if flags has REMOTE: token(u64) nbuf x addr(u64)
     head   head_len bytes   pickle of (tensor metas, extras) or empty
     body   body_len bytes   pickle of the message object; tensors inside it are references
                             into the tensor metas
     buffers                 raw bytes of tensor storages, back to back (out of band: they
-                            never pass through pickle and land straight in tensor memory)
+                            never pass through pickle and land straight in tensor memory);
+                            a buffer whose REMOTE addr is not 0 is absent from the stream:
+                            the receiver copies its buffer_len bytes from address addr of
+                            the sender's process, then answers RELEASE(token)
 
 Kinds: REQUEST carries (func, args, kwargs); the callee answers with RESPONSE (the return
 value) or EXCEPTION (an ``ExceptionInfo``) under the same msg_id. Everything else — RRef
 creation/fork/delete, distributed backward, context cleanup, shutdown barriers — is a
-REQUEST of an rpc_core function, so the protocol has no other message kinds.
+REQUEST of an rpc_core function, so the protocol has no other message kinds. The one
+other kind belongs to the transport: RELEASE (msg_id = a REMOTE frame's token, nothing else) tells
+the sender that the receiver has copied that frame's remote buffers, so the sender may
+reuse their memory. The sender's send() returns only then (like a socket write returning
+once the bytes are the kernel's). Connections consume RELEASE; the agent never sees it.
 
 Flags: CONTROL marks rpc_core's own bookkeeping calls (shutdown barriers), which graceful
-shutdown does not count as user work in flight.
+shutdown does not count as user work in flight. REMOTE marks a frame carrying buffers by
+address; only sent in a direction whose RESULT was 1, anything else is malformed. Remote
+buffers obey the same length bounds as streamed ones.
 """
 from __future__ import annotations
 
@@ -40,25 +62,30 @@ import struct
 from typing import NamedTuple
 
 MAGIC = b"RPCc"
-VERSION = 1
+VERSION = 2  # 2: cross-memory attach step, REMOTE flag, RELEASE kind
 NONCE_LEN = 32
 MAC_LEN = 32
 
 HELLO = struct.Struct("<4sH32s")
 PROOF = struct.Struct("<4s32s32s")
 VERDICT = struct.Struct("<B32s")
+OFFER = struct.Struct("<IQ16s")
+RESULT = struct.Struct("<B")
 
 FRAME_HEADER = struct.Struct("<BBHIQQ")
 BUFFER_LEN = struct.Struct("<Q")
+TOKEN = struct.Struct("<Q")
 
 # Message kinds.
 REQUEST = 1
 RESPONSE = 2
 EXCEPTION = 3
-KINDS = (REQUEST, RESPONSE, EXCEPTION)
+RELEASE = 4
+KINDS = (REQUEST, RESPONSE, EXCEPTION, RELEASE)
 
 # Flags.
 CONTROL = 0x1
+REMOTE = 0x2
 
 # Bounds checked before any allocation; larger means a broken or hostile peer.
 MAX_HEAD_BYTES = 64 << 20
@@ -108,14 +135,32 @@ def pack_header(kind: int, flags: int, head_len: int, body_len: int, msg_id: int
     return out
 
 
+def pack_remote_table(token: int, addrs: list[int]) -> bytes:
+    return struct.pack(f"<{1 + len(addrs)}Q", token, *addrs)
+
+
+def unpack_remote_table(raw: bytes, nbuf: int) -> tuple[int, tuple[int, ...]]:
+    token, *addrs = struct.unpack(f"<{1 + nbuf}Q", raw)
+    return token, tuple(addrs)
+
+
 def check_header(h: FrameHeader) -> None:
     """Raise ValueError describing the first field out of bounds."""
     if h.kind not in KINDS:
         raise ValueError(f"unknown frame kind {h.kind}")
+    if h.kind == RELEASE and (h.flags or h.nbuf or h.head_len or h.body_len):
+        raise ValueError("a RELEASE frame carries nothing but its token")
     if h.head_len > MAX_HEAD_BYTES:
         raise ValueError(f"head length {h.head_len} exceeds {MAX_HEAD_BYTES}")
     if h.body_len > MAX_BODY_BYTES:
         raise ValueError(f"body length {h.body_len} exceeds {MAX_BODY_BYTES}")
+
+
+def check_remote_table(addrs: tuple[int, ...], lens: tuple[int, ...]) -> None:
+    """Raise ValueError for a descriptor no process could own (the copy checks the rest)."""
+    for a, n in zip(addrs, lens):
+        if a and a + n >= 1 << 64:
+            raise ValueError(f"remote buffer at {a:#x} + {n} bytes wraps the address space")
 
 
 def check_buffer_lens(lens: tuple[int, ...], h: FrameHeader) -> None:
