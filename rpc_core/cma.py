@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import ctypes
 import os
-from typing import Optional
+import queue
+import threading
+from typing import List, Optional
 
 PROBE_LEN = 16
 
@@ -39,14 +41,9 @@ def enabled() -> bool:
     return _readv is not None and os.environ.get("RPC_CORE_CMA", "1").strip() not in ("0", "false", "no", "off")
 
 
-def read(pid: int, remote: int, local: int, n: int) -> None:
-    """Copy ``n`` bytes at address ``remote`` in process ``pid`` to address ``local`` here.
-
-    ctypes drops the GIL for the call. The kernel may copy less than asked (it stops at the
-    first unmapped remote page), so this loops; raises OSError if a call copies nothing.
-    """
-    if _readv is None:
-        raise OSError("process_vm_readv is not available")
+def _read_span(pid: int, remote: int, local: int, n: int) -> None:
+    """One thread's copy. The kernel may copy less than asked (it stops at the first
+    unmapped remote page), so this loops; raises OSError if a call copies nothing."""
     lv, rv = _IoVec(), _IoVec()
     done = 0
     while done < n:
@@ -58,6 +55,94 @@ def read(pid: int, remote: int, local: int, n: int) -> None:
             raise OSError(err, f"process_vm_readv from pid {pid} at {remote + done:#x} "
                                f"({n - done} of {n} bytes left): {os.strerror(err) if err else 'no progress'}")
         done += k
+
+
+# A large copy is split into chunks that the calling thread and idle helper threads take
+# in turn: pinning the sender's pages and faulting in the fresh receive pages is per-page
+# kernel work that scales with cores (16 MB from 4 KiB-page memory on 2 cores: 6.0 ->
+# 12.0 GB/s; from huge pages 14.8 -> 22.9). Busy helpers just leave the caller more chunks,
+# so the copy never waits for a thread that is not already working on it.
+_CHUNK = 2 << 20
+_HUGE_PAGE = 2 << 20
+try:
+    _HELPERS = max(0, min(len(os.sched_getaffinity(0)), 4) - 1)
+except (AttributeError, OSError):
+    _HELPERS = max(0, min(os.cpu_count() or 1, 4) - 1)
+
+
+class _Copy:
+    def __init__(self, pid: int, remote: int, local: int, n: int) -> None:
+        self.pid, self.remote, self.local, self.n = pid, remote, local, n
+        self.cv = threading.Condition(threading.Lock())
+        self.next = 0
+        self.active = 0
+        self.error: Optional[OSError] = None
+
+    def work(self) -> None:
+        while True:
+            with self.cv:
+                off = self.next
+                if off >= self.n or self.error is not None:
+                    return
+                # Chunks end on huge-page boundaries of the receive memory, so no two
+                # threads fault in the same 2 MiB page.
+                end = (self.local + off + _CHUNK) // _HUGE_PAGE * _HUGE_PAGE - self.local
+                end = min(self.n, end if end > off else off + _CHUNK)
+                self.next = end
+                self.active += 1
+            try:
+                _read_span(self.pid, self.remote + off, self.local + off, end - off)
+            except OSError as e:
+                with self.cv:
+                    self.error = self.error or e
+            finally:
+                with self.cv:
+                    self.active -= 1
+                    self.cv.notify_all()
+
+    def wait(self) -> None:
+        """Until no thread writes into the receive memory any more (the caller may free it)."""
+        with self.cv:
+            while self.active or (self.next < self.n and self.error is None):
+                self.cv.wait()
+        if self.error is not None:
+            raise self.error
+
+
+_jobs: "queue.SimpleQueue[_Copy]" = queue.SimpleQueue()
+_helpers_pid = 0
+_helpers_lock = threading.Lock()
+
+
+def _helper() -> None:
+    while True:
+        _jobs.get().work()
+
+
+def _start_helpers() -> None:
+    global _helpers_pid
+    with _helpers_lock:
+        if _helpers_pid != os.getpid():  # first use in this process (threads do not survive fork)
+            for i in range(_HELPERS):
+                threading.Thread(target=_helper, name=f"rpc-cma-{i}", daemon=True).start()
+            _helpers_pid = os.getpid()
+
+
+def read(pid: int, remote: int, local: int, n: int) -> None:
+    """Copy ``n`` bytes at address ``remote`` in process ``pid`` to address ``local`` here;
+    raise OSError if any of it cannot be read. ctypes drops the GIL for every call."""
+    if _readv is None:
+        raise OSError("process_vm_readv is not available")
+    if n < 2 * _CHUNK or not _HELPERS:
+        _read_span(pid, remote, local, n)
+        return
+    if _helpers_pid != os.getpid():
+        _start_helpers()
+    job = _Copy(pid, remote, local, n)
+    for _ in range(min(_HELPERS, n // _CHUNK - 1)):
+        _jobs.put(job)
+    job.work()
+    job.wait()
 
 
 class Probe:
