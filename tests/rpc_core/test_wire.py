@@ -64,3 +64,16 @@ def test_macs_bind_the_secret_both_nonces_and_the_role():
     assert not wire.macs_equal(mac, wire.connector_mac(b"s", c, a))  # nonces swapped
     # An acceptor cannot answer by reflecting the connector's proof (roles are tagged).
     assert not wire.macs_equal(wire.acceptor_mac(b"s", c, a), wire.connector_mac(b"s", a, c))
+
+
+def test_cross_memory_attach_step_and_remote_table_layout():
+    assert wire.OFFER.size == 28 and wire.RESULT.size == 1
+    raw = wire.pack_remote_table(9, [0, 0x7F00_0000_1000])
+    assert raw == struct.pack("<3Q", 9, 0, 0x7F00_0000_1000)
+    assert wire.unpack_remote_table(raw, 2) == (9, (0, 0x7F00_0000_1000))
+    wire.check_remote_table((0, 0x1000), (5, 1 << 20))
+    with pytest.raises(ValueError, match="wraps"):
+        wire.check_remote_table((2**64 - 4096,), (8192,))
+    wire.check_header(wire.FrameHeader(wire.RELEASE, 0, 0, 0, 0, 3))
+    with pytest.raises(ValueError, match="RELEASE frame carries nothing"):
+        wire.check_header(wire.FrameHeader(wire.RELEASE, wire.REMOTE, 0, 0, 0, 3))
