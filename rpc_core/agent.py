@@ -1,8 +1,9 @@
 """The worker: connections, pending calls, request dispatch, timeouts, shutdown.
 
 Threads: one acceptor; one reader per connection (it parses frames, completes response
-futures, and hands requests to the pool); an elastic pool that runs user functions; one
-timer that fails calls past their deadline. Higher layers (RRefs, distributed autograd,
+futures, and runs requests inline: a request that blocks or runs long moves the reading
+to another pool thread); an elastic pool for calls to self, callbacks and deferred
+requests; one timer that fails calls past their deadline. Higher layers (RRefs, distributed autograd,
 the profiler) plug in as ``Middleware`` and never touch sockets.
 """
 from __future__ import annotations
@@ -313,10 +314,22 @@ class Agent:
     def _read_loop(self, conn: transport.Connection, peer: int, outgoing: bool) -> None:
         init_torch_thread()  # readers rebuild tensors and run recv nodes
         reason = ""
+        resume = None
         try:
             while True:
                 h, head, body, storages = conn.recv()
-                self._on_frame(conn, peer, h, head, body, storages)
+                if h.kind != wire.REQUEST:
+                    self._on_frame(conn, peer, h, head, body, storages)
+                    continue
+                # The request runs here, on the thread that read it: no hand-over to another
+                # thread. If it blocks or runs long, another thread reads on (see pool).
+                if not h.flags & wire.CONTROL:
+                    self.n_received += 1
+                if resume is None:
+                    def resume() -> None:
+                        self._read_loop(conn, peer, outgoing)
+                if not self.pool.run_inline(resume, self._run_request, conn, peer, h, head, body, storages):
+                    return  # the loop goes on in another thread
         except ProtocolError as e:
             reason = f"malformed bytes from {self.describe(peer)}: {e}"
             log.warning("rpc_core %s: dropping connection: %s", self.me.name, reason)

@@ -8,6 +8,13 @@ wait on an RPC future hands the queue over at once (``handoff``), and a watchdog
 drainer whenever the queue made no progress for a couple of milliseconds. So cyclic calls
 (A -> B -> A -> ...) never deadlock for want of threads, however many are in flight.
 
+A connection's reader runs each request it reads inline (``run_inline``): handing a
+request to another thread costs a wake-up of that thread, which on a 2-vCPU VM is most of
+a small call's latency. The same two rules keep inline runs from holding up the requests
+behind them: a run that is about to wait on an RPC future moves the rest of the reading
+loop to another thread at once, and the watchdog moves it when a run lasts longer than a
+couple of milliseconds (a lock, a sleep, a long computation).
+
 Idle threads form a stack and the most recently idle one is woken first: a thread's first
 torch op (autograd, BLAS) costs milliseconds of per-thread setup, so warm threads win.
 Threads beyond ``core_threads`` exit after idling.
@@ -17,18 +24,27 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from typing import Any, Callable, Deque, List, Optional, Tuple
 
 log = logging.getLogger("rpc_core")
 _IDLE_EXIT_SECONDS = 30.0
 _STALL_SECONDS = 0.002
+# After an inline run the watchdog keeps polling this long before it sleeps until woken:
+# a steady stream of requests then costs no wake-up of the watchdog per request.
+_INLINE_POLL_SECONDS = 0.1
 
 Job = Tuple[Callable[..., Any], Tuple[Any, ...]]
 _tls = threading.local()
 
 
 def handoff_current() -> None:
-    """If this thread is a pool thread about to block, let another thread take its queue."""
+    """Called by any thread about to block on an RPC future: if it is running a request
+    inline, another thread continues its reading loop; if it drains the pool's queue,
+    another thread takes the queue."""
+    run = getattr(_tls, "inline", None)
+    if run is not None and not run.moved:
+        run.pool.move(run)
     pool = getattr(_tls, "pool", None)
     if pool is not None:
         pool.handoff()
@@ -44,12 +60,25 @@ def init_torch_thread() -> None:
 
 
 class _Worker:
-    __slots__ = ("wake", "stop")
+    __slots__ = ("wake", "stop", "task")
 
     def __init__(self) -> None:
         self.wake = threading.Lock()
         self.wake.acquire()  # held = asleep; released to wake the thread
         self.stop = False
+        self.task: Optional[Callable[[], Any]] = None  # a moved reading loop to continue
+
+
+class _InlineRun:
+    """A request running inline on the thread that serves a reading loop."""
+
+    __slots__ = ("pool", "resume", "since", "moved")
+
+    def __init__(self, pool: "ElasticPool", resume: Callable[[], Any]) -> None:
+        self.pool = pool
+        self.resume = resume  # continues the reading loop on another thread
+        self.since = 0.0
+        self.moved = False
 
 
 class ElasticPool:
@@ -65,6 +94,8 @@ class ElasticPool:
         self._closed = False
         self._watch = threading.Condition(self._lock)
         self._watch_sleeping = False
+        self._inline: List[_InlineRun] = []  # runs in progress, for the watchdog
+        self._inline_runs = 0  # runs started so far
         with self._lock:
             for _ in range(core_threads):
                 self._idle.append(self._spawn_locked(start_draining=False))
@@ -88,6 +119,45 @@ class ElasticPool:
             elif self._watch_sleeping:
                 self._watch.notify()
 
+    def run_inline(self, resume: Callable[[], Any], fn: Callable[..., Any], *args: Any) -> bool:
+        """Run ``fn(*args)`` on this thread, which serves a reading loop. If the run blocks
+        on an RPC future or outlasts the stall limit, ``resume()`` continues the loop on
+        another thread. Returns False if that happened: the caller must leave its loop."""
+        run = _InlineRun(self, resume)
+        prev = getattr(_tls, "inline", None)
+        _tls.inline = run
+        with self._lock:
+            self._inline.append(run)
+            self._inline_runs += 1
+            run.since = time.monotonic()
+            if self._watch_sleeping:
+                self._watch.notify()
+        try:
+            fn(*args)
+        except BaseException:
+            log.exception("rpc_core: unhandled error in an inline request")
+        finally:
+            _tls.inline = prev
+            with self._lock:
+                self._inline.remove(run)
+        return not run.moved
+
+    def move(self, run: _InlineRun) -> None:
+        """Continue ``run``'s reading loop on another thread (the run itself goes on)."""
+        with self._lock:
+            self._move_locked(run)
+
+    def _move_locked(self, run: _InlineRun) -> None:
+        if run.moved or self._closed:
+            return
+        run.moved = True
+        if self._idle:
+            w = self._idle.pop()
+            w.task = run.resume
+            w.wake.release()
+        else:
+            self._spawn_locked(start_draining=False, task=run.resume)
+
     def handoff(self) -> None:
         """Called by a pool thread about to block: let another thread take the queue."""
         if getattr(_tls, "pool", None) is self and self._jobs:
@@ -103,9 +173,10 @@ class ElasticPool:
         else:
             self._spawn_locked(start_draining=True)
 
-    def _spawn_locked(self, start_draining: bool) -> _Worker:
+    def _spawn_locked(self, start_draining: bool, task: Optional[Callable[[], Any]] = None) -> _Worker:
         w = _Worker()
-        if start_draining:
+        w.task = task
+        if start_draining or task is not None:
             w.wake.release()
         self._threads += 1
         threading.Thread(target=self._work, args=(w,), name=f"{self._name}-{self._threads}", daemon=True).start()
@@ -126,6 +197,19 @@ class ElasticPool:
                 continue
             if w.stop:
                 return
+            task = w.task
+            if task is not None:
+                w.task = None
+                try:
+                    task()
+                except BaseException:
+                    log.exception("rpc_core: unhandled error in a reading loop")
+                del task
+                with self._lock:
+                    if self._closed:
+                        return
+                    self._idle.append(w)
+                continue
             while True:
                 try:
                     fn, args = jobs.popleft()
@@ -146,17 +230,29 @@ class ElasticPool:
                 del fn, args
 
     def _watchdog(self) -> None:
+        last_inline, quiet_since = -1, time.monotonic()
         with self._lock:
             while not self._closed:
-                if not (self._jobs and self._draining):
+                now = time.monotonic()
+                if self._inline_runs != last_inline or self._inline:
+                    last_inline, quiet_since = self._inline_runs, now
+                queue_busy = bool(self._jobs and self._draining)
+                if not queue_busy and now - quiet_since > _INLINE_POLL_SECONDS:
                     self._watch_sleeping = True
                     self._watch.wait()
                     self._watch_sleeping = False
+                    quiet_since = time.monotonic()
                     continue
                 seen = self._started
                 self._watch.wait(_STALL_SECONDS)
-                if self._jobs and self._started == seen and not self._closed:
+                if self._closed:
+                    return
+                if self._jobs and self._draining and self._started == seen:
                     self._add_drainer_locked()  # every drainer is stuck in a job
+                now = time.monotonic()
+                for run in self._inline:
+                    if not run.moved and now - run.since >= _STALL_SECONDS:
+                        self._move_locked(run)  # a long or blocked run: read on elsewhere
 
     def close(self) -> None:
         with self._lock:

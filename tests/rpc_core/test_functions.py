@@ -198,6 +198,7 @@ def test_waiting_async_calls_hold_no_server_thread():
     (async_threads, blocking_threads), _ = run_world(_body_no_thread_held, 2, options={"num_worker_threads": 2})
     # 40 calls waited at once on a 2-thread worker. Written with async_execution they held
     # no thread, so the pool did not grow to match them (a burst may add a drainer or two);
-    # the blocking version needed a thread per waiting call, and got them (no deadlock).
-    assert blocking_threads >= N_WAITING
+    # the blocking version needed a thread per waiting call, and got them (no deadlock):
+    # the connection's reader runs one of them inline, pool threads the others.
+    assert blocking_threads >= N_WAITING - 1
     assert async_threads < N_WAITING // 2, async_threads
