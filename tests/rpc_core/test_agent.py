@@ -319,3 +319,43 @@ def _body_garbage(ctx):
 
 def test_garbage_truncated_frames_and_absurd_lengths_are_dropped_and_the_worker_keeps_serving():
     assert run_world(_body_garbage, 2) == [True, None]
+
+
+# -- requests run inline on the connection's reader --------------------------------------------------
+_gate = threading.Event()
+
+
+def _thread_name():
+    return threading.current_thread().name
+
+
+def _wait_for_gate():
+    """Blocks on a plain Event (not an RPC future): only the stall watchdog can move the
+    reading loop away from this thread, and the request that opens the gate arrives behind it."""
+    if not _gate.wait(60):
+        raise TimeoutError("the gate was never opened: the request behind this one did not run")
+    return threading.current_thread().name
+
+
+def _open_gate():
+    _gate.set()
+    return threading.current_thread().name
+
+
+def _body_inline(ctx):
+    if ctx.rank != 0:
+        return None
+    # Sequential calls: each runs on the thread that read it off the socket, the reader of
+    # the incoming connection, not on a pool thread.
+    names = {rpc_core.rpc_sync(1, _thread_name) for _ in range(20)}
+    # A call blocked in a lock wait must not hold up the call behind it on the same connection.
+    blocked = rpc_core.rpc_async(1, _wait_for_gate)
+    opener = rpc_core.rpc_sync(1, _open_gate, timeout=30)
+    return names, blocked.wait(), opener
+
+
+def test_requests_run_on_the_reader_and_a_blocked_one_does_not_hold_up_the_next():
+    (names, blocked_on, opened_on), _ = run_world(_body_inline, 2)
+    assert names == {"rpc-in"}, names  # the accepting worker's reader thread for this peer
+    assert blocked_on == "rpc-in"
+    assert opened_on != "rpc-in" and opened_on.startswith("rpc-worker1"), opened_on
