@@ -21,6 +21,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from . import transport, wire
+from .outbound import Outbound
 from .errors import ProtocolError, RpcError, RpcNotInitializedError, RpcTimeoutError, WorkerUnavailableError
 from .options import RpcBackendOptions
 from .futures import RpcFuture, rebuild_exception
@@ -98,10 +99,12 @@ class Agent:
         self._lock = threading.Lock()
         self._incoming_cv = threading.Condition(self._lock)
         self._out: Dict[int, Any] = {self.me.id: _Loopback(self)}
+        self._links: Dict[int, Outbound] = {}  # who reads each outgoing connection's answers
         self._dial_locks: Dict[int, threading.Lock] = {w.id: threading.Lock() for w in world.workers}
         self._incoming: List[transport.Connection] = []
-        # msg_id -> (future, destination rank, extras for response middleware, timeout, flags)
-        self._pending: Dict[int, Tuple[RpcFuture, int, Dict[str, Any], float, int]] = {}
+        # msg_id -> (future, destination rank, extras for response middleware, timeout, flags,
+        #            the connection's Outbound (None for calls to self), unattended)
+        self._pending: Dict[int, Tuple[RpcFuture, int, Dict[str, Any], float, int, Optional[Outbound], bool]] = {}
         self._ids = itertools.count(1)
         self._closing = False
         self.dead: Dict[int, str] = {}
@@ -125,10 +128,10 @@ class Agent:
         for rank, conn in self._world_connections.items():
             if self.me.id == 0:
                 self._incoming.append(conn)
-                self._start_reader(conn, rank, outgoing=False)
+                self._start_reader(conn, rank)
             else:
                 self._out[rank] = conn
-                self._start_reader(conn, rank, outgoing=True)
+                self._start_outbound(conn, rank)
         threading.Thread(target=self._accept_loop, name="rpc-accept", daemon=True).start()
 
     # -- naming ---------------------------------------------------------------------------
@@ -152,8 +155,9 @@ class Agent:
     # -- sending ---------------------------------------------------------------------------
     def send_request(self, dst: int, func: Any, args: tuple, kwargs: dict, timeout: float,
                      extras: Optional[Dict[str, Any]] = None, flags: int = 0,
-                     call_extras: Optional[Dict[str, Any]] = None) -> RpcFuture:
-        """Serialize and send ``func(*args, **kwargs)`` to rank ``dst``; the Future holds its result."""
+                     call_extras: Optional[Dict[str, Any]] = None, sync: bool = False) -> RpcFuture:
+        """Serialize and send ``func(*args, **kwargs)`` to rank ``dst``; the Future holds its result.
+        ``sync``: the caller waits on the future at once, so its ``wait()`` reads the answer."""
         if self._closing:
             raise RpcError(f"RPC agent of {self.me.name!r} is shut down; cannot send new calls")
         timeout = self.default_timeout if timeout is None or timeout < 0 else timeout
@@ -164,13 +168,26 @@ class Agent:
             m.outgoing(dst, ser.tensors, extras, None)
         head = encode_head(ser.metas, extras)
         msg_id = next(self._ids)
-        self._pending[msg_id] = (fut, dst, call_extras if call_extras is not None else extras, timeout, flags)
+        try:
+            conn = self._connection(dst)
+        except RpcError as e:
+            fut.set_exception(e)
+            return fut
+        link = self._links.get(dst)
+        unattended = link is not None and not sync
+        self._pending[msg_id] = (fut, dst, call_extras if call_extras is not None else extras, timeout, flags,
+                                 link, unattended)
         if not flags & wire.CONTROL:
             self.n_sent += 1
         if timeout > 0:
             self._arm_timer(timeout, msg_id)
+        if unattended:
+            link.sent_unattended()
+        elif link is not None:
+            fut._reader = link
+            fut._deadline = time.monotonic() + timeout if timeout > 0 else None
         try:
-            self._connection(dst).send(wire.REQUEST, flags, msg_id, head, ser.body, ser.buffers)
+            conn.send(wire.REQUEST, flags, msg_id, head, ser.body, ser.buffers)
         except (OSError, RpcError) as e:
             self._fail(msg_id, e if isinstance(e, RpcError) else self._lost_error(dst, e))
         return fut
@@ -195,8 +212,8 @@ class Agent:
                 ) from None
             conn = transport.Connection(sock)
             conn.send(wire.REQUEST, wire.CONTROL, _HELLO_ID, b"", pickle.dumps(self.me.id))
+            self._start_outbound(conn, dst)
             self._out[dst] = conn
-            self._start_reader(conn, dst, outgoing=True)
             return conn
 
     # -- timeouts --------------------------------------------------------------------------
@@ -268,6 +285,8 @@ class Agent:
         rec = self._pending.pop(msg_id, None)
         if rec is not None:
             self._complete(rec[0], error=error, inline=inline, counted=not rec[4] & wire.CONTROL)
+            if rec[5] is not None:
+                rec[5].answered(rec[6])
 
     # -- receiving -----------------------------------------------------------------------------
     def _accept_loop(self) -> None:
@@ -306,12 +325,22 @@ class Agent:
                 conn.close()
                 return
             self._incoming.append(conn)
-        self._read_loop(conn, src, outgoing=False)
+        self._read_loop(conn, src)
 
-    def _start_reader(self, conn: transport.Connection, peer: int, outgoing: bool) -> None:
-        threading.Thread(target=self._read_loop, args=(conn, peer, outgoing), name=f"rpc-read-{peer}", daemon=True).start()
+    def _start_reader(self, conn: transport.Connection, peer: int) -> None:
+        """Serve the requests arriving on an incoming connection."""
+        threading.Thread(target=self._read_loop, args=(conn, peer), name=f"rpc-read-{peer}", daemon=True).start()
 
-    def _read_loop(self, conn: transport.Connection, peer: int, outgoing: bool) -> None:
+    def _start_outbound(self, conn: transport.Connection, peer: int) -> None:
+        def deliver(frame: tuple) -> None:
+            self._on_frame(conn, peer, *frame)
+
+        def lost(e: BaseException) -> None:
+            self._connection_lost(conn, peer, True, self._loss_reason(peer, e))
+
+        self._links[peer] = Outbound(conn, deliver, lost, f"rpc-read-{peer}")
+
+    def _read_loop(self, conn: transport.Connection, peer: int) -> None:
         init_torch_thread()  # readers rebuild tensors and run recv nodes
         reason = ""
         resume = None
@@ -327,17 +356,25 @@ class Agent:
                     self.n_received += 1
                 if resume is None:
                     def resume() -> None:
-                        self._read_loop(conn, peer, outgoing)
+                        self._read_loop(conn, peer)
                 if not self.pool.run_inline(resume, self._run_request, conn, peer, h, head, body, storages):
                     return  # the loop goes on in another thread
-        except ProtocolError as e:
+        except Exception as e:  # never leave a dead reader behind an open socket
+            reason = self._loss_reason(peer, e)
+        self._connection_lost(conn, peer, False, reason)
+
+    def _loss_reason(self, peer: int, e: BaseException) -> str:
+        if isinstance(e, ProtocolError):
             reason = f"malformed bytes from {self.describe(peer)}: {e}"
             log.warning("rpc_core %s: dropping connection: %s", self.me.name, reason)
-        except (OSError, transport.PeerClosed) as e:
+        elif isinstance(e, (OSError, transport.PeerClosed)):
             reason = f"{self.describe(peer)} closed the connection ({e}); it has probably exited or crashed"
-        except Exception as e:  # never leave a dead reader behind an open socket
+        else:
             reason = f"the connection to {self.describe(peer)} failed on {self.me.name}: {e!r}"
-            log.exception("rpc_core %s: dropping connection: %s", self.me.name, reason)
+            log.error("rpc_core %s: dropping connection: %s", self.me.name, reason, exc_info=e)
+        return reason
+
+    def _connection_lost(self, conn: transport.Connection, peer: int, outgoing: bool, reason: str) -> None:
         conn.close()
         with self._lock:
             if conn in self._incoming:
@@ -345,6 +382,10 @@ class Agent:
                 self._incoming_cv.notify_all()
             if self._out.get(peer) is conn:
                 del self._out[peer]
+            link = self._links.get(peer)
+            if link is not None and link.conn is conn:
+                del self._links[peer]
+                link.close()
         if self._closing:
             return
         if outgoing or (self.me.id == 0 and peer != 0 and "malformed" not in reason):
@@ -373,6 +414,8 @@ class Agent:
             return  # timed out or failed already; the late answer is dropped
         fut, dst, call_extras = rec[:3]
         counted = not rec[4] & wire.CONTROL
+        if rec[5] is not None:
+            rec[5].answered(rec[6])
         try:
             if h.kind == wire.RESPONSE:
                 value, extras = deserialize(head, body, storages, self._incoming_hook(src, True))
@@ -520,6 +563,9 @@ class Agent:
         with self._lock:
             self._closing = True
             conns = list(self._out.values()) + list(self._incoming)
+            links = list(self._links.values())
+        for link in links:
+            link.close()
         self._timer_wake.set()
         try:
             self._listener.close()

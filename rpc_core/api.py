@@ -69,6 +69,7 @@ def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: Optiona
     agent = Agent(world, options)
     _rref.start_release_thread()
     agent.request_failed_hooks.append(_rref.on_request_failed)
+    agent.middleware.append(_rref.RRefMiddleware())
     if world.me.id == 0:
         _coordinator.start(agent)
     for hook in init_hooks:
@@ -114,10 +115,12 @@ def _invoke_async(to: Any, func: Any, args: Optional[tuple], kwargs: Optional[di
                                           call_extras=None if keepalive is None else dict(extras, keepalive=keepalive))
 
             return wrap(exec_mode, func if user_func is None else user_func, dst, send)
+    # A "sync" caller waits on this very future at once, so its wait() reads the answer.
+    sync = exec_mode == "sync"
     if keepalive is not None:
         return agent.send_request(dst, func, args, kwargs, timeout, extras=extras,
-                                  call_extras=dict(extras or {}, keepalive=keepalive))
-    return agent.send_request(dst, func, args, kwargs, timeout, extras=extras)
+                                  call_extras=dict(extras or {}, keepalive=keepalive), sync=sync)
+    return agent.send_request(dst, func, args, kwargs, timeout, extras=extras, sync=sync)
 
 
 def _invoke(dst: int, func: Any, args: tuple, kwargs: Optional[dict], timeout: float, exec_mode: str,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import importlib
 import traceback
-from typing import Any, Iterable, List, Tuple
+from typing import Any, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -53,6 +53,8 @@ class RpcFuture(torch.futures.Future):
     raise fresh copies (see ``set_error``)."""
 
     _has_callbacks = False
+    _reader: Any = None  # for a call waited on at once: the connection's Outbound (see outbound)
+    _deadline: Optional[float] = None
 
     def set_exception(self, result: BaseException) -> None:  # type: ignore[override]
         set_error(self, result)
@@ -68,6 +70,8 @@ class RpcFuture(torch.futures.Future):
     def wait(self):  # type: ignore[override]
         if not self.done():
             handoff_current()  # a pool thread about to block must not hold up queued calls
+            if self._reader is not None:
+                self._reader.read_until(self, self._deadline)  # read our answer ourselves
         return super().wait()
 
 

@@ -13,8 +13,12 @@ Protocol (every message is an ordinary RPC to one of the ``_on_*`` functions bel
   user asks the owner to register the fork (``_on_fork``), then tells the parent
   (``_on_child_accept``). A function that receives RRefs runs only after all its forks
   are confirmed. So a fork is always registered before its parent can be deleted.
-- A user RRef that is garbage collected sends ``_on_user_delete`` (after its creation was
-  confirmed). ``delete_all_user_rrefs`` does it for all of them at shutdown.
+- A user RRef that is garbage collected is deleted on its owner (after its creation was
+  confirmed). Deletes ride along with the next request to that owner (``rdel`` in the frame
+  head, applied by ``RRefMiddleware``), so a loop that creates and drops RRefs costs no
+  message for them; deletes still waiting after ``_DELETE_DELAY`` go in one
+  ``_on_user_deletes`` call per owner. ``delete_all_user_rrefs`` deletes every live user
+  RRef at shutdown.
 """
 from __future__ import annotations
 
@@ -59,6 +63,10 @@ class _Entry:
 
 
 _FREED_MEMORY = 1 << 16
+# How long a delete may wait for a request to ride on before it is sent on its own, and how
+# many may pile up for one owner.
+_DELETE_DELAY = 0.005
+_DELETE_BATCH = 256
 
 
 class _Context:
@@ -75,6 +83,12 @@ class _Context:
         # Ids this owner freed (ids are never reused): a late request for one fails at once
         # instead of waiting forever for a value that will not come. Bounded, oldest out.
         self.freed: "collections.OrderedDict[Id, None]" = collections.OrderedDict()
+        # owner rank -> (rref id, fork id) deletes waiting to ride on a request to it
+        self.deletes: Dict[int, List[Tuple[Id, Id]]] = {}
+
+    def take_deletes(self, owner: int) -> List[Tuple[Id, Id]]:
+        with self.lock:
+            return self.deletes.pop(owner, [])
 
     def entry(self, rref_id: Id) -> _Entry:
         with self.lock:
@@ -121,9 +135,14 @@ def _release_loop() -> None:
     """Turns garbage-collected handles into protocol messages. ``__del__`` only puts on a
     SimpleQueue (safe in finalizers); the sends happen here, outside any lock."""
     while True:
-        item = _ctx.releases.get()
+        try:
+            item = _ctx.releases.get(timeout=_DELETE_DELAY if _ctx.deletes else None)
+        except queue.Empty:
+            _send_deletes()  # nothing carried them in time
+            continue
         kind, owner, rref_id, fork_id, creation = item
         if kind == "barrier":
+            _send_deletes()
             owner.set_result(None)
         elif kind == "owner":
             with _ctx.lock:
@@ -139,13 +158,28 @@ def _release_loop() -> None:
 
 
 def _send_delete(owner: int, rref_id: Id, fork_id: Id) -> None:
+    with _ctx.lock:
+        pile = _ctx.deletes.setdefault(owner, [])
+        pile.append((rref_id, fork_id))
+        full = len(pile) >= _DELETE_BATCH
+    if full:
+        _send_deletes(owner)
+
+
+def _send_deletes(owner: Optional[int] = None) -> None:
+    """Send the waiting deletes (of ``owner``, or of all owners) as calls of their own."""
+    with _ctx.lock:
+        owners = list(_ctx.deletes) if owner is None else [owner]
+        piles = [(o, _ctx.deletes.pop(o, [])) for o in owners]
     agent = _agent_mod._agent
     if agent is None or agent._closing:
         return
-    try:
-        _track(agent.send_request(owner, _on_user_delete, (rref_id, fork_id), {}, timeout=0))
-    except RpcError:
-        return
+    for o, pile in piles:
+        if pile:
+            try:
+                _track(agent.send_request(o, _on_user_deletes, (pile,), {}, timeout=0))
+            except RpcError:
+                pass
 
 
 def _track(fut: torch.futures.Future) -> None:
@@ -402,7 +436,11 @@ def _on_create(rref_id: Id, fork_id: Optional[Id], func: Any, args: tuple, kwarg
 
 def on_request_failed(extras: Dict[str, Any], error: BaseException) -> None:
     """The agent could not unpickle a request; if it was a remote() creation, store the
-    error as the RRef's value so to_here() raises it instead of waiting forever."""
+    error as the RRef's value so to_here() raises it instead of waiting forever. Deletes
+    it carried still apply."""
+    pile = extras.get("rdel")
+    if pile:
+        _on_user_deletes(pile)
     rref_id = extras.get("rref_create")
     if rref_id is not None:
         value = _ctx.entry(tuple(rref_id)).value
@@ -445,6 +483,28 @@ def _on_user_delete(rref_id: Id, fork_id: Id) -> None:
         if e is not None:
             e.forks.discard(fork_id)
     _ctx.maybe_free(rref_id)
+
+
+def _on_user_deletes(pile: List[Tuple[Id, Id]]) -> None:
+    for rref_id, fork_id in pile:
+        _on_user_delete(tuple(rref_id), tuple(fork_id))
+
+
+class RRefMiddleware(_agent_mod.Middleware):
+    """Carries waiting deletes to their owner on the next request there, and applies the
+    deletes a request carries when it arrives."""
+
+    def outgoing(self, dst: int, tensors: List[torch.Tensor], extras: Dict[str, Any],
+                 request_extras: Optional[Dict[str, Any]]) -> None:
+        if request_extras is None and _ctx.deletes:
+            pile = _ctx.take_deletes(dst)
+            if pile:
+                extras["rdel"] = pile
+
+    def enter_call(self, src: int, extras: Dict[str, Any]) -> Any:
+        pile = extras.get("rdel")
+        if pile:
+            _on_user_deletes(pile)
 
 
 @async_execution
@@ -496,6 +556,7 @@ def _succeeded(f: torch.futures.Future) -> bool:
 def delete_all_user_rrefs(timeout: float) -> None:
     """Shutdown: tell owners that every live user RRef is gone, and wait for them to hear it."""
     agent = _agent_mod.current_agent()
+    _send_deletes()
     futs = []
     for fork_id, rref in list(_ctx.users.items()):
         if rref._deleted:
@@ -522,6 +583,7 @@ def reset() -> None:
         _ctx.unconfirmed.clear()
         _ctx.in_flight = []
         _ctx.freed.clear()
+        _ctx.deletes.clear()
 
 
 def debug_info() -> Dict[str, int]:

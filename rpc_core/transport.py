@@ -21,6 +21,7 @@ import ctypes
 import itertools
 import mmap
 import os
+import select
 import socket
 import threading
 import weakref
@@ -404,6 +405,17 @@ class Connection:
         out = bytes(self._view[self._start : self._start + n])
         self._start += n
         return out
+
+    def poll(self, timeout: Optional[float]) -> bool:
+        """Whether ``recv`` may have a frame to start on within ``timeout`` seconds: bytes
+        are buffered or queued, or the socket became readable (or broke: ``recv`` says how)."""
+        if self._inbox or self._end > self._start:
+            return True
+        try:
+            readable, _, _ = select.select([self.sock], [], [], timeout)
+        except (OSError, ValueError):
+            return True
+        return bool(readable)
 
     def recv(self) -> Tuple[wire.FrameHeader, bytes, bytes, List[torch.UntypedStorage]]:
         """Read one frame. Raises PeerClosed on EOF, ProtocolError on malformed bytes.

@@ -1,0 +1,127 @@
+"""Who reads the answers on an outgoing connection: preferably the caller waiting for one.
+
+Handing an answer from a reader thread to the thread blocked in ``rpc_sync`` costs a
+thread wake-up, and on a small VM a wake-up is a large part of a small call's round trip.
+So an outgoing connection has no thread that reads it all the time. A caller waiting for
+its answer reads frames off the socket itself until its own answer is there, completing
+the futures of any other calls it meets on the way. A background thread reads only while
+some call is *unattended* (an ``rpc_async`` whose future nobody reads for), so callbacks,
+``wait_all`` and ``then`` chains work as before.
+
+One thread reads at a time (the "reading role"); the others wait for the role or for
+their answer, whichever comes first. Only requests and their answers travel on these
+connections, so nothing unsolicited is left unread for long: a late answer to a call that
+timed out waits in the socket for the next reader, who drops it.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable, Optional
+
+from . import transport
+from .pool import init_torch_thread
+
+# How long a waiter whose call has no deadline waits for the reading role before looking
+# at its future again (a future can also be completed by a timeout or a lost peer).
+_RECHECK_SECONDS = 0.05
+
+
+class Outbound:
+    def __init__(self, conn: transport.Connection, deliver: Callable[[tuple], None],
+                 lost: Callable[[BaseException], None], name: str) -> None:
+        self.conn = conn
+        self._deliver = deliver  # gets (header, head, body, storages) of each frame read
+        self._lost = lost  # called once, when reading fails (peer gone, malformed bytes)
+        lock = threading.Lock()
+        # Two conditions on one lock, so that ending a read wakes the background thread only
+        # when there is something for it to read: a needless wake-up costs as much as a call.
+        self._cv = threading.Condition(lock)  # waiters for the reading role or their answer
+        self._bg_cv = threading.Condition(lock)  # the background thread
+        self._unattended = 0
+        self._reading = False
+        self.read_by_waiters = 0  # frames read by callers waiting for an answer
+        self.read_in_background = 0
+        self._closed = False
+        threading.Thread(target=self._background, name=name, daemon=True).start()
+
+    # -- bookkeeping called by the agent ------------------------------------------------------
+    def sent_unattended(self) -> None:
+        """A call was sent whose answer nobody is reading for (yet)."""
+        with self._cv:
+            self._unattended += 1
+            if not self._reading:
+                self._bg_cv.notify()
+
+    def answered(self, unattended: bool) -> None:
+        """A call on this connection completed (answer, timeout or failure)."""
+        with self._cv:
+            if unattended:
+                self._unattended -= 1
+            self._cv.notify_all()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+            self._bg_cv.notify()
+
+    # -- reading ----------------------------------------------------------------------------------
+    def read_until(self, fut: Any, deadline: Optional[float]) -> None:
+        """Read frames on this thread until ``fut`` is done (or the connection is closed)."""
+        while not fut.done():
+            with self._cv:
+                while self._reading and not fut.done() and not self._closed:
+                    self._cv.wait(_wait_time(deadline))
+                if fut.done() or self._closed:
+                    return
+                self._reading = True
+            try:
+                if self.conn.poll(_wait_time(deadline)):
+                    self.read_by_waiters += 1
+                    self._read_one()
+            finally:
+                self._end_read()
+
+    def _background(self) -> None:
+        init_torch_thread()  # received tensors are rebuilt on the reading thread
+        while True:
+            with self._cv:
+                while not self._closed and (self._reading or self._unattended <= 0):
+                    self._bg_cv.wait()
+                if self._closed:
+                    return
+                self._reading = True
+            try:
+                self.read_in_background += 1
+                self._read_one()
+            finally:
+                self._end_read()
+
+    def _end_read(self) -> None:
+        with self._cv:
+            self._reading = False
+            self._cv.notify_all()
+            if self._unattended > 0:
+                self._bg_cv.notify()
+
+    def _read_one(self) -> None:
+        try:
+            frame = self.conn.recv()
+        except BaseException as e:
+            with self._cv:
+                if self._closed:
+                    return
+                self._closed = True
+                self._cv.notify_all()
+                self._bg_cv.notify()
+            self._lost(e)
+            return
+        self._deliver(frame)
+
+
+def _wait_time(deadline: Optional[float]) -> float:
+    if deadline is None:
+        return _RECHECK_SECONDS
+    # A little past the deadline: by then the timer has failed the call.
+    return min(max(0.0, deadline - time.monotonic()) + 0.002, _RECHECK_SECONDS)

@@ -1,0 +1,98 @@
+"""Who reads answers: the caller waiting for one reads it itself; a background thread reads
+only for calls nobody waits on (rpc_core.outbound)."""
+import threading
+import time
+
+import pytest
+import torch
+
+import rpc_core
+from rpc_core import agent as agent_mod
+from tests._world import run_world
+
+_gate = threading.Event()
+
+
+def _noop():
+    return None
+
+
+def _double(t):
+    return t * 2
+
+
+def _wait_for_gate():
+    if not _gate.wait(60):
+        raise TimeoutError("gate never opened")
+    return True
+
+
+def _open_gate():
+    _gate.set()
+
+
+def _counters():
+    link = agent_mod.current_agent()._links[1]
+    return link.read_by_waiters, link.read_in_background
+
+
+def _body_sync_reads_itself(ctx):
+    if ctx.rank != 0:
+        return None
+    rpc_core.rpc_sync(1, _noop)  # dials the connection
+    w0, b0 = _counters()
+    x = torch.arange(6.0)
+    for _ in range(30):
+        assert torch.equal(rpc_core.rpc_sync(1, _double, args=(x,)), x * 2)
+    w1, b1 = _counters()
+    return w1 - w0, b1 - b0
+
+
+def test_a_sync_caller_reads_its_own_answer_and_no_background_read_happens():
+    (by_waiters, in_background), _ = run_world(_body_sync_reads_itself, 2)
+    assert by_waiters == 30
+    assert in_background == 0
+
+
+def _body_mixed(ctx):
+    if ctx.rank != 0:
+        return None
+    done = []
+    all_done = threading.Event()
+    n = 50
+
+    def cb(f):
+        done.append(f.value())
+        if len(done) == n:
+            all_done.set()
+
+    # Futures nobody waits on: only their callbacks observe them, so a background reader
+    # must read their answers while the main thread reads its own sync answers.
+    for i in range(n):
+        rpc_core.rpc_async(1, _double, args=(torch.tensor(float(i)),)).add_done_callback(cb)
+    sync_results = [rpc_core.rpc_sync(1, _double, args=(torch.tensor(1.0),)).item() for _ in range(10)]
+    assert all_done.wait(30), f"only {len(done)} of {n} callbacks ran"
+    return sorted(t.item() for t in done), sync_results
+
+
+def test_unwaited_async_calls_complete_while_sync_callers_read_their_own_answers():
+    (async_values, sync_values), _ = run_world(_body_mixed, 2)
+    assert async_values == [2.0 * i for i in range(50)]
+    assert sync_values == [2.0] * 10
+
+
+def _body_timeout(ctx):
+    if ctx.rank != 0:
+        return None
+    rpc_core.rpc_sync(1, _noop)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="RPC ran for more than"):
+        rpc_core.rpc_sync(1, _wait_for_gate, timeout=0.5)
+    waited = time.monotonic() - t0
+    rpc_core.rpc_sync(1, _open_gate)
+    return waited
+
+
+def test_a_sync_call_times_out_on_time_while_its_caller_is_the_reader():
+    waited, _ = run_world(_body_timeout, 2)
+    assert 0.5 <= waited < 5.0, waited
