@@ -181,11 +181,12 @@ class Agent:
             self.n_sent += 1
         if timeout > 0:
             self._arm_timer(timeout, msg_id)
-        if unattended:
-            link.sent_unattended()
-        elif link is not None:
+        if link is not None:
+            # Whoever waits on the future may read its answer (if nobody else is reading).
             fut._reader = link
             fut._deadline = time.monotonic() + timeout if timeout > 0 else None
+            if unattended:
+                link.sent_unattended()
         try:
             conn.send(wire.REQUEST, flags, msg_id, head, ser.body, ser.buffers)
         except (OSError, RpcError) as e:

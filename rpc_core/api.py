@@ -96,9 +96,11 @@ def _set_rpc_timeout(rpc_timeout: float) -> None:
 
 def _invoke_async(to: Any, func: Any, args: Optional[tuple], kwargs: Optional[dict], timeout: float,
                   exec_mode: str, user_func: Any = None, keepalive: Any = None,
-                  extras: Optional[dict] = None) -> torch.futures.Future:
+                  extras: Optional[dict] = None, waited: bool = False) -> torch.futures.Future:
     """Send a call. ``keepalive`` is held until the answer arrives (an RRef whose id the call
-    carries instead of a fork); ``extras`` travel in the frame head."""
+    carries instead of a fork); ``extras`` travel in the frame head. ``waited``: the caller
+    will wait on the returned future itself (as "sync" calls do), so its answer needs no
+    background reader (see outbound)."""
     base_extras = extras
     agent = current_agent()
     if not callable(func):
@@ -116,7 +118,7 @@ def _invoke_async(to: Any, func: Any, args: Optional[tuple], kwargs: Optional[di
 
             return wrap(exec_mode, func if user_func is None else user_func, dst, send)
     # A "sync" caller waits on this very future at once, so its wait() reads the answer.
-    sync = exec_mode == "sync"
+    sync = exec_mode == "sync" or waited
     if keepalive is not None:
         return agent.send_request(dst, func, args, kwargs, timeout, extras=extras,
                                   call_extras=dict(extras or {}, keepalive=keepalive), sync=sync)

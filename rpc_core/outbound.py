@@ -2,11 +2,13 @@
 
 Handing an answer from a reader thread to the thread blocked in ``rpc_sync`` costs a
 thread wake-up, and on a small VM a wake-up is a large part of a small call's round trip.
-So an outgoing connection has no thread that reads it all the time. A caller waiting for
-its answer reads frames off the socket itself until its own answer is there, completing
-the futures of any other calls it meets on the way. A background thread reads only while
-some call is *unattended* (an ``rpc_async`` whose future nobody reads for), so callbacks,
-``wait_all`` and ``then`` chains work as before.
+So an outgoing connection has no thread that reads it all the time. A thread waiting on a
+call's future reads frames off the socket itself (when nobody else is reading) until its
+answer is there, completing the futures of any other calls it meets on the way. A
+background thread reads only while some call is *unattended*: an ``rpc_async`` nobody
+promised to wait on, so callbacks, ``wait_all`` and ``then`` chains work as before. Calls
+whose caller waits at once (``rpc_sync``, ``to_here``, the proxies' ``rpc_sync``, the
+gradient calls of a distributed backward's root) never wake the background thread.
 
 One thread reads at a time (the "reading role"); the others wait for the role or for
 their answer, whichever comes first. Only requests and their answers travel on these

@@ -85,10 +85,14 @@ class _Context:
         self.freed: "collections.OrderedDict[Id, None]" = collections.OrderedDict()
         # owner rank -> (rref id, fork id) deletes waiting to ride on a request to it
         self.deletes: Dict[int, List[Tuple[Id, Id]]] = {}
+        self.deletes_out = 0  # deletes that left this worker, on requests or on their own
+        self.deletes_seen = 0  # deletes_out when flush() last looked
 
     def take_deletes(self, owner: int) -> List[Tuple[Id, Id]]:
         with self.lock:
-            return self.deletes.pop(owner, [])
+            pile = self.deletes.pop(owner, [])
+            self.deletes_out += len(pile)
+            return pile
 
     def entry(self, rref_id: Id) -> _Entry:
         with self.lock:
@@ -166,20 +170,25 @@ def _send_delete(owner: int, rref_id: Id, fork_id: Id) -> None:
         _send_deletes(owner)
 
 
-def _send_deletes(owner: Optional[int] = None) -> None:
-    """Send the waiting deletes (of ``owner``, or of all owners) as calls of their own."""
+def _send_deletes(owner: Optional[int] = None) -> int:
+    """Send the waiting deletes (of ``owner``, or of all owners) as calls of their own;
+    returns how many were sent."""
     with _ctx.lock:
         owners = list(_ctx.deletes) if owner is None else [owner]
         piles = [(o, _ctx.deletes.pop(o, [])) for o in owners]
+        _ctx.deletes_out += sum(len(p) for _, p in piles)
     agent = _agent_mod._agent
     if agent is None or agent._closing:
-        return
+        return 0
+    sent = 0
     for o, pile in piles:
         if pile:
             try:
                 _track(agent.send_request(o, _on_user_deletes, (pile,), {}, timeout=0))
+                sent += len(pile)
             except RpcError:
                 pass
+    return sent
 
 
 def _track(fut: torch.futures.Future) -> None:
@@ -590,17 +599,27 @@ def debug_info() -> Dict[str, int]:
     return _ctx.debug_info()
 
 
-def flush() -> None:
+def flush() -> int:
     """Send the deletes of handles already garbage collected and wait until owners applied
     them and parents heard their children's accepts (tests use this to check owner tables
     return to empty without sleeping). Repeats until no protocol step is in flight, since
-    completing one (a creation, a child accept) can release more handles."""
+    completing one (a creation, a child accept) can release more handles.
+
+    Returns how many deletes and protocol steps it sent or waited for: 0 means this worker
+    had nothing left. An owner that applies a delete may free a value holding further
+    RRefs, whose deletes then start on *that* worker: callers settling a whole group repeat
+    a flush on every worker until all of them return 0."""
+    work = 0
     while True:
         fut: torch.futures.Future = torch.futures.Future()
         _ctx.releases.put(("barrier", fut, None, None, None))  # processed in order after earlier releases
         fut.wait()
         with _ctx.lock:
             pending = _ctx.in_flight = [f for f in _ctx.in_flight if not f.done()]
+            # Deletes sent since the last flush, also those that rode on other requests.
+            work += _ctx.deletes_out - _ctx.deletes_seen
+            _ctx.deletes_seen = _ctx.deletes_out
         if not pending:
-            return
+            return work
+        work += len(pending)
         settle(pending)

@@ -61,20 +61,21 @@ def _discover(starts: Sequence[torch.Tensor]) -> List[torch.Tensor]:
 
 
 def local_pass(ctx: _context.DistAutogradContext, starts: Sequence[torch.Tensor],
-               grads: Sequence[torch.Tensor]) -> List[torch.futures.Future]:
+               grads: Sequence[torch.Tensor], waited: bool = False) -> List[torch.futures.Future]:
     """Backward from ``starts`` with ``grads`` on this worker; returns the futures of the
-    gradient RPCs it started."""
+    gradient RPCs it started. ``waited``: this thread waits on them itself afterwards (so
+    it reads their answers; see outbound)."""
     inputs = _discover(starts)
     if not inputs:
         return []
-    prev = getattr(_pass_tls, "futures", None)
+    prev = getattr(_pass_tls, "futures", None), getattr(_pass_tls, "waited", False)
     futures: List[torch.futures.Future] = []
-    _pass_tls.futures = futures
+    _pass_tls.futures, _pass_tls.waited = futures, waited
     prev_ctx = _context.set_current(ctx.context_id)
     try:
         results = torch.autograd.grad(list(starts), inputs, list(grads), retain_graph=True, allow_unused=True)
     finally:
-        _pass_tls.futures = prev
+        _pass_tls.futures, _pass_tls.waited = prev
         _context.set_current(prev_ctx)
     for leaf, g in zip(inputs, results):
         if g is not None and not is_anchor(leaf):
@@ -112,7 +113,7 @@ def backward(context_id: int, roots: List[torch.Tensor], retain_graph: bool = Fa
     ctx = _context.retrieve(context_id)
     me = _agent_mod.current_agent().me
     try:
-        futures = local_pass(ctx, roots, [torch.ones_like(r) for r in roots])
+        futures = local_pass(ctx, roots, [torch.ones_like(r) for r in roots], waited=True)
     except Exception as e:
         raise RuntimeError(f"Error on Node {me.id} ({me.name}): {e}") from e
     _raise_all(_wait(futures))

@@ -50,8 +50,10 @@ class _Recv(torch.autograd.Function):
             from .engine import _on_backward
 
             # through the user-call path, so the profiler sees this RPC (no cost otherwise)
-            fut = api._invoke_async(sender, _on_backward, (context_id, msg_id, list(grads)), None, 0, "async")
             outstanding = getattr(_pass_tls, "futures", None)
+            waited = outstanding is not None and getattr(_pass_tls, "waited", False)
+            fut = api._invoke_async(sender, _on_backward, (context_id, msg_id, list(grads)), None, 0, "async",
+                                    waited=waited)
             if outstanding is not None:
                 outstanding.append(fut)
         return (None, None) + (None,) * len(grads)

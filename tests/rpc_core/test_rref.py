@@ -35,16 +35,19 @@ def _settle_and_count():
     """Every worker calls this last: once all are done, drop what is garbage, let the deletes
     reach the owners, and report this worker's RRef tables.
 
-    Two rounds suffice: in round 1 a child's flush waits until its parents processed the
-    child-accept (which releases the parent's handle); in round 2 the parents' deletes reach
-    the owners. The barriers make every worker finish a round before any starts the next."""
+    Rounds of (collect garbage, flush, all-gather whether the flush had anything to do) until
+    a round in which no worker had: a delete an owner applies can free a value that holds
+    more RRefs (a chain of remote() results), whose deletes start on other workers, and a
+    child's accept releases its parent's handle. The all-gather makes every worker finish a
+    round before any starts the next."""
     names = _names()
     rpc_core._barrier(names)
-    for _ in range(2):
+    for _ in range(50):
         gc.collect()
-        rref_mod.flush()
-        rpc_core._barrier(names)
-    return _rref_tables()
+        work = rpc_core.api._all_gather(rref_mod.flush(), names)
+        if not any(work.values()):
+            return _rref_tables()
+    raise AssertionError(f"RRef deletes still cascading after 50 rounds: {work}")
 
 
 # -- remote functions and classes ---------------------------------------------------------------------
