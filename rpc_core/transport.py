@@ -240,6 +240,15 @@ class Connection:
 
     # -- send ---------------------------------------------------------------------------
     def send(self, kind: int, flags: int, msg_id: int, head: bytes, body: bytes, buffers: Sequence[memoryview] = ()) -> None:
+        if not buffers and len(body) < _DIRECT_READ:
+            # The common small message (no tensors): one write of one bytes object.
+            data = wire.pack_header(kind, flags, len(head), len(body), msg_id, ()) + head + body
+            with self._send_lock:
+                self.sock.sendall(data)
+                self.bytes_sent += len(data)
+            if self._release_q:
+                self._flush_releases()
+            return
         addrs = [_address(b) if len(b) >= _CMA_MIN else 0 for b in buffers] if self.cma_send else ()
         if not any(addrs):
             header = wire.pack_header(kind, flags, len(head), len(body), msg_id, [len(b) for b in buffers])

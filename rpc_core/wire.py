@@ -59,7 +59,7 @@ import hashlib
 import hmac
 import os
 import struct
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 MAGIC = b"RPCc"
 VERSION = 2  # 2: cross-memory attach step, REMOTE flag, RELEASE kind
@@ -128,7 +128,7 @@ def macs_equal(a: bytes, b: bytes) -> bool:
     return hmac.compare_digest(a, b)
 
 
-def pack_header(kind: int, flags: int, head_len: int, body_len: int, msg_id: int, buffer_lens: list[int]) -> bytes:
+def pack_header(kind: int, flags: int, head_len: int, body_len: int, msg_id: int, buffer_lens: Sequence[int]) -> bytes:
     out = FRAME_HEADER.pack(kind, flags, len(buffer_lens), head_len, body_len, msg_id)
     if buffer_lens:
         out += struct.pack(f"<{len(buffer_lens)}Q", *buffer_lens)
