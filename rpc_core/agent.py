@@ -358,7 +358,11 @@ class Agent:
                 if resume is None:
                     def resume() -> None:
                         self._read_loop(conn, peer)
-                if not self.pool.run_inline(resume, self._run_request, conn, peer, h, head, body, storages):
+
+                    def waiting() -> bool:
+                        return conn.poll(0)
+                if not self.pool.run_inline(resume, self._run_request, conn, peer, h, head, body, storages,
+                                            waiting=waiting):
                     return  # the loop goes on in another thread
         except Exception as e:  # never leave a dead reader behind an open socket
             reason = self._loss_reason(peer, e)

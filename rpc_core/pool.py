@@ -72,11 +72,12 @@ class _Worker:
 class _InlineRun:
     """A request running inline on the thread that serves a reading loop."""
 
-    __slots__ = ("pool", "resume", "since", "moved")
+    __slots__ = ("pool", "resume", "waiting", "since", "moved")
 
-    def __init__(self, pool: "ElasticPool", resume: Callable[[], Any]) -> None:
+    def __init__(self, pool: "ElasticPool", resume: Callable[[], Any], waiting: Optional[Callable[[], bool]]) -> None:
         self.pool = pool
         self.resume = resume  # continues the reading loop on another thread
+        self.waiting = waiting  # whether more input waits for the loop (None: assume so)
         self.since = 0.0
         self.moved = False
 
@@ -119,11 +120,14 @@ class ElasticPool:
             elif self._watch_sleeping:
                 self._watch.notify()
 
-    def run_inline(self, resume: Callable[[], Any], fn: Callable[..., Any], *args: Any) -> bool:
+    def run_inline(self, resume: Callable[[], Any], fn: Callable[..., Any], *args: Any,
+                   waiting: Optional[Callable[[], bool]] = None) -> bool:
         """Run ``fn(*args)`` on this thread, which serves a reading loop. If the run blocks
-        on an RPC future or outlasts the stall limit, ``resume()`` continues the loop on
-        another thread. Returns False if that happened: the caller must leave its loop."""
-        run = _InlineRun(self, resume)
+        on an RPC future, or outlasts the stall limit while ``waiting()`` says more input is
+        there, ``resume()`` continues the loop on another thread (a long computation alone
+        on its connection keeps its thread: moving would only cost wake-ups). Returns False
+        if the loop moved: the caller must leave it."""
+        run = _InlineRun(self, resume, waiting)
         prev = getattr(_tls, "inline", None)
         _tls.inline = run
         with self._lock:
@@ -251,8 +255,8 @@ class ElasticPool:
                     self._add_drainer_locked()  # every drainer is stuck in a job
                 now = time.monotonic()
                 for run in self._inline:
-                    if not run.moved and now - run.since >= _STALL_SECONDS:
-                        self._move_locked(run)  # a long or blocked run: read on elsewhere
+                    if not run.moved and now - run.since >= _STALL_SECONDS and (run.waiting is None or run.waiting()):
+                        self._move_locked(run)  # a long or blocked run with input behind it
 
     def close(self) -> None:
         with self._lock:
