@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from rpc_core import transport, wire
+from rpc_core import handshake, transport, wire
 from rpc_core.errors import AuthenticationError, ProtocolError
 from rpc_core.serialization import storage_view
 
@@ -81,7 +81,7 @@ def test_acceptor_that_does_not_know_the_secret_cannot_impersonate_a_worker(pool
         sock, _ = listener.accept()
         with sock:
             sock.sendall(wire.HELLO.pack(wire.MAGIC, wire.VERSION, wire.new_nonce()))
-            transport._recv_exact(sock, wire.PROOF.size)
+            handshake._recv_exact(sock, wire.PROOF.size)
             sock.sendall(wire.VERDICT.pack(1, os.urandom(wire.MAC_LEN)))  # "ok", but a forged MAC
             sock.recv(1)  # hold the connection until the dialer gives up
 
@@ -107,7 +107,7 @@ def test_dialing_something_that_is_not_an_rpc_core_worker_is_a_protocol_error(po
 def test_acceptor_rejects_garbage_in_place_of_a_proof(pool, listener):
     accepted = pool.submit(_accept, listener, b"s3cret")
     with socket.create_connection(listener.getsockname(), timeout=IO_TIMEOUT) as s:
-        transport._recv_exact(s, wire.HELLO.size)
+        handshake._recv_exact(s, wire.HELLO.size)
         s.sendall(os.urandom(wire.PROOF.size))
         with pytest.raises(ProtocolError, match="bad handshake magic"):
             accepted.result(IO_TIMEOUT)
@@ -116,11 +116,11 @@ def test_acceptor_rejects_garbage_in_place_of_a_proof(pool, listener):
 def test_acceptor_rejects_a_forged_proof_and_says_so_to_the_peer(pool, listener):
     accepted = pool.submit(_accept, listener, b"s3cret")
     with socket.create_connection(listener.getsockname(), timeout=IO_TIMEOUT) as s:
-        transport._recv_exact(s, wire.HELLO.size)
+        handshake._recv_exact(s, wire.HELLO.size)
         s.sendall(wire.PROOF.pack(wire.MAGIC, os.urandom(wire.MAC_LEN), wire.new_nonce()))
         with pytest.raises(AuthenticationError):
             accepted.result(IO_TIMEOUT)
-        ok, _ = wire.VERDICT.unpack(transport._recv_exact(s, wire.VERDICT.size))
+        ok, _ = wire.VERDICT.unpack(handshake._recv_exact(s, wire.VERDICT.size))
         assert ok == 0
 
 
