@@ -69,7 +69,7 @@ class RpcFuture(torch.futures.Future):
 
     def wait(self):  # type: ignore[override]
         if not self.done():
-            handoff_current()  # a pool thread about to block must not hold up queued calls
+            handoff_current()  # a pool or reader thread about to block must not hold up other calls
             if self._reader is not None:
                 self._reader.read_until(self, self._deadline)  # read our answer ourselves
         return super().wait()
