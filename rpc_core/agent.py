@@ -285,6 +285,7 @@ class Agent:
     def _fail(self, msg_id: int, error: BaseException, inline: bool = True) -> None:
         rec = self._pending.pop(msg_id, None)
         if rec is not None:
+            rec[0]._answered = True
             self._complete(rec[0], error=error, inline=inline, counted=not rec[4] & wire.CONTROL)
             if rec[5] is not None:
                 rec[5].answered(rec[6])
@@ -418,6 +419,7 @@ class Agent:
         if rec is None:
             return  # timed out or failed already; the late answer is dropped
         fut, dst, call_extras = rec[:3]
+        fut._answered = True  # its completion may still be on its way through the pool
         counted = not rec[4] & wire.CONTROL
         if rec[5] is not None:
             rec[5].answered(rec[6])

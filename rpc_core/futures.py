@@ -53,8 +53,9 @@ class RpcFuture(torch.futures.Future):
     raise fresh copies (see ``set_error``)."""
 
     _has_callbacks = False
-    _reader: Any = None  # for a call waited on at once: the connection's Outbound (see outbound)
+    _reader: Any = None  # the Outbound of the call's connection: a waiter may read its answer
     _deadline: Optional[float] = None
+    _answered = False  # the answer (or failure) arrived; completing may still be queued
 
     def set_exception(self, result: BaseException) -> None:  # type: ignore[override]
         set_error(self, result)

@@ -70,12 +70,14 @@ class Outbound:
 
     # -- reading ----------------------------------------------------------------------------------
     def read_until(self, fut: Any, deadline: Optional[float]) -> None:
-        """Read frames on this thread until ``fut`` is done (or the connection is closed)."""
-        while not fut.done():
+        """Read frames on this thread until ``fut``'s answer arrived (its completion may
+        still be queued for a pool thread when it has callbacks: the caller then waits on
+        the future itself) or the connection is closed."""
+        while not (fut._answered or fut.done()):
             with self._cv:
-                while self._reading and not fut.done() and not self._closed:
+                while self._reading and not (fut._answered or fut.done() or self._closed):
                     self._cv.wait(_wait_time(deadline))
-                if fut.done() or self._closed:
+                if fut._answered or fut.done() or self._closed:
                     return
                 self._reading = True
             try:

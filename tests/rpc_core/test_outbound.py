@@ -96,3 +96,24 @@ def _body_timeout(ctx):
 def test_a_sync_call_times_out_on_time_while_its_caller_is_the_reader():
     waited, _ = run_world(_body_timeout, 2)
     assert 0.5 <= waited < 5.0, waited
+
+
+def _body_callbacks_and_wait(ctx):
+    if ctx.rank != 0:
+        return None
+    seen = []
+    out = []
+    for i in range(20):
+        # A future with a callback completes on a pool thread; waiting on it right away
+        # must still return its value (the waiter reads the answer, then waits for that
+        # completion instead of reading on).
+        fut = rpc_core.rpc_async(1, _double, args=(torch.tensor(float(i)),))
+        chained = fut.then(lambda f: seen.append(f.value().item()) or f.value() + 1)
+        out.append((fut.wait().item(), chained.wait().item()))
+    return out, sorted(seen)
+
+
+def test_waiting_on_a_future_with_callbacks_returns_its_value_and_runs_them():
+    (pairs, seen), _ = run_world(_body_callbacks_and_wait, 2)
+    assert pairs == [(2.0 * i, 2.0 * i + 1) for i in range(20)]
+    assert seen == [2.0 * i for i in range(20)]
