@@ -17,12 +17,15 @@ timed out waits in the socket for the next reader, who drops it.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Any, Callable, Optional
 
 from . import transport
 from .pool import init_torch_thread
+
+log = logging.getLogger("rpc_core")
 
 # How long a waiter whose call has no deadline waits for the reading role before looking
 # at its future again (a future can also be completed by a timeout or a lost peer).
@@ -99,6 +102,8 @@ class Outbound:
             try:
                 self.read_in_background += 1
                 self._read_one()
+            except Exception:  # a bug while delivering must not leave the calls unread
+                log.exception("rpc_core: error while delivering an answer")
             finally:
                 self._end_read()
 
