@@ -359,3 +359,20 @@ def test_requests_run_on_the_reader_and_a_blocked_one_does_not_hold_up_the_next(
     assert names == {"rpc-in"}, names  # the accepting worker's reader thread for this peer
     assert blocked_on == "rpc-in"
     assert opened_on != "rpc-in" and opened_on.startswith("rpc-worker1"), opened_on
+
+
+def _long_run():
+    time.sleep(0.05)  # the workload: a run well past the 2 ms stall limit, nothing queued behind it
+    return threading.current_thread().name
+
+
+def _body_long_run_alone(ctx):
+    if ctx.rank != 0:
+        return None
+    return [rpc_core.rpc_sync(1, _long_run) for _ in range(3)] + [rpc_core.rpc_sync(1, _thread_name)]
+
+
+def test_a_long_request_alone_on_its_connection_keeps_the_reader_thread():
+    names, _ = run_world(_body_long_run_alone, 2)
+    # No request waited behind the long ones, so the reading loop never moved to a pool thread.
+    assert names == ["rpc-in"] * 4, names
