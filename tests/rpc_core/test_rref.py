@@ -359,3 +359,33 @@ def _body_after_shutdown(ctx):
 
 def test_rrefs_cannot_be_used_after_shutdown():
     assert run_world(_body_after_shutdown, 2) == [True, True]
+
+
+# -- deletes ride on requests ---------------------------------------------------------------------------
+def _owner_holds(rref_id):
+    return tuple(rref_id) in rref_mod._ctx.owners
+
+
+def _body_delete_rides_on_next_request(ctx):
+    if ctx.rank != 0:
+        return None
+    r = rpc_core.remote(1, _add, args=(1, 2))
+    assert r.to_here() == 3
+    rref_id, fork_id = r._rref_id, r._fork_id
+    held_before = rpc_core.rpc_sync(1, _owner_holds, args=(rref_id,))
+    # What the release thread does with a garbage-collected user RRef, done here so the test
+    # knows when: the delete waits for a request to the owner instead of a message of its own.
+    r._deleted = True
+    rref_mod._send_delete(1, rref_id, fork_id)
+    waiting = dict(rref_mod._ctx.deletes)
+    # The next call to the owner carries it; the owner applies it before running the call.
+    held_after = rpc_core.rpc_sync(1, _owner_holds, args=(rref_id,))
+    return held_before, waiting, held_after, dict(rref_mod._ctx.deletes)
+
+
+def test_a_user_delete_rides_on_the_next_request_to_the_owner():
+    (held_before, waiting, held_after, left), _ = run_world(_body_delete_rides_on_next_request, 2)
+    assert held_before is True
+    assert list(waiting) == [1] and len(waiting[1]) == 1
+    assert held_after is False
+    assert left == {}
