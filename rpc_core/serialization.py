@@ -27,14 +27,15 @@ _tls = threading.local()
 _REDUCERS: Dict[type, Callable[[Any], Any]] = {}
 
 
-class TensorMeta(NamedTuple):
-    buffer: int
-    dtype: torch.dtype
-    size: Tuple[int, ...]
-    stride: Tuple[int, ...]
-    offset: int  # in elements, relative to the start of the buffer
-    requires_grad: bool
-    is_param: bool
+# A tensor's meta in the frame head is a plain tuple (a NamedTuple pickles through its class
+# and costs a Python call per tensor to rebuild):
+#   (buffer index, dtype code, size, stride, offset in elements from the buffer's start, flags)
+# The dtype code indexes _DTYPES; a dtype not listed there travels as the dtype itself.
+TensorMeta = Tuple[int, Any, Tuple[int, ...], Tuple[int, ...], int, int]
+_REQUIRES_GRAD, _IS_PARAM = 1, 2
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+           torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
+_DTYPE_CODES = {dt: i for i, dt in enumerate(_DTYPES)}
 
 
 def register_reducer(cls: type, reducer: Callable[[Any], Any]) -> None:
@@ -63,13 +64,13 @@ class _Pickler(pickle.Pickler):
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
-            if obj.layout != torch.strided:
+            if obj.layout is not torch.strided:
                 # Sparse tensors travel as their dense parts, which are tensors themselves.
                 if obj.layout == torch.sparse_coo:
                     obj = obj.coalesce()
                     return torch.sparse_coo_tensor, (obj.indices(), obj.values(), obj.size())
                 raise TypeError(f"rpc_core cannot send tensors with layout {obj.layout}")
-            if obj.device.type != "cpu":
+            if not obj.is_cpu:
                 raise TypeError(
                     f"rpc_core sends CPU tensors only, got a tensor on {obj.device}; move it with "
                     ".cpu() before sending (torch RPC needs a device map for this)"
@@ -82,17 +83,13 @@ class _Pickler(pickle.Pickler):
         return NotImplemented
 
 
-def _span(t: torch.Tensor) -> Tuple[int, int]:
-    """[first, last+1) element range of the storage that ``t`` touches."""
-    if t.numel() == 0:
-        return t.storage_offset(), t.storage_offset()
-    last = t.storage_offset() + sum((s - 1) * st for s, st in zip(t.size(), t.stride()))
-    return t.storage_offset(), last + 1
+_Parameter = torch.nn.Parameter
 
 
 def _pack_tensors(tensors: Sequence[torch.Tensor]) -> Tuple[List[TensorMeta], List[memoryview], List[Any]]:
     """Group tensors by storage; each storage ships once, or only the bytes its views span."""
-    # One pass over the tensors: every accessor below is a call into torch.
+    # One pass over the tensors: every accessor below is a call into torch. Plain loops, no
+    # generators: this runs for every tensor of every message.
     infos = []
     by_storage: Dict[int, List[int]] = {}  # data_ptr -> indices into infos
     for t in tensors:
@@ -101,19 +98,25 @@ def _pack_tensors(tensors: Sequence[torch.Tensor]) -> Tuple[List[TensorMeta], Li
         esize = t.element_size()
         offset, size, stride = t.storage_offset(), tuple(t.size()), tuple(t.stride())
         empty = t.numel() == 0
-        if empty:
-            first = last = offset
+        last = offset
+        if not empty:
+            last += 1
+            for n, st in zip(size, stride):
+                last += (n - 1) * st
+        members = by_storage.get(ptr)
+        if members is None:
+            by_storage[ptr] = [len(infos)]
         else:
-            first, last = offset, offset + 1 + sum((n - 1) * st for n, st in zip(size, stride))
-        by_storage.setdefault(ptr, []).append(len(infos))
-        infos.append((t, storage, ptr, esize, offset, size, stride, first * esize, last * esize, empty))
+            members.append(len(infos))
+        infos.append((t, storage, ptr, esize, offset, size, stride, offset * esize, last * esize, empty))
     buffers: List[memoryview] = []
     keepalive: List[Any] = []
     groups: Dict[int, Tuple[int, int]] = {}  # data_ptr -> (buffer index, start byte)
     for ptr, members in by_storage.items():
-        storage = infos[members[0]][1]
-        lo = min(infos[i][7] for i in members)
-        hi = max(infos[i][8] for i in members)
+        info = infos[members[0]]
+        storage, lo, hi = info[1], info[7], info[8]
+        for i in members[1:]:
+            lo, hi = min(lo, infos[i][7]), max(hi, infos[i][8])
         nbytes = storage.nbytes()
         if ptr == 0 or hi <= lo:
             lo = hi = 0
@@ -129,8 +132,13 @@ def _pack_tensors(tensors: Sequence[torch.Tensor]) -> Tuple[List[TensorMeta], Li
     metas: List[TensorMeta] = []
     for t, _, ptr, esize, offset, size, stride, _, _, empty in infos:
         index, lo = groups[ptr]
-        metas.append(TensorMeta(index, t.dtype, size, stride, 0 if empty else (offset * esize - lo) // esize,
-                                bool(t.requires_grad), isinstance(t, torch.nn.Parameter)))
+        # Parameter's isinstance goes through a Python-level metaclass hook: test the class first.
+        cls = t.__class__
+        is_param = cls is _Parameter or (cls is not torch.Tensor and isinstance(t, _Parameter))
+        dtype = t.dtype
+        metas.append((index, _DTYPE_CODES.get(dtype, dtype), size, stride,
+                      0 if empty else (offset * esize - lo) // esize,
+                      (_REQUIRES_GRAD if t.requires_grad else 0) | (_IS_PARAM if is_param else 0)))
     return metas, buffers, keepalive
 
 
@@ -192,11 +200,16 @@ def decode_head(head: bytes) -> Tuple[Sequence[TensorMeta], Optional[Dict[str, A
 
 def rebuild_tensors(metas: Sequence[TensorMeta], storages: Sequence[torch.UntypedStorage]) -> List[torch.Tensor]:
     out = []
-    for m in metas:
-        t = torch.empty(0, dtype=m.dtype).set_(storages[m.buffer], m.offset, m.size, m.stride)
-        if m.is_param:
-            t = torch.nn.Parameter(t, requires_grad=m.requires_grad)
-        elif m.requires_grad:
+    for buffer, dtype, size, stride, offset, flags in metas:
+        if type(dtype) is int:
+            if not 0 <= dtype < len(_DTYPES):
+                raise ValueError(f"tensor meta names dtype code {dtype}, which no rpc_core version sends "
+                                 f"(codes are 0..{len(_DTYPES) - 1}); the peer is broken or not rpc_core")
+            dtype = _DTYPES[dtype]
+        t = torch.empty(0, dtype=dtype).set_(storages[buffer], offset, size, stride)
+        if flags & _IS_PARAM:
+            t = _Parameter(t, requires_grad=bool(flags & _REQUIRES_GRAD))
+        elif flags & _REQUIRES_GRAD:
             t.requires_grad_(True)
         out.append(t)
     return out

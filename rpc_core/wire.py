@@ -30,7 +30,7 @@ Frame (little endian):
     kind(u8) flags(u8) nbuf(u16) head_len(u32) body_len(u64) msg_id(u64)    = FRAME_HEADER, 24 bytes
     nbuf x buffer_len(u64)
     [REMOTE table]          only if flags has REMOTE: token(u64) nbuf x addr(u64)
-    head   head_len bytes   pickle of (tensor metas, extras) or empty
+    head   head_len bytes   pickle of (tensor metas, extras) or empty (metas: serialization.TensorMeta)
     body   body_len bytes   pickle of the message object; tensors inside it are references
                             into the tensor metas
     buffers                 raw bytes of tensor storages, back to back (out of band: they
@@ -62,7 +62,7 @@ import struct
 from typing import NamedTuple, Sequence
 
 MAGIC = b"RPCc"
-VERSION = 2  # 2: cross-memory attach step, REMOTE flag, RELEASE kind
+VERSION = 3  # 2: cross-memory attach step, REMOTE flag, RELEASE kind; 3: tensor metas as plain tuples
 NONCE_LEN = 32
 MAC_LEN = 32
 

@@ -49,11 +49,23 @@ def _same_tensor(a, b):
 @pytest.mark.parametrize(
     "dtype",
     [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
-     torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool],
+     torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool,
+     # not in the head's dtype table: these travel as the dtype object itself
+     torch.uint16, torch.uint32, torch.float8_e4m3fn],
 )
 def test_dtype_shape_and_values_are_preserved(dtype):
     t = (torch.arange(24) % 5).reshape(2, 3, 4).to(dtype)
-    _same_tensor(roundtrip(t), t)
+    out = roundtrip(t)
+    assert out.dtype == dtype and out.shape == t.shape and out.stride() == t.stride()
+    assert torch.equal(out.view(torch.uint8), t.view(torch.uint8))  # byte for byte (not every dtype has ==)
+
+
+def test_a_dtype_code_outside_the_table_is_a_clear_error_not_a_crash():
+    s = ser.serialize(torch.ones(3))
+    (buffer, code, size, stride, offset, flags), = s.metas
+    bad = ser.encode_head([(buffer, 999, size, stride, offset, flags)], None)
+    with pytest.raises(ValueError, match="dtype code 999"):
+        ser.deserialize(bad, s.body, ser.loopback(s.buffers))
 
 
 @pytest.mark.parametrize(
