@@ -344,7 +344,6 @@ class Agent:
 
     def _read_loop(self, conn: transport.Connection, peer: int) -> None:
         init_torch_thread()  # readers rebuild tensors and run recv nodes
-        reason = ""
         resume = None
         try:
             while True:
@@ -366,8 +365,7 @@ class Agent:
                                             waiting=waiting):
                     return  # the loop goes on in another thread
         except Exception as e:  # never leave a dead reader behind an open socket
-            reason = self._loss_reason(peer, e)
-        self._connection_lost(conn, peer, False, reason)
+            self._connection_lost(conn, peer, False, self._loss_reason(peer, e))
 
     def _loss_reason(self, peer: int, e: BaseException) -> str:
         if isinstance(e, ProtocolError):

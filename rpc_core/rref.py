@@ -170,25 +170,21 @@ def _send_delete(owner: int, rref_id: Id, fork_id: Id) -> None:
         _send_deletes(owner)
 
 
-def _send_deletes(owner: Optional[int] = None) -> int:
-    """Send the waiting deletes (of ``owner``, or of all owners) as calls of their own;
-    returns how many were sent."""
+def _send_deletes(owner: Optional[int] = None) -> None:
+    """Send the waiting deletes (of ``owner``, or of all owners) as calls of their own."""
     with _ctx.lock:
         owners = list(_ctx.deletes) if owner is None else [owner]
         piles = [(o, _ctx.deletes.pop(o, [])) for o in owners]
         _ctx.deletes_out += sum(len(p) for _, p in piles)
     agent = _agent_mod._agent
     if agent is None or agent._closing:
-        return 0
-    sent = 0
+        return
     for o, pile in piles:
         if pile:
             try:
                 _track(agent.send_request(o, _on_user_deletes, (pile,), {}, timeout=0))
-                sent += len(pile)
             except RpcError:
                 pass
-    return sent
 
 
 def _track(fut: torch.futures.Future) -> None:
