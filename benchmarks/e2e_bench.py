@@ -105,6 +105,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+from _format import fmt  # noqa: E402 (the benchmarks folder is on the path just above)
 
 MODELS = ("mlp", "cnn")
 CLUSTERS = ((1, 1), (2, 2))  # (num_servers, num_trainers)
@@ -299,16 +303,6 @@ def run_single(model: str, steps: int, threads: int, timeout: float, log) -> dic
 
 
 # ---------------------------------------------------------------------------- aggregation
-
-
-def fmt(v) -> str:
-    if v is None:
-        return "-"
-    if abs(v) >= 1000:
-        return f"{v:,.0f}"
-    if abs(v) >= 100:
-        return f"{v:.1f}"
-    return f"{v:.2f}"
 
 
 def merge(results: list[dict]) -> dict:

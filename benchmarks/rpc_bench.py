@@ -80,6 +80,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
+from _format import fmt  # noqa: E402 (the benchmarks folder is on the path just above)
+
 IMPLS = ("torch", "rpc_core")
 WORLD_SIZE = 2
 
@@ -251,18 +253,6 @@ def merge_rounds(rounds: list[dict]) -> dict:
     for slot in merged["results"].values():
         slot["value"] = statistics.median(slot["samples"])
     return merged
-
-
-def fmt(v) -> str:
-    if v is None:
-        return "-"
-    if abs(v) >= 1000:
-        return f"{v:,.0f}"
-    if abs(v) >= 100:
-        return f"{v:.1f}"
-    if abs(v) >= 1:
-        return f"{v:.2f}"
-    return f"{v:.3g}"
 
 
 def cell(run: dict | None, name: str) -> str:
