@@ -4,6 +4,8 @@ import os
 import resource
 import socket
 import struct
+import threading
+import time
 import tracemalloc
 from concurrent.futures import ThreadPoolExecutor
 
@@ -265,3 +267,65 @@ def test_lying_buffer_length_is_dropped_without_touching_the_memory_it_claims(po
     sent.result(IO_TIMEOUT)
     conn.close()
     assert _maxrss_mb() - before < 256
+
+
+# -- polling before blocking -----------------------------------------------------------------------
+@pytest.fixture
+def yields(monkeypatch):
+    """Counts the reader's polls (each poll yields the CPU once)."""
+    calls = []
+    real = os.sched_yield
+    monkeypatch.setattr(os, "sched_yield", lambda: (calls.append(1), real())[1])
+    return calls
+
+
+def _recv_after_gap(pool, sender, receiver, gap):
+    """The receiver starts waiting, the frame is sent ``gap`` seconds later."""
+    started = threading.Event()
+
+    def wait():
+        started.set()
+        return receiver.recv()
+
+    got = pool.submit(wait)
+    assert started.wait(IO_TIMEOUT)
+    time.sleep(gap)  # the long wait under test, not a synchronisation
+    sender.send(wire.REQUEST, 0, 1, b"", b"after the gap")
+    return got.result(IO_TIMEOUT)
+
+
+def test_a_reader_polls_while_its_waits_are_short_and_blocks_at_once_after_long_ones(pool, listener, yields):
+    a, b = _connected_pair(pool, listener)
+    try:
+        # Fresh connection: no long waits seen, so the first wait starts by polling, gives
+        # up after the budget, blocks, and still gets the frame whole.
+        assert _recv_after_gap(pool, a, b, 0.05)[2] == b"after the gap"
+        assert yields
+        # That wait (>= 50 ms) pushed the estimate far past the budget: the next wait
+        # blocks without a single poll.
+        assert b._wait_estimate > transport._SPIN
+        yields.clear()
+        assert _recv_after_gap(pool, a, b, 0.05)[2] == b"after the gap"
+        assert not yields
+        # Short waits bring polling back: the estimate decays toward the recent waits.
+        for _ in range(40):
+            b._note_wait(transport._SPIN / 10)
+        assert b._wait_estimate < transport._SPIN
+        a.send(wire.REQUEST, 0, 2, b"", b"ready at once")
+        assert b.recv()[2] == b"ready at once"  # bytes already there: no wait, no poll
+        assert not yields
+    finally:
+        a.close()
+        b.close()
+
+
+def test_with_polling_switched_off_a_reader_only_blocks(pool, listener, yields, monkeypatch):
+    monkeypatch.setattr(transport, "_SPIN", 0.0)
+    a, b = _connected_pair(pool, listener)
+    try:
+        assert _recv_after_gap(pool, a, b, 0.01)[2] == b"after the gap"
+        assert not b.poll(0.01)  # nothing more to read: poll waits its timeout out
+        assert not yields
+    finally:
+        a.close()
+        b.close()
