@@ -33,6 +33,10 @@ log = logging.getLogger("rpc_core")
 
 _agent: Optional["Agent"] = None
 _HELLO_ID = 0  # msg_id of the identity frame a dialer sends first
+# How long a lazy answer may wait for a waiter to read it before the background reader is
+# woken for it. remote()'s acknowledgement only confirms the creator's RRef; the to_here()
+# that usually follows reads it on its way to its own answer.
+_LAZY_DELAY = 0.005
 
 
 def current_agent() -> "Agent":
@@ -115,6 +119,8 @@ class Agent:
         self._deadlines: Dict[float, Deque[Tuple[float, int]]] = {}
         self._deadlines_lock = threading.Lock()
         self._timer_wake = threading.Event()
+        # Outbounds with lazy answers to read by a deadline if no waiter did (see send_request).
+        self._kicks: Deque[Tuple[float, Outbound]] = collections.deque()
         self.pool = ElasticPool(options.num_worker_threads, f"rpc-{self.me.name}")
         self.on_peer_lost: List[Callable[[int, str], None]] = []
         # Called with (head extras, error) when a request cannot even be unpickled here.
@@ -155,9 +161,13 @@ class Agent:
     # -- sending ---------------------------------------------------------------------------
     def send_request(self, dst: int, func: Any, args: tuple, kwargs: dict, timeout: float,
                      extras: Optional[Dict[str, Any]] = None, flags: int = 0,
-                     call_extras: Optional[Dict[str, Any]] = None, sync: bool = False) -> RpcFuture:
+                     call_extras: Optional[Dict[str, Any]] = None, sync: bool = False,
+                     lazy: bool = False) -> RpcFuture:
         """Serialize and send ``func(*args, **kwargs)`` to rank ``dst``; the Future holds its result.
-        ``sync``: the caller waits on the future at once, so its ``wait()`` reads the answer."""
+        ``sync``: the caller waits on the future at once, so its ``wait()`` reads the answer.
+        ``lazy``: nobody needs the answer soon (``remote``'s creation acknowledgement): it is
+        read by whoever reads this connection next, or else by the background reader
+        within ``_LAZY_DELAY``, instead of waking that reader now."""
         if self._closing:
             raise RpcError(f"RPC agent of {self.me.name!r} is shut down; cannot send new calls")
         timeout = self.default_timeout if timeout is None or timeout < 0 else timeout
@@ -185,8 +195,8 @@ class Agent:
             # Whoever waits on the future may read its answer (if nobody else is reading).
             fut._reader = link
             fut._deadline = time.monotonic() + timeout if timeout > 0 else None
-            if unattended:
-                link.sent_unattended()
+            if unattended and link.sent_unattended(lazy):
+                self._arm_kick(link)
         try:
             conn.send(wire.REQUEST, flags, msg_id, head, ser.body, ser.buffers)
         except (OSError, RpcError) as e:
@@ -228,12 +238,24 @@ class Agent:
         if wake:
             self._timer_wake.set()
 
+    def _arm_kick(self, link: Outbound) -> None:
+        with self._deadlines_lock:
+            wake = not self._kicks
+            self._kicks.append((time.monotonic() + _LAZY_DELAY, link))
+        if wake:
+            self._timer_wake.set()
+
     def _timer_loop(self) -> None:
         while not self._closing:
             now = time.monotonic()
             expired: List[int] = []
             next_wake = now + 1.0
+            kicks: List[Outbound] = []
             with self._deadlines_lock:
+                while self._kicks and self._kicks[0][0] <= now:
+                    kicks.append(self._kicks.popleft()[1])
+                if self._kicks:
+                    next_wake = self._kicks[0][0]
                 for q in self._deadlines.values():
                     while q and q[0][0] <= now:
                         expired.append(q.popleft()[1])
@@ -244,10 +266,12 @@ class Agent:
                         q.extend(live)
                     if q:
                         next_wake = min(next_wake, q[0][0])
+            for link in kicks:
+                link.kick()
             for msg_id in expired:
                 if msg_id in self._pending:
                     self._expire(msg_id)
-            if not expired:
+            if not expired and not kicks:
                 self._timer_wake.wait(max(0.0, next_wake - time.monotonic()))
                 self._timer_wake.clear()
 

@@ -117,12 +117,14 @@ def _invoke_async(to: Any, func: Any, args: Optional[tuple], kwargs: Optional[di
                                           call_extras=None if keepalive is None else dict(extras, keepalive=keepalive))
 
             return wrap(exec_mode, func if user_func is None else user_func, dst, send)
-    # A "sync" caller waits on this very future at once, so its wait() reads the answer.
+    # A "sync" caller waits on this very future at once, so its wait() reads the answer;
+    # remote()'s acknowledgement is read lazily (see Agent.send_request).
     sync = exec_mode == "sync" or waited
+    lazy = exec_mode == "remote"
     if keepalive is not None:
         return agent.send_request(dst, func, args, kwargs, timeout, extras=extras,
-                                  call_extras=dict(extras or {}, keepalive=keepalive), sync=sync)
-    return agent.send_request(dst, func, args, kwargs, timeout, extras=extras, sync=sync)
+                                  call_extras=dict(extras or {}, keepalive=keepalive), sync=sync, lazy=lazy)
+    return agent.send_request(dst, func, args, kwargs, timeout, extras=extras, sync=sync, lazy=lazy)
 
 
 def _invoke(dst: int, func: Any, args: tuple, kwargs: Optional[dict], timeout: float, exec_mode: str,

@@ -6,7 +6,8 @@ So an outgoing connection has no thread that reads it all the time. A thread wai
 call's future reads frames off the socket itself (when nobody else is reading) until its
 answer is there, completing the futures of any other calls it meets on the way. A
 background thread reads only while some call is *unattended*: an ``rpc_async`` nobody
-promised to wait on, so callbacks, ``wait_all`` and ``then`` chains work as before. Calls
+promised to wait on, so callbacks, ``wait_all`` and ``then`` chains work as before (a
+*lazy* unattended call, ``remote``'s acknowledgement, wakes it only after a delay). Calls
 whose caller waits at once (``rpc_sync``, ``to_here``, the proxies' ``rpc_sync``, the
 gradient calls of a distributed backward's root) never wake the background thread.
 
@@ -44,6 +45,7 @@ class Outbound:
         self._cv = threading.Condition(lock)  # waiters for the reading role or their answer
         self._bg_cv = threading.Condition(lock)  # the background thread
         self._unattended = 0
+        self._kick_armed = False
         self._reading = False
         self.read_by_waiters = 0  # frames read by callers waiting for an answer
         self.read_in_background = 0
@@ -51,11 +53,26 @@ class Outbound:
         threading.Thread(target=self._background, name=name, daemon=True).start()
 
     # -- bookkeeping called by the agent ------------------------------------------------------
-    def sent_unattended(self) -> None:
-        """A call was sent whose answer nobody is reading for (yet)."""
+    def sent_unattended(self, lazy: bool = False) -> bool:
+        """A call was sent whose answer nobody is reading for (yet). A ``lazy`` one does not
+        wake the background thread: the next waiter reads it on its way, else a ``kick``
+        does. Returns whether the caller must arrange that kick (one at a time is armed)."""
         with self._cv:
             self._unattended += 1
-            if not self._reading:
+            if not lazy:
+                if not self._reading:
+                    self._bg_cv.notify()
+                return False
+            if self._kick_armed:
+                return False
+            self._kick_armed = True
+            return True
+
+    def kick(self) -> None:
+        """Lazy answers waited long enough: the background thread reads whatever is left."""
+        with self._cv:
+            self._kick_armed = False
+            if self._unattended > 0 and not self._reading:
                 self._bg_cv.notify()
 
     def answered(self, unattended: bool) -> None:

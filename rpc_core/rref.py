@@ -27,7 +27,7 @@ import itertools
 import queue
 import threading
 import weakref
-from typing import Any, Dict, Generic, List, Optional, Set, Tuple, TypeVar
+from typing import Any, Deque, Dict, Generic, List, Optional, Set, Tuple, TypeVar
 
 import torch
 
@@ -67,6 +67,7 @@ _FREED_MEMORY = 1 << 16
 # many may pile up for one owner.
 _DELETE_DELAY = 0.005
 _DELETE_BATCH = 256
+_POKE = ("poke", None, None, None, None)
 
 
 class _Context:
@@ -87,9 +88,27 @@ class _Context:
         self.deletes: Dict[int, List[Tuple[Id, Id]]] = {}
         self.deletes_out = 0  # deletes that left this worker, on requests or on their own
         self.deletes_seen = 0  # deletes_out when flush() last looked
+        # Deletes of garbage-collected user handles whose creation was confirmed, appended
+        # by ``__del__`` itself (a deque append is safe in a finalizer and wakes no thread);
+        # the next look at the piles (a request to any owner, the release loop) moves them.
+        self.collected: Deque[Tuple[int, Id, Id]] = collections.deque()
+        self.n_collected = 0  # appends so far (approximate: it only paces the release loop)
+        self.release_asleep = False  # the release loop waits without a deadline: poke it
+
+    def gather(self) -> List[int]:
+        """Move collected deletes into the piles (lock held); returns owners whose pile filled."""
+        full = []
+        while self.collected:
+            owner, rref_id, fork_id = self.collected.popleft()
+            pile = self.deletes.setdefault(owner, [])
+            pile.append((rref_id, fork_id))
+            if len(pile) == _DELETE_BATCH:
+                full.append(owner)
+        return full
 
     def take_deletes(self, owner: int) -> List[Tuple[Id, Id]]:
         with self.lock:
+            self.gather()
             pile = self.deletes.pop(owner, [])
             self.deletes_out += len(pile)
             return pile
@@ -136,15 +155,29 @@ _ctx = _Context()
 
 
 def _release_loop() -> None:
-    """Turns garbage-collected handles into protocol messages. ``__del__`` only puts on a
-    SimpleQueue (safe in finalizers); the sends happen here, outside any lock."""
+    """Turns garbage-collected handles into protocol messages. ``__del__`` only appends to
+    ``_ctx.collected`` or puts on a SimpleQueue (both safe in finalizers); the sends happen
+    here, outside any lock, or on the next request to the owner."""
+    seen = 0
     while True:
+        # Wait without a deadline only when nothing waits to be sent and no handle was
+        # collected since the last look: a loop that keeps dropping RRefs wakes this thread
+        # once per _DELETE_DELAY, not once per handle.
+        idle = seen == _ctx.n_collected and not (_ctx.deletes or _ctx.collected)
+        seen = _ctx.n_collected
+        if idle:
+            _ctx.release_asleep = True
+            idle = not _ctx.collected  # appended after the look above, maybe without a poke
         try:
-            item = _ctx.releases.get(timeout=_DELETE_DELAY if _ctx.deletes else None)
+            item = _ctx.releases.get(timeout=None if idle else _DELETE_DELAY)
         except queue.Empty:
             _send_deletes()  # nothing carried them in time
             continue
+        finally:
+            _ctx.release_asleep = False
         kind, owner, rref_id, fork_id, creation = item
+        if kind == "poke":
+            continue
         if kind == "barrier":
             _send_deletes()
             owner.set_result(None)
@@ -155,10 +188,20 @@ def _release_loop() -> None:
                     e.handles -= 1
             _ctx.maybe_free(rref_id)
         elif creation is not None and not creation.done():
-            # Delete once the owner knows the fork; flush() waits for the re-queue.
-            _track(creation.then(lambda _, it=item: _ctx.releases.put(("user", it[1], it[2], it[3], None))))
+            # Delete once the owner knows the fork. The delete is queued before the tracked
+            # future completes: flush() sees the one or the other.
+            _track(creation.then(lambda _, it=item: _collect(it[1], it[2], it[3])))
         else:
             _send_delete(owner, rref_id, fork_id)
+
+
+def _collect(owner: int, rref_id: Id, fork_id: Id) -> None:
+    """Queue a delete without waking any thread (safe in finalizers): it rides on the next
+    request to the owner, or the release loop sends it within _DELETE_DELAY."""
+    _ctx.collected.append((owner, rref_id, fork_id))
+    _ctx.n_collected += 1
+    if _ctx.release_asleep:
+        _ctx.releases.put(_POKE)
 
 
 def _send_delete(owner: int, rref_id: Id, fork_id: Id) -> None:
@@ -173,6 +216,7 @@ def _send_delete(owner: int, rref_id: Id, fork_id: Id) -> None:
 def _send_deletes(owner: Optional[int] = None) -> None:
     """Send the waiting deletes (of ``owner``, or of all owners) as calls of their own."""
     with _ctx.lock:
+        _ctx.gather()
         owners = list(_ctx.deletes) if owner is None else [owner]
         piles = [(o, _ctx.deletes.pop(o, [])) for o in owners]
         _ctx.deletes_out += sum(len(p) for _, p in piles)
@@ -247,6 +291,9 @@ class RRef(Generic[T]):
 
     def __del__(self) -> None:
         if getattr(self, "_rref_id", None) is None or self._deleted:
+            return
+        if self._fork_id is not None and (self._creation is None or self._confirmed):
+            _collect(self._owner_id, self._rref_id, self._fork_id)  # the common case: wakes no thread
             return
         kind = "owner" if self._fork_id is None else "user"
         _ctx.releases.put((kind, self._owner_id, self._rref_id, self._fork_id, self._creation))
@@ -501,7 +548,7 @@ class RRefMiddleware(_agent_mod.Middleware):
 
     def outgoing(self, dst: int, tensors: List[torch.Tensor], extras: Dict[str, Any],
                  request_extras: Optional[Dict[str, Any]]) -> None:
-        if request_extras is None and _ctx.deletes:
+        if request_extras is None and (_ctx.deletes or _ctx.collected):
             pile = _ctx.take_deletes(dst)
             if pile:
                 extras["rdel"] = pile
@@ -546,7 +593,9 @@ def new_user_for_remote(owner: int, rref_id: Id, fork_id: Id, creation: torch.fu
         if r is not None:
             r._confirmed = _succeeded(f)
 
-    creation.add_done_callback(confirm)
+    # Not RpcFuture's add_done_callback: this one is safe to run inline on the thread that
+    # reads the acknowledgement, and so needs no hop through the pool.
+    torch.futures.Future.add_done_callback(creation, confirm)
     return rref
 
 
@@ -615,7 +664,9 @@ def flush() -> int:
             # Deletes sent since the last flush, also those that rode on other requests.
             work += _ctx.deletes_out - _ctx.deletes_seen
             _ctx.deletes_seen = _ctx.deletes_out
-        if not pending:
+            # A creation confirmed after the barrier queued its delete just now: send it.
+            unsent = bool(_ctx.collected or _ctx.deletes)
+        if not pending and not unsent:
             return work
         work += len(pending)
         settle(pending)

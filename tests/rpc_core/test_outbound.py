@@ -117,3 +117,42 @@ def test_waiting_on_a_future_with_callbacks_returns_its_value_and_runs_them():
     (pairs, seen), _ = run_world(_body_callbacks_and_wait, 2)
     assert pairs == [(2.0 * i, 2.0 * i + 1) for i in range(20)]
     assert seen == [2.0 * i for i in range(20)]
+
+
+# -- remote()'s acknowledgement is read lazily ----------------------------------------------------------
+def _ones():
+    return torch.ones(3)
+
+
+def _body_remote_then_to_here(ctx):
+    if ctx.rank != 0:
+        return None
+    agent_mod._LAZY_DELAY = 60.0  # no kick within the test: only waiters may read
+    rpc_core.rpc_sync(1, _noop)  # dials the connection
+    w0, b0 = _counters()
+    kept = []  # no deletes during the loop: one sent on its own would be read in the background
+    for _ in range(20):
+        kept.append(rpc_core.remote(1, _ones))
+        assert torch.equal(kept[-1].to_here(), torch.ones(3))
+    w1, b1 = _counters()
+    return w1 - w0, b1 - b0
+
+
+def test_to_here_reads_the_remote_acknowledgement_on_its_way_and_no_background_read_happens():
+    (by_waiters, in_background), _ = run_world(_body_remote_then_to_here, 2)
+    assert by_waiters == 40  # 20 acknowledgements and 20 values
+    assert in_background == 0
+
+
+def _body_remote_nobody_waits_on(ctx):
+    if ctx.rank != 0:
+        return None
+    rref = rpc_core.remote(1, _ones)
+    confirmed = threading.Event()
+    torch.futures.Future.add_done_callback(rref._get_future(), lambda f: confirmed.set())
+    # Nobody reads the connection: only the kick after _LAZY_DELAY wakes the background reader.
+    return confirmed.wait(30), rref.confirmed_by_owner(), _counters()[1] >= 1
+
+
+def test_a_remote_nobody_waits_on_is_still_acknowledged_by_the_background_reader():
+    assert run_world(_body_remote_nobody_waits_on, 2)[0] == (True, True, True)

@@ -389,3 +389,38 @@ def test_a_user_delete_rides_on_the_next_request_to_the_owner():
     assert list(waiting) == [1] and len(waiting[1]) == 1
     assert held_after is False
     assert left == {}
+
+
+class _RecordingQueue:
+    """The release queue, recording what ``__del__`` puts on it (each put wakes a thread)."""
+
+    def __init__(self, real):
+        self.real, self.kinds = real, []
+
+    def put(self, item):
+        self.kinds.append(item[0])
+        self.real.put(item)
+
+    def get(self, *args, **kwargs):
+        return self.real.get(*args, **kwargs)
+
+
+def _body_collected_user_rref(ctx):
+    if ctx.rank != 0:
+        return None
+    r = rpc_core.remote(1, _add, args=(1, 2))
+    assert r.to_here() == 3  # reads the creation's acknowledgement too: r is confirmed
+    rref_id = r._rref_id
+    rref_mod._ctx.releases = recording = _RecordingQueue(rref_mod._ctx.releases)
+    try:
+        del r  # the last reference: __del__ runs here
+        held_after = rpc_core.rpc_sync(1, _owner_holds, args=(rref_id,))
+    finally:
+        rref_mod._ctx.releases = recording.real
+    return recording.kinds, held_after
+
+
+def test_a_collected_confirmed_user_rref_wakes_no_thread_and_its_delete_still_reaches_the_owner():
+    (kinds, held_after), _ = run_world(_body_collected_user_rref, 2)
+    assert "user" not in kinds  # at most a poke of a release loop that slept without deadline
+    assert held_after is False  # carried by the call (or sent by the release loop before it)
