@@ -25,7 +25,7 @@ import select
 import socket
 import threading
 import time
-from typing import Callable, Deque, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Deque, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -48,13 +48,36 @@ _CMA_MIN = 256 << 10
 # pays a wake-up of tens of µs on a small VM (bare TCP ping-pong between two processes here:
 # 59 µs blocking, 9 µs polling). So a reader whose recent waits on this socket were shorter
 # than this budget polls the socket (yielding the CPU between polls) for up to the budget
-# before it blocks; a reader whose waits are longer (an idle peer, a long computation on
-# the other side, an oversubscribed machine) blocks at once and wastes nothing.
+# before it blocks. A reader whose waits are longer (an idle peer, a long computation on
+# the other side) blocks at once, and so does one whose yield shows that another task
+# wants the CPU (an oversubscribed machine). The budget covers a call whose callee
+# computes for a millisecond or two (a small model's forward): ps_train's MLP 1+1 trained
+# 15-16k samples/s with 200 µs and 18-20k with 2000 µs (e2e_bench --quick, alternating).
 # RPC_CORE_SPIN_US=0 turns polling off.
-_SPIN = max(0.0, float(os.environ.get("RPC_CORE_SPIN_US", "200"))) * 1e-6
+_SPIN = max(0.0, float(os.environ.get("RPC_CORE_SPIN_US", "2000"))) * 1e-6
+# A yield that took this long ran another task: the CPU is wanted, so stop polling.
+_CONTENDED = 50e-6
+_NOTHING = object()
 _DONTWAIT = int(socket.MSG_DONTWAIT)  # plain ints: or-ing the enum flags costs µs per poll
 _PEEK = _DONTWAIT | int(socket.MSG_PEEK)
 _HUGE_ALLOC = 1 << 20  # buffers this large are advised for transparent huge pages
+
+
+def _poll(end: float, attempt: Callable[[], Any]) -> Any:
+    """Retry the non-blocking ``attempt`` until it stops raising BlockingIOError and return
+    its result; ``_NOTHING`` once past ``end`` (perf_counter) or once a yield between tries
+    shows that another task was waiting for this CPU (polling would take its time)."""
+    while True:
+        now = time.perf_counter()
+        if now > end:
+            return _NOTHING
+        os.sched_yield()
+        if time.perf_counter() - now > _CONTENDED:
+            return _NOTHING
+        try:
+            return attempt()
+        except BlockingIOError:
+            pass
 
 
 def _load_madvise() -> Optional[Callable[[int, int, int], int]]:
@@ -310,18 +333,10 @@ class Connection:
         except BlockingIOError:
             pass
         start = time.perf_counter()
+        k = _NOTHING
         if self._wait_estimate < _SPIN:
-            end = start + _SPIN
-            while True:
-                os.sched_yield()  # lets a process that shares this CPU run
-                try:
-                    k = self.sock.recv_into(view, 0, _DONTWAIT)
-                    break
-                except BlockingIOError:
-                    if time.perf_counter() > end:
-                        k = self.sock.recv_into(view)
-                        break
-        else:
+            k = _poll(start + _SPIN, lambda: self.sock.recv_into(view, 0, _DONTWAIT))
+        if k is _NOTHING:
             k = self.sock.recv_into(view)
         self._note_wait(time.perf_counter() - start)
         return k
@@ -335,19 +350,13 @@ class Connection:
         """Whether bytes arrived while polling for up to ``min(_SPIN, timeout)`` seconds."""
         if not _SPIN or self._wait_estimate >= _SPIN or self.sock.gettimeout() is not None:
             return False
-        end = start + min(_SPIN, timeout)
-        while True:
-            try:
-                self.sock.recv(1, _PEEK)
-            except BlockingIOError:
-                if time.perf_counter() > end:
-                    return False
-                os.sched_yield()
-                continue
-            except OSError:
-                return True  # broken: recv says how
-            self._note_wait(time.perf_counter() - start)
-            return True
+        try:
+            if _poll(start + min(_SPIN, timeout), lambda: self.sock.recv(1, _PEEK)) is _NOTHING:
+                return False
+        except OSError:
+            return True  # broken: recv says how
+        self._note_wait(time.perf_counter() - start)
+        return True
 
     def _read_small(self, n: int) -> bytes:
         while self._end - self._start < n:

@@ -319,6 +319,23 @@ def test_a_reader_polls_while_its_waits_are_short_and_blocks_at_once_after_long_
         b.close()
 
 
+def test_a_reader_stops_polling_as_soon_as_another_task_wants_its_cpu(pool, listener, monkeypatch):
+    yields = []
+
+    def busy_cpu():  # a yield that ran another task for a while
+        yields.append(1)
+        time.sleep(0.001)
+
+    monkeypatch.setattr(os, "sched_yield", busy_cpu)
+    a, b = _connected_pair(pool, listener)
+    try:
+        assert _recv_after_gap(pool, a, b, 0.05)[2] == b"after the gap"
+        assert len(yields) == 1  # one poll, then it blocked for the rest of the 50 ms
+    finally:
+        a.close()
+        b.close()
+
+
 def test_with_polling_switched_off_a_reader_only_blocks(pool, listener, yields, monkeypatch):
     monkeypatch.setattr(transport, "_SPIN", 0.0)
     a, b = _connected_pair(pool, listener)
