@@ -255,7 +255,7 @@ class Agent:
                 while self._kicks and self._kicks[0][0] <= now:
                     kicks.append(self._kicks.popleft()[1])
                 if self._kicks:
-                    next_wake = self._kicks[0][0]
+                    next_wake = min(next_wake, self._kicks[0][0])
                 for q in self._deadlines.values():
                     while q and q[0][0] <= now:
                         expired.append(q.popleft()[1])

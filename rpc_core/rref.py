@@ -95,16 +95,11 @@ class _Context:
         self.n_collected = 0  # appends so far (approximate: it only paces the release loop)
         self.release_asleep = False  # the release loop waits without a deadline: poke it
 
-    def gather(self) -> List[int]:
-        """Move collected deletes into the piles (lock held); returns owners whose pile filled."""
-        full = []
+    def gather(self) -> None:
+        """Move collected deletes into the per-owner piles (call with the lock held)."""
         while self.collected:
             owner, rref_id, fork_id = self.collected.popleft()
-            pile = self.deletes.setdefault(owner, [])
-            pile.append((rref_id, fork_id))
-            if len(pile) == _DELETE_BATCH:
-                full.append(owner)
-        return full
+            self.deletes.setdefault(owner, []).append((rref_id, fork_id))
 
     def take_deletes(self, owner: int) -> List[Tuple[Id, Id]]:
         with self.lock:
