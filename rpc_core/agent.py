@@ -37,6 +37,9 @@ _HELLO_ID = 0  # msg_id of the identity frame a dialer sends first
 # woken for it. remote()'s acknowledgement only confirms the creator's RRef; the to_here()
 # that usually follows reads it on its way to its own answer.
 _LAZY_DELAY = 0.005
+# Unanswered background-read calls on a connection from which new ones may be queued for
+# the reader to write in batches (see send_request).
+_DEFER_IN_FLIGHT = 16
 
 
 def current_agent() -> "Agent":
@@ -198,7 +201,14 @@ class Agent:
             if unattended and link.sent_unattended(lazy):
                 self._arm_kick(link)
         try:
-            conn.send(wire.REQUEST, flags, msg_id, head, ser.body, ser.buffers)
+            if unattended and not lazy and link.in_flight() >= _DEFER_IN_FLIGHT:
+                # A burst: the background reader keeps reading until this call's answer
+                # arrives, so the frame may wait for it to write many at once (transport.send).
+                # Not for the first few: a caller that sends one and computes (overlapping
+                # communication) must not wait for the reader to get the GIL.
+                conn.send(wire.REQUEST, flags, msg_id, head, ser.body, ser.buffers, defer=True)
+            else:
+                conn.send(wire.REQUEST, flags, msg_id, head, ser.body, ser.buffers)
         except (OSError, RpcError) as e:
             self._fail(msg_id, e if isinstance(e, RpcError) else self._lost_error(dst, e))
         return fut

@@ -68,6 +68,10 @@ class Outbound:
             self._kick_armed = True
             return True
 
+    def in_flight(self) -> int:
+        """Calls sent whose answers only the background thread is sure to read."""
+        return self._unattended
+
     def kick(self) -> None:
         """Lazy answers waited long enough: the background thread reads whatever is left."""
         with self._cv:

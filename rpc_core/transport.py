@@ -155,19 +155,35 @@ class Connection:
         self._tokens = itertools.count(1)
         self._outstanding: Set[int] = set()  # tokens sent, RELEASE not yet read
         self._released: Set[int] = set()  # RELEASE read, sender not yet woken
-        self._release_q: Deque[int] = collections.deque()  # RELEASEs to write
+        # Small whole frames waiting to be written by whoever next can: RELEASEs (a reader
+        # must not wait for the send lock) and deferred requests (see send).
+        self._small_q: Deque[bytes] = collections.deque()
+        self._reader_sleeps = False  # a reader is (about to be) blocked in the kernel
         self._wait_estimate = 0.0  # moving average of recent waits for bytes (s); decides polling
 
     # -- send ---------------------------------------------------------------------------
-    def send(self, kind: int, flags: int, msg_id: int, head: bytes, body: bytes, buffers: Sequence[memoryview] = ()) -> None:
+    def send(self, kind: int, flags: int, msg_id: int, head: bytes, body: bytes, buffers: Sequence[memoryview] = (),
+             defer: bool = False) -> None:
+        """Write one frame. ``defer``: a small tensor-free frame may instead be queued for
+        the thread now reading this connection, which writes everything queued in one go
+        before it next waits for bytes (a burst of ``rpc_async`` calls then costs a few
+        writes, not one each). The caller promises that some thread keeps reading this
+        connection until the frame's answer arrives; frames keep their order either way."""
         if not buffers and len(body) < _DIRECT_READ:
             # The common small message (no tensors): one write of one bytes object.
             data = wire.pack_header(kind, flags, len(head), len(body), msg_id, ()) + head + body
+            if defer and self._reading and not self._reader_sleeps:
+                self._small_q.append(data)
+                if self._reader_sleeps:  # the reader went to sleep meanwhile: write it ourselves
+                    self._flush_small()
+                return
             with self._send_lock:
+                if self._small_q:
+                    data = self._take_small() + data  # queued frames first: order is kept
                 self.sock.sendall(data)
                 self.bytes_sent += len(data)
-            if self._release_q:
-                self._flush_releases()
+            if self._small_q:
+                self._flush_small()
             return
         addrs = [_address(b) if len(b) >= _CMA_MIN else 0 for b in buffers] if self.cma_send else ()
         if not any(addrs):
@@ -203,15 +219,17 @@ class Connection:
             parts = [memoryview(header + head), memoryview(body)] if len(body) >= _DIRECT_READ else [
                 memoryview(header + head + body)]
             parts.extend(b for b in buffers if len(b))
-        total = sum(len(p) for p in parts)
         with self._send_lock:
+            if self._small_q:
+                parts.insert(0, memoryview(self._take_small()))  # queued frames first: order is kept
+            total = sum(len(p) for p in parts)
             if len(parts) == 1:
                 self.sock.sendall(parts[0])
             else:
                 self._sendmsg_all(parts)
             self.bytes_sent += total
-        if self._release_q:
-            self._flush_releases()
+        if self._small_q:
+            self._flush_small()
 
     def _sendmsg_all(self, parts: List[memoryview]) -> None:
         i = 0
@@ -226,21 +244,25 @@ class Connection:
                     parts[i] = parts[i][sent:]
                     sent = 0
 
-    def _flush_releases(self) -> None:
-        """Write queued RELEASEs if the send lock is free; if it is not, its holder calls
-        this again after its frame (it checks the queue after letting go of the lock, so
-        nothing queued is left behind). Never waits for the lock: readers call this."""
-        while self._release_q:
+    def _take_small(self) -> bytes:
+        """All queued small frames, in order (send lock held)."""
+        q = self._small_q
+        return q.popleft() if len(q) == 1 else b"".join([q.popleft() for _ in range(len(q))])
+
+    def _flush_small(self) -> None:
+        """Write the queued small frames if the send lock is free; if it is not, its holder
+        calls this again after its frame (it checks the queue after letting go of the lock,
+        so nothing queued is left behind). Never waits for the lock: readers call this."""
+        while self._small_q:
             if not self._send_lock.acquire(blocking=False):
                 return
             try:
-                tokens = []
-                while self._release_q:
-                    tokens.append(self._release_q.popleft())
-                self.sock.sendall(b"".join(wire.pack_header(wire.RELEASE, 0, 0, 0, t, []) for t in tokens))
+                data = self._take_small()
+                self.sock.sendall(data)
+                self.bytes_sent += len(data)
             except OSError as e:
                 # The stream is broken (maybe mid-frame): make sure both ends see it closed.
-                self._fail(PeerClosed(f"could not write RELEASE: {e}"))
+                self._fail(PeerClosed(f"could not write queued frames: {e}"))
                 try:
                     self.sock.shutdown(socket.SHUT_RDWR)
                 except OSError:
@@ -335,11 +357,27 @@ class Connection:
         start = time.perf_counter()
         k = _NOTHING
         if self._wait_estimate < _SPIN:
-            k = _poll(start + _SPIN, lambda: self.sock.recv_into(view, 0, _DONTWAIT))
+            k = _poll(start + _SPIN, lambda: self._try_recv_into(view))
         if k is _NOTHING:
-            k = self.sock.recv_into(view)
+            self._before_sleep()
+            try:
+                k = self.sock.recv_into(view)
+            finally:
+                self._reader_sleeps = False
         self._note_wait(time.perf_counter() - start)
         return k
+
+    def _try_recv_into(self, view: memoryview) -> int:
+        if self._small_q:
+            self._flush_small()  # queued requests may be what the awaited answers wait for
+        return self.sock.recv_into(view, 0, _DONTWAIT)
+
+    def _before_sleep(self) -> None:
+        # Flag first, then look at the queue: a deferring sender that queued after this look
+        # sees the flag and writes its frame itself.
+        self._reader_sleeps = True
+        if self._small_q:
+            self._flush_small()
 
     def _note_wait(self, seconds: float) -> None:
         # An exponential moving average: a few long waits in a row switch polling off, a
@@ -351,12 +389,17 @@ class Connection:
         if not _SPIN or self._wait_estimate >= _SPIN or self.sock.gettimeout() is not None:
             return False
         try:
-            if _poll(start + min(_SPIN, timeout), lambda: self.sock.recv(1, _PEEK)) is _NOTHING:
+            if _poll(start + min(_SPIN, timeout), self._try_peek) is _NOTHING:
                 return False
         except OSError:
             return True  # broken: recv says how
         self._note_wait(time.perf_counter() - start)
         return True
+
+    def _try_peek(self) -> bytes:
+        if self._small_q:
+            self._flush_small()
+        return self.sock.recv(1, _PEEK)
 
     def _read_small(self, n: int) -> bytes:
         while self._end - self._start < n:
@@ -378,9 +421,13 @@ class Connection:
         if timeout and self._poll_spin(start, timeout):
             return True
         try:
+            if timeout:
+                self._before_sleep()
             readable, _, _ = select.select([self.sock], [], [], timeout)
         except (OSError, ValueError):
             return True
+        finally:
+            self._reader_sleeps = False
         if readable and timeout:
             self._note_wait(time.perf_counter() - start)
         return bool(readable)
@@ -473,8 +520,8 @@ class Connection:
                 self._read_into(storage_view(st))
             storages.append(st)
         if addrs:
-            self._release_q.append(token)
-            self._flush_releases()
+            self._small_q.append(wire.pack_header(wire.RELEASE, 0, 0, 0, token, []))
+            self._flush_small()
         return h, head, body, storages
 
     def _read_growing(self, n: int) -> bytes:

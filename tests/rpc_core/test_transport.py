@@ -346,3 +346,53 @@ def test_with_polling_switched_off_a_reader_only_blocks(pool, listener, yields, 
     finally:
         a.close()
         b.close()
+
+
+# -- deferred frames -------------------------------------------------------------------------------
+def _frame(conn, n, defer):
+    conn.send(wire.REQUEST, 0, n, b"", f"frame {n}".encode(), defer=defer)
+
+
+def test_deferred_frames_wait_for_the_reader_and_go_out_together_in_order(pool, listener):
+    a, b = _connected_pair(pool, listener)
+    try:
+        a._reading = True  # as while a thread is inside a.recv(), between two waits
+        for n in (1, 2, 3):
+            _frame(a, n, defer=True)
+        assert not b.poll(0.05)  # nothing written yet: the reader writes them
+        sent = a.bytes_sent
+        a.poll(0.01)  # a reader about to wait for bytes writes the queue first
+        assert a.bytes_sent > sent
+        assert [b.recv()[2] for _ in range(3)] == [b"frame 1", b"frame 2", b"frame 3"]
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_direct_send_writes_the_queued_frames_before_its_own(pool, listener):
+    a, b = _connected_pair(pool, listener)
+    try:
+        a._reading = True
+        _frame(a, 1, defer=True)
+        _frame(a, 2, defer=True)
+        _frame(a, 3, defer=False)
+        a.send(wire.REQUEST, 0, 4, b"", b"", [memoryview(b"tensor bytes")])  # the tensor path too
+        got = [b.recv() for _ in range(4)]
+        assert [h.msg_id for h, *_ in got] == [1, 2, 3, 4]
+        assert bytes(storage_view(got[3][3][0])) == b"tensor bytes"
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_deferring_sender_writes_at_once_when_the_reader_sleeps_or_nobody_reads(pool, listener):
+    a, b = _connected_pair(pool, listener)
+    try:
+        _frame(a, 1, defer=True)  # nobody is reading: nobody would write it later
+        a._reading, a._reader_sleeps = True, True  # the reader is blocked in recv
+        _frame(a, 2, defer=True)
+        assert [b.recv()[2] for _ in range(2)] == [b"frame 1", b"frame 2"]
+        assert not a._small_q
+    finally:
+        a.close()
+        b.close()
