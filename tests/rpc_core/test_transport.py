@@ -51,6 +51,15 @@ def _connected_pair(pool, listener, secret=b"s3cret"):
     return transport.Connection(dialed), transport.Connection(accepted.result(IO_TIMEOUT))
 
 
+@pytest.fixture
+def pair(pool, listener):
+    """A connected (dialer, acceptor) pair of Connections, closed after the test."""
+    a, b = _connected_pair(pool, listener)
+    yield a, b
+    a.close()
+    b.close()
+
+
 def _raw_pair():
     a, b = socket.socketpair()
     b.settimeout(IO_TIMEOUT)
@@ -294,32 +303,28 @@ def _recv_after_gap(pool, sender, receiver, gap):
     return got.result(IO_TIMEOUT)
 
 
-def test_a_reader_polls_while_its_waits_are_short_and_blocks_at_once_after_long_ones(pool, listener, yields):
-    a, b = _connected_pair(pool, listener)
-    try:
-        # Fresh connection: no long waits seen, so the first wait starts by polling, gives
-        # up after the budget, blocks, and still gets the frame whole.
-        assert _recv_after_gap(pool, a, b, 0.05)[2] == b"after the gap"
-        assert yields
-        # That wait (>= 50 ms) pushed the estimate far past the budget: the next wait
-        # blocks without a single poll.
-        assert b._wait_estimate > transport._SPIN
-        yields.clear()
-        assert _recv_after_gap(pool, a, b, 0.05)[2] == b"after the gap"
-        assert not yields
-        # Short waits bring polling back: the estimate decays toward the recent waits.
-        for _ in range(40):
-            b._note_wait(transport._SPIN / 10)
-        assert b._wait_estimate < transport._SPIN
-        a.send(wire.REQUEST, 0, 2, b"", b"ready at once")
-        assert b.recv()[2] == b"ready at once"  # bytes already there: no wait, no poll
-        assert not yields
-    finally:
-        a.close()
-        b.close()
+def test_a_reader_polls_while_its_waits_are_short_and_blocks_at_once_after_long_ones(pool, pair, yields):
+    a, b = pair
+    # Fresh connection: no long waits seen, so the first wait starts by polling, gives
+    # up after the budget, blocks, and still gets the frame whole.
+    assert _recv_after_gap(pool, a, b, 0.05)[2] == b"after the gap"
+    assert yields
+    # That wait (>= 50 ms) pushed the estimate far past the budget: the next wait
+    # blocks without a single poll.
+    assert b._wait_estimate > transport._SPIN
+    yields.clear()
+    assert _recv_after_gap(pool, a, b, 0.05)[2] == b"after the gap"
+    assert not yields
+    # Short waits bring polling back: the estimate decays toward the recent waits.
+    for _ in range(40):
+        b._note_wait(transport._SPIN / 10)
+    assert b._wait_estimate < transport._SPIN
+    a.send(wire.REQUEST, 0, 2, b"", b"ready at once")
+    assert b.recv()[2] == b"ready at once"  # bytes already there: no wait, no poll
+    assert not yields
 
 
-def test_a_reader_stops_polling_as_soon_as_another_task_wants_its_cpu(pool, listener, monkeypatch):
+def test_a_reader_stops_polling_as_soon_as_another_task_wants_its_cpu(pool, pair, monkeypatch):
     yields = []
 
     def busy_cpu():  # a yield that ran another task for a while
@@ -327,25 +332,17 @@ def test_a_reader_stops_polling_as_soon_as_another_task_wants_its_cpu(pool, list
         time.sleep(0.001)
 
     monkeypatch.setattr(os, "sched_yield", busy_cpu)
-    a, b = _connected_pair(pool, listener)
-    try:
-        assert _recv_after_gap(pool, a, b, 0.05)[2] == b"after the gap"
-        assert len(yields) == 1  # one poll, then it blocked for the rest of the 50 ms
-    finally:
-        a.close()
-        b.close()
+    a, b = pair
+    assert _recv_after_gap(pool, a, b, 0.05)[2] == b"after the gap"
+    assert len(yields) == 1  # one poll, then it blocked for the rest of the 50 ms
 
 
-def test_with_polling_switched_off_a_reader_only_blocks(pool, listener, yields, monkeypatch):
+def test_with_polling_switched_off_a_reader_only_blocks(pool, pair, yields, monkeypatch):
     monkeypatch.setattr(transport, "_SPIN", 0.0)
-    a, b = _connected_pair(pool, listener)
-    try:
-        assert _recv_after_gap(pool, a, b, 0.01)[2] == b"after the gap"
-        assert not b.poll(0.01)  # nothing more to read: poll waits its timeout out
-        assert not yields
-    finally:
-        a.close()
-        b.close()
+    a, b = pair
+    assert _recv_after_gap(pool, a, b, 0.01)[2] == b"after the gap"
+    assert not b.poll(0.01)  # nothing more to read: poll waits its timeout out
+    assert not yields
 
 
 # -- deferred frames -------------------------------------------------------------------------------
@@ -353,46 +350,34 @@ def _frame(conn, n, defer):
     conn.send(wire.REQUEST, 0, n, b"", f"frame {n}".encode(), defer=defer)
 
 
-def test_deferred_frames_wait_for_the_reader_and_go_out_together_in_order(pool, listener):
-    a, b = _connected_pair(pool, listener)
-    try:
-        a._reading = True  # as while a thread is inside a.recv(), between two waits
-        for n in (1, 2, 3):
-            _frame(a, n, defer=True)
-        assert not b.poll(0.05)  # nothing written yet: the reader writes them
-        sent = a.bytes_sent
-        a.poll(0.01)  # a reader about to wait for bytes writes the queue first
-        assert a.bytes_sent > sent
-        assert [b.recv()[2] for _ in range(3)] == [b"frame 1", b"frame 2", b"frame 3"]
-    finally:
-        a.close()
-        b.close()
+def test_deferred_frames_wait_for_the_reader_and_go_out_together_in_order(pair):
+    a, b = pair
+    a._reading = True  # as while a thread is inside a.recv(), between two waits
+    for n in (1, 2, 3):
+        _frame(a, n, defer=True)
+    assert not b.poll(0.05)  # nothing written yet: the reader writes them
+    sent = a.bytes_sent
+    a.poll(0.01)  # a reader about to wait for bytes writes the queue first
+    assert a.bytes_sent > sent
+    assert [b.recv()[2] for _ in range(3)] == [b"frame 1", b"frame 2", b"frame 3"]
 
 
-def test_a_direct_send_writes_the_queued_frames_before_its_own(pool, listener):
-    a, b = _connected_pair(pool, listener)
-    try:
-        a._reading = True
-        _frame(a, 1, defer=True)
-        _frame(a, 2, defer=True)
-        _frame(a, 3, defer=False)
-        a.send(wire.REQUEST, 0, 4, b"", b"", [memoryview(b"tensor bytes")])  # the tensor path too
-        got = [b.recv() for _ in range(4)]
-        assert [h.msg_id for h, *_ in got] == [1, 2, 3, 4]
-        assert bytes(storage_view(got[3][3][0])) == b"tensor bytes"
-    finally:
-        a.close()
-        b.close()
+def test_a_direct_send_writes_the_queued_frames_before_its_own(pair):
+    a, b = pair
+    a._reading = True
+    _frame(a, 1, defer=True)
+    _frame(a, 2, defer=True)
+    _frame(a, 3, defer=False)
+    a.send(wire.REQUEST, 0, 4, b"", b"", [memoryview(b"tensor bytes")])  # the tensor path too
+    got = [b.recv() for _ in range(4)]
+    assert [h.msg_id for h, *_ in got] == [1, 2, 3, 4]
+    assert bytes(storage_view(got[3][3][0])) == b"tensor bytes"
 
 
-def test_a_deferring_sender_writes_at_once_when_the_reader_sleeps_or_nobody_reads(pool, listener):
-    a, b = _connected_pair(pool, listener)
-    try:
-        _frame(a, 1, defer=True)  # nobody is reading: nobody would write it later
-        a._reading, a._reader_sleeps = True, True  # the reader is blocked in recv
-        _frame(a, 2, defer=True)
-        assert [b.recv()[2] for _ in range(2)] == [b"frame 1", b"frame 2"]
-        assert not a._small_q
-    finally:
-        a.close()
-        b.close()
+def test_a_deferring_sender_writes_at_once_when_the_reader_sleeps_or_nobody_reads(pair):
+    a, b = pair
+    _frame(a, 1, defer=True)  # nobody is reading: nobody would write it later
+    a._reading, a._reader_sleeps = True, True  # the reader is blocked in recv
+    _frame(a, 2, defer=True)
+    assert [b.recv()[2] for _ in range(2)] == [b"frame 1", b"frame 2"]
+    assert not a._small_q
