@@ -633,6 +633,7 @@ def reset() -> None:
         _ctx.in_flight = []
         _ctx.freed.clear()
         _ctx.deletes.clear()
+        _ctx.collected.clear()
 
 
 def debug_info() -> Dict[str, int]:
