@@ -274,16 +274,9 @@ class Connection:
     def _await_release(self, token: int) -> None:
         """Return once the peer released ``token``; raise PeerClosed if the connection fails
         first. Reads the socket itself while nobody else does."""
-        with self._state:
-            while True:
-                if token in self._released:
-                    return
-                if self._failed is not None:
-                    raise PeerClosed(f"the connection failed before the peer copied our buffers: {self._failed}")
-                if not self._reading:
-                    self._reading = True
-                    break
-                self._state.wait()
+        if self._take_role(lambda: True if token in self._released else _NOTHING, lambda e: PeerClosed(
+                f"the connection failed before the peer copied our buffers: {e}")) is not _NOTHING:
+            return
         try:
             while True:
                 frame = self._read_frame()
@@ -299,9 +292,28 @@ class Connection:
                 raise PeerClosed(f"the connection failed before the peer copied our buffers: {e}") from e
             raise
         finally:
-            with self._state:
-                self._reading = False
-                self._state.notify_all()
+            self._drop_role()
+
+    def _take_role(self, done: Callable[[], Any], failed: Callable[[BaseException], BaseException]) -> Any:
+        """Wait until ``done()`` has a result (returned) or this thread may read the socket
+        (``_NOTHING`` returned: the reading role is now held, ``_drop_role`` gives it back);
+        raise ``failed(reason)`` if the connection failed first."""
+        with self._state:
+            while True:
+                result = done()
+                if result is not _NOTHING:
+                    return result
+                if self._failed is not None:
+                    raise failed(self._failed)
+                if not self._reading:
+                    self._reading = True
+                    return _NOTHING
+                self._state.wait()
+
+    def _drop_role(self) -> None:
+        with self._state:
+            self._reading = False
+            self._state.notify_all()
 
     def _fail(self, e: BaseException) -> None:
         with self._state:
@@ -435,16 +447,9 @@ class Connection:
     def recv(self) -> Tuple[wire.FrameHeader, bytes, bytes, List[torch.UntypedStorage]]:
         """Read one frame. Raises PeerClosed on EOF, ProtocolError on malformed bytes.
         RELEASE frames are the transport's own: they are handled here, never returned."""
-        with self._state:
-            while True:
-                if self._inbox:
-                    return self._inbox.popleft()
-                if self._failed is not None:
-                    raise self._failed
-                if not self._reading:
-                    self._reading = True
-                    break
-                self._state.wait()
+        queued = self._take_role(lambda: self._inbox.popleft() if self._inbox else _NOTHING, lambda e: e)
+        if queued is not _NOTHING:
+            return queued
         try:
             while True:
                 frame = self._read_frame()
@@ -456,9 +461,7 @@ class Connection:
             self._fail(e)
             raise
         finally:
-            with self._state:
-                self._reading = False
-                self._state.notify_all()
+            self._drop_role()
 
     def _read_frame(self) -> Optional[Tuple[wire.FrameHeader, bytes, bytes, List[torch.UntypedStorage]]]:
         """Read the next frame off the socket; None if it was a RELEASE (handled here)."""
