@@ -39,11 +39,15 @@ class Outbound:
         self.conn = conn
         self._deliver = deliver  # gets (header, head, body, storages) of each frame read
         self._lost = lost  # called once, when reading fails (peer gone, malformed bytes)
-        lock = threading.Lock()
+        self._lock = lock = threading.Lock()
         # Two conditions on one lock, so that ending a read wakes the background thread only
         # when there is something for it to read: a needless wake-up costs as much as a call.
+        # Each is notified only when someone waits on it (_waiters, _bg_idle): this runs for
+        # every frame, and Condition.notify_all costs a few µs even when it wakes nobody.
         self._cv = threading.Condition(lock)  # waiters for the reading role or their answer
         self._bg_cv = threading.Condition(lock)  # the background thread
+        self._waiters = 0
+        self._bg_idle = False
         self._unattended = 0
         self._kick_armed = False
         self._reading = False
@@ -57,10 +61,10 @@ class Outbound:
         """A call was sent whose answer nobody is reading for (yet). A ``lazy`` one does not
         wake the background thread: the next waiter reads it on its way, else a ``kick``
         does. Returns whether the caller must arrange that kick (one at a time is armed)."""
-        with self._cv:
+        with self._lock:
             self._unattended += 1
             if not lazy:
-                if not self._reading:
+                if not self._reading and self._bg_idle:
                     self._bg_cv.notify()
                 return False
             if self._kick_armed:
@@ -74,17 +78,18 @@ class Outbound:
 
     def kick(self) -> None:
         """Lazy answers waited long enough: the background thread reads whatever is left."""
-        with self._cv:
+        with self._lock:
             self._kick_armed = False
-            if self._unattended > 0 and not self._reading:
+            if self._unattended > 0 and not self._reading and self._bg_idle:
                 self._bg_cv.notify()
 
     def answered(self, unattended: bool) -> None:
         """A call on this connection completed (answer, timeout or failure)."""
-        with self._cv:
+        with self._lock:
             if unattended:
                 self._unattended -= 1
-            self._cv.notify_all()
+            if self._waiters:
+                self._cv.notify_all()
 
     def close(self) -> None:
         with self._cv:
@@ -98,9 +103,13 @@ class Outbound:
         still be queued for a pool thread when it has callbacks: the caller then waits on
         the future itself) or the connection is closed."""
         while not (fut._answered or fut.done()):
-            with self._cv:
+            with self._lock:
                 while self._reading and not (fut._answered or fut.done() or self._closed):
-                    self._cv.wait(_wait_time(deadline))
+                    self._waiters += 1
+                    try:
+                        self._cv.wait(_wait_time(deadline))
+                    finally:
+                        self._waiters -= 1
                 if fut._answered or fut.done() or self._closed:
                     return
                 self._reading = True
@@ -114,25 +123,35 @@ class Outbound:
     def _background(self) -> None:
         init_torch_thread()  # received tensors are rebuilt on the reading thread
         while True:
-            with self._cv:
+            with self._lock:
                 while not self._closed and (self._reading or self._unattended <= 0):
-                    self._bg_cv.wait()
+                    self._bg_idle = True
+                    try:
+                        self._bg_cv.wait()
+                    finally:
+                        self._bg_idle = False
                 if self._closed:
                     return
                 self._reading = True
             try:
-                self.read_in_background += 1
-                self._read_one()
+                # Keep the role while unattended calls remain: a burst of answers costs one
+                # hand-over, not one per frame (waiters still get theirs through answered()).
+                while True:
+                    self.read_in_background += 1
+                    self._read_one()
+                    if self._unattended <= 0 or self._closed:
+                        break
             except Exception:  # a bug while delivering must not leave the calls unread
                 log.exception("rpc_core: error while delivering an answer")
             finally:
                 self._end_read()
 
     def _end_read(self) -> None:
-        with self._cv:
+        with self._lock:
             self._reading = False
-            self._cv.notify_all()
-            if self._unattended > 0:
+            if self._waiters:
+                self._cv.notify_all()
+            if self._unattended > 0 and self._bg_idle:
                 self._bg_cv.notify()
 
     def _read_one(self) -> None:

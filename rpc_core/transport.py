@@ -147,8 +147,13 @@ class Connection:
         self.peer_pid = link.peer_pid if link else 0
         self.cma_send = bool(link and link.send)
         self.cma_recv = bool(link and link.recv)
-        # Reader role and RELEASE bookkeeping, all under _state.
-        self._state = threading.Condition(threading.Lock())
+        # Reader role and RELEASE bookkeeping, all under _lock. Threads that wait for the role
+        # (or a RELEASE, or a frame read by someone else) wait on _state and are counted in
+        # _role_waiters: a reader gives the role back once per frame, and waking nobody
+        # through Condition.notify_all costs more than the rest of that hand-back.
+        self._lock = threading.Lock()
+        self._state = threading.Condition(self._lock)
+        self._role_waiters = 0
         self._reading = False  # someone is reading the socket (recv, or a sender awaiting RELEASE)
         self._inbox: Deque[tuple] = collections.deque()  # frames a waiting sender read for recv
         self._failed: Optional[BaseException] = None  # the connection is unusable, and why
@@ -191,7 +196,7 @@ class Connection:
             self._write(header, head, body, buffers)
             return
         token = next(self._tokens)
-        with self._state:
+        with self._lock:
             if self._failed is not None:
                 raise PeerClosed(f"connection failed earlier: {self._failed}")
             self._outstanding.add(token)
@@ -201,7 +206,7 @@ class Connection:
             self._write(header, head, body, [b for b, a in zip(buffers, addrs) if not a])
             self._await_release(token)
         finally:
-            with self._state:
+            with self._lock:
                 self._outstanding.discard(token)
                 self._released.discard(token)
         remote = sum(len(b) for b, a in zip(buffers, addrs) if a)
@@ -280,10 +285,10 @@ class Connection:
         try:
             while True:
                 frame = self._read_frame()
-                with self._state:
+                with self._lock:
                     if frame is not None:
                         self._inbox.append(frame)
-                        self._state.notify_all()
+                        self._wake_waiters()
                     if token in self._released:
                         return
         except BaseException as e:
@@ -298,7 +303,7 @@ class Connection:
         """Wait until ``done()`` has a result (returned) or this thread may read the socket
         (``_NOTHING`` returned: the reading role is now held, ``_drop_role`` gives it back);
         raise ``failed(reason)`` if the connection failed first."""
-        with self._state:
+        with self._lock:
             while True:
                 result = done()
                 if result is not _NOTHING:
@@ -308,15 +313,24 @@ class Connection:
                 if not self._reading:
                     self._reading = True
                     return _NOTHING
-                self._state.wait()
+                self._role_waiters += 1
+                try:
+                    self._state.wait()
+                finally:
+                    self._role_waiters -= 1
 
     def _drop_role(self) -> None:
-        with self._state:
+        with self._lock:
             self._reading = False
+            self._wake_waiters()
+
+    def _wake_waiters(self) -> None:
+        # _lock held.
+        if self._role_waiters:
             self._state.notify_all()
 
     def _fail(self, e: BaseException) -> None:
-        with self._state:
+        with self._lock:
             if self._failed is None:
                 self._failed = e
             self._state.notify_all()
@@ -447,9 +461,14 @@ class Connection:
     def recv(self) -> Tuple[wire.FrameHeader, bytes, bytes, List[torch.UntypedStorage]]:
         """Read one frame. Raises PeerClosed on EOF, ProtocolError on malformed bytes.
         RELEASE frames are the transport's own: they are handled here, never returned."""
-        queued = self._take_role(lambda: self._inbox.popleft() if self._inbox else _NOTHING, lambda e: e)
-        if queued is not _NOTHING:
-            return queued
+        with self._lock:  # the common case, nobody else reading and nothing queued, without _take_role
+            free = not self._reading and not self._inbox and self._failed is None
+            if free:
+                self._reading = True
+        if not free:
+            queued = self._take_role(lambda: self._inbox.popleft() if self._inbox else _NOTHING, lambda e: e)
+            if queued is not _NOTHING:
+                return queued
         try:
             while True:
                 frame = self._read_frame()
@@ -471,12 +490,12 @@ class Connection:
         except ValueError as e:
             raise ProtocolError(f"malformed frame header: {e}") from None
         if h.kind == wire.RELEASE:
-            with self._state:
+            with self._lock:
                 if h.msg_id not in self._outstanding:
                     raise ProtocolError(f"RELEASE of token {h.msg_id}, which names no frame we sent by address")
                 self._outstanding.discard(h.msg_id)
                 self._released.add(h.msg_id)
-                self._state.notify_all()
+                self._wake_waiters()
             return None
         lens: tuple = ()
         if h.nbuf:
