@@ -57,6 +57,11 @@ class RpcFuture(torch.futures.Future):
     _deadline: Optional[float] = None
     _answered = False  # the answer (or failure) arrived; completing may still be queued
 
+    def __init__(self) -> None:
+        # Straight to the C++ constructor: torch.futures.Future.__init__ only converts a
+        # device list, which RPC futures never have, and one is built per call.
+        torch._C.Future.__init__(self, [])
+
     def set_exception(self, result: BaseException) -> None:  # type: ignore[override]
         set_error(self, result)
 

@@ -150,6 +150,9 @@ class Serialized(NamedTuple):
     keepalive: List[Any]  # storages that must outlive the send
 
 
+_new_tuple = tuple.__new__
+
+
 class _PicklerSlot:
     """A per-thread pickler, reused across messages (building one costs more than a
     small message's whole pickling)."""
@@ -180,9 +183,9 @@ def serialize(obj: Any) -> Serialized:
         slot.tensors.clear()
         slot.busy = False
     if not tensors:
-        return Serialized([], body, [], tensors, [])
+        return _new_tuple(Serialized, ([], body, [], tensors, []))  # tuple.__new__: no Python-level constructor
     metas, buffers, keepalive = _pack_tensors(tensors)
-    return Serialized(metas, body, buffers, tensors, keepalive)
+    return _new_tuple(Serialized, (metas, body, buffers, tensors, keepalive))
 
 
 def encode_head(metas: Sequence[TensorMeta], extras: Optional[Dict[str, Any]]) -> bytes:

@@ -484,7 +484,7 @@ class Connection:
 
     def _read_frame(self) -> Optional[Tuple[wire.FrameHeader, bytes, bytes, List[torch.UntypedStorage]]]:
         """Read the next frame off the socket; None if it was a RELEASE (handled here)."""
-        h = wire.FrameHeader(*wire.FRAME_HEADER.unpack(self._read_small(wire.FRAME_HEADER.size)))
+        h = wire.unpack_header(self._read_small(wire.FRAME_HEADER.size))
         try:
             wire.check_header(h)
         except ValueError as e:

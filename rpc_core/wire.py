@@ -103,6 +103,15 @@ class FrameHeader(NamedTuple):
     msg_id: int
 
 
+_new_tuple = tuple.__new__
+
+
+def unpack_header(raw: bytes) -> FrameHeader:
+    # tuple.__new__ straight from the unpacked fields: the NamedTuple constructor is a
+    # Python-level function, and this runs for every frame.
+    return _new_tuple(FrameHeader, FRAME_HEADER.unpack(raw))
+
+
 class ExceptionInfo(NamedTuple):
     """What travels for a remote exception: enough to rebuild its type on the caller."""
 
