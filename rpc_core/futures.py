@@ -73,12 +73,21 @@ class RpcFuture(torch.futures.Future):
         self._has_callbacks = True
         return super().add_done_callback(callback)
 
+    # torch.futures.Future's done/value/wait are Python wrappers of these C++ methods; RPC
+    # paths call them several times per call.
+    done = torch._C.Future.done
+    value = torch._C.Future.value
+
     def wait(self):  # type: ignore[override]
-        if not self.done():
+        if not _done(self):
             handoff_current()  # a pool or reader thread about to block must not hold up other calls
             if self._reader is not None:
                 self._reader.read_until(self, self._deadline)  # read our answer ourselves
-        return super().wait()
+        return _wait(self)
+
+
+_done = torch._C.Future.done
+_wait = torch._C.Future.wait
 
 
 def settle(futures: Iterable[torch.futures.Future]) -> Tuple[List[Any], List[BaseException]]:
