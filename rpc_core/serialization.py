@@ -88,6 +88,10 @@ _Parameter = torch.nn.Parameter
 
 def _pack_tensors(tensors: Sequence[torch.Tensor]) -> Tuple[List[TensorMeta], List[memoryview], List[Any]]:
     """Group tensors by storage; each storage ships once, or only the bytes its views span."""
+    if len(tensors) == 1:
+        packed = _pack_whole(tensors[0])
+        if packed is not None:
+            return packed
     # One pass over the tensors: every accessor below is a call into torch. Plain loops, no
     # generators: this runs for every tensor of every message.
     infos = []
@@ -140,6 +144,21 @@ def _pack_tensors(tensors: Sequence[torch.Tensor]) -> Tuple[List[TensorMeta], Li
                       0 if empty else (offset * esize - lo) // esize,
                       (_REQUIRES_GRAD if t.requires_grad else 0) | (_IS_PARAM if is_param else 0)))
     return metas, buffers, keepalive
+
+
+def _pack_whole(t: torch.Tensor) -> Optional[Tuple[List[TensorMeta], List[memoryview], List[Any]]]:
+    """The common message, one contiguous tensor that is its whole storage (a fresh result,
+    a parameter), packed with a few accessors; None for anything else (the general path)."""
+    storage = t.untyped_storage()
+    nbytes = storage.nbytes()
+    if t.storage_offset() or t.nbytes != nbytes or not nbytes or not t.is_contiguous():
+        return None
+    cls = t.__class__
+    is_param = cls is _Parameter or (cls is not torch.Tensor and isinstance(t, _Parameter))
+    dtype = t.dtype
+    meta = (0, _DTYPE_CODES.get(dtype, dtype), tuple(t.size()), tuple(t.stride()), 0,
+            (_REQUIRES_GRAD if t.requires_grad else 0) | (_IS_PARAM if is_param else 0))
+    return [meta], [storage_view(storage, 0, nbytes)], [storage]
 
 
 class Serialized(NamedTuple):
@@ -201,6 +220,11 @@ def decode_head(head: bytes) -> Tuple[Sequence[TensorMeta], Optional[Dict[str, A
     return pickle.loads(head)
 
 
+# One empty tensor per dtype: ``template.new()`` makes the next empty tensor of that dtype
+# without parsing torch.empty's arguments (per received tensor).
+_TEMPLATES: Dict[torch.dtype, torch.Tensor] = {}
+
+
 def rebuild_tensors(metas: Sequence[TensorMeta], storages: Sequence[torch.UntypedStorage]) -> List[torch.Tensor]:
     out = []
     for buffer, dtype, size, stride, offset, flags in metas:
@@ -209,7 +233,10 @@ def rebuild_tensors(metas: Sequence[TensorMeta], storages: Sequence[torch.Untype
                 raise ValueError(f"tensor meta names dtype code {dtype}, which no rpc_core version sends "
                                  f"(codes are 0..{len(_DTYPES) - 1}); the peer is broken or not rpc_core")
             dtype = _DTYPES[dtype]
-        t = torch.empty(0, dtype=dtype).set_(storages[buffer], offset, size, stride)
+        template = _TEMPLATES.get(dtype)
+        if template is None:
+            template = _TEMPLATES[dtype] = torch.empty(0, dtype=dtype)
+        t = template.new().set_(storages[buffer], offset, size, stride)
         if flags & _IS_PARAM:
             t = _Parameter(t, requires_grad=bool(flags & _REQUIRES_GRAD))
         elif flags & _REQUIRES_GRAD:

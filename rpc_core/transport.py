@@ -137,6 +137,10 @@ class Connection:
         self._send_lock = threading.Lock()
         self._buf = bytearray(_READ_CHUNK)
         self._view = memoryview(self._buf)
+        # The read buffer's address, for copying a small buffered tensor into its storage in
+        # one memmove (the bytearray is never resized; the ctypes export pins it).
+        self._buf_export = ctypes.c_char.from_buffer(self._buf)
+        self._buf_addr = ctypes.addressof(self._buf_export)
         self._start = 0
         self._end = 0
         self.bytes_sent = 0
@@ -499,8 +503,7 @@ class Connection:
             return None
         lens: tuple = ()
         if h.nbuf:
-            raw = self._read_small(wire.BUFFER_LEN.size * h.nbuf)
-            lens = tuple(wire.BUFFER_LEN.unpack_from(raw, i * 8)[0] for i in range(h.nbuf))
+            lens = wire.unpack_buffer_lens(self._read_small(wire.BUFFER_LEN.size * h.nbuf), h.nbuf)
             try:
                 wire.check_buffer_lens(lens, h)
             except ValueError as e:
@@ -539,7 +542,11 @@ class Connection:
                 self.bytes_received += n
                 self.bytes_cma_received += n
             elif n:
-                self._read_into(storage_view(st))
+                if self._end - self._start >= n:  # already in the read buffer (a small frame)
+                    ctypes.memmove(st.data_ptr(), self._buf_addr + self._start, n)
+                    self._start += n
+                else:
+                    self._read_into(storage_view(st))
             storages.append(st)
         if addrs:
             self._small_q.append(wire.pack_header(wire.RELEASE, 0, 0, 0, token, []))

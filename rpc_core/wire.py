@@ -144,6 +144,10 @@ def pack_header(kind: int, flags: int, head_len: int, body_len: int, msg_id: int
     return out
 
 
+def unpack_buffer_lens(raw: bytes, nbuf: int) -> tuple[int, ...]:
+    return struct.unpack(f"<{nbuf}Q", raw)
+
+
 def pack_remote_table(token: int, addrs: list[int]) -> bytes:
     return struct.pack(f"<{1 + len(addrs)}Q", token, *addrs)
 
