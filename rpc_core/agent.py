@@ -524,7 +524,10 @@ class Agent:
                         "Functions decorated with @rpc.async_function must return a torch.futures.Future "
                         f"object, but got {type(fut)}"
                     )
-                fut.add_done_callback(lambda f: self._respond_future(conn, src, h, f, extras))
+                if fut.done():  # finished already (a value that was ready): answer without a callback
+                    self._respond_future(conn, src, h, fut, extras)
+                else:
+                    fut.add_done_callback(lambda f: self._respond_future(conn, src, h, f, extras))
             else:
                 result = func(*args, **kwargs)
                 self._respond(conn, src, h, result, extras)

@@ -478,6 +478,10 @@ def _on_create(rref_id: Id, fork_id: Optional[Id], func: Any, args: tuple, kwarg
             e.value.set_result(result)
     except BaseException as exc:
         _futures.set_error(e.value, exc)
+    if e.value.done():  # the usual case: acknowledge at once, without a then() callback
+        ack = torch.futures.Future()
+        ack.set_result(None)
+        return ack
     return e.value.then(lambda _: None)
 
 
