@@ -25,7 +25,7 @@ from .outbound import Outbound
 from .errors import ProtocolError, RpcError, RpcNotInitializedError, RpcTimeoutError, WorkerUnavailableError
 from .options import RpcBackendOptions
 from .futures import RpcFuture, rebuild_exception
-from .pool import ElasticPool, init_torch_thread
+from .pool import ElasticPool, ThreadGroup, init_torch_thread
 from .rendezvous import World, WorkerInfo
 from .serialization import decode_head, deserialize, encode_head, loopback, serialize
 
@@ -40,6 +40,8 @@ _LAZY_DELAY = 0.005
 # Unanswered background-read calls on a connection from which new ones may be queued for
 # the reader to write in batches (see send_request).
 _DEFER_IN_FLIGHT = 16
+# How long close() waits for the agent's threads to end.
+_CLOSE_GRACE = 1.0
 # torch.futures.Future.set_result is a Python wrapper around this: one frame less per answer.
 _set_result = torch._C.Future.set_result
 
@@ -126,7 +128,8 @@ class Agent:
         self._timer_wake = threading.Event()
         # Outbounds with lazy answers to read by a deadline if no waiter did (see send_request).
         self._kicks: Deque[Tuple[float, Outbound]] = collections.deque()
-        self.pool = ElasticPool(options.num_worker_threads, f"rpc-{self.me.name}")
+        self.threads = ThreadGroup()  # every thread this agent starts (see close)
+        self.pool = ElasticPool(options.num_worker_threads, f"rpc-{self.me.name}", self.threads)
         self.on_peer_lost: List[Callable[[int, str], None]] = []
         # Called with (head extras, error) when a request cannot even be unpickled here.
         self.request_failed_hooks: List[Callable[[Dict[str, Any], BaseException], None]] = []
@@ -135,7 +138,7 @@ class Agent:
     def start(self) -> None:
         """Start serving. Called once the layers above have plugged in, so no request is
         handled by a half-initialised worker."""
-        threading.Thread(target=self._timer_loop, name="rpc-timer", daemon=True).start()
+        self.threads.start(self._timer_loop, "rpc-timer")
         for rank, conn in self._world_connections.items():
             if self.me.id == 0:
                 self._incoming.append(conn)
@@ -143,7 +146,7 @@ class Agent:
             else:
                 self._out[rank] = conn
                 self._start_outbound(conn, rank)
-        threading.Thread(target=self._accept_loop, name="rpc-accept", daemon=True).start()
+        self.threads.start(self._accept_loop, "rpc-accept")
 
     # -- naming ---------------------------------------------------------------------------
     def worker_info(self, to: Any) -> WorkerInfo:
@@ -333,7 +336,7 @@ class Agent:
                 sock, peer = self._listener.accept()
             except OSError:
                 return
-            threading.Thread(target=self._serve_incoming, args=(sock, peer), name="rpc-in", daemon=True).start()
+            self.threads.start(self._serve_incoming, "rpc-in", sock, peer)
 
     def _serve_incoming(self, sock: socket.socket, peer: Tuple[str, int]) -> None:
         from .errors import AuthenticationError
@@ -367,7 +370,7 @@ class Agent:
 
     def _start_reader(self, conn: transport.Connection, peer: int) -> None:
         """Serve the requests arriving on an incoming connection."""
-        threading.Thread(target=self._read_loop, args=(conn, peer), name=f"rpc-read-{peer}", daemon=True).start()
+        self.threads.start(self._read_loop, f"rpc-read-{peer}", conn, peer)
 
     def _start_outbound(self, conn: transport.Connection, peer: int) -> None:
         def deliver(frame: tuple) -> None:
@@ -376,7 +379,7 @@ class Agent:
         def lost(e: BaseException) -> None:
             self._connection_lost(conn, peer, True, self._loss_reason(peer, e))
 
-        self._links[peer] = Outbound(conn, deliver, lost, f"rpc-read-{peer}")
+        self._links[peer] = Outbound(conn, deliver, lost, f"rpc-read-{peer}", self.threads)
 
     def _read_loop(self, conn: transport.Connection, peer: int) -> None:
         init_torch_thread()  # readers rebuild tensors and run recv nodes
@@ -612,6 +615,10 @@ class Agent:
             link.close()
         self._timer_wake.set()
         try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept loop (close alone does not)
+        except OSError:
+            pass
+        try:
             self._listener.close()
         except OSError:
             pass
@@ -620,3 +627,8 @@ class Agent:
         for msg_id in list(self._pending):
             self._fail(msg_id, RpcError(f"RPC agent of {self.me.name!r} shut down before this call completed"))
         self.pool.close()
+        # Let the threads told to stop get out of torch before this process may exit (see
+        # ThreadGroup); a thread stuck in a user function is left behind after the grace time.
+        stuck = self.threads.join(_CLOSE_GRACE)
+        if stuck:
+            log.debug("rpc_core %s: threads still running after shutdown: %s", self.me.name, stuck)

@@ -24,7 +24,7 @@ import time
 from typing import Any, Callable, Optional
 
 from . import transport
-from .pool import init_torch_thread
+from .pool import ThreadGroup, init_torch_thread
 
 log = logging.getLogger("rpc_core")
 
@@ -35,7 +35,7 @@ _RECHECK_SECONDS = 0.05
 
 class Outbound:
     def __init__(self, conn: transport.Connection, deliver: Callable[[tuple], None],
-                 lost: Callable[[BaseException], None], name: str) -> None:
+                 lost: Callable[[BaseException], None], name: str, threads: Optional[ThreadGroup] = None) -> None:
         self.conn = conn
         self._deliver = deliver  # gets (header, head, body, storages) of each frame read
         self._lost = lost  # called once, when reading fails (peer gone, malformed bytes)
@@ -54,7 +54,7 @@ class Outbound:
         self.read_by_waiters = 0  # frames read by callers waiting for an answer
         self.read_in_background = 0
         self._closed = False
-        threading.Thread(target=self._background, name=name, daemon=True).start()
+        (threads if threads is not None else ThreadGroup()).start(self._background, name)
 
     # -- bookkeeping called by the agent ------------------------------------------------------
     def sent_unattended(self, lazy: bool = False) -> bool:

@@ -38,6 +38,39 @@ Job = Tuple[Callable[..., Any], Tuple[Any, ...]]
 _tls = threading.local()
 
 
+class ThreadGroup:
+    """The threads one agent starts, so closing the agent can wait for them to end.
+
+    They are daemon threads (a stuck user function must not keep the process alive), and
+    a daemon thread still inside a torch call when the interpreter finalizes aborts the
+    process ("terminate called without an active exception": torch gives back the GIL in
+    a C++ destructor, where CPython's thread exit cannot unwind). So shutdown waits,
+    briefly, for the threads it just told to stop.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._threads: List[threading.Thread] = []
+
+    def start(self, target: Callable[..., Any], name: str, *args: Any) -> None:
+        t = threading.Thread(target=target, args=args, name=name, daemon=True)
+        with self._lock:
+            self._threads = [x for x in self._threads if x.is_alive()]
+            self._threads.append(t)
+        t.start()
+
+    def join(self, timeout: float) -> List[str]:
+        """Wait up to ``timeout`` seconds in all for the threads to end (never for the
+        calling one); returns the names of those still running."""
+        deadline = time.monotonic() + timeout
+        me = threading.current_thread()
+        with self._lock:
+            threads = [t for t in self._threads if t is not me]
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        return [t.name for t in threads if t.is_alive()]
+
+
 def handoff_current() -> None:
     """Called by any thread about to block on an RPC future: if it is running a request
     inline, another thread continues its reading loop; if it drains the pool's queue,
@@ -83,7 +116,8 @@ class _InlineRun:
 
 
 class ElasticPool:
-    def __init__(self, core_threads: int, name: str) -> None:
+    def __init__(self, core_threads: int, name: str, threads: Optional[ThreadGroup] = None) -> None:
+        self._group = threads if threads is not None else ThreadGroup()
         self._core = core_threads
         self._name = name
         self._lock = threading.Lock()
@@ -100,7 +134,7 @@ class ElasticPool:
         with self._lock:
             for _ in range(core_threads):
                 self._idle.append(self._spawn_locked(start_draining=False))
-        threading.Thread(target=self._watchdog, name=f"{name}-watchdog", daemon=True).start()
+        self._group.start(self._watchdog, f"{name}-watchdog")
 
     @property
     def size(self) -> int:
@@ -183,7 +217,7 @@ class ElasticPool:
         if start_draining or task is not None:
             w.wake.release()
         self._threads += 1
-        threading.Thread(target=self._work, args=(w,), name=f"{self._name}-{self._threads}", daemon=True).start()
+        self._group.start(self._work, f"{self._name}-{self._threads}", w)
         return w
 
     def _work(self, w: _Worker) -> None:

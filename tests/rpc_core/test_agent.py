@@ -129,6 +129,31 @@ def test_non_graceful_shutdown_is_local():
     assert run_world(_body_local_shutdown, 2) == [True, True]
 
 
+def _ones():
+    return torch.ones(4)
+
+
+def _body_threads_after_shutdown(ctx):
+    ctx.init()
+    peer = 1 - ctx.rank
+    # Work that starts every kind of thread: readers, background readers (unattended calls),
+    # pool threads (callbacks), the timer (lazy acknowledgements of remote()).
+    futs = [rpc_core.rpc_async(peer, torch.add, args=(torch.ones(2), i)) for i in range(200)]
+    done = []
+    futs[0].then(lambda f: done.append(1))
+    torch.futures.wait_all(futs)
+    for _ in range(20):
+        assert torch.equal(rpc_core.remote(peer, _ones).to_here(), torch.ones(4))
+    rpc_core.shutdown()
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith("rpc-"))
+
+
+def test_no_worker_thread_outlives_shutdown():
+    # A daemon thread still inside torch when the interpreter finalizes aborts the process
+    # ("terminate called without an active exception"), so shutdown waits for its threads.
+    assert run_world(_body_threads_after_shutdown, 2, init=False) == [[], []]
+
+
 # -- dead peers ---------------------------------------------------------------------------------
 def _call_dead_peer(rank):
     with pytest.raises(WorkerUnavailableError, match=f"worker{rank}") as info:
