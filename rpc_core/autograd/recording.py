@@ -23,15 +23,14 @@ import threading
 _pass_tls = threading.local()
 
 
-def _anchor() -> torch.Tensor:
-    # A 0-element leaf that makes _Recv part of the graph; its "gradient" is always None.
-    a = torch.empty(0, requires_grad=True)
-    a._dist_recv_anchor = True  # type: ignore[attr-defined]
-    return a
+# A 0-element leaf that makes every _Recv part of the graph (its received inputs are
+# detached); its "gradient" is always None, so one leaf serves all of them: autograd.grad
+# never accumulates into its inputs, and a local .backward() only ever hands it None.
+_ANCHOR = torch.empty(0, requires_grad=True)
 
 
 def is_anchor(t: torch.Tensor) -> bool:
-    return getattr(t, "_dist_recv_anchor", False)
+    return t is _ANCHOR
 
 
 class _Recv(torch.autograd.Function):
@@ -134,8 +133,12 @@ class AutogradMiddleware(_agent_mod.Middleware):
         idx = [i for i, t in enumerate(tensors) if t.requires_grad]
         if not idx:
             return tensors
-        with torch.enable_grad():
-            outs = _Recv.apply((context_id, src, msg_id), _anchor(), *[tensors[i].detach() for i in idx])
+        received = [tensors[i].detach() for i in idx]
+        if torch.is_grad_enabled():  # the usual case: skip the context manager
+            outs = _Recv.apply((context_id, src, msg_id), _ANCHOR, *received)
+        else:
+            with torch.enable_grad():
+                outs = _Recv.apply((context_id, src, msg_id), _ANCHOR, *received)
         if not isinstance(outs, tuple):
             outs = (outs,)
         ctx.recvs[msg_id] = outs[0].grad_fn
