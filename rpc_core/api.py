@@ -16,6 +16,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from . import agent as _agent_mod
+from . import memory
 from . import rref as _rref
 from . import wire
 from .agent import Agent, current_agent
@@ -66,6 +67,7 @@ def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: Optiona
             "run functions. Set RpcBackendOptions(auth_secret=...) or RPC_CORE_AUTH_SECRET, the same on every worker.",
             name)
     world = rendezvous(name, rank, world_size, options.init_method, options.auth_secret, options.effective_init_timeout())
+    memory.tune()  # keep freed tensor memory in the process (see rpc_core.memory)
     agent = Agent(world, options)
     _rref.start_release_thread()
     agent.request_failed_hooks.append(_rref.on_request_failed)

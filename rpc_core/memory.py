@@ -1,0 +1,57 @@
+"""Keep freed tensor memory in the process: glibc's malloc thresholds for RPC workers.
+
+A worker's large tensors (activations, their gradients, received buffers) are made and
+freed on several threads, and a distributed autograd context keeps a step's graph until
+the next step releases it. With glibc's default, adaptive thresholds that pattern hands
+megabytes back to the kernel (``munmap`` / heap trimming) every step and takes them back
+as fresh zeroed pages: a CNN server measured ~2,500 page faults per training step and a
+backward pass 30% slower than the same computation in one process.
+
+``tune()`` (called by ``init_rpc``) fixes glibc's thresholds instead: allocations up to
+``MMAP_THRESHOLD`` come from the heap and are reused, and a heap keeps up to
+``TRIM_THRESHOLD`` of free memory at its top instead of trimming it. The price is a
+resident size that stays near its peak (up to ``TRIM_THRESHOLD`` above the live data per
+malloc arena). ``RPC_CORE_MALLOC_TUNE=0`` leaves malloc alone, and so does any malloc
+setting of the user's own (``MALLOC_*_`` variables, ``GLIBC_TUNABLES``). Other C
+libraries (musl, macOS) are left alone.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import threading
+
+# glibc's own ceiling for its adaptive mmap threshold on 64-bit (4 MiB * sizeof(long)), and
+# twice that for trimming, as glibc's adaptive rule keeps them.
+MMAP_THRESHOLD = 32 << 20
+TRIM_THRESHOLD = 64 << 20
+_M_TRIM_THRESHOLD = -1  # mallopt parameters, from glibc's malloc.h
+_M_MMAP_THRESHOLD = -3
+_USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
+
+_lock = threading.Lock()
+_done = False
+
+
+def tune() -> bool:
+    """Set glibc's malloc thresholds for this process (once); returns whether they are set."""
+    global _done
+    with _lock:
+        if _done:
+            return True
+        if os.environ.get("RPC_CORE_MALLOC_TUNE", "1") == "0":
+            return False
+        if any(k in os.environ for k in _USER_SETTINGS) or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):
+            return False
+        if platform.libc_ver()[0] != "glibc":
+            return False
+        try:
+            mallopt = ctypes.CDLL(None).mallopt
+        except (OSError, AttributeError):
+            return False
+        mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+        mallopt.restype = ctypes.c_int
+        # The mmap threshold first: setting either one ends glibc's adaptive adjustment.
+        _done = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+        return _done
