@@ -20,7 +20,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import transport, wire
+from . import handshake, transport, wire
 from .outbound import Outbound
 from .errors import ProtocolError, RpcError, RpcNotInitializedError, RpcTimeoutError, WorkerUnavailableError
 from .options import RpcBackendOptions
@@ -107,6 +107,10 @@ class Agent:
         self.middleware: List[Middleware] = []
         self._secret = options.auth_secret
         self._listener = world.listener
+        self._local_listener = world.local_listener  # same-host peers dial this (handshake.listen_local)
+        # Hosts that name this machine: a peer advertised under one of them is dialled locally.
+        self._local_hosts = {"localhost", "::1", self._listener.getsockname()[0]}
+        self._parked: List[transport.Connection] = []  # open but unused (see start)
         self._lock = threading.Lock()
         self._incoming_cv = threading.Condition(self._lock)
         self._out: Dict[int, Any] = {self.me.id: _Loopback(self)}
@@ -144,9 +148,17 @@ class Agent:
                 self._incoming.append(conn)
                 self._start_reader(conn, rank)
             else:
+                # Calls to rank 0 go over a same-host socket when there is one; the
+                # rendezvous connection stays open (rank 0 watches it for our exit) but idle.
+                local = self._dial_local(rank)
+                if local is not None:
+                    self._parked.append(conn)
+                    conn = local
                 self._out[rank] = conn
                 self._start_outbound(conn, rank)
-        self.threads.start(self._accept_loop, "rpc-accept")
+        self.threads.start(self._accept_loop, "rpc-accept", self._listener)
+        if self._local_listener is not None:
+            self.threads.start(self._accept_loop, "rpc-accept-local", self._local_listener)
 
     # -- naming ---------------------------------------------------------------------------
     def worker_info(self, to: Any) -> WorkerInfo:
@@ -228,19 +240,37 @@ class Agent:
             conn = self._out.get(dst)
             if conn is not None:
                 return conn
-            host, port = self.addresses[dst]
-            try:
-                sock = transport.dial((host, port), self._secret, timeout=10.0)
-            except (ConnectionRefusedError, socket.timeout, transport.PeerClosed, ConnectionResetError) as e:
-                raise WorkerUnavailableError(
-                    f"cannot reach {self.describe(dst)} at {host}:{port} ({e.__class__.__name__}: {e}); "
-                    "it has probably exited or crashed"
-                ) from None
-            conn = transport.Connection(sock)
-            conn.send(wire.REQUEST, wire.CONTROL, _HELLO_ID, b"", pickle.dumps(self.me.id))
+            conn = self._dial_local(dst)
+            if conn is None:
+                host, port = self.addresses[dst]
+                try:
+                    sock = transport.dial((host, port), self._secret, timeout=10.0)
+                except (ConnectionRefusedError, socket.timeout, transport.PeerClosed, ConnectionResetError) as e:
+                    raise WorkerUnavailableError(
+                        f"cannot reach {self.describe(dst)} at {host}:{port} ({e.__class__.__name__}: {e}); "
+                        "it has probably exited or crashed"
+                    ) from None
+                conn = self._introduce(sock)
             self._start_outbound(conn, dst)
             self._out[dst] = conn
             return conn
+
+    def _dial_local(self, dst: int) -> Optional[transport.Connection]:
+        """A connection to ``dst`` over its same-host socket, or None (remote host, none
+        there, or anything at all going wrong: the caller then dials TCP)."""
+        host, port = self.addresses[dst]
+        if not handshake.local_enabled() or not (host in self._local_hosts or host.startswith("127.")):
+            return None
+        try:
+            return self._introduce(transport.dial(handshake.local_address(port), self._secret, timeout=10.0))
+        except Exception as e:  # noqa: BLE001 - TCP is always there to fall back on
+            log.debug("rpc_core %s: no same-host connection to %s (%r); using TCP", self.me.name, self.describe(dst), e)
+            return None
+
+    def _introduce(self, sock: socket.socket) -> transport.Connection:
+        conn = transport.Connection(sock)
+        conn.send(wire.REQUEST, wire.CONTROL, _HELLO_ID, b"", pickle.dumps(self.me.id))
+        return conn
 
     # -- timeouts --------------------------------------------------------------------------
     def _arm_timer(self, timeout: float, msg_id: int) -> None:
@@ -330,12 +360,14 @@ class Agent:
                 rec[5].answered(rec[6])
 
     # -- receiving -----------------------------------------------------------------------------
-    def _accept_loop(self) -> None:
+    def _accept_loop(self, listener: socket.socket) -> None:
         while not self._closing:
             try:
-                sock, peer = self._listener.accept()
+                sock, peer = listener.accept()
             except OSError:
                 return
+            if not isinstance(peer, tuple):
+                peer = ("local", 0)  # a Unix socket's peer has no address
             self.threads.start(self._serve_incoming, "rpc-in", sock, peer)
 
     def _serve_incoming(self, sock: socket.socket, peer: Tuple[str, int]) -> None:
@@ -614,15 +646,18 @@ class Agent:
         for link in links:
             link.close()
         self._timer_wake.set()
-        try:
-            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept loop (close alone does not)
-        except OSError:
-            pass
-        try:
-            self._listener.close()
-        except OSError:
-            pass
-        for c in conns:
+        for listener in (self._listener, self._local_listener):
+            if listener is None:
+                continue
+            try:
+                listener.shutdown(socket.SHUT_RDWR)  # wakes the accept loop (close alone does not)
+            except OSError:
+                pass
+            try:
+                listener.close()
+            except OSError:
+                pass
+        for c in conns + self._parked:
             c.close()
         for msg_id in list(self._pending):
             self._fail(msg_id, RpcError(f"RPC agent of {self.me.name!r} shut down before this call completed"))

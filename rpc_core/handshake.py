@@ -9,21 +9,51 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import weakref
-from typing import NamedTuple, Optional, Tuple
+from typing import NamedTuple, Optional, Tuple, Union
 
 from . import cma, wire
 from .errors import AuthenticationError, ProtocolError
 
 _SOCK_BUF = 4 << 20
+# Same-host peers talk over a Unix socket instead of TCP loopback: the kernel does far less
+# per message (bare Python ping-pong, polling: 64 B 10.8 -> 7.8 µs, 64 KB 37 -> 19 µs per
+# round trip). Linux's abstract namespace names it after the worker's TCP port, so it
+# needs no file and no new field in the rendezvous. RPC_CORE_UDS=0 keeps them on TCP.
+
+
+def local_enabled() -> bool:
+    return sys.platform.startswith("linux") and os.environ.get("RPC_CORE_UDS", "1") != "0"
 
 
 class PeerClosed(ConnectionError):
     """The peer closed the connection (EOF) or it was reset."""
 
 
+def local_address(port: int) -> str:
+    """The abstract Unix socket on which the worker listening on TCP ``port`` also accepts
+    (in one network namespace both names belong to one process, or the handshake fails)."""
+    return f"\0rpc_core.{port}"
+
+
+def listen_local(port: int) -> Optional[socket.socket]:
+    """The same-host listener for TCP ``port``, or None (not Linux, RPC_CORE_UDS=0, name taken)."""
+    if not local_enabled():
+        return None
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(local_address(port))
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        return None
+    return sock
+
+
 def tune(sock: socket.socket) -> None:
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if sock.family != socket.AF_UNIX:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
         try:
             sock.setsockopt(socket.SOL_SOCKET, opt, _SOCK_BUF)
@@ -74,10 +104,21 @@ def _exchange_cma(sock: socket.socket) -> None:
     del probe
 
 
-def dial(address: Tuple[str, int], secret: bytes, timeout: float) -> socket.socket:
-    """Connect and prove we know the secret; raise AuthenticationError if the peer rejects us
-    (or cannot prove it knows the secret itself)."""
-    sock = socket.create_connection(address, timeout=timeout)
+def dial(address: Union[Tuple[str, int], str], secret: bytes, timeout: float) -> socket.socket:
+    """Connect (to a TCP ``(host, port)``, or a ``local_address``) and prove we know the
+    secret; raise AuthenticationError if the peer rejects us (or cannot prove it knows the
+    secret itself)."""
+    if isinstance(address, str):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        try:
+            sock.connect(address)
+        except BaseException:
+            sock.close()
+            raise
+        address = ("localhost", int(address.rsplit(".", 1)[1]))  # for messages
+    else:
+        sock = socket.create_connection(address, timeout=timeout)
     try:
         tune(sock)
         magic, version, nonce_a = wire.HELLO.unpack(_recv_exact(sock, wire.HELLO.size))

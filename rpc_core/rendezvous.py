@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-from . import transport, wire
+from . import handshake, transport, wire
 from .errors import AuthenticationError, ProtocolError, RendezvousError
 
 log = logging.getLogger("rpc_core")
@@ -81,6 +81,8 @@ class World:
     listener: socket.socket
     # rank 0: {rank: incoming connection}; others: {0: outgoing connection to rank 0}
     connections: Dict[int, transport.Connection]
+    # The same-host listener beside ``listener`` (see handshake.listen_local), if any.
+    local_listener: Optional[socket.socket] = None
 
 
 def resolve_init_method(init_method: str) -> Tuple[str, int]:
@@ -143,6 +145,8 @@ def _host(name: str, world_size: int, host: str, port: int, secret: bytes, timeo
             "If the port is in use (another program or an earlier run), choose another MASTER_PORT "
             "or stop the process holding it; if the host is wrong, fix MASTER_ADDR."
         ) from None
+    # Bound before anyone learns our address, so a same-host peer never finds it missing.
+    local = handshake.listen_local(port)
     me = WorkerInfo(name, 0)
     joined: Dict[int, Tuple[WorkerInfo, Tuple[str, int], transport.Connection, int]] = {}
     deadline = time.monotonic() + timeout
@@ -175,6 +179,8 @@ def _host(name: str, world_size: int, host: str, port: int, secret: bytes, timeo
             _reply(c, msg_id, str(exc) if isinstance(exc, RendezvousError) else f"rank 0 failed: {exc!r}")
             c.close()
         listener.close()
+        if local is not None:
+            local.close()
         raise
     listener.settimeout(None)
     workers = [me] + [joined[r][0] for r in range(1, world_size)]
@@ -184,7 +190,7 @@ def _host(name: str, world_size: int, host: str, port: int, secret: bytes, timeo
     for _, _, c, msg_id in joined.values():
         s = _dumps(table)
         c.send(wire.RESPONSE, 0, msg_id, b"", s)
-    return World(me, workers, addresses, listener, {r: joined[r][2] for r in joined})
+    return World(me, workers, addresses, listener, {r: joined[r][2] for r in joined}, local)
 
 
 def _dumps(obj: object) -> bytes:
@@ -257,6 +263,7 @@ def _join(name: str, rank: int, world_size: int, host: str, port: int, secret: b
     except OSError as e:
         sock.close()
         raise RendezvousError(f"worker {name!r} cannot open a listening socket on {local_ip}: {e}") from None
+    local = handshake.listen_local(listener.getsockname()[1])
     c = transport.Connection(sock)
     try:
         c.send(wire.REQUEST, 0, 1, b"", _dumps((name, rank, world_size, listener.getsockname()[:2])))
@@ -265,12 +272,16 @@ def _join(name: str, rank: int, world_size: int, host: str, port: int, secret: b
         sock.settimeout(None)
     except (OSError, transport.PeerClosed) as e:
         listener.close()
+        if local is not None:
+            local.close()
         c.close()
         raise RendezvousError(f"worker {name!r} (rank {rank}): rendezvous with rank 0 at {host}:{port} failed: {e}") from None
     if h.kind == wire.EXCEPTION:
         listener.close()
+        if local is not None:
+            local.close()
         c.close()
         raise RendezvousError(pickle.loads(body))
     names, addresses = pickle.loads(body)
     workers = [WorkerInfo(n, r) for n, r in names]
-    return World(workers[rank], workers, addresses, listener, {0: c})
+    return World(workers[rank], workers, addresses, listener, {0: c}, local)

@@ -15,7 +15,7 @@ import torch
 
 import rpc_core
 from rpc_core import WorkerUnavailableError
-from rpc_core import transport, wire
+from rpc_core import agent as agent_mod, handshake, transport, wire
 from rpc_core.errors import AuthenticationError
 from tests._world import run_world
 
@@ -401,3 +401,65 @@ def test_a_long_request_alone_on_its_connection_keeps_the_reader_thread():
     names, _ = run_world(_body_long_run_alone, 2)
     # No request waited behind the long ones, so the reading loop never moved to a pool thread.
     assert names == ["rpc-in"] * 4, names
+
+
+# -- same-host sockets ------------------------------------------------------------------------------
+def _families():
+    agent = agent_mod.current_agent()
+    return sorted({str(c.sock.family.name) for k, c in agent._out.items() if k != agent.me.id})
+
+
+def _body_families(ctx):
+    ctx.init()
+    peer = 1 - ctx.rank
+    # Both directions: rank 1's calls to rank 0 (first over the rendezvous connection) and
+    # rank 0's calls to rank 1 (dialled on first use).
+    assert torch.equal(rpc_core.rpc_sync(peer, torch.add, args=(torch.ones(3), 1)), torch.full((3,), 2.0))
+    assert rpc_core.remote(peer, _ones).to_here().sum().item() == 4.0
+    families = _families()
+    rpc_core.shutdown()
+    return families
+
+
+def test_same_host_workers_talk_over_unix_sockets():
+    assert run_world(_body_families, 2, init=False) == [["AF_UNIX"], ["AF_UNIX"]]
+
+
+def test_with_unix_sockets_off_same_host_workers_use_tcp():
+    assert run_world(_body_families, 2, init=False, env={"RPC_CORE_UDS": "0"}) == [["AF_INET"], ["AF_INET"]]
+
+
+def _body_impostor(ctx):
+    if ctx.rank == 1:
+        os.environ["RPC_CORE_UDS"] = "0"  # rank 1 opens no same-host socket ...
+    ctx.init()
+    if ctx.rank == 1:
+        return None
+    # ... and another program holds the name rank 0 would dial for it: it answers garbage.
+    port = agent_mod.current_agent().addresses[1][1]
+    impostor = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    impostor.bind(handshake.local_address(port))
+    impostor.listen(8)
+
+    def serve():
+        while True:
+            try:
+                sock, _ = impostor.accept()
+            except OSError:
+                return
+            sock.sendall(b"not an rpc_core worker " * 8)
+            sock.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        got = rpc_core.rpc_sync(1, torch.add, args=(torch.ones(2), 1))
+        families = _families()
+    finally:
+        impostor.shutdown(socket.SHUT_RDWR)
+        impostor.close()
+    return got.tolist(), families
+
+
+def test_a_same_host_socket_that_fails_falls_back_to_tcp():
+    got, _ = run_world(_body_impostor, 2, init=False)
+    assert got == ([2.0, 2.0], ["AF_INET"])
