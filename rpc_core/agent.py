@@ -261,9 +261,13 @@ class Agent:
         host, port = self.addresses[dst]
         if not handshake.local_enabled() or not (host in self._local_hosts or host.startswith("127.")):
             return None
+        sock = None
         try:
-            return self._introduce(transport.dial(handshake.local_address(port), self._secret, timeout=10.0))
+            sock = transport.dial(handshake.local_address(port), self._secret, timeout=10.0)
+            return self._introduce(sock)
         except Exception as e:  # noqa: BLE001 - TCP is always there to fall back on
+            if sock is not None:
+                sock.close()  # before the peer could count it as ours (it has no identity frame)
             log.debug("rpc_core %s: no same-host connection to %s (%r); using TCP", self.me.name, self.describe(dst), e)
             return None
 
