@@ -1,4 +1,4 @@
-"""Connections: authenticated TCP sockets that send and receive frames. Bytes only.
+"""Connections: authenticated sockets (TCP, or Unix between same-host workers) that send and receive frames. Bytes only.
 
 ``dial`` and ``accept`` (from ``handshake``) run the handshake of ``wire``; ``Connection.send`` writes a frame
 with one scatter-gather ``sendmsg`` straight from tensor memory; ``Connection.recv`` reads

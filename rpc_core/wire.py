@@ -1,6 +1,8 @@
 """The rpc_core wire protocol, all of it.
 
-A connection starts with a mutual challenge-response handshake, then carries frames.
+A connection is a stream socket: TCP, or between workers on one host a Linux abstract
+Unix socket named ``\\0rpc_core.<the worker's TCP port>`` (same bytes either way). It
+starts with a mutual challenge-response handshake, then carries frames.
 
 Handshake (fixed sizes, so nothing from an unauthenticated peer is ever parsed further):
 
@@ -23,7 +25,7 @@ Then, authenticated, both sides find out whether they may read each other's memo
                              ok = 1 iff we read the peer's probe bytes from its memory
 
 The direction A -> B uses cross-memory attach only if B's RESULT said 1 (B proved it can
-read A: same host, same pid namespace, ptrace allowed). Otherwise, silently, plain TCP.
+read A: same host, same pid namespace, ptrace allowed). Otherwise, silently, in the stream.
 
 Frame (little endian):
 
