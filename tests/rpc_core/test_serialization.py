@@ -237,3 +237,22 @@ def test_lambdas_and_local_functions_cannot_be_sent():
     for fn in (lambda x: x, local):
         with pytest.raises((pickle.PicklingError, AttributeError)):
             ser.serialize((fn, (), {}))
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.randn(16),
+    lambda: torch.randn(3, 5, dtype=torch.float64),
+    lambda: torch.nn.Parameter(torch.randn(4, 2)),
+    lambda: torch.randn(6, requires_grad=True),
+    lambda: torch.arange(10, dtype=torch.int16).reshape(2, 5),
+    lambda: torch.zeros(0),  # no bytes: the general path
+    lambda: torch.randn(4, 4).t(),  # not contiguous: the general path
+    lambda: torch.randn(10)[2:5],  # part of a storage: the general path
+])
+def test_one_tensor_packs_exactly_as_the_general_grouping_would(make):
+    t = make()
+    metas, buffers, _ = ser._pack_tensors([t])
+    # The same tensor twice takes the general path (grouping by storage) and packs it once.
+    g_metas, g_buffers, _ = ser._pack_tensors([t, t])
+    assert metas == g_metas[:1] and g_metas[0] == g_metas[1]
+    assert [bytes(b) for b in buffers] == [bytes(b) for b in g_buffers]
