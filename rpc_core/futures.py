@@ -79,14 +79,13 @@ class RpcFuture(torch.futures.Future):
     value = torch._C.Future.value
 
     def wait(self):  # type: ignore[override]
-        if not _done(self):
+        if not self.done():
             handoff_current()  # a pool or reader thread about to block must not hold up other calls
             if self._reader is not None:
                 self._reader.read_until(self, self._deadline)  # read our answer ourselves
         return _wait(self)
 
 
-_done = torch._C.Future.done
 _wait = torch._C.Future.wait
 
 

@@ -136,14 +136,17 @@ def _pack_tensors(tensors: Sequence[torch.Tensor]) -> Tuple[List[TensorMeta], Li
     metas: List[TensorMeta] = []
     for t, _, ptr, esize, offset, size, stride, _, _, empty in infos:
         index, lo = groups[ptr]
-        # Parameter's isinstance goes through a Python-level metaclass hook: test the class first.
-        cls = t.__class__
-        is_param = cls is _Parameter or (cls is not torch.Tensor and isinstance(t, _Parameter))
-        dtype = t.dtype
-        metas.append((index, _DTYPE_CODES.get(dtype, dtype), size, stride,
-                      0 if empty else (offset * esize - lo) // esize,
-                      (_REQUIRES_GRAD if t.requires_grad else 0) | (_IS_PARAM if is_param else 0)))
+        metas.append(_meta(t, index, size, stride, 0 if empty else (offset * esize - lo) // esize))
     return metas, buffers, keepalive
+
+
+def _meta(t: torch.Tensor, index: int, size: Tuple[int, ...], stride: Tuple[int, ...], offset: int) -> TensorMeta:
+    # Parameter's isinstance goes through a Python-level metaclass hook: test the class first.
+    cls = t.__class__
+    is_param = cls is _Parameter or (cls is not torch.Tensor and isinstance(t, _Parameter))
+    dtype = t.dtype
+    return (index, _DTYPE_CODES.get(dtype, dtype), size, stride, offset,
+            (_REQUIRES_GRAD if t.requires_grad else 0) | (_IS_PARAM if is_param else 0))
 
 
 def _pack_whole(t: torch.Tensor) -> Optional[Tuple[List[TensorMeta], List[memoryview], List[Any]]]:
@@ -153,12 +156,7 @@ def _pack_whole(t: torch.Tensor) -> Optional[Tuple[List[TensorMeta], List[memory
     nbytes = storage.nbytes()
     if t.storage_offset() or t.nbytes != nbytes or not nbytes or not t.is_contiguous():
         return None
-    cls = t.__class__
-    is_param = cls is _Parameter or (cls is not torch.Tensor and isinstance(t, _Parameter))
-    dtype = t.dtype
-    meta = (0, _DTYPE_CODES.get(dtype, dtype), tuple(t.size()), tuple(t.stride()), 0,
-            (_REQUIRES_GRAD if t.requires_grad else 0) | (_IS_PARAM if is_param else 0))
-    return [meta], [storage_view(storage, 0, nbytes)], [storage]
+    return [_meta(t, 0, tuple(t.size()), tuple(t.stride()), 0)], [storage_view(storage, 0, nbytes)], [storage]
 
 
 class Serialized(NamedTuple):

@@ -63,6 +63,10 @@ _PEEK = _DONTWAIT | int(socket.MSG_PEEK)
 _HUGE_ALLOC = 1 << 20  # buffers this large are advised for transparent huge pages
 
 
+def _same(e: BaseException) -> BaseException:
+    return e
+
+
 def _poll(end: float, attempt: Callable[[], Any]) -> Any:
     """Retry the non-blocking ``attempt`` until it stops raising BlockingIOError and return
     its result; ``_NOTHING`` once past ``end`` (perf_counter) or once a yield between tries
@@ -160,6 +164,8 @@ class Connection:
         self._role_waiters = 0
         self._reading = False  # someone is reading the socket (recv, or a sender awaiting RELEASE)
         self._inbox: Deque[tuple] = collections.deque()  # frames a waiting sender read for recv
+        # recv's "done" test for _take_role, built once (recv runs for every frame)
+        self._next_queued = lambda: self._inbox.popleft() if self._inbox else _NOTHING
         self._failed: Optional[BaseException] = None  # the connection is unusable, and why
         self._tokens = itertools.count(1)
         self._outstanding: Set[int] = set()  # tokens sent, RELEASE not yet read
@@ -465,14 +471,9 @@ class Connection:
     def recv(self) -> Tuple[wire.FrameHeader, bytes, bytes, List[torch.UntypedStorage]]:
         """Read one frame. Raises PeerClosed on EOF, ProtocolError on malformed bytes.
         RELEASE frames are the transport's own: they are handled here, never returned."""
-        with self._lock:  # the common case, nobody else reading and nothing queued, without _take_role
-            free = not self._reading and not self._inbox and self._failed is None
-            if free:
-                self._reading = True
-        if not free:
-            queued = self._take_role(lambda: self._inbox.popleft() if self._inbox else _NOTHING, lambda e: e)
-            if queued is not _NOTHING:
-                return queued
+        queued = self._take_role(self._next_queued, _same)
+        if queued is not _NOTHING:
+            return queued
         try:
             while True:
                 frame = self._read_frame()
