@@ -10,13 +10,22 @@ Each trainer owns a partition of the training data. Per step (batch x: [B, *in_s
         dist_autograd.backward(ctx, [loss])         # gradients land on the servers
         sync:  every server: apply_sync(ctx, me, step)   (waits for all trainers)
         async: every server: apply_async(ctx, me)
+        x, y = next batch                           # while the servers update
+        wait for the updates                        # before the next forward
     ssp: ps0.clock(me, step + 1)                    # wait if too far ahead
+
+The update requests are sent asynchronously and waited for only after the next batch is
+ready (``settle``), so the trainer's end-of-step work (metrics, the next batch) overlaps
+the servers' optimizer step. Nothing else moves: the next forward, a checkpoint, an
+evaluation or a log line still starts only once every server has applied this step's
+update, so results are the same as with a blocking update.
 
 trainer0 also evaluates on the test split, prints progress, and writes metrics.json.
 """
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from typing import Any, Dict, List, Optional
 
@@ -78,6 +87,7 @@ class Trainer:
         self.latency = {r: LatencyStats() for r in range(cfg.cluster.num_servers)}
         self.meter = ThroughputMeter()
         self.max_steps_ahead = 0  # ssp: the most steps this trainer ran ahead of the slowest
+        self._in_flight: Optional[tuple] = None  # (context scope, update futures, step) until settled
 
     # -- one step ---------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, step: int = -1) -> torch.Tensor:
@@ -89,26 +99,49 @@ class Trainer:
         return h
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> Dict[str, float]:
-        mode = self.cfg.mode.name
-        staleness = 0
-        with self.dist_autograd.context() as ctx:
+        """Forward, backward, and the update requests of one step; ``settle()`` completes
+        them (until then this step's autograd context stays open: the servers read their
+        gradients from it)."""
+        if self._in_flight is not None:
+            raise RuntimeError("train_step called before the previous step's updates were settled")
+        scope = self.dist_autograd.context()
+        ctx = scope.__enter__()
+        try:
             logits = self.forward(x, self.step)  # [B, num_classes]
             loss = F.cross_entropy(logits, y)
             self.dist_autograd.backward(ctx, [loss])
-            if mode == "sync":
+            if self.cfg.mode.name == "sync":
                 futs = [s.rpc_async().apply_sync(ctx, self.index, self.step) for s in self.servers]
-                torch.futures.wait_all(futs)
             else:
                 futs = [s.rpc_async().apply_async(ctx, self.index) for s in self.servers]
-                staleness = max(torch.futures.wait_all(futs))
-        out = {"staleness": float(staleness)}
-        if mode == "ssp":
+        except BaseException:
+            scope.__exit__(*sys.exc_info())
+            raise
+        self._in_flight = (scope, futs, self.step)
+        acc = (logits.detach().argmax(1) == y).float().mean().item()
+        return {"loss": loss.item(), "accuracy": acc}
+
+    def settle(self) -> Dict[str, float]:
+        """Wait until every server applied the last step's update (and, in ssp mode, until
+        this trainer may run ahead again); returns that step's update metrics."""
+        if self._in_flight is None:
+            return {}
+        scope, futs, step = self._in_flight
+        self._in_flight = None
+        try:
+            results = torch.futures.wait_all(futs)
+        except BaseException:
+            scope.__exit__(*sys.exc_info())
+            raise
+        scope.__exit__(None, None, None)
+        # Updates by other trainers between this step's forward and its update (async/ssp).
+        out = {"staleness": float(max(results)) if self.cfg.mode.name != "sync" else 0.0}
+        if self.cfg.mode.name == "ssp":
             # Waits while this trainer is more than mode.staleness steps ahead of the slowest;
             # returns how far ahead it is when released.
-            out["steps_ahead"] = float(self.servers[0].rpc_sync().clock(self.index, self.step + 1))
+            out["steps_ahead"] = float(self.servers[0].rpc_sync().clock(self.index, step + 1))
             self.max_steps_ahead = max(self.max_steps_ahead, int(out["steps_ahead"]))
-        acc = (logits.detach().argmax(1) == y).float().mean().item()
-        return {"loss": loss.item(), "accuracy": acc, **out}
+        return out
 
     # -- evaluation -------------------------------------------------------------------------------
     def evaluate(self) -> Dict[str, float]:
@@ -126,30 +159,19 @@ class Trainer:
     def run(self, on_step: Any = None) -> Optional[Dict[str, Any]]:
         """Train to the last step; trainer0 returns the run's final metrics, others None."""
         cfg = self.cfg
-        log_every = max(1, cfg.train.log_every)
         is_chief = self.index == 0
         t_start = self._t_start = time.perf_counter()
         self._first_step = self.step
         self.meter.start()
         losses: List[float] = []
-        last: Dict[str, float] = {}
-        while self.step < self.steps:
-            x, y = next(self.batches)
-            last = self.train_step(x, y)
-            losses.append(last["loss"])
-            self.step += 1
-            self.meter.update(len(y))
-            step = self.step
-            if step % log_every == 0 or step == self.steps:
-                self._log_train(step, last)
-            if is_chief and cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < self.steps:
-                ev = self.evaluate()
-                self.writer.add_scalar("test/accuracy", ev["accuracy"], step)
-                self.writer.add_scalar("test/loss", ev["loss"], step)
-                log.info("step %d: test accuracy %.4f, loss %.4f", step, ev["accuracy"], ev["loss"])
-            if on_step is not None:
-                on_step(self, step)
-            maybe_inject_fault(self.name, step)  # test-only, see ps_train.launch
+        batch = next(self.batches) if self.step < self.steps else None
+        try:
+            last = self._loop(batch, losses, on_step)
+        except BaseException:
+            if self._in_flight is not None:  # failed between a step and its settle
+                scope, self._in_flight = self._in_flight[0], None
+                scope.__exit__(*sys.exc_info())
+            raise
         wall = time.perf_counter() - t_start
         if cfg.mode.name == "ssp":
             self.servers[0].rpc_sync().finish(self.index)
@@ -161,6 +183,34 @@ class Trainer:
             self.writer.close()
             return None
         return self._finish(mine, last)
+
+    def _loop(self, batch: Any, losses: List[float], on_step: Any) -> Dict[str, float]:
+        """Steps until the last one; returns the last step's metrics."""
+        cfg = self.cfg
+        log_every = max(1, cfg.train.log_every)
+        is_chief = self.index == 0
+        last: Dict[str, float] = {}
+        while self.step < self.steps:
+            x, y = batch
+            last = self.train_step(x, y)
+            losses.append(last["loss"])
+            self.step += 1
+            self.meter.update(len(y))
+            step = self.step
+            if step < self.steps:
+                batch = next(self.batches)  # overlaps the servers' update
+            last.update(self.settle())
+            if step % log_every == 0 or step == self.steps:
+                self._log_train(step, last)
+            if is_chief and cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < self.steps:
+                ev = self.evaluate()
+                self.writer.add_scalar("test/accuracy", ev["accuracy"], step)
+                self.writer.add_scalar("test/loss", ev["loss"], step)
+                log.info("step %d: test accuracy %.4f, loss %.4f", step, ev["accuracy"], ev["loss"])
+            if on_step is not None:
+                on_step(self, step)
+            maybe_inject_fault(self.name, step)  # test-only, see ps_train.launch
+        return last
 
     def _log_train(self, step: int, last: Dict[str, float]) -> None:
         rate = self.meter.rate()
