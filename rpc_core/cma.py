@@ -128,12 +128,17 @@ def _start_helpers() -> None:
             _helpers_pid = os.getpid()
 
 
+def parallel(n: int) -> bool:
+    """Whether a copy of ``n`` bytes is split across helper threads (so it wants every core)."""
+    return n >= 2 * _CHUNK and _HELPERS > 0
+
+
 def read(pid: int, remote: int, local: int, n: int) -> None:
     """Copy ``n`` bytes at address ``remote`` in process ``pid`` to address ``local`` here;
     raise OSError if any of it cannot be read. ctypes drops the GIL for every call."""
     if _readv is None:
         raise OSError("process_vm_readv is not available")
-    if n < 2 * _CHUNK or not _HELPERS:
+    if not parallel(n):
         _read_span(pid, remote, local, n)
         return
     if _helpers_pid != os.getpid():
