@@ -47,6 +47,7 @@ def save(trainer: Any, step: int) -> Path:
     """trainer0: write a complete checkpoint of the job after ``step``."""
     cfg: Config = trainer.cfg
     rpc = trainer.rpc
+    trainer.settle()  # the servers have applied step ``step``'s update
     ckpt = begin_checkpoint(trainer.run_dir, step)
     futs = [rpc.rpc_async(f"ps{r}", save_server_state, args=(str(ckpt),)) for r in range(cfg.cluster.num_servers)]
     shards = [f.wait() for f in futs]

@@ -7,7 +7,9 @@ shards placed on it. Trainers call it through an RRef:
   parameters' gradients land in the trainer's context on this server.
 - ``apply_sync(context_id, trainer, step)``: sync mode. Waits (without holding a thread)
   until every trainer handed in its step-``step`` gradients, sums them in trainer-rank
-  order, and steps the optimizer once; bit-reproducible.
+  order, and steps the optimizer once; bit-reproducible. A sync-mode forward of step
+  ``s`` runs only once the round of step ``s - 1`` is applied, so a trainer may send it
+  without waiting for its update's answer (see ``ps_train.trainer``).
 - ``apply_async(context_id, trainer)``: async/ssp modes. Applies this trainer's gradients
   now; returns the staleness (updates by others since this trainer's forward read the
   parameters).
@@ -76,12 +78,16 @@ class ParameterServer:
             isinstance(x, nn.modules.batchnorm._NormBase) and x.track_running_stats
             for m in self.shards.values() for x in m.modules())
         self._turn = threading.Condition()
+        self.rounds = 0  # sync mode: steps whose update is applied (all trainers' gradients)
         self._forwards_done: Dict[tuple, int] = {}  # (shard, step) -> trainers whose forward ran
 
     # -- forward ----------------------------------------------------------------------------------
     def forward(self, shard: int, x: torch.Tensor, trainer: int = -1, step: int = -1) -> torch.Tensor:
         module = self.shards[shard]
         if self.mode == "sync":
+            if step > self.rounds:  # the previous step's update is still on its way
+                with self._turn:
+                    self._turn.wait_for(lambda: self.rounds >= step)
             if not self.ordered_forwards or step < 0:
                 return self._sync_forward(module, shard, x, trainer, step)
             key = (shard, step)
@@ -163,6 +169,9 @@ class ParameterServer:
                         total[p] = g if p not in total else total[p] + g
                 self._step(total)
         if complete:
+            with self._turn:
+                self.rounds = max(self.rounds, step + 1)
+                self._turn.notify_all()
             r["future"].set_result(self.version)
         return r["future"]
 
@@ -212,6 +221,7 @@ class ParameterServer:
                 "shards": {i: copy.deepcopy(m.state_dict()) for i, m in self.shards.items()},
                 "optimizer": copy.deepcopy(self.optimizer.state_dict()) if self.optimizer else None,
                 "version": self.version,
+                "rounds": self.rounds,
                 "updates": dict(self.updates),
             }
 
@@ -222,6 +232,7 @@ class ParameterServer:
             if self.optimizer is not None and state.get("optimizer") is not None:
                 self.optimizer.load_state_dict(state["optimizer"])
             self.version = state.get("version", 0)
+            self.rounds = state.get("rounds", self.version)  # older checkpoints: one update per round
             self._eval_copies.clear()
             self.updates = {int(k): v for k, v in state.get("updates", {}).items()} or self.updates
 

@@ -20,6 +20,14 @@ the servers' optimizer step. Nothing else moves: the next forward, a checkpoint,
 evaluation or a log line still starts only once every server has applied this step's
 update, so results are the same as with a blocking update.
 
+Sync mode on rpc_core goes one step further (``pipelined``): the trainer leaves the context
+and sends the next forward without waiting for the update at all; each server runs a
+step-``s`` forward only once its step-``s - 1`` round is applied, and the trainer collects
+the update's answer after that forward. This is safe because rpc_core tells a worker that
+a context was released with the next message it sends there, which the worker reads after
+the update request that came before it; torch's RPC sends its release at once, and it
+could overtake the update, so on ``backend=torch`` the trainer waits as described above.
+
 trainer0 also evaluates on the test split, prints progress, and writes metrics.json.
 """
 from __future__ import annotations
@@ -87,7 +95,8 @@ class Trainer:
         self.latency = {r: LatencyStats() for r in range(cfg.cluster.num_servers)}
         self.meter = ThroughputMeter()
         self.max_steps_ahead = 0  # ssp: the most steps this trainer ran ahead of the slowest
-        self._in_flight: Optional[tuple] = None  # (context scope, update futures, step) until settled
+        self._in_flight: Optional[tuple] = None  # (open context scope or None, update futures, step)
+        self.pipelined = cfg.mode.name == "sync" and backend.name() == "rpc_core"  # see module docstring
 
     # -- one step ---------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, step: int = -1) -> torch.Tensor:
@@ -100,14 +109,15 @@ class Trainer:
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> Dict[str, float]:
         """Forward, backward, and the update requests of one step; ``settle()`` completes
-        them (until then this step's autograd context stays open: the servers read their
-        gradients from it)."""
-        if self._in_flight is not None:
+        them. Until then this step's autograd context stays open (the servers read their
+        gradients from it), except when ``pipelined``."""
+        if self._in_flight is not None and not self.pipelined:
             raise RuntimeError("train_step called before the previous step's updates were settled")
         scope = self.dist_autograd.context()
         ctx = scope.__enter__()
         try:
             logits = self.forward(x, self.step)  # [B, num_classes]
+            self.settle()  # pipelined: the forward ran after the previous update, so this is done
             loss = F.cross_entropy(logits, y)
             self.dist_autograd.backward(ctx, [loss])
             if self.cfg.mode.name == "sync":
@@ -117,6 +127,9 @@ class Trainer:
         except BaseException:
             scope.__exit__(*sys.exc_info())
             raise
+        if self.pipelined:
+            scope.__exit__(None, None, None)
+            scope = None
         self._in_flight = (scope, futs, self.step)
         acc = (logits.detach().argmax(1) == y).float().mean().item()
         return {"loss": loss.item(), "accuracy": acc}
@@ -131,9 +144,11 @@ class Trainer:
         try:
             results = torch.futures.wait_all(futs)
         except BaseException:
-            scope.__exit__(*sys.exc_info())
+            if scope is not None:
+                scope.__exit__(*sys.exc_info())
             raise
-        scope.__exit__(None, None, None)
+        if scope is not None:
+            scope.__exit__(None, None, None)
         # Updates by other trainers between this step's forward and its update (async/ssp).
         out = {"staleness": float(max(results)) if self.cfg.mode.name != "sync" else 0.0}
         if self.cfg.mode.name == "ssp":
@@ -167,9 +182,11 @@ class Trainer:
         batch = next(self.batches) if self.step < self.steps else None
         try:
             last = self._loop(batch, losses, on_step)
+            self.settle()
         except BaseException:
-            if self._in_flight is not None:  # failed between a step and its settle
-                scope, self._in_flight = self._in_flight[0], None
+            scope = self._in_flight[0] if self._in_flight is not None else None
+            self._in_flight = None
+            if scope is not None:  # failed between a step and its settle
                 scope.__exit__(*sys.exc_info())
             raise
         wall = time.perf_counter() - t_start
@@ -199,10 +216,13 @@ class Trainer:
             step = self.step
             if step < self.steps:
                 batch = next(self.batches)  # overlaps the servers' update
-            last.update(self.settle())
-            if step % log_every == 0 or step == self.steps:
+            logs = step % log_every == 0 or step == self.steps
+            evaluates = is_chief and cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < self.steps
+            if not self.pipelined or logs or evaluates:
+                last.update(self.settle())
+            if logs:
                 self._log_train(step, last)
-            if is_chief and cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < self.steps:
+            if evaluates:
                 ev = self.evaluate()
                 self.writer.add_scalar("test/accuracy", ev["accuracy"], step)
                 self.writer.add_scalar("test/loss", ev["loss"], step)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from ps_train.config import ClusterConfig, Config, ResNetConfig, SyntheticConfig, TrainConfig, validate
+from ps_train.data import data_shape
 from ps_train.server import ParameterServer
 
 
@@ -31,3 +32,30 @@ def test_sync_forwards_with_batchnorm_run_in_trainer_order_whatever_order_reques
     for (name, a), (_, b) in zip(module.named_buffers(), reference.named_buffers()):
         assert torch.equal(a, b), name
     assert ps._forwards_done == {}  # the step's bookkeeping is dropped once every trainer ran
+
+
+@pytest.mark.timeout(60)
+def test_a_sync_forward_runs_only_once_the_previous_steps_update_is_applied(monkeypatch):
+    # A pipelined trainer sends its step-1 forward before it knows its step-0 update landed.
+    cfg = validate(Config(cluster=ClusterConfig(num_servers=1, num_trainers=2), train=TrainConfig(steps=2)))
+    ps = ParameterServer(cfg, rank=0)
+    monkeypatch.setattr(ps, "_grads", lambda context_id: {})  # no RPC here: an update without gradients
+    x = torch.randn(4, *data_shape(cfg.data))
+    first = ps.shards[0]
+
+    early = threading.Thread(target=ps.forward, args=(0, x, 0, 1))
+    early.start()
+    early.join(timeout=0.5)
+    assert early.is_alive(), "the step-1 forward ran before any step-0 update"
+    pending = ps.apply_sync(0, 0, 0)  # trainer0's half of round 0 waits...
+    assert not pending.done() and ps.rounds == 0
+    early.join(timeout=0.5)
+    assert early.is_alive(), "the step-1 forward ran before trainer1's step-0 update"
+    done = ps.apply_sync(0, 1, 0)  # ...until trainer1's completes it
+    early.join(timeout=30)
+    assert not early.is_alive() and pending.done() and done.done() and ps.rounds == 1
+    torch.testing.assert_close(ps.forward(0, x, 1, 1), first(x))  # step 1 itself does not wait
+
+    restored = ParameterServer(cfg, rank=0)
+    restored.load_state_dict(ps.state_dict())
+    assert restored.rounds == 1
