@@ -79,6 +79,7 @@ class ParameterServer:
             for m in self.shards.values() for x in m.modules())
         self._turn = threading.Condition()
         self.rounds = 0  # sync mode: steps whose update is applied (all trainers' gradients)
+        self._failed_round: Optional[tuple] = None  # (step, error) of an update that failed
         self._forwards_done: Dict[tuple, int] = {}  # (shard, step) -> trainers whose forward ran
 
     # -- forward ----------------------------------------------------------------------------------
@@ -86,8 +87,7 @@ class ParameterServer:
         module = self.shards[shard]
         if self.mode == "sync":
             if step > self.rounds:  # the previous step's update is still on its way
-                with self._turn:
-                    self._turn.wait_for(lambda: self.rounds >= step)
+                self._await_round(step)
             if not self.ordered_forwards or step < 0:
                 return self._sync_forward(module, shard, x, trainer, step)
             key = (shard, step)
@@ -110,6 +110,14 @@ class ParameterServer:
         # functional_call swaps the module's parameters while it runs: one at a time.
         with self.forward_lock:
             return functional_call(module, params, (x,))
+
+    def _await_round(self, step: int) -> None:
+        with self._turn:
+            self._turn.wait_for(lambda: self.rounds >= step or self._failed_round is not None)
+            if self.rounds < step:
+                failed, error = self._failed_round  # type: ignore[misc]
+                raise RuntimeError(f"ps{self.rank} cannot run the step-{step} forward: the step-{failed} "
+                                   f"update failed: {error!r}") from error
 
     def _sync_forward(self, module: nn.Module, shard: int, x: torch.Tensor, trainer: int, step: int) -> torch.Tensor:
         if not self.has_dropout or step < 0:
@@ -156,18 +164,25 @@ class ParameterServer:
 
     @async_execution
     def apply_sync(self, context_id: int, trainer: int, step: int) -> torch.futures.Future:
-        grads = self._grads(context_id)
-        with self.lock:
-            r = self._rounds.setdefault(step, {"grads": {}, "future": torch.futures.Future()})
-            r["grads"][trainer] = grads
-            complete = len(r["grads"]) == self.num_trainers
-            if complete:
-                del self._rounds[step]
-                total: Dict[nn.Parameter, torch.Tensor] = {}
-                for t in sorted(r["grads"]):  # rank order: the same float sums every run
-                    for p, g in r["grads"][t].items():
-                        total[p] = g if p not in total else total[p] + g
-                self._step(total)
+        try:
+            grads = self._grads(context_id)
+            with self.lock:
+                r = self._rounds.setdefault(step, {"grads": {}, "future": torch.futures.Future()})
+                r["grads"][trainer] = grads
+                complete = len(r["grads"]) == self.num_trainers
+                if complete:
+                    del self._rounds[step]
+                    total: Dict[nn.Parameter, torch.Tensor] = {}
+                    for t in sorted(r["grads"]):  # rank order: the same float sums every run
+                        for p, g in r["grads"][t].items():
+                            total[p] = g if p not in total else total[p] + g
+                    self._step(total)
+        except BaseException as e:
+            # This round can never complete: forwards waiting for it fail instead of hanging.
+            with self._turn:
+                self._failed_round = (step, e)
+                self._turn.notify_all()
+            raise
         if complete:
             with self._turn:
                 self.rounds = max(self.rounds, step + 1)

@@ -59,3 +59,18 @@ def test_a_sync_forward_runs_only_once_the_previous_steps_update_is_applied(monk
     restored = ParameterServer(cfg, rank=0)
     restored.load_state_dict(ps.state_dict())
     assert restored.rounds == 1
+
+
+@pytest.mark.timeout(60)
+def test_a_sync_forward_waiting_for_an_update_that_failed_raises_naming_it(monkeypatch):
+    cfg = validate(Config(cluster=ClusterConfig(num_servers=1, num_trainers=1), train=TrainConfig(steps=2)))
+    ps = ParameterServer(cfg, rank=0)
+
+    def lost(context_id):
+        raise RuntimeError(f"Could not find autograd context with id: {context_id}")
+
+    monkeypatch.setattr(ps, "_grads", lost)
+    with pytest.raises(RuntimeError, match="Could not find autograd context"):
+        ps.apply_sync(7, 0, 0)
+    with pytest.raises(RuntimeError, match="cannot run the step-1 forward: the step-0 update failed.*autograd context with id: 7"):
+        ps.forward(0, torch.randn(4, *data_shape(cfg.data)), 0, 1)
