@@ -16,7 +16,8 @@ from . import api
 from . import autograd as dist_autograd
 from .errors import format_many
 from .futures import settle
-from .rref import RRef
+from .options import UNSET_RPC_TIMEOUT
+from .rref import RRef, _on_invoke
 
 __all__ = ["DistributedOptimizer"]
 
@@ -46,10 +47,6 @@ class _LocalOptimizer:
 
 def _new_local_optimizer(optim_cls: Type[torch.optim.Optimizer], local_params_rref: List[RRef], *args: Any, **kwargs: Any) -> RRef:
     return RRef(_LocalOptimizer(optim_cls, local_params_rref, *args, **kwargs))
-
-
-def _local_optimizer_step(local_optim_rref: RRef, context_id: int) -> None:
-    local_optim_rref.local_value().step(context_id)
 
 
 def _wait_all(futures: List[torch.futures.Future], what: str) -> List[Any]:
@@ -90,8 +87,13 @@ class DistributedOptimizer:
     def step(self, context_id: int) -> None:
         """Apply the gradients of ``context_id`` on every owner, concurrently."""
         dist_autograd._is_valid_context(context_id)
+        # Each call names its owner's optimizer by RRef id, as RRef proxies do (sending the
+        # RRef itself would fork it: a confirmation and a delete per owner per step), and
+        # is ``waited``: this thread waits for every answer right away and reads them
+        # itself, so no background reader needs waking for them.
         futures = [
-            api.rpc_async(opt.owner(), _local_optimizer_step, args=(opt, context_id))
+            api._invoke_async(opt._owner_id, _on_invoke, (opt._rref_id, "step", (context_id,), {}), None,
+                              UNSET_RPC_TIMEOUT, "async", keepalive=opt, waited=True)
             for opt in self.remote_optimizers
         ]
         _wait_all(futures, "Error running optimizer.")
