@@ -40,6 +40,9 @@ _LAZY_DELAY = 0.005
 # Unanswered background-read calls on a connection from which new ones may be queued for
 # the reader to write in batches (see send_request).
 _DEFER_IN_FLIGHT = 16
+# The request-extras key under which a request's reply notes (serialization.note_for_reply)
+# wait for its response.
+_REPLY_NOTES = "_reply"
 # How long close() waits for the agent's threads to end.
 _CLOSE_GRACE = 1.0
 # torch.futures.Future.set_result is a Python wrapper around this: one frame less per answer.
@@ -489,8 +492,15 @@ class Agent:
             self.pool.submit(self._run_request, conn, src, h, head, body, storages)
             return
         rec = self._pending.pop(h.msg_id, None)
-        if rec is None:
-            return  # timed out or failed already; the late answer is dropped
+        if rec is None:  # timed out or failed already: the late answer is dropped, but not its news
+            try:
+                extras = decode_head(head)[1]
+            except Exception:
+                return
+            if extras:
+                for m in self.middleware:
+                    m.on_response(extras, {})
+            return
         fut, dst, call_extras = rec[:3]
         fut._answered = True  # its completion may still be on its way through the pool
         counted = not rec[4] & wire.CONTROL
@@ -504,7 +514,10 @@ class Agent:
                         m.on_response(extras, call_extras)
                 self._complete(fut, value, inline=False, counted=counted)
             else:
-                info, _ = deserialize(head, body, storages)
+                info, extras = deserialize(head, body, storages)
+                if extras:
+                    for m in self.middleware:
+                        m.on_response(extras, call_extras)
                 self._complete(fut, error=rebuild_exception(info), inline=False, counted=counted)
         except BaseException as e:  # a response we cannot decode fails its call, not the reader
             self._complete(fut, error=RpcError(f"could not decode the response from {self.describe(src)}: {e!r}"),
@@ -524,11 +537,15 @@ class Agent:
     # -- executing requests ----------------------------------------------------------------------
     def _run_request(self, conn: Any, src: int, h: wire.FrameHeader, head: bytes, body: bytes, storages: list) -> None:
         extras: Dict[str, Any] = {}
+        notes: Dict[str, list] = {}  # from the arguments to the caller, in the response's extras
         try:
             try:
                 waits: List[torch.futures.Future] = []
-                (func, args, kwargs), extras_ = deserialize(head, body, storages, self._incoming_hook(src, False), waits)
+                (func, args, kwargs), extras_ = deserialize(head, body, storages, self._incoming_hook(src, False),
+                                                            waits, notes)
                 extras = extras_ or {}
+                if notes:
+                    extras[_REPLY_NOTES] = notes
             except BaseException as e:
                 if isinstance(e, (AttributeError, ModuleNotFoundError, ImportError)):
                     e = RpcError(
@@ -543,6 +560,8 @@ class Agent:
                         extras = {}
                     for hook in self.request_failed_hooks:
                         hook(extras, e)
+                if notes:
+                    extras[_REPLY_NOTES] = notes
                 raise e from None
             if waits:  # RRef forks in the arguments must be confirmed by their owners first
                 torch.futures.collect_all(waits).add_done_callback(
@@ -587,7 +606,7 @@ class Agent:
     def _respond(self, conn: Any, src: int, h: wire.FrameHeader, value: Any, extras: Dict[str, Any]) -> None:
         try:
             ser = serialize(value)
-            resp: Dict[str, Any] = {}
+            resp: Dict[str, Any] = extras.pop(_REPLY_NOTES, None) or {}
             for m in self.middleware:
                 m.outgoing(src, ser.tensors, resp, extras)
                 m.response_extras(extras, resp)
@@ -604,7 +623,7 @@ class Agent:
             self.me.name,
         )
         ser = serialize(info)
-        resp: Dict[str, Any] = {}
+        resp: Dict[str, Any] = extras.pop(_REPLY_NOTES, None) or {}
         for m in self.middleware:
             m.response_extras(extras, resp)
         self._send_answer(conn, h, wire.EXCEPTION, encode_head(ser.metas, resp), ser.body, [])

@@ -11,8 +11,11 @@ Protocol (every message is an ordinary RPC to one of the ``_on_*`` functions bel
   owner registers the fork before sending (owner forks are born confirmed). A user keeps
   the parent alive (``_pending_children``) until the child is confirmed; the receiving
   user asks the owner to register the fork (``_on_fork``), then tells the parent
-  (``_on_child_accept``). A function that receives RRefs runs only after all its forks
-  are confirmed. So a fork is always registered before its parent can be deleted.
+  (``_on_child_accept``). An owner that receives its own RRef needs no registration and
+  tells the parent at once; when the RRef came in a request (the usual
+  ``rpc_sync(rref.owner(), f, args=(rref,))``), that news rides on the response (``racc``)
+  instead of a message of its own. A function that receives RRefs runs only after all its
+  forks are confirmed. So a fork is always registered before its parent can be deleted.
 - A user RRef that is garbage collected is deleted on its owner (after its creation was
   confirmed). Deletes ride along with the next request to that owner (``rdel`` in the frame
   head, applied by ``RRefMiddleware``), so a loop that creates and drops RRefs costs no
@@ -37,7 +40,7 @@ from .errors import RpcError
 from .futures import settle
 from .functions import async_execution
 from .rendezvous import WorkerInfo
-from .serialization import defer_until, register_reducer
+from .serialization import defer_until, note_for_reply, register_reducer
 
 T = TypeVar("T")
 Id = Tuple[int, int]  # GloballyUniqueId(created_on, local_id)
@@ -68,6 +71,9 @@ _FREED_MEMORY = 1 << 16
 _DELETE_DELAY = 0.005
 _DELETE_BATCH = 256
 _POKE = ("poke", None, None, None, None)
+# Response-extras key: forks of the caller's RRefs this owner accepted while unpickling the
+# request (the child-accept of the fork protocol, without a message of its own).
+_ACCEPTED = "racc"
 
 
 class _Context:
@@ -93,7 +99,20 @@ class _Context:
         # the next look at the piles (a request to any owner, the release loop) moves them.
         self.collected: Deque[Tuple[int, Id, Id]] = collections.deque()
         self.n_collected = 0  # appends so far (approximate: it only paces the release loop)
+        # Ids of garbage-collected owner handles (an RRef argument unpickled on its owner
+        # makes one per call); the release loop drops them in batches, waking no thread each.
+        self.dropped: Deque[Id] = collections.deque()
         self.release_asleep = False  # the release loop waits without a deadline: poke it
+
+    def drop_handles(self) -> None:
+        """Apply the drops of collected owner handles (their values may be freed)."""
+        while self.dropped:
+            rref_id = self.dropped.popleft()
+            with self.lock:
+                e = self.owners.get(rref_id)
+                if e is not None:
+                    e.handles -= 1
+            self.maybe_free(rref_id)
 
     def gather(self) -> None:
         """Move collected deletes into the per-owner piles (call with the lock held)."""
@@ -158,30 +177,26 @@ def _release_loop() -> None:
         # Wait without a deadline only when nothing waits to be sent and no handle was
         # collected since the last look: a loop that keeps dropping RRefs wakes this thread
         # once per _DELETE_DELAY, not once per handle.
-        idle = seen == _ctx.n_collected and not (_ctx.deletes or _ctx.collected)
+        idle = seen == _ctx.n_collected and not (_ctx.deletes or _ctx.collected or _ctx.dropped)
         seen = _ctx.n_collected
         if idle:
             _ctx.release_asleep = True
-            idle = not _ctx.collected  # appended after the look above, maybe without a poke
+            idle = not (_ctx.collected or _ctx.dropped)  # appended after the look above, maybe without a poke
         try:
             item = _ctx.releases.get(timeout=None if idle else _DELETE_DELAY)
         except queue.Empty:
+            _ctx.drop_handles()
             _send_deletes()  # nothing carried them in time
             continue
         finally:
             _ctx.release_asleep = False
+        _ctx.drop_handles()  # before a barrier: flush() sees them applied
         kind, owner, rref_id, fork_id, creation = item
         if kind == "poke":
             continue
         if kind == "barrier":
             _send_deletes()
             owner.set_result(None)
-        elif kind == "owner":
-            with _ctx.lock:
-                e = _ctx.owners.get(rref_id)
-                if e is not None:
-                    e.handles -= 1
-            _ctx.maybe_free(rref_id)
         elif creation is not None and not creation.done():
             # Delete once the owner knows the fork. The delete is queued before the tracked
             # future completes: flush() sees the one or the other.
@@ -290,8 +305,14 @@ class RRef(Generic[T]):
         if self._fork_id is not None and (self._creation is None or self._confirmed):
             _collect(self._owner_id, self._rref_id, self._fork_id)  # the common case: wakes no thread
             return
-        kind = "owner" if self._fork_id is None else "user"
-        _ctx.releases.put((kind, self._owner_id, self._rref_id, self._fork_id, self._creation))
+        if self._fork_id is None:  # an owner handle: dropped on the release loop's next look
+            _ctx.dropped.append(self._rref_id)
+            _ctx.n_collected += 1
+            if _ctx.release_asleep:
+                _ctx.releases.put(_POKE)
+            return
+        # A user handle whose creation is not confirmed yet: its delete must wait for it.
+        _ctx.releases.put(("user", self._owner_id, self._rref_id, self._fork_id, self._creation))
 
     # -- public API -------------------------------------------------------------------------------
     def is_owner(self) -> bool:
@@ -440,7 +461,7 @@ def _from_fork(owner: int, rref_id: Id, fork_id: Id, parent: int) -> RRef:
         if parent == me:
             with _ctx.lock:
                 _ctx.entry(rref_id).forks.discard(fork_id)  # our own fork came back: no user exists
-        else:
+        elif not note_for_reply(_ACCEPTED, fork_id):  # in a request: the parent learns it from the response
             _track(agent.send_request(parent, _on_child_accept, (fork_id,), {}, timeout=0))
         return RRef._owner_handle(rref_id)
     if parent == owner:
@@ -557,6 +578,12 @@ class RRefMiddleware(_agent_mod.Middleware):
         if pile:
             _on_user_deletes(pile)
 
+    def on_response(self, extras: Optional[Dict[str, Any]], call_extras: Dict[str, Any]) -> None:
+        accepted = extras.get(_ACCEPTED) if extras else None
+        if accepted:
+            for fork_id in accepted:
+                _on_child_accept(tuple(fork_id))
+
 
 @async_execution
 def _on_invoke(rref_id: Id, name: str, args: tuple, kwargs: dict) -> torch.futures.Future:
@@ -638,6 +665,7 @@ def reset() -> None:
         _ctx.freed.clear()
         _ctx.deletes.clear()
         _ctx.collected.clear()
+        _ctx.dropped.clear()
 
 
 def debug_info() -> Dict[str, int]:

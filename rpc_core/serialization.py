@@ -251,13 +251,25 @@ def defer_until(fut: "torch.futures.Future") -> None:
         waits.append(fut)
 
 
-def unpickle_body(body: Any, tensors: Sequence[torch.Tensor], waits: Optional[list] = None) -> Any:
-    prev = getattr(_tls, "tensors", None), getattr(_tls, "waits", None)
-    _tls.tensors, _tls.waits = tensors, waits
+def note_for_reply(key: str, item: Any) -> bool:
+    """Called while unpickling a request: ``item`` goes back to the request's sender in the
+    response's extras, in a list under ``key``. False when no request is being unpickled:
+    the caller must then tell the sender some other way."""
+    notes = getattr(_tls, "notes", None)
+    if notes is None:
+        return False
+    notes.setdefault(key, []).append(item)
+    return True
+
+
+def unpickle_body(body: Any, tensors: Sequence[torch.Tensor], waits: Optional[list] = None,
+                  notes: Optional[Dict[str, list]] = None) -> Any:
+    prev = getattr(_tls, "tensors", None), getattr(_tls, "waits", None), getattr(_tls, "notes", None)
+    _tls.tensors, _tls.waits, _tls.notes = tensors, waits, notes
     try:
         return pickle.loads(body)
     finally:
-        _tls.tensors, _tls.waits = prev
+        _tls.tensors, _tls.waits, _tls.notes = prev
 
 
 def deserialize(
@@ -266,14 +278,16 @@ def deserialize(
     storages: Sequence[torch.UntypedStorage],
     tensor_hook: Optional[Callable[[List[torch.Tensor], Sequence[TensorMeta], Dict[str, Any]], List[torch.Tensor]]] = None,
     waits: Optional[list] = None,
+    notes: Optional[Dict[str, list]] = None,
 ) -> Tuple[Any, Optional[Dict[str, Any]]]:
     """Inverse of ``serialize``; returns (object, extras). Futures the body's objects ask to
-    wait for (``defer_until``) are appended to ``waits``."""
+    wait for (``defer_until``) are appended to ``waits``; what they want to tell the sender
+    (``note_for_reply``) goes into ``notes``."""
     metas, extras = decode_head(head)
     tensors = rebuild_tensors(metas, storages) if metas else []
     if tensor_hook is not None and tensors:
         tensors = tensor_hook(tensors, metas, extras or {})
-    return unpickle_body(body, tensors, waits), extras
+    return unpickle_body(body, tensors, waits, notes), extras
 
 
 def loopback(buffers: Sequence[memoryview]) -> List[torch.UntypedStorage]:

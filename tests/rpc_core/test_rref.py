@@ -424,3 +424,73 @@ def test_a_collected_confirmed_user_rref_wakes_no_thread_and_its_delete_still_re
     (kinds, held_after), _ = run_world(_body_collected_user_rref, 2)
     assert "user" not in kinds  # at most a poke of a release loop that slept without deadline
     assert held_after is False  # carried by the call (or sent by the release loop before it)
+
+
+# -- an RRef passed to its owner (torch's ``rpc_sync(rref.owner(), f, args=(rref,))``) ----------------
+def _local_value(rref):
+    return rref.local_value()
+
+
+def _record_releases():
+    rref_mod._ctx.releases = _RecordingQueue(rref_mod._ctx.releases)
+
+
+def _recorded_releases():
+    gc.collect()
+    rref_mod.flush()  # applies the dropped handles
+    recording = rref_mod._ctx.releases
+    rref_mod._ctx.releases = recording.real
+    entry = rref_mod._ctx.owners.get(_owner_rref_id[0])
+    return recording.kinds, None if entry is None else entry.handles
+
+
+_owner_rref_id = [None]
+
+
+def _remember(rref_id):
+    _owner_rref_id[0] = tuple(rref_id)
+
+
+def _body_rref_to_its_owner(ctx):
+    if ctx.rank != 0:
+        return None
+    r = rpc_core.remote(1, _add, args=(1, 2))
+    assert r.to_here() == 3
+    rpc_core.rpc_sync(1, _remember, args=(r._rref_id,))
+    rpc_core.rpc_sync(1, _record_releases)
+    agent = rpc_core.agent.current_agent()
+    received_before = agent.n_received
+    pending = []
+    for _ in range(5):
+        assert rpc_core.rpc_sync(1, _local_value, args=(r,)) == 3
+        pending.append(rref_mod.debug_info()["num_pending_children"])  # no flush: the response said so
+    received = agent.n_received - received_before
+    kinds, handles = rpc_core.rpc_sync(1, _recorded_releases)
+    return pending, received, kinds, handles
+
+
+def test_an_rref_passed_to_its_owner_costs_no_message_and_no_thread_wake_of_its_own():
+    (pending, received, kinds, handles), _ = run_world(_body_rref_to_its_owner, 2)
+    assert pending == [0] * 5  # each child accept came with the call's response...
+    assert received == 0  # ...not as a call to this worker
+    assert "owner" not in kinds  # the owner handles each call made were dropped without a wake
+    assert handles == 0  # and all of them were dropped
+
+
+def _fail_with(rref):
+    raise ValueError(f"no use for {rref.local_value()}")
+
+
+def _body_rref_to_its_owner_that_raises(ctx):
+    if ctx.rank != 0:
+        return None
+    r = rpc_core.remote(1, _add, args=(1, 2))
+    r.to_here()
+    with pytest.raises(ValueError, match="no use for 3"):
+        rpc_core.rpc_sync(1, _fail_with, args=(r,))
+    return rref_mod.debug_info()["num_pending_children"]
+
+
+def test_the_child_accept_also_comes_with_an_exception_response():
+    pending, _ = run_world(_body_rref_to_its_owner_that_raises, 2)
+    assert pending == 0
