@@ -94,6 +94,22 @@ def small_tensor():
     return torch.ones(10, 10)
 
 
+class Counter:
+    """A small object owned by worker1, for the RRef-argument workload."""
+
+    def __init__(self):
+        self.n = 0
+
+    def bump(self):
+        self.n += 1
+        return self.n
+
+
+def call_bump(rref):
+    """torch's parameter-server tutorial pattern: the RRef travels as an argument to its owner."""
+    return rref.local_value().bump()
+
+
 def grads_in_context(context_id):
     """Number of gradients recorded in ``context_id`` on this worker (sanity check)."""
     return len(_IMPL.autograd.get_gradients(context_id))
@@ -207,6 +223,17 @@ def w_remote_to_here(impl, c):
     return _per_call(samples, 1e6)
 
 
+def w_rref_arg_to_owner(impl, c):
+    rpc = impl.rpc
+    counter = rpc.remote(CALLEE, Counter)
+    if rpc.rpc_sync(CALLEE, call_bump, args=(counter,)) != 1:
+        raise AssertionError("the call through the RRef argument did not reach its value")
+    samples = _time_calls(
+        lambda: rpc.rpc_sync(CALLEE, call_bump, args=(counter,)), c["warmup"], c["iters"], c["reps"]
+    )
+    return _per_call(samples, 1e6)
+
+
 class Unavailable(Exception):
     pass
 
@@ -273,6 +300,7 @@ MEASUREMENTS = {
     "echo_16MB": _echo(16 << 20),
     "echo_64MB": _echo(64 << 20),
     "remote_to_here": w_remote_to_here,
+    "rref_arg_to_owner": w_rref_arg_to_owner,
     "remote_linear_step": w_remote_linear_step,
     "mlp3_distopt_step": w_mlp3_distopt_step,
 }

@@ -45,6 +45,9 @@ Workloads:
                         throughput = 2 * payload bytes (sent + received) / round
                         trip time, GB = 1e9 bytes                               GB/s
     remote_to_here      rpc.remote(worker1, returns 10x10 tensor).to_here()     us/call
+    rref_arg_to_owner   rpc_sync(worker1, f, args=(rref,)) with rref owned by
+                        worker1 (torch's parameter-server tutorial pattern;
+                        sending the RRef forks it)                              us/call
     remote_linear_step  callee owns nn.Linear(256, 256) (made with remote); in a
                         dist_autograd.context: out = rref.rpc_sync().forward(x),
                         x 64x256, loss = out.sum(), dist_autograd.backward      ms/step
@@ -98,6 +101,8 @@ WORKLOADS = [
     ("echo_64MB", "echo round trip 64 MB", "GB/s", "higher", 2.0, (3, 4, 9), (1, 2, 3)),
     ("remote_to_here", "remote(...).to_here() small tensor", "us/call", "lower", 0.3,
      (200, 300, 7), (30, 100, 3)),
+    ("rref_arg_to_owner", "rpc_sync(owner, f, args=(rref,))", "us/call", "lower", None,
+     (200, 500, 7), (30, 100, 3)),
     ("remote_linear_step", "remote Linear(256) fwd+dist bwd", "ms/step", "lower", 0.25,
      (20, 100, 7), (5, 30, 3)),
     ("mlp3_distopt_step", "3-shard MLP + DistributedOptimizer", "ms/step", "lower", None,
