@@ -115,9 +115,14 @@ class ParameterServer:
         with self._turn:
             self._turn.wait_for(lambda: self.rounds >= step or self._failed_round is not None)
             if self.rounds < step:
-                failed, error = self._failed_round  # type: ignore[misc]
-                raise RuntimeError(f"ps{self.rank} cannot run the step-{step} forward: the step-{failed} "
-                                   f"update failed: {error!r}") from error
+                raise self._round_error(step, "forward")
+
+    def _round_error(self, step: int, what: str = "update") -> RuntimeError:
+        failed, error = self._failed_round  # type: ignore[misc]
+        e = RuntimeError(f"ps{self.rank} cannot run the step-{step} {what}: the step-{failed} update "
+                         f"failed: {error!r}; sync mode cannot go on without it")
+        e.__cause__ = error
+        return e
 
     def _sync_forward(self, module: nn.Module, shard: int, x: torch.Tensor, trainer: int, step: int) -> torch.Tensor:
         if not self.has_dropout or step < 0:
@@ -164,6 +169,9 @@ class ParameterServer:
 
     @async_execution
     def apply_sync(self, context_id: int, trainer: int, step: int) -> torch.futures.Future:
+        if self._failed_round is not None:
+            raise self._round_error(step)
+        r = None
         try:
             grads = self._grads(context_id)
             with self.lock:
@@ -178,10 +186,15 @@ class ParameterServer:
                             total[p] = g if p not in total else total[p] + g
                     self._step(total)
         except BaseException as e:
-            # This round can never complete: forwards waiting for it fail instead of hanging.
+            # This round can never complete: the trainers waiting for it and forwards waiting
+            # for it fail instead of hanging.
             with self._turn:
                 self._failed_round = (step, e)
                 self._turn.notify_all()
+            with self.lock:
+                waiting = self._rounds.pop(step, None) or r
+            if waiting is not None and not waiting["future"].done():
+                waiting["future"].set_exception(self._round_error(step))
             raise
         if complete:
             with self._turn:

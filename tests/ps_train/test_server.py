@@ -62,15 +62,24 @@ def test_a_sync_forward_runs_only_once_the_previous_steps_update_is_applied(monk
 
 
 @pytest.mark.timeout(60)
-def test_a_sync_forward_waiting_for_an_update_that_failed_raises_naming_it(monkeypatch):
-    cfg = validate(Config(cluster=ClusterConfig(num_servers=1, num_trainers=1), train=TrainConfig(steps=2)))
+def test_a_failed_sync_update_fails_its_round_and_what_waits_for_it_naming_it(monkeypatch):
+    cfg = validate(Config(cluster=ClusterConfig(num_servers=1, num_trainers=2), train=TrainConfig(steps=2)))
     ps = ParameterServer(cfg, rank=0)
 
-    def lost(context_id):
-        raise RuntimeError(f"Could not find autograd context with id: {context_id}")
+    def grads(context_id):
+        if context_id == 7:
+            raise RuntimeError(f"Could not find autograd context with id: {context_id}")
+        return {}
 
-    monkeypatch.setattr(ps, "_grads", lost)
+    monkeypatch.setattr(ps, "_grads", grads)
+    waiting = ps.apply_sync(1, 1, 0)  # trainer1's half of round 0
+    assert not waiting.done()
     with pytest.raises(RuntimeError, match="Could not find autograd context"):
-        ps.apply_sync(7, 0, 0)
-    with pytest.raises(RuntimeError, match="cannot run the step-1 forward: the step-0 update failed.*autograd context with id: 7"):
+        ps.apply_sync(7, 0, 0)  # trainer0's half fails
+    failed = "the step-0 update failed.*autograd context with id: 7"
+    with pytest.raises(RuntimeError, match=f"cannot run the step-0 update: {failed}"):
+        waiting.wait()  # trainer1 learns it instead of waiting forever
+    with pytest.raises(RuntimeError, match=f"cannot run the step-1 forward: {failed}"):
         ps.forward(0, torch.randn(4, *data_shape(cfg.data)), 0, 1)
+    with pytest.raises(RuntimeError, match=f"cannot run the step-1 update: {failed}"):
+        ps.apply_sync(1, 1, 1)
