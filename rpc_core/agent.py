@@ -497,9 +497,7 @@ class Agent:
                 extras = decode_head(head)[1]
             except Exception:
                 return
-            if extras:
-                for m in self.middleware:
-                    m.on_response(extras, {})
+            self._response_extras(extras, {})
             return
         fut, dst, call_extras = rec[:3]
         fut._answered = True  # its completion may still be on its way through the pool
@@ -509,19 +507,20 @@ class Agent:
         try:
             if h.kind == wire.RESPONSE:
                 value, extras = deserialize(head, body, storages, self._incoming_hook(src, True))
-                if extras:
-                    for m in self.middleware:
-                        m.on_response(extras, call_extras)
+                self._response_extras(extras, call_extras)
                 self._complete(fut, value, inline=False, counted=counted)
             else:
                 info, extras = deserialize(head, body, storages)
-                if extras:
-                    for m in self.middleware:
-                        m.on_response(extras, call_extras)
+                self._response_extras(extras, call_extras)
                 self._complete(fut, error=rebuild_exception(info), inline=False, counted=counted)
         except BaseException as e:  # a response we cannot decode fails its call, not the reader
             self._complete(fut, error=RpcError(f"could not decode the response from {self.describe(src)}: {e!r}"),
                            inline=False, counted=counted)
+
+    def _response_extras(self, extras: Optional[Dict[str, Any]], call_extras: Dict[str, Any]) -> None:
+        if extras:
+            for m in self.middleware:
+                m.on_response(extras, call_extras)
 
     def _incoming_hook(self, src: int, is_response: bool):
         if not self.middleware:
@@ -544,8 +543,6 @@ class Agent:
                 (func, args, kwargs), extras_ = deserialize(head, body, storages, self._incoming_hook(src, False),
                                                             waits, notes)
                 extras = extras_ or {}
-                if notes:
-                    extras[_REPLY_NOTES] = notes
             except BaseException as e:
                 if isinstance(e, (AttributeError, ModuleNotFoundError, ImportError)):
                     e = RpcError(
@@ -560,9 +557,10 @@ class Agent:
                         extras = {}
                     for hook in self.request_failed_hooks:
                         hook(extras, e)
-                if notes:
-                    extras[_REPLY_NOTES] = notes
                 raise e from None
+            finally:
+                if notes:  # the response, or the error response, carries them
+                    extras[_REPLY_NOTES] = notes
             if waits:  # RRef forks in the arguments must be confirmed by their owners first
                 torch.futures.collect_all(waits).add_done_callback(
                     lambda _: self.pool.submit(self._execute, conn, src, h, func, args, kwargs, extras))

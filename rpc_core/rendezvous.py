@@ -178,9 +178,7 @@ def _host(name: str, world_size: int, host: str, port: int, secret: bytes, timeo
         for _, _, c, msg_id in joined.values():
             _reply(c, msg_id, str(exc) if isinstance(exc, RendezvousError) else f"rank 0 failed: {exc!r}")
             c.close()
-        listener.close()
-        if local is not None:
-            local.close()
+        _close(listener, local)
         raise
     listener.settimeout(None)
     workers = [me] + [joined[r][0] for r in range(1, world_size)]
@@ -191,6 +189,12 @@ def _host(name: str, world_size: int, host: str, port: int, secret: bytes, timeo
         s = _dumps(table)
         c.send(wire.RESPONSE, 0, msg_id, b"", s)
     return World(me, workers, addresses, listener, {r: joined[r][2] for r in joined}, local)
+
+
+def _close(*socks: Optional[socket.socket]) -> None:
+    for sock in socks:
+        if sock is not None:
+            sock.close()
 
 
 def _dumps(obj: object) -> bytes:
@@ -271,15 +275,11 @@ def _join(name: str, rank: int, world_size: int, host: str, port: int, secret: b
         h, _, body, _ = c.recv()
         sock.settimeout(None)
     except (OSError, transport.PeerClosed) as e:
-        listener.close()
-        if local is not None:
-            local.close()
+        _close(listener, local)
         c.close()
         raise RendezvousError(f"worker {name!r} (rank {rank}): rendezvous with rank 0 at {host}:{port} failed: {e}") from None
     if h.kind == wire.EXCEPTION:
-        listener.close()
-        if local is not None:
-            local.close()
+        _close(listener, local)
         c.close()
         raise RendezvousError(pickle.loads(body))
     names, addresses = pickle.loads(body)

@@ -399,7 +399,7 @@ class Connection:
             pass
         start = time.perf_counter()
         k = _NOTHING
-        if self._wait_estimate < _SPIN and not self._no_poll:
+        if self._may_poll():
             k = _poll(start + _SPIN, lambda: self._try_recv_into(view))
         if k is _NOTHING:
             self._before_sleep()
@@ -409,6 +409,11 @@ class Connection:
                 self._reader_sleeps = False
         self._note_wait(time.perf_counter() - start)
         return k
+
+    def _may_poll(self) -> bool:
+        """Whether a reader polls before it sleeps: recent waits were short, and no peer is
+        copying our buffers with several threads."""
+        return self._wait_estimate < _SPIN and not self._no_poll
 
     def _try_recv_into(self, view: memoryview) -> int:
         if self._small_q:
@@ -429,7 +434,7 @@ class Connection:
 
     def _poll_spin(self, start: float, timeout: float) -> bool:
         """Whether bytes arrived while polling for up to ``min(_SPIN, timeout)`` seconds."""
-        if not _SPIN or self._wait_estimate >= _SPIN or self._no_poll or self.sock.gettimeout() is not None:
+        if not _SPIN or self.sock.gettimeout() is not None or not self._may_poll():
             return False
         try:
             if _poll(start + min(_SPIN, timeout), self._try_peek) is _NOTHING:
