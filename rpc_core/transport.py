@@ -391,8 +391,14 @@ class Connection:
 
     def _recv_into(self, view: memoryview) -> int:
         """``sock.recv_into(view)``; polls first when recent waits were short (see _SPIN)."""
-        if not _SPIN or self.sock.gettimeout() is not None:  # a timed socket: the handshake's, not ours
+        if self.sock.gettimeout() is not None:  # a timed socket: the handshake's, not ours
             return self.sock.recv_into(view)
+        if not _SPIN:
+            self._before_sleep()  # queued frames go out before this thread blocks
+            try:
+                return self.sock.recv_into(view)
+            finally:
+                self._reader_sleeps = False
         try:
             return self.sock.recv_into(view, 0, _DONTWAIT)
         except BlockingIOError:

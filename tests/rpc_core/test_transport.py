@@ -381,3 +381,16 @@ def test_a_deferring_sender_writes_at_once_when_the_reader_sleeps_or_nobody_read
     _frame(a, 2, defer=True)
     assert [b.recv()[2] for _ in range(2)] == [b"frame 1", b"frame 2"]
     assert not a._small_q
+
+
+def test_with_polling_switched_off_a_reader_writes_the_queued_frames_before_it_blocks(pool, pair, monkeypatch):
+    monkeypatch.setattr(transport, "_SPIN", 0.0)
+    a, b = pair
+    a._reading = True  # a reader between two waits: the frame is queued for it
+    _frame(a, 1, defer=True)
+    a._reading = False
+    reader = pool.submit(a.recv)  # it finds no bytes and blocks in the kernel
+    assert b.poll(IO_TIMEOUT), "the queued frame never left: the reader blocked without writing it"
+    assert b.recv()[2] == b"frame 1"
+    b.send(wire.REQUEST, 0, 2, b"", b"wake up")
+    assert reader.result(IO_TIMEOUT)[2] == b"wake up"
