@@ -65,12 +65,18 @@ class Outbound:
             self._unattended += 1
             if not lazy:
                 if not self._reading and self._bg_idle:
-                    self._bg_cv.notify()
+                    self._wake_background()
                 return False
             if self._kick_armed:
                 return False
             self._kick_armed = True
             return True
+
+    def _wake_background(self) -> None:
+        # _lock held. Not idle from now on: until the thread runs (it needs the GIL, which
+        # a caller issuing a burst holds for a switch interval), later calls skip the notify.
+        self._bg_idle = False
+        self._bg_cv.notify()
 
     def in_flight(self) -> int:
         """Calls sent whose answers only the background thread is sure to read."""
@@ -81,7 +87,7 @@ class Outbound:
         with self._lock:
             self._kick_armed = False
             if self._unattended > 0 and not self._reading and self._bg_idle:
-                self._bg_cv.notify()
+                self._wake_background()
 
     def answered(self, unattended: bool) -> None:
         """A call on this connection completed (answer, timeout or failure)."""
@@ -152,7 +158,7 @@ class Outbound:
             if self._waiters:
                 self._cv.notify_all()
             if self._unattended > 0 and self._bg_idle:
-                self._bg_cv.notify()
+                self._wake_background()
 
     def _read_one(self) -> None:
         try:
