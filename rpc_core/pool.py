@@ -105,12 +105,14 @@ class _Worker:
 class _InlineRun:
     """A request running inline on the thread that serves a reading loop."""
 
-    __slots__ = ("pool", "resume", "waiting", "since", "moved")
+    __slots__ = ("pool", "resume", "waiting", "stalled", "since", "moved")
 
-    def __init__(self, pool: "ElasticPool", resume: Callable[[], Any], waiting: Optional[Callable[[], bool]]) -> None:
+    def __init__(self, pool: "ElasticPool", resume: Callable[[], Any], waiting: Optional[Callable[[], bool]],
+                 stalled: Optional[Callable[[], Any]] = None) -> None:
         self.pool = pool
         self.resume = resume  # continues the reading loop on another thread
         self.waiting = waiting  # whether more input waits for the loop (None: assume so)
+        self.stalled = stalled  # called while the run outlasts the stall limit
         self.since = 0.0
         self.moved = False
 
@@ -155,13 +157,14 @@ class ElasticPool:
                 self._watch.notify()
 
     def run_inline(self, resume: Callable[[], Any], fn: Callable[..., Any], *args: Any,
-                   waiting: Optional[Callable[[], bool]] = None) -> bool:
+                   waiting: Optional[Callable[[], bool]] = None, stalled: Optional[Callable[[], Any]] = None) -> bool:
         """Run ``fn(*args)`` on this thread, which serves a reading loop. If the run blocks
         on an RPC future, or outlasts the stall limit while ``waiting()`` says more input is
         there, ``resume()`` continues the loop on another thread (a long computation alone
-        on its connection keeps its thread: moving would only cost wake-ups). Returns False
+        on its connection keeps its thread: moving would only cost wake-ups). ``stalled()``
+        is called (by the watchdog) while the run outlasts the stall limit. Returns False
         if the loop moved: the caller must leave it."""
-        run = _InlineRun(self, resume, waiting)
+        run = _InlineRun(self, resume, waiting, stalled)
         prev = getattr(_tls, "inline", None)
         _tls.inline = run
         with self._lock:
@@ -289,7 +292,11 @@ class ElasticPool:
                     self._add_drainer_locked()  # every drainer is stuck in a job
                 now = time.monotonic()
                 for run in self._inline:
-                    if not run.moved and now - run.since >= _STALL_SECONDS and (run.waiting is None or run.waiting()):
+                    if now - run.since < _STALL_SECONDS:
+                        continue
+                    if run.stalled is not None:
+                        run.stalled()
+                    if not run.moved and (run.waiting is None or run.waiting()):
                         self._move_locked(run)  # a long or blocked run with input behind it
 
     def close(self) -> None:

@@ -61,6 +61,13 @@ _NOTHING = object()
 _DONTWAIT = int(socket.MSG_DONTWAIT)  # plain ints: or-ing the enum flags costs µs per poll
 _PEEK = _DONTWAIT | int(socket.MSG_PEEK)
 _HUGE_ALLOC = 1 << 20  # buffers this large are advised for transparent huge pages
+_HEADER = wire.FRAME_HEADER.size
+
+# How a small tensor-free frame may wait in the queue instead of being written at once
+# (``send``'s ``defer``); whoever next reads the socket writes the queue first, in one go.
+DEFER_READER = 1  # the thread now reading this connection, if awake, writes it before it waits
+DEFER_BATCH = 2  # the sender writes it with its next few (``flush_queued``/``frame_waiting``)
+DEFER_ANSWER = 3  # an answer, while the reader has the next frame's bytes buffered already
 
 
 def _same(e: BaseException) -> BaseException:
@@ -182,19 +189,21 @@ class Connection:
 
     # -- send ---------------------------------------------------------------------------
     def send(self, kind: int, flags: int, msg_id: int, head: bytes, body: bytes, buffers: Sequence[memoryview] = (),
-             defer: bool = False) -> None:
-        """Write one frame. ``defer``: a small tensor-free frame may instead be queued for
-        the thread now reading this connection, which writes everything queued in one go
-        before it next waits for bytes (a burst of ``rpc_async`` calls then costs a few
-        writes, not one each). The caller promises that some thread keeps reading this
-        connection until the frame's answer arrives; frames keep their order either way."""
+             defer: int = 0) -> None:
+        """Write one frame. ``defer`` (a ``DEFER_*`` mode): a small tensor-free frame may
+        instead be queued, and whoever next reads the socket writes everything queued in one
+        go before it waits for bytes (a burst of ``rpc_async`` calls, or of their answers,
+        then costs a few writes, not one each). The caller promises that some thread keeps
+        reading this connection until the frame's answer arrives (``DEFER_BATCH``: or that
+        it writes the queue itself soon); frames keep their order either way."""
         if not buffers and len(body) < _DIRECT_READ:
             # The common small message (no tensors): one write of one bytes object.
             data = wire.pack_header(kind, flags, len(head), len(body), msg_id, ()) + head + body
-            if defer and self._reading and not self._reader_sleeps:
+            if defer and ((self._end - self._start >= _HEADER) if defer == DEFER_ANSWER
+                          else not self._reader_sleeps and (self._reading or defer == DEFER_BATCH)):
                 self._small_q.append(data)
-                if self._reader_sleeps:  # the reader went to sleep meanwhile: write it ourselves
-                    self._flush_small()
+                if self._reader_sleeps and defer != DEFER_ANSWER:
+                    self._flush_small()  # a reader went to sleep meanwhile: write it ourselves
                 return
             with self._send_lock:
                 if self._small_q:
@@ -270,6 +279,11 @@ class Connection:
         """All queued small frames, in order (send lock held)."""
         q = self._small_q
         return q.popleft() if len(q) == 1 else b"".join([q.popleft() for _ in range(len(q))])
+
+    def flush_queued(self) -> None:
+        """Write the queued small frames now (unless another thread is writing: it does)."""
+        if self._small_q:
+            self._flush_small()
 
     def _flush_small(self) -> None:
         """Write the queued small frames if the send lock is free; if it is not, its holder
@@ -390,7 +404,10 @@ class Connection:
                 pos += take
 
     def _recv_into(self, view: memoryview) -> int:
-        """``sock.recv_into(view)``; polls first when recent waits were short (see _SPIN)."""
+        """``sock.recv_into(view)``; polls first when recent waits were short (see _SPIN).
+        Queued frames go out first: their answers may be what this read waits for."""
+        if self._small_q:
+            self._flush_small()
         if self.sock.gettimeout() is not None:  # a timed socket: the handshake's, not ours
             return self.sock.recv_into(view)
         if not _SPIN:
@@ -465,6 +482,36 @@ class Connection:
         out = bytes(self._view[self._start : self._start + n])
         self._start += n
         return out
+
+    def frame_waiting(self) -> bool:
+        """Whether ``recv`` can start on a frame without waiting for bytes: one is read or
+        buffered, or bytes arrived (this reads them into the buffer, never blocking). Writes
+        the queued frames first. False while another thread reads this connection."""
+        if self._inbox or self._end - self._start >= _HEADER:
+            return True
+        if self._small_q:
+            self._flush_small()
+        with self._lock:
+            if self._reading:
+                return False
+            self._reading = True
+        try:
+            if self._start == self._end:
+                self._start = self._end = 0
+            elif self._end == len(self._buf):
+                return True  # a partial frame fills the buffer: recv makes room
+            try:
+                k = self.sock.recv_into(self._view[self._end :], 0, _DONTWAIT)
+            except BlockingIOError:
+                return False
+            except OSError:
+                return True  # broken: recv says how
+            if k:
+                self._end += k
+                self.bytes_received += k
+            return True  # k == 0 is the peer's end: recv raises PeerClosed
+        finally:
+            self._drop_role()
 
     def poll(self, timeout: Optional[float]) -> bool:
         """Whether ``recv`` may have a frame to start on within ``timeout`` seconds: bytes
