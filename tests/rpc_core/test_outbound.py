@@ -156,3 +156,66 @@ def _body_remote_nobody_waits_on(ctx):
 
 def test_a_remote_nobody_waits_on_is_still_acknowledged_by_the_background_reader():
     assert run_world(_body_remote_nobody_waits_on, 2)[0] == (True, True, True)
+
+
+# -- bursts: the issuing thread reads their answers -----------------------------------------------------
+def _body_burst(ctx):
+    if ctx.rank != 0:
+        return None
+    rpc_core.rpc_sync(1, _noop)
+    link = agent_mod.current_agent()._links[1]
+    by_issuers = link.read_by_issuers
+    n = 2000
+    futs = [rpc_core.rpc_async(1, _double, args=(torch.tensor(float(i)),)) for i in range(n)]
+    torch.futures.wait_all(futs)
+    values = [f.value().item() for f in futs]
+    return values, link.read_by_issuers - by_issuers, link.in_flight()
+
+
+def test_a_burst_of_async_calls_completes_in_order_and_its_issuer_reads_answers_on_the_way():
+    (values, by_issuers, left), _ = run_world(_body_burst, 2)
+    assert values == [2.0 * i for i in range(2000)]
+    assert by_issuers > 0  # the issuing thread read some answers itself, between its calls
+    assert left == 0
+
+
+def _body_burst_then_stop(ctx):
+    if ctx.rank != 0:
+        return None
+    rpc_core.rpc_sync(1, _noop)
+    done = threading.Event()
+    results = []
+    # 40 calls: the last few are queued for the issuer's next batch, which never comes (it
+    # stops and only waits for the callbacks): the background reader must write and read them.
+    n = 40
+
+    def cb(f):
+        results.append(f.value())
+        if len(results) == n:
+            done.set()
+
+    for _ in range(n):
+        rpc_core.rpc_async(1, _noop).add_done_callback(cb)
+    return done.wait(30), len(results)
+
+
+def test_when_a_burst_stops_the_background_reader_sends_and_reads_what_is_left():
+    assert run_world(_body_burst_then_stop, 2)[0] == (True, 40)
+
+
+def _body_answer_not_held_behind_a_blocked_request(ctx):
+    if ctx.rank != 0:
+        return None
+    rpc_core.rpc_sync(1, _noop)
+    # 31 quick calls then one that blocks until the caller opens the gate; they reach the
+    # callee in one batch, so the quick ones' answers may be queued behind the blocked one.
+    quick = [rpc_core.rpc_async(1, _noop) for _ in range(31)]
+    blocked = rpc_core.rpc_async(1, _wait_for_gate)
+    for f in quick:
+        f.wait()  # the caller opens the gate only after these: a held answer would deadlock
+    rpc_core.rpc_sync(1, _open_gate)
+    return blocked.wait()
+
+
+def test_answers_queued_on_the_callee_are_not_held_behind_a_request_that_blocks():
+    assert run_world(_body_answer_not_held_behind_a_blocked_request, 2)[0] is True

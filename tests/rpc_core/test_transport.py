@@ -394,3 +394,44 @@ def test_with_polling_switched_off_a_reader_writes_the_queued_frames_before_it_b
     assert b.recv()[2] == b"frame 1"
     b.send(wire.REQUEST, 0, 2, b"", b"wake up")
     assert reader.result(IO_TIMEOUT)[2] == b"wake up"
+
+
+def test_a_batched_frame_waits_until_its_sender_flushes_unless_a_reader_sleeps(pair):
+    a, b = pair
+    _frame(a, 1, defer=transport.DEFER_BATCH)  # nobody reads a: the sender writes it later
+    assert not b.poll(0.05)
+    a.flush_queued()
+    assert b.recv()[2] == b"frame 1"
+    a._reading, a._reader_sleeps = True, True  # a reader blocked in the kernel would not write it
+    _frame(a, 2, defer=transport.DEFER_BATCH)
+    assert b.poll(IO_TIMEOUT) and b.recv()[2] == b"frame 2"
+
+
+def test_an_answer_waits_only_while_the_next_frame_is_buffered_and_leaves_with_the_next_read(pair):
+    a, b = pair
+    _frame(a, 9, defer=transport.DEFER_ANSWER)  # nothing buffered on a: written at once
+    assert b.poll(IO_TIMEOUT) and b.recv()[2] == b"frame 9"
+    for n in (1, 2):
+        b.send(wire.REQUEST, 0, n, b"", b"request", defer=transport.DEFER_BATCH)
+    b.flush_queued()  # one write: a's first read takes both
+    assert a.recv()[0].msg_id == 1  # request 2 is now buffered
+    _frame(a, 1, defer=transport.DEFER_ANSWER)
+    assert not b.poll(0.05)  # held: the reader reads on without touching the socket
+    assert a.recv()[0].msg_id == 2
+    b.send(wire.REQUEST, 0, 3, b"", b"request")
+    assert a.recv()[0].msg_id == 3  # a read of the socket writes the queue first
+    assert b.poll(IO_TIMEOUT) and b.recv()[2] == b"frame 1"
+
+
+def test_frame_waiting_never_blocks_and_says_whether_recv_can_start(pair):
+    a, b = pair
+    assert not a.frame_waiting()
+    b.send(wire.REQUEST, 0, 1, b"", b"x")
+    deadline = time.monotonic() + IO_TIMEOUT
+    while not a.frame_waiting():  # the bytes cross the socket; poll for them, bounded
+        assert time.monotonic() < deadline, "the frame never arrived"
+    assert a.recv()[2] == b"x"
+    a._reading = True  # another thread reads: frame_waiting leaves the socket to it
+    b.send(wire.REQUEST, 0, 2, b"", b"y")
+    assert a.poll(IO_TIMEOUT)
+    assert not a.frame_waiting()
