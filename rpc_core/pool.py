@@ -291,13 +291,25 @@ class ElasticPool:
                 if self._jobs and self._draining and self._started == seen:
                     self._add_drainer_locked()  # every drainer is stuck in a job
                 now = time.monotonic()
+                stalled = []
                 for run in self._inline:
                     if now - run.since < _STALL_SECONDS:
                         continue
                     if run.stalled is not None:
-                        run.stalled()
+                        stalled.append(run.stalled)
                     if not run.moved and (run.waiting is None or run.waiting()):
                         self._move_locked(run)  # a long or blocked run with input behind it
+                if stalled:
+                    # Not under the lock: a callback may write to a socket, and a slow peer
+                    # must not hold up every inline run of this pool.
+                    self._lock.release()
+                    try:
+                        for fn in stalled:
+                            fn()
+                    except BaseException:
+                        log.exception("rpc_core: error in a stalled-run callback")
+                    finally:
+                        self._lock.acquire()
 
     def close(self) -> None:
         with self._lock:
