@@ -116,7 +116,7 @@ class Outbound:
             self.conn.flush_queued()
             return
         try:
-            while self.conn.frame_waiting():
+            while not self._closed and self.conn.frame_waiting():  # a dead socket stays "ready"
                 self.read_by_issuers += 1
                 self._read_one()
         finally:

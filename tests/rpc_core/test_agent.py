@@ -190,6 +190,35 @@ def test_dead_peer_calls_fail_fast_by_name_and_shutdown_ends_naming_it():
     assert run_world(_body_dead_peer, 3, may_die={2}) == [True, True, None]
 
 
+def _body_peer_dies_mid_burst(ctx):
+    if ctx.rank == 1:
+        _wait_signal()  # killed by its own _die call meanwhile
+        return None
+    rpc_core.rpc_sync(1, _whoami)
+    # A burst (its issuer reads the answers and writes the requests in batches) with the
+    # callee killed part-way: every future must end, answered or failed naming the worker.
+    futs = [rpc_core.rpc_async(1, _die if i == 500 else _whoami) for i in range(3000)]
+    answered = []
+    for i, f in enumerate(futs):
+        try:
+            assert f.wait() == "worker1"
+            answered.append(i)
+        except WorkerUnavailableError as e:
+            assert "worker1" in str(e)
+    with pytest.raises(RuntimeError, match=r"(?s)graceful shutdown of 'worker0' failed.*worker1"):
+        rpc_core.shutdown()
+    return answered
+
+
+def test_a_peer_dying_mid_burst_fails_the_unanswered_calls_naming_it_and_nothing_hangs():
+    answered, _ = run_world(_body_peer_dies_mid_burst, 2, may_die={1})
+    # One connection runs its requests in order: nothing after the fatal call ran. Answers
+    # to calls just before it may be lost with the process, as with any crash after a call
+    # ran and before its answer left.
+    assert answered == list(range(len(answered)))
+    assert len(answered) <= 500
+
+
 def _body_dead_rank0(ctx):
     if ctx.rank == 0:
         _wait_signal()  # killed by worker1
