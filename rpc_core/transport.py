@@ -65,9 +65,8 @@ _HEADER = wire.FRAME_HEADER.size
 
 # How a small tensor-free frame may wait in the queue instead of being written at once
 # (``send``'s ``defer``); whoever next reads the socket writes the queue first, in one go.
-DEFER_READER = 1  # the thread now reading this connection, if awake, writes it before it waits
-DEFER_BATCH = 2  # the sender writes it with its next few (``flush_queued``/``frame_waiting``)
-DEFER_ANSWER = 3  # an answer, while the reader has the next frame's bytes buffered already
+DEFER_BATCH = 1  # the sender writes it with its next few (``flush_queued``/``frame_waiting``)
+DEFER_ANSWER = 2  # an answer, while the reader has the next frame's bytes buffered already
 
 
 def _same(e: BaseException) -> BaseException:
@@ -199,8 +198,9 @@ class Connection:
         if not buffers and len(body) < _DIRECT_READ:
             # The common small message (no tensors): one write of one bytes object.
             data = wire.pack_header(kind, flags, len(head), len(body), msg_id, ()) + head + body
-            if defer and ((self._end - self._start >= _HEADER) if defer == DEFER_ANSWER
-                          else not self._reader_sleeps and (self._reading or defer == DEFER_BATCH)):
+            # A batched frame is written at once if a reader sleeps in the kernel: it would
+            # not write the queue before the frame's answer came, which needs the frame.
+            if defer and ((self._end - self._start >= _HEADER) if defer == DEFER_ANSWER else not self._reader_sleeps):
                 self._small_q.append(data)
                 if self._reader_sleeps and defer != DEFER_ANSWER:
                     self._flush_small()  # a reader went to sleep meanwhile: write it ourselves

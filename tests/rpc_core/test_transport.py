@@ -354,7 +354,7 @@ def test_deferred_frames_wait_for_the_reader_and_go_out_together_in_order(pair):
     a, b = pair
     a._reading = True  # as while a thread is inside a.recv(), between two waits
     for n in (1, 2, 3):
-        _frame(a, n, defer=True)
+        _frame(a, n, defer=transport.DEFER_BATCH)
     assert not b.poll(0.05)  # nothing written yet: the reader writes them
     sent = a.bytes_sent
     a.poll(0.01)  # a reader about to wait for bytes writes the queue first
@@ -365,8 +365,8 @@ def test_deferred_frames_wait_for_the_reader_and_go_out_together_in_order(pair):
 def test_a_direct_send_writes_the_queued_frames_before_its_own(pair):
     a, b = pair
     a._reading = True
-    _frame(a, 1, defer=True)
-    _frame(a, 2, defer=True)
+    _frame(a, 1, defer=transport.DEFER_BATCH)
+    _frame(a, 2, defer=transport.DEFER_BATCH)
     _frame(a, 3, defer=False)
     a.send(wire.REQUEST, 0, 4, b"", b"", [memoryview(b"tensor bytes")])  # the tensor path too
     got = [b.recv() for _ in range(4)]
@@ -374,11 +374,11 @@ def test_a_direct_send_writes_the_queued_frames_before_its_own(pair):
     assert bytes(storage_view(got[3][3][0])) == b"tensor bytes"
 
 
-def test_a_deferring_sender_writes_at_once_when_the_reader_sleeps_or_nobody_reads(pair):
+def test_a_batching_sender_writes_at_once_when_the_reader_sleeps_and_takes_the_queue_along(pair):
     a, b = pair
-    _frame(a, 1, defer=True)  # nobody is reading: nobody would write it later
+    _frame(a, 1, defer=transport.DEFER_BATCH)  # nobody is reading: queued for the next batch
     a._reading, a._reader_sleeps = True, True  # the reader is blocked in recv
-    _frame(a, 2, defer=True)
+    _frame(a, 2, defer=transport.DEFER_BATCH)
     assert [b.recv()[2] for _ in range(2)] == [b"frame 1", b"frame 2"]
     assert not a._small_q
 
@@ -387,7 +387,7 @@ def test_with_polling_switched_off_a_reader_writes_the_queued_frames_before_it_b
     monkeypatch.setattr(transport, "_SPIN", 0.0)
     a, b = pair
     a._reading = True  # a reader between two waits: the frame is queued for it
-    _frame(a, 1, defer=True)
+    _frame(a, 1, defer=transport.DEFER_BATCH)
     a._reading = False
     reader = pool.submit(a.recv)  # it finds no bytes and blocks in the kernel
     assert b.poll(IO_TIMEOUT), "the queued frame never left: the reader blocked without writing it"
