@@ -39,7 +39,7 @@ _HELLO_ID = 0  # msg_id of the identity frame a dialer sends first
 _LAZY_DELAY = 0.005
 # Unanswered background-read calls on a connection from which new ones are a burst (see
 # send_request).
-_DEFER_IN_FLIGHT = 16
+_BURST_IN_FLIGHT = 16
 # The request-extras key under which a request's reply notes (serialization.note_for_reply)
 # wait for its response.
 _REPLY_NOTES = "_reply"
@@ -217,7 +217,7 @@ class Agent:
         # A burst: many unanswered calls. Its answers are read, and its requests written in
         # batches, by this thread every few calls (see outbound). Not for the first few: a
         # caller that sends one and computes (overlapping communication) must not wait.
-        burst = unattended and not lazy and link.in_flight() >= _DEFER_IN_FLIGHT
+        burst = unattended and not lazy and link.in_flight() >= _BURST_IN_FLIGHT
         self._pending[msg_id] = (fut, dst, call_extras if call_extras is not None else extras, timeout, flags,
                                  link, unattended)
         if not flags & wire.CONTROL:
