@@ -305,9 +305,10 @@ class ElasticPool:
                     self._lock.release()
                     try:
                         for fn in stalled:
-                            fn()
-                    except BaseException:
-                        log.exception("rpc_core: error in a stalled-run callback")
+                            try:
+                                fn()
+                            except BaseException:  # one failing callback must not skip the others
+                                log.exception("rpc_core: error in a stalled-run callback")
                     finally:
                         self._lock.acquire()
 

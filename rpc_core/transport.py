@@ -489,8 +489,7 @@ class Connection:
         the queued frames first. False while another thread reads this connection."""
         if self._inbox or self._end - self._start >= _HEADER:
             return True
-        if self._small_q:
-            self._flush_small()
+        self.flush_queued()
         with self._lock:
             if self._reading:
                 return False

@@ -31,6 +31,18 @@ def _open_gate():
     _gate.set()
 
 
+class _Collector:
+    """A done-callback that keeps the values of ``n`` futures and says when all arrived."""
+
+    def __init__(self, n):
+        self.n, self.values, self.all_done = n, [], threading.Event()
+
+    def __call__(self, f):
+        self.values.append(f.value())
+        if len(self.values) == self.n:
+            self.all_done.set()
+
+
 def _counters():
     link = agent_mod.current_agent()._links[1]
     return link.read_by_waiters, link.read_in_background
@@ -57,22 +69,15 @@ def test_a_sync_caller_reads_its_own_answer_and_no_background_read_happens():
 def _body_mixed(ctx):
     if ctx.rank != 0:
         return None
-    done = []
-    all_done = threading.Event()
     n = 50
-
-    def cb(f):
-        done.append(f.value())
-        if len(done) == n:
-            all_done.set()
-
+    cb = _Collector(n)
     # Futures nobody waits on: only their callbacks observe them, so a background reader
     # must read their answers while the main thread reads its own sync answers.
     for i in range(n):
         rpc_core.rpc_async(1, _double, args=(torch.tensor(float(i)),)).add_done_callback(cb)
     sync_results = [rpc_core.rpc_sync(1, _double, args=(torch.tensor(1.0),)).item() for _ in range(10)]
-    assert all_done.wait(30), f"only {len(done)} of {n} callbacks ran"
-    return sorted(t.item() for t in done), sync_results
+    assert cb.all_done.wait(30), f"only {len(cb.values)} of {n} callbacks ran"
+    return sorted(t.item() for t in cb.values), sync_results
 
 
 def test_unwaited_async_calls_complete_while_sync_callers_read_their_own_answers():
@@ -183,20 +188,13 @@ def _body_burst_then_stop(ctx):
     if ctx.rank != 0:
         return None
     rpc_core.rpc_sync(1, _noop)
-    done = threading.Event()
-    results = []
     # 40 calls: the last few are queued for the issuer's next batch, which never comes (it
     # stops and only waits for the callbacks): the background reader must write and read them.
     n = 40
-
-    def cb(f):
-        results.append(f.value())
-        if len(results) == n:
-            done.set()
-
+    cb = _Collector(n)
     for _ in range(n):
         rpc_core.rpc_async(1, _noop).add_done_callback(cb)
-    return done.wait(30), len(results)
+    return cb.all_done.wait(30), len(cb.values)
 
 
 def test_when_a_burst_stops_the_background_reader_sends_and_reads_what_is_left():
