@@ -9,6 +9,7 @@ the profiler) plug in as ``Middleware`` and never touch sockets.
 from __future__ import annotations
 
 import collections
+import heapq
 import itertools
 import logging
 import pickle
@@ -16,7 +17,7 @@ import socket
 import threading
 import time
 import traceback
-from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -27,7 +28,7 @@ from .options import RpcBackendOptions
 from .futures import RpcFuture, rebuild_exception
 from .pool import ElasticPool, ThreadGroup, init_torch_thread
 from .rendezvous import World, WorkerInfo
-from .serialization import decode_head, deserialize, encode_head, loopback, serialize
+from .serialization import decode_head, deserialize, deserialize_decoded, encode_head, loopback, serialize
 
 log = logging.getLogger("rpc_core")
 
@@ -49,6 +50,14 @@ _CLOSE_GRACE = 1.0
 _set_result = torch._C.Future.set_result
 
 
+class _Head(NamedTuple):
+    """A request's decoded frame head, as ``_admit`` left it for ``_run_request``."""
+
+    metas: Sequence[Any]
+    extras: Dict[str, Any]
+    error: Optional[BaseException]  # the head could not be decoded (the request fails with it)
+
+
 # The connection whose reading loop this thread serves (its answers may wait in the queue
 # while the next request's bytes are buffered: see _send_answer).
 _loop = threading.local()
@@ -66,7 +75,19 @@ def set_current_agent(agent: Optional["Agent"]) -> None:
 
 
 class Middleware:
-    """Hooks for higher layers; every method is optional and may be left as is."""
+    """Hooks for higher layers; every method is optional and may be left as is.
+
+    A request passes ``admit`` (in arrival order), ``incoming``, ``enter_call``, ``exit_call``,
+    then ``outgoing`` and ``response_extras`` for its answer, and ``finish`` once, just
+    before the answer (or error) is sent."""
+
+    def admit(self, src: int, extras: Dict[str, Any]) -> None:
+        """A request from ``src`` arrived. Called on the thread that read it, before any later
+        message from ``src`` is looked at: what a request says here is in effect for every
+        message that came after it, however threads run the requests themselves."""
+
+    def finish(self, extras: Dict[str, Any]) -> None:
+        """The request is answered (its answer or error leaves next); called once."""
 
     def outgoing(self, dst: int, tensors: List[torch.Tensor], extras: Dict[str, Any], request_extras: Optional[Dict[str, Any]]) -> None:
         """Before a message leaves: add entries to ``extras`` (request_extras is set for responses)."""
@@ -141,6 +162,10 @@ class Agent:
         self._timer_wake = threading.Event()
         # Outbounds with lazy answers to read by a deadline if no waiter did (see send_request).
         self._kicks: Deque[Tuple[float, Outbound]] = collections.deque()
+        # call_later's jobs: a heap of (when, sequence number, function).
+        self._later: List[Tuple[float, int, Callable[[], None]]] = []
+        self._later_ids = itertools.count()
+        self._timer_next = 0.0  # when the timer thread plans to wake next (see call_later)
         self.threads = ThreadGroup()  # every thread this agent starts (see close)
         self.pool = ElasticPool(options.num_worker_threads, f"rpc-{self.me.name}", self.threads)
         self.on_peer_lost: List[Callable[[int, str], None]] = []
@@ -305,17 +330,32 @@ class Agent:
         if wake:
             self._timer_wake.set()
 
+    def call_later(self, when: float, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` on the timer thread at ``when`` (``time.monotonic()``), or a little
+        after. ``fn`` must be quick and must not block: it shares the thread that fails calls
+        past their deadline. Wakes the timer only if it planned to sleep past ``when``."""
+        with self._deadlines_lock:
+            heapq.heappush(self._later, (when, next(self._later_ids), fn))
+            wake = when < self._timer_next
+        if wake:
+            self._timer_wake.set()
+
     def _timer_loop(self) -> None:
         while not self._closing:
             now = time.monotonic()
             expired: List[int] = []
             next_wake = now + 1.0
             kicks: List[Outbound] = []
+            due: List[Callable[[], None]] = []
             with self._deadlines_lock:
                 while self._kicks and self._kicks[0][0] <= now:
                     kicks.append(self._kicks.popleft()[1])
                 if self._kicks:
                     next_wake = min(next_wake, self._kicks[0][0])
+                while self._later and self._later[0][0] <= now:
+                    due.append(heapq.heappop(self._later)[2])
+                if self._later:
+                    next_wake = min(next_wake, self._later[0][0])
                 for q in self._deadlines.values():
                     while q and q[0][0] <= now:
                         expired.append(q.popleft()[1])
@@ -326,12 +366,18 @@ class Agent:
                         q.extend(live)
                     if q:
                         next_wake = min(next_wake, q[0][0])
+                self._timer_next = next_wake if not (expired or kicks or due) else now
             for link in kicks:
                 link.kick()
             for msg_id in expired:
                 if msg_id in self._pending:
                     self._expire(msg_id)
-            if not expired and not kicks:
+            for fn in due:
+                try:
+                    fn()
+                except Exception:  # noqa: BLE001 - one failing job must not stop the timer
+                    log.exception("rpc_core %s: a timer job failed", self.me.name)
+            if not expired and not kicks and not due:
                 self._timer_wake.wait(max(0.0, next_wake - time.monotonic()))
                 self._timer_wake.clear()
 
@@ -442,13 +488,14 @@ class Agent:
                 # thread. If it blocks or runs long, another thread reads on (see pool).
                 if not h.flags & wire.CONTROL:
                     self.n_received += 1
+                req = self._admit(peer, head)
                 if resume is None:
                     def resume() -> None:
                         self._read_loop(conn, peer)
 
                     def waiting() -> bool:
                         return conn.poll(0)
-                if not self.pool.run_inline(resume, self._run_request, conn, peer, h, head, body, storages,
+                if not self.pool.run_inline(resume, self._run_request, conn, peer, h, req, body, storages,
                                             waiting=waiting, stalled=conn.flush_queued):
                     return  # the loop goes on in another thread
         except Exception as e:  # never leave a dead reader behind an open socket
@@ -500,7 +547,7 @@ class Agent:
         if h.kind == wire.REQUEST:
             if not h.flags & wire.CONTROL:
                 self.n_received += 1
-            self.pool.submit(self._run_request, conn, src, h, head, body, storages)
+            self.pool.submit(self._run_request, conn, src, h, self._admit(src, head), body, storages)
             return
         rec = self._pending.pop(h.msg_id, None)
         if rec is None:  # timed out or failed already: the late answer is dropped, but not its news
@@ -545,15 +592,28 @@ class Agent:
         return hook
 
     # -- executing requests ----------------------------------------------------------------------
-    def _run_request(self, conn: Any, src: int, h: wire.FrameHeader, head: bytes, body: bytes, storages: list) -> None:
-        extras: Dict[str, Any] = {}
+    def _admit(self, src: int, head: bytes) -> _Head:
+        """Decode a request's head and let the middleware see it, in arrival order: the
+        thread that read the request runs this before it reads the next message."""
+        try:
+            metas, extras = decode_head(head)
+        except Exception as e:  # the request fails with it (see _run_request)
+            return _Head((), {}, e)
+        extras = extras or {}
+        for m in self.middleware:
+            m.admit(src, extras)
+        return _Head(metas, extras, None)
+
+    def _run_request(self, conn: Any, src: int, h: wire.FrameHeader, req: _Head, body: bytes, storages: list) -> None:
+        extras = req.extras
         notes: Dict[str, list] = {}  # from the arguments to the caller, in the response's extras
         try:
             try:
+                if req.error is not None:
+                    raise req.error
                 waits: List[torch.futures.Future] = []
-                (func, args, kwargs), extras_ = deserialize(head, body, storages, self._incoming_hook(src, False),
-                                                            waits, notes)
-                extras = extras_ or {}
+                func, args, kwargs = deserialize_decoded(req.metas, extras, body, storages,
+                                                         self._incoming_hook(src, False), waits, notes)
             except BaseException as e:
                 if isinstance(e, (AttributeError, ModuleNotFoundError, ImportError)):
                     e = RpcError(
@@ -562,10 +622,6 @@ class Agent:
                         "the function in a module that both caller and callee can import."
                     )
                 if self.request_failed_hooks:
-                    try:
-                        extras = decode_head(head)[1] or {}
-                    except Exception:
-                        extras = {}
                     for hook in self.request_failed_hooks:
                         hook(extras, e)
                 raise e from None
@@ -623,7 +679,7 @@ class Agent:
         except BaseException as e:
             self._respond_error(conn, h, RpcError(f"{self.me.name} could not serialize the result: {e!r}"), extras)
             return
-        self._send_answer(conn, h, wire.RESPONSE, head, ser.body, ser.buffers)
+        self._send_answer(conn, h, extras, wire.RESPONSE, head, ser.body, ser.buffers)
 
     def _respond_error(self, conn: Any, h: wire.FrameHeader, e: BaseException, extras: Dict[str, Any]) -> None:
         info = wire.ExceptionInfo(
@@ -635,9 +691,12 @@ class Agent:
         resp: Dict[str, Any] = extras.pop(_REPLY_NOTES, None) or {}
         for m in self.middleware:
             m.response_extras(extras, resp)
-        self._send_answer(conn, h, wire.EXCEPTION, encode_head(ser.metas, resp), ser.body, [])
+        self._send_answer(conn, h, extras, wire.EXCEPTION, encode_head(ser.metas, resp), ser.body, [])
 
-    def _send_answer(self, conn: Any, h: wire.FrameHeader, kind: int, head: bytes, body: bytes, buffers: list) -> None:
+    def _send_answer(self, conn: Any, h: wire.FrameHeader, extras: Dict[str, Any], kind: int, head: bytes,
+                     body: bytes, buffers: list) -> None:
+        for m in self.middleware:
+            m.finish(extras)
         if not h.flags & wire.CONTROL:
             self.n_answered += 1
         # On the connection's reading loop, with the next request's bytes buffered, the answer

@@ -284,10 +284,23 @@ def deserialize(
     wait for (``defer_until``) are appended to ``waits``; what they want to tell the sender
     (``note_for_reply``) goes into ``notes``."""
     metas, extras = decode_head(head)
+    return deserialize_decoded(metas, extras, body, storages, tensor_hook, waits, notes), extras
+
+
+def deserialize_decoded(
+    metas: Sequence[TensorMeta],
+    extras: Optional[Dict[str, Any]],
+    body: Any,
+    storages: Sequence[torch.UntypedStorage],
+    tensor_hook: Optional[Callable[[List[torch.Tensor], Sequence[TensorMeta], Dict[str, Any]], List[torch.Tensor]]] = None,
+    waits: Optional[list] = None,
+    notes: Optional[Dict[str, list]] = None,
+) -> Any:
+    """``deserialize`` for a head that was decoded already (``decode_head``)."""
     tensors = rebuild_tensors(metas, storages) if metas else []
     if tensor_hook is not None and tensors:
         tensors = tensor_hook(tensors, metas, extras or {})
-    return unpickle_body(body, tensors, waits, notes), extras
+    return unpickle_body(body, tensors, waits, notes)
 
 
 def loopback(buffers: Sequence[memoryview]) -> List[torch.UntypedStorage]:

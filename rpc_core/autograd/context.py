@@ -6,6 +6,14 @@ holds a ``DistAutogradContext`` with the same id; it records the sends (tensors 
 sent that need gradients back), the recvs, the workers it talked to (for cleanup), and the
 gradients accumulated here in this context.
 
+A release never pulls a context from under a request that uses it. Requests of a context
+are counted from the moment they arrive (``admit``, in arrival order) until they are
+answered (``leave``); a release that finds requests counted marks the context and takes
+effect when the last of them is answered. A caller that leaves a context while a request
+of it still runs (sent with ``rpc_async`` and not waited for) and then sends another
+request to the same worker relies on that: its release rides on the second request,
+which may be read while the first still runs or before its thread has even started.
+
 Released ids are remembered (a bounded FIFO of tombstones): a message of a context that
 arrives after the context was released here (the late answer of an RPC nobody waited
 for, or a request overtaken by the cleanup) must not bring it back, or it would never be
@@ -32,15 +40,20 @@ _msg_counter = itertools.count(0)
 _worker_id = 0
 # Releases not yet told to a worker: they ride on the next request to it ("rel" extras),
 # which saves a cleanup RPC per worker per training step. Flushed as an explicit cleanup
-# when too many pile up, by _wait_cleanups, and before shutdown.
+# when too many pile up, when no request came for them within a short time, by
+# _wait_cleanups, and before shutdown. ``deferred_since``: when each worker's list began.
 deferred: Dict[int, List[int]] = {}
+deferred_since: Dict[int, float] = {}
 deferred_lock = threading.Lock()
 
 
 def take_deferred(worker: int) -> List[int]:
     """The releases waiting for the next request to ``worker`` (the caller attaches them)."""
     with deferred_lock:
+        deferred_since.pop(worker, None)
         return deferred.pop(worker, [])
+
+
 _released: "OrderedDict[int, None]" = OrderedDict()  # tombstones of released ids
 _MAX_TOMBSTONES = 1 << 16
 
@@ -54,6 +67,11 @@ class DistAutogradContext:
         self.recvs: Dict[int, Any] = {}  # autograd message id -> recv node
         self.known_workers: Set[int] = set()
         self.backward_passes = 0
+        # Requests of this context admitted here and not yet answered (guarded by _lock).
+        self.active = 0
+        # Released while requests were active: the worker that asked (or -1), to skip when
+        # the release is passed on once the last of them is answered.
+        self.release_from: Optional[int] = None
 
     # Names used by torch's tests.
     def _context_id(self) -> int:
@@ -84,6 +102,7 @@ def init(worker_id: int) -> None:
         _released.clear()
     with deferred_lock:
         deferred.clear()
+        deferred_since.clear()
 
 
 def new_message_id() -> int:
@@ -132,17 +151,52 @@ def is_valid(context_id: int) -> bool:
 
 
 def is_released(context_id: int) -> bool:
-    """Whether this id was released here (messages of it are then treated as context-free)."""
-    return context_id in _released
+    """Whether this id was released here and is gone (messages of it are then treated as
+    context-free). A context whose release waits for its active requests is not."""
+    return context_id in _released and context_id not in _contexts
 
 
-def release(context_id: int) -> Optional[DistAutogradContext]:
-    """Forget the context (if it is here) and tombstone its id; returns the context."""
+def admit(context_id: int) -> Optional[DistAutogradContext]:
+    """The context of a request that just arrived (created if new here), counted as in use
+    until ``leave``; None if the id was released here already."""
+    with _lock:
+        ctx = _contexts.get(context_id)
+        if ctx is None:
+            if context_id in _released:
+                return None
+            ctx = _contexts[context_id] = DistAutogradContext(context_id)
+        ctx.active += 1
+        return ctx
+
+
+def leave(ctx: DistAutogradContext) -> bool:
+    """A request admitted into ``ctx`` was answered. True if that completes a release that
+    waited for it: the context is gone here, and the caller passes the release on (to the
+    workers it touched but ``ctx.release_from``)."""
+    with _lock:
+        ctx.active -= 1
+        if ctx.active or ctx.release_from is None:
+            return False
+        _contexts.pop(ctx.context_id, None)
+        return True
+
+
+def release(context_id: int, sender: int = -1) -> Optional[DistAutogradContext]:
+    """Tombstone the id and forget the context; returns it, for the caller to pass the
+    release on. None if it is not here, or if requests of it are still active: then it goes
+    when the last of them is answered (``leave``), and ``sender`` is remembered for that."""
     with _lock:
         _released[context_id] = None
         if len(_released) > _MAX_TOMBSTONES:
             _released.popitem(last=False)
-        return _contexts.pop(context_id, None)
+        ctx = _contexts.get(context_id)
+        if ctx is None or ctx.release_from is not None:
+            return None
+        if ctx.active:
+            ctx.release_from = sender
+            return None
+        del _contexts[context_id]
+        return ctx
 
 
 def current_id() -> Optional[int]:

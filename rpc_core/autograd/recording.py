@@ -90,9 +90,35 @@ def _context_of_graph(tensors: List[torch.Tensor]) -> Optional[int]:
 _RecvBackward = _Recv._backward_cls  # type: ignore[attr-defined]
 
 
+# The request-extras key (local, never sent) under which an admitted request keeps its
+# context until it is answered (see context.admit).
+_ADMITTED = "_ag_ctx"
+
+
 class AutogradMiddleware(_agent_mod.Middleware):
     """Plugged into the agent: records sends on the way out, recvs on the way in, and
-    makes the request's context current while the callee runs the function."""
+    makes the request's context current while the callee runs the function. A request's
+    context is looked up once, when it arrives (``admit``), and held until it is answered."""
+
+    def admit(self, src: int, extras: Dict[str, Any]) -> None:
+        released = extras.get("rel")
+        if released:  # contexts ``src`` left, after every request it sent before this one
+            from . import _release_on_arrival
+
+            _release_on_arrival(released, src)
+        ag = extras.get("ag")
+        if ag:
+            ctx = _context.admit(ag[0])
+            if ctx is not None:
+                ctx.known_workers.add(src)
+                extras[_ADMITTED] = ctx
+
+    def finish(self, extras: Dict[str, Any]) -> None:
+        ctx = extras.pop(_ADMITTED, None)
+        if ctx is not None and _context.leave(ctx):
+            from . import _released_after_requests
+
+            _released_after_requests(ctx)
 
     def outgoing(self, dst: int, tensors: List[torch.Tensor], extras: Dict[str, Any],
                  request_extras: Optional[Dict[str, Any]]) -> None:
@@ -106,12 +132,14 @@ class AutogradMiddleware(_agent_mod.Middleware):
                 if not tensors:
                     return
                 context_id = _context_of_graph(tensors)
-        else:
-            ag = request_extras.get("ag")
-            context_id = ag[0] if ag else None
-        if context_id is None or _context.is_released(context_id):
-            return
-        ctx = _context.get_or_create(context_id)
+            if context_id is None or _context.is_released(context_id):
+                return
+            ctx = _context.get_or_create(context_id)
+        else:  # an answer: in the context its request was admitted into, if any
+            ctx = request_extras.get(_ADMITTED)
+            if ctx is None:
+                return
+            context_id = ctx.context_id
         ctx.known_workers.add(dst)
         needs_grad = [t for t in tensors if t.requires_grad]
         if needs_grad:
@@ -126,10 +154,15 @@ class AutogradMiddleware(_agent_mod.Middleware):
         if not ag or ag[1] < 0:
             return tensors
         context_id, msg_id = ag
-        if _context.is_released(context_id):
-            return tensors  # a late message of a released context
-        ctx = _context.get_or_create(context_id)
-        ctx.known_workers.add(src)
+        if is_response:
+            if _context.is_released(context_id):
+                return tensors  # a late answer in a released context
+            ctx = _context.get_or_create(context_id)
+            ctx.known_workers.add(src)
+        else:
+            ctx = extras.get(_ADMITTED)
+            if ctx is None:
+                return tensors  # a request that arrived after its context was released here
         idx = [i for i, t in enumerate(tensors) if t.requires_grad]
         if not idx:
             return tensors
@@ -148,16 +181,10 @@ class AutogradMiddleware(_agent_mod.Middleware):
         return tensors
 
     def enter_call(self, src: int, extras: Dict[str, Any]) -> Any:
-        released = extras.get("rel")
-        if released:
-            from . import _release_many
-
-            _release_many(released, src)
-        ag = extras.get("ag")
-        if not ag or _context.is_released(ag[0]):
+        ctx = extras.get(_ADMITTED)
+        if ctx is None:
             return _NO_TOKEN
-        _context.get_or_create(ag[0]).known_workers.add(src)
-        return _context.set_current(ag[0])
+        return _context.set_current(ctx.context_id)
 
     def exit_call(self, token: Any, extras: Dict[str, Any], result_future: Optional[torch.futures.Future]) -> None:
         if token is not _NO_TOKEN:
