@@ -125,6 +125,7 @@ class Agent:
         self._out: Dict[int, Any] = {self.me.id: _Loopback(self)}
         self._links: Dict[int, Outbound] = {}  # who reads each outgoing connection's answers
         self._dial_locks: Dict[int, threading.Lock] = {w.id: threading.Lock() for w in world.workers}
+        self._admission = handshake.Admission(self.me.name)  # incoming connections in their handshake
         self._incoming: List[transport.Connection] = []
         # msg_id -> (future, destination rank, extras for response middleware, timeout, flags,
         #            the connection's Outbound (None for calls to self), unattended)
@@ -383,22 +384,26 @@ class Agent:
                 return
             if not isinstance(peer, tuple):
                 peer = ("local", 0)  # a Unix socket's peer has no address
-            self.threads.start(self._serve_incoming, "rpc-in", sock, peer)
+            deadline = time.monotonic() + handshake.HANDSHAKE_TIMEOUT
+            if not self._admission.admit(sock, peer):
+                sock.close()  # shutting down
+                return
+            self.threads.start(self._serve_incoming, "rpc-in", sock, peer, deadline)
 
-    def _serve_incoming(self, sock: socket.socket, peer: Tuple[str, int]) -> None:
+    def _serve_incoming(self, sock: socket.socket, peer: Tuple[str, int], deadline: float) -> None:
+        """Authenticate an accepted connection and read its identity frame, all by ``deadline``,
+        then serve its requests."""
         from .errors import AuthenticationError
 
         try:
-            transport.accept(sock, self._secret, timeout=10.0)
-            conn = transport.Connection(sock)
-            sock.settimeout(10.0)
-            h, _, body, _ = conn.recv()
-            sock.settimeout(None)
-            if h.kind != wire.REQUEST or h.msg_id != _HELLO_ID:
+            transport.accept(sock, self._secret, deadline - time.monotonic(), self._admission)
+            h, body = handshake.read_intro(sock, deadline)
+            if h.msg_id != _HELLO_ID:
                 raise ProtocolError("first frame is not an identity frame")
             src = pickle.loads(body)
             if not isinstance(src, int) or not 0 <= src < len(self.workers):
                 raise ProtocolError(f"bad identity {src!r}")
+            conn = transport.Connection(sock)
         except AuthenticationError:
             log.warning("rpc_core %s: rejected a connection from %s:%s: wrong or missing auth secret",
                         self.me.name, peer[0], peer[1])
@@ -683,6 +688,7 @@ class Agent:
         for link in links:
             link.close()
         self._timer_wake.set()
+        self._admission.close()  # wakes the threads still in a handshake
         for listener in (self._listener, self._local_listener):
             if listener is None:
                 continue
