@@ -9,6 +9,7 @@ the profiler) plug in as ``Middleware`` and never touch sockets.
 from __future__ import annotations
 
 import collections
+import functools
 import heapq
 import itertools
 import logging
@@ -146,6 +147,7 @@ class Agent:
         self._out: Dict[int, Any] = {self.me.id: _Loopback(self)}
         self._links: Dict[int, Outbound] = {}  # who reads each outgoing connection's answers
         self._dial_locks: Dict[int, threading.Lock] = {w.id: threading.Lock() for w in world.workers}
+        self._admission = handshake.Admission(self.me.name)  # incoming connections in their handshake
         self._incoming: List[transport.Connection] = []
         # msg_id -> (future, destination rank, extras for response middleware, timeout, flags,
         #            the connection's Outbound (None for calls to self), unattended)
@@ -184,7 +186,10 @@ class Agent:
             else:
                 # Calls to rank 0 go over a same-host socket when there is one; the
                 # rendezvous connection stays open (rank 0 watches it for our exit) but idle.
-                local = self._dial_local(rank)
+                try:
+                    local = self._dial_local(rank, time.monotonic() + handshake.HANDSHAKE_TIMEOUT)
+                except TimeoutError:
+                    local = None  # no answer there in time: the rendezvous connection will do
                 if local is not None:
                     self._parked.append(conn)
                     conn = local
@@ -224,6 +229,7 @@ class Agent:
         within ``_LAZY_DELAY``, instead of waking that reader now."""
         if self._closing:
             raise RpcError(f"RPC agent of {self.me.name!r} is shut down; cannot send new calls")
+        start = time.monotonic()
         timeout = self.default_timeout if timeout is None or timeout < 0 else timeout
         fut = RpcFuture()
         ser = serialize((func, args, kwargs or {}))
@@ -232,11 +238,14 @@ class Agent:
             m.outgoing(dst, ser.tensors, extras, None)
         head = encode_head(ser.metas, extras)
         msg_id = next(self._ids)
-        try:
-            conn = self._connection(dst)
-        except RpcError as e:
-            fut.set_exception(e)
-            return fut
+        conn = self._out.get(dst)
+        dialled = conn is None
+        if dialled:  # the dial is part of the call: its timeout bounds both
+            try:
+                conn = self._connection(dst, start + timeout if timeout > 0 else None, timeout)
+            except RpcError as e:
+                fut.set_exception(e)
+                return fut
         link = self._links.get(dst)
         unattended = link is not None and not sync
         # A burst: many unanswered calls. Its answers are read, and its requests written in
@@ -248,11 +257,18 @@ class Agent:
         if not flags & wire.CONTROL:
             self.n_sent += 1
         if timeout > 0:
-            self._arm_timer(timeout, msg_id)
+            if dialled:
+                # Set by when the call began, so out of order with the queues (rare: call_later).
+                self.call_later(start + timeout, functools.partial(self._expire, msg_id))
+            else:
+                self._arm_timer(timeout, msg_id)
         if link is not None:
             # Whoever waits on the future may read its answer (if nobody else is reading).
             fut._reader = link
-            fut._deadline = time.monotonic() + timeout if timeout > 0 else None
+            if timeout <= 0:
+                fut._deadline = None
+            else:
+                fut._deadline = start + timeout if dialled else time.monotonic() + timeout
             if unattended and link.sent_unattended(lazy, burst):
                 self._arm_kick(link)
         try:
@@ -266,41 +282,88 @@ class Agent:
             self._fail(msg_id, e if isinstance(e, RpcError) else self._lost_error(dst, e))
         return fut
 
-    def _connection(self, dst: int) -> Any:
+    def _connection(self, dst: int, call_deadline: Optional[float] = None, timeout: float = 0.0) -> Any:
+        """The connection to ``dst``, dialled if there is none yet. Dialling gives up at the
+        call's deadline (``call_deadline``, for a call of ``timeout`` s; None: no timeout) or
+        after HANDSHAKE_TIMEOUT, whichever comes first, waiting for another caller's dial included."""
         conn = self._out.get(dst)
         if conn is not None:
             return conn
         if dst in self.dead:
             raise WorkerUnavailableError(self.dead[dst])
-        with self._dial_locks[dst]:
+        limit = time.monotonic() + handshake.HANDSHAKE_TIMEOUT
+        by_call = call_deadline is not None and call_deadline <= limit  # whose deadline binds
+        deadline = call_deadline if by_call else limit
+        lock = self._dial_locks[dst]
+        if not lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise self._dial_timed_out(dst, by_call, timeout, "while another call was connecting to it")
+        try:
             conn = self._out.get(dst)
             if conn is not None:
                 return conn
-            conn = self._dial_local(dst)
-            if conn is None:
+            try:
+                conn = self._dial(dst, deadline)
+            except TimeoutError as e:
+                connected = getattr(e, "connected", True)
+                raise self._dial_timed_out(dst, by_call, timeout, "" if connected else "(the connection was not even accepted)") from None
+            except OSError as e:  # refused, reset, closed: nobody there any more
                 host, port = self.addresses[dst]
-                try:
-                    sock = transport.dial((host, port), self._secret, timeout=10.0)
-                except (ConnectionRefusedError, socket.timeout, transport.PeerClosed, ConnectionResetError) as e:
-                    raise WorkerUnavailableError(
-                        f"cannot reach {self.describe(dst)} at {host}:{port} ({e.__class__.__name__}: {e}); "
-                        "it has probably exited or crashed"
-                    ) from None
-                conn = self._introduce(sock)
+                raise WorkerUnavailableError(
+                    f"cannot reach {self.describe(dst)} at {host}:{port} ({e.__class__.__name__}: {e}); "
+                    "it has probably exited or crashed"
+                ) from None
             self._start_outbound(conn, dst)
             self._out[dst] = conn
             return conn
+        finally:
+            lock.release()
 
-    def _dial_local(self, dst: int) -> Optional[transport.Connection]:
+    def _dial_timed_out(self, dst: int, by_call: bool, timeout: float, detail: str) -> RpcError:
+        """The error of a call whose dial ran out of time: its own timeout (RpcTimeoutError,
+        like any call that ran too long), or the handshake limit (the worker is there but mute)."""
+        host, port = self.addresses[dst]
+        what = f"{self.describe(dst)} at {host}:{port} did not answer the connection handshake"
+        if detail:
+            what += " " + detail
+        if by_call:
+            return RpcTimeoutError(f"{self._timeout_message(timeout, dst)}: {what}; it may be stopped, frozen "
+                                   "or overloaded")
+        return WorkerUnavailableError(
+            f"cannot reach {what} within {handshake.HANDSHAKE_TIMEOUT:g} s (RPC_CORE_HANDSHAKE_TIMEOUT); "
+            "it is probably stopped, frozen or overloaded, or its host is unreachable"
+        )
+
+    def _dial(self, dst: int, deadline: float) -> transport.Connection:
+        """Dial ``dst`` by ``deadline``: over its same-host socket if it has one, else TCP. Both
+        share the deadline, and a same-host dial that timed out (the peer's kernel took the
+        connection but the worker never answered: it is stopped or frozen) is not tried again
+        over TCP: the same process would not answer there either."""
+        conn = self._dial_local(dst, deadline)
+        if conn is not None:
+            return conn
+        host, port = self.addresses[dst]
+        sock = transport.dial((host, port), self._secret, deadline - time.monotonic())
+        try:
+            return self._introduce(sock)
+        except BaseException:
+            sock.close()
+            raise
+
+    def _dial_local(self, dst: int, deadline: float) -> Optional[transport.Connection]:
         """A connection to ``dst`` over its same-host socket, or None (remote host, none
-        there, or anything at all going wrong: the caller then dials TCP)."""
+        there, or anything but a timeout going wrong: the caller then dials TCP). Raises
+        TimeoutError if ``dst`` did not answer by ``deadline``."""
         host, port = self.addresses[dst]
         if not handshake.local_enabled() or not (host in self._local_hosts or host.startswith("127.")):
             return None
         sock = None
         try:
-            sock = transport.dial(handshake.local_address(port), self._secret, timeout=10.0)
+            sock = transport.dial(handshake.local_address(port), self._secret, deadline - time.monotonic())
             return self._introduce(sock)
+        except TimeoutError:
+            if sock is not None:
+                sock.close()
+            raise
         except Exception as e:  # noqa: BLE001 - TCP is always there to fall back on
             if sock is not None:
                 sock.close()  # before the peer could count it as ours (it has no identity frame)
@@ -387,9 +450,12 @@ class Agent:
         rec = self._pending.get(msg_id)
         if rec is not None:
             self._fail(msg_id, RpcTimeoutError(
-                f"RPC ran for more than set timeout ({int(rec[3] * 1000)} ms) and will now be marked "
-                f"with an error (call to {self.describe(rec[1])}); raise the timeout per call "
+                f"{self._timeout_message(rec[3], rec[1])}; raise the timeout per call "
                 "(timeout=...) or in RpcBackendOptions(rpc_timeout=...), 0 means none"))
+
+    def _timeout_message(self, timeout: float, dst: int) -> str:
+        return (f"RPC ran for more than set timeout ({int(timeout * 1000)} ms) and will now be marked "
+                f"with an error (call to {self.describe(dst)})")
 
     # -- completing calls ---------------------------------------------------------------------
     def _complete(self, fut: RpcFuture, value: Any = None, error: Optional[BaseException] = None, inline: bool = True,
@@ -429,22 +495,26 @@ class Agent:
                 return
             if not isinstance(peer, tuple):
                 peer = ("local", 0)  # a Unix socket's peer has no address
-            self.threads.start(self._serve_incoming, "rpc-in", sock, peer)
+            deadline = time.monotonic() + handshake.HANDSHAKE_TIMEOUT
+            if not self._admission.admit(sock, peer):
+                sock.close()  # shutting down
+                return
+            self.threads.start(self._serve_incoming, "rpc-in", sock, peer, deadline)
 
-    def _serve_incoming(self, sock: socket.socket, peer: Tuple[str, int]) -> None:
+    def _serve_incoming(self, sock: socket.socket, peer: Tuple[str, int], deadline: float) -> None:
+        """Authenticate an accepted connection and read its identity frame, all by ``deadline``,
+        then serve its requests."""
         from .errors import AuthenticationError
 
         try:
-            transport.accept(sock, self._secret, timeout=10.0)
-            conn = transport.Connection(sock)
-            sock.settimeout(10.0)
-            h, _, body, _ = conn.recv()
-            sock.settimeout(None)
-            if h.kind != wire.REQUEST or h.msg_id != _HELLO_ID:
+            transport.accept(sock, self._secret, deadline - time.monotonic(), self._admission)
+            h, body = handshake.read_intro(sock, deadline)
+            if h.msg_id != _HELLO_ID:
                 raise ProtocolError("first frame is not an identity frame")
             src = pickle.loads(body)
             if not isinstance(src, int) or not 0 <= src < len(self.workers):
                 raise ProtocolError(f"bad identity {src!r}")
+            conn = transport.Connection(sock)
         except AuthenticationError:
             log.warning("rpc_core %s: rejected a connection from %s:%s: wrong or missing auth secret",
                         self.me.name, peer[0], peer[1])
@@ -742,6 +812,7 @@ class Agent:
         for link in links:
             link.close()
         self._timer_wake.set()
+        self._admission.close()  # wakes the threads still in a handshake
         for listener in (self._listener, self._local_listener):
             if listener is None:
                 continue

@@ -6,25 +6,32 @@ rank opens its own listening socket, dials rank 0, authenticates, and sends
 (name, rank, world_size, address). Rank 0 validates the world (ranks in range, names valid
 and unique, same world_size), then sends everyone the full table. The join connection stays
 open: it becomes the worker's connection to rank 0, which is how rank 0 notices a dead worker.
+
+Rank 0 runs each joiner's handshake on a thread of its own (``_Joiners``), so a connection
+that stays silent holds up nobody but itself, and collects the validated joiners on the
+thread that called ``init_rpc``.
 """
 from __future__ import annotations
 
 import logging
 import os
 import re
+import selectors
 import socket
+import threading
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 from . import handshake, transport, wire
-from .errors import AuthenticationError, ProtocolError, RendezvousError
+from .errors import AuthenticationError, RendezvousError
 
 log = logging.getLogger("rpc_core")
 
 MAX_NAME_LEN = 128
 _NAME_RE = re.compile(r"^[A-Za-z0-9_:\-]+$")
-_HANDSHAKE_TIMEOUT = 10.0
+# How long the end of a rendezvous waits for the joiners' handshake threads it stopped.
+_STOP_GRACE = 2.0
 
 
 class WorkerInfo:
@@ -150,6 +157,7 @@ def _host(name: str, world_size: int, host: str, port: int, secret: bytes, timeo
     me = WorkerInfo(name, 0)
     joined: Dict[int, Tuple[WorkerInfo, Tuple[str, int], transport.Connection, int]] = {}
     deadline = time.monotonic() + timeout
+    joiners = _Joiners(listener, world_size, secret, f"rendezvous at {host}:{port}")
     try:
         while len(joined) < world_size - 1:
             remaining = deadline - time.monotonic()
@@ -160,26 +168,27 @@ def _host(name: str, world_size: int, host: str, port: int, secret: bytes, timeo
                     f"{host}:{port} within {timeout:g} s (missing ranks {missing}); start the missing "
                     "workers, check their MASTER_ADDR/MASTER_PORT and world_size, or raise init_timeout"
                 )
-            listener.settimeout(min(remaining, 1.0))
-            try:
-                sock, peer = listener.accept()
-            except socket.timeout:
-                continue
-            conn = _accept_joiner(sock, peer, world_size, secret, deadline)
-            if conn is None:
-                continue
-            c, info, address, msg_id = conn
-            err = _check_joiner(info, me, joined)
-            if err:
-                _reply(c, msg_id, err)
-                raise RendezvousError(err)
-            joined[info.id] = (info, address, c, msg_id)
+            for c, info, address, msg_id in joiners.collect(remaining):
+                err = _check_joiner(info, me, joined)
+                if err and len(joined) == world_size - 1:
+                    _reply(c, msg_id, err)  # one too many, after the world was complete: only it fails
+                    c.close()
+                    continue
+                if err:
+                    _reply(c, msg_id, err)
+                    c.close()
+                    raise RendezvousError(err)
+                joined[info.id] = (info, address, c, msg_id)
     except BaseException as exc:
+        message = str(exc) if isinstance(exc, RendezvousError) else f"rank 0 failed: {exc!r}"
+        joiners.close(message)
         for _, _, c, msg_id in joined.values():
-            _reply(c, msg_id, str(exc) if isinstance(exc, RendezvousError) else f"rank 0 failed: {exc!r}")
+            _reply(c, msg_id, message)
             c.close()
         _close(listener, local)
         raise
+    joiners.close(f"rank 0 completed the rendezvous at {host}:{port} without this worker: the world of "
+                  f"{world_size} was full. Check the ranks and world_size given to each worker.")
     listener.settimeout(None)
     workers = [me] + [joined[r][0] for r in range(1, world_size)]
     addresses = {0: (host, port)}
@@ -189,6 +198,105 @@ def _host(name: str, world_size: int, host: str, port: int, secret: bytes, timeo
         s = _dumps(table)
         c.send(wire.RESPONSE, 0, msg_id, b"", s)
     return World(me, workers, addresses, listener, {r: joined[r][2] for r in joined}, local)
+
+
+class _Joiners:
+    """Rank 0's side of the joiners' handshakes: ``collect`` (on the rendezvous thread)
+    accepts connections and returns the joiners whose handshake and join request came in;
+    each handshake runs on a thread of its own, bounded by HANDSHAKE_TIMEOUT, and at most
+    MAX_PENDING_HANDSHAKES at once are unauthenticated (``handshake.Admission``)."""
+
+    def __init__(self, listener: socket.socket, world_size: int, secret: bytes, where: str) -> None:
+        self._listener = listener
+        self._world_size = world_size
+        self._secret = secret
+        self._admission = handshake.Admission(where)
+        self._lock = threading.Lock()
+        self._socks: Set[socket.socket] = set()  # in a handshake thread
+        self._done: List[Tuple[transport.Connection, WorkerInfo, Tuple[str, int], int]] = []
+        self._threads: List[threading.Thread] = []
+        self._closed = False
+        self._wake_r, self._wake_w = socket.socketpair()  # a finished handshake wakes collect
+        listener.setblocking(False)
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(listener, selectors.EVENT_READ)
+        self._selector.register(self._wake_r, selectors.EVENT_READ)
+
+    def collect(self, timeout: float) -> List[Tuple[transport.Connection, WorkerInfo, Tuple[str, int], int]]:
+        """Accept what is connecting; return the joiners ready so far, waiting up to ``timeout``
+        seconds for something to happen if none is."""
+        for key, _ in self._selector.select(timeout):
+            if key.fileobj is self._wake_r:
+                self._wake_r.recv(4096)
+            else:
+                self._accept()
+        with self._lock:
+            done, self._done = self._done, []
+        return done
+
+    def _accept(self) -> None:
+        try:
+            sock, peer = self._listener.accept()
+        except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+            return  # gone before we took it
+        sock.setblocking(True)
+        if not self._admission.admit(sock, peer):
+            sock.close()
+            return
+        with self._lock:
+            self._socks.add(sock)
+        self._threads = [t for t in self._threads if t.is_alive()]
+        t = threading.Thread(target=self._run, args=(sock, peer, time.monotonic() + handshake.HANDSHAKE_TIMEOUT),
+                             name="rpc-rendezvous-join", daemon=True)
+        self._threads.append(t)
+        t.start()
+
+    def _run(self, sock: socket.socket, peer: Tuple[str, int], deadline: float) -> None:
+        joiner = None
+        try:
+            joiner = _accept_joiner(sock, peer, self._world_size, self._secret, deadline, self._admission)
+        finally:
+            with self._lock:
+                self._socks.discard(sock)  # before it may be closed (see close)
+                kept = joiner is not None and not self._closed
+                if kept:
+                    self._done.append(joiner)
+        if kept:
+            try:
+                self._wake_w.send(b"\0")
+            except OSError:
+                pass
+        elif joiner is not None:
+            c, _, _, msg_id = joiner
+            _reply(c, msg_id, "rank 0 ended the rendezvous before this worker's join request came in")
+            c.close()
+        else:
+            sock.close()
+
+    def close(self, message: str) -> None:
+        """Stop: end the handshakes in progress, answer the joiners nobody collected with
+        ``message``, and wait (bounded) for the threads."""
+        self._admission.close()
+        with self._lock:
+            self._closed = True
+            for sock in self._socks:  # wakes its thread, which then closes it
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            left, self._done = self._done, []
+        for c, _, _, msg_id in left:
+            _reply(c, msg_id, message)
+            c.close()
+        end = time.monotonic() + _STOP_GRACE
+        for t in self._threads:
+            t.join(max(0.0, end - time.monotonic()))
+        stuck = [t for t in self._threads if t.is_alive()]
+        if stuck:
+            log.debug("rpc_core rendezvous: %d handshake threads still running after the rendezvous", len(stuck))
+        self._selector.close()
+        self._wake_r.close()
+        self._wake_w.close()
 
 
 def _close(*socks: Optional[socket.socket]) -> None:
@@ -210,26 +318,25 @@ def _reply(c: transport.Connection, msg_id: int, err: str) -> None:
         pass
 
 
-def _accept_joiner(sock: socket.socket, peer: Tuple[str, int], world_size: int, secret: bytes, deadline: float):
+def _accept_joiner(sock: socket.socket, peer: Tuple[str, int], world_size: int, secret: bytes, deadline: float,
+                   admission: handshake.Admission) -> Optional[Tuple[transport.Connection, WorkerInfo, Tuple[str, int], int]]:
+    """Authenticate a joiner and read its join request, all by ``deadline``; None if it is
+    turned away (the caller closes ``sock`` then)."""
     import pickle
 
     try:
-        transport.accept(sock, secret, _HANDSHAKE_TIMEOUT)
+        transport.accept(sock, secret, deadline - time.monotonic(), admission)
+        h, body = handshake.read_intro(sock, deadline)
         c = transport.Connection(sock)
-        sock.settimeout(max(0.1, min(_HANDSHAKE_TIMEOUT, deadline - time.monotonic())))
-        h, _, body, _ = c.recv()
-        sock.settimeout(None)
         name, rank, ws, address = pickle.loads(body)
         if ws != world_size:
             _reply(c, h.msg_id, f"world_size mismatch: worker {name!r} (rank {rank}) says {ws}, rank 0 says {world_size}")
-            c.close()
             return None
         return c, WorkerInfo(name, rank), tuple(address), h.msg_id
     except AuthenticationError:
         log.warning("rpc_core rendezvous: rejected a connection from %s:%s: wrong or missing auth secret", *peer[:2])
-    except (ProtocolError, OSError, transport.PeerClosed, ValueError, TypeError, pickle.UnpicklingError) as e:
-        log.warning("rpc_core rendezvous: dropped a bad connection from %s:%s: %s", peer[0], peer[1], e)
-    sock.close()
+    except Exception as e:  # noqa: BLE001 - ProtocolError, OSError (timeouts included), a bad pickle...
+        log.warning("rpc_core rendezvous: dropped a bad connection from %s:%s: %r", peer[0], peer[1], e)
     return None
 
 
@@ -250,7 +357,8 @@ def _join(name: str, rank: int, world_size: int, host: str, port: int, secret: b
     delay = 0.02
     while True:
         try:
-            sock = transport.dial((host, port), secret, timeout=max(0.1, min(_HANDSHAKE_TIMEOUT, deadline - time.monotonic())))
+            sock = transport.dial((host, port), secret,
+                                  timeout=max(0.1, min(handshake.HANDSHAKE_TIMEOUT, deadline - time.monotonic())))
             break
         except (ConnectionRefusedError, socket.timeout, transport.PeerClosed, ConnectionResetError, socket.gaierror) as e:
             if time.monotonic() + delay > deadline:

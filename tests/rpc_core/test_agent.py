@@ -492,3 +492,73 @@ def _body_impostor(ctx):
 def test_a_same_host_socket_that_fails_falls_back_to_tcp():
     got, _ = run_world(_body_impostor, 2, init=False)
     assert got == ([2.0, 2.0], ["AF_INET"])
+
+
+# -- a frozen peer: the first call to it is bounded by the call's timeout -------------------------------
+def _pid():
+    return os.getpid()
+
+
+def _timed(fn):
+    """(exception type name, message, seconds) of a call expected to fail."""
+    start = time.monotonic()
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the caller checks the type
+        return type(e).__name__, str(e), time.monotonic() - start
+    return None, "no error", time.monotonic() - start
+
+
+def _call_frozen_peer(dst):
+    """On worker1, which never talked to worker2 (stopped meanwhile): each call's own timeout
+    bounds it, dialling included, and a caller does not wait for another caller's dial."""
+    sync = _timed(lambda: rpc_core.rpc_sync(dst, _whoami, timeout=2))
+    start = time.monotonic()
+    fut = rpc_core.rpc_async(dst, _whoami, timeout=1)
+    issued = time.monotonic() - start  # rpc_async dials too, and must not block past the timeout
+    late = _timed(fut.wait)
+    # One caller without a timeout (bounded by the handshake limit, shortened on this worker)
+    # dials; a second one with a 1 s timeout gives up after its own second, not after the first's dial.
+    slow = {}
+    t = threading.Thread(target=lambda: slow.update(r=_timed(lambda: rpc_core.rpc_sync(dst, _whoami, timeout=0))))
+    t.start()
+    quick = _timed(lambda: rpc_core.rpc_sync(dst, _whoami, timeout=1))
+    t.join(60)
+    return sync, (issued, late), quick, slow.get("r")
+
+
+def _body_frozen_peer(ctx):
+    if ctx.rank == 1:
+        handshake.HANDSHAKE_TIMEOUT = 6.0  # bounds the call without a timeout (default 10 s)
+    ctx.init()
+    if ctx.rank == 2:
+        _wait_signal()  # stopped and resumed by worker0 meanwhile
+        return None
+    if ctx.rank == 1:
+        _wait_signal()
+        return None
+    pid = rpc_core.rpc_sync(2, _pid)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        got = rpc_core.rpc_sync(1, _call_frozen_peer, args=(2,), timeout=60)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    rpc_core.rpc_sync(2, _set_signal)
+    rpc_core.rpc_sync(1, _set_signal)
+    return got
+
+
+def test_first_call_to_a_frozen_peer_fails_within_its_own_timeout_dialling_included():
+    (sync, (issued, late), quick, slow), _, _ = run_world(_body_frozen_peer, 3, init=False, timeout=90)
+    for kind, message, seconds in (sync, late, quick):
+        assert kind == "RpcTimeoutError", (kind, message)
+        assert "RPC ran for more than" in message and "worker 'worker2' (rank 2)" in message, message
+        assert "did not answer the connection handshake" in message, message
+    # Generous margins for a loaded machine; before, each took 20 s (two 10 s dials).
+    assert sync[2] < 2 + 3, sync
+    assert issued < 1 + 3 and late[2] < 1 + 3, (issued, late)
+    assert quick[2] < 1 + 3, quick  # not held up by the other caller's dial (6 s)
+    kind, message, seconds = slow
+    assert kind == "WorkerUnavailableError", (kind, message)
+    assert "did not answer the connection handshake within 6 s" in message and "worker2" in message, message
+    assert seconds < 6 + 4, slow

@@ -216,3 +216,45 @@ def _body_tcp_rendezvous(ctx):
 def test_tcp_init_method_builds_the_same_table_everywhere():
     got = run_world(_body_tcp_rendezvous, 3)
     assert got == [[("worker0", 0), ("worker1", 1), ("worker2", 2)]] * 3
+
+
+# -- silent connections to rank 0 during the rendezvous ----------------------------------------------
+def _body_silent_during_rendezvous(ctx, n_silent):
+    import time
+
+    from rpc_core import handshake
+    from rpc_core.rendezvous import rendezvous as rdzv
+
+    silent = []
+    if ctx.rank == 1:
+        # Rank 0 listens once a joiner got an answer: a joiner with the wrong world_size is
+        # turned away, and rank 0 goes on waiting for the real ones.
+        with pytest.raises(RendezvousError, match="world_size mismatch"):
+            rdzv("probe", 1, 99, ctx.init_method, ctx.secret.encode(), IO_TIMEOUT)
+        address = ctx.init_method[len("tcp://"):].rsplit(":", 1)
+        for _ in range(n_silent):  # connect, then say nothing
+            silent.append(socket.create_connection((address[0], int(address[1])), timeout=IO_TIMEOUT))
+    start = time.monotonic()
+    try:
+        ctx.init(init_timeout=40.0)
+        took = time.monotonic() - start
+        peer = (ctx.rank + 1) % ctx.world_size
+        assert rpc_core.rpc_sync(peer, rpc_core.get_worker_info).id == peer
+        for s in silent:  # the handshakes still in progress ended with the rendezvous
+            s.settimeout(IO_TIMEOUT)
+            while s.recv(65536):
+                pass
+    finally:
+        for s in silent:
+            s.close()
+    return took, handshake.HANDSHAKE_TIMEOUT
+
+
+def test_silent_connections_do_not_delay_the_rendezvous():
+    n_silent = 6
+    results = run_world(_body_silent_during_rendezvous, 3, args=(n_silent,), init=False, timeout=90)
+    took, handshake_timeout = results[1]
+    # Handshakes run side by side: rank 1 joined behind 6 silent connections without waiting
+    # for any of them to time out. Before, rank 0 ran them one after the other (10 s each),
+    # and init_rpc failed at its 40 s limit.
+    assert took < handshake_timeout, results
