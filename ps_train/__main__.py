@@ -22,7 +22,7 @@ from ps_train.launch import RoleFailed
 log = logging.getLogger("ps_train")
 
 
-@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+@hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(dcfg: DictConfig) -> float:
     try:
         cfg = from_dictconfig(dcfg)
