@@ -6,6 +6,7 @@ from); 2 invalid configuration or setup (nothing was started).
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 import hydra
@@ -22,7 +23,14 @@ from ps_train.launch import RoleFailed
 log = logging.getLogger("ps_train")
 
 
-@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+def _shown(path: str) -> str:
+    """``path`` relative to the working directory when it lies inside it (the default
+    ``runs/...``), else as given."""
+    rel = os.path.relpath(path)
+    return path if rel == os.pardir or rel.startswith(os.pardir + os.sep) else rel
+
+
+@hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(dcfg: DictConfig) -> float:
     try:
         cfg = from_dictconfig(dcfg)
@@ -35,7 +43,7 @@ def main(dcfg: DictConfig) -> float:
         log.warning("cluster.launcher=env without hydra.run.dir=...: each rank names its run folder by its own "
                     "start time, so logs may be split over several folders; pass the same "
                     "hydra.run.dir=<folder> to every rank")
-    print(f"[ps_train] run dir: {run_dir}", flush=True)
+    print(f"[ps_train] run dir: {_shown(run_dir)}", flush=True)
     try:
         metrics = run(cfg, run_dir, overrides=list(hc.overrides.task))
     except (ConfigError, CheckpointError, DatasetNotFoundError) as e:

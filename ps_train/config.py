@@ -1,7 +1,7 @@
 """Typed configuration for ps_train.
 
-The dataclasses below are the schemas Hydra validates the YAML in ``conf/`` and every
-command-line override against, so a misspelt key (``optim.learning_rate=...``) or a wrong
+The dataclasses below are the schemas Hydra validates the YAML in ``ps_train/conf/`` and
+every command-line override against, so a misspelt key (``optim.learning_rate=...``) or a wrong
 type (``cluster.num_servers=two``) fails inside Hydra, before any process starts.
 ``from_dictconfig`` converts the composed config once into a ``Config`` object and
 ``validate`` rejects combinations a schema cannot express (0 trainers, more servers than
@@ -173,7 +173,7 @@ class LoggingConfig:
 
 @dataclass
 class Config:
-    # conf/config.yaml sets this to ${data.name}_${model.name}; runs go to runs/<experiment>/.
+    # ps_train/conf/config.yaml sets this to ${data.name}_${model.name}; runs go to runs/<experiment>/.
     experiment: str = "default"
     seed: int = 0
     backend: str = "rpc_core"  # rpc_core | torch (torch.distributed.rpc, for comparison)

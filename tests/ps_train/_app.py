@@ -18,8 +18,7 @@ from ps_train.app import run
 from ps_train.checkpoint import latest_checkpoint, load_checkpoint
 from ps_train.config import Config, from_dictconfig
 
-REPO = Path(__file__).resolve().parents[2]
-CONF = REPO / "conf"
+CONF = Path(ps_train.config.__file__).resolve().parent / "conf"  # shipped inside the package
 RUN_TIMEOUT = 60.0  # seconds for one small run; the launcher raises RoleFailed after it
 CLI_TIMEOUT = 90.0
 

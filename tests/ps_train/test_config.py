@@ -8,6 +8,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
+import ps_train
 from ps_train.config import (
     CNNConfig, Config, ConfigError, DigitsConfig, MLPConfig, OPTIMIZERS, ResNetConfig,
     SyntheticConfig, VisionDataConfig, config_to_dict, from_dictconfig, optimizer_spec, validate,
@@ -15,7 +16,7 @@ from ps_train.config import (
 from ps_train.data import BatchIterator, load_data
 from ps_train.models import build_stages, reference_model
 
-CONF = Path(__file__).resolve().parents[2] / "conf"
+CONF = Path(ps_train.__file__).resolve().parent / "conf"  # shipped inside the package
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())
 OPTIONS = [(g, f.stem) for g in GROUPS for f in sorted((CONF / g).glob("*.yaml"))]
 

@@ -1,0 +1,79 @@
+"""A plain (non-editable) install works: build a wheel of this checkout, install it into a
+fresh virtual environment and run ``python -m ps_train --cfg job`` from a directory that is
+not the source tree, so the Hydra configs must come from inside the installed package.
+
+Everything here works offline: the wheel is built with ``--no-build-isolation`` (setuptools
+from this environment, which the ``test`` extra requires) and installed with ``--no-deps
+--no-index``; torch, hydra and the other dependencies come from this environment through
+``--system-site-packages``.
+"""
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+STEP_TIMEOUT = 60  # seconds for one subprocess; each takes a few seconds on 2 busy cores
+
+
+def _run(cmd, cwd, env):
+    r = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True,
+                       timeout=STEP_TIMEOUT)
+    assert r.returncode == 0, f"{cmd} failed ({r.returncode}):\n{r.stdout}\n{r.stderr}"
+    return r
+
+
+@pytest.mark.timeout(150)
+def test_wheel_installs_into_a_fresh_venv_and_runs_from_another_directory(tmp_path):
+    env = dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1")
+    # PYTHONPATH (e.g. pointing at this checkout) would shadow the installed copy.
+    for var in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PS_TRAIN_FAULT"):
+        env.pop(var, None)
+
+    # Build from a copy of what the wheel is made of: pip builds in the source tree and would
+    # leave build/ and *.egg-info behind in the checkout.
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(REPO / name, src / name)
+    for pkg in ("rpc_core", "ps_train"):
+        shutil.copytree(REPO / pkg, src / pkg, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    dist = tmp_path / "dist"
+    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+          "-q", "-w", dist, src], cwd=tmp_path, env=env)
+    wheels = list(dist.glob("*.whl"))
+    assert len(wheels) == 1, wheels
+
+    # A venv without pip of its own (no ensurepip needed) that sees this environment's
+    # packages; `python -m pip` inside it is this environment's pip, installing into the venv.
+    # sys.path puts the venv's site-packages before the system one, and the source checkout's
+    # editable install (if any) is a meta-path finder placed after the normal path search, so
+    # the venv's copy wins. -s keeps a user site (~/.local) out; cwd is outside the checkout.
+    venv = tmp_path / "venv"
+    _run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", venv],
+         cwd=tmp_path, env=env)
+    py = venv / "bin" / "python"
+    _run([py, "-s", "-m", "pip", "install", "--no-deps", "--force-reinstall", "--no-index", "-q",
+          wheels[0]], cwd=tmp_path, env=env)
+
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    r = _run([py, "-s", "-c", "import ps_train, rpc_core; print(ps_train.__file__); print(rpc_core.__file__)"],
+             cwd=work, env=env)
+    for f in r.stdout.split():
+        assert Path(f).resolve().is_relative_to(venv.resolve()), f"imported {f}, not the venv's copy"
+    conf = venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages" \
+        / "ps_train" / "conf"
+    assert (conf / "config.yaml").is_file() and (conf / "model" / "mlp.yaml").is_file()
+
+    r = _run([py, "-s", "-m", "ps_train", "--cfg", "job", "model=cnn", "cluster.num_servers=3"],
+             cwd=work, env=env)
+    cfg = yaml.safe_load(r.stdout)
+    assert cfg["model"]["name"] == "cnn" and cfg["data"]["name"] == "digits"
+    assert cfg["cluster"]["num_servers"] == 3 and cfg["cluster"]["launcher"] == "local"
+    assert cfg["mode"]["name"] == "sync" and cfg["optim"]["name"] == "sgd"
+    assert not (work / "runs").exists()
