@@ -57,6 +57,36 @@ def _tensor_from_table(index: int) -> torch.Tensor:
     return _tls.tensors[index]
 
 
+# Compressed sparse layouts by the code they travel under.
+_COMPRESSED = {torch.sparse_csr: 0, torch.sparse_csc: 1, torch.sparse_bsr: 2, torch.sparse_bsc: 3}
+_COMPRESSED_LAYOUTS = list(_COMPRESSED)
+
+
+def _compressed_parts(t: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(compressed indices, plain indices, values) of a CSR/CSC/BSR/BSC tensor."""
+    if t.layout in (torch.sparse_csr, torch.sparse_bsr):
+        return t.crow_indices(), t.col_indices(), t.values()
+    return t.ccol_indices(), t.row_indices(), t.values()
+
+
+# Sparse tensors are rebuilt with their invariants checked (indices in range, compressed
+# indices sorted): the bytes come from a peer, and torch reads out of bounds on a sparse
+# tensor that breaks them.
+def _sparse_coo(indices: torch.Tensor, values: torch.Tensor, size: Tuple[int, ...], coalesced: bool,
+                leaf_grad: bool) -> torch.Tensor:
+    t = torch.sparse_coo_tensor(indices, values, size, check_invariants=True, is_coalesced=coalesced)
+    return t.requires_grad_() if leaf_grad and not t.requires_grad else t
+
+
+def _sparse_compressed(compressed: torch.Tensor, plain: torch.Tensor, values: torch.Tensor,
+                       size: Tuple[int, ...], layout: int, leaf_grad: bool) -> torch.Tensor:
+    if not isinstance(layout, int) or not 0 <= layout < len(_COMPRESSED_LAYOUTS):
+        raise ValueError(f"unknown compressed sparse layout code {layout!r}")
+    t = torch.sparse_compressed_tensor(compressed, plain, values, size, layout=_COMPRESSED_LAYOUTS[layout],
+                                       check_invariants=True)
+    return t.requires_grad_() if leaf_grad and not t.requires_grad else t
+
+
 class _Pickler(pickle.Pickler):
     def __init__(self, file: io.BytesIO, tensors: List[torch.Tensor]) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
@@ -64,12 +94,19 @@ class _Pickler(pickle.Pickler):
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
+            if obj.is_nested:
+                raise TypeError("rpc_core cannot send nested tensors; send the list of its parts (t.unbind())")
             if obj.layout is not torch.strided:
-                # Sparse tensors travel as their dense parts, which are tensors themselves.
+                # Sparse tensors travel as their dense parts, which are tensors themselves
+                # (their buffers out of band like any other).
                 if obj.layout == torch.sparse_coo:
-                    obj = obj.coalesce()
-                    return torch.sparse_coo_tensor, (obj.indices(), obj.values(), obj.size())
-                raise TypeError(f"rpc_core cannot send tensors with layout {obj.layout}")
+                    return _sparse_coo, (obj._indices(), obj._values(), tuple(obj.size()), obj.is_coalesced(),
+                                         obj.requires_grad and obj.is_leaf)
+                if obj.layout in _COMPRESSED:
+                    return _sparse_compressed, (*_compressed_parts(obj), tuple(obj.size()), _COMPRESSED[obj.layout],
+                                                obj.requires_grad and obj.is_leaf)
+                raise TypeError(f"rpc_core cannot send tensors with layout {obj.layout}; send .to_dense(), "
+                                "or a COO/CSR/CSC/BSR/BSC sparse tensor")
             if not obj.is_cpu:
                 raise TypeError(
                     f"rpc_core sends CPU tensors only, got a tensor on {obj.device}; move it with "

@@ -168,9 +168,9 @@ def test_sparse_coo_tensors_round_trip():
 
 
 def test_unsupported_layouts_and_devices_fail_at_the_sender_with_what_to_do():
-    csr = torch.eye(3).to_sparse_csr()
-    with pytest.raises(TypeError, match="layout"):
-        ser.serialize(csr)
+    nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=torch.jagged)
+    with pytest.raises(TypeError, match=r"nested tensors.*unbind"):
+        ser.serialize(nested)
     with pytest.raises(TypeError, match=r"CPU tensors only.*\.cpu\(\)"):
         ser.serialize(torch.empty(2, device="meta"))
 
