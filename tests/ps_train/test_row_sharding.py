@@ -113,3 +113,26 @@ def test_sharded_lookups_train_like_one_embedding_bag(kind: str) -> None:
         for s in range(servers):
             torch.testing.assert_close(shards[t][s].detach(), ref.tables[t].weight.detach()[sh.global_ids(s)],
                                        rtol=0, atol=1e-7)
+
+
+def test_a_servers_table_shards_hold_its_rows_and_train_only_the_touched_ones() -> None:
+    from ps_train.table_shards import TableShards
+
+    sizes, dim = [INIT_BLOCK + 3, 10], 2
+    parts = [TableShards(sizes, dim, "range", s, 2, seed=5) for s in range(2)]
+    for t, n in enumerate(sizes):
+        whole = torch.cat([p.weights[t].detach() for p in parts])
+        assert torch.equal(whole, init_rows(5, t, n, dim, torch.arange(n)))
+    assert sum(p.nbytes() for p in parts) == sum(sizes) * dim * 4
+    before = parts[1].weights[0].detach().clone()
+    opt = torch.optim.SparseAdam(list(parts[1].parameters()), lr=0.1)
+    rows = parts[1].lookup([torch.tensor([0, 2, 0]), torch.tensor([1])])
+    (rows[0].sum() + rows[1].sum()).backward()
+    assert parts[1].weights[0].grad.layout == torch.sparse_coo
+    opt.step()
+    moved = (parts[1].weights[0].detach() != before).any(dim=1)
+    assert torch.nonzero(moved).flatten().tolist() == [0, 2]  # lazy: untouched rows keep their values
+    with pytest.raises(IndexError, match="outside this server's"):
+        parts[1].lookup([torch.tensor([10**6]), torch.tensor([0])])
+    with pytest.raises(ValueError, match="names 1 tables"):
+        parts[1].lookup([torch.tensor([0])])
