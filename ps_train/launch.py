@@ -12,11 +12,8 @@ a busy machine). Each role gets the launcher's environment and working directory
 launch (not the forkserver's), exits as soon as it is done (no slow interpreter teardown),
 and exits by itself if the launcher dies.
 
-Fault injection (test-only): ``PS_TRAIN_FAULT=<role>@<step>`` in the launcher's
-environment makes that role SIGKILL itself -- a trainer right after finishing step
-``<step>``, a server right after applying its ``<step>``-th update -- to test how the
-launcher reports a dead role and that resuming from the last checkpoint works. Never set it
-in real runs.
+Roles inherit the launcher's environment, so a test can set ``PS_TRAIN_FAULT`` here to
+make one of them die at a chosen step (see ``ps_train.faults``).
 """
 from __future__ import annotations
 
@@ -42,7 +39,6 @@ from ps_train.config import Config, config_to_dict, from_dictconfig
 
 log = logging.getLogger("ps_train")
 
-FAULT_ENV = "PS_TRAIN_FAULT"
 # What the forkserver imports once, so forked roles start without importing anything heavy.
 _PRELOAD = ["ps_train.launch", "ps_train.server", "ps_train.trainer", "ps_train.checkpoint_io",
             "ps_train.data", "ps_train.metrics", "rpc_core", "rpc_core.autograd", "sklearn.datasets",
@@ -64,20 +60,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def maybe_inject_fault(role: str, step: int) -> None:
-    """Test-only: SIGKILL this process if ``PS_TRAIN_FAULT`` is ``<role>@<step>`` (see module doc)."""
-    spec = os.environ.get(FAULT_ENV)
-    if not spec:
-        return
-    who, _, at = spec.partition("@")
-    if who == role and at.isdigit() and int(at) == step:
-        log.warning("%s=%s: test fault injection, killing %s (pid %d) at step %d at unix time %.3f",
-                    FAULT_ENV, spec, role, os.getpid(), step, time.time())
-        for h in logging.getLogger().handlers:
-            h.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _setup_logging(run_dir: str, name: str, level: str) -> None:

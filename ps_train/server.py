@@ -39,7 +39,7 @@ from rpc_core.functions import async_execution
 from ps_train import backend
 from ps_train.config import Config, optimizer_spec
 from ps_train.data import data_shape, num_classes
-from ps_train.launch import maybe_inject_fault
+from ps_train.faults import maybe_inject_fault
 from ps_train.models import build_model_shards, shards_of_server
 
 log = logging.getLogger("ps_train.server")
@@ -165,7 +165,7 @@ class ParameterServer:
         self.version += 1
         for i in self.updates:
             self.updates[i] += 1
-        maybe_inject_fault(f"ps{self.rank}", self.version)  # test-only, see ps_train.launch
+        maybe_inject_fault(f"ps{self.rank}", self.version)  # test-only, see ps_train.faults
 
     @async_execution
     def apply_sync(self, context_id: int, trainer: int, step: int) -> torch.futures.Future:

@@ -47,7 +47,7 @@ from ps_train.data import BatchIterator, iter_eval_batches, load_data, total_ste
 from ps_train.metrics import LatencyStats, ThroughputMeter, flatten_hparams, make_writer, write_metrics_json
 from ps_train.models import build_model_shards
 from ps_train.data import data_shape, num_classes
-from ps_train.launch import maybe_inject_fault
+from ps_train.faults import maybe_inject_fault
 
 log = logging.getLogger("ps_train.trainer")
 
@@ -229,7 +229,7 @@ class Trainer:
                 log.info("step %d: test accuracy %.4f, loss %.4f", step, ev["accuracy"], ev["loss"])
             if on_step is not None:
                 on_step(self, step)
-            maybe_inject_fault(self.name, step)  # test-only, see ps_train.launch
+            maybe_inject_fault(self.name, step)  # test-only, see ps_train.faults
         return last
 
     def _log_train(self, step: int, last: Dict[str, float]) -> None:
