@@ -40,7 +40,7 @@ from ps_train.config import Config, config_to_dict, from_dictconfig
 log = logging.getLogger("ps_train")
 
 # What the forkserver imports once, so forked roles start without importing anything heavy.
-_PRELOAD = ["ps_train.launch", "ps_train.server", "ps_train.trainer", "ps_train.checkpoint_io",
+_PRELOAD = ["ps_train.launch", "ps_train.server", "ps_train.trainer", "ps_train.checkpoint_protocol",
             "ps_train.data", "ps_train.metrics", "rpc_core", "rpc_core.autograd", "sklearn.datasets",
             "sklearn.model_selection", "torch.utils.tensorboard",
             "torch._dynamo",  # the first torch.optim optimizer imports it: ~2.5 s of CPU per server
@@ -88,7 +88,7 @@ def run_rank(cfg: Config, rank: int, master_addr: str, master_port: int, secret:
              resume: Optional[str] = None, init_method: Optional[str] = None) -> Optional[Dict[str, Any]]:
     """Run one role until the whole job is done; returns the metrics on trainer0.
 
-    ``resume``: a complete checkpoint dir (see ``checkpoint.resolve_resume``) to start from.
+    ``resume``: a complete checkpoint dir (see ``checkpoint_files.resolve_resume``) to start from.
     ``init_method``: where the ranks meet, if not ``tcp://master_addr:master_port``.
     """
     S, T = cfg.cluster.num_servers, cfg.cluster.num_trainers
@@ -100,7 +100,7 @@ def run_rank(cfg: Config, rank: int, master_addr: str, master_port: int, secret:
     rpc = backend.rpc()
     from ps_train import server as server_mod
     from ps_train import trainer as trainer_mod
-    from ps_train.checkpoint_io import checkpoint_hook, load_resume_state, load_server_state
+    from ps_train.checkpoint_protocol import checkpoint_hook, load_resume_state, load_server_state
 
     resume_state = load_resume_state(resume, server=name if rank < S else None) if resume else None
     if rank < S:
@@ -223,7 +223,7 @@ def _describe(rank: int, exitcode: int, S: int, run_dir: str) -> str:
 
 
 def _checkpoint_hint(run_dir: str) -> str:
-    from ps_train.checkpoint import latest_checkpoint
+    from ps_train.checkpoint_files import latest_checkpoint
 
     last = latest_checkpoint(run_dir)
     return (f"the latest complete checkpoint is {last}; continue with resume={run_dir}" if last

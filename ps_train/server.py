@@ -37,6 +37,7 @@ from torch.func import functional_call
 
 from rpc_core.functions import async_execution
 from ps_train import backend
+from ps_train.checkpoint_files import ShardFile, save_shard_state
 from ps_train.config import Config, optimizer_spec
 from ps_train.data import data_shape, num_classes
 from ps_train.faults import maybe_inject_fault
@@ -252,6 +253,12 @@ class ParameterServer:
                 "rounds": self.rounds,
                 "updates": dict(self.updates),
             }
+
+    def save_state(self, ckpt_dir: str) -> ShardFile:
+        """Write this server's shards and optimizer state into the checkpoint folder
+        ``ckpt_dir`` as ``ps<rank>.pt``; returns the file's manifest entry. The checkpoint
+        coordinator (``ps_train.checkpoint_protocol``) calls it through the server's RRef."""
+        return save_shard_state(ckpt_dir, f"ps{self.rank}", self.state_dict())
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         with self.lock:
