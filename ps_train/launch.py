@@ -17,7 +17,6 @@ make one of them die at a chosen step (see ``ps_train.faults``).
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
@@ -34,6 +33,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from rpc_core import memory
 from ps_train import backend
 from ps_train.config import Config, config_to_dict, from_dictconfig
 
@@ -72,18 +72,6 @@ def _setup_logging(run_dir: str, name: str, level: str) -> None:
     root.setLevel(level)
 
 
-def _keep_freed_memory() -> None:
-    """Let glibc keep freed activation/gradient buffers for reuse instead of returning them
-    to the OS: every step allocates the same sizes again, and faulting fresh pages in cost
-    servers ~20% of their CPU (measured with perf on the CNN)."""
-    try:
-        libc = ctypes.CDLL(None)
-        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: buffers up to 32 MB come from the heap
-        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: keep up to 1 GB of freed heap
-    except (OSError, AttributeError):
-        pass  # not glibc: nothing to tune
-
-
 def run_rank(cfg: Config, rank: int, master_addr: str, master_port: int, secret: Optional[str], run_dir: str,
              resume: Optional[str] = None, init_method: Optional[str] = None) -> Optional[Dict[str, Any]]:
     """Run one role until the whole job is done; returns the metrics on trainer0.
@@ -94,7 +82,11 @@ def run_rank(cfg: Config, rank: int, master_addr: str, master_port: int, secret:
     S, T = cfg.cluster.num_servers, cfg.cluster.num_trainers
     name = role_name(rank, S)
     torch.set_num_threads(1)  # many small processes on few cores: intra-op threads only fight
-    _keep_freed_memory()
+    # rpc_core owns the malloc policy (rpc_core.memory; RPC_CORE_MALLOC_TUNE=0 or the user's
+    # own MALLOC_*/GLIBC_TUNABLES settings turn it off). init_rpc applies it on rpc_core, but
+    # torch's init_rpc does not: calling it here gives both backends the same allocator, and
+    # before the server builds its model rather than after.
+    memory.tune()
     _setup_logging(run_dir, name, cfg.logging.level)
     backend.select(cfg.backend)
     rpc = backend.rpc()
