@@ -81,7 +81,7 @@ def env_init_method(cfg: Config, rank: int) -> str:
 
     from torch.distributed import TCPStore
 
-    from ps_train.launch import free_port
+    from ps_train.ports import free_port
 
     timeout = timedelta(seconds=cfg.cluster.rpc_timeout or 300)
     store = TCPStore(addr, port, is_master=False, timeout=timeout)

@@ -23,7 +23,6 @@ import multiprocessing.connection
 import os
 import secrets
 import signal
-import socket
 import sys
 import threading
 import time
@@ -36,6 +35,7 @@ import torch
 from rpc_core import memory
 from ps_train import backend
 from ps_train.config import Config, config_to_dict, from_dictconfig
+from ps_train.ports import free_port  # also re-exported: ps_train.launch.free_port predates ps_train.ports
 
 log = logging.getLogger("ps_train")
 
@@ -54,12 +54,6 @@ class RoleFailed(RuntimeError):
 
 def role_name(rank: int, num_servers: int) -> str:
     return f"ps{rank}" if rank < num_servers else f"trainer{rank - num_servers}"
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _setup_logging(run_dir: str, name: str, level: str) -> None:
