@@ -39,9 +39,8 @@ from rpc_core.functions import async_execution
 from ps_train import backend
 from ps_train.checkpoint_files import ShardFile, save_shard_state
 from ps_train.config import Config, optimizer_spec
-from ps_train.data import data_shape, num_classes
 from ps_train.faults import maybe_inject_fault
-from ps_train.models import build_model_shards, shards_of_server
+from ps_train.sharding import model_shards, shards_of_server
 
 log = logging.getLogger("ps_train.server")
 
@@ -54,9 +53,9 @@ class ParameterServer:
         self.mode = cfg.mode.name
         self.staleness_bound = cfg.mode.staleness
         self.num_trainers = cfg.cluster.num_trainers
-        shards = build_model_shards(cfg.model, data_shape(cfg.data), num_classes(cfg.data),
-                                    cfg.cluster.num_servers, cfg.cluster.placement, cfg.seed)
-        self.shards: Dict[int, nn.Module] = {s.index: s.module for s in shards_of_server(shards, rank)}
+        # Every server builds the whole seeded model and keeps its own shards (module docstring).
+        shards = shards_of_server(model_shards(cfg), rank)
+        self.shards: Dict[int, nn.Module] = {s.index: s.module for s in shards}
         self.params: List[nn.Parameter] = [p for m in self.shards.values() for p in m.parameters()]
         self.seed = cfg.seed
         self.has_dropout = any(isinstance(x, nn.Dropout) and x.p > 0 for m in self.shards.values() for x in m.modules())
