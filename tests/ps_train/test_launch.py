@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from _app import (
+from tests.ps_train._app import (
     BASELINE, BASELINE_STEPS, QUICK, assert_same_weights, cli, final_weights, read_json, rendezvous_port, run_app,
 )
 from ps_train.faults import FAULT_ENV

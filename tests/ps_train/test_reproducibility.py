@@ -8,7 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from _app import BASELINE, BASELINE_STEPS, assert_same_weights, final_weights, make_cfg, read_json, run_app
+from tests.ps_train._app import (
+    BASELINE, BASELINE_STEPS, assert_same_weights, final_weights, make_cfg, read_json, run_app,
+)
 from ps_train.config import optimizer_spec
 from ps_train.data import BatchIterator, load_data
 from ps_train.models import build_stages, reference_model
