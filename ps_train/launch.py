@@ -80,8 +80,10 @@ def run_rank(cfg: Config, rank: int, master_addr: str, master_port: int, secret:
     # own MALLOC_*/GLIBC_TUNABLES settings turn it off). init_rpc applies it on rpc_core, but
     # torch's init_rpc does not: calling it here gives both backends the same allocator, and
     # before the server builds its model rather than after.
-    memory.tune()
+    malloc_tuned = memory.tune()
     _setup_logging(run_dir, name, cfg.logging.level)
+    log.info("malloc thresholds: %s", "fixed by rpc_core.memory" if malloc_tuned else
+             "glibc's defaults or the environment's (RPC_CORE_MALLOC_TUNE=0, MALLOC_*, GLIBC_TUNABLES, or not glibc)")
     backend.select(cfg.backend)
     rpc = backend.rpc()
     from ps_train import server as server_mod
