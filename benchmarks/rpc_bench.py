@@ -79,6 +79,9 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+if REPO not in sys.path:  # this checkout's packages (free_port from ps_train.ports), as the workers use
+    sys.path.insert(0, REPO)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
