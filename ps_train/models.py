@@ -4,7 +4,7 @@ No RPC here: a model is a list of ``nn.Module`` stages whose composition
 ``nn.Sequential(*stages)`` (``reference_model``) is the whole network, the single-process
 oracle for sharded runs. How many stages a config gives is the config's own answer
 (``ModelConfig.num_stages``); ``build_stages`` builds exactly that many. Placing stages on
-servers is ``ps_train.sharding``'s business.
+servers is ``ps_train.stage_sharding``'s business.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ from ps_train import backend
 from ps_train.checkpoint_files import ShardFile, save_shard_state
 from ps_train.config import Config, optimizer_spec
 from ps_train.faults import maybe_inject_fault
-from ps_train.sharding import model_shards, shards_of_server
+from ps_train.stage_sharding import model_shards, shards_of_server
 
 log = logging.getLogger("ps_train.server")
 

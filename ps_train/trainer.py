@@ -46,7 +46,7 @@ from ps_train.config import Config, config_to_dict
 from ps_train.data import BatchIterator, iter_eval_batches, load_data, total_steps
 from ps_train.faults import maybe_inject_fault
 from ps_train.metrics import LatencyStats, ThroughputMeter, flatten_hparams, make_writer, write_metrics_json
-from ps_train.sharding import model_shards
+from ps_train.stage_sharding import model_shards
 
 log = logging.getLogger("ps_train.trainer")
 

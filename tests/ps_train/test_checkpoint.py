@@ -14,7 +14,7 @@ from ps_train.checkpoint_files import (
 )
 from ps_train.config import MLPConfig, SyntheticConfig
 from ps_train.data import BatchIterator, load_data
-from ps_train.sharding import build_model_shards
+from ps_train.stage_sharding import build_model_shards
 
 
 def _state(value: float):

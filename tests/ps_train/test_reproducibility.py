@@ -14,7 +14,7 @@ from tests.ps_train._app import (
 from ps_train.config import optimizer_spec
 from ps_train.data import BatchIterator, load_data
 from ps_train.models import build_stages, reference_model
-from ps_train.sharding import build_shards, place_stages
+from ps_train.stage_sharding import build_shards, place_stages
 
 
 def single_process_run(cfg, steps):

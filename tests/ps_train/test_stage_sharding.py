@@ -1,4 +1,4 @@
-"""Sharding: shards composed in order equal the single-process model; placement is
+"""Stage sharding: shards composed in order equal the single-process model; placement is
 deterministic, contiguous where asked, and explains its errors."""
 import itertools
 import random
@@ -9,7 +9,7 @@ from torch import nn
 
 from ps_train.config import CNNConfig, MLPConfig, ResNetConfig
 from ps_train.models import build_stages, reference_model
-from ps_train.sharding import (
+from ps_train.stage_sharding import (
     _balanced_bounds, build_model_shards, build_shards, place_stages, shards_of_server, stage_param_bytes,
 )
 

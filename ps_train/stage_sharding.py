@@ -1,4 +1,4 @@
-"""Sharding: placing a model's stages on the parameter servers, and grouping them into shards.
+"""Stage sharding: placing a model's stages on the parameter servers, grouped into shards.
 
 ``place_stages`` assigns stage indices to servers; ``build_shards`` groups consecutive stages
 that share a server into ``Shard``s, the unit a server hosts and a trainer calls in forward
