@@ -28,7 +28,8 @@ class ClusterConfig:
         p.need(self.num_trainers >= 1, f"cluster.num_trainers: {self.num_trainers} must be >= 1")
         p.need(self.placement in PLACEMENTS,
                f"cluster.placement: unknown {self.placement!r}; choose one of {list(PLACEMENTS)}")
-        p.need(self.launcher in LAUNCHERS, f"cluster.launcher: unknown {self.launcher!r}; choose one of {list(LAUNCHERS)}")
+        p.need(self.launcher in LAUNCHERS,
+               f"cluster.launcher: unknown {self.launcher!r}; choose one of {list(LAUNCHERS)}")
         p.need(0 <= self.master_port <= 65535,
                f"cluster.master_port: {self.master_port} must be in 0..65535 (0 = pick a free port)")
         p.need(bool(self.master_addr), "cluster.master_addr: must not be empty (e.g. 127.0.0.1)")

@@ -108,7 +108,8 @@ class ResNetConfig(ModelConfig):
 
     def input_problems(self, shape: tuple[int, ...], data_name: str) -> Problems:
         p = Problems()
-        p.need(len(shape) == 3, f"model: resnet18 needs image data [C, H, W]; data {data_name!r} has shape {list(shape)}")
+        p.need(len(shape) == 3,
+               f"model: resnet18 needs image data [C, H, W]; data {data_name!r} has shape {list(shape)}")
         return p
 
 

@@ -126,6 +126,8 @@ def test_the_config_imports_nothing_else_of_ps_train():
     # Validation needs shapes and stage counts; the config answers them itself, so data,
     # models and the rest can import the config and never the other way round.
     graph = import_graph()
-    outside = {f"{m} -> {t}" for m, targets in graph.items() if m == "ps_train.config" or m.startswith("ps_train.config.")
-               for t in targets if not (t == "ps_train.config" or t.startswith("ps_train.config."))}
+    def in_config(module: str) -> bool:
+        return module == "ps_train.config" or module.startswith("ps_train.config.")
+
+    outside = {f"{m} -> {t}" for m, targets in graph.items() if in_config(m) for t in targets if not in_config(t)}
     assert not outside, f"the config imports other ps_train modules: {sorted(outside)}"
