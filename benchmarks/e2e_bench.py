@@ -26,7 +26,7 @@ Options:
     --keep-runs           keep every run folder
 
 What is trained. The same config three ways, for ``model=mlp`` (hidden [128, 64]) and
-``model=cnn`` (channels [32, 64], fc 128) from ``ps_train/config.py``'s defaults:
+``model=cnn`` (channels [32, 64], fc 128) from ``ps_train/config/``'s defaults:
 ``data=synthetic`` (MNIST-sized samples 1x28x28, 10 classes, 4096 training samples,
 ``data_seed=0``), batch 32 per trainer, ``optim=sgd`` (lr 0.05, momentum 0.9), ``mode=sync``,
 ``seed=0``, with ``cluster.num_servers`` + ``cluster.num_trainers`` = 1+1 and 2+2 (placement
@@ -232,12 +232,12 @@ def single_main(model: str, steps: int, threads: int, out) -> None:
 
         torch.set_num_threads(threads)
         from ps_train.config import optimizer_spec
-        from ps_train.data import BatchIterator, data_shape, load_data, num_classes
+        from ps_train.data import BatchIterator, load_data
         from ps_train.models import build_stages, reference_model
 
         cfg = make_config(model, 1, 1, "rpc_core", steps)
         train_set, _ = load_data(cfg.data)
-        net = reference_model(build_stages(cfg.model, data_shape(cfg.data), num_classes(cfg.data),
+        net = reference_model(build_stages(cfg.model, cfg.data.sample_shape(), cfg.data.class_count(),
                                            seed=cfg.seed))
         net.train()
         cls, kwargs = optimizer_spec(cfg.optim)

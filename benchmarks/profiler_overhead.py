@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import socket
 import statistics
 import sys
 import time
@@ -82,9 +81,10 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=150)
     ap.add_argument("--calls", type=int, default=50)
     args = ap.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    sys.path.insert(0, REPO)  # this checkout's packages, as the workers use
+    from ps_train.ports import free_port
+
+    port = free_port()
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, port, args.reps, args.calls, out)) for r in range(2)]

@@ -74,16 +74,19 @@ import multiprocessing as mp
 import os
 import platform
 import queue as queue_mod
-import socket
 import statistics
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+if REPO not in sys.path:  # this checkout's packages (free_port from ps_train.ports), as the workers use
+    sys.path.insert(0, REPO)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 from _format import fmt  # noqa: E402 (the benchmarks folder is on the path just above)
+from ps_train.ports import free_port  # noqa: E402
 
 IMPLS = ("torch", "rpc_core")
 WORLD_SIZE = 2
@@ -109,12 +112,6 @@ WORKLOADS = [
      (10, 40, 7), (3, 15, 3)),
 ]
 NAMES = [w[0] for w in WORKLOADS]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def select(only: str | None) -> list[str]:

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from ps_train.checkpoint import atomic_write_text
+from ps_train.checkpoint_files import atomic_write_text
 from ps_train.config import Config, ConfigError, config_to_dict
 from ps_train.launch import launch_local, run_rank
 
@@ -30,7 +30,7 @@ def run(cfg: Config, run_dir: str, overrides: Optional[List[str]] = None, timeou
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     resume = None
     if cfg.resume:
-        from ps_train.checkpoint_io import check_resumable
+        from ps_train.checkpoint_protocol import check_resumable
 
         state = check_resumable(cfg, cfg.resume)  # fails here, before any process starts
         resume = state["checkpoint"]
@@ -81,7 +81,7 @@ def env_init_method(cfg: Config, rank: int) -> str:
 
     from torch.distributed import TCPStore
 
-    from ps_train.launch import free_port
+    from ps_train.ports import free_port
 
     timeout = timedelta(seconds=cfg.cluster.rpc_timeout or 300)
     store = TCPStore(addr, port, is_master=False, timeout=timeout)

@@ -21,15 +21,16 @@ from torch.utils.data import Dataset, default_collate
 from ps_train.config import DataConfig, DigitsConfig, SyntheticConfig, VisionDataConfig
 
 __all__ = [
-    "TensorSplit", "DatasetNotFoundError", "data_shape", "num_classes", "load_data",
+    "TensorSplit", "DatasetNotFoundError", "load_data",
     "partition", "steps_per_epoch", "total_steps", "BatchIterator", "iter_eval_batches",
 ]
 
-# name -> (sample shape, torchvision class name, per-channel mean, std) of the 0..1 pixels.
-_VISION: dict[str, tuple[tuple[int, ...], str, tuple[float, ...], tuple[float, ...]]] = {
-    "mnist": ((1, 28, 28), "MNIST", (0.1307,), (0.3081,)),
-    "fashion_mnist": ((1, 28, 28), "FashionMNIST", (0.2860,), (0.3530,)),
-    "cifar10": ((3, 32, 32), "CIFAR10", (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
+# name -> (torchvision class name, per-channel mean, std) of the 0..1 pixels; the sample
+# shapes are the config's (VisionDataConfig.sample_shape).
+_VISION: dict[str, tuple[str, tuple[float, ...], tuple[float, ...]]] = {
+    "mnist": ("MNIST", (0.1307,), (0.3081,)),
+    "fashion_mnist": ("FashionMNIST", (0.2860,), (0.3530,)),
+    "cifar10": ("CIFAR10", (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
 }
 
 
@@ -75,21 +76,6 @@ class TensorSplit(Dataset):
         return (x - self._mean) / self._std, self.labels[index]
 
 
-def data_shape(cfg: DataConfig) -> tuple[int, ...]:
-    """Shape of one sample (no batch dim), known without loading the data."""
-    if isinstance(cfg, DigitsConfig):
-        return (1, 8, 8)
-    if isinstance(cfg, SyntheticConfig):
-        return tuple(cfg.shape)
-    if cfg.name in _VISION:
-        return _VISION[cfg.name][0]
-    raise ValueError(f"data.name: unknown dataset {cfg.name!r}; use digits, mnist, fashion_mnist, cifar10 or synthetic")
-
-
-def num_classes(cfg: DataConfig) -> int:
-    return cfg.num_classes if isinstance(cfg, SyntheticConfig) else 10
-
-
 def load_data(cfg: DataConfig) -> tuple[TensorSplit, TensorSplit]:
     """Load ``(train, test)`` for ``cfg``."""
     if isinstance(cfg, DigitsConfig):
@@ -122,7 +108,7 @@ def _digits(cfg: DigitsConfig) -> tuple[TensorSplit, TensorSplit]:
 def _synthetic(cfg: SyntheticConfig) -> tuple[TensorSplit, TensorSplit]:
     # Class prototypes plus Gaussian noise: learnable, and sized freely for benchmarks.
     g = torch.Generator().manual_seed(cfg.data_seed)
-    shape = tuple(cfg.shape)
+    shape = cfg.sample_shape()
     prototypes = torch.randn((cfg.num_classes, *shape), generator=g)
 
     def draw(n: int) -> TensorSplit:
@@ -147,7 +133,8 @@ def _expected_files(cls: Any, root: str) -> tuple[str, list[str]]:
 def _vision(cfg: VisionDataConfig) -> tuple[TensorSplit, TensorSplit]:
     import torchvision.datasets as tvd
 
-    shape, cls_name, mean, std = _VISION[cfg.name]
+    cls_name, mean, std = _VISION[cfg.name]
+    shape = cfg.sample_shape()
     cls = getattr(tvd, cls_name)
     root = os.path.abspath(os.path.expanduser(cfg.root))
     folder, names = _expected_files(cls, root)

@@ -12,22 +12,17 @@ a busy machine). Each role gets the launcher's environment and working directory
 launch (not the forkserver's), exits as soon as it is done (no slow interpreter teardown),
 and exits by itself if the launcher dies.
 
-Fault injection (test-only): ``PS_TRAIN_FAULT=<role>@<step>`` in the launcher's
-environment makes that role SIGKILL itself -- a trainer right after finishing step
-``<step>``, a server right after applying its ``<step>``-th update -- to test how the
-launcher reports a dead role and that resuming from the last checkpoint works. Never set it
-in real runs.
+Roles inherit the launcher's environment, so a test can set ``PS_TRAIN_FAULT`` here to
+make one of them die at a chosen step (see ``ps_train.faults``).
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
 import os
 import secrets
 import signal
-import socket
 import sys
 import threading
 import time
@@ -37,14 +32,15 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from rpc_core import memory
 from ps_train import backend
 from ps_train.config import Config, config_to_dict, from_dictconfig
+from ps_train.ports import free_port  # also re-exported: ps_train.launch.free_port predates ps_train.ports
 
 log = logging.getLogger("ps_train")
 
-FAULT_ENV = "PS_TRAIN_FAULT"
 # What the forkserver imports once, so forked roles start without importing anything heavy.
-_PRELOAD = ["ps_train.launch", "ps_train.server", "ps_train.trainer", "ps_train.checkpoint_io",
+_PRELOAD = ["ps_train.launch", "ps_train.server", "ps_train.trainer", "ps_train.checkpoint_protocol",
             "ps_train.data", "ps_train.metrics", "rpc_core", "rpc_core.autograd", "sklearn.datasets",
             "sklearn.model_selection", "torch.utils.tensorboard",
             "torch._dynamo",  # the first torch.optim optimizer imports it: ~2.5 s of CPU per server
@@ -60,26 +56,6 @@ def role_name(rank: int, num_servers: int) -> str:
     return f"ps{rank}" if rank < num_servers else f"trainer{rank - num_servers}"
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def maybe_inject_fault(role: str, step: int) -> None:
-    """Test-only: SIGKILL this process if ``PS_TRAIN_FAULT`` is ``<role>@<step>`` (see module doc)."""
-    spec = os.environ.get(FAULT_ENV)
-    if not spec:
-        return
-    who, _, at = spec.partition("@")
-    if who == role and at.isdigit() and int(at) == step:
-        log.warning("%s=%s: test fault injection, killing %s (pid %d) at step %d at unix time %.3f",
-                    FAULT_ENV, spec, role, os.getpid(), step, time.time())
-        for h in logging.getLogger().handlers:
-            h.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 def _setup_logging(run_dir: str, name: str, level: str) -> None:
     logs = Path(run_dir) / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -90,35 +66,29 @@ def _setup_logging(run_dir: str, name: str, level: str) -> None:
     root.setLevel(level)
 
 
-def _keep_freed_memory() -> None:
-    """Let glibc keep freed activation/gradient buffers for reuse instead of returning them
-    to the OS: every step allocates the same sizes again, and faulting fresh pages in cost
-    servers ~20% of their CPU (measured with perf on the CNN)."""
-    try:
-        libc = ctypes.CDLL(None)
-        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: buffers up to 32 MB come from the heap
-        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: keep up to 1 GB of freed heap
-    except (OSError, AttributeError):
-        pass  # not glibc: nothing to tune
-
-
 def run_rank(cfg: Config, rank: int, master_addr: str, master_port: int, secret: Optional[str], run_dir: str,
              resume: Optional[str] = None, init_method: Optional[str] = None) -> Optional[Dict[str, Any]]:
     """Run one role until the whole job is done; returns the metrics on trainer0.
 
-    ``resume``: a complete checkpoint dir (see ``checkpoint.resolve_resume``) to start from.
+    ``resume``: a complete checkpoint dir (see ``checkpoint_files.resolve_resume``) to start from.
     ``init_method``: where the ranks meet, if not ``tcp://master_addr:master_port``.
     """
     S, T = cfg.cluster.num_servers, cfg.cluster.num_trainers
     name = role_name(rank, S)
     torch.set_num_threads(1)  # many small processes on few cores: intra-op threads only fight
-    _keep_freed_memory()
+    # rpc_core owns the malloc policy (rpc_core.memory; RPC_CORE_MALLOC_TUNE=0 or the user's
+    # own MALLOC_*/GLIBC_TUNABLES settings turn it off). init_rpc applies it on rpc_core, but
+    # torch's init_rpc does not: calling it here gives both backends the same allocator, and
+    # before the server builds its model rather than after.
+    malloc_tuned = memory.tune()
     _setup_logging(run_dir, name, cfg.logging.level)
+    log.info("malloc thresholds: %s", "fixed by rpc_core.memory" if malloc_tuned else
+             "glibc's defaults or the environment's (RPC_CORE_MALLOC_TUNE=0, MALLOC_*, GLIBC_TUNABLES, or not glibc)")
     backend.select(cfg.backend)
     rpc = backend.rpc()
     from ps_train import server as server_mod
     from ps_train import trainer as trainer_mod
-    from ps_train.checkpoint_io import checkpoint_hook, load_resume_state, load_server_state
+    from ps_train.checkpoint_protocol import checkpoint_hook, load_resume_state, load_server_state
 
     resume_state = load_resume_state(resume, server=name if rank < S else None) if resume else None
     if rank < S:
@@ -241,7 +211,7 @@ def _describe(rank: int, exitcode: int, S: int, run_dir: str) -> str:
 
 
 def _checkpoint_hint(run_dir: str) -> str:
-    from ps_train.checkpoint import latest_checkpoint
+    from ps_train.checkpoint_files import latest_checkpoint
 
     last = latest_checkpoint(run_dir)
     return (f"the latest complete checkpoint is {last}; continue with resume={run_dir}" if last

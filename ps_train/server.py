@@ -37,10 +37,10 @@ from torch.func import functional_call
 
 from rpc_core.functions import async_execution
 from ps_train import backend
+from ps_train.checkpoint_files import ShardFile, save_shard_state
 from ps_train.config import Config, optimizer_spec
-from ps_train.data import data_shape, num_classes
-from ps_train.launch import maybe_inject_fault
-from ps_train.models import build_model_shards, shards_of_server
+from ps_train.faults import maybe_inject_fault
+from ps_train.stage_sharding import model_shards, shards_of_server
 
 log = logging.getLogger("ps_train.server")
 
@@ -53,9 +53,9 @@ class ParameterServer:
         self.mode = cfg.mode.name
         self.staleness_bound = cfg.mode.staleness
         self.num_trainers = cfg.cluster.num_trainers
-        shards = build_model_shards(cfg.model, data_shape(cfg.data), num_classes(cfg.data),
-                                    cfg.cluster.num_servers, cfg.cluster.placement, cfg.seed)
-        self.shards: Dict[int, nn.Module] = {s.index: s.module for s in shards_of_server(shards, rank)}
+        # Every server builds the whole seeded model and keeps its own shards (module docstring).
+        shards = shards_of_server(model_shards(cfg), rank)
+        self.shards: Dict[int, nn.Module] = {s.index: s.module for s in shards}
         self.params: List[nn.Parameter] = [p for m in self.shards.values() for p in m.parameters()]
         self.seed = cfg.seed
         self.has_dropout = any(isinstance(x, nn.Dropout) and x.p > 0 for m in self.shards.values() for x in m.modules())
@@ -165,7 +165,7 @@ class ParameterServer:
         self.version += 1
         for i in self.updates:
             self.updates[i] += 1
-        maybe_inject_fault(f"ps{self.rank}", self.version)  # test-only, see ps_train.launch
+        maybe_inject_fault(f"ps{self.rank}", self.version)  # test-only, see ps_train.faults
 
     @async_execution
     def apply_sync(self, context_id: int, trainer: int, step: int) -> torch.futures.Future:
@@ -252,6 +252,12 @@ class ParameterServer:
                 "rounds": self.rounds,
                 "updates": dict(self.updates),
             }
+
+    def save_state(self, ckpt_dir: str) -> ShardFile:
+        """Write this server's shards and optimizer state into the checkpoint folder
+        ``ckpt_dir`` as ``ps<rank>.pt``; returns the file's manifest entry. The checkpoint
+        coordinator (``ps_train.checkpoint_protocol``) calls it through the server's RRef."""
+        return save_shard_state(ckpt_dir, f"ps{self.rank}", self.state_dict())
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         with self.lock:

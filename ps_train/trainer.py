@@ -44,10 +44,9 @@ from rpc_core.functions import async_execution
 from ps_train import backend
 from ps_train.config import Config, config_to_dict
 from ps_train.data import BatchIterator, iter_eval_batches, load_data, total_steps
+from ps_train.faults import maybe_inject_fault
 from ps_train.metrics import LatencyStats, ThroughputMeter, flatten_hparams, make_writer, write_metrics_json
-from ps_train.models import build_model_shards
-from ps_train.data import data_shape, num_classes
-from ps_train.launch import maybe_inject_fault
+from ps_train.stage_sharding import model_shards
 
 log = logging.getLogger("ps_train.trainer")
 
@@ -87,9 +86,7 @@ class Trainer:
                                  cfg.cluster.num_trainers, cfg.train.batch_size)
         self.step = start_step
         # The shard layout is computed, not asked for: every process derives the same one.
-        shards = build_model_shards(cfg.model, data_shape(cfg.data), num_classes(cfg.data),
-                                    cfg.cluster.num_servers, cfg.cluster.placement, cfg.seed)
-        self.shard_servers = [(s.index, s.server) for s in shards]
+        self.shard_servers = [(s.index, s.server) for s in model_shards(cfg)]
         self.servers = [self.rpc.rpc_sync(f"ps{r}", _get_server_rref) for r in range(cfg.cluster.num_servers)]
         self.writer = make_writer(cfg.logging.tensorboard, f"{run_dir}/tb/{self.name}", filename_suffix=f".{self.name}")
         self.latency = {r: LatencyStats() for r in range(cfg.cluster.num_servers)}
@@ -229,7 +226,7 @@ class Trainer:
                 log.info("step %d: test accuracy %.4f, loss %.4f", step, ev["accuracy"], ev["loss"])
             if on_step is not None:
                 on_step(self, step)
-            maybe_inject_fault(self.name, step)  # test-only, see ps_train.launch
+            maybe_inject_fault(self.name, step)  # test-only, see ps_train.faults
         return last
 
     def _log_train(self, step: int, last: Dict[str, float]) -> None:

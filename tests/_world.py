@@ -21,12 +21,15 @@ import multiprocessing.connection
 import os
 import secrets
 import signal
-import socket
 import sys
 import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+
+# Re-exported for rpc_core's tests. ps_train.ports imports only the standard library, so
+# these tests and their worker processes load nothing of the application.
+from ps_train.ports import free_port
 
 DEFAULT_TIMEOUT = 90.0
 _EXIT_GRACE = 20.0  # a child that reported must be gone within this
@@ -51,13 +54,6 @@ def _mp_context() -> Any:
         # RPC_CORE_TEST_PRELOAD lets a test preload more, like ps_train's launcher does.
         ctx.set_forkserver_preload(os.environ.get("RPC_CORE_TEST_PRELOAD", "torch").split(","))
     return ctx
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago (bind port 0, read it, release it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -13,12 +13,14 @@ import torch
 from hydra import compose, initialize_config_dir
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+import ps_train
 import ps_train.config  # noqa: F401  (registers the schemas)
 from ps_train.app import run
-from ps_train.checkpoint import latest_checkpoint, load_checkpoint
+from ps_train.checkpoint_files import latest_checkpoint, load_checkpoint
 from ps_train.config import Config, from_dictconfig
+from ps_train.faults import FAULT_ENV
 
-CONF = Path(ps_train.config.__file__).resolve().parent / "conf"  # shipped inside the package
+CONF = Path(ps_train.__file__).resolve().parent / "conf"  # shipped inside the package
 RUN_TIMEOUT = 60.0  # seconds for one small run; the launcher raises RoleFailed after it
 CLI_TIMEOUT = 90.0
 
@@ -84,7 +86,7 @@ def cli(*args: str, cwd: Path, env: Optional[Dict[str, str]] = None,
         timeout: float = CLI_TIMEOUT) -> subprocess.CompletedProcess:
     """``python -m ps_train <args>`` in ``cwd`` (so default run folders land there)."""
     full_env = dict(os.environ, **(env or {}))
-    full_env.pop("PS_TRAIN_FAULT", None)
+    full_env.pop(FAULT_ENV, None)
     return subprocess.run([sys.executable, "-m", "ps_train", *args], cwd=cwd, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
 

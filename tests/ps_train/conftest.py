@@ -14,7 +14,7 @@ torch.set_num_threads(1)
 def sync_baseline(tmp_path_factory):
     """(run_dir, metrics) of one uninterrupted sync run of ``_app.BASELINE``: what the
     oracle, kill/resume and backend tests compare against."""
-    from _app import BASELINE, run_app
+    from tests.ps_train._app import BASELINE, run_app
 
     run_dir = tmp_path_factory.mktemp("baseline")
     metrics = run_app(run_dir, *BASELINE)

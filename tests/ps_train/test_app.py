@@ -6,7 +6,7 @@ import re
 import pytest
 from tensorboard.plugins.hparams import plugin_data_pb2
 
-from _app import final_weights, hparams_plugin, read_json, run_app, scalars
+from tests.ps_train._app import final_weights, hparams_plugin, read_json, run_app, scalars
 
 ROLES = ("ps0", "ps1", "trainer0", "trainer1")
 

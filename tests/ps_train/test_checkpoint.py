@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from ps_train.checkpoint import (
+from ps_train.checkpoint_files import (
     MANIFEST_NAME, CheckpointError, Manifest, atomic_write_bytes, begin_checkpoint, capture_rng_state,
     checkpoint_dir, is_complete, latest_checkpoint, list_checkpoints, load_checkpoint, load_shard_state,
     prune_checkpoints, read_manifest, resolve_resume, restore_rng_state, save_checkpoint, save_shard_state,
@@ -14,7 +14,7 @@ from ps_train.checkpoint import (
 )
 from ps_train.config import MLPConfig, SyntheticConfig
 from ps_train.data import BatchIterator, load_data
-from ps_train.models import build_model_shards
+from ps_train.stage_sharding import build_model_shards
 
 
 def _state(value: float):

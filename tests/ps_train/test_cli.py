@@ -3,7 +3,7 @@ field; ``--help`` and ``--cfg job`` work as Hydra users expect."""
 import pytest
 import yaml
 
-from _app import cli
+from tests.ps_train._app import cli
 
 
 def assert_nothing_started(tmp_path, r):

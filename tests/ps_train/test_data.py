@@ -10,8 +10,8 @@ import torchvision.datasets as tvd
 
 from ps_train.config import DigitsConfig, SyntheticConfig, VisionDataConfig
 from ps_train.data import (
-    BatchIterator, DatasetNotFoundError, TensorSplit, data_shape, iter_eval_batches, load_data,
-    num_classes, partition, steps_per_epoch, total_steps,
+    BatchIterator, DatasetNotFoundError, TensorSplit, iter_eval_batches, load_data,
+    partition, steps_per_epoch, total_steps,
 )
 
 # ---------------------------------------------------------------- real-format fixtures
@@ -81,7 +81,7 @@ def test_mnist_family_loads_through_torchvision(tmp_path, name, folder, mean, st
     arrays = make_mnist_files(tmp_path, folder)
     train, test = load_data(VisionDataConfig(name=name, root=str(tmp_path)))
     for split, (images, labels) in ((train, arrays["train"]), (test, arrays["t10k"])):
-        assert len(split) == len(labels) and split.in_shape == (1, 28, 28) == data_shape(VisionDataConfig(name=name))
+        assert len(split) == len(labels) and split.in_shape == (1, 28, 28) == VisionDataConfig(name=name).sample_shape()
         assert split.images.dtype == torch.uint8  # stored compactly, normalised per batch
         x, y = split[:]
         assert x.dtype == torch.float32 and x.shape == (len(labels), 1, 28, 28)
@@ -140,7 +140,7 @@ def test_digits_split_is_fixed_stratified_and_normalised():
 def test_synthetic_is_seeded_and_shaped():
     cfg = SyntheticConfig(shape=[3, 8, 8], num_classes=4, train_size=40, test_size=8, data_seed=3)
     train, test = load_data(cfg)
-    assert train.images.shape == (40, 3, 8, 8) and len(test) == 8 and train.num_classes == num_classes(cfg) == 4
+    assert train.images.shape == (40, 3, 8, 8) and len(test) == 8 and train.num_classes == cfg.class_count() == 4
     assert torch.equal(load_data(cfg)[0].images, train.images)
     assert not torch.equal(load_data(SyntheticConfig(shape=[3, 8, 8], num_classes=4, train_size=40,
                                                      test_size=8, data_seed=4))[0].images, train.images)

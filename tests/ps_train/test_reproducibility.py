@@ -8,16 +8,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from _app import BASELINE, BASELINE_STEPS, assert_same_weights, final_weights, make_cfg, read_json, run_app
+from tests.ps_train._app import (
+    BASELINE, BASELINE_STEPS, assert_same_weights, final_weights, make_cfg, read_json, run_app,
+)
 from ps_train.config import optimizer_spec
-from ps_train.data import BatchIterator, data_shape, load_data, num_classes
-from ps_train.models import build_shards, build_stages, place_stages, reference_model
+from ps_train.data import BatchIterator, load_data
+from ps_train.models import build_stages, reference_model
+from ps_train.stage_sharding import build_shards, place_stages
 
 
 def single_process_run(cfg, steps):
     """Plain torch: one model, each step sums the trainers' mean-loss gradients in rank order
     (trainer k's batches from the same BatchIterator) and steps the optimizer once."""
-    shape, classes = data_shape(cfg.data), num_classes(cfg.data)
+    shape, classes = cfg.data.sample_shape(), cfg.data.class_count()
     stages = build_stages(cfg.model, shape, classes, seed=cfg.seed)
     shards = build_shards(stages, place_stages(stages, cfg.cluster.num_servers, cfg.cluster.placement))
     model = reference_model(stages)

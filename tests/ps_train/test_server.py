@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from ps_train.config import ClusterConfig, Config, ResNetConfig, SyntheticConfig, TrainConfig, validate
-from ps_train.data import data_shape
 from ps_train.server import ParameterServer
 
 
@@ -40,7 +39,7 @@ def test_a_sync_forward_runs_only_once_the_previous_steps_update_is_applied(monk
     cfg = validate(Config(cluster=ClusterConfig(num_servers=1, num_trainers=2), train=TrainConfig(steps=2)))
     ps = ParameterServer(cfg, rank=0)
     monkeypatch.setattr(ps, "_grads", lambda context_id: {})  # no RPC here: an update without gradients
-    x = torch.randn(4, *data_shape(cfg.data))
+    x = torch.randn(4, *cfg.data.sample_shape())
     first = ps.shards[0]
 
     early = threading.Thread(target=ps.forward, args=(0, x, 0, 1))
@@ -80,6 +79,6 @@ def test_a_failed_sync_update_fails_its_round_and_what_waits_for_it_naming_it(mo
     with pytest.raises(RuntimeError, match=f"cannot run the step-0 update: {failed}"):
         waiting.wait()  # trainer1 learns it instead of waiting forever
     with pytest.raises(RuntimeError, match=f"cannot run the step-1 forward: {failed}"):
-        ps.forward(0, torch.randn(4, *data_shape(cfg.data)), 0, 1)
+        ps.forward(0, torch.randn(4, *cfg.data.sample_shape()), 0, 1)
     with pytest.raises(RuntimeError, match=f"cannot run the step-1 update: {failed}"):
         ps.apply_sync(1, 1, 1)

@@ -1,12 +1,14 @@
-"""Distributed checkpoints of a running job, and resuming from them.
+"""The checkpoint protocol between roles: saving a running job, and resuming from it.
 
-trainer0 coordinates: after step k (every ``checkpoint.every`` steps, and at the end) it
-asks each server to write its shards' weights and optimizer state (``save_server_state``,
-run on the server over RPC), then writes the manifest tying the files to step k, every
-trainer's data position and the RNG states. In sync mode the servers cannot move while
-trainer0 is busy checkpointing (step k+1 needs trainer0's gradients), so the checkpoint is
-exactly the state after step k. In async/ssp modes each shard is saved as it is at that
-moment and every trainer resumes from trainer0's step.
+``ps_train.checkpoint_files`` defines what a checkpoint is on disk; this module decides who
+writes which part, and when. trainer0 coordinates: after step k (every
+``checkpoint.every`` steps, and at the end) it asks each server, through the server's RRef,
+to write its shards' weights and optimizer state (``ParameterServer.save_state``), then
+writes the manifest tying the files to step k, every trainer's data position and the RNG
+states. In sync mode the servers cannot move while trainer0 is busy checkpointing (step
+k+1 needs trainer0's gradients), so the checkpoint is exactly the state after step k. In
+async/ssp modes each shard is saved as it is at that moment and every trainer resumes from
+trainer0's step.
 """
 from __future__ import annotations
 
@@ -14,9 +16,9 @@ import logging
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional
 
-from ps_train.checkpoint import (
-    CheckpointError, Manifest, ShardFile, begin_checkpoint, capture_rng_state, load_shard_state, prune_checkpoints,
-    read_manifest, resolve_resume, save_shard_state, write_manifest,
+from ps_train.checkpoint_files import (
+    CheckpointError, Manifest, begin_checkpoint, capture_rng_state, load_shard_state, prune_checkpoints, read_manifest,
+    resolve_resume, write_manifest,
 )
 from ps_train.config import Config, ConfigError, config_to_dict
 from ps_train.data import steps_per_epoch
@@ -24,16 +26,8 @@ from ps_train.data import steps_per_epoch
 log = logging.getLogger("ps_train.checkpoint")
 
 
-def save_server_state(ckpt_dir: str) -> ShardFile:
-    """On a server: write this server's shards + optimizer state into ``ckpt_dir``."""
-    from ps_train.server import _server
-
-    if _server is None:
-        raise RuntimeError("save_server_state called on a worker that hosts no ParameterServer")
-    return save_shard_state(ckpt_dir, f"ps{_server.rank}", _server.state_dict())
-
-
 def load_server_state(ps: Any, resume_state: Dict[str, Any]) -> None:
+    """Before the job starts: give server ``ps`` (a ``ParameterServer``) its saved state."""
     ps.load_state_dict(resume_state["servers"][f"ps{ps.rank}"])
 
 
@@ -46,10 +40,10 @@ def data_position(cfg: Config, n_items: int, step: int) -> Dict[str, int]:
 def save(trainer: Any, step: int) -> Path:
     """trainer0: write a complete checkpoint of the job after ``step``."""
     cfg: Config = trainer.cfg
-    rpc = trainer.rpc
     trainer.settle()  # the servers have applied step ``step``'s update
     ckpt = begin_checkpoint(trainer.run_dir, step)
-    futs = [rpc.rpc_async(f"ps{r}", save_server_state, args=(str(ckpt),)) for r in range(cfg.cluster.num_servers)]
+    # Every server writes its own file at once; trainer.servers[r] is ps<r>'s RRef.
+    futs = [server.rpc_async().save_state(str(ckpt)) for server in trainer.servers]
     shards = [f.wait() for f in futs]
     pos = data_position(cfg, len(trainer.train_set), step)
     positions = {}

@@ -1,4 +1,4 @@
-"""Checkpoints: per-shard state files tied together by a manifest.
+"""Checkpoints on disk: per-shard state files tied together by a manifest.
 
 Layout::
 
@@ -12,7 +12,8 @@ shard file's size and SHA-256, so a crash at any point leaves either the previou
 checkpoint or a new complete one -- never a half-written one that ``latest_checkpoint``
 would pick up.
 
-Protocol for a distributed save: the coordinator calls ``begin_checkpoint`` (creates the
+Steps of a distributed save (``ps_train.checkpoint_protocol`` runs them between the
+roles): the coordinator calls ``begin_checkpoint`` (creates the
 folder, invalidates any stale manifest), each server calls ``save_shard_state`` and returns
 the ``ShardFile`` it gets, then the coordinator calls ``write_manifest`` and
 ``prune_checkpoints``. ``save_checkpoint`` does all of it in one process.

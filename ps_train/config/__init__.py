@@ -1,0 +1,41 @@
+"""Typed configuration for ps_train.
+
+The dataclasses here are the schemas Hydra validates the YAML in ``ps_train/conf/`` and
+every command-line override against, so a misspelt key (``optim.learning_rate=...``) or a wrong
+type (``cluster.num_servers=two``) fails inside Hydra, before any process starts.
+``from_dictconfig`` converts the composed config once into a ``Config`` object and
+``validate`` rejects combinations a schema cannot express (0 trainers, more servers than
+model stages, negative staleness, ...), naming the offending field and how to fix it.
+
+One module per config group, each schema checking itself (``problems()``): ``model``,
+``data``, ``cluster``, ``optim``, and ``run`` (mode, train, checkpoint, logging); ``root``
+holds ``Config`` and the rules that span groups, ``loading`` the Hydra side. Model and data
+groups have one schema per choice (``MLPConfig``, ``CNNConfig``, ...), all subclasses of
+``ModelConfig`` / ``DataConfig``: a field that belongs to another model (``model.channels``
+while ``model=mlp``) is a Hydra error, not a silently ignored key. Those schemas also answer
+what validation and sharding need to know before anything is built or loaded:
+``ModelConfig.num_stages()``, ``DataConfig.sample_shape()``, ``DataConfig.class_count()``.
+Nothing here imports the rest of ps_train.
+"""
+from ps_train.config.base import ConfigError
+from ps_train.config.cluster import LAUNCHERS, PLACEMENTS, ClusterConfig
+from ps_train.config.data import (
+    DATA_NAMES, DATA_SCHEMAS, VISION_SHAPES, DataConfig, DigitsConfig, SyntheticConfig, VisionDataConfig,
+)
+from ps_train.config.loading import from_dictconfig, register_configs
+from ps_train.config.model import MODEL_NAMES, MODEL_SCHEMAS, CNNConfig, MLPConfig, ModelConfig, ResNetConfig
+from ps_train.config.optim import OPTIMIZERS, OptimConfig, optimizer_spec
+from ps_train.config.root import BACKENDS, Config, config_to_dict, validate
+from ps_train.config.run import MODE_NAMES, CheckpointConfig, LoggingConfig, ModeConfig, TrainConfig
+
+__all__ = [
+    "ModelConfig", "MLPConfig", "CNNConfig", "ResNetConfig",
+    "DataConfig", "DigitsConfig", "VisionDataConfig", "SyntheticConfig",
+    "ClusterConfig", "OptimConfig", "ModeConfig", "TrainConfig", "CheckpointConfig",
+    "LoggingConfig", "Config", "ConfigError",
+    "MODEL_NAMES", "MODEL_SCHEMAS", "DATA_NAMES", "DATA_SCHEMAS", "VISION_SHAPES", "MODE_NAMES", "PLACEMENTS",
+    "LAUNCHERS", "BACKENDS", "OPTIMIZERS", "register_configs", "from_dictconfig", "validate", "optimizer_spec",
+    "config_to_dict",
+]
+
+register_configs()

@@ -1,0 +1,119 @@
+"""The ``model`` group: one schema per architecture, each knowing its own stage count.
+
+The stage counts here are the facts validation and sharding need before any model is built;
+``ps_train.models`` builds exactly that many stages (its tests check that the two agree).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from omegaconf import MISSING
+
+from ps_train.config.base import Problems
+
+__all__ = ["ModelConfig", "MLPConfig", "CNNConfig", "ResNetConfig", "MODEL_SCHEMAS", "MODEL_NAMES"]
+
+
+@dataclass
+class ModelConfig:
+    """Base schema of the ``model`` group; ``name`` selects the architecture."""
+
+    name: str = MISSING
+
+    def num_stages(self) -> int:
+        """Number of stages ``ps_train.models.build_stages`` makes, without building anything."""
+        raise ValueError(f"model.name: unknown model {self.name!r} ({type(self).__name__}); "
+                         "choose model=mlp, model=cnn or model=resnet18")
+
+    def has_batch_norm(self) -> bool:
+        """Whether a forward updates BatchNorm running statistics (servers order such forwards)."""
+        return False
+
+    def matches_schema(self) -> bool:
+        """``name`` is a known model and this object is that model's schema."""
+        return self.name in MODEL_SCHEMAS and isinstance(self, MODEL_SCHEMAS[self.name])
+
+    def problems(self) -> Problems:
+        """This group's own problems (see ``Config.problems`` for those across groups)."""
+        p = Problems()
+        if self.name not in MODEL_SCHEMAS:
+            p.append(f"model.name: unknown model {self.name!r}; choose one of {list(MODEL_NAMES)} (e.g. model=cnn)")
+        elif not self.matches_schema():
+            p.append(f"model.name: {self.name!r} does not match the selected model group "
+                     f"({type(self).__name__}); select the model with model={self.name}, not model.name=")
+        return p
+
+    def input_problems(self, shape: tuple[int, ...], data_name: str) -> Problems:
+        """Problems feeding this model samples of ``shape`` (no batch dim) from ``data_name``."""
+        return Problems()
+
+
+@dataclass
+class MLPConfig(ModelConfig):
+    name: str = "mlp"
+    # One stage per hidden layer (Linear+ReLU+Dropout) plus a final Linear stage.
+    hidden_sizes: list[int] = field(default_factory=lambda: [128, 64])
+    dropout: float = 0.0
+
+    def num_stages(self) -> int:
+        return len(self.hidden_sizes) + 1
+
+    def problems(self) -> Problems:
+        p = super().problems()
+        p.need(all(h > 0 for h in self.hidden_sizes), f"model.hidden_sizes: {self.hidden_sizes} must all be > 0")
+        p.need(0.0 <= self.dropout < 1.0, f"model.dropout: {self.dropout} must be in [0, 1)")
+        return p
+
+
+@dataclass
+class CNNConfig(ModelConfig):
+    name: str = "cnn"
+    # One stage per conv block (conv3x3 + ReLU + 2x2 max-pool), then an fc stage and a
+    # classifier stage. Each block halves H and W, so inputs need H, W >= 2**len(channels).
+    channels: list[int] = field(default_factory=lambda: [32, 64])
+    fc_size: int = 128
+    dropout: float = 0.0
+
+    def num_stages(self) -> int:
+        return len(self.channels) + 2
+
+    def problems(self) -> Problems:
+        p = super().problems()
+        p.need(0.0 <= self.dropout < 1.0, f"model.dropout: {self.dropout} must be in [0, 1)")
+        p.need(len(self.channels) > 0 and all(c > 0 for c in self.channels),
+               f"model.channels: {self.channels} must be a non-empty list of positive ints")
+        p.need(self.fc_size > 0, f"model.fc_size: {self.fc_size} must be > 0")
+        return p
+
+    def input_problems(self, shape: tuple[int, ...], data_name: str) -> Problems:
+        p = Problems()
+        p.need(len(shape) == 3 and min(shape[1:]) >= 2 ** len(self.channels),
+               f"model.channels: {len(self.channels)} conv blocks halve H and W each, but data {data_name!r} "
+               f"has sample shape {list(shape)}; need [C, H, W] with H, W >= {2 ** len(self.channels)}")
+        return p
+
+
+@dataclass
+class ResNetConfig(ModelConfig):
+    name: str = "resnet18"
+    # True: 3x3 stride-1 stem and no max-pool (the usual CIFAR adaptation), which keeps
+    # spatial resolution for 8x8..32x32 inputs. False: torchvision's ImageNet stem.
+    small_input: bool = True
+
+    def num_stages(self) -> int:
+        return 6  # stem, layer1, layer2, layer3, layer4, head
+
+    def has_batch_norm(self) -> bool:
+        return True
+
+    def input_problems(self, shape: tuple[int, ...], data_name: str) -> Problems:
+        p = Problems()
+        p.need(len(shape) == 3,
+               f"model: resnet18 needs image data [C, H, W]; data {data_name!r} has shape {list(shape)}")
+        return p
+
+
+MODEL_SCHEMAS: dict[str, type[ModelConfig]] = {
+    "mlp": MLPConfig, "cnn": CNNConfig, "resnet18": ResNetConfig,
+}
+MODEL_NAMES = tuple(MODEL_SCHEMAS)

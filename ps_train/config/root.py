@@ -1,0 +1,90 @@
+"""The root ``Config``: the top-level fields, every group, and the rules that span groups."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from ps_train.config.base import ConfigError, Problems, format_problems
+from ps_train.config.cluster import ClusterConfig
+from ps_train.config.data import DataConfig, DigitsConfig
+from ps_train.config.model import MLPConfig, ModelConfig
+from ps_train.config.optim import OptimConfig
+from ps_train.config.run import CheckpointConfig, LoggingConfig, ModeConfig, TrainConfig
+
+__all__ = ["Config", "BACKENDS", "validate", "config_to_dict"]
+
+BACKENDS = ("rpc_core", "torch")
+
+
+@dataclass
+class Config:
+    # ps_train/conf/config.yaml sets this to ${data.name}_${model.name}; runs go to runs/<experiment>/.
+    experiment: str = "default"
+    seed: int = 0
+    backend: str = "rpc_core"  # rpc_core | torch (torch.distributed.rpc, for comparison)
+    resume: str | None = None  # a run dir (latest checkpoint) or a checkpoint dir
+    model: ModelConfig = field(default_factory=MLPConfig)
+    data: DataConfig = field(default_factory=DigitsConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    mode: ModeConfig = field(default_factory=ModeConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def problems(self) -> Problems:
+        """Every problem of the config: the top-level fields', each group's, and those of
+        combinations no single group can judge (servers vs stages, model vs data shape)."""
+        p = Problems()
+        p.need(bool(re.fullmatch(r"[A-Za-z0-9_.,=+-]+", self.experiment or "")),
+               f"experiment: {self.experiment!r} must be a non-empty name of letters, digits and _.,=+- "
+               "(it becomes a folder under runs/)")
+        p.need(self.backend in BACKENDS, f"backend: unknown backend {self.backend!r}; choose one of {list(BACKENDS)}")
+        if self.resume is not None:
+            p.need(os.path.exists(self.resume),
+                   f"resume: {self.resume!r} does not exist; pass a run dir (runs/<experiment>/<date>_<time>) "
+                   "or one of its checkpoint dirs")
+        p += self.model.problems()
+        p += self.data.problems()
+        p += self.cluster.problems()
+        if self.model.matches_schema() and self.data.matches_schema():
+            p += self._model_vs_data_and_cluster()
+        for group in (self.optim, self.mode, self.train, self.checkpoint, self.logging):
+            p += group.problems()
+        return p
+
+    def _model_vs_data_and_cluster(self) -> Problems:
+        p = Problems()
+        m, d, c = self.model, self.data, self.cluster
+        shape = d.sample_shape()
+        stages = m.num_stages()
+        p.need(c.num_servers <= stages,
+               f"cluster.num_servers: {c.num_servers} servers but model {m.name!r} has only {stages} stages "
+               f"(each server needs at least one); use cluster.num_servers<={stages} or a deeper model")
+        p += m.input_problems(shape, d.name)
+        if m.has_batch_norm() and self.backend == "torch" and self.mode.name == "sync":
+            # Sync mode runs BatchNorm shards' forwards in trainer order: up to (trainers - 1)
+            # requests per shard wait in server threads, and torch's RPC pool has a fixed size.
+            per_server = 1 if c.placement == "balanced" else -(-stages // max(c.num_servers, 1))
+            least = (c.num_trainers - 1) * per_server + 2
+            p.need(c.num_worker_threads >= least,
+                   f"cluster.num_worker_threads: {c.num_worker_threads} is too few for {m.name} in sync mode on "
+                   f"backend=torch with {c.num_trainers} trainers (forwards wait for their turn in server "
+                   f"threads); use cluster.num_worker_threads>={least}")
+        return p
+
+
+def validate(cfg: Config) -> Config:
+    """Check every rule; raise ``ConfigError`` listing every problem, else return cfg."""
+    problems = cfg.problems()
+    if problems:
+        raise ConfigError(format_problems(problems))
+    return cfg
+
+
+def config_to_dict(cfg: Config) -> dict[str, Any]:
+    """Plain nested dict of a Config (JSON/YAML-safe), e.g. for metrics.json or hparams."""
+    return dataclasses.asdict(cfg)

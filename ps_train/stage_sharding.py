@@ -1,0 +1,140 @@
+"""Stage sharding: placing a model's stages on the parameter servers, grouped into shards.
+
+``place_stages`` assigns stage indices to servers; ``build_shards`` groups consecutive stages
+that share a server into ``Shard``s, the unit a server hosts and a trainer calls in forward
+order. Composing the shards in order is, by construction, the same computation as the
+single-process ``models.reference_model``. Every process computes the same shards from the
+config (``model_shards``), so the layout is never sent over RPC.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch import nn
+
+from ps_train.config import Config, ModelConfig
+from ps_train.models import build_stages
+
+__all__ = [
+    "stage_param_bytes", "place_stages", "Shard", "build_shards", "shards_of_server", "build_model_shards",
+    "model_shards",
+]
+
+
+def stage_param_bytes(stage: nn.Module) -> int:
+    """Bytes of a stage's parameters (what a server stores and updates for it)."""
+    return sum(p.numel() * p.element_size() for p in stage.parameters())
+
+
+def place_stages(stages: Sequence[nn.Module], num_servers: int, strategy: str = "balanced") -> list[list[int]]:
+    """Assign stage indices to servers; returns ``placement[server] = [stage indices]``.
+
+    - ``round_robin``: stage i goes to server ``i % num_servers``.
+    - ``balanced``: contiguous groups, one per server in order, minimising the largest
+      group's parameter bytes, so the forward visits ps0, ps1, ... once each.
+
+    Every server gets at least one stage. Deterministic: no randomness, ties go to the
+    earliest split.
+    """
+    n = len(stages)
+    if num_servers < 1:
+        raise ValueError(f"cluster.num_servers={num_servers}: need at least 1 parameter server")
+    if num_servers > n:
+        raise ValueError(
+            f"cluster.num_servers={num_servers} exceeds the model's {n} stages (each server needs at "
+            f"least one); set cluster.num_servers<={n} or use a deeper model")
+    if strategy == "round_robin":
+        return [list(range(s, n, num_servers)) for s in range(num_servers)]
+    if strategy == "balanced":
+        bounds = _balanced_bounds([stage_param_bytes(s) for s in stages], num_servers)
+        return [list(range(a, b)) for a, b in zip(bounds[:-1], bounds[1:])]
+    raise ValueError(f"cluster.placement={strategy!r} is unknown; use round_robin or balanced")
+
+
+def _balanced_bounds(weights: list[int], k: int) -> list[int]:
+    """Split ``weights`` into k contiguous non-empty groups minimising the max group sum.
+
+    Returns group boundaries ``[0, b1, ..., n]``. Dynamic programming, O(k n^2); n is tiny.
+    """
+    n = len(weights)
+    prefix = [0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    inf = float("inf")
+    # best[g][i]: minimal max-sum splitting the first i stages into g groups.
+    best = [[inf] * (n + 1) for _ in range(k + 1)]
+    cut = [[0] * (n + 1) for _ in range(k + 1)]
+    best[0][0] = 0
+    for g in range(1, k + 1):
+        for i in range(g, n - (k - g) + 1):
+            for j in range(g - 1, i):  # last group is stages j..i-1
+                cost = max(best[g - 1][j], prefix[i] - prefix[j])
+                if cost < best[g][i]:
+                    best[g][i], cut[g][i] = cost, j
+    bounds = [n]
+    for g in range(k, 0, -1):
+        bounds.append(cut[g][bounds[-1]])
+    return bounds[::-1]
+
+
+@dataclass
+class Shard:
+    """Consecutive stages hosted by one server, called as one unit in the forward pass."""
+
+    index: int  # position in the forward order
+    server: int  # hosting server rank (ps<server>)
+    stage_indices: list[int]
+    module: nn.Sequential
+
+    @property
+    def name(self) -> str:
+        return f"shard{self.index}"
+
+
+def build_shards(stages: Sequence[nn.Module], placement: list[list[int]]) -> list[Shard]:
+    """Group stages into shards in forward order; consecutive stages on one server merge.
+
+    With ``balanced`` placement there is exactly one shard per server; with ``round_robin``
+    a server may host several (e.g. 3 stages, 2 servers: ps0 hosts shard0 and shard2).
+    The shard modules share the stage modules (no copies).
+    """
+    owner: dict[int, int] = {}
+    for server, indices in enumerate(placement):
+        if not indices:
+            raise ValueError(f"placement gives server {server} no stage; every server needs at least one")
+        for i in indices:
+            if i in owner or not 0 <= i < len(stages):
+                raise ValueError(f"placement {placement}: stage {i} is out of range or placed twice")
+            owner[i] = server
+    if len(owner) != len(stages):
+        missing = sorted(set(range(len(stages))) - set(owner))
+        raise ValueError(f"placement {placement} leaves stages {missing} unplaced")
+    groups: list[tuple[int, list[int]]] = []
+    for i in range(len(stages)):
+        if groups and groups[-1][0] == owner[i]:
+            groups[-1][1].append(i)
+        else:
+            groups.append((owner[i], [i]))
+    return [Shard(k, server, idx, nn.Sequential(*(stages[i] for i in idx)))
+            for k, (server, idx) in enumerate(groups)]
+
+
+def shards_of_server(shards: Sequence[Shard], server: int) -> list[Shard]:
+    """The shards a given server hosts, in forward order."""
+    return [s for s in shards if s.server == server]
+
+
+def build_model_shards(cfg: ModelConfig, in_shape: tuple[int, ...], num_classes: int,
+                       num_servers: int, strategy: str, seed: int) -> list[Shard]:
+    """Build the seeded model and split it: what every server computes identically,
+    keeping only ``shards_of_server(result, rank)``."""
+    stages = build_stages(cfg, in_shape, num_classes, seed=seed)
+    return build_shards(stages, place_stages(stages, num_servers, strategy))
+
+
+def model_shards(cfg: Config) -> list[Shard]:
+    """``build_model_shards`` for a run's config: the same list in every process of the run."""
+    return build_model_shards(cfg.model, cfg.data.sample_shape(), cfg.data.class_count(), cfg.cluster.num_servers,
+                              cfg.cluster.placement, cfg.seed)

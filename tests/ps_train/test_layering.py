@@ -1,0 +1,133 @@
+"""Imports point down only: ps_train's modules import each other without cycles, only the
+entry points import the launcher, and the config imports nothing else of ps_train.
+
+The import graph is read from the source (``ast``), counting imports inside functions too:
+a deferred import is still a dependency, and deferring one is how cycles used to hide.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import ps_train
+
+PACKAGE_DIR = Path(ps_train.__file__).resolve().parent
+# The entry points: what starts a run may import the launcher; nothing the launcher starts may.
+ENTRY_POINTS = {"ps_train.app", "ps_train.__main__"}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE_DIR.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(PACKAGE_DIR.rglob("*.py"))}
+
+
+def _resolve(name: str, modules: dict[str, Path]) -> str | None:
+    """The ps_train module ``name`` refers to (its longest prefix that is one), or None."""
+    while name:
+        if name in modules:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def import_graph() -> dict[str, set[str]]:
+    """ps_train module -> the ps_train modules it imports (anywhere in its body)."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: resolve against this module's package
+                    anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    base = ".".join(anchor + ([base] if base else []))
+                for alias in node.names:
+                    # `from ps_train import backend` imports the module ps_train.backend,
+                    # `from ps_train.config import Config` the module ps_train.config.
+                    sub = f"{base}.{alias.name}"
+                    targets.add(sub if sub in modules else base)
+        resolved = {_resolve(t, modules) for t in targets if t == "ps_train" or t.startswith("ps_train.")}
+        graph[name] = {t for t in resolved if t is not None and t != name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def _describe(graph: dict[str, set[str]], component: list[str]) -> str:
+    members = set(component)
+    edges = [f"{a} -> {b}" for a in component for b in sorted(graph[a] & members)]
+    return "{" + ", ".join(edges) + "}"
+
+
+def test_the_graph_sees_ps_train_and_its_imports():
+    graph = import_graph()
+    assert {"ps_train.launch", "ps_train.server", "ps_train.trainer", "ps_train.app"} <= set(graph)
+    assert "ps_train.launch" in graph["ps_train.app"]  # a sanity check of the parser itself
+
+
+def test_no_import_cycles():
+    graph = import_graph()
+    cycles = _cycles(graph)
+    assert not cycles, "ps_train modules import each other in cycles: " + "; ".join(
+        _describe(graph, c) for c in cycles)
+
+
+def test_only_the_entry_points_import_the_launcher():
+    graph = import_graph()
+    importers = sorted(m for m, targets in graph.items() if "ps_train.launch" in targets and m not in ENTRY_POINTS)
+    assert not importers, (f"{importers} import ps_train.launch; only {sorted(ENTRY_POINTS)} may (what the "
+                           "launcher starts must not depend on it)")
+
+
+def test_the_config_imports_nothing_else_of_ps_train():
+    # Validation needs shapes and stage counts; the config answers them itself, so data,
+    # models and the rest can import the config and never the other way round.
+    graph = import_graph()
+    def in_config(module: str) -> bool:
+        return module == "ps_train.config" or module.startswith("ps_train.config.")
+
+    outside = {f"{m} -> {t}" for m, targets in graph.items() if in_config(m) for t in targets if not in_config(t)}
+    assert not outside, f"the config imports other ps_train modules: {sorted(outside)}"
