@@ -1,0 +1,21 @@
+"""Click-through-rate data for the DLRM-style sparse-embedding workload.
+
+- ``split``: ``CtrSplit`` (dense features, one id per table, 0/1 labels) and ``time_split``;
+- ``synthetic``: ``synthetic_ctr``, seeded Zipf ids and labels from a hidden model with a
+  known best AUC (the offline default);
+- ``criteo``: ``read_criteo`` / ``load_criteo`` for the Criteo TSV logs in a local folder;
+- ``batches``: ``CtrBatchIterator`` (per-trainer, resumable) and ``iter_ctr_eval_batches``.
+
+Metrics (AUC, log loss) are in ``ps_train.ctr_metrics``.
+"""
+
+from ps_train.ctr.batches import CtrBatch, CtrBatchIterator, iter_ctr_eval_batches
+from ps_train.ctr.criteo import CriteoFormatError, CriteoStats, find_criteo_files, load_criteo, read_criteo
+from ps_train.ctr.split import CtrSplit, time_split
+from ps_train.ctr.synthetic import SyntheticCtr, synthetic_ctr
+
+__all__ = [
+    "CtrSplit", "time_split", "SyntheticCtr", "synthetic_ctr", "CriteoFormatError", "CriteoStats",
+    "read_criteo", "load_criteo", "find_criteo_files", "CtrBatch", "CtrBatchIterator",
+    "iter_ctr_eval_batches",
+]
