@@ -7,6 +7,8 @@ Port a ``torch.distributed.rpc`` program by changing its imports::
     from rpc_core.optim import DistributedOptimizer
 """
 from . import autograd, functions, optim, profiler  # autograd installs its middleware at init_rpc
+from . import rref as _rref
+from .agent import current_agent as _current_agent
 from .api import (
     BackendType,
     _all_gather,
@@ -41,14 +43,10 @@ from .options import (
 from .rendezvous import WorkerInfo
 from .rref import RRef
 
-
 def _get_debug_info() -> dict:
     """Counters for tests and debugging: RRef tables, agent state."""
-    from . import rref as _rref
-    from .agent import current_agent
-
     info = dict(_rref.debug_info())
-    agent = current_agent()
+    agent = _current_agent()
     info.update({
         "agent.thread_pool_size": agent.pool.size,
         "agent.num_pending_requests": agent.in_flight(),

@@ -8,7 +8,7 @@
     prof.export_chrome_trace("trace.json")    # one process row per node, for Perfetto
 
 How it works. The profile records this thread's ops with torch's legacy (thread-local)
-profiler, as torch RPC does. While one is active, a wrapper in ``api.call_wrappers`` turns
+profiler, as torch RPC does. While one is active, a wrapper in ``calls.call_wrappers`` turns
 every RPC made from a profiled thread into an event ``rpc_{sync|async|remote}#{func}(caller ->
 callee)`` (func: ``aten::add`` for torch builtins, else the qualified name) that lasts until
 the call's future completes, and asks the callee to profile the call. The callee (our
@@ -36,14 +36,13 @@ from torch.autograd.profiler_util import EventList, FunctionEvent
 
 from . import agent as _agent_mod
 from . import futures as _futures
-from . import api as _api
+from . import calls, wire
+from .rref import _on_fetch
 
 __all__ = ["profile", "record_function"]
 
 record_function = torch.autograd.profiler.record_function  # user scopes, shown on every node
 REMOTE_OP = "#remote_op: "
-_KEY = "prof"  # message extras: request -> profiler options; response -> the callee's events
-_SERVED = "prof.served"  # request extras, callee only: this request's _Served
 _EXIT_WAIT = 10.0  # s a response waits for the executing thread to stop its profiler
 _IGNORED_OPS = frozenset((
     "profiler::_record_function_enter", "profiler::_record_function_enter_new",
@@ -199,12 +198,14 @@ def _use_wrapper(delta: int) -> None:
     with _wrap_lock:
         _wrap_users += delta
         if delta > 0 and _wrap_users == 1:
-            _api.call_wrappers.append(_wrap_call)
+            calls.call_wrappers.append(_wrap_call)
         elif delta < 0 and _wrap_users == 0:
-            _api.call_wrappers.remove(_wrap_call)
+            calls.call_wrappers.remove(_wrap_call)
 
 
-_DISPLAY_NAMES = {("rpc_core.rref", "_on_fetch"): "RRef.to_here"}  # internal handlers users call by other names
+# Internal handlers users call by other names, by (module, qualified name): a key that
+# needs no hashing of the called object, which may be any callable.
+_DISPLAY_NAMES = {(_on_fetch.__module__, _on_fetch.__qualname__): "RRef.to_here"}
 
 
 def _func_name(func: Any) -> str:
@@ -230,7 +231,7 @@ def _wrap_call(exec_mode: str, func: Any, dst: int, send: Any) -> torch.futures.
         _ensure_middleware(agent)
         col.agent = agent
     call = _Call(f"rpc_{exec_mode}#{_func_name(func)}({agent.me.name} -> {agent.workers[dst].name})", col.options)
-    fut = send(extras={_KEY: call})
+    fut = send(extras={wire.EXTRA_PROFILE: call})
     col.calls.append(call)
     out = _futures.RpcFuture()  # the user waits on this one, so the end is stamped first
 
@@ -303,10 +304,10 @@ class _Middleware(_agent_mod.Middleware):
         self.node = node
 
     def enter_call(self, src: int, extras: Dict[str, Any]) -> Any:
-        opts = extras.get(_KEY)
+        opts = extras.get(wire.EXTRA_PROFILE)
         if opts is None:
             return None
-        served = extras[_SERVED] = _Served(_Options(*opts), self.node)
+        served = extras[wire.LOCAL_PROFILE_SERVED] = _Served(_Options(*opts), self.node)
         return served
 
     def exit_call(self, token: Any, extras: Dict[str, Any], result_future: Optional[torch.futures.Future]) -> None:
@@ -314,13 +315,13 @@ class _Middleware(_agent_mod.Middleware):
             token.exit()
 
     def response_extras(self, extras: Dict[str, Any], response: Dict[str, Any]) -> None:
-        served = extras.get(_SERVED)
+        served = extras.get(wire.LOCAL_PROFILE_SERVED)
         if served is not None:
-            response[_KEY] = served.reply()
+            response[wire.EXTRA_PROFILE] = served.reply()
 
     def on_response(self, extras: Optional[Dict[str, Any]], call_extras: Dict[str, Any]) -> None:
-        reply = extras.get(_KEY) if extras else None
-        call = call_extras.get(_KEY)
+        reply = extras.get(wire.EXTRA_PROFILE) if extras else None
+        call = call_extras.get(wire.EXTRA_PROFILE)
         if reply is not None and isinstance(call, _Call):
             call.t_reply, call.reply = time.time_ns(), reply
 
