@@ -15,7 +15,7 @@ import torch
 from . import agent as _agent_mod
 from . import calls, wire
 from .autograd.engine import backward as _dist_backward
-from .errors import RpcError
+from .errors import RpcError, RpcTimeoutError
 from .options import UNSET_RPC_TIMEOUT
 from .rendezvous import WorkerInfo
 from .rref_release import collect, delete_after_creation, drop_owner_handle
@@ -115,12 +115,13 @@ class RRef(Generic[T]):
         if c is not None and c.done():
             try:
                 c.wait()
-            except RpcError as e:
-                if "RPC ran for more than" in str(e):
-                    raise RpcError(
-                        "RRef creation via rpc.remote() timed out, and it is possible that the RRef on the "
-                        "owner node does not exist."
-                    ) from e
+            except RpcTimeoutError as e:
+                raise RpcError(
+                    "RRef creation via rpc.remote() timed out, and it is possible that the RRef on the "
+                    "owner node does not exist."
+                ) from e
+            except RpcError:
+                pass  # other creation errors surface from the fetch itself
 
     def _get_future(self) -> torch.futures.Future:
         if self._creation is not None:

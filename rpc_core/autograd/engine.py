@@ -28,7 +28,7 @@ import torch
 from .. import agent as _agent_mod
 from ..errors import RpcError, format_many
 from ..functions import async_execution
-from ..futures import settle
+from ..futures import raised_on, settle
 from ..rendezvous import WorkerInfo
 from . import context as _context
 
@@ -141,13 +141,16 @@ def backward(context_id: int, roots: List[torch.Tensor], retain_graph: bool = Fa
 
 
 def _wait(futures: List[torch.futures.Future]) -> List[BaseException]:
-    """Wait for every gradient RPC; their errors, each naming the node it happened on (an
-    error that does not yet, e.g. a peer that died, is named after this node, which saw it)."""
+    """Wait for every gradient RPC; their errors, each naming the node it happened on."""
     return [_on_this_node(e) for e in settle(futures)[1]]
 
 
 def _on_this_node(e: BaseException) -> BaseException:
-    if "Error on Node" in str(e):
+    """An error raised on the worker that ran the gradient call is kept as it is: that
+    worker's ``_on_backward`` named itself in every error it raises (and the agent's remote
+    traceback names it otherwise). An error that arose here (a peer that died, a timeout)
+    is named after this node, which saw it."""
+    if raised_on(e) is not None:
         return e
     me = _agent_mod.current_agent().me
     msg = f"{_prefix(me)}: in distributed backward: {e}"
@@ -170,7 +173,10 @@ def _raise_all(errors: List[BaseException]) -> None:
 def _on_backward(context_id: int, msg_id: int, grads: List[Any]) -> torch.futures.Future:
     """On the worker that sent message ``msg_id``: continue backward from those tensors."""
     me = _agent_mod.current_agent().me
-    ctx = _context.retrieve(context_id)
+    try:
+        ctx = _context.retrieve(context_id)
+    except RpcError as e:  # released here meanwhile: named like every error this handler raises
+        raise RpcError(f"{_prefix(me)}: {e}") from e
     sent = ctx.sends.get(msg_id)
     if sent is None:
         raise RpcError(f"{_prefix(me)}: no send with autograd message id {msg_id} in context {context_id}")
