@@ -142,7 +142,8 @@ def backward(context_id: int, roots: List[torch.Tensor], retain_graph: bool = Fa
 
 def _wait(futures: List[torch.futures.Future]) -> List[BaseException]:
     """Wait for every gradient RPC; their errors, each naming the node it happened on."""
-    return [_on_this_node(e) for e in settle(futures)[1]]
+    _, errors = settle(futures)
+    return [_on_this_node(e) for e in errors]
 
 
 def _on_this_node(e: BaseException) -> BaseException:
