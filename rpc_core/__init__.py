@@ -6,7 +6,11 @@ Port a ``torch.distributed.rpc`` program by changing its imports::
     import rpc_core.autograd as dist_autograd   # was: torch.distributed.autograd
     from rpc_core.optim import DistributedOptimizer
 """
+from typing import Tuple
+
 from . import autograd, functions, optim, profiler  # autograd installs its middleware at init_rpc
+from . import rref as _rref
+from .agent import current_agent as _current_agent
 from .api import (
     BackendType,
     _all_gather,
@@ -41,14 +45,39 @@ from .options import (
 from .rendezvous import WorkerInfo
 from .rref import RRef
 
+# The layers of rpc_core, bottom-up: a module imports only modules of lower layers (never
+# one of its own layer, never one above, and a package's modules never the package's
+# __init__), so the package has no import cycle and each layer can be read, tested and
+# replaced knowing only those below it. tests/rpc_core/test_layering.py enforces this on
+# every import, module- or function-level; a new module must be placed here.
+_LAYERS: Tuple[Tuple[str, ...], ...] = (
+    # foundations: no rpc_core imports
+    ("errors", "wire", "options", "functions", "memory", "cma", "pool", "serialization"),
+    ("handshake", "futures"),
+    ("transport",),  # connections: bytes only
+    ("rendezvous", "outbound"),
+    ("agent",),  # the worker: pending calls, dispatch, middleware
+    ("calls", "lifecycle"),  # issuing a user call; init/shutdown hooks, barriers, quiescence
+    ("autograd.context",),
+    ("autograd.engine", "autograd.release"),
+    ("autograd.recording",),
+    ("autograd",),  # the distributed autograd package's face
+    ("rref_state",),  # RRef tables and the owner's handlers
+    ("rref_release",),  # garbage-collected handles -> deletes
+    ("rref_handle",),  # the RRef class, proxies, remote()
+    ("rref_fork",),  # RRefs in messages; the protocol's middleware
+    ("rref",),  # the RRef group's face
+    ("optim", "profiler_rpc"),
+    ("profiler",),
+    ("api",),  # the facade: composes the layers into init_rpc/shutdown/...
+    ("",),  # rpc_core itself: the public names
+)
+
 
 def _get_debug_info() -> dict:
     """Counters for tests and debugging: RRef tables, agent state."""
-    from . import rref as _rref
-    from .agent import current_agent
-
     info = dict(_rref.debug_info())
-    agent = current_agent()
+    agent = _current_agent()
     info.update({
         "agent.thread_pool_size": agent.pool.size,
         "agent.num_pending_requests": agent.in_flight(),

@@ -102,17 +102,33 @@ def settle(futures: Iterable[torch.futures.Future]) -> Tuple[List[Any], List[Bas
     return values, errors
 
 
+# The attribute that marks an exception rebuilt from another worker's answer (see raised_on).
+# In the instance's __dict__, so the copies waiters get (set_error) keep it.
+_RAISED_ON = "_rpc_core_raised_on"
+
+
+def raised_on(error: BaseException) -> Optional[str]:
+    """The name of the worker ``error`` was raised on, if it came back from another worker
+    as a call's exception; None if it arose here (a timeout, a lost peer, ...)."""
+    return getattr(error, _RAISED_ON, None)
+
+
 def rebuild_exception(info: wire.ExceptionInfo) -> BaseException:
-    """The remote exception with its original type, or a RuntimeError saying why not."""
+    """The remote exception with its original type, or a RuntimeError saying why not;
+    marked with the worker it was raised on (``raised_on``)."""
+    error: Optional[BaseException] = None
     try:
         obj: Any = importlib.import_module(info.type_module)
         for part in info.type_qualname.split("."):
             obj = getattr(obj, part)
         if isinstance(obj, type) and issubclass(obj, BaseException):
-            return obj(info.message)
+            error = obj(info.message)
     except Exception:
         pass
-    return RemoteFunctionError(
-        f"Error on {info.worker}; its type could not be rebuilt here. Original exception on remote side was "
-        f"{info.type_module}.{info.type_qualname}: {info.message}"
-    )
+    if error is None:
+        error = RemoteFunctionError(
+            f"Error on {info.worker}; its type could not be rebuilt here. Original exception on remote side was "
+            f"{info.type_module}.{info.type_qualname}: {info.message}"
+        )
+    setattr(error, _RAISED_ON, info.worker)
+    return error

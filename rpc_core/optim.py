@@ -12,8 +12,8 @@ from typing import Any, Dict, List, Type
 
 import torch
 
-from . import api
 from . import autograd as dist_autograd
+from . import calls
 from .errors import format_many
 from .futures import settle
 from .options import UNSET_RPC_TIMEOUT
@@ -79,7 +79,7 @@ class DistributedOptimizer:
         for p in params_rref:
             per_owner[p.owner()].append(p)
         futures = [
-            api.rpc_async(owner, _new_local_optimizer, args=(optimizer_class, rrefs) + tuple(args), kwargs=kwargs)
+            calls.rpc_async(owner, _new_local_optimizer, args=(optimizer_class, rrefs) + tuple(args), kwargs=kwargs)
             for owner, rrefs in per_owner.items()
         ]
         self.remote_optimizers: List[RRef] = _wait_all(futures, "Error creating optimizer.")
@@ -92,8 +92,8 @@ class DistributedOptimizer:
         # is ``waited``: this thread waits for every answer right away and reads them
         # itself, so no background reader needs waking for them.
         futures = [
-            api._invoke_async(opt._owner_id, _on_invoke, (opt._rref_id, "step", (context_id,), {}), None,
-                              UNSET_RPC_TIMEOUT, "async", keepalive=opt, waited=True)
+            calls.invoke_async(opt._owner_id, _on_invoke, (opt._rref_id, "step", (context_id,), {}), None,
+                               UNSET_RPC_TIMEOUT, "async", keepalive=opt, waited=True)
             for opt in self.remote_optimizers
         ]
         _wait_all(futures, "Error running optimizer.")

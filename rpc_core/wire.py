@@ -50,6 +50,12 @@ the sender that the receiver has copied that frame's remote buffers, so the send
 reuse their memory. The sender's send() returns only then (like a socket write returning
 once the bytes are the kernel's). Connections consume RELEASE; the agent never sees it.
 
+Extras: the head's second part is a dict of protocol extras, the side channel that lets
+distributed autograd, RRef bookkeeping and the profiler ride on ordinary calls. Every key
+is a named constant below (``EXTRA_*``: sent in frame heads). Middleware also keeps state
+of its own in the *request's* extras dict on the callee or in a call's extras on the caller;
+those keys (``LOCAL_*``) are never sent, and are listed here so no sent key collides with them.
+
 Flags: CONTROL marks rpc_core's own bookkeeping calls (shutdown barriers), which graceful
 shutdown does not count as user work in flight. REMOTE marks a frame carrying buffers by
 address; only sent in a direction whose RESULT was 1, anything else is malformed. Remote
@@ -88,6 +94,19 @@ KINDS = (REQUEST, RESPONSE, EXCEPTION, RELEASE)
 # Flags.
 CONTROL = 0x1
 REMOTE = 0x2
+
+# Message extras keys (see "Extras" above). Sent in frame heads:
+EXTRA_AUTOGRAD = "ag"  # request/response: (context id, autograd message id, or -1 if no tensor needs grad)
+EXTRA_RELEASED_CONTEXTS = "rel"  # request: ids of autograd contexts the sender released (deferred cleanup)
+EXTRA_RREF_DELETES = "rdel"  # request: [(rref id, fork id)] user RRefs deleted on the sender, for this owner
+EXTRA_RREF_ACCEPTED = "racc"  # response: [fork id] forks of the caller's RRefs accepted while unpickling
+EXTRA_RREF_CREATE = "rref_create"  # request: id of the RRef a remote() call creates (stores unpickling errors)
+EXTRA_PROFILE = "prof"  # request: the caller's profiler options; response: the callee's events
+# Local only, never sent:
+LOCAL_REPLY_NOTES = "_reply"  # callee's request extras: notes for the response (serialization.note_for_reply)
+LOCAL_AUTOGRAD_CONTEXT = "_ag_ctx"  # callee's request extras: the autograd context the request was admitted into
+LOCAL_PROFILE_SERVED = "prof.served"  # callee's request extras: the profile of this request
+LOCAL_KEEPALIVE = "keepalive"  # caller's call extras: an object held until the answer (an RRef named by id)
 
 # Bounds checked before any allocation; larger means a broken or hostile peer.
 MAX_HEAD_BYTES = 64 << 20

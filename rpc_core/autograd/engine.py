@@ -20,16 +20,37 @@ give it; linear hooks (scaling) give the same result, non-linear ones (clamping)
 """
 from __future__ import annotations
 
+import threading
 from typing import Any, List, Sequence, Tuple
 
 import torch
 
 from .. import agent as _agent_mod
-from ..futures import settle
 from ..errors import RpcError, format_many
 from ..functions import async_execution
+from ..futures import raised_on, settle
+from ..rendezvous import WorkerInfo
 from . import context as _context
-from .recording import _pass_tls, is_anchor
+
+# The backward pass running on this thread (the CPU autograd engine runs a pass on the
+# thread that started it): ``futures``, the gradient RPCs it started (recording's _Recv
+# appends to it); ``waited``, whether this thread waits on them itself.
+_pass_tls = threading.local()
+
+# A 0-element leaf that makes every received tensor's _Recv node part of the graph (its
+# received inputs are detached); its "gradient" is always None, so one leaf serves all of
+# them: autograd.grad never accumulates into its inputs, and a local .backward() only ever
+# hands it None. A pass finds it among its leaves and skips it.
+ANCHOR = torch.empty(0, requires_grad=True)
+
+
+def is_anchor(t: torch.Tensor) -> bool:
+    return t is ANCHOR
+
+
+def _prefix(me: WorkerInfo) -> str:
+    """How an error of distributed backward names the worker it happened on."""
+    return f"Error on Node {me.id} ({me.name})"
 
 
 def _discover(starts: Sequence[torch.Tensor]) -> List[torch.Tensor]:
@@ -115,25 +136,29 @@ def backward(context_id: int, roots: List[torch.Tensor], retain_graph: bool = Fa
     try:
         futures = local_pass(ctx, roots, [torch.ones_like(r) for r in roots], waited=True)
     except Exception as e:
-        raise RuntimeError(f"Error on Node {me.id} ({me.name}): {e}") from e
+        raise RuntimeError(f"{_prefix(me)}: {e}") from e
     _raise_all(_wait(futures))
 
 
 def _wait(futures: List[torch.futures.Future]) -> List[BaseException]:
-    """Wait for every gradient RPC; their errors, each naming the node it happened on (an
-    error that does not yet, e.g. a peer that died, is named after this node, which saw it)."""
-    return [_on_this_node(e) for e in settle(futures)[1]]
+    """Wait for every gradient RPC; their errors, each naming the node it happened on."""
+    _, errors = settle(futures)
+    return [_on_this_node(e) for e in errors]
 
 
 def _on_this_node(e: BaseException) -> BaseException:
-    if "Error on Node" in str(e):
+    """An error raised on the worker that ran the gradient call is kept as it is: that
+    worker's ``_on_backward`` named itself in every error it raises (and the agent's remote
+    traceback names it otherwise). An error that arose here (a peer that died, a timeout)
+    is named after this node, which saw it."""
+    if raised_on(e) is not None:
         return e
     me = _agent_mod.current_agent().me
-    msg = f"Error on Node {me.id} ({me.name}): in distributed backward: {e}"
+    msg = f"{_prefix(me)}: in distributed backward: {e}"
     try:
         wrapped = type(e)(msg)  # keep the type (WorkerUnavailableError, RpcTimeoutError, ...)
     except Exception:
-        wrapped = RuntimeError(f"Error on Node {me.id} ({me.name}): in distributed backward: {type(e).__name__}: {e}")
+        wrapped = RuntimeError(f"{_prefix(me)}: in distributed backward: {type(e).__name__}: {e}")
     wrapped.__cause__ = e
     return wrapped
 
@@ -149,15 +174,18 @@ def _raise_all(errors: List[BaseException]) -> None:
 def _on_backward(context_id: int, msg_id: int, grads: List[Any]) -> torch.futures.Future:
     """On the worker that sent message ``msg_id``: continue backward from those tensors."""
     me = _agent_mod.current_agent().me
-    ctx = _context.retrieve(context_id)
+    try:
+        ctx = _context.retrieve(context_id)
+    except RpcError as e:  # released here meanwhile: named like every error this handler raises
+        raise RpcError(f"{_prefix(me)}: {e}") from e
     sent = ctx.sends.get(msg_id)
     if sent is None:
-        raise RpcError(f"Error on Node {me.id} ({me.name}): no send with autograd message id {msg_id} in context {context_id}")
+        raise RpcError(f"{_prefix(me)}: no send with autograd message id {msg_id} in context {context_id}")
     pairs: List[Tuple[torch.Tensor, torch.Tensor]] = [(t, g) for t, g in zip(sent, grads) if g is not None]
     try:
         futures = local_pass(ctx, [t for t, _ in pairs], [g for _, g in pairs])
     except Exception as e:
-        raise RuntimeError(f"Error on Node {me.id} ({me.name}): {e}") from e
+        raise RuntimeError(f"{_prefix(me)}: {e}") from e
     done: torch.futures.Future = torch.futures.Future()
     if not futures:
         done.set_result(None)

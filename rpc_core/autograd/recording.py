@@ -9,50 +9,42 @@ context, so nested calls join the same context.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional
 
 import torch
 
 from .. import agent as _agent_mod
+from .. import calls, wire
 from . import context as _context
-
-# Thread-local list of gradient-RPC futures started by the backward pass running on this
-# thread (the CPU autograd engine runs a pass on the thread that started it).
-import threading
-
-_pass_tls = threading.local()
+from .engine import ANCHOR, _on_backward, _pass_tls
+from .release import release_on_arrival, released_after_requests
 
 
-# A 0-element leaf that makes every _Recv part of the graph (its received inputs are
-# detached); its "gradient" is always None, so one leaf serves all of them: autograd.grad
-# never accumulates into its inputs, and a local .backward() only ever hands it None.
-_ANCHOR = torch.empty(0, requires_grad=True)
+class _RecvInfo(NamedTuple):
+    """What a _Recv node needs to ship its gradients back (local, never sent)."""
 
-
-def is_anchor(t: torch.Tensor) -> bool:
-    return t is _ANCHOR
+    context_id: int
+    sender: int  # rank that sent the tensors
+    msg_id: int  # autograd message id of the send
 
 
 class _Recv(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, info: Tuple[int, int, int], anchor: torch.Tensor, *tensors: torch.Tensor) -> Any:
+    def forward(ctx: Any, info: _RecvInfo, anchor: torch.Tensor, *tensors: torch.Tensor) -> Any:
         ctx.set_materialize_grads(False)
-        ctx.info = info  # (context id, sender rank, autograd message id)
+        ctx.info = info
         outs = tuple(t.detach() for t in tensors)
         return outs if len(outs) > 1 else outs[0]
 
     @staticmethod
     def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> Any:
-        context_id, sender, msg_id = ctx.info
+        info: _RecvInfo = ctx.info
         if any(g is not None for g in grads):
-            from .. import api
-            from .engine import _on_backward
-
             # through the user-call path, so the profiler sees this RPC (no cost otherwise)
             outstanding = getattr(_pass_tls, "futures", None)
             waited = outstanding is not None and getattr(_pass_tls, "waited", False)
-            fut = api._invoke_async(sender, _on_backward, (context_id, msg_id, list(grads)), None, 0, "async",
-                                    waited=waited)
+            fut = calls.invoke_async(info.sender, _on_backward, (info.context_id, info.msg_id, list(grads)), None, 0,
+                                     "async", waited=waited)
             if outstanding is not None:
                 outstanding.append(fut)
         return (None, None) + (None,) * len(grads)
@@ -77,7 +69,7 @@ def _context_of_graph(tensors: List[torch.Tensor]) -> Optional[int]:
             continue
         seen.add(node)
         if isinstance(node, _RecvBackward):
-            cid = node.info[0]
+            cid = node.info.context_id
             if _context.is_valid(cid):
                 return cid
             continue  # a released context: its inputs are detached anyway
@@ -90,35 +82,28 @@ def _context_of_graph(tensors: List[torch.Tensor]) -> Optional[int]:
 _RecvBackward = _Recv._backward_cls  # type: ignore[attr-defined]
 
 
-# The request-extras key (local, never sent) under which an admitted request keeps its
-# context until it is answered (see context.admit).
-_ADMITTED = "_ag_ctx"
-
-
 class AutogradMiddleware(_agent_mod.Middleware):
     """Plugged into the agent: records sends on the way out, recvs on the way in, and
     makes the request's context current while the callee runs the function. A request's
     context is looked up once, when it arrives (``admit``), and held until it is answered."""
 
     def admit(self, src: int, extras: Dict[str, Any]) -> None:
-        released = extras.get("rel")
+        released = extras.get(wire.EXTRA_RELEASED_CONTEXTS)
         if released:  # contexts ``src`` left, after every request it sent before this one
-            from . import _release_on_arrival
-
-            _release_on_arrival(released, src)
-        ag = extras.get("ag")
+            release_on_arrival(released, src)
+        ag = extras.get(wire.EXTRA_AUTOGRAD)
         if ag:
-            ctx = _context.admit(ag[0])
+            context_id, _ = ag
+            ctx = _context.admit(context_id)
             if ctx is not None:
                 ctx.known_workers.add(src)
-                extras[_ADMITTED] = ctx
+                # held until the request is answered (see context.admit)
+                extras[wire.LOCAL_AUTOGRAD_CONTEXT] = ctx
 
     def finish(self, extras: Dict[str, Any]) -> None:
-        ctx = extras.pop(_ADMITTED, None)
+        ctx = extras.pop(wire.LOCAL_AUTOGRAD_CONTEXT, None)
         if ctx is not None and _context.leave(ctx):
-            from . import _released_after_requests
-
-            _released_after_requests(ctx)
+            released_after_requests(ctx)
 
     def outgoing(self, dst: int, tensors: List[torch.Tensor], extras: Dict[str, Any],
                  request_extras: Optional[Dict[str, Any]]) -> None:
@@ -126,7 +111,7 @@ class AutogradMiddleware(_agent_mod.Middleware):
             if _context.deferred:
                 released = _context.take_deferred(dst)
                 if released:
-                    extras["rel"] = released  # contexts we left: dst can drop them too
+                    extras[wire.EXTRA_RELEASED_CONTEXTS] = released  # contexts we left: dst can drop them too
             context_id = _context.current_id()
             if context_id is None:
                 if not tensors:
@@ -136,7 +121,7 @@ class AutogradMiddleware(_agent_mod.Middleware):
                 return
             ctx = _context.get_or_create(context_id)
         else:  # an answer: in the context its request was admitted into, if any
-            ctx = request_extras.get(_ADMITTED)
+            ctx = request_extras.get(wire.LOCAL_AUTOGRAD_CONTEXT)
             if ctx is None:
                 return
             context_id = ctx.context_id
@@ -145,22 +130,24 @@ class AutogradMiddleware(_agent_mod.Middleware):
         if needs_grad:
             msg_id = _context.new_message_id()
             ctx.sends[msg_id] = needs_grad
-            extras["ag"] = (context_id, msg_id)
+            extras[wire.EXTRA_AUTOGRAD] = (context_id, msg_id)
         else:
-            extras["ag"] = (context_id, -1)
+            extras[wire.EXTRA_AUTOGRAD] = (context_id, -1)
 
     def incoming(self, src: int, tensors: List[torch.Tensor], extras: Dict[str, Any], is_response: bool) -> List[torch.Tensor]:
-        ag = extras.get("ag")
-        if not ag or ag[1] < 0:
+        ag = extras.get(wire.EXTRA_AUTOGRAD)
+        if not ag:
             return tensors
         context_id, msg_id = ag
+        if msg_id < 0:  # no tensor of this message needed grad
+            return tensors
         if is_response:
             if _context.is_released(context_id):
                 return tensors  # a late answer in a released context
             ctx = _context.get_or_create(context_id)
             ctx.known_workers.add(src)
         else:
-            ctx = extras.get(_ADMITTED)
+            ctx = extras.get(wire.LOCAL_AUTOGRAD_CONTEXT)
             if ctx is None:
                 return tensors  # a request that arrived after its context was released here
         idx = [i for i, t in enumerate(tensors) if t.requires_grad]
@@ -168,10 +155,10 @@ class AutogradMiddleware(_agent_mod.Middleware):
             return tensors
         received = [tensors[i].detach() for i in idx]
         if torch.is_grad_enabled():  # the usual case: skip the context manager
-            outs = _Recv.apply((context_id, src, msg_id), _ANCHOR, *received)
+            outs = _Recv.apply(_RecvInfo(context_id, src, msg_id), ANCHOR, *received)
         else:
             with torch.enable_grad():
-                outs = _Recv.apply((context_id, src, msg_id), _ANCHOR, *received)
+                outs = _Recv.apply(_RecvInfo(context_id, src, msg_id), ANCHOR, *received)
         if not isinstance(outs, tuple):
             outs = (outs,)
         ctx.recvs[msg_id] = outs[0].grad_fn
@@ -181,7 +168,7 @@ class AutogradMiddleware(_agent_mod.Middleware):
         return tensors
 
     def enter_call(self, src: int, extras: Dict[str, Any]) -> Any:
-        ctx = extras.get(_ADMITTED)
+        ctx = extras.get(wire.LOCAL_AUTOGRAD_CONTEXT)
         if ctx is None:
             return _NO_TOKEN
         return _context.set_current(ctx.context_id)
