@@ -137,6 +137,8 @@ class Agent:
         self.default_timeout = options.rpc_timeout
         self.middleware: List[Middleware] = []
         self._secret = options.auth_secret
+        # Read once per worker: every dial and accept of this worker uses the same limit.
+        self._handshake_timeout = handshake.handshake_timeout()
         self._listener = world.listener
         self._local_listener = world.local_listener  # same-host peers dial this (handshake.listen_local)
         # Hosts that name this machine: a peer advertised under one of them is dialled locally.
@@ -187,7 +189,7 @@ class Agent:
                 # Calls to rank 0 go over a same-host socket when there is one; the
                 # rendezvous connection stays open (rank 0 watches it for our exit) but idle.
                 try:
-                    local = self._dial_local(rank, time.monotonic() + handshake.HANDSHAKE_TIMEOUT)
+                    local = self._dial_local(rank, time.monotonic() + self._handshake_timeout)
                 except TimeoutError:
                     local = None  # no answer there in time: the rendezvous connection will do
                 if local is not None:
@@ -285,13 +287,13 @@ class Agent:
     def _connection(self, dst: int, call_deadline: Optional[float] = None, timeout: float = 0.0) -> Any:
         """The connection to ``dst``, dialled if there is none yet. Dialling gives up at the
         call's deadline (``call_deadline``, for a call of ``timeout`` s; None: no timeout) or
-        after HANDSHAKE_TIMEOUT, whichever comes first, waiting for another caller's dial included."""
+        after the handshake timeout, whichever comes first, waiting for another caller's dial included."""
         conn = self._out.get(dst)
         if conn is not None:
             return conn
         if dst in self.dead:
             raise WorkerUnavailableError(self.dead[dst])
-        limit = time.monotonic() + handshake.HANDSHAKE_TIMEOUT
+        limit = time.monotonic() + self._handshake_timeout
         by_call = call_deadline is not None and call_deadline <= limit  # whose deadline binds
         deadline = call_deadline if by_call else limit
         lock = self._dial_locks[dst]
@@ -329,7 +331,7 @@ class Agent:
             return RpcTimeoutError(f"{self._timeout_message(timeout, dst)}: {what}; it may be stopped, frozen "
                                    "or overloaded")
         return WorkerUnavailableError(
-            f"cannot reach {what} within {handshake.HANDSHAKE_TIMEOUT:g} s (RPC_CORE_HANDSHAKE_TIMEOUT); "
+            f"cannot reach {what} within {self._handshake_timeout:g} s (RPC_CORE_HANDSHAKE_TIMEOUT); "
             "it is probably stopped, frozen or overloaded, or its host is unreachable"
         )
 
@@ -495,7 +497,7 @@ class Agent:
                 return
             if not isinstance(peer, tuple):
                 peer = ("local", 0)  # a Unix socket's peer has no address
-            deadline = time.monotonic() + handshake.HANDSHAKE_TIMEOUT
+            deadline = time.monotonic() + self._handshake_timeout
             if not self._admission.admit(sock, peer):
                 sock.close()  # shutting down
                 return

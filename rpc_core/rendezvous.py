@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Set, Tuple
 
-from . import handshake, transport, wire
+from . import handshake, knobs, transport, wire
 from .errors import AuthenticationError, RendezvousError
 
 log = logging.getLogger("rpc_core")
@@ -132,6 +132,7 @@ def _listen(host: str, port: int) -> socket.socket:
 
 
 def rendezvous(name: str, rank: int, world_size: int, init_method: str, secret: bytes, timeout: float) -> World:
+    knobs.check()
     validate_name(name)
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
@@ -203,7 +204,7 @@ def _host(name: str, world_size: int, host: str, port: int, secret: bytes, timeo
 class _Joiners:
     """Rank 0's side of the joiners' handshakes: ``collect`` (on the rendezvous thread)
     accepts connections and returns the joiners whose handshake and join request came in;
-    each handshake runs on a thread of its own, bounded by HANDSHAKE_TIMEOUT, and at most
+    each handshake runs on a thread of its own, bounded by handshake_timeout(), and at most
     MAX_PENDING_HANDSHAKES at once are unauthenticated (``handshake.Admission``)."""
 
     def __init__(self, listener: socket.socket, world_size: int, secret: bytes, where: str) -> None:
@@ -246,7 +247,7 @@ class _Joiners:
         with self._lock:
             self._socks.add(sock)
         self._threads = [t for t in self._threads if t.is_alive()]
-        t = threading.Thread(target=self._run, args=(sock, peer, time.monotonic() + handshake.HANDSHAKE_TIMEOUT),
+        t = threading.Thread(target=self._run, args=(sock, peer, time.monotonic() + handshake.handshake_timeout()),
                              name="rpc-rendezvous-join", daemon=True)
         self._threads.append(t)
         t.start()
@@ -358,7 +359,7 @@ def _join(name: str, rank: int, world_size: int, host: str, port: int, secret: b
     while True:
         try:
             sock = transport.dial((host, port), secret,
-                                  timeout=max(0.1, min(handshake.HANDSHAKE_TIMEOUT, deadline - time.monotonic())))
+                                  timeout=max(0.1, min(handshake.handshake_timeout(), deadline - time.monotonic())))
             break
         except (ConnectionRefusedError, socket.timeout, transport.PeerClosed, ConnectionResetError, socket.gaierror) as e:
             if time.monotonic() + delay > deadline:

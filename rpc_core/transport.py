@@ -29,7 +29,7 @@ from typing import Any, Callable, Deque, List, Optional, Sequence, Set, Tuple
 
 import torch
 
-from . import cma, handshake, wire
+from . import cma, handshake, knobs, wire
 from .handshake import PeerClosed, accept, dial, tune  # noqa: F401 (re-exported: the transport's public face)
 from .errors import ProtocolError
 from .serialization import storage_view
@@ -53,8 +53,7 @@ _CMA_MIN = 256 << 10
 # wants the CPU (an oversubscribed machine). The budget covers a call whose callee
 # computes for a millisecond or two (a small model's forward): ps_train's MLP 1+1 trained
 # 15-16k samples/s with 200 µs and 18-20k with 2000 µs (e2e_bench --quick, alternating).
-# RPC_CORE_SPIN_US=0 turns polling off.
-_SPIN = max(0.0, float(os.environ.get("RPC_CORE_SPIN_US", "2000"))) * 1e-6
+# RPC_CORE_SPIN_US=0 turns polling off; each connection reads it when it is made (knobs).
 # A yield that took this long ran another task: the CPU is wanted, so stop polling.
 _CONTENDED = 50e-6
 _NOTHING = object()
@@ -180,6 +179,7 @@ class Connection:
         # must not wait for the send lock) and deferred requests (see send).
         self._small_q: Deque[bytes] = collections.deque()
         self._reader_sleeps = False  # a reader is (about to be) blocked in the kernel
+        self._spin = knobs.spin_seconds()  # the polling budget (s), read once per connection
         self._wait_estimate = 0.0  # moving average of recent waits for bytes (s); decides polling
         # Sends whose buffers the peer is copying with several threads: while any is
         # outstanding, readers sleep instead of polling, which would take a core from the
@@ -404,13 +404,13 @@ class Connection:
                 pos += take
 
     def _recv_into(self, view: memoryview) -> int:
-        """``sock.recv_into(view)``; polls first when recent waits were short (see _SPIN).
+        """``sock.recv_into(view)``; polls first when recent waits were short (see self._spin).
         Queued frames go out first: their answers may be what this read waits for."""
         if self._small_q:
             self._flush_small()
         if self.sock.gettimeout() is not None:  # a timed socket: the handshake's, not ours
             return self.sock.recv_into(view)
-        if not _SPIN:
+        if not self._spin:
             self._before_sleep()  # queued frames go out before this thread blocks
             try:
                 return self.sock.recv_into(view)
@@ -423,7 +423,7 @@ class Connection:
         start = time.perf_counter()
         k = _NOTHING
         if self._may_poll():
-            k = _poll(start + _SPIN, lambda: self._try_recv_into(view))
+            k = _poll(start + self._spin, lambda: self._try_recv_into(view))
         if k is _NOTHING:
             self._before_sleep()
             try:
@@ -436,7 +436,7 @@ class Connection:
     def _may_poll(self) -> bool:
         """Whether a reader polls before it sleeps: recent waits were short, and no peer is
         copying our buffers with several threads."""
-        return self._wait_estimate < _SPIN and not self._no_poll
+        return self._wait_estimate < self._spin and not self._no_poll
 
     def _try_recv_into(self, view: memoryview) -> int:
         if self._small_q:
@@ -456,11 +456,11 @@ class Connection:
         self._wait_estimate += (seconds - self._wait_estimate) * 0.25
 
     def _poll_spin(self, start: float, timeout: float) -> bool:
-        """Whether bytes arrived while polling for up to ``min(_SPIN, timeout)`` seconds."""
-        if not _SPIN or self.sock.gettimeout() is not None or not self._may_poll():
+        """Whether bytes arrived while polling for up to ``min(self._spin, timeout)`` seconds."""
+        if not self._spin or self.sock.gettimeout() is not None or not self._may_poll():
             return False
         try:
-            if _poll(start + min(_SPIN, timeout), self._try_peek) is _NOTHING:
+            if _poll(start + min(self._spin, timeout), self._try_peek) is _NOTHING:
                 return False
         except OSError:
             return True  # broken: recv says how

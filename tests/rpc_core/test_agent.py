@@ -529,7 +529,7 @@ def _call_frozen_peer(dst):
 
 def _body_frozen_peer(ctx):
     if ctx.rank == 1:
-        handshake.HANDSHAKE_TIMEOUT = 6.0  # bounds the call without a timeout (default 10 s)
+        os.environ["RPC_CORE_HANDSHAKE_TIMEOUT"] = "6"  # bounds the call without a timeout (default 10 s)
     ctx.init()
     if ctx.rank == 2:
         _wait_signal()  # stopped and resumed by worker0 meanwhile
