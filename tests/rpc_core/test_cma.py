@@ -24,7 +24,7 @@ from tests._world import run_world
 
 IO_TIMEOUT = 30.0
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-MIN = transport._CMA_MIN
+MIN = transport.CMA_MIN
 
 pytestmark = pytest.mark.skipif(not cma.enabled(), reason="process_vm_readv unavailable or RPC_CORE_CMA=0")
 
