@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from . import transport, wire
 from .calls import Calls, Pending, new_pending
-from .connections import Connections
+from .connections import ConnectionStats, Connections
 from .deadlines import Deadlines
 from .dispatch import Dispatch
 from .errors import RpcError, RpcNotInitializedError
@@ -37,7 +37,7 @@ from .pool import ElasticPool, ThreadGroup
 from .rendezvous import World, WorkerInfo
 from .serialization import encode_head, serialize
 
-__all__ = ["Agent", "Middleware", "current_agent", "set_current_agent"]
+__all__ = ["Agent", "ConnectionStats", "Middleware", "connection_stats", "current_agent", "set_current_agent"]
 
 log = logging.getLogger("rpc_core")
 
@@ -58,6 +58,12 @@ def current_agent() -> "Agent":
 def set_current_agent(agent: Optional["Agent"]) -> None:
     global _agent
     _agent = agent
+
+
+def connection_stats() -> ConnectionStats:
+    """Bytes this worker sent and received so far over its open connections (see
+    ``Agent.connection_stats``). Raises RpcNotInitializedError before ``init_rpc``."""
+    return current_agent().connection_stats()
 
 
 class Agent(Connections, Dispatch, Calls):

@@ -32,6 +32,16 @@ log = logging.getLogger("rpc_core")
 _HELLO_ID = 0  # msg_id of the identity frame a dialer sends first
 
 
+class ConnectionStats(NamedTuple):
+    """Byte counts summed over a worker's open connections (calls to self not included)."""
+
+    bytes_sent: int
+    bytes_received: int
+    bytes_cma_sent: int  # the part of bytes_sent that the peer copied by cross-memory attach
+    bytes_cma_received: int  # the part of bytes_received copied from the peer's memory
+    connections: int  # how many connections were summed
+
+
 class _Loss(NamedTuple):
     """Why a connection ended."""
 
@@ -309,6 +319,14 @@ class Connections:
         with self._lock:
             while self._incoming and time.monotonic() < deadline:
                 self._incoming_cv.wait(max(0.0, deadline - time.monotonic()))
+
+    def connection_stats(self) -> ConnectionStats:
+        """Bytes sent and received so far over this worker's open connections, both ways."""
+        with self._lock:
+            conns = {id(c): c for c in [*self._out.values(), *self._incoming] if isinstance(c, transport.Connection)}
+        cs = list(conns.values())
+        return ConnectionStats(sum(c.bytes_sent for c in cs), sum(c.bytes_received for c in cs),
+                               sum(c.bytes_cma_sent for c in cs), sum(c.bytes_cma_received for c in cs), len(cs))
 
     def _close_listeners(self) -> None:
         self._admission.close()  # wakes the threads still in a handshake
