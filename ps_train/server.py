@@ -235,12 +235,11 @@ class ParameterServer:
         out: Dict[str, Any] = {"version": self.version, "updates": dict(self.updates),
                                "max_staleness": self.max_staleness_seen}
         if backend.name() == "rpc_core":
-            from rpc_core.agent import current_agent
+            from rpc_core.agent import connection_stats
 
-            agent = current_agent()
-            conns = list(agent._out.values()) + list(agent._incoming)
-            out["bytes_sent"] = sum(getattr(c, "bytes_sent", 0) for c in conns)
-            out["bytes_received"] = sum(getattr(c, "bytes_received", 0) for c in conns)
+            conns = connection_stats()
+            out["bytes_sent"] = conns.bytes_sent
+            out["bytes_received"] = conns.bytes_received
         return out
 
     def state_dict(self) -> Dict[str, Any]:

@@ -52,11 +52,16 @@ from .rref import RRef
 # every import, module- or function-level; a new module must be placed here.
 _LAYERS: Tuple[Tuple[str, ...], ...] = (
     # foundations: no rpc_core imports
+    ("knobs", "polling", "middleware"),
     ("errors", "wire", "options", "functions", "memory", "cma", "pool", "serialization"),
     ("handshake", "futures"),
+    ("buffers",),
+    ("sending",),
     ("transport",),  # connections: bytes only
     ("rendezvous", "outbound"),
-    ("agent",),  # the worker: pending calls, dispatch, middleware
+    ("deadlines", "completion", "dispatch"),  # the worker's parts: timer, pending calls, requests
+    ("connections",),
+    ("agent",),  # the worker
     ("calls", "lifecycle"),  # issuing a user call; init/shutdown hooks, barriers, quiescence
     ("autograd.context",),
     ("autograd.engine", "autograd.release"),

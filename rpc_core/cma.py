@@ -15,6 +15,8 @@ import queue
 import threading
 from typing import List, Optional
 
+from . import knobs
+
 PROBE_LEN = 16
 
 
@@ -38,7 +40,7 @@ _readv = _load()
 
 def enabled() -> bool:
     """Whether this process offers and accepts cross-memory attach (``RPC_CORE_CMA=0`` turns it off)."""
-    return _readv is not None and os.environ.get("RPC_CORE_CMA", "1").strip() not in ("0", "false", "no", "off")
+    return _readv is not None and knobs.cma()
 
 
 def _read_span(pid: int, remote: int, local: int, n: int) -> None:

@@ -5,7 +5,7 @@
 unpickled before it proved it knows the shared secret. They return the socket ready for
 ``transport.Connection``, which picks up what the probe found (``take_link``).
 
-Each side runs its whole handshake against one deadline (``HANDSHAKE_TIMEOUT`` unless the
+Each side runs its whole handshake against one deadline (``handshake_timeout()`` unless the
 caller has less time): every receive gets only the time that is left, so a peer that
 trickles bytes cannot keep a connection half-open. An acceptor also bounds how many
 connections may be unauthenticated at once (``Admission``).
@@ -21,30 +21,20 @@ import time
 import weakref
 from typing import Dict, NamedTuple, Optional, Tuple, Union
 
-from . import cma, wire
+from . import cma, knobs, wire
 from .errors import AuthenticationError, ProtocolError
 
 log = logging.getLogger("rpc_core")
 
 
-def _env_seconds(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if raw is None:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise ValueError(f"{name}={raw!r}: expected a positive number of seconds, e.g. {name}={default:g}")
-    return value
+def handshake_timeout() -> float:
+    """The longest a whole handshake may take, either side: connect, HELLO..VERDICT,
+    OFFER/RESULT and the first frame (the identity or join request). A live peer needs a
+    few round trips; one that is stopped, frozen or trickling bytes is cut off here.
+    ``RPC_CORE_HANDSHAKE_TIMEOUT`` (seconds, default 10), read at each call (see ``knobs``)."""
+    return knobs.handshake_timeout()
 
 
-# The longest a whole handshake may take, either side: connect, HELLO..VERDICT, OFFER/RESULT
-# and the first frame (the identity or join request). A live peer needs a few round trips;
-# one that is stopped, frozen or trickling bytes is cut off here. RPC_CORE_HANDSHAKE_TIMEOUT
-# sets it (seconds); tests shorten it by assigning this name before init_rpc.
-HANDSHAKE_TIMEOUT: float = _env_seconds("RPC_CORE_HANDSHAKE_TIMEOUT", 10.0)
 # The most accepted connections one worker (or rank 0's rendezvous) keeps while they have
 # not proven they know the secret. One more makes room by closing the oldest (see Admission).
 MAX_PENDING_HANDSHAKES = 64
@@ -59,7 +49,7 @@ _SOCK_BUF = 4 << 20
 
 
 def local_enabled() -> bool:
-    return sys.platform.startswith("linux") and os.environ.get("RPC_CORE_UDS", "1") != "0"
+    return sys.platform.startswith("linux") and knobs.uds()
 
 
 class PeerClosed(ConnectionError):

@@ -14,6 +14,12 @@ resident size that stays near its peak (up to ``TRIM_THRESHOLD`` above the live 
 malloc arena). ``RPC_CORE_MALLOC_TUNE=0`` leaves malloc alone, and so does any malloc
 setting of the user's own (``MALLOC_*_`` variables, ``GLIBC_TUNABLES``). Other C
 libraries (musl, macOS) are left alone.
+
+This module is the one owner of that policy in a process running rpc_core: applications
+built on it (ps_train included) do not call ``mallopt`` themselves, since ``init_rpc``
+would override what they set and ``RPC_CORE_MALLOC_TUNE`` would then switch nothing. To
+change the thresholds, set glibc's own variables (which make ``tune`` step aside) or turn
+this off with ``RPC_CORE_MALLOC_TUNE=0``.
 """
 from __future__ import annotations
 
@@ -21,6 +27,8 @@ import ctypes
 import os
 import platform
 import threading
+
+from . import knobs
 
 # glibc's own ceiling for its adaptive mmap threshold on 64-bit (4 MiB * sizeof(long)), and
 # twice that for trimming, as glibc's adaptive rule keeps them.
@@ -40,7 +48,7 @@ def tune() -> bool:
     with _lock:
         if _done:
             return True
-        if os.environ.get("RPC_CORE_MALLOC_TUNE", "1") == "0":
+        if not knobs.malloc_tune():
             return False
         if any(k in os.environ for k in _USER_SETTINGS) or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):
             return False

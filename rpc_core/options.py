@@ -6,15 +6,16 @@ that build options port unchanged; ``TensorPipeRpcBackendOptions`` is an alias o
 from __future__ import annotations
 
 import datetime
-import os
 from typing import Any, Dict, List, Optional
+
+from . import knobs
 
 DEFAULT_RPC_TIMEOUT_SEC: float = 60.0
 UNSET_RPC_TIMEOUT: float = -1.0
 DEFAULT_INIT_METHOD: str = "env://"
 DEFAULT_NUM_WORKER_THREADS: int = 16
 DEFAULT_SHUTDOWN_TIMEOUT: float = 0.0
-AUTH_SECRET_ENV = "RPC_CORE_AUTH_SECRET"
+AUTH_SECRET_ENV = knobs.AUTH_SECRET.name
 
 
 class RpcBackendOptions:
@@ -84,7 +85,7 @@ class RpcBackendOptions:
     def auth_secret(self) -> bytes:
         secret = self._auth_secret
         if secret is None:
-            secret = os.environ.get(AUTH_SECRET_ENV, "")
+            secret = knobs.auth_secret()
         return secret.encode() if isinstance(secret, str) else bytes(secret)
 
     @auth_secret.setter

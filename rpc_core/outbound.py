@@ -37,6 +37,8 @@ log = logging.getLogger("rpc_core")
 # How long a waiter whose call has no deadline waits for the reading role before looking
 # at its future again (a future can also be completed by a timeout or a lost peer).
 _RECHECK_SECONDS = 0.05
+# A waiter whose call has a deadline waits this much past it: by then the timer has failed the call.
+_PAST_DEADLINE = 0.002
 # The background thread takes over a burst's answers once no burst call was sent while
 # it stood by for this long (the issuer has stopped, e.g. to wait for them all). The
 # time doubles, up to the limit, while the burst goes on: each look costs the issuer two
@@ -236,5 +238,4 @@ class Outbound:
 def _wait_time(deadline: Optional[float]) -> float:
     if deadline is None:
         return _RECHECK_SECONDS
-    # A little past the deadline: by then the timer has failed the call.
-    return min(max(0.0, deadline - time.monotonic()) + 0.002, _RECHECK_SECONDS)
+    return min(max(0.0, deadline - time.monotonic()) + _PAST_DEADLINE, _RECHECK_SECONDS)

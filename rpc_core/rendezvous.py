@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Set, Tuple
 
-from . import handshake, transport, wire
+from . import handshake, knobs, transport, wire
 from .errors import AuthenticationError, RendezvousError
 
 log = logging.getLogger("rpc_core")
@@ -32,6 +32,14 @@ MAX_NAME_LEN = 128
 _NAME_RE = re.compile(r"^[A-Za-z0-9_:\-]+$")
 # How long the end of a rendezvous waits for the joiners' handshake threads it stopped.
 _STOP_GRACE = 2.0
+# A joiner retries reaching rank 0 (which may not be listening yet) after this, doubling
+# up to _RETRY_MAX, and gives each attempt at least _MIN_ATTEMPT even at its deadline.
+_RETRY_FIRST = 0.02
+_RETRY_MAX = 0.5
+_MIN_ATTEMPT = 0.1
+# Rank 0 answers a join once the world is complete: a joiner waits for that until its
+# deadline, plus this for the answer of a world that filled just in time to travel.
+_ANSWER_SLACK = 5.0
 
 
 class WorkerInfo:
@@ -132,6 +140,7 @@ def _listen(host: str, port: int) -> socket.socket:
 
 
 def rendezvous(name: str, rank: int, world_size: int, init_method: str, secret: bytes, timeout: float) -> World:
+    knobs.check()
     validate_name(name)
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
@@ -203,7 +212,7 @@ def _host(name: str, world_size: int, host: str, port: int, secret: bytes, timeo
 class _Joiners:
     """Rank 0's side of the joiners' handshakes: ``collect`` (on the rendezvous thread)
     accepts connections and returns the joiners whose handshake and join request came in;
-    each handshake runs on a thread of its own, bounded by HANDSHAKE_TIMEOUT, and at most
+    each handshake runs on a thread of its own, bounded by handshake_timeout(), and at most
     MAX_PENDING_HANDSHAKES at once are unauthenticated (``handshake.Admission``)."""
 
     def __init__(self, listener: socket.socket, world_size: int, secret: bytes, where: str) -> None:
@@ -246,7 +255,7 @@ class _Joiners:
         with self._lock:
             self._socks.add(sock)
         self._threads = [t for t in self._threads if t.is_alive()]
-        t = threading.Thread(target=self._run, args=(sock, peer, time.monotonic() + handshake.HANDSHAKE_TIMEOUT),
+        t = threading.Thread(target=self._run, args=(sock, peer, time.monotonic() + handshake.handshake_timeout()),
                              name="rpc-rendezvous-join", daemon=True)
         self._threads.append(t)
         t.start()
@@ -354,11 +363,11 @@ def _join(name: str, rank: int, world_size: int, host: str, port: int, secret: b
     import pickle
 
     deadline = time.monotonic() + timeout
-    delay = 0.02
+    delay = _RETRY_FIRST
     while True:
         try:
             sock = transport.dial((host, port), secret,
-                                  timeout=max(0.1, min(handshake.HANDSHAKE_TIMEOUT, deadline - time.monotonic())))
+                                  timeout=max(_MIN_ATTEMPT, min(handshake.handshake_timeout(), deadline - time.monotonic())))
             break
         except (ConnectionRefusedError, socket.timeout, transport.PeerClosed, ConnectionResetError, socket.gaierror) as e:
             if time.monotonic() + delay > deadline:
@@ -368,7 +377,7 @@ def _join(name: str, rank: int, world_size: int, host: str, port: int, secret: b
                     "(or the tcp:// init_method) right?"
                 ) from None
             time.sleep(delay)  # retry backoff while rank 0 starts; not a test wait
-            delay = min(delay * 2, 0.5)
+            delay = min(delay * 2, _RETRY_MAX)
     local_ip = sock.getsockname()[0]
     try:
         listener = _listen(local_ip, 0)
@@ -379,7 +388,7 @@ def _join(name: str, rank: int, world_size: int, host: str, port: int, secret: b
     c = transport.Connection(sock)
     try:
         c.send(wire.REQUEST, 0, 1, b"", _dumps((name, rank, world_size, listener.getsockname()[:2])))
-        sock.settimeout(max(0.1, deadline - time.monotonic()) + 5.0)
+        sock.settimeout(max(_MIN_ATTEMPT, deadline - time.monotonic()) + _ANSWER_SLACK)
         h, _, body, _ = c.recv()
         sock.settimeout(None)
     except (OSError, transport.PeerClosed) as e:

@@ -529,7 +529,7 @@ def _call_frozen_peer(dst):
 
 def _body_frozen_peer(ctx):
     if ctx.rank == 1:
-        handshake.HANDSHAKE_TIMEOUT = 6.0  # bounds the call without a timeout (default 10 s)
+        os.environ["RPC_CORE_HANDSHAKE_TIMEOUT"] = "6"  # bounds the call without a timeout (default 10 s)
     ctx.init()
     if ctx.rank == 2:
         _wait_signal()  # stopped and resumed by worker0 meanwhile
@@ -562,3 +562,34 @@ def test_first_call_to_a_frozen_peer_fails_within_its_own_timeout_dialling_inclu
     assert kind == "WorkerUnavailableError", (kind, message)
     assert "did not answer the connection handshake within 6 s" in message and "worker2" in message, message
     assert seconds < 6 + 4, slow
+
+
+# -- connection statistics --------------------------------------------------------------------------
+def _echo(t):
+    return t
+
+
+def _body_connection_stats(ctx):
+    if ctx.rank != 0:
+        return None
+    rpc_core.rpc_sync(1, _echo, args=(torch.zeros(1),))  # dials: the counts below are one call's
+    before = agent_mod.connection_stats()
+    tensor = torch.ones(1 << 18)  # 1 MB of float32, there and back
+    assert torch.equal(rpc_core.rpc_sync(1, _echo, args=(tensor,)), tensor)
+    after = agent_mod.connection_stats()
+    assert after == agent_mod.current_agent().connection_stats()
+    return before, after
+
+
+def test_connection_stats_count_the_bytes_of_a_call_both_ways():
+    before, after = run_world(_body_connection_stats, 2)[0]
+    assert after.connections >= 1 and after.connections == before.connections
+    assert after.bytes_sent - before.bytes_sent >= 1 << 20, (before, after)
+    assert after.bytes_received - before.bytes_received >= 1 << 20, (before, after)
+    # By cross-memory attach or through the socket, both count (cma is the part that went by address).
+    assert after.bytes_cma_sent - before.bytes_cma_sent <= after.bytes_sent - before.bytes_sent
+
+
+def test_connection_stats_need_an_initialised_worker():
+    with pytest.raises(rpc_core.RpcNotInitializedError):
+        agent_mod.connection_stats()

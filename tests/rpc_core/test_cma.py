@@ -24,7 +24,7 @@ from tests._world import run_world
 
 IO_TIMEOUT = 30.0
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-MIN = transport._CMA_MIN
+MIN = transport.CMA_MIN
 
 pytestmark = pytest.mark.skipif(not cma.enabled(), reason="process_vm_readv unavailable or RPC_CORE_CMA=0")
 
@@ -36,10 +36,8 @@ def _echo(*tensors):
 
 def _cma_counters():
     """(bytes_cma_sent, bytes_cma_received) over this worker's connections."""
-    agent = rpc_core.agent.current_agent()
-    conns = {id(c): c for c in list(agent._out.values()) + list(agent._incoming)}.values()
-    conns = [c for c in conns if isinstance(c, transport.Connection)]
-    return sum(c.bytes_cma_sent for c in conns), sum(c.bytes_cma_received for c in conns)
+    stats = rpc_core.agent.connection_stats()
+    return stats.bytes_cma_sent, stats.bytes_cma_received
 
 
 def _bits(t):

@@ -99,7 +99,7 @@ def _trickle(sock, data, pace, bound):
 # -- the acceptor's deadline -------------------------------------------------------------------------
 def _body_trickle(ctx, deadline):
     if ctx.rank == 1:
-        handshake.HANDSHAKE_TIMEOUT = deadline  # the whole handshake, shortened for the test
+        os.environ["RPC_CORE_HANDSHAKE_TIMEOUT"] = str(deadline)  # the whole handshake, shortened for the test
     ctx.init()
     if ctx.rank == 1:
         _wait_release()
@@ -169,7 +169,7 @@ def test_dial_gives_up_at_its_timeout_even_when_the_peer_trickles_bytes():
 def _body_cap(ctx):
     if ctx.rank == 1:
         # A long deadline: connections closed within the test's bounds were closed by the cap.
-        handshake.HANDSHAKE_TIMEOUT = 120.0
+        os.environ["RPC_CORE_HANDSHAKE_TIMEOUT"] = "120"
         logging.getLogger("rpc_core").addHandler(_recorder)
     ctx.init()
     if ctx.rank == 1:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import rpc_core
-from rpc_core import agent as agent_mod
+from rpc_core import agent as agent_mod, deadlines
 from tests._world import run_world
 
 _gate = threading.Event()
@@ -132,7 +132,7 @@ def _ones():
 def _body_remote_then_to_here(ctx):
     if ctx.rank != 0:
         return None
-    agent_mod._LAZY_DELAY = 60.0  # no kick within the test: only waiters may read
+    deadlines._LAZY_DELAY = 60.0  # no kick within the test: only waiters may read
     rpc_core.rpc_sync(1, _noop)  # dials the connection
     w0, b0 = _counters()
     kept = []  # no deletes during the loop: one sent on its own would be read in the background

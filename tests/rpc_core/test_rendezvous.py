@@ -247,7 +247,7 @@ def _body_silent_during_rendezvous(ctx, n_silent):
     finally:
         for s in silent:
             s.close()
-    return took, handshake.HANDSHAKE_TIMEOUT
+    return took, handshake.handshake_timeout()
 
 
 def test_silent_connections_do_not_delay_the_rendezvous():

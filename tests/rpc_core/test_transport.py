@@ -311,14 +311,14 @@ def test_a_reader_polls_while_its_waits_are_short_and_blocks_at_once_after_long_
     assert yields
     # That wait (>= 50 ms) pushed the estimate far past the budget: the next wait
     # blocks without a single poll.
-    assert b._wait_estimate > transport._SPIN
+    assert b._wait_estimate > b._spin
     yields.clear()
     assert _recv_after_gap(pool, a, b, 0.05)[2] == b"after the gap"
     assert not yields
     # Short waits bring polling back: the estimate decays toward the recent waits.
     for _ in range(40):
-        b._note_wait(transport._SPIN / 10)
-    assert b._wait_estimate < transport._SPIN
+        b._note_wait(b._spin / 10)
+    assert b._wait_estimate < b._spin
     a.send(wire.REQUEST, 0, 2, b"", b"ready at once")
     assert b.recv()[2] == b"ready at once"  # bytes already there: no wait, no poll
     assert not yields
@@ -337,9 +337,19 @@ def test_a_reader_stops_polling_as_soon_as_another_task_wants_its_cpu(pool, pair
     assert len(yields) == 1  # one poll, then it blocked for the rest of the 50 ms
 
 
-def test_with_polling_switched_off_a_reader_only_blocks(pool, pair, yields, monkeypatch):
-    monkeypatch.setattr(transport, "_SPIN", 0.0)
-    a, b = pair
+@pytest.fixture
+def no_spin_pair(pool, listener, monkeypatch):
+    """Like ``pair``, made while RPC_CORE_SPIN_US=0 (a connection reads it when it is made)."""
+    monkeypatch.setenv("RPC_CORE_SPIN_US", "0")
+    a, b = _connected_pair(pool, listener)
+    assert a._spin == b._spin == 0.0
+    yield a, b
+    a.close()
+    b.close()
+
+
+def test_with_polling_switched_off_a_reader_only_blocks(pool, no_spin_pair, yields):
+    a, b = no_spin_pair
     assert _recv_after_gap(pool, a, b, 0.01)[2] == b"after the gap"
     assert not b.poll(0.01)  # nothing more to read: poll waits its timeout out
     assert not yields
@@ -383,9 +393,8 @@ def test_a_batching_sender_writes_at_once_when_the_reader_sleeps_and_takes_the_q
     assert not a._small_q
 
 
-def test_with_polling_switched_off_a_reader_writes_the_queued_frames_before_it_blocks(pool, pair, monkeypatch):
-    monkeypatch.setattr(transport, "_SPIN", 0.0)
-    a, b = pair
+def test_with_polling_switched_off_a_reader_writes_the_queued_frames_before_it_blocks(pool, no_spin_pair):
+    a, b = no_spin_pair
     a._reading = True  # a reader between two waits: the frame is queued for it
     _frame(a, 1, defer=transport.DEFER_BATCH)
     a._reading = False

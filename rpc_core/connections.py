@@ -1,0 +1,343 @@
+"""A worker's connections: dialling peers (same-host socket first, then TCP), accepting
+theirs, and what happens when one is lost.
+
+Each peer has at most one outgoing connection (``_out``, dialled on first use under a
+per-peer lock; its answers are read by an ``Outbound``) and any number of incoming ones
+(``_incoming``, each served by ``dispatch``'s reading loop). A dialler introduces itself
+with an identity frame (``_HELLO_ID``) right after the handshake.
+
+``Connections`` is a part of ``agent.Agent`` (a mixin: ``send_request`` looks up ``_out``
+and ``_links`` on every call, and the read loops share the agent's state).
+"""
+from __future__ import annotations
+
+import logging
+import pickle
+import socket
+import threading
+import time
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+from . import handshake, transport, wire
+from .completion import Pending
+from .errors import AuthenticationError, ProtocolError, RpcError, RpcTimeoutError, WorkerUnavailableError
+from .options import RpcBackendOptions
+from .outbound import Outbound
+from .pool import ThreadGroup
+from .rendezvous import World, WorkerInfo
+from .serialization import loopback
+
+log = logging.getLogger("rpc_core")
+
+_HELLO_ID = 0  # msg_id of the identity frame a dialer sends first
+
+
+class ConnectionStats(NamedTuple):
+    """Byte counts summed over a worker's open connections (calls to self not included)."""
+
+    bytes_sent: int
+    bytes_received: int
+    bytes_cma_sent: int  # the part of bytes_sent that the peer copied by cross-memory attach
+    bytes_cma_received: int  # the part of bytes_received copied from the peer's memory
+    connections: int  # how many connections were summed
+
+
+class _Loss(NamedTuple):
+    """Why a connection ended."""
+
+    reason: str  # for errors and logs: what happened, with whom
+    malformed: bool  # the peer broke the protocol: drop the connection, but it is no news of the peer's death
+
+
+class _Loopback:
+    """A 'connection' to ourselves: calls to self are serialized and dispatched like any other."""
+
+    def __init__(self, agent: "Connections") -> None:
+        self.agent = agent
+        self.bytes_sent = self.bytes_received = 0
+
+    def send(self, kind: int, flags: int, msg_id: int, head: bytes, body: bytes, buffers: Sequence[memoryview] = (),
+             defer: int = 0) -> None:
+        storages = loopback(buffers)
+        h = wire.FrameHeader(kind, flags, len(buffers), len(head), len(body), msg_id)
+        self.agent._on_frame(self, self.agent.me.id, h, head, body, storages)
+
+    def close(self) -> None:
+        pass
+
+
+class Connections:
+    """The connection table. Uses the agent's ``describe``, the calls' ``_pending``,
+    ``_fail``, ``_on_frame`` and ``_timeout_message`` (``calls``) and the request side's
+    ``_read_loop`` (``dispatch``)."""
+
+    me: WorkerInfo
+    workers: List[WorkerInfo]
+    addresses: Dict[int, Tuple[str, int]]
+    threads: ThreadGroup
+    on_peer_lost: List[Callable[[int, str], None]]
+    _pending: Dict[int, Pending]
+    _closing: bool
+
+    def _init_connections(self, world: World, options: RpcBackendOptions) -> None:
+        self._secret = options.auth_secret
+        # Read once per worker: every dial and accept of this worker uses the same limit.
+        self._handshake_timeout = handshake.handshake_timeout()
+        self._listener = world.listener
+        self._local_listener = world.local_listener  # same-host peers dial this (handshake.listen_local)
+        # Hosts that name this machine: a peer advertised under one of them is dialled locally.
+        self._local_hosts = {"localhost", "::1", self._listener.getsockname()[0]}
+        self._parked: List[transport.Connection] = []  # open but unused (see start)
+        self._lock = threading.Lock()
+        self._incoming_cv = threading.Condition(self._lock)
+        self._out: Dict[int, Any] = {self.me.id: _Loopback(self)}
+        self._links: Dict[int, Outbound] = {}  # who reads each outgoing connection's answers
+        self._dial_locks: Dict[int, threading.Lock] = {w.id: threading.Lock() for w in world.workers}
+        self._admission = handshake.Admission(self.me.name)  # incoming connections in their handshake
+        self._incoming: List[transport.Connection] = []
+        self.dead: Dict[int, str] = {}  # rank -> why it is known to be gone
+        self._world_connections = world.connections
+
+    def _start_connections(self) -> None:
+        """Take over the rendezvous connections and start accepting."""
+        for rank, conn in self._world_connections.items():
+            if self.me.id == 0:
+                self._incoming.append(conn)
+                self._start_reader(conn, rank)
+            else:
+                # Calls to rank 0 go over a same-host socket when there is one; the
+                # rendezvous connection stays open (rank 0 watches it for our exit) but idle.
+                try:
+                    local = self._dial_local(rank, time.monotonic() + self._handshake_timeout)
+                except TimeoutError:
+                    local = None  # no answer there in time: the rendezvous connection will do
+                if local is not None:
+                    self._parked.append(conn)
+                    conn = local
+                self._out[rank] = conn
+                self._start_outbound(conn, rank)
+        self.threads.start(self._accept_loop, "rpc-accept", self._listener)
+        if self._local_listener is not None:
+            self.threads.start(self._accept_loop, "rpc-accept-local", self._local_listener)
+
+    def _connection(self, dst: int, call_deadline: Optional[float] = None, timeout: float = 0.0) -> Any:
+        """The connection to ``dst``, dialled if there is none yet. Dialling gives up at the
+        call's deadline (``call_deadline``, for a call of ``timeout`` s; None: no timeout) or
+        after the handshake timeout, whichever comes first, waiting for another caller's dial included."""
+        conn = self._out.get(dst)
+        if conn is not None:
+            return conn
+        if dst in self.dead:
+            raise WorkerUnavailableError(self.dead[dst])
+        limit = time.monotonic() + self._handshake_timeout
+        by_call = call_deadline is not None and call_deadline <= limit  # whose deadline binds
+        deadline = call_deadline if by_call else limit
+        lock = self._dial_locks[dst]
+        if not lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise self._dial_timed_out(dst, by_call, timeout, "while another call was connecting to it")
+        try:
+            conn = self._out.get(dst)
+            if conn is not None:
+                return conn
+            try:
+                conn = self._dial(dst, deadline)
+            except TimeoutError as e:
+                connected = getattr(e, "connected", True)
+                raise self._dial_timed_out(dst, by_call, timeout, "" if connected else "(the connection was not even accepted)") from None
+            except OSError as e:  # refused, reset, closed: nobody there any more
+                host, port = self.addresses[dst]
+                raise WorkerUnavailableError(
+                    f"cannot reach {self.describe(dst)} at {host}:{port} ({e.__class__.__name__}: {e}); "
+                    "it has probably exited or crashed"
+                ) from None
+            self._start_outbound(conn, dst)
+            self._out[dst] = conn
+            return conn
+        finally:
+            lock.release()
+
+    def _dial_timed_out(self, dst: int, by_call: bool, timeout: float, detail: str) -> RpcError:
+        """The error of a call whose dial ran out of time: its own timeout (RpcTimeoutError,
+        like any call that ran too long), or the handshake limit (the worker is there but mute)."""
+        host, port = self.addresses[dst]
+        what = f"{self.describe(dst)} at {host}:{port} did not answer the connection handshake"
+        if detail:
+            what += " " + detail
+        if by_call:
+            return RpcTimeoutError(f"{self._timeout_message(timeout, dst)}: {what}; it may be stopped, frozen "
+                                   "or overloaded")
+        return WorkerUnavailableError(
+            f"cannot reach {what} within {self._handshake_timeout:g} s (RPC_CORE_HANDSHAKE_TIMEOUT); "
+            "it is probably stopped, frozen or overloaded, or its host is unreachable"
+        )
+
+    def _dial(self, dst: int, deadline: float) -> transport.Connection:
+        """Dial ``dst`` by ``deadline``: over its same-host socket if it has one, else TCP. Both
+        share the deadline, and a same-host dial that timed out (the peer's kernel took the
+        connection but the worker never answered: it is stopped or frozen) is not tried again
+        over TCP: the same process would not answer there either."""
+        conn = self._dial_local(dst, deadline)
+        if conn is not None:
+            return conn
+        host, port = self.addresses[dst]
+        sock = transport.dial((host, port), self._secret, deadline - time.monotonic())
+        try:
+            return self._introduce(sock)
+        except BaseException:
+            sock.close()
+            raise
+
+    def _dial_local(self, dst: int, deadline: float) -> Optional[transport.Connection]:
+        """A connection to ``dst`` over its same-host socket, or None (remote host, none
+        there, or anything but a timeout going wrong: the caller then dials TCP). Raises
+        TimeoutError if ``dst`` did not answer by ``deadline``."""
+        host, port = self.addresses[dst]
+        if not handshake.local_enabled() or not (host in self._local_hosts or host.startswith("127.")):
+            return None
+        sock = None
+        try:
+            sock = transport.dial(handshake.local_address(port), self._secret, deadline - time.monotonic())
+            return self._introduce(sock)
+        except TimeoutError:
+            if sock is not None:
+                sock.close()
+            raise
+        except Exception as e:  # noqa: BLE001 - TCP is always there to fall back on
+            if sock is not None:
+                sock.close()  # before the peer could count it as ours (it has no identity frame)
+            log.debug("rpc_core %s: no same-host connection to %s (%r); using TCP", self.me.name, self.describe(dst), e)
+            return None
+
+    def _introduce(self, sock: socket.socket) -> transport.Connection:
+        conn = transport.Connection(sock)
+        conn.send(wire.REQUEST, wire.CONTROL, _HELLO_ID, b"", pickle.dumps(self.me.id))
+        return conn
+
+    def _accept_loop(self, listener: socket.socket) -> None:
+        while not self._closing:
+            try:
+                sock, peer = listener.accept()
+            except OSError:
+                return
+            if not isinstance(peer, tuple):
+                peer = ("local", 0)  # a Unix socket's peer has no address
+            deadline = time.monotonic() + self._handshake_timeout
+            if not self._admission.admit(sock, peer):
+                sock.close()  # shutting down
+                return
+            self.threads.start(self._serve_incoming, "rpc-in", sock, peer, deadline)
+
+    def _serve_incoming(self, sock: socket.socket, peer: Tuple[str, int], deadline: float) -> None:
+        """Authenticate an accepted connection and read its identity frame, all by ``deadline``,
+        then serve its requests."""
+        try:
+            transport.accept(sock, self._secret, deadline - time.monotonic(), self._admission)
+            h, body = handshake.read_intro(sock, deadline)
+            if h.msg_id != _HELLO_ID:
+                raise ProtocolError("first frame is not an identity frame")
+            src = pickle.loads(body)
+            if not isinstance(src, int) or not 0 <= src < len(self.workers):
+                raise ProtocolError(f"bad identity {src!r}")
+            conn = transport.Connection(sock)
+        except AuthenticationError:
+            log.warning("rpc_core %s: rejected a connection from %s:%s: wrong or missing auth secret",
+                        self.me.name, peer[0], peer[1])
+            sock.close()
+            return
+        except (ProtocolError, OSError, transport.PeerClosed, pickle.UnpicklingError, ValueError, EOFError) as e:
+            log.warning("rpc_core %s: dropped a connection from %s:%s: %s", self.me.name, peer[0], peer[1], e)
+            sock.close()
+            return
+        with self._lock:
+            if self._closing:
+                conn.close()
+                return
+            self._incoming.append(conn)
+        self._read_loop(conn, src)
+
+    def _start_reader(self, conn: transport.Connection, peer: int) -> None:
+        """Serve the requests arriving on an incoming connection."""
+        self.threads.start(self._read_loop, f"rpc-read-{peer}", conn, peer)
+
+    def _start_outbound(self, conn: transport.Connection, peer: int) -> None:
+        def deliver(frame: tuple) -> None:
+            self._on_frame(conn, peer, *frame)
+
+        def lost(e: BaseException) -> None:
+            self._connection_lost(conn, peer, True, self._loss(peer, e))
+
+        self._links[peer] = Outbound(conn, deliver, lost, f"rpc-read-{peer}", self.threads)
+
+    def _loss(self, peer: int, e: BaseException) -> _Loss:
+        """Why the connection with ``peer`` ended, from the error that ended it."""
+        if isinstance(e, ProtocolError):
+            reason = f"malformed bytes from {self.describe(peer)}: {e}"
+            log.warning("rpc_core %s: dropping connection: %s", self.me.name, reason)
+        elif isinstance(e, (OSError, transport.PeerClosed)):
+            reason = f"{self.describe(peer)} closed the connection ({e}); it has probably exited or crashed"
+        else:
+            reason = f"the connection to {self.describe(peer)} failed on {self.me.name}: {e!r}"
+            log.error("rpc_core %s: dropping connection: %s", self.me.name, reason, exc_info=e)
+        return _Loss(reason, isinstance(e, ProtocolError))
+
+    def _connection_lost(self, conn: transport.Connection, peer: int, outgoing: bool, loss: _Loss) -> None:
+        """Forget ``conn``. An outgoing connection's loss fails the calls made over it; an
+        incoming one's tells rank 0 that the peer is gone (the peer's outgoing connection
+        to rank 0 closes when it exits), unless the peer only sent garbage."""
+        conn.close()
+        with self._lock:
+            if conn in self._incoming:
+                self._incoming.remove(conn)
+                self._incoming_cv.notify_all()
+            if self._out.get(peer) is conn:
+                del self._out[peer]
+            link = self._links.get(peer)
+            if link is not None and link.conn is conn:
+                del self._links[peer]
+                link.close()
+        if self._closing:
+            return
+        if outgoing or (self.me.id == 0 and peer != 0 and not loss.malformed):
+            self._peer_lost(peer, loss.reason, conn if outgoing else None)
+
+    def _peer_lost(self, peer: int, reason: str, conn: Any) -> None:
+        if self.me.id == 0 or peer == 0:
+            self.dead.setdefault(peer, reason)
+        for msg_id, rec in list(self._pending.items()):
+            if rec.dst == peer:
+                self._fail(msg_id, WorkerUnavailableError(reason), inline=False)
+        for cb in self.on_peer_lost:
+            cb(peer, reason)
+
+    def _lost_error(self, dst: int, e: BaseException) -> WorkerUnavailableError:
+        return WorkerUnavailableError(f"sending to {self.describe(dst)} failed ({e}); it has probably exited or crashed")
+
+    def wait_incoming_closed(self, timeout: float) -> None:
+        """Rank 0, at the end of graceful shutdown: let peers close first, so our last
+        replies are read before our sockets go away."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while self._incoming and time.monotonic() < deadline:
+                self._incoming_cv.wait(max(0.0, deadline - time.monotonic()))
+
+    def connection_stats(self) -> ConnectionStats:
+        """Bytes sent and received so far over this worker's open connections, both ways."""
+        with self._lock:
+            conns = {id(c): c for c in [*self._out.values(), *self._incoming] if isinstance(c, transport.Connection)}
+        cs = list(conns.values())
+        return ConnectionStats(sum(c.bytes_sent for c in cs), sum(c.bytes_received for c in cs),
+                               sum(c.bytes_cma_sent for c in cs), sum(c.bytes_cma_received for c in cs), len(cs))
+
+    def _close_listeners(self) -> None:
+        self._admission.close()  # wakes the threads still in a handshake
+        for listener in (self._listener, self._local_listener):
+            if listener is None:
+                continue
+            try:
+                listener.shutdown(socket.SHUT_RDWR)  # wakes the accept loop (close alone does not)
+            except OSError:
+                pass
+            try:
+                listener.close()
+            except OSError:
+                pass

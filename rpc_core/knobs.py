@@ -1,0 +1,111 @@
+"""Every ``RPC_CORE_*`` environment variable rpc_core reads, parsed here and nowhere else.
+
+Each knob is read when it is needed, never at import time, so a variable set after
+``import rpc_core`` (by a launcher, a test, a notebook) still counts. Where a value is
+used on the per-message path it is read once when the object that uses it is made, and
+the knob's doc says when that is.
+
+One rule for booleans: ``1/true/yes/on`` is true, ``0/false/no/off`` false (any case,
+surrounding blanks ignored); unset or empty means the default; anything else raises
+ValueError naming the variable and the accepted values. Numbers that are not numbers, or
+out of range, raise ValueError the same way.
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable, Dict, NamedTuple
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+class Knob(NamedTuple):
+    """One variable: its name, its default (as it would be written in the environment) and
+    what it does, in one line (the README's table says the same)."""
+
+    name: str
+    default: str
+    doc: str
+
+
+SPIN_US = Knob("RPC_CORE_SPIN_US", "2000",
+               "µs a reader polls its socket before sleeping in recv; 0 never polls (read when a connection is made)")
+UDS = Knob("RPC_CORE_UDS", "1", "0 keeps same-host workers on TCP loopback instead of Unix sockets")
+CMA = Knob("RPC_CORE_CMA", "1", "0 turns off cross-memory attach for large same-host tensors (read per connection)")
+MALLOC_TUNE = Knob("RPC_CORE_MALLOC_TUNE", "1", "0 leaves glibc's malloc thresholds as they are (read by init_rpc)")
+HANDSHAKE_TIMEOUT = Knob("RPC_CORE_HANDSHAKE_TIMEOUT", "10",
+                         "seconds a connection's whole handshake may take, either side (read when a worker starts "
+                         "and by each rendezvous step)")
+AUTH_SECRET = Knob("RPC_CORE_AUTH_SECRET", "",
+                   "shared secret when RpcBackendOptions(auth_secret=...) is not given (read by init_rpc)")
+
+KNOBS: Dict[str, Knob] = {k.name: k for k in (SPIN_US, UDS, CMA, MALLOC_TUNE, HANDSHAKE_TIMEOUT, AUTH_SECRET)}
+
+
+def _raw(knob: Knob) -> str:
+    """The variable's text, or its default when unset or blank."""
+    raw = os.environ.get(knob.name, "").strip()
+    return raw if raw else knob.default
+
+
+def flag(knob: Knob) -> bool:
+    raw = _raw(knob)
+    low = raw.lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    raise ValueError(f"{knob.name}={raw!r}: expected one of {'/'.join(_TRUE)} (on) or {'/'.join(_FALSE)} (off); "
+                     f"default {knob.default}")
+
+
+def number(knob: Knob, ok: Callable[[float], bool], expected: str) -> float:
+    raw = _raw(knob)
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not ok(value):  # NaN fails every range test
+        raise ValueError(f"{knob.name}={raw!r}: expected {expected}, e.g. {knob.name}={knob.default}")
+    return value
+
+
+def spin_seconds() -> float:
+    """How long a reader may poll its socket before it sleeps (``RPC_CORE_SPIN_US``), in s."""
+    return number(SPIN_US, lambda v: v >= 0, "a number of microseconds >= 0") * 1e-6
+
+
+def uds() -> bool:
+    """Whether same-host workers talk over Unix sockets (``RPC_CORE_UDS``)."""
+    return flag(UDS)
+
+
+def cma() -> bool:
+    """Whether this process offers and accepts cross-memory attach (``RPC_CORE_CMA``)."""
+    return flag(CMA)
+
+
+def malloc_tune() -> bool:
+    """Whether ``memory.tune`` may set glibc's malloc thresholds (``RPC_CORE_MALLOC_TUNE``)."""
+    return flag(MALLOC_TUNE)
+
+
+def handshake_timeout() -> float:
+    """The longest a whole connection handshake may take, in s (``RPC_CORE_HANDSHAKE_TIMEOUT``)."""
+    return number(HANDSHAKE_TIMEOUT, lambda v: 0 < v < float("inf"), "a positive number of seconds")
+
+
+def auth_secret() -> str:
+    """The shared secret from the environment (``RPC_CORE_AUTH_SECRET``); empty: none."""
+    return os.environ.get(AUTH_SECRET.name, "")
+
+
+def check() -> None:
+    """Parse every knob once, raising the first ValueError: ``rendezvous`` (the first step
+    of ``init_rpc``) calls this, so a bad value fails ``init_rpc`` on the caller's thread
+    instead of later in a handshake thread, where it would only drop a connection."""
+    spin_seconds()
+    uds()
+    cma()
+    malloc_tune()
+    handshake_timeout()
