@@ -74,7 +74,7 @@ runs, not to judge the targets.
 Steps (per trainer): full run: mlp 2000, cnn 400; --quick: mlp 600, cnn 100.
 
 Ratios: rpc_core/torch = ps_train rpc_core / ps_train torch; rpc_core/single = ps_train
-rpc_core / single-process, both in samples/s (higher is better). The targets of issue 6 are
+rpc_core / single-process, both in samples/s (higher is better). The targets are
 printed below the table with whether this run met them: MLP 1+1 rpc_core/torch >= 3,
 MLP 2+2 rpc_core/torch >= 1.5, CNN 1+1 rpc_core/single >= 0.85 and rpc_core/torch > 1.
 
@@ -425,7 +425,7 @@ def render(rows, targets, info) -> str:
                    "(shared cores: compare ratios within one run).")
     if targets:
         out.append("")
-        out.append("targets (issue 6), ps_train on rpc_core:")
+        out.append("targets, ps_train on rpc_core:")
         w = max(len(t["target"]) for t in targets)
         for t in targets:
             v = f"{t['value']:.2f}x" if t["value"] is not None else "-"

@@ -1,4 +1,4 @@
-"""Distributed autograd (issue 3): gradients across workers against a plain-torch oracle.
+"""Distributed autograd: gradients across workers against a plain-torch oracle.
 
 Every correctness case runs its computation twice on worker0 (the trainer): once in one
 process with plain torch autograd (``dist=False``: remote calls become local calls) and

@@ -1,4 +1,4 @@
-"""DistributedOptimizer (issue 3) against the same torch.optim optimizer run locally.
+"""DistributedOptimizer against the same torch.optim optimizer run locally.
 
 Parameters live on worker1 and worker2 (two nn.Module shards) and on the trainer itself
 (worker0); worker3 owns a shard the forward never uses. For every optimizer configuration

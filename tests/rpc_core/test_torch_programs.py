@@ -1,4 +1,4 @@
-"""Existing torch.distributed programs run on rpc_core after swapping their imports (issue 3).
+"""Existing torch.distributed programs run on rpc_core after swapping their imports.
 
 ``torch_ps_tutorial.py`` is the parameter server of PyTorch's RPC tutorial, written against
 ``torch.distributed.rpc`` / ``torch.distributed.autograd`` / ``torch.distributed.optim``.
