@@ -10,6 +10,7 @@ import ast
 from pathlib import Path
 
 import ps_train
+from tests._graphs import cycles
 
 PACKAGE_DIR = Path(ps_train.__file__).resolve().parent
 # The entry points: what starts a run may import the launcher; nothing the launcher starts may.
@@ -62,38 +63,8 @@ def import_graph() -> dict[str, set[str]]:
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components with more than one module (Tarjan), each sorted."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    found: list[list[str]] = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on_stack.add(v)
-        for w in sorted(graph.get(v, ())):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            component = []
-            while True:
-                w = stack.pop()
-                on_stack.discard(w)
-                component.append(w)
-                if w == v:
-                    break
-            if len(component) > 1:
-                found.append(sorted(component))
-
-    for v in sorted(graph):
-        if v not in index:
-            visit(v)
-    return found
+    """Strongly connected components with more than one module, each sorted."""
+    return cycles(graph)
 
 
 def _describe(graph: dict[str, set[str]], component: list[str]) -> str:

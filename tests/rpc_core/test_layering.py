@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import rpc_core
+from tests._graphs import cycles
 
 PACKAGE = "rpc_core"
 # The application's dependencies: rpc_core needs torch and the standard library only.
@@ -98,37 +99,7 @@ def find_cycles(edges: Sequence[Edge]) -> List[List[str]]:
     for a, b, _ in edges:
         graph.setdefault(a, set()).add(b)
         graph.setdefault(b, set())
-    index: Dict[str, int] = {}
-    low: Dict[str, int] = {}
-    stack: List[str] = []
-    on_stack: Set[str] = set()
-    out: List[List[str]] = []
-
-    def visit(v: str) -> None:  # Tarjan's algorithm; rpc_core is small enough for recursion
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on_stack.add(v)
-        for w in graph[v]:
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on_stack:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                on_stack.discard(w)
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1:
-                out.append(sorted(comp))
-
-    for v in sorted(graph):
-        if v not in index:
-            visit(v)
-    return sorted(out)
+    return cycles(graph)
 
 
 def _label(name: str) -> str:
