@@ -63,9 +63,7 @@ class Impl:
             self.optim, self.optim_error = None, f"{type(e).__name__}: {e}"
 
     def options(self, init_method: str, num_worker_threads: int, rpc_timeout: float, extra: dict):
-        cls = getattr(self.rpc, "TensorPipeRpcBackendOptions", None) or getattr(
-            self.rpc, "RpcBackendOptions"
-        )
+        cls = getattr(self.rpc, "TensorPipeRpcBackendOptions", None) or self.rpc.RpcBackendOptions
         return cls(
             num_worker_threads=num_worker_threads,
             rpc_timeout=rpc_timeout,

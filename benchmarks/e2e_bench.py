@@ -132,8 +132,17 @@ TARGETS = [
 def make_config(model: str, servers: int, trainers: int, backend: str, steps: int,
                 batch_size: int = BATCH_SIZE):
     """The validated ps_train ``Config`` every implementation trains (see module docstring)."""
-    from ps_train.config import (CheckpointConfig, ClusterConfig, CNNConfig, Config, LoggingConfig,
-                                 MLPConfig, SyntheticConfig, TrainConfig, validate)
+    from ps_train.config import (
+        CheckpointConfig,
+        ClusterConfig,
+        CNNConfig,
+        Config,
+        LoggingConfig,
+        MLPConfig,
+        SyntheticConfig,
+        TrainConfig,
+        validate,
+    )
 
     cfg = Config(
         experiment=f"e2e_{model}_{servers}x{trainers}",

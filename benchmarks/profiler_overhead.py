@@ -39,7 +39,7 @@ def _set_profiler_middleware(installed: bool) -> None:
     agent.middleware = others + [profiler._Middleware(agent.me.id)] if installed else others
 
 
-def _worker(rank: int, port: int, reps: int, calls: int, out: "mp.Queue") -> None:
+def _worker(rank: int, port: int, reps: int, calls: int, out: mp.Queue) -> None:
     sys.path.insert(0, REPO)
     import torch
 

@@ -86,6 +86,7 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 from _format import fmt  # noqa: E402 (the benchmarks folder is on the path just above)
+
 from ps_train.ports import free_port  # noqa: E402
 
 IMPLS = ("torch", "rpc_core")

@@ -18,7 +18,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import List, Optional
 
 
 def _run(run_dir: Path, trainers: int, steps: int, timeout: float) -> tuple:
@@ -38,7 +37,7 @@ def _run(run_dir: Path, trainers: int, steps: int, timeout: float) -> tuple:
     return True, wall, "", metrics["final_train_loss"]
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=10)
     ap.add_argument("--trainers", type=int, default=8)

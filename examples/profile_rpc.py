@@ -43,8 +43,8 @@ def udf_with_ops() -> torch.Tensor:
 def worker(rank: int, port: int, trace_path: str) -> None:
     torch.set_num_threads(1)
     import rpc_core as rpc
-    from rpc_core import profiler
     from examples import profile_rpc as this  # a module name both workers import the UDF from
+    from rpc_core import profiler
 
     rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2,
                  rpc_backend_options=rpc.RpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}"))

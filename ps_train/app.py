@@ -11,7 +11,7 @@ import platform
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from ps_train.checkpoint_files import atomic_write_text
 from ps_train.config import Config, ConfigError, config_to_dict
@@ -20,7 +20,7 @@ from ps_train.launch import launch_local, run_rank
 log = logging.getLogger("ps_train")
 
 
-def run(cfg: Config, run_dir: str, overrides: Optional[List[str]] = None, timeout: Optional[float] = None) -> Optional[Dict[str, Any]]:
+def run(cfg: Config, run_dir: str, overrides: list[str] | None = None, timeout: float | None = None) -> dict[str, Any] | None:
     """Train ``cfg``; outputs go to ``run_dir``. Returns the final metrics (on the process
     that has them: always with the local launcher, trainer0's rank with ``launcher=env``).
 
@@ -96,12 +96,12 @@ def env_init_method(cfg: Config, rank: int) -> str:
     return f"tcp://{addr}:{chosen}"
 
 
-def write_provenance(run_dir: str, cfg: Config, overrides: List[str]) -> None:
+def write_provenance(run_dir: str, cfg: Config, overrides: list[str]) -> None:
     """What it takes to reproduce the run: the resolved config, the command-line overrides,
     package versions and the git revision, in ``<run_dir>/provenance.json``."""
     import torch
 
-    info: Dict[str, Any] = {
+    info: dict[str, Any] = {
         "argv": sys.argv,
         "overrides": overrides,
         "config": config_to_dict(cfg),

@@ -6,9 +6,9 @@ asks for ``rpc()``, ``dist_autograd()`` and builds options through ``make_option
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Any, Optional
+from typing import Any
 
-_name: Optional[str] = None
+_name: str | None = None
 
 
 def select(name: str) -> None:
@@ -38,7 +38,7 @@ def dist_autograd() -> ModuleType:
     return m
 
 
-def make_options(init_method: str, rpc_timeout: float, num_worker_threads: int, secret: Optional[str]) -> Any:
+def make_options(init_method: str, rpc_timeout: float, num_worker_threads: int, secret: str | None) -> Any:
     if name() == "torch":
         import torch.distributed.rpc as trpc
 

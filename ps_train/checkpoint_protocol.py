@@ -13,12 +13,20 @@ trainer0's step.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional
+from typing import Any
 
 from ps_train.checkpoint_files import (
-    CheckpointError, Manifest, begin_checkpoint, capture_rng_state, load_shard_state, prune_checkpoints, read_manifest,
-    resolve_resume, write_manifest,
+    CheckpointError,
+    Manifest,
+    begin_checkpoint,
+    capture_rng_state,
+    load_shard_state,
+    prune_checkpoints,
+    read_manifest,
+    resolve_resume,
+    write_manifest,
 )
 from ps_train.config import Config, ConfigError, config_to_dict
 from ps_train.data import steps_per_epoch
@@ -26,12 +34,12 @@ from ps_train.data import steps_per_epoch
 log = logging.getLogger("ps_train.checkpoint")
 
 
-def load_server_state(ps: Any, resume_state: Dict[str, Any]) -> None:
+def load_server_state(ps: Any, resume_state: dict[str, Any]) -> None:
     """Before the job starts: give server ``ps`` (a ``ParameterServer``) its saved state."""
     ps.load_state_dict(resume_state["servers"][f"ps{ps.rank}"])
 
 
-def data_position(cfg: Config, n_items: int, step: int) -> Dict[str, int]:
+def data_position(cfg: Config, n_items: int, step: int) -> dict[str, int]:
     """Where every trainer's batch iterator stands after ``step`` steps (the same for all)."""
     spe = steps_per_epoch(n_items, cfg.cluster.num_trainers, cfg.train.batch_size)
     return {"epoch": step // spe, "offset": (step % spe) * cfg.train.batch_size}
@@ -58,7 +66,7 @@ def save(trainer: Any, step: int) -> Path:
     return ckpt
 
 
-def checkpoint_hook(cfg: Config, run_dir: str) -> Optional[Callable[[Any, int], None]]:
+def checkpoint_hook(cfg: Config, run_dir: str) -> Callable[[Any, int], None] | None:
     """The per-step callback trainer0 runs: checkpoint every ``checkpoint.every`` steps and
     after the last step."""
 
@@ -72,7 +80,7 @@ def checkpoint_hook(cfg: Config, run_dir: str) -> Optional[Callable[[Any, int], 
     return hook
 
 
-def load_resume_state(path: str, server: Optional[str] = None) -> Dict[str, Any]:
+def load_resume_state(path: str, server: str | None = None) -> dict[str, Any]:
     """Read the latest complete checkpoint under ``path`` (a run dir or checkpoint dir).
 
     ``server``: also load that server's state file (``ps0``, ...), hash-verified; trainers
@@ -97,7 +105,7 @@ def load_resume_state(path: str, server: Optional[str] = None) -> Dict[str, Any]
     }
 
 
-def check_resumable(cfg: Config, path: str) -> Dict[str, Any]:
+def check_resumable(cfg: Config, path: str) -> dict[str, Any]:
     """In the launcher, before any role starts: the checkpoint to resume from exists and was
     written by a run this config can continue (same model, cluster shape, seed and data)."""
     state = load_resume_state(path)

@@ -14,7 +14,7 @@ same ``bottom`` and ``top`` modules and splits each table by rows across servers
 """
 from __future__ import annotations
 
-from typing import List, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
@@ -27,7 +27,7 @@ __all__ = ["mlp", "interact", "interaction_size", "DLRM"]
 def mlp(sizes: Sequence[int], last_relu: bool) -> nn.Sequential:
     """Linear layers ``sizes[0] -> sizes[1] -> ...`` with ReLU between them (and after the
     last one if ``last_relu``)."""
-    layers: List[nn.Module] = []
+    layers: list[nn.Module] = []
     for i, (n_in, n_out) in enumerate(zip(sizes[:-1], sizes[1:])):
         layers.append(nn.Linear(n_in, n_out))
         if last_relu or i < len(sizes) - 2:

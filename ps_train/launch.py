@@ -28,14 +28,14 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import torch
 
-from rpc_core import memory
 from ps_train import backend
 from ps_train.config import Config, config_to_dict, from_dictconfig
 from ps_train.ports import free_port  # also re-exported: ps_train.launch.free_port predates ps_train.ports
+from rpc_core import memory
 
 log = logging.getLogger("ps_train")
 
@@ -66,8 +66,8 @@ def _setup_logging(run_dir: str, name: str, level: str) -> None:
     root.setLevel(level)
 
 
-def run_rank(cfg: Config, rank: int, master_addr: str, master_port: int, secret: Optional[str], run_dir: str,
-             resume: Optional[str] = None, init_method: Optional[str] = None) -> Optional[Dict[str, Any]]:
+def run_rank(cfg: Config, rank: int, master_addr: str, master_port: int, secret: str | None, run_dir: str,
+             resume: str | None = None, init_method: str | None = None) -> dict[str, Any] | None:
     """Run one role until the whole job is done; returns the metrics on trainer0.
 
     ``resume``: a complete checkpoint dir (see ``checkpoint_files.resolve_resume``) to start from.
@@ -128,8 +128,8 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, name="exit-with-launcher", daemon=True).start()
 
 
-def _child(cfg_dict: Dict[str, Any], rank: int, port: int, secret: str, run_dir: str,
-           resume: Optional[str], results: Any, env: Dict[str, str], cwd: str) -> None:
+def _child(cfg_dict: dict[str, Any], rank: int, port: int, secret: str, run_dir: str,
+           resume: str | None, results: Any, env: dict[str, str], cwd: str) -> None:
     name = role_name(rank, cfg_dict["cluster"]["num_servers"])
     try:
         # The forkserver was started by an earlier launch: take this launch's environment.
@@ -166,8 +166,8 @@ def _context() -> Any:
     return mp.get_context("spawn")
 
 
-def launch_local(cfg: Config, run_dir: str, resume: Optional[str] = None,
-                 timeout: Optional[float] = None) -> Dict[str, Any]:
+def launch_local(cfg: Config, run_dir: str, resume: str | None = None,
+                 timeout: float | None = None) -> dict[str, Any]:
     """Start every role as a process on this machine; return trainer0's metrics.
 
     Raises ``RoleFailed`` naming the first role that failed (or, with ``timeout`` seconds,
@@ -218,7 +218,7 @@ def _checkpoint_hint(run_dir: str) -> str:
             else "no checkpoint was written yet; the run has to start over")
 
 
-def _watch(procs: Dict[int, Any], S: int, run_dir: str, deadline: Optional[float]) -> None:
+def _watch(procs: dict[int, Any], S: int, run_dir: str, deadline: float | None) -> None:
     """Wait for all roles; on the first failure stop and name the role."""
     alive = dict(procs)
     while alive:
@@ -227,7 +227,7 @@ def _watch(procs: Dict[int, Any], S: int, run_dir: str, deadline: Optional[float
         if not ready:
             raise RoleFailed(f"the run did not finish within its time limit; roles still running: "
                              f"{[role_name(r, S) for r in alive]}; {_checkpoint_hint(run_dir)}")
-        failed: List[int] = []
+        failed: list[int] = []
         for rank, p in list(alive.items()):
             if p.sentinel in ready:
                 p.join()

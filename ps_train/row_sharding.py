@@ -20,8 +20,8 @@ into place (``assemble``); the backward sends back the gradients of exactly thos
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import List, Sequence
 
 import torch
 from torch import Tensor
@@ -122,8 +122,8 @@ class TableLookup:
 
     num_unique: int
     inverse: Tensor
-    positions: List[Tensor]
-    local: List[Tensor]
+    positions: list[Tensor]
+    local: list[Tensor]
 
 
 def plan_lookup(ids: Tensor, sharding: RowSharding) -> TableLookup:

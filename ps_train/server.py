@@ -29,22 +29,22 @@ from __future__ import annotations
 import copy
 import logging
 import threading
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import torch
 from torch import nn
 from torch.func import functional_call
 
-from rpc_core.functions import async_execution
 from ps_train import backend
 from ps_train.checkpoint_files import ShardFile, save_shard_state
 from ps_train.config import Config, optimizer_spec
 from ps_train.faults import maybe_inject_fault
 from ps_train.stage_sharding import model_shards, shards_of_server
+from rpc_core.functions import async_execution
 
 log = logging.getLogger("ps_train.server")
 
-_server: Optional["ParameterServer"] = None
+_server: ParameterServer | None = None
 
 
 class ParameterServer:
@@ -55,21 +55,21 @@ class ParameterServer:
         self.num_trainers = cfg.cluster.num_trainers
         # Every server builds the whole seeded model and keeps its own shards (module docstring).
         shards = shards_of_server(model_shards(cfg), rank)
-        self.shards: Dict[int, nn.Module] = {s.index: s.module for s in shards}
-        self.params: List[nn.Parameter] = [p for m in self.shards.values() for p in m.parameters()]
+        self.shards: dict[int, nn.Module] = {s.index: s.module for s in shards}
+        self.params: list[nn.Parameter] = [p for m in self.shards.values() for p in m.parameters()]
         self.seed = cfg.seed
         self.has_dropout = any(isinstance(x, nn.Dropout) and x.p > 0 for m in self.shards.values() for x in m.modules())
         cls, kwargs = optimizer_spec(cfg.optim)
         self.optimizer = cls(self.params, **kwargs) if self.params else None
         self.lock = threading.Lock()
-        self._eval_copies: Dict[int, Any] = {}  # shard -> (version, eval-mode copy)
+        self._eval_copies: dict[int, Any] = {}  # shard -> (version, eval-mode copy)
         self.forward_lock = threading.Lock()
         self.version = 0  # updates applied so far
         self.updates = {i: 0 for i in self.shards}
-        self._read_version: Dict[int, int] = {}
-        self._rounds: Dict[int, Dict[str, Any]] = {}
-        self._clock: Dict[int, int] = {}
-        self._clock_waiters: List[Any] = []
+        self._read_version: dict[int, int] = {}
+        self._rounds: dict[int, dict[str, Any]] = {}
+        self._clock: dict[int, int] = {}
+        self._clock_waiters: list[Any] = []
         self.max_staleness_seen = 0
         # BatchNorm updates its running statistics in place during the forward: in sync mode
         # the trainers' forwards of a step run on each shard in trainer-rank order, so those
@@ -79,8 +79,8 @@ class ParameterServer:
             for m in self.shards.values() for x in m.modules())
         self._turn = threading.Condition()
         self.rounds = 0  # sync mode: steps whose update is applied (all trainers' gradients)
-        self._failed_round: Optional[tuple] = None  # (step, error) of an update that failed
-        self._forwards_done: Dict[tuple, int] = {}  # (shard, step) -> trainers whose forward ran
+        self._failed_round: tuple | None = None  # (step, error) of an update that failed
+        self._forwards_done: dict[tuple, int] = {}  # (shard, step) -> trainers whose forward ran
 
     # -- forward ----------------------------------------------------------------------------------
     def forward(self, shard: int, x: torch.Tensor, trainer: int = -1, step: int = -1) -> torch.Tensor:
@@ -144,16 +144,16 @@ class ParameterServer:
         with torch.no_grad():
             return cached[1](x)
 
-    def parameter_rrefs(self) -> List[Any]:
+    def parameter_rrefs(self) -> list[Any]:
         rpc = backend.rpc()
         return [rpc.RRef(p) for p in self.params]
 
     # -- updates ----------------------------------------------------------------------------------
-    def _grads(self, context_id: int) -> Dict[nn.Parameter, torch.Tensor]:
+    def _grads(self, context_id: int) -> dict[nn.Parameter, torch.Tensor]:
         grads = backend.dist_autograd().get_gradients(context_id)
         return {p: grads[p] for p in self.params if p in grads}
 
-    def _step(self, grads: Dict[nn.Parameter, torch.Tensor]) -> None:
+    def _step(self, grads: dict[nn.Parameter, torch.Tensor]) -> None:
         # Caller holds self.lock.
         if self.optimizer is None:
             return
@@ -180,7 +180,7 @@ class ParameterServer:
                 complete = len(r["grads"]) == self.num_trainers
                 if complete:
                     del self._rounds[step]
-                    total: Dict[nn.Parameter, torch.Tensor] = {}
+                    total: dict[nn.Parameter, torch.Tensor] = {}
                     for t in sorted(r["grads"]):  # rank order: the same float sums every run
                         for p, g in r["grads"][t].items():
                             total[p] = g if p not in total else total[p] + g
@@ -231,8 +231,8 @@ class ParameterServer:
         self.clock(trainer, 1 << 60)
 
     # -- state ------------------------------------------------------------------------------------
-    def stats(self) -> Dict[str, Any]:
-        out: Dict[str, Any] = {"version": self.version, "updates": dict(self.updates),
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"version": self.version, "updates": dict(self.updates),
                                "max_staleness": self.max_staleness_seen}
         if backend.name() == "rpc_core":
             from rpc_core.agent import connection_stats
@@ -242,7 +242,7 @@ class ParameterServer:
             out["bytes_received"] = conns.bytes_received
         return out
 
-    def state_dict(self) -> Dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         with self.lock:
             return {
                 "shards": {i: copy.deepcopy(m.state_dict()) for i, m in self.shards.items()},
@@ -258,7 +258,7 @@ class ParameterServer:
         coordinator (``ps_train.checkpoint_protocol``) calls it through the server's RRef."""
         return save_shard_state(ckpt_dir, f"ps{self.rank}", self.state_dict())
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         with self.lock:
             for i, sd in state["shards"].items():
                 self.shards[int(i)].load_state_dict(sd)

@@ -9,7 +9,7 @@ updates only those rows.
 """
 from __future__ import annotations
 
-from typing import List, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +37,7 @@ class TableShards(nn.Module):
                 weight[start:stop] = init_rows(seed, t, n, dim, sh.global_ids(server, start, stop))
             self.weights.append(nn.Parameter(weight))
 
-    def lookup(self, local_ids: List[Tensor]) -> List[Tensor]:
+    def lookup(self, local_ids: list[Tensor]) -> list[Tensor]:
         """Rows ``local_ids[t]`` (int64 [U_t]) of each table: [U_t, dim] each."""
         if len(local_ids) != len(self.weights):
             raise ValueError(f"a lookup names {len(local_ids)} tables; this server holds {len(self.weights)}")

@@ -35,22 +35,22 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from rpc_core.functions import async_execution
 from ps_train import backend
 from ps_train.config import Config, config_to_dict
 from ps_train.data import BatchIterator, iter_eval_batches, load_data, total_steps
 from ps_train.faults import maybe_inject_fault
 from ps_train.metrics import LatencyStats, ThroughputMeter, flatten_hparams, make_writer, write_metrics_json
 from ps_train.stage_sharding import model_shards
+from rpc_core.functions import async_execution
 
 log = logging.getLogger("ps_train.trainer")
 
-_done: Optional[torch.futures.Future] = None
+_done: torch.futures.Future | None = None
 
 
 @async_execution
@@ -62,7 +62,7 @@ def final_stats() -> torch.futures.Future:
     return _done
 
 
-def _publish(stats: Dict[str, Any]) -> None:
+def _publish(stats: dict[str, Any]) -> None:
     global _done
     if _done is None:
         _done = torch.futures.Future()
@@ -71,7 +71,7 @@ def _publish(stats: Dict[str, Any]) -> None:
 
 class Trainer:
     def __init__(self, cfg: Config, index: int, run_dir: str, start_step: int = 0,
-                 data_state: Optional[Dict[str, int]] = None) -> None:
+                 data_state: dict[str, int] | None = None) -> None:
         self.cfg = cfg
         self.index = index
         self.name = f"trainer{index}"
@@ -92,7 +92,7 @@ class Trainer:
         self.latency = {r: LatencyStats() for r in range(cfg.cluster.num_servers)}
         self.meter = ThroughputMeter()
         self.max_steps_ahead = 0  # ssp: the most steps this trainer ran ahead of the slowest
-        self._in_flight: Optional[tuple] = None  # (open context scope or None, update futures, step)
+        self._in_flight: tuple | None = None  # (open context scope or None, update futures, step)
         self.pipelined = cfg.mode.name == "sync" and backend.name() == "rpc_core"  # see module docstring
 
     # -- one step ---------------------------------------------------------------------------------
@@ -104,7 +104,7 @@ class Trainer:
             self.latency[server].record(time.perf_counter() - t0)
         return h
 
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> Dict[str, float]:
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
         """Forward, backward, and the update requests of one step; ``settle()`` completes
         them. Until then this step's autograd context stays open (the servers read their
         gradients from it), except when ``pipelined``."""
@@ -131,7 +131,7 @@ class Trainer:
         acc = (logits.detach().argmax(1) == y).float().mean().item()
         return {"loss": loss.item(), "accuracy": acc}
 
-    def settle(self) -> Dict[str, float]:
+    def settle(self) -> dict[str, float]:
         """Wait until every server applied the last step's update (and, in ssp mode, until
         this trainer may run ahead again); returns that step's update metrics."""
         if self._in_flight is None:
@@ -156,7 +156,7 @@ class Trainer:
         return out
 
     # -- evaluation -------------------------------------------------------------------------------
-    def evaluate(self) -> Dict[str, float]:
+    def evaluate(self) -> dict[str, float]:
         correct, total, loss_sum = 0, 0, 0.0
         for x, y in iter_eval_batches(self.test_set, self.cfg.train.eval_batch_size):
             h = x
@@ -168,14 +168,14 @@ class Trainer:
         return {"accuracy": correct / max(total, 1), "loss": loss_sum / max(total, 1)}
 
     # -- the loop ---------------------------------------------------------------------------------
-    def run(self, on_step: Any = None) -> Optional[Dict[str, Any]]:
+    def run(self, on_step: Any = None) -> dict[str, Any] | None:
         """Train to the last step; trainer0 returns the run's final metrics, others None."""
         cfg = self.cfg
         is_chief = self.index == 0
         t_start = self._t_start = time.perf_counter()
         self._first_step = self.step
         self.meter.start()
-        losses: List[float] = []
+        losses: list[float] = []
         batch = next(self.batches) if self.step < self.steps else None
         try:
             last = self._loop(batch, losses, on_step)
@@ -198,12 +198,12 @@ class Trainer:
             return None
         return self._finish(mine, last)
 
-    def _loop(self, batch: Any, losses: List[float], on_step: Any) -> Dict[str, float]:
+    def _loop(self, batch: Any, losses: list[float], on_step: Any) -> dict[str, float]:
         """Steps until the last one; returns the last step's metrics."""
         cfg = self.cfg
         log_every = max(1, cfg.train.log_every)
         is_chief = self.index == 0
-        last: Dict[str, float] = {}
+        last: dict[str, float] = {}
         while self.step < self.steps:
             x, y = batch
             last = self.train_step(x, y)
@@ -229,7 +229,7 @@ class Trainer:
             maybe_inject_fault(self.name, step)  # test-only, see ps_train.faults
         return last
 
-    def _log_train(self, step: int, last: Dict[str, float]) -> None:
+    def _log_train(self, step: int, last: dict[str, float]) -> None:
         rate = self.meter.rate()
         w = self.writer
         w.add_scalar("train/loss", last["loss"], step)
@@ -258,7 +258,7 @@ class Trainer:
                 print(f"[{self.name}] step {step}/{self.steps}  loss {last['loss']:.4f}  "
                       f"acc {last['accuracy']:.3f}  {rate:,.0f} samples/s  eta {eta:.0f}s", flush=True)
 
-    def _finish(self, mine: Dict[str, Any], last: Dict[str, float]) -> Dict[str, Any]:
+    def _finish(self, mine: dict[str, Any], last: dict[str, float]) -> dict[str, Any]:
         cfg = self.cfg
         others = [self.rpc.rpc_async(f"trainer{k}", final_stats, timeout=0) for k in range(1, cfg.cluster.num_trainers)]
         all_stats = [mine] + [f.wait() for f in others]

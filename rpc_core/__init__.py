@@ -50,7 +50,7 @@ from .rref import RRef
 # __init__), so the package has no import cycle and each layer can be read, tested and
 # replaced knowing only those below it. tests/rpc_core/test_layering.py enforces this on
 # every import, module- or function-level; a new module must be placed here.
-_LAYERS: Tuple[Tuple[str, ...], ...] = (
+_LAYERS: tuple[tuple[str, ...], ...] = (
     # foundations: no rpc_core imports
     ("knobs", "polling", "middleware"),
     ("errors", "wire", "options", "functions", "memory", "cma", "pool", "serialization"),

@@ -22,11 +22,12 @@ import functools
 import itertools
 import logging
 import time
-from typing import Any, Callable, Dict, List, Optional
+from collections.abc import Callable
+from typing import Any
 
 from . import transport, wire
 from .completion import Calls, Pending, new_pending
-from .connections import ConnectionStats, Connections
+from .connections import Connections, ConnectionStats
 from .deadlines import Deadlines
 from .dispatch import Dispatch
 from .errors import RpcError, RpcNotInitializedError
@@ -34,14 +35,14 @@ from .futures import RpcFuture
 from .middleware import Middleware
 from .options import RpcBackendOptions
 from .pool import ElasticPool, ThreadGroup
-from .rendezvous import World, WorkerInfo
+from .rendezvous import WorkerInfo, World
 from .serialization import encode_head, serialize
 
 __all__ = ["Agent", "ConnectionStats", "Middleware", "connection_stats", "current_agent", "set_current_agent"]
 
 log = logging.getLogger("rpc_core")
 
-_agent: Optional["Agent"] = None
+_agent: Agent | None = None
 # Unanswered background-read calls on a connection from which new ones are a burst (see
 # send_request).
 _BURST_IN_FLIGHT = 16
@@ -49,13 +50,13 @@ _BURST_IN_FLIGHT = 16
 _CLOSE_GRACE = 1.0
 
 
-def current_agent() -> "Agent":
+def current_agent() -> Agent:
     if _agent is None:
         raise RpcNotInitializedError("RPC has not been initialized. Call rpc_core.init_rpc first.")
     return _agent
 
 
-def set_current_agent(agent: Optional["Agent"]) -> None:
+def set_current_agent(agent: Agent | None) -> None:
     global _agent
     _agent = agent
 
@@ -77,7 +78,7 @@ class Agent(Connections, Dispatch, Calls):
         self.addresses = world.addresses
         self.options = options
         self.default_timeout = options.rpc_timeout
-        self.middleware: List[Middleware] = []
+        self.middleware: list[Middleware] = []
         self._closing = False
         self._init_calls()
         self._init_connections(world, options)
@@ -90,9 +91,9 @@ class Agent(Connections, Dispatch, Calls):
         self._arm_kick = self._deadlines.arm_kick
         self.threads = ThreadGroup()  # every thread this agent starts (see close)
         self.pool = ElasticPool(options.num_worker_threads, f"rpc-{self.me.name}", self.threads)
-        self.on_peer_lost: List[Callable[[int, str], None]] = []
+        self.on_peer_lost: list[Callable[[int, str], None]] = []
         # Called with (head extras, error) when a request cannot even be unpickled here.
-        self.request_failed_hooks: List[Callable[[Dict[str, Any], BaseException], None]] = []
+        self.request_failed_hooks: list[Callable[[dict[str, Any], BaseException], None]] = []
 
     def start(self) -> None:
         """Start serving. Called once the layers above have plugged in, so no request is
@@ -119,8 +120,8 @@ class Agent(Connections, Dispatch, Calls):
         return f"worker {self.workers[rank].name!r} (rank {rank})"
 
     def send_request(self, dst: int, func: Any, args: tuple, kwargs: dict, timeout: float,
-                     extras: Optional[Dict[str, Any]] = None, flags: int = 0,
-                     call_extras: Optional[Dict[str, Any]] = None, sync: bool = False,
+                     extras: dict[str, Any] | None = None, flags: int = 0,
+                     call_extras: dict[str, Any] | None = None, sync: bool = False,
                      lazy: bool = False) -> RpcFuture:
         """Serialize and send ``func(*args, **kwargs)`` to rank ``dst``; the Future holds its result.
         ``sync``: the caller waits on the future at once, so its ``wait()`` reads the answer.

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from typing import Any, Optional
+from typing import Any
 
 from . import agent as _agent_mod
 from . import lifecycle, memory
@@ -36,8 +36,8 @@ def is_available() -> bool:
     return True
 
 
-def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: Optional[int] = None,
-             rpc_backend_options: Optional[RpcBackendOptions] = None) -> None:
+def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | None = None,
+             rpc_backend_options: RpcBackendOptions | None = None) -> None:
     """Join the group: rendezvous, authenticate, start this worker's agent."""
     if _agent_mod._agent is not None:
         raise RuntimeError("RPC is already initialized")
@@ -65,7 +65,7 @@ def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: Optiona
     agent.start()
 
 
-def get_worker_info(worker_name: Optional[str] = None) -> WorkerInfo:
+def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
     agent = current_agent()
     if worker_name is None:
         return agent.me
@@ -86,7 +86,7 @@ def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -
     has work in flight (including nested and callback-spawned calls), then tear down. A dead
     peer makes it fail fast with an error naming that peer, after local teardown."""
     agent = current_agent()
-    error: Optional[BaseException] = None
+    error: BaseException | None = None
     try:
         if graceful:
             _wait_all_workers(timeout)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import socket
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
@@ -23,7 +23,7 @@ _HUGE_PAGE = 2 << 20
 _GROW_STEP = 16 << 20  # a large body grows by this much at a time (see _read_growing)
 
 
-def _load_madvise() -> Optional[Callable[[int, int, int], int]]:
+def _load_madvise() -> Callable[[int, int, int], int] | None:
     if not hasattr(mmap, "MADV_HUGEPAGE"):
         return None
     try:

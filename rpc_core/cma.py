@@ -13,7 +13,6 @@ import ctypes
 import os
 import queue
 import threading
-from typing import List, Optional
 
 from . import knobs
 
@@ -24,7 +23,7 @@ class _IoVec(ctypes.Structure):
     _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
 
 
-def _load() -> Optional[ctypes._CFuncPtr]:
+def _load() -> ctypes._CFuncPtr | None:
     try:
         fn = ctypes.CDLL(None, use_errno=True).process_vm_readv
     except (OSError, AttributeError):  # not Linux, or a libc without it
@@ -78,7 +77,7 @@ class _Copy:
         self.cv = threading.Condition(threading.Lock())
         self.next = 0
         self.active = 0
-        self.error: Optional[OSError] = None
+        self.error: OSError | None = None
 
     def work(self) -> None:
         while True:
@@ -111,7 +110,7 @@ class _Copy:
             raise self.error
 
 
-_jobs: "queue.SimpleQueue[_Copy]" = queue.SimpleQueue()
+_jobs: queue.SimpleQueue[_Copy] = queue.SimpleQueue()
 _helpers_pid = 0
 _helpers_lock = threading.Lock()
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Dict, List, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import torch
 
@@ -31,10 +31,10 @@ class Pending(NamedTuple):
 
     future: RpcFuture
     dst: int  # destination rank
-    call_extras: Dict[str, Any]  # what response middleware gets along with the answer's extras
+    call_extras: dict[str, Any]  # what response middleware gets along with the answer's extras
     timeout: float  # s; 0: none
     flags: int  # wire flags of the request (CONTROL calls are not user work)
-    link: Optional[Outbound]  # who reads the connection's answers (None for calls to self)
+    link: Outbound | None  # who reads the connection's answers (None for calls to self)
     unattended: bool  # nobody waits on the future yet: the background reader reads its answer
 
 
@@ -45,13 +45,13 @@ class Calls:
     """The pending-call table and the ways a call ends. Uses the agent's ``describe`` and
     the request side's ``_admit``, ``_run_request`` and ``_incoming_hook`` (``dispatch``)."""
 
-    middleware: List[Middleware]
+    middleware: list[Middleware]
     pool: ElasticPool
     n_done: int
     n_received: int
 
     def _init_calls(self) -> None:
-        self._pending: Dict[int, Pending] = {}  # msg_id -> the unanswered call
+        self._pending: dict[int, Pending] = {}  # msg_id -> the unanswered call
 
     def _on_frame(self, conn: Any, src: int, h: wire.FrameHeader, head: bytes, body: bytes, storages: list) -> None:
         """A frame that arrived outside a connection's request-serving loop (answers on our
@@ -89,7 +89,7 @@ class Calls:
             self._complete(fut, error=RpcError(f"could not decode the response from {self.describe(src)}: {e!r}"),
                            inline=False, counted=counted)
 
-    def _response_extras(self, extras: Optional[Dict[str, Any]], call_extras: Dict[str, Any]) -> None:
+    def _response_extras(self, extras: dict[str, Any] | None, call_extras: dict[str, Any]) -> None:
         if extras:
             for m in self.middleware:
                 m.on_response(extras, call_extras)
@@ -107,14 +107,14 @@ class Calls:
         return (f"RPC ran for more than set timeout ({int(timeout * 1000)} ms) and will now be marked "
                 f"with an error (call to {self.describe(dst)})")
 
-    def _complete(self, fut: RpcFuture, value: Any = None, error: Optional[BaseException] = None, inline: bool = True,
+    def _complete(self, fut: RpcFuture, value: Any = None, error: BaseException | None = None, inline: bool = True,
                   counted: bool = False) -> None:
         if fut._has_callbacks and not inline:
             self.pool.submit(self._settle, fut, value, error, counted)
         else:
             self._settle(fut, value, error, counted)
 
-    def _settle(self, fut: RpcFuture, value: Any, error: Optional[BaseException], counted: bool) -> None:
+    def _settle(self, fut: RpcFuture, value: Any, error: BaseException | None, counted: bool) -> None:
         try:
             if error is not None:
                 fut.set_exception(error)
@@ -139,7 +139,7 @@ class Calls:
         """User calls (not CONTROL) made by this worker and not answered yet."""
         return sum(1 for rec in list(self._pending.values()) if not rec.flags & wire.CONTROL)
 
-    def wait_idle(self, deadline: Optional[float]) -> None:
+    def wait_idle(self, deadline: float | None) -> None:
         """Wait until no user call made by this worker is pending (or the deadline passes)."""
         while True:
             futs = [rec.future for rec in list(self._pending.values()) if not rec.flags & wire.CONTROL]

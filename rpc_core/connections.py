@@ -16,7 +16,8 @@ import pickle
 import socket
 import threading
 import time
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 from . import handshake, transport, wire
 from .completion import Pending
@@ -24,7 +25,7 @@ from .errors import AuthenticationError, ProtocolError, RpcError, RpcTimeoutErro
 from .options import RpcBackendOptions
 from .outbound import Outbound
 from .pool import ThreadGroup
-from .rendezvous import World, WorkerInfo
+from .rendezvous import WorkerInfo, World
 from .serialization import loopback
 
 log = logging.getLogger("rpc_core")
@@ -52,7 +53,7 @@ class _Loss(NamedTuple):
 class _Loopback:
     """A 'connection' to ourselves: calls to self are serialized and dispatched like any other."""
 
-    def __init__(self, agent: "Connections") -> None:
+    def __init__(self, agent: Connections) -> None:
         self.agent = agent
         self.bytes_sent = self.bytes_received = 0
 
@@ -72,11 +73,11 @@ class Connections:
     ``_read_loop`` (``dispatch``)."""
 
     me: WorkerInfo
-    workers: List[WorkerInfo]
-    addresses: Dict[int, Tuple[str, int]]
+    workers: list[WorkerInfo]
+    addresses: dict[int, tuple[str, int]]
     threads: ThreadGroup
-    on_peer_lost: List[Callable[[int, str], None]]
-    _pending: Dict[int, Pending]
+    on_peer_lost: list[Callable[[int, str], None]]
+    _pending: dict[int, Pending]
     _closing: bool
 
     def _init_connections(self, world: World, options: RpcBackendOptions) -> None:
@@ -87,15 +88,15 @@ class Connections:
         self._local_listener = world.local_listener  # same-host peers dial this (handshake.listen_local)
         # Hosts that name this machine: a peer advertised under one of them is dialled locally.
         self._local_hosts = {"localhost", "::1", self._listener.getsockname()[0]}
-        self._parked: List[transport.Connection] = []  # open but unused (see start)
+        self._parked: list[transport.Connection] = []  # open but unused (see start)
         self._lock = threading.Lock()
         self._incoming_cv = threading.Condition(self._lock)
-        self._out: Dict[int, Any] = {self.me.id: _Loopback(self)}
-        self._links: Dict[int, Outbound] = {}  # who reads each outgoing connection's answers
-        self._dial_locks: Dict[int, threading.Lock] = {w.id: threading.Lock() for w in world.workers}
+        self._out: dict[int, Any] = {self.me.id: _Loopback(self)}
+        self._links: dict[int, Outbound] = {}  # who reads each outgoing connection's answers
+        self._dial_locks: dict[int, threading.Lock] = {w.id: threading.Lock() for w in world.workers}
         self._admission = handshake.Admission(self.me.name)  # incoming connections in their handshake
-        self._incoming: List[transport.Connection] = []
-        self.dead: Dict[int, str] = {}  # rank -> why it is known to be gone
+        self._incoming: list[transport.Connection] = []
+        self.dead: dict[int, str] = {}  # rank -> why it is known to be gone
         self._world_connections = world.connections
 
     def _start_connections(self) -> None:
@@ -120,7 +121,7 @@ class Connections:
         if self._local_listener is not None:
             self.threads.start(self._accept_loop, "rpc-accept-local", self._local_listener)
 
-    def _connection(self, dst: int, call_deadline: Optional[float] = None, timeout: float = 0.0) -> Any:
+    def _connection(self, dst: int, call_deadline: float | None = None, timeout: float = 0.0) -> Any:
         """The connection to ``dst``, dialled if there is none yet. Dialling gives up at the
         call's deadline (``call_deadline``, for a call of ``timeout`` s; None: no timeout) or
         after the handshake timeout, whichever comes first, waiting for another caller's dial included."""
@@ -187,7 +188,7 @@ class Connections:
             sock.close()
             raise
 
-    def _dial_local(self, dst: int, deadline: float) -> Optional[transport.Connection]:
+    def _dial_local(self, dst: int, deadline: float) -> transport.Connection | None:
         """A connection to ``dst`` over its same-host socket, or None (remote host, none
         there, or anything but a timeout going wrong: the caller then dials TCP). Raises
         TimeoutError if ``dst`` did not answer by ``deadline``."""
@@ -227,7 +228,7 @@ class Connections:
                 return
             self.threads.start(self._serve_incoming, "rpc-in", sock, peer, deadline)
 
-    def _serve_incoming(self, sock: socket.socket, peer: Tuple[str, int], deadline: float) -> None:
+    def _serve_incoming(self, sock: socket.socket, peer: tuple[str, int], deadline: float) -> None:
         """Authenticate an accepted connection and read its identity frame, all by ``deadline``,
         then serve its requests."""
         try:

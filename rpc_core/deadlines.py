@@ -13,7 +13,8 @@ import itertools
 import logging
 import threading
 import time
-from typing import Any, Callable, Deque, Dict, List, Tuple
+from collections.abc import Callable
+from typing import Any
 
 from .outbound import Outbound
 
@@ -38,7 +39,7 @@ class Deadlines:
     answered call's deadline is skipped); ``expire(msg_id)`` fails a call past its deadline.
     """
 
-    def __init__(self, pending: Dict[int, Any], expire: Callable[[int], None], name: str) -> None:
+    def __init__(self, pending: dict[int, Any], expire: Callable[[int], None], name: str) -> None:
         self._pending = pending
         self._expire = expire
         self._name = name
@@ -46,11 +47,11 @@ class Deadlines:
         self._wake = threading.Event()
         self._stopped = False
         # Deadlines per timeout value: (when, msg_id), sorted by when (see the module doc).
-        self._queues: Dict[float, Deque[Tuple[float, int]]] = {}
+        self._queues: dict[float, collections.deque[tuple[float, int]]] = {}
         # Outbounds with lazy answers to read by a deadline if no waiter did (see Agent.send_request).
-        self._kicks: Deque[Tuple[float, Outbound]] = collections.deque()
+        self._kicks: collections.deque[tuple[float, Outbound]] = collections.deque()
         # call_later's jobs: a heap of (when, sequence number, function).
-        self._later: List[Tuple[float, int, Callable[[], None]]] = []
+        self._later: list[tuple[float, int, Callable[[], None]]] = []
         self._later_ids = itertools.count()
         self._next = 0.0  # when the thread plans to wake next (see call_later)
 
@@ -92,10 +93,10 @@ class Deadlines:
         pending = self._pending
         while not self._stopped:
             now = time.monotonic()
-            expired: List[int] = []
+            expired: list[int] = []
             next_wake = now + _IDLE_WAKE
-            kicks: List[Outbound] = []
-            due: List[Callable[[], None]] = []
+            kicks: list[Outbound] = []
+            due: list[Callable[[], None]] = []
             with self._lock:
                 while self._kicks and self._kicks[0][0] <= now:
                     kicks.append(self._kicks.popleft()[1])

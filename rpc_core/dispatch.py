@@ -14,7 +14,8 @@ from __future__ import annotations
 import logging
 import threading
 import traceback
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import torch
 
@@ -40,8 +41,8 @@ class _Head(NamedTuple):
     """A request's decoded frame head, as ``_admit`` left it for ``_run_request``."""
 
     metas: Sequence[Any]
-    extras: Dict[str, Any]
-    error: Optional[BaseException]  # the head could not be decoded (the request fails with it)
+    extras: dict[str, Any]
+    error: BaseException | None  # the head could not be decoded (the request fails with it)
 
 
 class Dispatch:
@@ -49,9 +50,9 @@ class Dispatch:
     ``_loss`` and ``_connection_lost`` (``connections``)."""
 
     me: WorkerInfo
-    middleware: List[Middleware]
+    middleware: list[Middleware]
     pool: ElasticPool
-    request_failed_hooks: List[Callable[[Dict[str, Any], BaseException], None]]
+    request_failed_hooks: list[Callable[[dict[str, Any], BaseException], None]]
     n_received: int
     n_answered: int
     _closing: bool
@@ -86,7 +87,7 @@ class Dispatch:
         finally:
             _loop.conn = None
 
-    def _incoming_hook(self, src: int, is_response: bool) -> Optional[Callable[..., List[torch.Tensor]]]:
+    def _incoming_hook(self, src: int, is_response: bool) -> Callable[..., list[torch.Tensor]] | None:
         """What ``deserialize`` calls with a message's rebuilt tensors: the middleware's
         ``incoming`` in turn (None without middleware: nothing to call)."""
         if not self.middleware:
@@ -113,12 +114,12 @@ class Dispatch:
 
     def _run_request(self, conn: Any, src: int, h: wire.FrameHeader, req: _Head, body: bytes, storages: list) -> None:
         extras = req.extras
-        notes: Dict[str, list] = {}  # from the arguments to the caller, in the response's extras
+        notes: dict[str, list] = {}  # from the arguments to the caller, in the response's extras
         try:
             try:
                 if req.error is not None:
                     raise req.error
-                waits: List[torch.futures.Future] = []
+                waits: list[torch.futures.Future] = []
                 func, args, kwargs = deserialize_decoded(req.metas, extras, body, storages,
                                                          self._incoming_hook(src, False), waits, notes)
             except BaseException as e:
@@ -143,7 +144,7 @@ class Dispatch:
         except BaseException as e:
             self._respond_error(conn, h, e, extras)
 
-    def _execute(self, conn: Any, src: int, h: wire.FrameHeader, func: Any, args: tuple, kwargs: dict, extras: Dict[str, Any]) -> None:
+    def _execute(self, conn: Any, src: int, h: wire.FrameHeader, func: Any, args: tuple, kwargs: dict, extras: dict[str, Any]) -> None:
         tokens = [m.enter_call(src, extras) for m in self.middleware] if self.middleware else ()
         fut = None
         try:
@@ -167,7 +168,7 @@ class Dispatch:
             for m, tok in zip(self.middleware, tokens):
                 m.exit_call(tok, extras, fut)
 
-    def _respond_future(self, conn: Any, src: int, h: wire.FrameHeader, f: torch.futures.Future, extras: Dict[str, Any]) -> None:
+    def _respond_future(self, conn: Any, src: int, h: wire.FrameHeader, f: torch.futures.Future, extras: dict[str, Any]) -> None:
         try:
             value = f.value()
         except BaseException as e:
@@ -175,10 +176,10 @@ class Dispatch:
             return
         self._respond(conn, src, h, value, extras)
 
-    def _respond(self, conn: Any, src: int, h: wire.FrameHeader, value: Any, extras: Dict[str, Any]) -> None:
+    def _respond(self, conn: Any, src: int, h: wire.FrameHeader, value: Any, extras: dict[str, Any]) -> None:
         try:
             ser = serialize(value)
-            resp: Dict[str, Any] = extras.pop(_REPLY_NOTES, None) or {}
+            resp: dict[str, Any] = extras.pop(_REPLY_NOTES, None) or {}
             for m in self.middleware:
                 m.outgoing(src, ser.tensors, resp, extras)
                 m.response_extras(extras, resp)
@@ -188,19 +189,19 @@ class Dispatch:
             return
         self._send_answer(conn, h, extras, wire.RESPONSE, head, ser.body, ser.buffers)
 
-    def _respond_error(self, conn: Any, h: wire.FrameHeader, e: BaseException, extras: Dict[str, Any]) -> None:
+    def _respond_error(self, conn: Any, h: wire.FrameHeader, e: BaseException, extras: dict[str, Any]) -> None:
         info = wire.ExceptionInfo(
             type(e).__module__, type(e).__qualname__,
             f"{e}\n\nRemote traceback (on {self.me.name}):\n{''.join(traceback.format_exception(e))}",
             self.me.name,
         )
         ser = serialize(info)
-        resp: Dict[str, Any] = extras.pop(_REPLY_NOTES, None) or {}
+        resp: dict[str, Any] = extras.pop(_REPLY_NOTES, None) or {}
         for m in self.middleware:
             m.response_extras(extras, resp)
         self._send_answer(conn, h, extras, wire.EXCEPTION, encode_head(ser.metas, resp), ser.body, [])
 
-    def _send_answer(self, conn: Any, h: wire.FrameHeader, extras: Dict[str, Any], kind: int, head: bytes,
+    def _send_answer(self, conn: Any, h: wire.FrameHeader, extras: dict[str, Any], kind: int, head: bytes,
                      body: bytes, buffers: list) -> None:
         for m in self.middleware:
             m.finish(extras)

@@ -6,7 +6,7 @@ Messages say what happened, where (which worker) and how to fix it.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 
 class RpcError(RuntimeError):

@@ -9,7 +9,8 @@ from __future__ import annotations
 import copy
 import importlib
 import traceback
-from typing import Any, Iterable, List, Optional, Tuple
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -54,7 +55,7 @@ class RpcFuture(torch.futures.Future):
 
     _has_callbacks = False
     _reader: Any = None  # the Outbound of the call's connection: a waiter may read its answer
-    _deadline: Optional[float] = None
+    _deadline: float | None = None
     _answered = False  # the answer (or failure) arrived; completing may still be queued
 
     def __init__(self) -> None:
@@ -89,11 +90,11 @@ class RpcFuture(torch.futures.Future):
 _wait = torch._C.Future.wait
 
 
-def settle(futures: Iterable[torch.futures.Future]) -> Tuple[List[Any], List[BaseException]]:
+def settle(futures: Iterable[torch.futures.Future]) -> tuple[list[Any], list[BaseException]]:
     """Wait for every future, even after one failed; return (values of those that
     succeeded, errors of those that failed), each in order."""
-    values: List[Any] = []
-    errors: List[BaseException] = []
+    values: list[Any] = []
+    errors: list[BaseException] = []
     for f in futures:
         try:
             values.append(f.wait())
@@ -107,7 +108,7 @@ def settle(futures: Iterable[torch.futures.Future]) -> Tuple[List[Any], List[Bas
 _RAISED_ON = "_rpc_core_raised_on"
 
 
-def raised_on(error: BaseException) -> Optional[str]:
+def raised_on(error: BaseException) -> str | None:
     """The name of the worker ``error`` was raised on, if it came back from another worker
     as a call's exception; None if it arose here (a timeout, a lost peer, ...)."""
     return getattr(error, _RAISED_ON, None)
@@ -116,7 +117,7 @@ def raised_on(error: BaseException) -> Optional[str]:
 def rebuild_exception(info: wire.ExceptionInfo) -> BaseException:
     """The remote exception with its original type, or a RuntimeError saying why not;
     marked with the worker it was raised on (``raised_on``)."""
-    error: Optional[BaseException] = None
+    error: BaseException | None = None
     try:
         obj: Any = importlib.import_module(info.type_module)
         for part in info.type_qualname.split("."):

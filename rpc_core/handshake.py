@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 import weakref
-from typing import Dict, NamedTuple, Optional, Tuple, Union
+from typing import NamedTuple
 
 from . import cma, knobs, wire
 from .errors import AuthenticationError, ProtocolError
@@ -79,7 +79,7 @@ def local_address(port: int) -> str:
     return f"\0rpc_core.{port}"
 
 
-def listen_local(port: int) -> Optional[socket.socket]:
+def listen_local(port: int) -> socket.socket | None:
     """The same-host listener for TCP ``port``, or None (not Linux, RPC_CORE_UDS=0, name taken)."""
     if not local_enabled():
         return None
@@ -103,7 +103,7 @@ def tune(sock: socket.socket) -> None:
             pass
 
 
-def _recv_exact(sock: socket.socket, n: int, deadline: Optional[float] = None) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
     """``n`` bytes; each receive waits only for what is left until ``deadline`` (None: the
     socket's own timeout per receive)."""
     out = bytearray(n)
@@ -114,7 +114,7 @@ def _recv_exact(sock: socket.socket, n: int, deadline: Optional[float] = None) -
             sock.settimeout(_left(deadline))
         try:
             k = sock.recv_into(view[got:])
-        except socket.timeout:
+        except TimeoutError:
             if deadline is None:
                 raise
             raise HandshakeTimeout("the handshake did not complete in time", connected=True) from None
@@ -128,7 +128,7 @@ def _send(sock: socket.socket, data: bytes, deadline: float) -> None:
     sock.settimeout(_left(deadline))
     try:
         sock.sendall(data)
-    except socket.timeout:
+    except TimeoutError:
         raise HandshakeTimeout("the handshake did not complete in time", connected=True) from None
 
 
@@ -142,7 +142,7 @@ class _Link(NamedTuple):
 
 # dial/accept return plain sockets (callers wrap them in Connection themselves), so the
 # handshake's findings wait here for the Connection made from that socket.
-_links: "weakref.WeakKeyDictionary[socket.socket, _Link]" = weakref.WeakKeyDictionary()
+_links: weakref.WeakKeyDictionary[socket.socket, _Link] = weakref.WeakKeyDictionary()
 
 
 def _exchange_cma(sock: socket.socket, deadline: float) -> None:
@@ -163,7 +163,7 @@ def _exchange_cma(sock: socket.socket, deadline: float) -> None:
     del probe
 
 
-def dial(address: Union[Tuple[str, int], str], secret: bytes, timeout: float) -> socket.socket:
+def dial(address: tuple[str, int] | str, secret: bytes, timeout: float) -> socket.socket:
     """Connect (to a TCP ``(host, port)``, or a ``local_address``) and prove we know the
     secret, all within ``timeout`` seconds (HandshakeTimeout past it); raise
     AuthenticationError if the peer rejects us (or cannot prove it knows the secret itself)."""
@@ -182,7 +182,7 @@ def dial(address: Union[Tuple[str, int], str], secret: bytes, timeout: float) ->
             address = ("localhost", int(address.rsplit(".", 1)[1]))  # for messages
         else:
             sock = socket.create_connection(address, timeout=timeout)
-    except socket.timeout:
+    except TimeoutError:
         raise HandshakeTimeout("the connection was not accepted in time", connected=False) from None
     try:
         tune(sock)
@@ -220,7 +220,7 @@ def dial(address: Union[Tuple[str, int], str], secret: bytes, timeout: float) ->
         raise
 
 
-def accept(sock: socket.socket, secret: bytes, timeout: float, admission: Optional["Admission"] = None) -> None:
+def accept(sock: socket.socket, secret: bytes, timeout: float, admission: Admission | None = None) -> None:
     """Run the acceptor side of the handshake on a freshly accepted socket, all within
     ``timeout`` seconds. With ``admission`` (which admitted ``sock``), the peer leaves it once
     it proved it knows the secret; if it was closed to make room before, PeerClosed.
@@ -249,7 +249,7 @@ def accept(sock: socket.socket, secret: bytes, timeout: float, admission: Option
     sock.settimeout(None)
 
 
-def read_intro(sock: socket.socket, deadline: float) -> Tuple[wire.FrameHeader, bytes]:
+def read_intro(sock: socket.socket, deadline: float) -> tuple[wire.FrameHeader, bytes]:
     """The first frame on a freshly authenticated connection (a dialer's identity, a joiner's
     request), read by ``deadline``: a REQUEST with a small body, no head, no buffers.
     Raises ProtocolError / PeerClosed / HandshakeTimeout; leaves the socket blocking."""
@@ -274,11 +274,11 @@ class Admission:
     def __init__(self, where: str) -> None:
         self._where = where
         self._lock = threading.Lock()
-        self._pending: Dict[socket.socket, Tuple[str, int]] = {}  # insertion order = age
+        self._pending: dict[socket.socket, tuple[str, int]] = {}  # insertion order = age
         self._evicted = 0
         self._closed = False
 
-    def admit(self, sock: socket.socket, peer: Tuple[str, int]) -> bool:
+    def admit(self, sock: socket.socket, peer: tuple[str, int]) -> bool:
         """Count ``sock`` as in its handshake; False once closed (the caller closes ``sock``)."""
         victims = []
         with self._lock:
@@ -326,6 +326,6 @@ def _hang_up(sock: socket.socket) -> None:
         pass
 
 
-def take_link(sock: socket.socket) -> Optional[_Link]:
+def take_link(sock: socket.socket) -> _Link | None:
     """What the handshake found about cross-memory attach for ``sock`` (once)."""
     return _links.pop(sock, None)

@@ -13,7 +13,8 @@ out of range, raise ValueError the same way.
 from __future__ import annotations
 
 import os
-from typing import Callable, Dict, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -39,7 +40,7 @@ HANDSHAKE_TIMEOUT = Knob("RPC_CORE_HANDSHAKE_TIMEOUT", "10",
 AUTH_SECRET = Knob("RPC_CORE_AUTH_SECRET", "",
                    "shared secret when RpcBackendOptions(auth_secret=...) is not given (read by init_rpc)")
 
-KNOBS: Dict[str, Knob] = {k.name: k for k in (SPIN_US, UDS, CMA, MALLOC_TUNE, HANDSHAKE_TIMEOUT, AUTH_SECRET)}
+KNOBS: dict[str, Knob] = {k.name: k for k in (SPIN_US, UDS, CMA, MALLOC_TUNE, HANDSHAKE_TIMEOUT, AUTH_SECRET)}
 
 
 def _raw(knob: Knob) -> str:

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import torch
 
@@ -22,19 +23,19 @@ from .functions import async_execution
 from .options import DEFAULT_SHUTDOWN_TIMEOUT, UNSET_RPC_TIMEOUT
 
 # Called with each new Agent, before it starts (distributed autograd installs its middleware here).
-init_hooks: List[Callable[[Agent], None]] = []
+init_hooks: list[Callable[[Agent], None]] = []
 # Called as a worker tears down, before its agent closes.
-shutdown_hooks: List[Callable[[], None]] = []
+shutdown_hooks: list[Callable[[], None]] = []
 # Called once every worker has entered graceful shutdown, before the in-flight work drains
 # (e.g. distributed autograd sends its deferred context releases).
-pre_shutdown_hooks: List[Callable[[], None]] = []
+pre_shutdown_hooks: list[Callable[[], None]] = []
 
 
 @dataclass
 class _Round:
     """One round on the coordinator: who arrived with what, and the future they all wait on."""
 
-    payloads: Dict[int, Any] = field(default_factory=dict)
+    payloads: dict[int, Any] = field(default_factory=dict)
     future: torch.futures.Future = field(default_factory=torch.futures.Future)
 
 
@@ -43,8 +44,8 @@ class _Coordinator:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.rounds: Dict[Any, _Round] = {}
-        self.agent: Optional[Agent] = None
+        self.rounds: dict[Any, _Round] = {}
+        self.agent: Agent | None = None
 
     def start(self, agent: Agent) -> None:
         self.agent = agent
@@ -91,10 +92,10 @@ def _coord_arrive(key: Any, rank: int, payload: Any, expected: int) -> torch.fut
     return _coordinator.arrive(key, rank, payload, expected)
 
 
-_round_ids: Dict[str, int] = {}
+_round_ids: dict[str, int] = {}
 
 
-def gather_round(tag: str, payload: Any, timeout: float, worker_names: Optional[List[str]] = None) -> Dict[int, Any]:
+def gather_round(tag: str, payload: Any, timeout: float, worker_names: list[str] | None = None) -> dict[int, Any]:
     """Arrive at the next round ``tag`` and return every member's payload by rank."""
     agent = current_agent()
     n = _round_ids.get(tag, 0)
@@ -114,14 +115,14 @@ def reset_rounds() -> None:
     _round_ids.clear()
 
 
-def all_gather(obj: Any, worker_names: Optional[List[str]] = None, timeout: float = UNSET_RPC_TIMEOUT) -> Dict[str, Any]:
+def all_gather(obj: Any, worker_names: list[str] | None = None, timeout: float = UNSET_RPC_TIMEOUT) -> dict[str, Any]:
     agent = current_agent()
     t = agent.default_timeout if timeout < 0 else timeout
     got = gather_round("all_gather", obj, t, worker_names)
     return {agent.workers[r].name: v for r, v in got.items()}
 
 
-def barrier(worker_names: List[str]) -> None:
+def barrier(worker_names: list[str]) -> None:
     gather_round("barrier", None, 0, list(worker_names))
 
 
@@ -150,7 +151,7 @@ def wait_quiescent(agent: Agent, timeout: float) -> None:
     while True:
         agent.wait_idle(deadline)
         mine = _CallCounts(agent.n_sent, agent.n_done, agent.n_received, agent.n_answered)
-        got: Dict[int, _CallCounts] = gather_round("quiesce", mine, timeout)
+        got: dict[int, _CallCounts] = gather_round("quiesce", mine, timeout)
         counts = tuple(sorted(got.items()))
         idle = (all(c.sent == c.done and c.received == c.answered for c in got.values())
                 and sum(c.received for c in got.values()) >= sum(c.sent for c in got.values()))

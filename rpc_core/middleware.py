@@ -3,7 +3,7 @@ every call without touching sockets: the agent calls each installed ``Middleware
 points of a request's and a response's way, in a fixed order (see the class)."""
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import torch
 
@@ -15,29 +15,29 @@ class Middleware:
     then ``outgoing`` and ``response_extras`` for its answer, and ``finish`` once, just
     before the answer (or error) is sent."""
 
-    def admit(self, src: int, extras: Dict[str, Any]) -> None:
+    def admit(self, src: int, extras: dict[str, Any]) -> None:
         """A request from ``src`` arrived. Called on the thread that read it, before any later
         message from ``src`` is looked at: what a request says here is in effect for every
         message that came after it, however threads run the requests themselves."""
 
-    def finish(self, extras: Dict[str, Any]) -> None:
+    def finish(self, extras: dict[str, Any]) -> None:
         """The request is answered (its answer or error leaves next); called once."""
 
-    def outgoing(self, dst: int, tensors: List[torch.Tensor], extras: Dict[str, Any], request_extras: Optional[Dict[str, Any]]) -> None:
+    def outgoing(self, dst: int, tensors: list[torch.Tensor], extras: dict[str, Any], request_extras: dict[str, Any] | None) -> None:
         """Before a message leaves: add entries to ``extras`` (request_extras is set for responses)."""
 
-    def incoming(self, src: int, tensors: List[torch.Tensor], extras: Dict[str, Any], is_response: bool) -> List[torch.Tensor]:
+    def incoming(self, src: int, tensors: list[torch.Tensor], extras: dict[str, Any], is_response: bool) -> list[torch.Tensor]:
         """After a message's tensors are rebuilt, before the body is unpickled."""
         return tensors
 
-    def enter_call(self, src: int, extras: Dict[str, Any]) -> Any:
+    def enter_call(self, src: int, extras: dict[str, Any]) -> Any:
         """Around a user function on the callee; returns a token for ``exit_call``."""
 
-    def exit_call(self, token: Any, extras: Dict[str, Any], result_future: Optional[torch.futures.Future]) -> None:
+    def exit_call(self, token: Any, extras: dict[str, Any], result_future: torch.futures.Future | None) -> None:
         """After the function returned (result_future is set for async execution)."""
 
-    def response_extras(self, extras: Dict[str, Any], response: Dict[str, Any]) -> None:
+    def response_extras(self, extras: dict[str, Any], response: dict[str, Any]) -> None:
         """Add entries to a response's extras from the request's extras."""
 
-    def on_response(self, extras: Optional[Dict[str, Any]], call_extras: Dict[str, Any]) -> None:
+    def on_response(self, extras: dict[str, Any] | None, call_extras: dict[str, Any]) -> None:
         """On the caller, when a response with extras arrives."""

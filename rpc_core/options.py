@@ -6,7 +6,7 @@ that build options port unchanged; ``TensorPipeRpcBackendOptions`` is an alias o
 from __future__ import annotations
 
 import datetime
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from . import knobs
 
@@ -40,12 +40,12 @@ class RpcBackendOptions:
         num_worker_threads: int = DEFAULT_NUM_WORKER_THREADS,
         rpc_timeout: float = DEFAULT_RPC_TIMEOUT_SEC,
         init_method: str = DEFAULT_INIT_METHOD,
-        auth_secret: Optional[str | bytes] = None,
-        init_timeout: Optional[float] = None,
-        device_maps: Optional[Dict[str, Dict[Any, Any]]] = None,
-        devices: Optional[List[Any]] = None,
-        _transports: Optional[List[str]] = None,
-        _channels: Optional[List[str]] = None,
+        auth_secret: str | bytes | None = None,
+        init_timeout: float | None = None,
+        device_maps: dict[str, dict[Any, Any]] | None = None,
+        devices: list[Any] | None = None,
+        _transports: list[str] | None = None,
+        _channels: list[str] | None = None,
     ) -> None:
         if isinstance(rpc_timeout, datetime.timedelta) or not isinstance(rpc_timeout, (int, float)):
             raise TypeError(
@@ -74,8 +74,8 @@ class RpcBackendOptions:
         self.rpc_timeout = float(rpc_timeout)
         self.init_method = init_method
         self.init_timeout = init_timeout
-        self.device_maps: Dict[str, Dict[Any, Any]] = {}
-        self.devices: List[Any] = []
+        self.device_maps: dict[str, dict[Any, Any]] = {}
+        self.devices: list[Any] = []
         # Transports/channels are TensorPipe internals; ours is always TCP (+ same-host fast paths).
         self._transports = _transports
         self._channels = _channels
@@ -89,7 +89,7 @@ class RpcBackendOptions:
         return secret.encode() if isinstance(secret, str) else bytes(secret)
 
     @auth_secret.setter
-    def auth_secret(self, value: Optional[str | bytes]) -> None:
+    def auth_secret(self, value: str | bytes | None) -> None:
         self._auth_secret = value
 
     def effective_init_timeout(self) -> float:
@@ -97,13 +97,13 @@ class RpcBackendOptions:
             return self.init_timeout
         return self.rpc_timeout if self.rpc_timeout > 0 else DEFAULT_RPC_TIMEOUT_SEC
 
-    def set_device_map(self, to: str, device_map: Dict[Any, Any]) -> None:
+    def set_device_map(self, to: str, device_map: dict[Any, Any]) -> None:
         raise ValueError(
             f"set_device_map({to!r}, ...): rpc_core moves CPU tensors only; move tensors to the CPU "
             "before sending them"
         )
 
-    def set_devices(self, devices: List[Any]) -> None:
+    def set_devices(self, devices: list[Any]) -> None:
         raise ValueError("set_devices: rpc_core moves CPU tensors only")
 
     def __repr__(self) -> str:

@@ -27,7 +27,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from . import transport
 from .pool import ThreadGroup, init_torch_thread
@@ -52,7 +53,7 @@ BURST_READ_EVERY = 32
 
 class Outbound:
     def __init__(self, conn: transport.Connection, deliver: Callable[[tuple], None],
-                 lost: Callable[[BaseException], None], name: str, threads: Optional[ThreadGroup] = None) -> None:
+                 lost: Callable[[BaseException], None], name: str, threads: ThreadGroup | None = None) -> None:
         self.conn = conn
         self._deliver = deliver  # gets (header, head, body, storages) of each frame read
         self._lost = lost  # called once, when reading fails (peer gone, malformed bytes)
@@ -150,7 +151,7 @@ class Outbound:
             self._bg_cv.notify()
 
     # -- reading ----------------------------------------------------------------------------------
-    def read_until(self, fut: Any, deadline: Optional[float]) -> None:
+    def read_until(self, fut: Any, deadline: float | None) -> None:
         """Read frames on this thread until ``fut``'s answer arrived (its completion may
         still be queued for a pool thread when it has callbacks: the caller then waits on
         the future itself) or the connection is closed."""
@@ -235,7 +236,7 @@ class Outbound:
         self._deliver(frame)
 
 
-def _wait_time(deadline: Optional[float]) -> float:
+def _wait_time(deadline: float | None) -> float:
     if deadline is None:
         return _RECHECK_SECONDS
     return min(max(0.0, deadline - time.monotonic()) + _PAST_DEADLINE, _RECHECK_SECONDS)

@@ -21,7 +21,9 @@ import os
 import select
 import socket
 import time
-from typing import Any, Callable, Deque, Optional
+from collections import deque
+from collections.abc import Callable
+from typing import Any
 
 # What a non-blocking attempt or a wait returns when there is nothing (yet).
 NOTHING = object()
@@ -58,8 +60,8 @@ class Waiting:
     _wait_estimate: float  # moving average of recent waits for bytes (s); decides polling
     _no_poll: int  # sends whose buffers the peer copies with several threads (see send)
     _reader_sleeps: bool  # a reader is (about to be) blocked in the kernel
-    _small_q: Deque[bytes]
-    _inbox: Deque[tuple]
+    _small_q: deque[bytes]
+    _inbox: deque[tuple]
     _start: int
     _end: int
 
@@ -133,7 +135,7 @@ class Waiting:
             self._flush_small()
         return self.sock.recv(1, _PEEK)
 
-    def poll(self, timeout: Optional[float]) -> bool:
+    def poll(self, timeout: float | None) -> bool:
         """Whether ``recv`` may have a frame to start on within ``timeout`` seconds: bytes
         are buffered or queued, or the socket became readable (or broke: ``recv`` says how)."""
         if self._inbox or self._end > self._start:

@@ -25,7 +25,8 @@ import collections
 import logging
 import threading
 import time
-from typing import Any, Callable, Deque, List, Optional, Tuple
+from collections.abc import Callable
+from typing import Any
 
 log = logging.getLogger("rpc_core")
 _IDLE_EXIT_SECONDS = 30.0
@@ -34,7 +35,7 @@ _STALL_SECONDS = 0.002
 # a steady stream of requests then costs no wake-up of the watchdog per request.
 _INLINE_POLL_SECONDS = 0.1
 
-Job = Tuple[Callable[..., Any], Tuple[Any, ...]]
+Job = tuple[Callable[..., Any], tuple[Any, ...]]
 _tls = threading.local()
 
 
@@ -50,7 +51,7 @@ class ThreadGroup:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._threads: List[threading.Thread] = []
+        self._threads: list[threading.Thread] = []
 
     def start(self, target: Callable[..., Any], name: str, *args: Any) -> None:
         t = threading.Thread(target=target, args=args, name=name, daemon=True)
@@ -59,7 +60,7 @@ class ThreadGroup:
             self._threads.append(t)
         t.start()
 
-    def join(self, timeout: float) -> List[str]:
+    def join(self, timeout: float) -> list[str]:
         """Wait up to ``timeout`` seconds in all for the threads to end (never for the
         calling one); returns the names of those still running."""
         deadline = time.monotonic() + timeout
@@ -99,7 +100,7 @@ class _Worker:
         self.wake = threading.Lock()
         self.wake.acquire()  # held = asleep; released to wake the thread
         self.stop = False
-        self.task: Optional[Callable[[], Any]] = None  # a moved reading loop to continue
+        self.task: Callable[[], Any] | None = None  # a moved reading loop to continue
 
 
 class _InlineRun:
@@ -107,8 +108,8 @@ class _InlineRun:
 
     __slots__ = ("pool", "resume", "waiting", "stalled", "since", "moved")
 
-    def __init__(self, pool: "ElasticPool", resume: Callable[[], Any], waiting: Optional[Callable[[], bool]],
-                 stalled: Optional[Callable[[], Any]] = None) -> None:
+    def __init__(self, pool: ElasticPool, resume: Callable[[], Any], waiting: Callable[[], bool] | None,
+                 stalled: Callable[[], Any] | None = None) -> None:
         self.pool = pool
         self.resume = resume  # continues the reading loop on another thread
         self.waiting = waiting  # whether more input waits for the loop (None: assume so)
@@ -118,20 +119,20 @@ class _InlineRun:
 
 
 class ElasticPool:
-    def __init__(self, core_threads: int, name: str, threads: Optional[ThreadGroup] = None) -> None:
+    def __init__(self, core_threads: int, name: str, threads: ThreadGroup | None = None) -> None:
         self._group = threads if threads is not None else ThreadGroup()
         self._core = core_threads
         self._name = name
         self._lock = threading.Lock()
-        self._jobs: Deque[Job] = collections.deque()
-        self._idle: List[_Worker] = []  # a stack: the last one to go idle is woken first
+        self._jobs: collections.deque[Job] = collections.deque()
+        self._idle: list[_Worker] = []  # a stack: the last one to go idle is woken first
         self._threads = 0
         self._draining = 0  # threads currently taking jobs from the queue
         self._started = 0  # jobs taken so far: the watchdog's progress counter
         self._closed = False
         self._watch = threading.Condition(self._lock)
         self._watch_sleeping = False
-        self._inline: List[_InlineRun] = []  # runs in progress, for the watchdog
+        self._inline: list[_InlineRun] = []  # runs in progress, for the watchdog
         self._inline_runs = 0  # runs started so far
         with self._lock:
             for _ in range(core_threads):
@@ -157,7 +158,7 @@ class ElasticPool:
                 self._watch.notify()
 
     def run_inline(self, resume: Callable[[], Any], fn: Callable[..., Any], *args: Any,
-                   waiting: Optional[Callable[[], bool]] = None, stalled: Optional[Callable[[], Any]] = None) -> bool:
+                   waiting: Callable[[], bool] | None = None, stalled: Callable[[], Any] | None = None) -> bool:
         """Run ``fn(*args)`` on this thread, which serves a reading loop. If the run blocks
         on an RPC future, or outlasts the stall limit while ``waiting()`` says more input is
         there, ``resume()`` continues the loop on another thread (a long computation alone
@@ -214,7 +215,7 @@ class ElasticPool:
         else:
             self._spawn_locked(start_draining=True)
 
-    def _spawn_locked(self, start_draining: bool, task: Optional[Callable[[], Any]] = None) -> _Worker:
+    def _spawn_locked(self, start_draining: bool, task: Callable[[], Any] | None = None) -> _Worker:
         w = _Worker()
         w.task = task
         if start_draining or task is not None:

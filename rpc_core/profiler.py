@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import warnings
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import torch
 from torch.autograd import ProfilerState, _disable_profiler_legacy, _enable_profiler_legacy
@@ -24,8 +24,15 @@ from torch.autograd.profiler_util import EventList, FunctionEvent
 
 from . import agent as _agent_mod
 from . import profiler_rpc as _rpc
-from .profiler_rpc import _Middleware  # noqa: F401 (re-exported: tests and benchmarks look for it)
-from .profiler_rpc import REMOTE_OP, _Collector, _ensure_middleware, _flatten, _Options, _parse
+from .profiler_rpc import (
+    REMOTE_OP,
+    _Collector,
+    _ensure_middleware,
+    _flatten,
+    _Middleware,  # noqa: F401 (re-exported: tests and benchmarks look for it)
+    _Options,
+    _parse,
+)
 
 __all__ = ["profile", "record_function"]
 
@@ -36,7 +43,7 @@ record_function = torch.autograd.profiler.record_function  # user scopes, shown 
 class _EventList(EventList):
     """torch's EventList, with full-width names in tables and a per-node chrome trace."""
 
-    node_names: Dict[int, str] = {}
+    node_names: dict[int, str] = {}
 
     def table(self, sort_by=None, row_limit=100, max_src_column_width=75, max_name_column_width=None,  # type: ignore[override]
               max_shapes_column_width=80, header=None, top_level_events_only=False, time_unit=None) -> str:
@@ -47,7 +54,7 @@ class _EventList(EventList):
                              max_name_column_width=max_name_column_width, max_shapes_column_width=max_shapes_column_width,
                              header=header, top_level_events_only=top_level_events_only, time_unit=time_unit)
 
-    def key_averages(self, *args: Any, **kwargs: Any) -> "_EventList":  # type: ignore[override]
+    def key_averages(self, *args: Any, **kwargs: Any) -> _EventList:  # type: ignore[override]
         avg = super().key_averages(*args, **kwargs)
         out = _EventList(avg, use_device=self._use_device, profile_memory=self._profile_memory, with_flops=self._with_flops)
         out.node_names = self.node_names
@@ -56,7 +63,7 @@ class _EventList(EventList):
     def export_chrome_trace(self, path: str) -> None:
         """Write a Trace Event Format JSON file: one process per node (``node_id: N``), one
         thread row per profiled thread, RPCs as async slices. Opens in Perfetto/chrome://tracing."""
-        out: List[Dict[str, Any]] = []
+        out: list[dict[str, Any]] = []
         seen = set()
         for i, e in enumerate(self):
             if getattr(e, "trace_name", None) is None or e.name == "[memory]":
@@ -99,14 +106,14 @@ class profile:
     same profile object.
     """
 
-    def __init__(self, enabled: bool = True, *, use_device: Optional[str] = None, record_shapes: bool = False,
+    def __init__(self, enabled: bool = True, *, use_device: str | None = None, record_shapes: bool = False,
                  with_flops: bool = False, profile_memory: bool = False, with_stack: bool = False,
                  with_modules: bool = False, use_kineto: bool = False, use_cpu: bool = True,
                  experimental_config: Any = None, acc_events: bool = False, custom_trace_id_callback: Any = None,
-                 post_processing_timeout_s: Optional[float] = None, activity_filters: Any = None) -> None:
+                 post_processing_timeout_s: float | None = None, activity_filters: Any = None) -> None:
         self.enabled = enabled
         self.entered = False
-        self._function_events: Optional[_EventList] = None
+        self._function_events: _EventList | None = None
         if not enabled:
             return
         if not use_cpu:
@@ -124,7 +131,7 @@ class profile:
         self.with_modules, self.acc_events = with_modules, acc_events
         self._options = _Options(self.record_shapes, profile_memory, with_stack, with_flops, with_modules)
 
-    def __enter__(self) -> Optional["profile"]:
+    def __enter__(self) -> profile | None:
         if not self.enabled:
             return None
         if self.entered:
@@ -189,9 +196,9 @@ class profile:
         return self.function_events.key_averages(group_by_input_shape, group_by_stack_n,
                                                  group_by_overload_name, include_python_functions)
 
-    def table(self, sort_by: Optional[str] = None, row_limit: int = 100, max_src_column_width: int = 75,
-              max_name_column_width: Optional[int] = None, max_shapes_column_width: int = 80,
-              header: Optional[str] = None, top_level_events_only: bool = False) -> str:
+    def table(self, sort_by: str | None = None, row_limit: int = 100, max_src_column_width: int = 75,
+              max_name_column_width: int | None = None, max_shapes_column_width: int = 80,
+              header: str | None = None, top_level_events_only: bool = False) -> str:
         return self.function_events.table(sort_by=sort_by, row_limit=row_limit, max_src_column_width=max_src_column_width,
                                           max_name_column_width=max_name_column_width,
                                           max_shapes_column_width=max_shapes_column_width, header=header,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, NamedTuple
 
 import torch
 from torch.autograd import ProfilerConfig, ProfilerState, _disable_profiler_legacy, _enable_profiler_legacy
@@ -69,15 +69,15 @@ class _Event(NamedTuple):
     flops: int
 
 
-def _parse(records: List[list], node: int) -> Tuple[List[_Event], Optional[float], int]:
+def _parse(records: list[list], node: int) -> tuple[list[_Event], float | None, int]:
     """Legacy profiler records -> (events, profile start time, thread that profiled)."""
-    pushes: Dict[int, Any] = {}
-    pops: Dict[int, Any] = {}
-    mem: Dict[int, int] = {}
+    pushes: dict[int, Any] = {}
+    pops: dict[int, Any] = {}
+    mem: dict[int, int] = {}
     start = None
-    loose: List[_Event] = []
+    loose: list[_Event] = []
     for lst in records:
-        open_here: List[int] = []
+        open_here: list[int] = []
         prev = None
         for r in lst:
             kind = r.kind()
@@ -128,7 +128,7 @@ class _Call:
         self.key, self.options = key, options
         self.t0 = time.time_ns()
         self.t1 = self.t_reply = 0
-        self.reply: Optional[tuple] = None  # (callee start us, callee end us, [event tuples])
+        self.reply: tuple | None = None  # (callee start us, callee end us, [event tuples])
 
     def __reduce__(self) -> Any:
         return _activate, (tuple(self.options),)
@@ -148,14 +148,14 @@ class _Collector:
 
     def __init__(self, options: _Options, node: int) -> None:
         self.options, self.node = options, node
-        self.calls: List[_Call] = []
+        self.calls: list[_Call] = []
         self.agent = _agent_mod._agent  # the agent known to have our middleware
 
 
-def _flatten(calls: List[_Call], node: int, thread: int) -> Tuple[List[_Event], int]:
+def _flatten(calls: list[_Call], node: int, thread: int) -> tuple[list[_Event], int]:
     """The completed calls' events and their remote events, in this node's clock; and how
     many calls had not completed."""
-    out: List[_Event] = []
+    out: list[_Event] = []
     unfinished = 0
     for c in list(calls):
         if not c.t1:
@@ -177,7 +177,7 @@ def _flatten(calls: List[_Call], node: int, thread: int) -> Tuple[List[_Event], 
 # -- the caller: a wrapper around outgoing user calls, installed while anything profiles ------------
 _wrap_lock = threading.Lock()
 _wrap_users = 0
-_active: List[_Collector] = []  # user profiles in this process, innermost last
+_active: list[_Collector] = []  # user profiles in this process, innermost last
 
 
 def _use_wrapper(delta: int) -> None:
@@ -250,7 +250,7 @@ class _Served:
         self.collector = _Collector(options, node)
         self.thread = threading.get_ident()
         self.exited = threading.Event()
-        self.records: List[list] = []
+        self.records: list[list] = []
         self.t_in = time.time_ns() / 1e3
         self.enabled = False
         if not torch.autograd._profiler_enabled():
@@ -290,23 +290,23 @@ class _Middleware(_agent_mod.Middleware):
     def __init__(self, node: int) -> None:
         self.node = node
 
-    def enter_call(self, src: int, extras: Dict[str, Any]) -> Any:
+    def enter_call(self, src: int, extras: dict[str, Any]) -> Any:
         opts = extras.get(wire.EXTRA_PROFILE)
         if opts is None:
             return None
         served = extras[wire.LOCAL_PROFILE_SERVED] = _Served(_Options(*opts), self.node)
         return served
 
-    def exit_call(self, token: Any, extras: Dict[str, Any], result_future: Optional[torch.futures.Future]) -> None:
+    def exit_call(self, token: Any, extras: dict[str, Any], result_future: torch.futures.Future | None) -> None:
         if token is not None:
             token.exit()
 
-    def response_extras(self, extras: Dict[str, Any], response: Dict[str, Any]) -> None:
+    def response_extras(self, extras: dict[str, Any], response: dict[str, Any]) -> None:
         served = extras.get(wire.LOCAL_PROFILE_SERVED)
         if served is not None:
             response[wire.EXTRA_PROFILE] = served.reply()
 
-    def on_response(self, extras: Optional[Dict[str, Any]], call_extras: Dict[str, Any]) -> None:
+    def on_response(self, extras: dict[str, Any] | None, call_extras: dict[str, Any]) -> None:
         reply = extras.get(wire.EXTRA_PROFILE) if extras else None
         call = call_extras.get(wire.EXTRA_PROFILE)
         if reply is not None and isinstance(call, _Call):

@@ -21,7 +21,6 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Set, Tuple
 
 from . import handshake, knobs, transport, wire
 from .errors import AuthenticationError, RendezvousError
@@ -91,16 +90,16 @@ class World:
     """Result of a rendezvous: who is who, and the sockets it leaves us with."""
 
     me: WorkerInfo
-    workers: List[WorkerInfo]  # by rank
-    addresses: Dict[int, Tuple[str, int]]
+    workers: list[WorkerInfo]  # by rank
+    addresses: dict[int, tuple[str, int]]
     listener: socket.socket
     # rank 0: {rank: incoming connection}; others: {0: outgoing connection to rank 0}
-    connections: Dict[int, transport.Connection]
+    connections: dict[int, transport.Connection]
     # The same-host listener beside ``listener`` (see handshake.listen_local), if any.
-    local_listener: Optional[socket.socket] = None
+    local_listener: socket.socket | None = None
 
 
-def resolve_init_method(init_method: str) -> Tuple[str, int]:
+def resolve_init_method(init_method: str) -> tuple[str, int]:
     if init_method.startswith("env://"):
         addr = os.environ.get("MASTER_ADDR")
         port = os.environ.get("MASTER_PORT")
@@ -164,7 +163,7 @@ def _host(name: str, world_size: int, host: str, port: int, secret: bytes, timeo
     # Bound before anyone learns our address, so a same-host peer never finds it missing.
     local = handshake.listen_local(port)
     me = WorkerInfo(name, 0)
-    joined: Dict[int, Tuple[WorkerInfo, Tuple[str, int], transport.Connection, int]] = {}
+    joined: dict[int, tuple[WorkerInfo, tuple[str, int], transport.Connection, int]] = {}
     deadline = time.monotonic() + timeout
     joiners = _Joiners(listener, world_size, secret, f"rendezvous at {host}:{port}")
     try:
@@ -221,9 +220,9 @@ class _Joiners:
         self._secret = secret
         self._admission = handshake.Admission(where)
         self._lock = threading.Lock()
-        self._socks: Set[socket.socket] = set()  # in a handshake thread
-        self._done: List[Tuple[transport.Connection, WorkerInfo, Tuple[str, int], int]] = []
-        self._threads: List[threading.Thread] = []
+        self._socks: set[socket.socket] = set()  # in a handshake thread
+        self._done: list[tuple[transport.Connection, WorkerInfo, tuple[str, int], int]] = []
+        self._threads: list[threading.Thread] = []
         self._closed = False
         self._wake_r, self._wake_w = socket.socketpair()  # a finished handshake wakes collect
         listener.setblocking(False)
@@ -231,7 +230,7 @@ class _Joiners:
         self._selector.register(listener, selectors.EVENT_READ)
         self._selector.register(self._wake_r, selectors.EVENT_READ)
 
-    def collect(self, timeout: float) -> List[Tuple[transport.Connection, WorkerInfo, Tuple[str, int], int]]:
+    def collect(self, timeout: float) -> list[tuple[transport.Connection, WorkerInfo, tuple[str, int], int]]:
         """Accept what is connecting; return the joiners ready so far, waiting up to ``timeout``
         seconds for something to happen if none is."""
         for key, _ in self._selector.select(timeout):
@@ -260,7 +259,7 @@ class _Joiners:
         self._threads.append(t)
         t.start()
 
-    def _run(self, sock: socket.socket, peer: Tuple[str, int], deadline: float) -> None:
+    def _run(self, sock: socket.socket, peer: tuple[str, int], deadline: float) -> None:
         joiner = None
         try:
             joiner = _accept_joiner(sock, peer, self._world_size, self._secret, deadline, self._admission)
@@ -308,7 +307,7 @@ class _Joiners:
         self._wake_w.close()
 
 
-def _close(*socks: Optional[socket.socket]) -> None:
+def _close(*socks: socket.socket | None) -> None:
     for sock in socks:
         if sock is not None:
             sock.close()
@@ -327,8 +326,8 @@ def _reply(c: transport.Connection, msg_id: int, err: str) -> None:
         pass
 
 
-def _accept_joiner(sock: socket.socket, peer: Tuple[str, int], world_size: int, secret: bytes, deadline: float,
-                   admission: handshake.Admission) -> Optional[Tuple[transport.Connection, WorkerInfo, Tuple[str, int], int]]:
+def _accept_joiner(sock: socket.socket, peer: tuple[str, int], world_size: int, secret: bytes, deadline: float,
+                   admission: handshake.Admission) -> tuple[transport.Connection, WorkerInfo, tuple[str, int], int] | None:
     """Authenticate a joiner and read its join request, all by ``deadline``; None if it is
     turned away (the caller closes ``sock`` then)."""
     import pickle
@@ -349,7 +348,7 @@ def _accept_joiner(sock: socket.socket, peer: Tuple[str, int], world_size: int, 
     return None
 
 
-def _check_joiner(info: WorkerInfo, me: WorkerInfo, joined: Dict) -> Optional[str]:
+def _check_joiner(info: WorkerInfo, me: WorkerInfo, joined: dict) -> str | None:
     if info.id in joined or info.id == 0:
         other = me if info.id == 0 else joined[info.id][0]
         return f"rank {info.id} is not unique: both {other.name!r} and {info.name!r} claim it"
@@ -369,7 +368,7 @@ def _join(name: str, rank: int, world_size: int, host: str, port: int, secret: b
             sock = transport.dial((host, port), secret,
                                   timeout=max(_MIN_ATTEMPT, min(handshake.handshake_timeout(), deadline - time.monotonic())))
             break
-        except (ConnectionRefusedError, socket.timeout, transport.PeerClosed, ConnectionResetError, socket.gaierror) as e:
+        except (TimeoutError, ConnectionRefusedError, transport.PeerClosed, ConnectionResetError, socket.gaierror) as e:
             if time.monotonic() + delay > deadline:
                 raise RendezvousError(
                     f"worker {name!r} (rank {rank}) could not reach the rendezvous at {host}:{port} "

@@ -11,7 +11,7 @@ confirmed. So a fork is always registered before its parent can be deleted.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 import torch
 
@@ -23,7 +23,7 @@ from .rref_state import Id, _ctx, _on_child_accept, _on_fork, _on_user_deletes, 
 from .serialization import defer_until, note_for_reply, register_reducer
 
 
-def _reduce(rref: RRef) -> Tuple[Any, tuple]:
+def _reduce(rref: RRef) -> tuple[Any, tuple]:
     rref._check_alive("fork")
     me = _agent_mod.current_agent().me.id
     fork_id = new_id()
@@ -67,7 +67,7 @@ def _from_fork(owner: int, rref_id: Id, fork_id: Id, parent: int) -> RRef:
     return rref
 
 
-def on_request_failed(extras: Dict[str, Any], error: BaseException) -> None:
+def on_request_failed(extras: dict[str, Any], error: BaseException) -> None:
     """The agent could not unpickle a request; if it was a remote() creation, store the
     error as the RRef's value so to_here() raises it instead of waiting forever. Deletes
     it carried still apply."""
@@ -83,19 +83,19 @@ class RRefMiddleware(_agent_mod.Middleware):
     """Carries waiting deletes to their owner on the next request there, and applies the
     deletes a request carries when it arrives."""
 
-    def outgoing(self, dst: int, tensors: List[torch.Tensor], extras: Dict[str, Any],
-                 request_extras: Optional[Dict[str, Any]]) -> None:
+    def outgoing(self, dst: int, tensors: list[torch.Tensor], extras: dict[str, Any],
+                 request_extras: dict[str, Any] | None) -> None:
         if request_extras is None and (_ctx.deletes or _ctx.collected):
             pile = _ctx.take_deletes(dst)
             if pile:
                 extras[wire.EXTRA_RREF_DELETES] = pile
 
-    def enter_call(self, src: int, extras: Dict[str, Any]) -> Any:
+    def enter_call(self, src: int, extras: dict[str, Any]) -> Any:
         pile = extras.get(wire.EXTRA_RREF_DELETES)
         if pile:
             _on_user_deletes(pile)
 
-    def on_response(self, extras: Optional[Dict[str, Any]], call_extras: Dict[str, Any]) -> None:
+    def on_response(self, extras: dict[str, Any] | None, call_extras: dict[str, Any]) -> None:
         accepted = extras.get(wire.EXTRA_RREF_ACCEPTED) if extras else None
         if accepted:
             for fork_id in accepted:

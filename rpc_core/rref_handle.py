@@ -8,7 +8,7 @@ fork of the owner's value, named by fork id). Handles register with the per-proc
 from __future__ import annotations
 
 import weakref
-from typing import Any, Generic, Optional, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -27,7 +27,7 @@ T = TypeVar("T")
 class RRef(Generic[T]):
     """A reference to a value owned by some worker (torch.distributed.rpc.RRef)."""
 
-    def __init__(self, value: T, type_hint: Optional[type] = None) -> None:
+    def __init__(self, value: T, type_hint: type | None = None) -> None:
         agent = _agent_mod.current_agent()
         rref_id = new_id()
         e = _ctx.entry(rref_id)
@@ -35,15 +35,15 @@ class RRef(Generic[T]):
         self._init(agent.me.id, rref_id, None, True)
 
     # -- construction of the two flavours --------------------------------------------------------
-    def _init(self, owner: int, rref_id: Id, fork_id: Optional[Id], confirmed: bool,
-              creation: Optional[torch.futures.Future] = None) -> None:
+    def _init(self, owner: int, rref_id: Id, fork_id: Id | None, confirmed: bool,
+              creation: torch.futures.Future | None = None) -> None:
         self._owner_id = owner
         self._rref_id = rref_id
         self._fork_id = fork_id
         self._confirmed = confirmed
         self._creation = creation
         self._deleted = False
-        self._type: Optional[type] = None
+        self._type: type | None = None
         if fork_id is None:
             with _ctx.lock:
                 _ctx.entry(rref_id).handles += 1
@@ -51,14 +51,14 @@ class RRef(Generic[T]):
             _ctx.users[fork_id] = self
 
     @classmethod
-    def _owner_handle(cls, rref_id: Id) -> "RRef":
+    def _owner_handle(cls, rref_id: Id) -> RRef:
         r = cls.__new__(cls)
         r._init(_agent_mod.current_agent().me.id, rref_id, None, True)
         return r
 
     @classmethod
     def _user(cls, owner: int, rref_id: Id, fork_id: Id, confirmed: bool,
-              creation: Optional[torch.futures.Future] = None) -> "RRef":
+              creation: torch.futures.Future | None = None) -> RRef:
         r = cls.__new__(cls)
         r._init(owner, rref_id, fork_id, confirmed, creation)
         return r
@@ -142,13 +142,13 @@ class RRef(Generic[T]):
         f.set_result(self._type)
         return f
 
-    def rpc_sync(self, timeout: float = -1) -> "_Proxy":
+    def rpc_sync(self, timeout: float = -1) -> _Proxy:
         return _Proxy(self, "sync", timeout)
 
-    def rpc_async(self, timeout: float = -1) -> "_Proxy":
+    def rpc_async(self, timeout: float = -1) -> _Proxy:
         return _Proxy(self, "async", timeout)
 
-    def remote(self, timeout: float = -1) -> "_Proxy":
+    def remote(self, timeout: float = -1) -> _Proxy:
         return _Proxy(self, "remote", timeout)
 
     def backward(self, dist_autograd_ctx_id: int = -1, retain_graph: bool = False) -> None:
@@ -190,7 +190,7 @@ class _Proxy:
 
 
 # -- remote(): creating a value on its owner ---------------------------------------------------------
-def remote(to: Any, func: Any, args: Optional[tuple] = None, kwargs: Optional[dict] = None,
+def remote(to: Any, func: Any, args: tuple | None = None, kwargs: dict | None = None,
            timeout: float = UNSET_RPC_TIMEOUT, _keepalive: Any = None) -> RRef:
     """Run ``func`` on ``to`` and return an RRef to its result, owned by ``to``, at once.
     Errors inside ``func`` surface at ``to_here()`` with their type."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 
@@ -36,10 +36,10 @@ class Release(NamedTuple):
 
     kind: str
     owner: int = -1
-    rref_id: Optional[Id] = None
-    fork_id: Optional[Id] = None
-    creation: Optional[torch.futures.Future] = None  # USER: the delete waits for it
-    done: Optional[torch.futures.Future] = None  # BARRIER: completed once earlier items are sent
+    rref_id: Id | None = None
+    fork_id: Id | None = None
+    creation: torch.futures.Future | None = None  # USER: the delete waits for it
+    done: torch.futures.Future | None = None  # BARRIER: completed once earlier items are sent
 
 
 _POKE = Release(POKE)
@@ -113,7 +113,7 @@ def _send_delete(owner: int, rref_id: Id, fork_id: Id) -> None:
         _send_deletes(owner)
 
 
-def _send_deletes(owner: Optional[int] = None) -> None:
+def _send_deletes(owner: int | None = None) -> None:
     """Send the waiting deletes (of ``owner``, or of all owners) as calls of their own."""
     with _ctx.lock:
         _ctx.gather()
@@ -138,7 +138,7 @@ def track(fut: torch.futures.Future) -> None:
         _ctx.in_flight = [f for f in _ctx.in_flight if not f.done()]
 
 
-_release_thread: Optional[threading.Thread] = None
+_release_thread: threading.Thread | None = None
 
 
 def start_release_thread() -> None:

@@ -15,7 +15,7 @@ import itertools
 import queue
 import threading
 import weakref
-from typing import Any, Deque, Dict, List, NamedTuple, Optional, Set, Tuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -24,7 +24,7 @@ from . import futures as _futures
 from .errors import RpcError
 from .functions import async_execution
 
-Id = Tuple[int, int]  # GloballyUniqueId(created_on, local_id)
+Id = tuple[int, int]  # GloballyUniqueId(created_on, local_id)
 
 _local_ids = itertools.count(0)
 _FREED_MEMORY = 1 << 16
@@ -52,7 +52,7 @@ class _Entry:
 
     def __init__(self) -> None:
         self.value: torch.futures.Future = torch.futures.Future()
-        self.forks: Set[Id] = set()
+        self.forks: set[Id] = set()
         self.handles = 0
 
 
@@ -61,31 +61,31 @@ class _Context:
 
     def __init__(self) -> None:
         self.lock = threading.RLock()
-        self.owners: Dict[Id, _Entry] = {}
+        self.owners: dict[Id, _Entry] = {}
         # Handles (rref_handle.RRef, a layer above) by fork id: parents kept until their
         # child forks are confirmed, and the live user handles.
-        self.pending_children: Dict[Id, Any] = {}
-        self.users: "weakref.WeakValueDictionary[Id, Any]" = weakref.WeakValueDictionary()
-        self.unconfirmed: Set[Id] = set()
+        self.pending_children: dict[Id, Any] = {}
+        self.users: weakref.WeakValueDictionary[Id, Any] = weakref.WeakValueDictionary()
+        self.unconfirmed: set[Id] = set()
         # The release loop's queue (items: rref_release.Release).
-        self.releases: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
-        self.in_flight: List[torch.futures.Future] = []
+        self.releases: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.in_flight: list[torch.futures.Future] = []
         # Ids this owner freed (ids are never reused): a late request for one fails at once
         # instead of waiting forever for a value that will not come. Bounded, oldest out.
-        self.freed: "collections.OrderedDict[Id, None]" = collections.OrderedDict()
+        self.freed: collections.OrderedDict[Id, None] = collections.OrderedDict()
         # owner rank -> (rref id, fork id) deletes waiting to ride on a request to it; plain
         # tuples, as they travel in frame heads (wire.EXTRA_RREF_DELETES)
-        self.deletes: Dict[int, List[Tuple[Id, Id]]] = {}
+        self.deletes: dict[int, list[tuple[Id, Id]]] = {}
         self.deletes_out = 0  # deletes that left this worker, on requests or on their own
         self.deletes_seen = 0  # deletes_out when flush() last looked
         # Deletes of garbage-collected user handles whose creation was confirmed, appended
         # by ``__del__`` itself (a deque append is safe in a finalizer and wakes no thread);
         # the next look at the piles (a request to any owner, the release loop) moves them.
-        self.collected: Deque[Collected] = collections.deque()
+        self.collected: collections.deque[Collected] = collections.deque()
         self.n_collected = 0  # appends so far (approximate: it only paces the release loop)
         # Ids of garbage-collected owner handles (an RRef argument unpickled on its owner
         # makes one per call); the release loop drops them in batches, waking no thread each.
-        self.dropped: Deque[Id] = collections.deque()
+        self.dropped: collections.deque[Id] = collections.deque()
         self.release_asleep = False  # the release loop waits without a deadline: poke it
 
     def drop_handles(self) -> None:
@@ -104,7 +104,7 @@ class _Context:
             c = self.collected.popleft()
             self.deletes.setdefault(c.owner, []).append((c.rref_id, c.fork_id))
 
-    def take_deletes(self, owner: int) -> List[Tuple[Id, Id]]:
+    def take_deletes(self, owner: int) -> list[tuple[Id, Id]]:
         with self.lock:
             self.gather()
             pile = self.deletes.pop(owner, [])
@@ -138,7 +138,7 @@ class _Context:
                 if len(self.freed) > _FREED_MEMORY:
                     self.freed.popitem(last=False)
 
-    def debug_info(self) -> Dict[str, int]:
+    def debug_info(self) -> dict[str, int]:
         with self.lock:
             return {
                 "num_owner_rrefs": len(self.owners),
@@ -152,7 +152,7 @@ class _Context:
 _ctx = _Context()
 
 
-def debug_info() -> Dict[str, int]:
+def debug_info() -> dict[str, int]:
     return _ctx.debug_info()
 
 
@@ -173,7 +173,7 @@ def reset() -> None:
 
 # -- the owner's handlers (run as RPCs) ------------------------------------------------------------
 @async_execution
-def _on_create(rref_id: Id, fork_id: Optional[Id], func: Any, args: tuple, kwargs: dict) -> torch.futures.Future:
+def _on_create(rref_id: Id, fork_id: Id | None, func: Any, args: tuple, kwargs: dict) -> torch.futures.Future:
     e = _ctx.entry(rref_id)
     if fork_id is not None:
         with _ctx.lock:
@@ -240,7 +240,7 @@ def _on_user_delete(rref_id: Id, fork_id: Id) -> None:
     _ctx.maybe_free(rref_id)
 
 
-def _on_user_deletes(pile: List[Tuple[Id, Id]]) -> None:
+def _on_user_deletes(pile: list[tuple[Id, Id]]) -> None:
     for rref_id, fork_id in pile:
         _on_user_delete(tuple(rref_id), tuple(fork_id))
 

@@ -16,7 +16,7 @@ import ctypes
 import itertools
 import socket
 import threading
-from typing import Deque, List, Optional, Sequence, Set
+from collections.abc import Sequence
 
 from . import cma, wire
 from .buffers import DIRECT_READ
@@ -63,10 +63,10 @@ class Sender:
     _reader_sleeps: bool
     _no_poll: int
     _lock: threading.Lock
-    _inbox: Deque[tuple]
-    _failed: Optional[BaseException]
-    _outstanding: Set[int]
-    _released: Set[int]
+    _inbox: collections.deque[tuple]
+    _failed: BaseException | None
+    _outstanding: set[int]
+    _released: set[int]
 
     def _init_sender(self) -> None:
         self._send_lock = threading.Lock()
@@ -75,7 +75,7 @@ class Sender:
         self._tokens = itertools.count(1)
         # Small whole frames waiting to be written by whoever next can: RELEASEs (a reader
         # must not wait for the send lock) and deferred requests (see send).
-        self._small_q: Deque[bytes] = collections.deque()
+        self._small_q: collections.deque[bytes] = collections.deque()
 
     def send(self, kind: int, flags: int, msg_id: int, head: bytes, body: bytes, buffers: Sequence[memoryview] = (),
              defer: int = 0) -> None:
@@ -135,7 +135,7 @@ class Sender:
         if small:
             # One contiguous write: copying a few KB costs less than a gather write, whose
             # segments loopback TCP delivers (and wakes the reader for) one by one.
-            parts: List[memoryview] = [memoryview(b"".join([header, head, body, *buffers]))]
+            parts: list[memoryview] = [memoryview(b"".join([header, head, body, *buffers]))]
         else:
             parts = [memoryview(header + head), memoryview(body)] if len(body) >= DIRECT_READ else [
                 memoryview(header + head + body)]
@@ -152,7 +152,7 @@ class Sender:
         if self._small_q:
             self._flush_small()
 
-    def _sendmsg_all(self, parts: List[memoryview]) -> None:
+    def _sendmsg_all(self, parts: list[memoryview]) -> None:
         i = 0
         while i < len(parts):
             sent = self.sock.sendmsg(parts[i : i + _IOV_MAX])

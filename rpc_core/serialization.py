@@ -19,19 +19,20 @@ import ctypes
 import io
 import pickle
 import threading
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import torch
 
 _tls = threading.local()
-_REDUCERS: Dict[type, Callable[[Any], Any]] = {}
+_REDUCERS: dict[type, Callable[[Any], Any]] = {}
 
 
 # A tensor's meta in the frame head is a plain tuple (a NamedTuple pickles through its class
 # and costs a Python call per tensor to rebuild):
 #   (buffer index, dtype code, size, stride, offset in elements from the buffer's start, flags)
 # The dtype code indexes _DTYPES; a dtype not listed there travels as the dtype itself.
-TensorMeta = Tuple[int, Any, Tuple[int, ...], Tuple[int, ...], int, int]
+TensorMeta = tuple[int, Any, tuple[int, ...], tuple[int, ...], int, int]
 _REQUIRES_GRAD, _IS_PARAM = 1, 2
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
@@ -43,7 +44,7 @@ def register_reducer(cls: type, reducer: Callable[[Any], Any]) -> None:
     _REDUCERS[cls] = reducer
 
 
-def storage_view(storage: torch.UntypedStorage, start: int = 0, end: Optional[int] = None) -> memoryview:
+def storage_view(storage: torch.UntypedStorage, start: int = 0, end: int | None = None) -> memoryview:
     """A writable byte memoryview over a storage's memory, without copying."""
     end = storage.nbytes() if end is None else end
     n = end - start
@@ -62,7 +63,7 @@ _COMPRESSED = {torch.sparse_csr: 0, torch.sparse_csc: 1, torch.sparse_bsr: 2, to
 _COMPRESSED_LAYOUTS = list(_COMPRESSED)
 
 
-def _compressed_parts(t: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _compressed_parts(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(compressed indices, plain indices, values) of a CSR/CSC/BSR/BSC tensor."""
     if t.layout in (torch.sparse_csr, torch.sparse_bsr):
         return t.crow_indices(), t.col_indices(), t.values()
@@ -72,14 +73,14 @@ def _compressed_parts(t: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torc
 # Sparse tensors are rebuilt with their invariants checked (indices in range, compressed
 # indices sorted): the bytes come from a peer, and torch reads out of bounds on a sparse
 # tensor that breaks them.
-def _sparse_coo(indices: torch.Tensor, values: torch.Tensor, size: Tuple[int, ...], coalesced: bool,
+def _sparse_coo(indices: torch.Tensor, values: torch.Tensor, size: tuple[int, ...], coalesced: bool,
                 leaf_grad: bool) -> torch.Tensor:
     t = torch.sparse_coo_tensor(indices, values, size, check_invariants=True, is_coalesced=coalesced)
     return t.requires_grad_() if leaf_grad and not t.requires_grad else t
 
 
 def _sparse_compressed(compressed: torch.Tensor, plain: torch.Tensor, values: torch.Tensor,
-                       size: Tuple[int, ...], layout: int, leaf_grad: bool) -> torch.Tensor:
+                       size: tuple[int, ...], layout: int, leaf_grad: bool) -> torch.Tensor:
     if not isinstance(layout, int) or not 0 <= layout < len(_COMPRESSED_LAYOUTS):
         raise ValueError(f"unknown compressed sparse layout code {layout!r}")
     t = torch.sparse_compressed_tensor(compressed, plain, values, size, layout=_COMPRESSED_LAYOUTS[layout],
@@ -88,7 +89,7 @@ def _sparse_compressed(compressed: torch.Tensor, plain: torch.Tensor, values: to
 
 
 class _Pickler(pickle.Pickler):
-    def __init__(self, file: io.BytesIO, tensors: List[torch.Tensor]) -> None:
+    def __init__(self, file: io.BytesIO, tensors: list[torch.Tensor]) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self._tensors = tensors
 
@@ -123,7 +124,7 @@ class _Pickler(pickle.Pickler):
 _Parameter = torch.nn.Parameter
 
 
-def _pack_tensors(tensors: Sequence[torch.Tensor]) -> Tuple[List[TensorMeta], List[memoryview], List[Any]]:
+def _pack_tensors(tensors: Sequence[torch.Tensor]) -> tuple[list[TensorMeta], list[memoryview], list[Any]]:
     """Group tensors by storage; each storage ships once, or only the bytes its views span."""
     if len(tensors) == 1:
         packed = _pack_whole(tensors[0])
@@ -132,7 +133,7 @@ def _pack_tensors(tensors: Sequence[torch.Tensor]) -> Tuple[List[TensorMeta], Li
     # One pass over the tensors: every accessor below is a call into torch. Plain loops, no
     # generators: this runs for every tensor of every message.
     infos = []
-    by_storage: Dict[int, List[int]] = {}  # data_ptr -> indices into infos
+    by_storage: dict[int, list[int]] = {}  # data_ptr -> indices into infos
     for t in tensors:
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
@@ -150,9 +151,9 @@ def _pack_tensors(tensors: Sequence[torch.Tensor]) -> Tuple[List[TensorMeta], Li
         else:
             members.append(len(infos))
         infos.append((t, storage, ptr, esize, offset, size, stride, offset * esize, last * esize, empty))
-    buffers: List[memoryview] = []
-    keepalive: List[Any] = []
-    groups: Dict[int, Tuple[int, int]] = {}  # data_ptr -> (buffer index, start byte)
+    buffers: list[memoryview] = []
+    keepalive: list[Any] = []
+    groups: dict[int, tuple[int, int]] = {}  # data_ptr -> (buffer index, start byte)
     for ptr, members in by_storage.items():
         info = infos[members[0]]
         storage, lo, hi = info[1], info[7], info[8]
@@ -170,14 +171,14 @@ def _pack_tensors(tensors: Sequence[torch.Tensor]) -> Tuple[List[TensorMeta], Li
         groups[ptr] = (len(buffers), lo)
         buffers.append(storage_view(storage, lo, hi))
         keepalive.append(storage)
-    metas: List[TensorMeta] = []
+    metas: list[TensorMeta] = []
     for t, _, ptr, esize, offset, size, stride, _, _, empty in infos:
         index, lo = groups[ptr]
         metas.append(_meta(t, index, size, stride, 0 if empty else (offset * esize - lo) // esize))
     return metas, buffers, keepalive
 
 
-def _meta(t: torch.Tensor, index: int, size: Tuple[int, ...], stride: Tuple[int, ...], offset: int) -> TensorMeta:
+def _meta(t: torch.Tensor, index: int, size: tuple[int, ...], stride: tuple[int, ...], offset: int) -> TensorMeta:
     # Parameter's isinstance goes through a Python-level metaclass hook: test the class first.
     cls = t.__class__
     is_param = cls is _Parameter or (cls is not torch.Tensor and isinstance(t, _Parameter))
@@ -186,7 +187,7 @@ def _meta(t: torch.Tensor, index: int, size: Tuple[int, ...], stride: Tuple[int,
             (_REQUIRES_GRAD if t.requires_grad else 0) | (_IS_PARAM if is_param else 0))
 
 
-def _pack_whole(t: torch.Tensor) -> Optional[Tuple[List[TensorMeta], List[memoryview], List[Any]]]:
+def _pack_whole(t: torch.Tensor) -> tuple[list[TensorMeta], list[memoryview], list[Any]] | None:
     """The common message, one contiguous tensor that is its whole storage (a fresh result,
     a parameter), packed with a few accessors; None for anything else (the general path)."""
     storage = t.untyped_storage()
@@ -197,11 +198,11 @@ def _pack_whole(t: torch.Tensor) -> Optional[Tuple[List[TensorMeta], List[memory
 
 
 class Serialized(NamedTuple):
-    metas: List[TensorMeta]
+    metas: list[TensorMeta]
     body: bytes
-    buffers: List[memoryview]
-    tensors: List[torch.Tensor]  # the tensors found, in table order (autograd records sends on them)
-    keepalive: List[Any]  # storages that must outlive the send
+    buffers: list[memoryview]
+    tensors: list[torch.Tensor]  # the tensors found, in table order (autograd records sends on them)
+    keepalive: list[Any]  # storages that must outlive the send
 
 
 _new_tuple = tuple.__new__
@@ -213,7 +214,7 @@ class _PicklerSlot:
 
     def __init__(self) -> None:
         self.file = io.BytesIO()
-        self.tensors: List[torch.Tensor] = []
+        self.tensors: list[torch.Tensor] = []
         self.pickler = _Pickler(self.file, self.tensors)
         self.busy = False
 
@@ -242,14 +243,14 @@ def serialize(obj: Any) -> Serialized:
     return _new_tuple(Serialized, (metas, body, buffers, tensors, keepalive))
 
 
-def encode_head(metas: Sequence[TensorMeta], extras: Optional[Dict[str, Any]]) -> bytes:
+def encode_head(metas: Sequence[TensorMeta], extras: dict[str, Any] | None) -> bytes:
     """The frame head: tensor metas and message extras (autograd ids, profiling, ...)."""
     if not metas and not extras:
         return b""
     return pickle.dumps((metas, extras or None), pickle.HIGHEST_PROTOCOL)
 
 
-def decode_head(head: bytes) -> Tuple[Sequence[TensorMeta], Optional[Dict[str, Any]]]:
+def decode_head(head: bytes) -> tuple[Sequence[TensorMeta], dict[str, Any] | None]:
     if not head:
         return (), None
     return pickle.loads(head)
@@ -257,10 +258,10 @@ def decode_head(head: bytes) -> Tuple[Sequence[TensorMeta], Optional[Dict[str, A
 
 # One empty tensor per dtype: ``template.new()`` makes the next empty tensor of that dtype
 # without parsing torch.empty's arguments (per received tensor).
-_TEMPLATES: Dict[torch.dtype, torch.Tensor] = {}
+_TEMPLATES: dict[torch.dtype, torch.Tensor] = {}
 
 
-def rebuild_tensors(metas: Sequence[TensorMeta], storages: Sequence[torch.UntypedStorage]) -> List[torch.Tensor]:
+def rebuild_tensors(metas: Sequence[TensorMeta], storages: Sequence[torch.UntypedStorage]) -> list[torch.Tensor]:
     out = []
     for buffer, dtype, size, stride, offset, flags in metas:
         if type(dtype) is int:
@@ -280,7 +281,7 @@ def rebuild_tensors(metas: Sequence[TensorMeta], storages: Sequence[torch.Untype
     return out
 
 
-def defer_until(fut: "torch.futures.Future") -> None:
+def defer_until(fut: torch.futures.Future) -> None:
     """Called while unpickling: the message's user function must wait for ``fut``
     (e.g. an RRef fork's confirmation) before it runs."""
     waits = getattr(_tls, "waits", None)
@@ -299,8 +300,8 @@ def note_for_reply(key: str, item: Any) -> bool:
     return True
 
 
-def unpickle_body(body: Any, tensors: Sequence[torch.Tensor], waits: Optional[list] = None,
-                  notes: Optional[Dict[str, list]] = None) -> Any:
+def unpickle_body(body: Any, tensors: Sequence[torch.Tensor], waits: list | None = None,
+                  notes: dict[str, list] | None = None) -> Any:
     prev = getattr(_tls, "tensors", None), getattr(_tls, "waits", None), getattr(_tls, "notes", None)
     _tls.tensors, _tls.waits, _tls.notes = tensors, waits, notes
     try:
@@ -313,10 +314,10 @@ def deserialize(
     head: bytes,
     body: Any,
     storages: Sequence[torch.UntypedStorage],
-    tensor_hook: Optional[Callable[[List[torch.Tensor], Sequence[TensorMeta], Dict[str, Any]], List[torch.Tensor]]] = None,
-    waits: Optional[list] = None,
-    notes: Optional[Dict[str, list]] = None,
-) -> Tuple[Any, Optional[Dict[str, Any]]]:
+    tensor_hook: Callable[[list[torch.Tensor], Sequence[TensorMeta], dict[str, Any]], list[torch.Tensor]] | None = None,
+    waits: list | None = None,
+    notes: dict[str, list] | None = None,
+) -> tuple[Any, dict[str, Any] | None]:
     """Inverse of ``serialize``; returns (object, extras). Futures the body's objects ask to
     wait for (``defer_until``) are appended to ``waits``; what they want to tell the sender
     (``note_for_reply``) goes into ``notes``."""
@@ -326,12 +327,12 @@ def deserialize(
 
 def deserialize_decoded(
     metas: Sequence[TensorMeta],
-    extras: Optional[Dict[str, Any]],
+    extras: dict[str, Any] | None,
     body: Any,
     storages: Sequence[torch.UntypedStorage],
-    tensor_hook: Optional[Callable[[List[torch.Tensor], Sequence[TensorMeta], Dict[str, Any]], List[torch.Tensor]]] = None,
-    waits: Optional[list] = None,
-    notes: Optional[Dict[str, list]] = None,
+    tensor_hook: Callable[[list[torch.Tensor], Sequence[TensorMeta], dict[str, Any]], list[torch.Tensor]] | None = None,
+    waits: list | None = None,
+    notes: dict[str, list] | None = None,
 ) -> Any:
     """``deserialize`` for a head that was decoded already (``decode_head``)."""
     tensors = rebuild_tensors(metas, storages) if metas else []
@@ -340,7 +341,7 @@ def deserialize_decoded(
     return unpickle_body(body, tensors, waits, notes)
 
 
-def loopback(buffers: Sequence[memoryview]) -> List[torch.UntypedStorage]:
+def loopback(buffers: Sequence[memoryview]) -> list[torch.UntypedStorage]:
     """Storages for a message delivered to this same process (a call to self still copies,
     as torch does, so the callee never aliases the caller's tensors)."""
     out = []

@@ -24,7 +24,8 @@ import collections
 import ctypes
 import socket
 import threading
-from typing import Any, Callable, Deque, List, Optional, Set, Tuple
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -71,12 +72,12 @@ class Connection(Sender, Waiting, ReadBuffer):
         self._state = threading.Condition(self._lock)
         self._role_waiters = 0
         self._reading = False  # someone is reading the socket (recv, or a sender awaiting RELEASE)
-        self._inbox: Deque[tuple] = collections.deque()  # frames a waiting sender read for recv
+        self._inbox: collections.deque[tuple] = collections.deque()  # frames a waiting sender read for recv
         # recv's "done" test for _take_role, built once (recv runs for every frame)
         self._next_queued = lambda: self._inbox.popleft() if self._inbox else NOTHING
-        self._failed: Optional[BaseException] = None  # the connection is unusable, and why
-        self._outstanding: Set[int] = set()  # tokens sent, RELEASE not yet read
-        self._released: Set[int] = set()  # RELEASE read, sender not yet woken
+        self._failed: BaseException | None = None  # the connection is unusable, and why
+        self._outstanding: set[int] = set()  # tokens sent, RELEASE not yet read
+        self._released: set[int] = set()  # RELEASE read, sender not yet woken
         self._reader_sleeps = False  # a reader is (about to be) blocked in the kernel
         # Read once per connection, not per wait (see polling).
         self._spin = knobs.spin_seconds()
@@ -151,7 +152,7 @@ class Connection(Sender, Waiting, ReadBuffer):
         finally:
             self._drop_role()
 
-    def recv(self) -> Tuple[wire.FrameHeader, bytes, bytes, List[torch.UntypedStorage]]:
+    def recv(self) -> tuple[wire.FrameHeader, bytes, bytes, list[torch.UntypedStorage]]:
         """Read one frame. Raises PeerClosed on EOF, ProtocolError on malformed bytes.
         RELEASE frames are the transport's own: they are handled here, never returned."""
         queued = self._take_role(self._next_queued, _same)
@@ -170,7 +171,7 @@ class Connection(Sender, Waiting, ReadBuffer):
         finally:
             self._drop_role()
 
-    def _read_frame(self) -> Optional[Tuple[wire.FrameHeader, bytes, bytes, List[torch.UntypedStorage]]]:
+    def _read_frame(self) -> tuple[wire.FrameHeader, bytes, bytes, list[torch.UntypedStorage]] | None:
         """Read the next frame off the socket; None if it was a RELEASE (handled here)."""
         h = wire.unpack_header(self._read_small(wire.FRAME_HEADER.size))
         try:

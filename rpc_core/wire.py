@@ -67,7 +67,8 @@ import hashlib
 import hmac
 import os
 import struct
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 MAGIC = b"RPCc"
 VERSION = 3  # 2: cross-memory attach step, REMOTE flag, RELEASE kind; 3: tensor metas as plain tuples

@@ -1,17 +1,17 @@
 """Graph helpers for the tests that check how modules import each other."""
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Set
+from collections.abc import Iterable
 
 
-def cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """Each strongly connected component of more than one node (Tarjan), as a sorted list;
     the components in sorted order. The packages checked are small enough for recursion."""
-    index: Dict[str, int] = {}
-    low: Dict[str, int] = {}
-    stack: List[str] = []
-    on_stack: Set[str] = set()
-    found: List[List[str]] = []
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
 
     def visit(v: str) -> None:
         index[v] = low[v] = len(index)

@@ -24,8 +24,9 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Any
 
 # Re-exported for rpc_core's tests. ps_train.ports imports only the standard library, so
 # these tests and their worker processes load nothing of the application.
@@ -64,7 +65,7 @@ class WorkerContext:
     world_size: int
     init_method: str
     secret: str
-    options: Dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -78,7 +79,7 @@ class WorkerContext:
         kw.update(overrides)
         return RpcBackendOptions(**kw)
 
-    def init(self, name: Optional[str] = None, rank: Optional[int] = None, **overrides: Any) -> None:
+    def init(self, name: str | None = None, rank: int | None = None, **overrides: Any) -> None:
         import rpc_core
 
         rpc_core.init_rpc(
@@ -96,7 +97,7 @@ def _is_initialized() -> bool:
 
 
 def _child_main(body: Callable[..., Any], ctx: WorkerContext, args: tuple, init: bool,
-                env: Dict[str, str], conn: Any) -> None:
+                env: dict[str, str], conn: Any) -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent asks for stacks on timeout
     os.environ.update(env)
     import torch
@@ -137,11 +138,11 @@ def run_world(
     args: Sequence[Any] = (),
     timeout: float = DEFAULT_TIMEOUT,
     init: bool = True,
-    options: Optional[Dict[str, Any]] = None,
+    options: dict[str, Any] | None = None,
     may_die: Iterable[int] = (),
-    env: Optional[Dict[str, str]] = None,
-    port: Optional[int] = None,
-) -> List[Any]:
+    env: dict[str, str] | None = None,
+    port: int | None = None,
+) -> list[Any]:
     """Run ``body(ctx, *args)`` on ``world_size`` worker processes; return the per-rank results
     (``None`` for ranks in ``may_die`` that died). Raise WorldError if any rank failed."""
     ctx_mp = _mp_context()
@@ -162,10 +163,10 @@ def run_world(
         procs.append(p)
         conns.append(recv_end)
 
-    outcomes: Dict[int, tuple] = {}
-    failures: List[str] = []
+    outcomes: dict[int, tuple] = {}
+    failures: list[str] = []
     deadline = time.monotonic() + timeout
-    first_failure: Optional[int] = None
+    first_failure: int | None = None
     try:
         pending = {conns[r]: r for r in range(world_size)}
         while pending:
@@ -208,7 +209,7 @@ def run_world(
         for c in conns:
             c.close()
 
-    results: List[Any] = [None] * world_size
+    results: list[Any] = [None] * world_size
     for rank in range(world_size):
         kind, *rest = outcomes.get(rank, ("missing",))
         if kind == "ok":

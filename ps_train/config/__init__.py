@@ -20,7 +20,13 @@ Nothing here imports the rest of ps_train.
 from ps_train.config.base import ConfigError
 from ps_train.config.cluster import LAUNCHERS, PLACEMENTS, ClusterConfig
 from ps_train.config.data import (
-    DATA_NAMES, DATA_SCHEMAS, VISION_SHAPES, DataConfig, DigitsConfig, SyntheticConfig, VisionDataConfig,
+    DATA_NAMES,
+    DATA_SCHEMAS,
+    VISION_SHAPES,
+    DataConfig,
+    DigitsConfig,
+    SyntheticConfig,
+    VisionDataConfig,
 )
 from ps_train.config.loading import from_dictconfig, register_configs
 from ps_train.config.model import MODEL_NAMES, MODEL_SCHEMAS, CNNConfig, MLPConfig, ModelConfig, ResNetConfig

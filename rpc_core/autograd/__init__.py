@@ -9,7 +9,8 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, Iterator
+from collections.abc import Iterator
+from typing import Any, Dict
 
 import torch
 
@@ -53,7 +54,7 @@ def context() -> Iterator[int]:
         _release_context(ctx.context_id, defer=True)
 
 
-def get_gradients(context_id: int) -> Dict[torch.Tensor, torch.Tensor]:
+def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
     ctx = _context.retrieve(context_id)
     with ctx.lock:
         return dict(ctx.grads)
@@ -80,5 +81,5 @@ def _get_max_id() -> int:
     return _context.max_id()
 
 
-def _get_debug_info() -> Dict[str, Any]:
+def _get_debug_info() -> dict[str, Any]:
     return {"num_autograd_contexts": _context.count()}

@@ -25,7 +25,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import OrderedDict
-from typing import Any, Dict, List, Optional, Set
+from typing import Any
 
 import torch
 
@@ -34,7 +34,7 @@ from ..errors import RpcError
 _ID_BITS = 48
 _tls = threading.local()
 _lock = threading.Lock()
-_contexts: Dict[int, "DistAutogradContext"] = {}
+_contexts: dict[int, DistAutogradContext] = {}
 _counter = itertools.count(0)
 _msg_counter = itertools.count(0)
 _worker_id = 0
@@ -42,19 +42,19 @@ _worker_id = 0
 # which saves a cleanup RPC per worker per training step. Flushed as an explicit cleanup
 # when too many pile up, when no request came for them within a short time, by
 # _wait_cleanups, and before shutdown. ``deferred_since``: when each worker's list began.
-deferred: Dict[int, List[int]] = {}
-deferred_since: Dict[int, float] = {}
+deferred: dict[int, list[int]] = {}
+deferred_since: dict[int, float] = {}
 deferred_lock = threading.Lock()
 
 
-def take_deferred(worker: int) -> List[int]:
+def take_deferred(worker: int) -> list[int]:
     """The releases waiting for the next request to ``worker`` (the caller attaches them)."""
     with deferred_lock:
         deferred_since.pop(worker, None)
         return deferred.pop(worker, [])
 
 
-_released: "OrderedDict[int, None]" = OrderedDict()  # tombstones of released ids
+_released: OrderedDict[int, None] = OrderedDict()  # tombstones of released ids
 _MAX_TOMBSTONES = 1 << 16
 
 
@@ -62,28 +62,28 @@ class DistAutogradContext:
     def __init__(self, context_id: int) -> None:
         self.context_id = context_id
         self.lock = threading.Lock()
-        self.grads: Dict[torch.Tensor, torch.Tensor] = {}
-        self.sends: Dict[int, List[torch.Tensor]] = {}  # autograd message id -> tensors sent
-        self.recvs: Dict[int, Any] = {}  # autograd message id -> recv node
-        self.known_workers: Set[int] = set()
+        self.grads: dict[torch.Tensor, torch.Tensor] = {}
+        self.sends: dict[int, list[torch.Tensor]] = {}  # autograd message id -> tensors sent
+        self.recvs: dict[int, Any] = {}  # autograd message id -> recv node
+        self.known_workers: set[int] = set()
         self.backward_passes = 0
         # Requests of this context admitted here and not yet answered (guarded by _lock).
         self.active = 0
         # Released while requests were active: the worker that asked (or -1), to skip when
         # the release is passed on once the last of them is answered.
-        self.release_from: Optional[int] = None
+        self.release_from: int | None = None
 
     # Names used by torch's tests.
     def _context_id(self) -> int:
         return self.context_id
 
-    def _send_functions(self) -> Dict[int, List[torch.Tensor]]:
+    def _send_functions(self) -> dict[int, list[torch.Tensor]]:
         return dict(self.sends)
 
-    def _recv_functions(self) -> Dict[int, Any]:
+    def _recv_functions(self) -> dict[int, Any]:
         return dict(self.recvs)
 
-    def _known_worker_ids(self) -> Set[int]:
+    def _known_worker_ids(self) -> set[int]:
         return set(self.known_workers)
 
     def accumulate(self, leaf: torch.Tensor, grad: torch.Tensor) -> None:
@@ -156,7 +156,7 @@ def is_released(context_id: int) -> bool:
     return context_id in _released and context_id not in _contexts
 
 
-def admit(context_id: int) -> Optional[DistAutogradContext]:
+def admit(context_id: int) -> DistAutogradContext | None:
     """The context of a request that just arrived (created if new here), counted as in use
     until ``leave``; None if the id was released here already."""
     with _lock:
@@ -181,7 +181,7 @@ def leave(ctx: DistAutogradContext) -> bool:
         return True
 
 
-def release(context_id: int, sender: int = -1) -> Optional[DistAutogradContext]:
+def release(context_id: int, sender: int = -1) -> DistAutogradContext | None:
     """Tombstone the id and forget the context; returns it, for the caller to pass the
     release on. None if it is not here, or if requests of it are still active: then it goes
     when the last of them is answered (``leave``), and ``sender`` is remembered for that."""
@@ -199,11 +199,11 @@ def release(context_id: int, sender: int = -1) -> Optional[DistAutogradContext]:
         return ctx
 
 
-def current_id() -> Optional[int]:
+def current_id() -> int | None:
     return getattr(_tls, "context_id", None)
 
 
-def set_current(context_id: Optional[int]) -> Optional[int]:
+def set_current(context_id: int | None) -> int | None:
     prev = getattr(_tls, "context_id", None)
     _tls.context_id = context_id
     return prev

@@ -21,7 +21,8 @@ give it; linear hooks (scaling) give the same result, non-linear ones (clamping)
 from __future__ import annotations
 
 import threading
-from typing import Any, List, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -53,9 +54,9 @@ def _prefix(me: WorkerInfo) -> str:
     return f"Error on Node {me.id} ({me.name})"
 
 
-def _discover(starts: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+def _discover(starts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Leaves (including recv anchors) reachable from ``starts``: the inputs of the pass."""
-    leaves: List[torch.Tensor] = []
+    leaves: list[torch.Tensor] = []
     seen = set()
     stack = []
     for t in starts:
@@ -82,7 +83,7 @@ def _discover(starts: Sequence[torch.Tensor]) -> List[torch.Tensor]:
 
 
 def local_pass(ctx: _context.DistAutogradContext, starts: Sequence[torch.Tensor],
-               grads: Sequence[torch.Tensor], waited: bool = False) -> List[torch.futures.Future]:
+               grads: Sequence[torch.Tensor], waited: bool = False) -> list[torch.futures.Future]:
     """Backward from ``starts`` with ``grads`` on this worker; returns the futures of the
     gradient RPCs it started. ``waited``: this thread waits on them itself afterwards (so
     it reads their answers; see outbound)."""
@@ -90,7 +91,7 @@ def local_pass(ctx: _context.DistAutogradContext, starts: Sequence[torch.Tensor]
     if not inputs:
         return []
     prev = getattr(_pass_tls, "futures", None), getattr(_pass_tls, "waited", False)
-    futures: List[torch.futures.Future] = []
+    futures: list[torch.futures.Future] = []
     _pass_tls.futures, _pass_tls.waited = futures, waited
     prev_ctx = _context.set_current(ctx.context_id)
     try:
@@ -105,7 +106,7 @@ def local_pass(ctx: _context.DistAutogradContext, starts: Sequence[torch.Tensor]
     return futures
 
 
-def _check_roots(roots: Any) -> List[torch.Tensor]:
+def _check_roots(roots: Any) -> list[torch.Tensor]:
     if not isinstance(roots, (list, tuple)):
         raise TypeError(f"incompatible function arguments: roots must be a list of tensors, got {type(roots).__name__}")
     if len(roots) == 0:
@@ -124,7 +125,7 @@ def _check_roots(roots: Any) -> List[torch.Tensor]:
     return list(roots)
 
 
-def backward(context_id: int, roots: List[torch.Tensor], retain_graph: bool = False) -> None:
+def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = False) -> None:
     """Run the distributed backward pass from scalar ``roots`` (local tensors) in context
     ``context_id``; returns when every worker's part is done. Gradients accumulate in the
     context of each worker (``get_gradients``), never in ``.grad``."""
@@ -140,7 +141,7 @@ def backward(context_id: int, roots: List[torch.Tensor], retain_graph: bool = Fa
     _raise_all(_wait(futures))
 
 
-def _wait(futures: List[torch.futures.Future]) -> List[BaseException]:
+def _wait(futures: list[torch.futures.Future]) -> list[BaseException]:
     """Wait for every gradient RPC; their errors, each naming the node it happened on."""
     _, errors = settle(futures)
     return [_on_this_node(e) for e in errors]
@@ -163,7 +164,7 @@ def _on_this_node(e: BaseException) -> BaseException:
     return wrapped
 
 
-def _raise_all(errors: List[BaseException]) -> None:
+def _raise_all(errors: list[BaseException]) -> None:
     if len(errors) == 1:
         raise errors[0]
     if errors:
@@ -171,7 +172,7 @@ def _raise_all(errors: List[BaseException]) -> None:
 
 
 @async_execution
-def _on_backward(context_id: int, msg_id: int, grads: List[Any]) -> torch.futures.Future:
+def _on_backward(context_id: int, msg_id: int, grads: list[Any]) -> torch.futures.Future:
     """On the worker that sent message ``msg_id``: continue backward from those tensors."""
     me = _agent_mod.current_agent().me
     try:
@@ -181,7 +182,7 @@ def _on_backward(context_id: int, msg_id: int, grads: List[Any]) -> torch.future
     sent = ctx.sends.get(msg_id)
     if sent is None:
         raise RpcError(f"{_prefix(me)}: no send with autograd message id {msg_id} in context {context_id}")
-    pairs: List[Tuple[torch.Tensor, torch.Tensor]] = [(t, g) for t, g in zip(sent, grads) if g is not None]
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = [(t, g) for t, g in zip(sent, grads) if g is not None]
     try:
         futures = local_pass(ctx, [t for t, _ in pairs], [g for _, g in pairs])
     except Exception as e:

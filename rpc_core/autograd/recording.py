@@ -9,7 +9,7 @@ context, so nested calls join the same context.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import torch
 
@@ -37,7 +37,7 @@ class _Recv(torch.autograd.Function):
         return outs if len(outs) > 1 else outs[0]
 
     @staticmethod
-    def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> Any:
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
         info: _RecvInfo = ctx.info
         if any(g is not None for g in grads):
             # through the user-call path, so the profiler sees this RPC (no cost otherwise)
@@ -50,7 +50,7 @@ class _Recv(torch.autograd.Function):
         return (None, None) + (None,) * len(grads)
 
 
-def _context_of_graph(tensors: List[torch.Tensor]) -> Optional[int]:
+def _context_of_graph(tensors: list[torch.Tensor]) -> int | None:
     """The live context whose received tensors these tensors were computed from, if any.
 
     A request sent by a thread without a current context (typically a callback of an
@@ -87,7 +87,7 @@ class AutogradMiddleware(_agent_mod.Middleware):
     makes the request's context current while the callee runs the function. A request's
     context is looked up once, when it arrives (``admit``), and held until it is answered."""
 
-    def admit(self, src: int, extras: Dict[str, Any]) -> None:
+    def admit(self, src: int, extras: dict[str, Any]) -> None:
         released = extras.get(wire.EXTRA_RELEASED_CONTEXTS)
         if released:  # contexts ``src`` left, after every request it sent before this one
             release_on_arrival(released, src)
@@ -100,13 +100,13 @@ class AutogradMiddleware(_agent_mod.Middleware):
                 # held until the request is answered (see context.admit)
                 extras[wire.LOCAL_AUTOGRAD_CONTEXT] = ctx
 
-    def finish(self, extras: Dict[str, Any]) -> None:
+    def finish(self, extras: dict[str, Any]) -> None:
         ctx = extras.pop(wire.LOCAL_AUTOGRAD_CONTEXT, None)
         if ctx is not None and _context.leave(ctx):
             released_after_requests(ctx)
 
-    def outgoing(self, dst: int, tensors: List[torch.Tensor], extras: Dict[str, Any],
-                 request_extras: Optional[Dict[str, Any]]) -> None:
+    def outgoing(self, dst: int, tensors: list[torch.Tensor], extras: dict[str, Any],
+                 request_extras: dict[str, Any] | None) -> None:
         if request_extras is None:
             if _context.deferred:
                 released = _context.take_deferred(dst)
@@ -134,7 +134,7 @@ class AutogradMiddleware(_agent_mod.Middleware):
         else:
             extras[wire.EXTRA_AUTOGRAD] = (context_id, -1)
 
-    def incoming(self, src: int, tensors: List[torch.Tensor], extras: Dict[str, Any], is_response: bool) -> List[torch.Tensor]:
+    def incoming(self, src: int, tensors: list[torch.Tensor], extras: dict[str, Any], is_response: bool) -> list[torch.Tensor]:
         ag = extras.get(wire.EXTRA_AUTOGRAD)
         if not ag:
             return tensors
@@ -167,13 +167,13 @@ class AutogradMiddleware(_agent_mod.Middleware):
             tensors[i] = o
         return tensors
 
-    def enter_call(self, src: int, extras: Dict[str, Any]) -> Any:
+    def enter_call(self, src: int, extras: dict[str, Any]) -> Any:
         ctx = extras.get(wire.LOCAL_AUTOGRAD_CONTEXT)
         if ctx is None:
             return _NO_TOKEN
         return _context.set_current(ctx.context_id)
 
-    def exit_call(self, token: Any, extras: Dict[str, Any], result_future: Optional[torch.futures.Future]) -> None:
+    def exit_call(self, token: Any, extras: dict[str, Any], result_future: torch.futures.Future | None) -> None:
         if token is not _NO_TOKEN:
             _context.set_current(token)
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Dict, List, Optional
 
 import torch
 
@@ -22,7 +21,7 @@ from ..futures import settle
 from . import context as _context
 from .context import DistAutogradContext
 
-_cleanups: List[torch.futures.Future] = []  # cleanup RPCs this worker sent, not yet known done
+_cleanups: list[torch.futures.Future] = []  # cleanup RPCs this worker sent, not yet known done
 _cleanups_lock = threading.Lock()
 _MAX_DEFERRED = 16  # deferred releases per worker before they go out as a cleanup RPC
 # How long a deferred release waits for a request to ride on before it goes out as a
@@ -38,7 +37,7 @@ def reset() -> None:
     _flush_armed = False
 
 
-def release_context(context_id: int, skip: int = -1, defer: bool = False) -> List[torch.futures.Future]:
+def release_context(context_id: int, skip: int = -1, defer: bool = False) -> list[torch.futures.Future]:
     """Release the context here and tell the workers it touched (except ``skip``, who told
     us); returns the futures of those cleanup calls. Each receiver does the same with the
     workers *it* touched and answers only when they have answered, so waiting for these
@@ -51,7 +50,7 @@ def release_context(context_id: int, skip: int = -1, defer: bool = False) -> Lis
     return _announce(ctx, skip, defer)
 
 
-def _announce(ctx: DistAutogradContext, skip: int, defer: bool) -> List[torch.futures.Future]:
+def _announce(ctx: DistAutogradContext, skip: int, defer: bool) -> list[torch.futures.Future]:
     """Tell the workers ``ctx`` touched (except ``skip``) that it was released here."""
     agent = _agent_mod._agent
     if agent is None or agent._closing:
@@ -102,7 +101,7 @@ def _flush_stale() -> None:
         agent.call_later(nxt + _FLUSH_AFTER, _flush_stale)
 
 
-def _send_cleanup(per_worker: Dict[int, List[int]]) -> List[torch.futures.Future]:
+def _send_cleanup(per_worker: dict[int, list[int]]) -> list[torch.futures.Future]:
     agent = _agent_mod._agent
     if agent is None or agent._closing:
         return []
@@ -118,7 +117,7 @@ def _send_cleanup(per_worker: Dict[int, List[int]]) -> List[torch.futures.Future
     return futs
 
 
-def flush(worker: Optional[int] = None) -> None:
+def flush(worker: int | None = None) -> None:
     """Send the deferred releases (for ``worker``, or for all) as cleanup RPCs now."""
     with _context.deferred_lock:
         if worker is None:
@@ -131,14 +130,14 @@ def flush(worker: Optional[int] = None) -> None:
     _send_cleanup({w: ids for w, ids in pending.items() if ids})
 
 
-def _release_many(context_ids: List[int], sender: int) -> List[torch.futures.Future]:
-    futs: List[torch.futures.Future] = []
+def _release_many(context_ids: list[int], sender: int) -> list[torch.futures.Future]:
+    futs: list[torch.futures.Future] = []
     for cid in context_ids:
         futs += release_context(cid, skip=sender)
     return futs
 
 
-def release_on_arrival(context_ids: List[int], sender: int) -> None:
+def release_on_arrival(context_ids: list[int], sender: int) -> None:
     """Releases that rode on a request from ``sender``, on the thread that read it: the
     contexts go here at once (or once their running requests are answered), and the news
     goes on to the workers they touched from a pool thread, so the reading loop never
@@ -158,7 +157,7 @@ def released_after_requests(ctx: DistAutogradContext) -> None:
 
 
 @async_execution
-def _on_cleanup(context_ids: List[int], sender: int) -> torch.futures.Future:
+def _on_cleanup(context_ids: list[int], sender: int) -> torch.futures.Future:
     futs = _release_many(context_ids, sender)
     done: torch.futures.Future = torch.futures.Future()
     if not futs:

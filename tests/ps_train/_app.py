@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 import torch
 from hydra import compose, initialize_config_dir
@@ -41,7 +41,7 @@ def make_cfg(*overrides: str) -> Config:
     return from_dictconfig(dcfg)
 
 
-def run_app(run_dir: Path, *overrides: str, timeout: float = RUN_TIMEOUT) -> Dict[str, Any]:
+def run_app(run_dir: Path, *overrides: str, timeout: float = RUN_TIMEOUT) -> dict[str, Any]:
     return run(make_cfg(*overrides), str(run_dir), overrides=list(overrides), timeout=timeout)
 
 
@@ -49,7 +49,7 @@ def read_json(path: Path) -> Any:
     return json.loads(Path(path).read_text())
 
 
-def final_weights(run_dir: Path) -> Dict[Tuple[str, int, str], torch.Tensor]:
+def final_weights(run_dir: Path) -> dict[tuple[str, int, str], torch.Tensor]:
     """Every tensor of the run's latest checkpoint: ``(server, shard index, state key)``."""
     ckpt = latest_checkpoint(run_dir)
     assert ckpt is not None, f"{run_dir} has no complete checkpoint"
@@ -60,7 +60,7 @@ def final_weights(run_dir: Path) -> Dict[Tuple[str, int, str], torch.Tensor]:
             for key, t in sd.items()}
 
 
-def assert_same_weights(a: Dict[Any, torch.Tensor], b: Dict[Any, torch.Tensor], exact: bool = True) -> None:
+def assert_same_weights(a: dict[Any, torch.Tensor], b: dict[Any, torch.Tensor], exact: bool = True) -> None:
     assert a.keys() == b.keys()
     for k in a:
         if exact:
@@ -69,20 +69,20 @@ def assert_same_weights(a: Dict[Any, torch.Tensor], b: Dict[Any, torch.Tensor], 
             torch.testing.assert_close(a[k], b[k], msg=lambda m, k=k: f"{k}: {m}")
 
 
-def scalars(tb_dir: Path) -> Dict[str, List[Tuple[int, float]]]:
+def scalars(tb_dir: Path) -> dict[str, list[tuple[int, float]]]:
     """All scalar events under one TensorBoard run folder: tag -> [(step, value)]."""
     ea = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0, "tensors": 0})
     ea.Reload()
     return {tag: [(e.step, e.value) for e in ea.Scalars(tag)] for tag in ea.Tags()["scalars"]}
 
 
-def hparams_plugin(tb_dir: Path) -> Dict[str, bytes]:
+def hparams_plugin(tb_dir: Path) -> dict[str, bytes]:
     ea = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0, "tensors": 0})
     ea.Reload()
     return ea.PluginTagToContent("hparams")
 
 
-def cli(*args: str, cwd: Path, env: Optional[Dict[str, str]] = None,
+def cli(*args: str, cwd: Path, env: dict[str, str] | None = None,
         timeout: float = CLI_TIMEOUT) -> subprocess.CompletedProcess:
     """``python -m ps_train <args>`` in ``cwd`` (so default run folders land there)."""
     full_env = dict(os.environ, **(env or {}))

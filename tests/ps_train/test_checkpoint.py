@@ -7,9 +7,24 @@ import pytest
 import torch
 
 from ps_train.checkpoint_files import (
-    MANIFEST_NAME, CheckpointError, Manifest, atomic_write_bytes, begin_checkpoint, capture_rng_state,
-    checkpoint_dir, is_complete, latest_checkpoint, list_checkpoints, load_checkpoint, load_shard_state,
-    prune_checkpoints, read_manifest, resolve_resume, restore_rng_state, save_checkpoint, save_shard_state,
+    MANIFEST_NAME,
+    CheckpointError,
+    Manifest,
+    atomic_write_bytes,
+    begin_checkpoint,
+    capture_rng_state,
+    checkpoint_dir,
+    is_complete,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    load_shard_state,
+    prune_checkpoints,
+    read_manifest,
+    resolve_resume,
+    restore_rng_state,
+    save_checkpoint,
+    save_shard_state,
     write_manifest,
 )
 from ps_train.config import MLPConfig, SyntheticConfig

@@ -10,8 +10,19 @@ from omegaconf import OmegaConf
 
 import ps_train
 from ps_train.config import (
-    CNNConfig, Config, ConfigError, DigitsConfig, MLPConfig, OPTIMIZERS, ResNetConfig,
-    SyntheticConfig, VisionDataConfig, config_to_dict, from_dictconfig, optimizer_spec, validate,
+    OPTIMIZERS,
+    CNNConfig,
+    Config,
+    ConfigError,
+    DigitsConfig,
+    MLPConfig,
+    ResNetConfig,
+    SyntheticConfig,
+    VisionDataConfig,
+    config_to_dict,
+    from_dictconfig,
+    optimizer_spec,
+    validate,
 )
 from ps_train.data import BatchIterator, load_data
 from ps_train.models import build_stages, reference_model

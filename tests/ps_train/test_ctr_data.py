@@ -17,8 +17,16 @@ from sklearn.metrics import log_loss as sk_log_loss
 from sklearn.metrics import roc_auc_score
 
 from ps_train.ctr import (
-    CriteoFormatError, CtrBatchIterator, CtrSplit, SyntheticCtr, find_criteo_files, iter_ctr_eval_batches,
-    load_criteo, read_criteo, synthetic_ctr, time_split,
+    CriteoFormatError,
+    CtrBatchIterator,
+    CtrSplit,
+    SyntheticCtr,
+    find_criteo_files,
+    iter_ctr_eval_batches,
+    load_criteo,
+    read_criteo,
+    synthetic_ctr,
+    time_split,
 )
 from ps_train.ctr_metrics import auc, ctr_metrics, format_ctr_metrics, log_loss
 

@@ -10,8 +10,14 @@ import torchvision.datasets as tvd
 
 from ps_train.config import DigitsConfig, SyntheticConfig, VisionDataConfig
 from ps_train.data import (
-    BatchIterator, DatasetNotFoundError, TensorSplit, iter_eval_batches, load_data,
-    partition, steps_per_epoch, total_steps,
+    BatchIterator,
+    DatasetNotFoundError,
+    TensorSplit,
+    iter_eval_batches,
+    load_data,
+    partition,
+    steps_per_epoch,
+    total_steps,
 )
 
 # ---------------------------------------------------------------- real-format fixtures

@@ -8,11 +8,19 @@ import time
 
 import pytest
 
-from tests.ps_train._app import (
-    BASELINE, BASELINE_STEPS, QUICK, assert_same_weights, cli, final_weights, read_json, rendezvous_port, run_app,
-)
 from ps_train.faults import FAULT_ENV
 from ps_train.launch import RoleFailed, free_port
+from tests.ps_train._app import (
+    BASELINE,
+    BASELINE_STEPS,
+    QUICK,
+    assert_same_weights,
+    cli,
+    final_weights,
+    read_json,
+    rendezvous_port,
+    run_app,
+)
 
 # Ranks started as separate programs each import everything: spare them TensorBoard.
 LIGHT = ("logging.tensorboard=false",)

@@ -6,8 +6,14 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.plugins.hparams import plugin_data_pb2
 
 from ps_train.metrics import (
-    LatencyStats, MetricsWriter, NullWriter, TensorBoardWriter, ThroughputMeter, flatten_hparams,
-    make_writer, write_metrics_json,
+    LatencyStats,
+    MetricsWriter,
+    NullWriter,
+    TensorBoardWriter,
+    ThroughputMeter,
+    flatten_hparams,
+    make_writer,
+    write_metrics_json,
 )
 
 

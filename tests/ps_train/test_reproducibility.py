@@ -5,16 +5,21 @@ import subprocess
 import sys
 
 import pytest
-import torch
 import torch.nn.functional as F
 
-from tests.ps_train._app import (
-    BASELINE, BASELINE_STEPS, assert_same_weights, final_weights, make_cfg, read_json, run_app,
-)
 from ps_train.config import optimizer_spec
 from ps_train.data import BatchIterator, load_data
 from ps_train.models import build_stages, reference_model
 from ps_train.stage_sharding import build_shards, place_stages
+from tests.ps_train._app import (
+    BASELINE,
+    BASELINE_STEPS,
+    assert_same_weights,
+    final_weights,
+    make_cfg,
+    read_json,
+    run_app,
+)
 
 
 def single_process_run(cfg, steps):

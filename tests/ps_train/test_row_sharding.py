@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-from typing import List
 
 import pytest
 import torch
@@ -71,7 +70,7 @@ def test_sharded_lookups_train_like_one_embedding_bag(kind: str) -> None:
     ref = DLRM(5, sizes, dim, [8], [8], seed=1)
     bottom, top = copy.deepcopy(ref.bottom), copy.deepcopy(ref.top)
     shardings = [RowSharding(kind, n, servers) for n in sizes]
-    shards: List[List[torch.Tensor]] = [
+    shards: list[list[torch.Tensor]] = [
         [init_rows(1, t, n, dim, sh.global_ids(s)).requires_grad_() for s in range(servers)]
         for t, (n, sh) in enumerate(zip(sizes, shardings))]
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)

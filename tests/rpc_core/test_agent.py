@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import rpc_core
-from rpc_core import WorkerUnavailableError
-from rpc_core import agent as agent_mod, handshake, transport, wire
+from rpc_core import WorkerUnavailableError, handshake, transport, wire
+from rpc_core import agent as agent_mod
 from rpc_core.errors import AuthenticationError
 from tests._world import run_world
 

@@ -219,7 +219,7 @@ def _install_caller_only_function():
         return "ran"
 
     fn.__module__, fn.__qualname__, fn.__name__ = __name__, "_only_on_caller", "_only_on_caller"
-    setattr(sys.modules[__name__], "_only_on_caller", fn)
+    sys.modules[__name__]._only_on_caller = fn
     ghost = types.ModuleType("tests.rpc_core._ghost_module")
 
     def ghost_fn():

@@ -16,7 +16,8 @@ from __future__ import annotations
 import os
 import threading
 import traceback
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -25,7 +26,6 @@ import torch.nn as nn
 import rpc_core as rpc
 import rpc_core.autograd as dist_autograd
 from rpc_core.functions import async_execution
-
 from tests._world import WorldError, run_world
 
 W1, W2, W3 = "worker1", "worker2", "worker3"
@@ -70,7 +70,7 @@ def udf(a: torch.Tensor, b: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     return torch.tanh(a @ b.t()) * scale + a.sum() * b[0].sum()
 
 
-def nested(dist: bool, hops: List[str], a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def nested(dist: bool, hops: list[str], a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Forward through ``hops`` one nested RPC at a time; the last hop runs ``udf``."""
     if not hops:
         return udf(a, b)
@@ -99,7 +99,7 @@ def make_param(seed: int, *shape: int) -> torch.Tensor:
     return torch.rand(*shape, generator=g, dtype=torch.float64).requires_grad_()
 
 
-def module_grads(module_rref: Any, context_id: int) -> List[Any]:
+def module_grads(module_rref: Any, context_id: int) -> list[Any]:
     """On the module's owner: this context's gradient of each parameter, and its ``.grad``."""
     grads = dist_autograd.get_gradients(context_id)
     return [(grads.get(p), p.grad) for p in module_rref.local_value().parameters()]
@@ -114,7 +114,7 @@ def use_param(p_rref: Any, x: torch.Tensor) -> torch.Tensor:
     return (p_rref.local_value() * x).sin()
 
 
-_OWN_LEAF: Dict[str, torch.Tensor] = {}
+_OWN_LEAF: dict[str, torch.Tensor] = {}
 
 
 def times_own_leaf(b: torch.Tensor) -> torch.Tensor:
@@ -225,7 +225,7 @@ def remote_get_gradients(context_id: int) -> Any:
 # ---------------------------------------------------------------------------------------------
 # The oracle
 # ---------------------------------------------------------------------------------------------
-def leaves(seed: int, specs: Sequence[Any]) -> List[torch.Tensor]:
+def leaves(seed: int, specs: Sequence[Any]) -> list[torch.Tensor]:
     """Fresh leaves from ``specs`` = [(shape, dtype, requires_grad)], same values per seed."""
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -237,15 +237,15 @@ def leaves(seed: int, specs: Sequence[Any]) -> List[torch.Tensor]:
 F64 = torch.float64
 
 
-def spec(*shapes: Any, dtype: torch.dtype = F64, rg: bool = True) -> List[Any]:
+def spec(*shapes: Any, dtype: torch.dtype = F64, rg: bool = True) -> list[Any]:
     return [(s, dtype, rg) for s in shapes]
 
 
-def as_roots(r: Any) -> List[torch.Tensor]:
+def as_roots(r: Any) -> list[torch.Tensor]:
     return list(r) if isinstance(r, (list, tuple)) else [r]
 
 
-def assert_close(got: Optional[torch.Tensor], want: Optional[torch.Tensor], what: str) -> None:
+def assert_close(got: torch.Tensor | None, want: torch.Tensor | None, what: str) -> None:
     assert (got is None) == (want is None), f"{what}: got {got}, want {want}"
     if want is not None:
         assert got.dtype == want.dtype, f"{what}: dtype {got.dtype} != {want.dtype}"
@@ -253,8 +253,8 @@ def assert_close(got: Optional[torch.Tensor], want: Optional[torch.Tensor], what
         assert torch.allclose(got, want, rtol=1e-6, atol=1e-9), f"{what}: {got} != {want}"
 
 
-def check_grads(grads: Dict[torch.Tensor, torch.Tensor], inputs: Sequence[torch.Tensor],
-                expected: Sequence[Optional[torch.Tensor]], scale: float = 1.0) -> None:
+def check_grads(grads: dict[torch.Tensor, torch.Tensor], inputs: Sequence[torch.Tensor],
+                expected: Sequence[torch.Tensor | None], scale: float = 1.0) -> None:
     for i, (t, e) in enumerate(zip(inputs, expected)):
         assert t.grad is None, f"input {i}: .grad was set ({t.grad})"
         assert_close(grads.get(t), None if e is None else e * scale, f"input {i}")
@@ -316,7 +316,7 @@ def split_and_ignore(a: torch.Tensor, b: torch.Tensor, unused: torch.Tensor) -> 
     return list(torch.split(a * b, 1)) + [b.exp()]
 
 
-def complex_args(d: Dict[str, Any]) -> Dict[str, Any]:
+def complex_args(d: dict[str, Any]) -> dict[str, Any]:
     x, y = d["pair"]
     (z,) = d["nested"]["one"]
     return {"sum": x + y * z, "list": [x * z, d["scale"] * y], "none": None}
@@ -433,7 +433,7 @@ def case_nested_rpc() -> None:
 
 
 def case_multiple_roots() -> None:
-    def fwd(dist: bool, a: torch.Tensor, b: torch.Tensor) -> List[torch.Tensor]:
+    def fwd(dist: bool, a: torch.Tensor, b: torch.Tensor) -> list[torch.Tensor]:
         r1 = call(dist, "sync", W1, torch.mul, a, b).sum()
         r2 = call(dist, "async", W2, udf, a, b).sum()
         r3 = (a * 3).sum()  # a purely local root
@@ -466,7 +466,7 @@ def case_mixed_requires_grad() -> None:
     def fwd_own_leaf(dist: bool, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return (call(dist, "sync", W1, times_own_leaf, b) * a).sum()
 
-    def own_leaf(dist: bool, cid: int) -> List[Any]:
+    def own_leaf(dist: bool, cid: int) -> list[Any]:
         if not dist:
             w = _OWN_LEAF.pop("w")
             return [w.grad]
@@ -508,7 +508,7 @@ def case_module_shards() -> None:
             h2 = s1(x * 2)
         return (out @ w).pow(2).sum() + h2.sum()
 
-    def shard_grads(dist: bool, cid: int) -> List[Any]:
+    def shard_grads(dist: bool, cid: int) -> list[Any]:
         if not dist:
             return [p.grad for p in list(shards["l1"].parameters()) + list(shards["l2"].parameters())] + [shards["lp"].grad]
         got = rpc.rpc_sync(W1, module_grads, args=(shards["d1"], cid))
@@ -536,7 +536,7 @@ def case_async_execution() -> None:
             v = obj.forward(dist, a).wait()
         return (x * y).sum() + z.sum() + (u * v).sum()
 
-    def ps_grad(dist: bool, cid: int) -> List[Any]:
+    def ps_grad(dist: bool, cid: int) -> list[Any]:
         if not dist:
             return [ps["l"].w.grad]
         return [rpc.rpc_sync(W2, async_ps_grad, args=(ps["d"], cid))]
@@ -563,7 +563,7 @@ def case_retain_graph_accumulates() -> None:
             h = s(a)
         return (call(dist, "sync", W2, torch.matmul, h, b) + call(dist, "async", W3, udf, a, b)).sum()
 
-    def grads(dist: bool, cid: int) -> List[Any]:
+    def grads(dist: bool, cid: int) -> list[Any]:
         if not dist:
             return [p.grad for p in shard["l"].parameters()]
         return rpc.rpc_sync(W1, module_grads, args=(shard["d"], cid))
@@ -572,9 +572,9 @@ def case_retain_graph_accumulates() -> None:
     verify(fwd, spec((3, 3), (3, 3)), seed=17, remote_checks=[grads], backward_times=3)
 
 
-def _backward_in_thread(cid: int, roots: List[torch.Tensor], seconds: float) -> None:
+def _backward_in_thread(cid: int, roots: list[torch.Tensor], seconds: float) -> None:
     """dist_autograd.backward on another thread, failing (not hanging) if it does not end."""
-    err: List[BaseException] = []
+    err: list[BaseException] = []
 
     def run() -> None:
         try:
@@ -604,7 +604,7 @@ def case_unused_rpc_output() -> None:
         assert unused.requires_grad and fut.wait().requires_grad
 
 
-def _thread_trainer(p_rref: Any, seed: int, iters: int, barrier: Optional[threading.Barrier]) -> None:
+def _thread_trainer(p_rref: Any, seed: int, iters: int, barrier: threading.Barrier | None) -> None:
     """Forward through a parameter owned by worker1, backward, check this context's
     gradients (here and on worker1) against the local oracle."""
     p_local = rpc.rpc_sync(W1, make_param, args=(20, 4, 4))
@@ -628,7 +628,7 @@ def use_param_local(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return (p * x).sin()
 
 
-def remote_trainer(p_rref: Any, seed: int, iters: int) -> Optional[str]:
+def remote_trainer(p_rref: Any, seed: int, iters: int) -> str | None:
     try:
         _thread_trainer(p_rref, seed, iters, None)
         return None
@@ -643,7 +643,7 @@ def case_concurrent_contexts() -> None:
     remote_futs = [rpc.rpc_async(w, remote_trainer, args=(p_rref, 10 + k, 4)) for k, w in enumerate([W2, W3])]
     n = 4
     barrier = threading.Barrier(n)
-    errors: List[str] = []
+    errors: list[str] = []
 
     def run(seed: int) -> None:
         try:
@@ -707,7 +707,7 @@ def case_cleanup() -> None:
             dist_autograd.get_gradients(cid)
 
 
-_gates: Dict[str, threading.Event] = {}
+_gates: dict[str, threading.Event] = {}
 
 
 def gated_mul(key: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -812,15 +812,15 @@ def case_no_leaks() -> None:
     assert counts == [0, 0, 0, 0], counts
 
 
-CASES: Dict[str, Callable[[], None]] = {
+CASES: dict[str, Callable[[], None]] = {
     name[len("case_"):]: fn for name, fn in list(globals().items()) if name.startswith("case_")
 }
 
 
-def _main_world(ctx: Any) -> Optional[Dict[str, Optional[str]]]:
+def _main_world(ctx: Any) -> dict[str, str | None] | None:
     if ctx.rank != 0:
         return None
-    outcomes: Dict[str, Optional[str]] = {}
+    outcomes: dict[str, str | None] = {}
     for name, fn in CASES.items():
         try:
             fn()

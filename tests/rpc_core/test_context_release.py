@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Dict
+from typing import Any
 
 import torch
 
 import rpc_core as rpc
 import rpc_core.autograd as dist_autograd
-
 from tests._world import run_world
 
 W1, W2 = "worker1", "worker2"
@@ -45,7 +44,7 @@ def _num_contexts() -> int:
     return dist_autograd._get_debug_info()["num_autograd_contexts"]
 
 
-def _overtaking_world(ctx: Any) -> Dict[str, Any]:
+def _overtaking_world(ctx: Any) -> dict[str, Any]:
     if ctx.rank != 0:
         return {}
     with dist_autograd.context() as cid:
@@ -75,7 +74,7 @@ def _w() -> torch.Tensor:
     return _W
 
 
-def _idle_world(ctx: Any, steps: int) -> Dict[str, Any]:
+def _idle_world(ctx: Any, steps: int) -> dict[str, Any]:
     if ctx.rank == 0:
         w = rpc.rpc_sync(W1, _w)
         for _ in range(steps):

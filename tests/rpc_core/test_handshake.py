@@ -57,7 +57,7 @@ def _closed_within(sock, seconds):
             pass
     except ConnectionResetError:
         pass
-    except socket.timeout:
+    except TimeoutError:
         return False
     return True
 
@@ -85,7 +85,7 @@ def _trickle(sock, data, pace, bound):
         try:
             if sock.recv(1) == b"":
                 return time.monotonic() - start
-        except socket.timeout:
+        except TimeoutError:
             pass
         except ConnectionResetError:
             return time.monotonic() - start

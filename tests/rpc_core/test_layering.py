@@ -9,8 +9,8 @@ and that rpc_core depends on none of the application's libraries.
 from __future__ import annotations
 
 import ast
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import rpc_core
 from tests._graphs import cycles
@@ -19,10 +19,10 @@ PACKAGE = "rpc_core"
 # The application's dependencies: rpc_core needs torch and the standard library only.
 FORBIDDEN = ("hydra", "omegaconf", "tensorboard", "torch.utils.tensorboard", "ps_train")
 
-Edge = Tuple[str, str, int]  # (importing module, imported module, line)
+Edge = tuple[str, str, int]  # (importing module, imported module, line)
 
 
-def module_names(root: Path) -> Dict[str, Path]:
+def module_names(root: Path) -> dict[str, Path]:
     """Dotted names relative to the package ("" is its __init__, "autograd.engine", ...)."""
     out = {}
     for path in sorted(root.rglob("*.py")):
@@ -33,11 +33,11 @@ def module_names(root: Path) -> Dict[str, Path]:
     return out
 
 
-def _is_package(name: str, modules: Dict[str, Path]) -> bool:
+def _is_package(name: str, modules: dict[str, Path]) -> bool:
     return modules[name].name == "__init__.py"
 
 
-def _resolve(importer: str, node: ast.ImportFrom, modules: Dict[str, Path]) -> Optional[str]:
+def _resolve(importer: str, node: ast.ImportFrom, modules: dict[str, Path]) -> str | None:
     """The rpc_core-relative name an ``from X import ...`` reads from, or None if X is outside rpc_core."""
     if node.level:
         base = importer.split(".") if importer else []
@@ -51,21 +51,21 @@ def _resolve(importer: str, node: ast.ImportFrom, modules: Dict[str, Path]) -> O
     return None
 
 
-def _ancestors(name: str) -> List[str]:
+def _ancestors(name: str) -> list[str]:
     """Packages whose __init__ runs before ``name`` is imported ("a.b.c" -> ["a", "a.b"]); not rpc_core's own."""
     parts = name.split(".") if name else []
     return [".".join(parts[:i]) for i in range(1, len(parts))]
 
 
-def imports(root: Path) -> Tuple[List[Edge], List[Tuple[str, str, int]]]:
+def imports(root: Path) -> tuple[list[Edge], list[tuple[str, str, int]]]:
     """(edges between rpc_core modules, (module, external module, line) for every other import)."""
     modules = module_names(root)
-    edges: List[Edge] = []
-    external: List[Tuple[str, str, int]] = []
+    edges: list[Edge] = []
+    external: list[tuple[str, str, int]] = []
     for name, path in modules.items():
         tree = ast.parse(path.read_text(), str(path))
         for node in ast.walk(tree):
-            targets: List[str] = []
+            targets: list[str] = []
             if isinstance(node, ast.Import):
                 for alias in node.names:
                     if alias.name == PACKAGE or alias.name.startswith(PACKAGE + "."):
@@ -93,9 +93,9 @@ def imports(root: Path) -> Tuple[List[Edge], List[Tuple[str, str, int]]]:
     return [e for e in edges if e[0] != e[1]], external
 
 
-def find_cycles(edges: Sequence[Edge]) -> List[List[str]]:
+def find_cycles(edges: Sequence[Edge]) -> list[list[str]]:
     """Each strongly connected component of more than one module, as a sorted list."""
-    graph: Dict[str, Set[str]] = {}
+    graph: dict[str, set[str]] = {}
     for a, b, _ in edges:
         graph.setdefault(a, set()).add(b)
         graph.setdefault(b, set())
@@ -106,7 +106,7 @@ def _label(name: str) -> str:
     return f"{PACKAGE}.{name}" if name else PACKAGE
 
 
-def upward_imports(edges: Sequence[Edge], layers: Sequence[Sequence[str]]) -> List[str]:
+def upward_imports(edges: Sequence[Edge], layers: Sequence[Sequence[str]]) -> list[str]:
     """Imports that do not point to a strictly lower layer."""
     level = {m: i for i, layer in enumerate(layers) for m in layer}
     problems = []
@@ -117,13 +117,13 @@ def upward_imports(edges: Sequence[Edge], layers: Sequence[Sequence[str]]) -> Li
     return problems
 
 
-def own_package_imports(edges: Sequence[Edge]) -> List[str]:
+def own_package_imports(edges: Sequence[Edge]) -> list[str]:
     """Explicit imports of a module's own package __init__ (``from . import x`` where x is not a module)."""
     return [f"{_label(a)} (line {line}) imports its own package {_label(b)}"
             for a, b, line in sorted(set(edges)) if a and (b == "" or b in _ancestors(a))]
 
 
-def problems(root: Path, layers: Sequence[Sequence[str]]) -> Dict[str, List[str]]:
+def problems(root: Path, layers: Sequence[Sequence[str]]) -> dict[str, list[str]]:
     """Everything wrong with the imports of the package at ``root``; empty lists when none."""
     edges, external = imports(root)
     modules = set(module_names(root))
@@ -171,7 +171,7 @@ def test_rpc_core_does_not_depend_on_the_application_or_its_libraries() -> None:
 
 
 # -- the checker itself, on small made-up packages ------------------------------------------------------
-def _package(tmp_path: Path, files: Dict[str, str]) -> Path:
+def _package(tmp_path: Path, files: dict[str, str]) -> Path:
     root = tmp_path / PACKAGE
     for rel, text in files.items():
         path = root / rel

@@ -11,7 +11,7 @@ caller with their type. All of it runs in one 4-worker world (tests/_world.py).
 from __future__ import annotations
 
 import traceback
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 import pytest
 import torch
@@ -24,7 +24,7 @@ from tests._world import WorldError, run_world
 
 STEPS = 3
 
-CONFIGS: List[Tuple[str, type, tuple, Dict[str, Any]]] = [
+CONFIGS: list[tuple[str, type, tuple, dict[str, Any]]] = [
     ("sgd", torch.optim.SGD, (0.05,), {}),  # lr passed positionally
     ("sgd_momentum_nesterov_wd", torch.optim.SGD, (), dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)),
     ("sgd_dampening", torch.optim.SGD, (), dict(lr=0.05, momentum=0.5, dampening=0.2, maximize=True)),
@@ -51,10 +51,10 @@ class Shard(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.tanh(x @ self.weight.t() + self.bias)
 
-    def param_rrefs(self) -> List[rpc.RRef]:
+    def param_rrefs(self) -> list[rpc.RRef]:
         return [rpc.RRef(p) for p in self.parameters()]
 
-    def weights(self) -> List[torch.Tensor]:
+    def weights(self) -> list[torch.Tensor]:
         return [p.detach().clone() for p in self.parameters()]
 
 
@@ -62,7 +62,7 @@ def call_method(rref: Any, name: str, *args: Any) -> Any:
     return getattr(rref.local_value(), name)(*args)
 
 
-def batch(step: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + step)
     return torch.rand(5, 4, generator=g, dtype=torch.float64), torch.rand(5, 3, generator=g, dtype=torch.float64)
 
@@ -77,7 +77,7 @@ def loss_of(h1: Any, h2_of: Any, p0: torch.Tensor, y: torch.Tensor) -> torch.Ten
     return ((out - y) ** 2).mean()
 
 
-def run_config(optim_cls: type, args: tuple, kwargs: Dict[str, Any]) -> None:
+def run_config(optim_cls: type, args: tuple, kwargs: dict[str, Any]) -> None:
     # Local oracle.
     s1, s2, s3 = Shard(1, 4, 6), Shard(2, 6, 3), Shard(3, 3, 3)
     p0 = trainer_param()
@@ -122,8 +122,8 @@ def run_config(optim_cls: type, args: tuple, kwargs: Dict[str, Any]) -> None:
             assert not torch.equal(a, b), f"parameter {i} has a gradient but did not move"
 
 
-def case_configs() -> Dict[str, Optional[str]]:
-    out: Dict[str, Optional[str]] = {}
+def case_configs() -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
     for name, cls, args, kwargs in CONFIGS:
         try:
             run_config(cls, args, kwargs)
@@ -173,7 +173,7 @@ def check_errors() -> None:
         sgd.step(cid)  # a released context
 
 
-def _world(ctx: Any) -> Optional[Dict[str, Optional[str]]]:
+def _world(ctx: Any) -> dict[str, str | None] | None:
     if ctx.rank != 0:
         return None
     out = case_configs()

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import rpc_core
-from rpc_core import agent as agent_mod, deadlines
+from rpc_core import agent as agent_mod
+from rpc_core import deadlines
 from tests._world import run_world
 
 _gate = threading.Event()

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import rpc_core
-from rpc_core import RRef, RpcTimeoutError, WorkerInfo
+from rpc_core import RpcTimeoutError, RRef, WorkerInfo
 from rpc_core import rref as rref_mod
 from tests._world import run_world
 

@@ -10,7 +10,7 @@ process (the oracle).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+from typing import Any
 
 import pytest
 import torch
@@ -36,7 +36,7 @@ def _uncoalesced() -> torch.Tensor:
     return torch.sparse_coo_tensor(torch.tensor([[1, 0, 1], [2, 0, 2]]), torch.tensor([3.0, 4.0, 5.0]), (2, 3))
 
 
-def _samples() -> Dict[str, torch.Tensor]:
+def _samples() -> dict[str, torch.Tensor]:
     dense = torch.tensor([[0.0, 1.0, 0.0, 0.0], [2.0, 0.0, 0.0, 3.0], [0.0, 0.0, 4.0, 0.0], [5.0, 0.0, 0.0, 6.0]])
     return {
         "coo": _uncoalesced(),
@@ -78,7 +78,7 @@ def _double(t: torch.Tensor) -> torch.Tensor:
     return t * 2
 
 
-def _rpc_world(ctx: Any) -> List[str]:
+def _rpc_world(ctx: Any) -> list[str]:
     if ctx.rank != 0:
         return []
     checked = []
@@ -99,8 +99,8 @@ def test_sparse_tensors_travel_as_arguments_and_results_of_every_call_kind() -> 
 # -- sparse gradients ------------------------------------------------------------------------
 NUM, DIM = 20, 3
 # Two steps of bags: (ids, offsets); ids repeat within and across bags.
-BATCHES: List[Tuple[List[int], List[int]]] = [([1, 2, 4, 2, 7], [0, 2]), ([7, 0, 1, 1, 19, 4], [0, 3, 4])]
-OPTIMIZERS: List[Tuple[str, type, Dict[str, Any]]] = [
+BATCHES: list[tuple[list[int], list[int]]] = [([1, 2, 4, 2, 7], [0, 2]), ([7, 0, 1, 1, 19, 4], [0, 3, 4])]
+OPTIMIZERS: list[tuple[str, type, dict[str, Any]]] = [
     ("sgd", torch.optim.SGD, dict(lr=0.1)),
     ("adagrad", torch.optim.Adagrad, dict(lr=0.1)),
     ("sparse_adam", torch.optim.SparseAdam, dict(lr=0.05)),
@@ -121,7 +121,7 @@ def _loss(pooled: torch.Tensor) -> torch.Tensor:
     return (pooled * torch.arange(1.0, DIM + 1)).pow(2).sum()
 
 
-def _local_run(opt_cls: type, kwargs: Dict[str, Any]) -> Tuple[List[torch.Tensor], torch.Tensor]:
+def _local_run(opt_cls: type, kwargs: dict[str, Any]) -> tuple[list[torch.Tensor], torch.Tensor]:
     """The oracle: the same steps with plain autograd in one process; the first step's
     (sparse) gradient and the final table."""
     m = Bags()
@@ -135,7 +135,7 @@ def _local_run(opt_cls: type, kwargs: Dict[str, Any]) -> Tuple[List[torch.Tensor
     return grads, m.bags.weight.detach().clone()
 
 
-def _param_rrefs(module_rref: rpc.RRef) -> List[rpc.RRef]:
+def _param_rrefs(module_rref: rpc.RRef) -> list[rpc.RRef]:
     return [rpc.RRef(p) for p in module_rref.local_value().parameters()]
 
 
@@ -152,10 +152,10 @@ def _lookup(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return F.embedding(ids, table, sparse=True)  # [len(ids), DIM]
 
 
-def _grad_world(ctx: Any) -> Dict[str, Any]:
+def _grad_world(ctx: Any) -> dict[str, Any]:
     if ctx.rank != 0:
         return {}
-    out: Dict[str, Any] = {}
+    out: dict[str, Any] = {}
     for name, opt_cls, kwargs in OPTIMIZERS:
         module = rpc.remote(W1, Bags)
         opt = DistributedOptimizer(opt_cls, rpc.rpc_sync(W1, _param_rrefs, args=(module,)), **kwargs)
@@ -177,7 +177,7 @@ def _grad_world(ctx: Any) -> Dict[str, Any]:
     return out
 
 
-def _described(grad: torch.Tensor) -> Tuple[str, List[int], List[List[float]]]:
+def _described(grad: torch.Tensor) -> tuple[str, list[int], list[list[float]]]:
     """(layout, rows present, dense value as lists) of a gradient: what the pipe to the test
     carries (tensors would go through torch's shared-memory pickling, which needs the
     sending process alive)."""
@@ -188,12 +188,12 @@ def _described(grad: torch.Tensor) -> Tuple[str, List[int], List[List[float]]]:
 
 
 @pytest.fixture(scope="module")
-def grad_world() -> Dict[str, Any]:
+def grad_world() -> dict[str, Any]:
     return run_world(_grad_world, 2, timeout=120)[0]
 
 
 @pytest.mark.parametrize("name", [o[0] for o in OPTIMIZERS])
-def test_distributed_optimizer_steps_sparse_gradients_like_the_local_optimizer(grad_world: Dict[str, Any],
+def test_distributed_optimizer_steps_sparse_gradients_like_the_local_optimizer(grad_world: dict[str, Any],
                                                                                name: str) -> None:
     _, opt_cls, kwargs = next(o for o in OPTIMIZERS if o[0] == name)
     want_grads, want_table = _local_run(opt_cls, kwargs)
@@ -204,7 +204,7 @@ def test_distributed_optimizer_steps_sparse_gradients_like_the_local_optimizer(g
     torch.testing.assert_close(torch.tensor(got_table), want_table, rtol=0, atol=0)
 
 
-def test_a_sparse_gradient_for_a_tensor_the_caller_sent_comes_back_sparse(grad_world: Dict[str, Any]) -> None:
+def test_a_sparse_gradient_for_a_tensor_the_caller_sent_comes_back_sparse(grad_world: dict[str, Any]) -> None:
     table = Bags().bags.weight.detach().clone().requires_grad_()
     _loss(F.embedding(torch.tensor([3, 5, 3, 0]), table, sparse=True)).backward()
     layout, rows, got = grad_world["caller_table_grad"]

@@ -3,7 +3,6 @@ connection does with malformed bytes. Real TCP sockets on 127.0.0.1, in this pro
 import os
 import resource
 import socket
-import struct
 import threading
 import time
 import tracemalloc

@@ -21,7 +21,7 @@ from torch.distributed.optim import DistributedOptimizer
 # --------- MNIST Network to train, from pytorch/examples -----
 class Net(nn.Module):
     def __init__(self, num_gpus=0):
-        super(Net, self).__init__()
+        super().__init__()
         self.num_gpus = num_gpus
         device = torch.device("cuda:0" if torch.cuda.is_available() and self.num_gpus > 0 else "cpu")
         # Put conv layers on the first cuda device, or CPU if no cuda device
