@@ -6,17 +6,13 @@ Port a ``torch.distributed.rpc`` program by changing its imports::
     import rpc_core.autograd as dist_autograd   # was: torch.distributed.autograd
     from rpc_core.optim import DistributedOptimizer
 """
-from typing import Tuple
+from typing import Any
 
 from . import autograd, functions, optim, profiler  # autograd installs its middleware at init_rpc
 from . import rref as _rref
 from .agent import current_agent as _current_agent
 from .api import (
     BackendType,
-    _all_gather,
-    _barrier,
-    _set_rpc_timeout,
-    _wait_all_workers,
     get_rpc_timeout,
     get_worker_info,
     init_rpc,
@@ -26,6 +22,12 @@ from .api import (
     rpc_sync,
     shutdown,
 )
+
+# private helpers torch.distributed.rpc also has (tests use them), re-exported by the `as` form
+from .api import _all_gather as _all_gather
+from .api import _barrier as _barrier
+from .api import _set_rpc_timeout as _set_rpc_timeout
+from .api import _wait_all_workers as _wait_all_workers
 from .errors import (
     AuthenticationError,
     ProtocolError,
@@ -79,7 +81,7 @@ _LAYERS: tuple[tuple[str, ...], ...] = (
 )
 
 
-def _get_debug_info() -> dict:
+def _get_debug_info() -> dict[str, Any]:
     """Counters for tests and debugging: RRef tables, agent state."""
     info = dict(_rref.debug_info())
     agent = _current_agent()
@@ -96,5 +98,5 @@ __all__ = [
     "ProtocolError", "RRef", "RendezvousError", "RpcBackendOptions", "RpcError", "RpcNotInitializedError",
     "RpcTimeoutError", "TensorPipeRpcBackendOptions", "UNSET_RPC_TIMEOUT", "WorkerInfo",
     "WorkerUnavailableError", "functions", "get_rpc_timeout", "get_worker_info", "init_rpc", "is_available",
-    "remote", "rpc_async", "rpc_sync", "shutdown",
+    "remote", "rpc_async", "rpc_sync", "shutdown", "autograd", "optim", "profiler",
 ]

@@ -113,13 +113,14 @@ class Agent(Connections, Dispatch, Calls):
             if not 0 <= to < len(self.workers):
                 raise RpcError(f"could not find destination rank {to}; ranks are 0..{len(self.workers) - 1}")
             return self.workers[to]
-        raise ValueError(f"Cannot get WorkerInfo from name {to!r} (type {type(to).__name__}); pass a name, WorkerInfo or rank")
+        raise ValueError(f"Cannot get WorkerInfo from name {to!r} (type {type(to).__name__}); pass a name, "
+                         "WorkerInfo or rank")
 
     def describe(self, rank: int) -> str:
         """How errors and logs name the worker of ``rank``."""
         return f"worker {self.workers[rank].name!r} (rank {rank})"
 
-    def send_request(self, dst: int, func: Any, args: tuple, kwargs: dict, timeout: float,
+    def send_request(self, dst: int, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], timeout: float,
                      extras: dict[str, Any] | None = None, flags: int = 0,
                      call_extras: dict[str, Any] | None = None, sync: bool = False,
                      lazy: bool = False) -> RpcFuture:
@@ -141,7 +142,7 @@ class Agent(Connections, Dispatch, Calls):
         msg_id = next(self._ids)
         conn = self._out.get(dst)
         dialled = conn is None
-        if dialled:  # the dial is part of the call: its timeout bounds both
+        if conn is None:  # dialled: the dial is part of the call, its timeout bounds both
             try:
                 conn = self._connection(dst, start + timeout if timeout > 0 else None, timeout)
             except RpcError as e:
@@ -152,7 +153,7 @@ class Agent(Connections, Dispatch, Calls):
         # A burst: many unanswered calls. Its answers are read, and its requests written in
         # batches, by this thread every few calls (see outbound). Not for the first few: a
         # caller that sends one and computes (overlapping communication) must not wait.
-        burst = unattended and not lazy and link.in_flight() >= _BURST_IN_FLIGHT
+        burst = unattended and link is not None and not lazy and link.in_flight() >= _BURST_IN_FLIGHT
         self._pending[msg_id] = new_pending(Pending, (fut, dst, call_extras if call_extras is not None else extras,
                                                       timeout, flags, link, unattended))
         if not flags & wire.CONTROL:
@@ -175,7 +176,7 @@ class Agent(Connections, Dispatch, Calls):
         try:
             if burst:
                 conn.send(wire.REQUEST, flags, msg_id, head, ser.body, ser.buffers, defer=transport.DEFER_BATCH)
-                if link.burst_read_due():
+                if link is not None and link.burst_read_due():  # never None in a burst
                     link.read_arrived()
             else:
                 conn.send(wire.REQUEST, flags, msg_id, head, ser.body, ser.buffers)

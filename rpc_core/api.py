@@ -24,6 +24,13 @@ from .options import DEFAULT_SHUTDOWN_TIMEOUT, RpcBackendOptions
 from .rendezvous import WorkerInfo, rendezvous
 from .rref import remote  # noqa: F401 (re-exported: the facade)
 
+__all__ = [
+    "BackendType", "get_rpc_timeout", "get_worker_info", "init_rpc", "is_available", "remote", "rpc_async", "rpc_sync",
+    "shutdown",
+    # private helpers torch.distributed.rpc also has; the hooks tests and the profiler benchmark read
+    "_all_gather", "_barrier", "_invoke_async", "_set_rpc_timeout", "_wait_all_workers", "call_wrappers",
+    "current_agent",
+]
 
 class BackendType(enum.Enum):
     """Accepted for compatibility; rpc_core has one backend."""
@@ -47,13 +54,15 @@ def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | N
     if not isinstance(options, RpcBackendOptions):
         raise TypeError("Argument rpc_backend_options must be an instance of RpcBackendOptions")
     if world_size is None:
-        raise ValueError("world_size is required: rpc_core supports static groups (dynamic membership is not implemented)")
+        raise ValueError("world_size is required: rpc_core supports static groups (dynamic membership is not "
+                         "implemented)")
     if not options.auth_secret:
         logging.getLogger("rpc_core").warning(
             "rpc_core worker %r runs without an auth secret: any process that can reach its port can make it "
             "run functions. Set RpcBackendOptions(auth_secret=...) or RPC_CORE_AUTH_SECRET, the same on every worker.",
             name)
-    world = rendezvous(name, rank, world_size, options.init_method, options.auth_secret, options.effective_init_timeout())
+    world = rendezvous(name, rank, world_size, options.init_method, options.auth_secret,
+                       options.effective_init_timeout())
     memory.tune()  # keep freed tensor memory in the process (see rpc_core.memory)
     agent = Agent(world, options)
     _rref.install(agent)

@@ -11,6 +11,7 @@ import ctypes
 import mmap
 import socket
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -61,6 +62,9 @@ class ReadBuffer:
 
     sock: socket.socket
     bytes_received: int
+
+    if TYPE_CHECKING:  # polling.Waiting's
+        def _recv_into(self, view: memoryview) -> int: ...
 
     def _init_read_buffer(self) -> None:
         self._buf = bytearray(READ_CHUNK)
@@ -115,9 +119,9 @@ class ReadBuffer:
                 self._read_into(memoryview(out))
                 return bytes(out)
             self._fill()
-        out = bytes(self._view[self._start : self._start + n])
+        data = bytes(self._view[self._start : self._start + n])
         self._start += n
-        return out
+        return data
 
     def _read_growing(self, n: int) -> bytes:
         """``n`` bytes of a large body, allocated as they arrive, so a lying length cannot

@@ -21,12 +21,12 @@ from .options import UNSET_RPC_TIMEOUT
 # the user's function (for remote, the one whose result the RRef holds) and send(extras=None)
 # sends the call, optionally with message extras. Empty unless the profiler is on, so the
 # call path pays nothing for it otherwise.
-call_wrappers: list[Callable[..., torch.futures.Future]] = []
+call_wrappers: list[Callable[..., torch.futures.Future[Any]]] = []
 
 
-def invoke_async(to: Any, func: Any, args: tuple | None, kwargs: dict | None, timeout: float,
+def invoke_async(to: Any, func: Any, args: tuple[Any, ...] | None, kwargs: dict[str, Any] | None, timeout: float,
                  exec_mode: str, user_func: Any = None, keepalive: Any = None,
-                 extras: dict | None = None, waited: bool = False) -> torch.futures.Future:
+                 extras: dict[str, Any] | None = None, waited: bool = False) -> torch.futures.Future[Any]:
     """Send a call. ``keepalive`` is held until the answer arrives (an RRef whose id the call
     carries instead of a fork); ``extras`` travel in the frame head. ``waited``: the caller
     will wait on the returned future itself (as "sync" calls do), so its answer needs no
@@ -39,9 +39,11 @@ def invoke_async(to: Any, func: Any, args: tuple | None, kwargs: dict | None, ti
     args = tuple(args) if args is not None else ()
     kwargs = kwargs if kwargs is not None else {}
     if call_wrappers:
-        wrap = next(reversed(call_wrappers), None)  # one read: another thread may empty the list
+        # one read: another thread may empty the list
+        wrap: Callable[..., torch.futures.Future[Any]] | None = next(reversed(call_wrappers), None)
         if wrap is not None:
-            def send(f: Any = func, a: tuple = args, k: dict = kwargs, extras: dict | None = None) -> torch.futures.Future:
+            def send(f: Any = func, a: tuple[Any, ...] = args, k: dict[str, Any] = kwargs,
+                     extras: dict[str, Any] | None = None) -> torch.futures.Future[Any]:
                 extras = dict(base_extras or {}, **(extras or {}))
                 return agent.send_request(dst, f, a, k, timeout, extras=extras,
                                           call_extras=None if keepalive is None else _held(extras, keepalive))
@@ -57,25 +59,26 @@ def invoke_async(to: Any, func: Any, args: tuple | None, kwargs: dict | None, ti
     return agent.send_request(dst, func, args, kwargs, timeout, extras=extras, sync=sync, lazy=lazy)
 
 
-def _held(extras: dict | None, keepalive: Any) -> dict:
+def _held(extras: dict[str, Any] | None, keepalive: Any) -> dict[str, Any]:
     """The call's extras on the caller: those sent, plus ``keepalive``, held until the answer."""
     out = dict(extras) if extras else {}
     out[wire.LOCAL_KEEPALIVE] = keepalive
     return out
 
 
-def invoke(to: Any, func: Any, args: tuple, kwargs: dict | None, timeout: float, exec_mode: str) -> Any:
+def invoke(to: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None, timeout: float,
+           exec_mode: str) -> Any:
     """``invoke_async`` and wait for the result."""
     return invoke_async(to, func, args, kwargs, timeout, exec_mode).wait()
 
 
-def rpc_sync(to: Any, func: Callable[..., Any], args: tuple | None = None, kwargs: dict | None = None,
-             timeout: float = UNSET_RPC_TIMEOUT) -> Any:
+def rpc_sync(to: Any, func: Callable[..., Any], args: tuple[Any, ...] | None = None,
+             kwargs: dict[str, Any] | None = None, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
     """Run ``func(*args, **kwargs)`` on worker ``to`` (name, WorkerInfo or rank) and return its result."""
     return invoke_async(to, func, args, kwargs, timeout, "sync").wait()
 
 
-def rpc_async(to: Any, func: Callable[..., Any], args: tuple | None = None, kwargs: dict | None = None,
-              timeout: float = UNSET_RPC_TIMEOUT) -> torch.futures.Future:
+def rpc_async(to: Any, func: Callable[..., Any], args: tuple[Any, ...] | None = None,
+              kwargs: dict[str, Any] | None = None, timeout: float = UNSET_RPC_TIMEOUT) -> torch.futures.Future[Any]:
     """Like ``rpc_sync`` but returns a ``torch.futures.Future`` at once."""
     return invoke_async(to, func, args, kwargs, timeout, "async")

@@ -13,6 +13,7 @@ import ctypes
 import os
 import queue
 import threading
+from collections.abc import Callable
 
 from . import knobs
 
@@ -23,7 +24,7 @@ class _IoVec(ctypes.Structure):
     _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
 
 
-def _load() -> ctypes._CFuncPtr | None:
+def _load() -> Callable[..., int] | None:
     try:
         fn = ctypes.CDLL(None, use_errno=True).process_vm_readv
     except (OSError, AttributeError):  # not Linux, or a libc without it
@@ -45,12 +46,15 @@ def enabled() -> bool:
 def _read_span(pid: int, remote: int, local: int, n: int) -> None:
     """One thread's copy. The kernel may copy less than asked (it stops at the first
     unmapped remote page), so this loops; raises OSError if a call copies nothing."""
+    readv = _readv
+    if readv is None:  # callers check enabled() first
+        raise OSError("process_vm_readv is not available")
     lv, rv = _IoVec(), _IoVec()
     done = 0
     while done < n:
         lv.iov_base, lv.iov_len = local + done, n - done
         rv.iov_base, rv.iov_len = remote + done, n - done
-        k = _readv(pid, ctypes.byref(lv), 1, ctypes.byref(rv), 1, 0)
+        k = readv(pid, ctypes.byref(lv), 1, ctypes.byref(rv), 1, 0)
         if k <= 0:
             err = ctypes.get_errno() if k < 0 else 0
             raise OSError(err, f"process_vm_readv from pid {pid} at {remote + done:#x} "

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -50,10 +51,18 @@ class Calls:
     n_done: int
     n_received: int
 
+    if TYPE_CHECKING:  # the agent's and the request side's (dispatch: its _Head is Any here, a peer layer's type)
+        def describe(self, rank: int) -> str: ...
+        def _admit(self, src: int, head: bytes) -> Any: ...
+        def _run_request(self, conn: Any, src: int, h: wire.FrameHeader, req: Any, body: bytes,
+                         storages: list[torch.UntypedStorage]) -> None: ...
+        def _incoming_hook(self, src: int, is_response: bool) -> Callable[..., list[torch.Tensor]] | None: ...
+
     def _init_calls(self) -> None:
         self._pending: dict[int, Pending] = {}  # msg_id -> the unanswered call
 
-    def _on_frame(self, conn: Any, src: int, h: wire.FrameHeader, head: bytes, body: bytes, storages: list) -> None:
+    def _on_frame(self, conn: Any, src: int, h: wire.FrameHeader, head: bytes, body: bytes,
+                  storages: list[torch.UntypedStorage]) -> None:
         """A frame that arrived outside a connection's request-serving loop (answers on our
         outgoing connections, calls to self): an answer completes its call here; a request
         is admitted here, in arrival order, and run by the pool (see dispatch)."""
@@ -142,11 +151,17 @@ class Calls:
     def wait_idle(self, deadline: float | None) -> None:
         """Wait until no user call made by this worker is pending (or the deadline passes)."""
         while True:
-            futs = [rec.future for rec in list(self._pending.values()) if not rec.flags & wire.CONTROL]
+            futs: list[torch.futures.Future[Any]] = [
+                rec.future for rec in list(self._pending.values()) if not rec.flags & wire.CONTROL]
             if not futs:
                 return
             done = threading.Event()
-            torch.futures.collect_all(futs).add_done_callback(lambda _: done.set())
+            torch.futures.collect_all(futs).add_done_callback(_setter(done))
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0 or not done.wait(remaining):
                 return
+
+
+def _setter(event: threading.Event) -> Callable[[object], None]:
+    """A done-callback that sets ``event`` (bound to it now, not to a later loop's)."""
+    return lambda _: event.set()

@@ -17,7 +17,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import handshake, transport, wire
 from .completion import Pending
@@ -27,6 +27,9 @@ from .outbound import Outbound
 from .pool import ThreadGroup
 from .rendezvous import WorkerInfo, World
 from .serialization import loopback
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("rpc_core")
 
@@ -80,6 +83,14 @@ class Connections:
     _pending: dict[int, Pending]
     _closing: bool
 
+    if TYPE_CHECKING:  # the agent's, the calls' and the request side's
+        def describe(self, rank: int) -> str: ...
+        def _fail(self, msg_id: int, error: BaseException, inline: bool = True) -> None: ...
+        def _on_frame(self, conn: Any, src: int, h: wire.FrameHeader, head: bytes, body: bytes,
+                      storages: list[torch.UntypedStorage]) -> None: ...
+        def _timeout_message(self, timeout: float, dst: int) -> str: ...
+        def _read_loop(self, conn: transport.Connection, peer: int) -> None: ...
+
     def _init_connections(self, world: World, options: RpcBackendOptions) -> None:
         self._secret = options.auth_secret
         # Read once per worker: every dial and accept of this worker uses the same limit.
@@ -132,7 +143,7 @@ class Connections:
             raise WorkerUnavailableError(self.dead[dst])
         limit = time.monotonic() + self._handshake_timeout
         by_call = call_deadline is not None and call_deadline <= limit  # whose deadline binds
-        deadline = call_deadline if by_call else limit
+        deadline = limit if call_deadline is None else min(call_deadline, limit)  # the earlier binds
         lock = self._dial_locks[dst]
         if not lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
             raise self._dial_timed_out(dst, by_call, timeout, "while another call was connecting to it")
@@ -144,7 +155,8 @@ class Connections:
                 conn = self._dial(dst, deadline)
             except TimeoutError as e:
                 connected = getattr(e, "connected", True)
-                raise self._dial_timed_out(dst, by_call, timeout, "" if connected else "(the connection was not even accepted)") from None
+                raise self._dial_timed_out(dst, by_call, timeout,
+                                           "" if connected else "(the connection was not even accepted)") from None
             except OSError as e:  # refused, reset, closed: nobody there any more
                 host, port = self.addresses[dst]
                 raise WorkerUnavailableError(
@@ -261,7 +273,7 @@ class Connections:
         self.threads.start(self._read_loop, f"rpc-read-{peer}", conn, peer)
 
     def _start_outbound(self, conn: transport.Connection, peer: int) -> None:
-        def deliver(frame: tuple) -> None:
+        def deliver(frame: tuple[Any, ...]) -> None:
             self._on_frame(conn, peer, *frame)
 
         def lost(e: BaseException) -> None:
@@ -311,7 +323,8 @@ class Connections:
             cb(peer, reason)
 
     def _lost_error(self, dst: int, e: BaseException) -> WorkerUnavailableError:
-        return WorkerUnavailableError(f"sending to {self.describe(dst)} failed ({e}); it has probably exited or crashed")
+        return WorkerUnavailableError(f"sending to {self.describe(dst)} failed ({e}); it has probably exited or "
+                                      "crashed")
 
     def wait_incoming_closed(self, timeout: float) -> None:
         """Rank 0, at the end of graceful shutdown: let peers close first, so our last

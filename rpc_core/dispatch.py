@@ -15,7 +15,7 @@ import logging
 import threading
 import traceback
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -57,6 +57,13 @@ class Dispatch:
     n_answered: int
     _closing: bool
 
+    if TYPE_CHECKING:  # the agent's, the calls' and the connections' (whose _Loss, a layer above, is Any here)
+        def describe(self, rank: int) -> str: ...
+        def _on_frame(self, conn: Any, src: int, h: wire.FrameHeader, head: bytes, body: bytes,
+                      storages: list[torch.UntypedStorage]) -> None: ...
+        def _loss(self, peer: int, e: BaseException) -> Any: ...
+        def _connection_lost(self, conn: transport.Connection, peer: int, outgoing: bool, loss: Any) -> None: ...
+
     def _read_loop(self, conn: transport.Connection, peer: int) -> None:
         """Read ``conn`` (from ``peer``) and serve its requests until it closes."""
         init_torch_thread()  # readers rebuild tensors and run recv nodes
@@ -93,7 +100,7 @@ class Dispatch:
         if not self.middleware:
             return None
 
-        def hook(tensors, metas, extras):
+        def hook(tensors: list[torch.Tensor], metas: Sequence[Any], extras: dict[str, Any]) -> list[torch.Tensor]:
             for m in self.middleware:
                 tensors = m.incoming(src, tensors, extras, is_response)
             return tensors
@@ -112,14 +119,15 @@ class Dispatch:
             m.admit(src, extras)
         return _Head(metas, extras, None)
 
-    def _run_request(self, conn: Any, src: int, h: wire.FrameHeader, req: _Head, body: bytes, storages: list) -> None:
+    def _run_request(self, conn: Any, src: int, h: wire.FrameHeader, req: _Head, body: bytes,
+                     storages: list[torch.UntypedStorage]) -> None:
         extras = req.extras
-        notes: dict[str, list] = {}  # from the arguments to the caller, in the response's extras
+        notes: dict[str, list[Any]] = {}  # from the arguments to the caller, in the response's extras
         try:
             try:
                 if req.error is not None:
                     raise req.error
-                waits: list[torch.futures.Future] = []
+                waits: list[torch.futures.Future[Any]] = []
                 func, args, kwargs = deserialize_decoded(req.metas, extras, body, storages,
                                                          self._incoming_hook(src, False), waits, notes)
             except BaseException as e:
@@ -144,7 +152,8 @@ class Dispatch:
         except BaseException as e:
             self._respond_error(conn, h, e, extras)
 
-    def _execute(self, conn: Any, src: int, h: wire.FrameHeader, func: Any, args: tuple, kwargs: dict, extras: dict[str, Any]) -> None:
+    def _execute(self, conn: Any, src: int, h: wire.FrameHeader, func: Any, args: tuple[Any, ...],
+                 kwargs: dict[str, Any], extras: dict[str, Any]) -> None:
         tokens = [m.enter_call(src, extras) for m in self.middleware] if self.middleware else ()
         fut = None
         try:
@@ -165,10 +174,12 @@ class Dispatch:
         except BaseException as e:
             self._respond_error(conn, h, e, extras)
         finally:
-            for m, tok in zip(self.middleware, tokens):
+            # strict=False: the profiler may append its middleware while this call ran (never removes one)
+            for m, tok in zip(self.middleware, tokens, strict=False):
                 m.exit_call(tok, extras, fut)
 
-    def _respond_future(self, conn: Any, src: int, h: wire.FrameHeader, f: torch.futures.Future, extras: dict[str, Any]) -> None:
+    def _respond_future(self, conn: Any, src: int, h: wire.FrameHeader, f: torch._C.Future[Any],
+                        extras: dict[str, Any]) -> None:
         try:
             value = f.value()
         except BaseException as e:
@@ -202,7 +213,7 @@ class Dispatch:
         self._send_answer(conn, h, extras, wire.EXCEPTION, encode_head(ser.metas, resp), ser.body, [])
 
     def _send_answer(self, conn: Any, h: wire.FrameHeader, extras: dict[str, Any], kind: int, head: bytes,
-                     body: bytes, buffers: list) -> None:
+                     body: bytes, buffers: list[Any]) -> None:
         for m in self.middleware:
             m.finish(extras)
         if not h.flags & wire.CONTROL:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import copy
 import importlib
 import traceback
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 import torch
 
@@ -18,8 +18,10 @@ from . import wire
 from .errors import RemoteFunctionError
 from .pool import handoff_current
 
+S = TypeVar("S")
 
-def set_error(fut: torch._C.Future, error: BaseException) -> None:
+
+def set_error(fut: torch._C.Future[Any], error: BaseException) -> None:
     """Complete ``fut`` with ``error``; every ``wait()``/``value()`` then raises a fresh copy.
 
     torch's ``set_exception`` re-raises the stored exception object itself, so each waiter's
@@ -48,7 +50,7 @@ def _raise_copy(error: BaseException) -> None:
     raise fresh from (error if error.__traceback__ is not None else None)
 
 
-class RpcFuture(torch.futures.Future):
+class RpcFuture(torch.futures.Future[Any]):
     """A torch Future that knows whether user callbacks hang on it, so a reader thread
     completes it inline only when no callback could block that reader. Errors set on it
     raise fresh copies (see ``set_error``)."""
@@ -63,14 +65,14 @@ class RpcFuture(torch.futures.Future):
         # device list, which RPC futures never have, and one is built per call.
         torch._C.Future.__init__(self, [])
 
-    def set_exception(self, result: BaseException) -> None:  # type: ignore[override]
+    def set_exception(self, result: BaseException) -> None:
         set_error(self, result)
 
-    def then(self, callback):  # type: ignore[override]
+    def then(self, callback: Callable[[torch.futures.Future[Any]], S]) -> torch.futures.Future[S]:
         self._has_callbacks = True
         return super().then(callback)
 
-    def add_done_callback(self, callback):  # type: ignore[override]
+    def add_done_callback(self, callback: Callable[[torch.futures.Future[Any]], None]) -> None:
         self._has_callbacks = True
         return super().add_done_callback(callback)
 
@@ -79,7 +81,7 @@ class RpcFuture(torch.futures.Future):
     done = torch._C.Future.done
     value = torch._C.Future.value
 
-    def wait(self):  # type: ignore[override]
+    def wait(self) -> Any:
         if not self.done():
             handoff_current()  # a pool or reader thread about to block must not hold up other calls
             if self._reader is not None:
@@ -90,7 +92,7 @@ class RpcFuture(torch.futures.Future):
 _wait = torch._C.Future.wait
 
 
-def settle(futures: Iterable[torch.futures.Future]) -> tuple[list[Any], list[BaseException]]:
+def settle(futures: Iterable[torch.futures.Future[Any]]) -> tuple[list[Any], list[BaseException]]:
     """Wait for every future, even after one failed; return (values of those that
     succeeded, errors of those that failed), each in order."""
     values: list[Any] = []

@@ -36,7 +36,7 @@ class _Round:
     """One round on the coordinator: who arrived with what, and the future they all wait on."""
 
     payloads: dict[int, Any] = field(default_factory=dict)
-    future: torch.futures.Future = field(default_factory=torch.futures.Future)
+    future: torch.futures.Future[Any] = field(default_factory=torch.futures.Future)
 
 
 class _Coordinator:
@@ -59,11 +59,11 @@ class _Coordinator:
             if not r.future.done():
                 r.future.set_exception(WorkerUnavailableError(reason))
 
-    def arrive(self, key: Any, rank: int, payload: Any, expected: int) -> torch.futures.Future:
+    def arrive(self, key: Any, rank: int, payload: Any, expected: int) -> torch.futures.Future[Any]:
         agent = self.agent
         assert agent is not None
         if agent.dead:
-            f: torch.futures.Future = torch.futures.Future()
+            f: torch.futures.Future[Any] = torch.futures.Future()
             f.set_exception(WorkerUnavailableError(next(iter(agent.dead.values()))))
             return f
         with self.lock:
@@ -88,7 +88,7 @@ def start_coordinator(agent: Agent) -> None:
 
 
 @async_execution
-def _coord_arrive(key: Any, rank: int, payload: Any, expected: int) -> torch.futures.Future:
+def _coord_arrive(key: Any, rank: int, payload: Any, expected: int) -> torch.futures.Future[Any]:
     return _coordinator.arrive(key, rank, payload, expected)
 
 
@@ -105,9 +105,11 @@ def gather_round(tag: str, payload: Any, timeout: float, worker_names: list[str]
     fut = agent.send_request(0, _coord_arrive, (key, agent.me.id, payload, members), {},
                              timeout=timeout if timeout > 0 else 0, flags=wire.CONTROL)
     try:
-        return fut.wait()
+        payloads: dict[int, Any] = fut.wait()
+        return payloads
     except RpcTimeoutError:
-        raise RpcTimeoutError(f"{tag} on {agent.me.name!r} timed out after {timeout:g} s waiting for the other workers") from None
+        raise RpcTimeoutError(f"{tag} on {agent.me.name!r} timed out after {timeout:g} s waiting for the other "
+                              "workers") from None
 
 
 def reset_rounds() -> None:

@@ -23,17 +23,19 @@ class Middleware:
     def finish(self, extras: dict[str, Any]) -> None:
         """The request is answered (its answer or error leaves next); called once."""
 
-    def outgoing(self, dst: int, tensors: list[torch.Tensor], extras: dict[str, Any], request_extras: dict[str, Any] | None) -> None:
+    def outgoing(self, dst: int, tensors: list[torch.Tensor], extras: dict[str, Any],
+                 request_extras: dict[str, Any] | None) -> None:
         """Before a message leaves: add entries to ``extras`` (request_extras is set for responses)."""
 
-    def incoming(self, src: int, tensors: list[torch.Tensor], extras: dict[str, Any], is_response: bool) -> list[torch.Tensor]:
+    def incoming(self, src: int, tensors: list[torch.Tensor], extras: dict[str, Any],
+                 is_response: bool) -> list[torch.Tensor]:
         """After a message's tensors are rebuilt, before the body is unpickled."""
         return tensors
 
     def enter_call(self, src: int, extras: dict[str, Any]) -> Any:
         """Around a user function on the callee; returns a token for ``exit_call``."""
 
-    def exit_call(self, token: Any, extras: dict[str, Any], result_future: torch.futures.Future | None) -> None:
+    def exit_call(self, token: Any, extras: dict[str, Any], result_future: torch.futures.Future[Any] | None) -> None:
         """After the function returned (result_future is set for async execution)."""
 
     def response_extras(self, extras: dict[str, Any], response: dict[str, Any]) -> None:

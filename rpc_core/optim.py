@@ -27,7 +27,8 @@ class _LocalOptimizer:
     # the same parameters) are serialized, as in torch.
     global_lock = threading.Lock()
 
-    def __init__(self, optim_cls: type[torch.optim.Optimizer], local_params_rref: list[RRef], *args: Any, **kwargs: Any) -> None:
+    def __init__(self, optim_cls: type[torch.optim.Optimizer], local_params_rref: list[RRef[Any]], *args: Any,
+                 **kwargs: Any) -> None:
         self._params = [rref.local_value() for rref in local_params_rref]
         self.optim = optim_cls(self._params, *args, **kwargs)
 
@@ -41,15 +42,16 @@ class _LocalOptimizer:
             try:
                 self.optim.step()
             finally:
-                for p, g in zip(self._params, saved):
+                for p, g in zip(self._params, saved, strict=True):
                     p.grad = g  # .grad is the owner's business: leave it as it was
 
 
-def _new_local_optimizer(optim_cls: type[torch.optim.Optimizer], local_params_rref: list[RRef], *args: Any, **kwargs: Any) -> RRef:
+def _new_local_optimizer(optim_cls: type[torch.optim.Optimizer], local_params_rref: list[RRef[Any]], *args: Any,
+                         **kwargs: Any) -> RRef[Any]:
     return RRef(_LocalOptimizer(optim_cls, local_params_rref, *args, **kwargs))
 
 
-def _wait_all(futures: list[torch.futures.Future], what: str) -> list[Any]:
+def _wait_all(futures: list[torch.futures.Future[Any]], what: str) -> list[Any]:
     """Wait for every owner; then raise the first owner's exception with its own type (as
     torch does, so ``except ValueError`` around a step keeps working), noting ``what`` was
     being done and the other owners' failures."""
@@ -74,15 +76,16 @@ class DistributedOptimizer:
         args, kwargs: passed to ``optimizer_class`` on each owner.
     """
 
-    def __init__(self, optimizer_class: type[torch.optim.Optimizer], params_rref: list[RRef], *args: Any, **kwargs: Any) -> None:
-        per_owner: dict[Any, list[RRef]] = defaultdict(list)
+    def __init__(self, optimizer_class: type[torch.optim.Optimizer], params_rref: list[RRef[Any]], *args: Any,
+                 **kwargs: Any) -> None:
+        per_owner: dict[Any, list[RRef[Any]]] = defaultdict(list)
         for p in params_rref:
             per_owner[p.owner()].append(p)
         futures = [
             calls.rpc_async(owner, _new_local_optimizer, args=(optimizer_class, rrefs) + tuple(args), kwargs=kwargs)
             for owner, rrefs in per_owner.items()
         ]
-        self.remote_optimizers: list[RRef] = _wait_all(futures, "Error creating optimizer.")
+        self.remote_optimizers: list[RRef[Any]] = _wait_all(futures, "Error creating optimizer.")
 
     def step(self, context_id: int) -> None:
         """Apply the gradients of ``context_id`` on every owner, concurrently."""

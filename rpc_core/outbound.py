@@ -52,7 +52,7 @@ BURST_READ_EVERY = 32
 
 
 class Outbound:
-    def __init__(self, conn: transport.Connection, deliver: Callable[[tuple], None],
+    def __init__(self, conn: transport.Connection, deliver: Callable[[tuple[Any, ...]], None],
                  lost: Callable[[BaseException], None], name: str, threads: ThreadGroup | None = None) -> None:
         self.conn = conn
         self._deliver = deliver  # gets (header, head, body, storages) of each frame read

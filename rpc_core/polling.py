@@ -17,23 +17,33 @@ their answers may be what it waits for).
 """
 from __future__ import annotations
 
+import enum
 import os
 import select
 import socket
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Final, Literal, TypeVar
 
-# What a non-blocking attempt or a wait returns when there is nothing (yet).
-NOTHING = object()
+
+class _Nothing(enum.Enum):
+    NOTHING = "NOTHING"
+
+
+# What a non-blocking attempt or a wait returns when there is nothing (yet): an enum member,
+# so a type checker narrows ``x is NOTHING`` like ``x is None``.
+NOTHING: Final = _Nothing.NOTHING
 # A yield that took this long ran another task: the CPU is wanted, so stop polling.
 _CONTENDED = 50e-6
 DONTWAIT = int(socket.MSG_DONTWAIT)  # plain ints: or-ing the enum flags costs µs per poll
 _PEEK = DONTWAIT | int(socket.MSG_PEEK)
 
 
-def poll_until(end: float, attempt: Callable[[], Any]) -> Any:
+T = TypeVar("T")
+
+
+def poll_until(end: float, attempt: Callable[[], T]) -> T | Literal[_Nothing.NOTHING]:
     """Retry the non-blocking ``attempt`` until it stops raising BlockingIOError and return
     its result; ``NOTHING`` once past ``end`` (perf_counter) or once a yield between tries
     shows that another task was waiting for this CPU (polling would take its time)."""
@@ -61,9 +71,12 @@ class Waiting:
     _no_poll: int  # sends whose buffers the peer copies with several threads (see send)
     _reader_sleeps: bool  # a reader is (about to be) blocked in the kernel
     _small_q: deque[bytes]
-    _inbox: deque[tuple]
+    _inbox: deque[tuple[Any, ...]]
     _start: int
     _end: int
+
+    if TYPE_CHECKING:  # sending.Sender's
+        def _flush_small(self) -> None: ...
 
     def _recv_into(self, view: memoryview) -> int:
         """``sock.recv_into(view)``; polls first when recent waits were short (see module doc).
@@ -84,7 +97,7 @@ class Waiting:
         except BlockingIOError:
             pass
         start = time.perf_counter()
-        k = NOTHING
+        k: int | Literal[_Nothing.NOTHING] = NOTHING
         if self._may_poll():
             k = poll_until(start + spin, lambda: self._try_recv_into(view))
         if k is NOTHING:

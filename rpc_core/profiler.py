@@ -19,7 +19,8 @@ import warnings
 from typing import Any
 
 import torch
-from torch.autograd import ProfilerState, _disable_profiler_legacy, _enable_profiler_legacy
+from torch._C._autograd import _disable_profiler_legacy, _enable_profiler_legacy
+from torch._C._profiler import ProfilerState
 from torch.autograd.profiler_util import EventList, FunctionEvent
 
 from . import agent as _agent_mod
@@ -40,23 +41,28 @@ record_function = torch.autograd.profiler.record_function  # user scopes, shown 
 
 
 # -- results ------------------------------------------------------------------------------------------
+# torch's EventList is unannotated: calls into it carry ``type: ignore[no-untyped-call]``.
 class _EventList(EventList):
     """torch's EventList, with full-width names in tables and a per-node chrome trace."""
 
     node_names: dict[int, str] = {}
 
-    def table(self, sort_by=None, row_limit=100, max_src_column_width=75, max_name_column_width=None,  # type: ignore[override]
-              max_shapes_column_width=80, header=None, top_level_events_only=False, time_unit=None) -> str:
+    def table(self, sort_by: str | None = None, row_limit: int = 100, max_src_column_width: int = 75,
+              max_name_column_width: int | None = None, max_shapes_column_width: int = 80, header: str | None = None,
+              top_level_events_only: bool = False, time_unit: str | None = None) -> str:
         """Like ``EventList.table``; ``max_name_column_width=None`` fits the longest name (up to 160)."""
         if max_name_column_width is None:
             max_name_column_width = min(160, max([len(e.key) for e in self] + [20]) + 4)
-        return super().table(sort_by=sort_by, row_limit=row_limit, max_src_column_width=max_src_column_width,
-                             max_name_column_width=max_name_column_width, max_shapes_column_width=max_shapes_column_width,
-                             header=header, top_level_events_only=top_level_events_only, time_unit=time_unit)
+        text: str = super().table(  # type: ignore[no-untyped-call]
+            sort_by=sort_by, row_limit=row_limit, max_src_column_width=max_src_column_width,
+            max_name_column_width=max_name_column_width, max_shapes_column_width=max_shapes_column_width,
+            header=header, top_level_events_only=top_level_events_only, time_unit=time_unit)
+        return text
 
-    def key_averages(self, *args: Any, **kwargs: Any) -> _EventList:  # type: ignore[override]
-        avg = super().key_averages(*args, **kwargs)
-        out = _EventList(avg, use_device=self._use_device, profile_memory=self._profile_memory, with_flops=self._with_flops)
+    def key_averages(self, *args: Any, **kwargs: Any) -> _EventList:
+        avg = super().key_averages(*args, **kwargs)  # type: ignore[no-untyped-call]
+        out = _EventList(avg, use_device=self._use_device, profile_memory=self._profile_memory,  # type: ignore[no-untyped-call]
+                         with_flops=self._with_flops)
         out.node_names = self.node_names
         return out
 
@@ -117,7 +123,8 @@ class profile:
         if not enabled:
             return
         if not use_cpu:
-            raise ValueError("rpc_core.profiler.profile records CPU events (legacy profiler); use_cpu=False is not supported")
+            raise ValueError("rpc_core.profiler.profile records CPU events (legacy profiler); use_cpu=False is not "
+                             "supported")
         self.use_device = use_device
         self._state = ProfilerState.CPU
         if use_device == "cuda" and torch.cuda.is_available():
@@ -176,9 +183,10 @@ class profile:
             node_id=e.node, is_legacy=True, flops=e.flops or None)
             for i, e in enumerate(all_events, start=1)]
         fes.sort(key=lambda fe: (fe.time_range.start, -fe.time_range.end))
-        result = _EventList(fes, use_device=self.use_device, profile_memory=self.profile_memory, with_flops=self.with_flops)
+        result = _EventList(fes, use_device=self.use_device, profile_memory=self.profile_memory,  # type: ignore[no-untyped-call]
+                            with_flops=self.with_flops)
         result.node_names = self._names
-        result._build_tree()
+        result._build_tree()  # type: ignore[no-untyped-call]
         if self.acc_events and self._function_events is not None:
             result[:0] = list(self._function_events)
         self._function_events = result
@@ -199,7 +207,8 @@ class profile:
     def table(self, sort_by: str | None = None, row_limit: int = 100, max_src_column_width: int = 75,
               max_name_column_width: int | None = None, max_shapes_column_width: int = 80,
               header: str | None = None, top_level_events_only: bool = False) -> str:
-        return self.function_events.table(sort_by=sort_by, row_limit=row_limit, max_src_column_width=max_src_column_width,
+        return self.function_events.table(sort_by=sort_by, row_limit=row_limit,
+                                          max_src_column_width=max_src_column_width,
                                           max_name_column_width=max_name_column_width,
                                           max_shapes_column_width=max_shapes_column_width, header=header,
                                           top_level_events_only=top_level_events_only)
@@ -214,11 +223,12 @@ class profile:
         self.function_events.export_stacks(path, metric)
 
     def total_average(self) -> Any:
-        return self.function_events.total_average()
+        return self.function_events.total_average()  # type: ignore[no-untyped-call]
 
     @property
     def self_cpu_time_total(self) -> float:
-        return self.function_events.self_cpu_time_total
+        total: float = self.function_events.self_cpu_time_total
+        return total
 
     def __str__(self) -> str:
         return "<unfinished rpc_core.profiler.profile>" if self._function_events is None else str(self._function_events)

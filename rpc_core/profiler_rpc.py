@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
-from torch.autograd import ProfilerConfig, ProfilerState, _disable_profiler_legacy, _enable_profiler_legacy
+from torch._C._autograd import _disable_profiler_legacy, _enable_profiler_legacy, _profiler_enabled
+from torch._C._profiler import ProfilerConfig, ProfilerState
 
 from . import agent as _agent_mod
 from . import calls, wire
@@ -60,8 +62,8 @@ class _Event(NamedTuple):
     node: int
     is_async: bool
     is_remote: bool
-    shapes: list
-    stack: list
+    shapes: list[Any]
+    stack: list[Any]
     scope: int
     cpu_mem: int
     seq: int
@@ -69,7 +71,7 @@ class _Event(NamedTuple):
     flops: int
 
 
-def _parse(records: list[list], node: int) -> tuple[list[_Event], float | None, int]:
+def _parse(records: list[list[Any]], node: int) -> tuple[list[_Event], float | None, int]:
     """Legacy profiler records -> (events, profile start time, thread that profiled)."""
     pushes: dict[int, Any] = {}
     pops: dict[int, Any] = {}
@@ -128,13 +130,13 @@ class _Call:
         self.key, self.options = key, options
         self.t0 = time.time_ns()
         self.t1 = self.t_reply = 0
-        self.reply: tuple | None = None  # (callee start us, callee end us, [event tuples])
+        self.reply: tuple[Any, ...] | None = None  # (callee start us, callee end us, [event tuples])
 
     def __reduce__(self) -> Any:
         return _activate, (tuple(self.options),)
 
 
-def _activate(options: tuple) -> tuple:
+def _activate(options: tuple[Any, ...]) -> tuple[Any, ...]:
     """Runs on the callee as a profiled request's extras are unpickled: makes sure its
     agent has our middleware, which then profiles this request."""
     agent = _agent_mod._agent
@@ -192,14 +194,15 @@ def _use_wrapper(delta: int) -> None:
 
 # Internal handlers users call by other names, by (module, qualified name): a key that
 # needs no hashing of the called object, which may be any callable.
-_DISPLAY_NAMES = {(_on_fetch.__module__, _on_fetch.__qualname__): "RRef.to_here"}
+_DISPLAY_NAMES: dict[tuple[str | None, str | None], str] = {
+    (_on_fetch.__module__, _on_fetch.__qualname__): "RRef.to_here"}
 
 
 def _func_name(func: Any) -> str:
     special = _DISPLAY_NAMES.get((getattr(func, "__module__", None), getattr(func, "__qualname__", None)))
     if special is not None:
         return special
-    builtin = torch.jit._builtins._find_builtin(func)
+    builtin: str | None = torch.jit._builtins._find_builtin(func)
     if builtin is not None:
         return builtin
     if isinstance(func, torch.jit.ScriptFunction):
@@ -207,10 +210,11 @@ def _func_name(func: Any) -> str:
     return getattr(func, "__qualname__", None) or type(func).__qualname__
 
 
-def _wrap_call(exec_mode: str, func: Any, dst: int, send: Any) -> torch.futures.Future:
+def _wrap_call(exec_mode: str, func: Any, dst: int,
+               send: Callable[..., torch.futures.Future[Any]]) -> torch.futures.Future[Any]:
     col = getattr(_tls, "collector", None)
     if col is None:  # e.g. a thread the legacy profiler propagated to (autograd engine)
-        col = _active[-1] if _active and torch.autograd._profiler_enabled() else None
+        col = _active[-1] if _active and _profiler_enabled() else None
         if col is None:
             return send()
     agent = _agent_mod.current_agent()
@@ -222,13 +226,13 @@ def _wrap_call(exec_mode: str, func: Any, dst: int, send: Any) -> torch.futures.
     col.calls.append(call)
     out = _futures.RpcFuture()  # the user waits on this one, so the end is stamped first
 
-    def finish(f: torch.futures.Future) -> None:
+    def finish(f: torch.futures.Future[Any]) -> None:
         try:
             out.set_result(f.value())
         except BaseException as e:
             out.set_exception(e)
 
-    def done(f: torch.futures.Future) -> None:
+    def done(f: torch.futures.Future[Any]) -> None:
         call.t1 = time.time_ns()
         if out._has_callbacks:  # as the agent does: user callbacks never run on a reader thread
             agent.pool.submit(finish, f)
@@ -250,10 +254,10 @@ class _Served:
         self.collector = _Collector(options, node)
         self.thread = threading.get_ident()
         self.exited = threading.Event()
-        self.records: list[list] = []
+        self.records: list[list[Any]] = []
         self.t_in = time.time_ns() / 1e3
         self.enabled = False
-        if not torch.autograd._profiler_enabled():
+        if not _profiler_enabled():
             try:
                 _enable_profiler_legacy(options.legacy())
                 self.enabled = True
@@ -274,7 +278,7 @@ class _Served:
         _use_wrapper(-1)
         self.exited.set()
 
-    def reply(self) -> tuple:
+    def reply(self) -> tuple[Any, ...]:
         """The events for the response, which leaves only once this request stopped profiling."""
         if threading.get_ident() == self.thread:
             self.exit()  # the function has returned (sync, or an async one already done)
@@ -297,7 +301,7 @@ class _Middleware(_agent_mod.Middleware):
         served = extras[wire.LOCAL_PROFILE_SERVED] = _Served(_Options(*opts), self.node)
         return served
 
-    def exit_call(self, token: Any, extras: dict[str, Any], result_future: torch.futures.Future | None) -> None:
+    def exit_call(self, token: Any, extras: dict[str, Any], result_future: torch.futures.Future[Any] | None) -> None:
         if token is not None:
             token.exit()
 

@@ -10,6 +10,10 @@ open: it becomes the worker's connection to rank 0, which is how rank 0 notices 
 Rank 0 runs each joiner's handshake on a thread of its own (``_Joiners``), so a connection
 that stays silent holds up nobody but itself, and collects the validated joiners on the
 thread that called ``init_rpc``.
+
+One module, though past 400 lines: the host's and the joiner's side are the two ends of one
+exchange (what a joiner sends is what rank 0 validates, and both name the same failures), and
+read best side by side.
 """
 from __future__ import annotations
 
@@ -68,7 +72,7 @@ class WorkerInfo:
     def __repr__(self) -> str:
         return f"WorkerInfo(id={self._id}, name={self._name})"
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[WorkerInfo], tuple[str, int]]:
         return WorkerInfo, (self._name, self._id)
 
 
@@ -267,7 +271,7 @@ class _Joiners:
             with self._lock:
                 self._socks.discard(sock)  # before it may be closed (see close)
                 kept = joiner is not None and not self._closed
-                if kept:
+                if kept and joiner is not None:
                     self._done.append(joiner)
         if kept:
             try:
@@ -327,7 +331,8 @@ def _reply(c: transport.Connection, msg_id: int, err: str) -> None:
 
 
 def _accept_joiner(sock: socket.socket, peer: tuple[str, int], world_size: int, secret: bytes, deadline: float,
-                   admission: handshake.Admission) -> tuple[transport.Connection, WorkerInfo, tuple[str, int], int] | None:
+                   admission: handshake.Admission
+                   ) -> tuple[transport.Connection, WorkerInfo, tuple[str, int], int] | None:
     """Authenticate a joiner and read its join request, all by ``deadline``; None if it is
     turned away (the caller closes ``sock`` then)."""
     import pickle
@@ -338,7 +343,8 @@ def _accept_joiner(sock: socket.socket, peer: tuple[str, int], world_size: int, 
         c = transport.Connection(sock)
         name, rank, ws, address = pickle.loads(body)
         if ws != world_size:
-            _reply(c, h.msg_id, f"world_size mismatch: worker {name!r} (rank {rank}) says {ws}, rank 0 says {world_size}")
+            _reply(c, h.msg_id, f"world_size mismatch: worker {name!r} (rank {rank}) says {ws}, rank 0 says "
+                                f"{world_size}")
             return None
         return c, WorkerInfo(name, rank), tuple(address), h.msg_id
     except AuthenticationError:
@@ -348,7 +354,8 @@ def _accept_joiner(sock: socket.socket, peer: tuple[str, int], world_size: int, 
     return None
 
 
-def _check_joiner(info: WorkerInfo, me: WorkerInfo, joined: dict) -> str | None:
+def _check_joiner(info: WorkerInfo, me: WorkerInfo,
+                  joined: dict[int, tuple[WorkerInfo, tuple[str, int], transport.Connection, int]]) -> str | None:
     if info.id in joined or info.id == 0:
         other = me if info.id == 0 else joined[info.id][0]
         return f"rank {info.id} is not unique: both {other.name!r} and {info.name!r} claim it"
@@ -366,7 +373,8 @@ def _join(name: str, rank: int, world_size: int, host: str, port: int, secret: b
     while True:
         try:
             sock = transport.dial((host, port), secret,
-                                  timeout=max(_MIN_ATTEMPT, min(handshake.handshake_timeout(), deadline - time.monotonic())))
+                                  timeout=max(_MIN_ATTEMPT, min(handshake.handshake_timeout(),
+                                                                deadline - time.monotonic())))
             break
         except (TimeoutError, ConnectionRefusedError, transport.PeerClosed, ConnectionResetError, socket.gaierror) as e:
             if time.monotonic() + delay > deadline:
@@ -393,7 +401,8 @@ def _join(name: str, rank: int, world_size: int, host: str, port: int, secret: b
     except (OSError, transport.PeerClosed) as e:
         _close(listener, local)
         c.close()
-        raise RendezvousError(f"worker {name!r} (rank {rank}): rendezvous with rank 0 at {host}:{port} failed: {e}") from None
+        raise RendezvousError(f"worker {name!r} (rank {rank}): rendezvous with rank 0 at {host}:{port} "
+                              f"failed: {e}") from None
     if h.kind == wire.EXCEPTION:
         _close(listener, local)
         c.close()

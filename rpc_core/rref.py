@@ -28,4 +28,9 @@ from .rref_handle import RRef, remote  # noqa: F401
 from .rref_release import _send_delete, _send_deletes, delete_all_user_rrefs, flush  # noqa: F401
 from .rref_state import Id, _ctx, _on_fetch, _on_invoke, _on_user_delete, _on_user_deletes, debug_info, reset  # noqa: F401
 
-__all__ = ["RRef", "remote"]
+__all__ = [
+    "RRef", "remote",
+    # the group's face for the rest of rpc_core and tests
+    "Id", "RRefMiddleware", "_ctx", "_on_fetch", "_on_invoke", "_on_user_delete", "_on_user_deletes", "_send_delete",
+    "_send_deletes", "debug_info", "delete_all_user_rrefs", "flush", "install", "on_request_failed", "reset",
+]

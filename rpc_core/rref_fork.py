@@ -23,7 +23,7 @@ from .rref_state import Id, _ctx, _on_child_accept, _on_fork, _on_user_deletes, 
 from .serialization import defer_until, note_for_reply, register_reducer
 
 
-def _reduce(rref: RRef) -> tuple[Any, tuple]:
+def _reduce(rref: RRef[Any]) -> tuple[Any, tuple[Any, ...]]:
     rref._check_alive("fork")
     me = _agent_mod.current_agent().me.id
     fork_id = new_id()
@@ -39,14 +39,14 @@ def _reduce(rref: RRef) -> tuple[Any, tuple]:
 register_reducer(RRef, _reduce)
 
 
-def _from_fork(owner: int, rref_id: Id, fork_id: Id, parent: int) -> RRef:
+def _from_fork(owner: int, rref_id: Id, fork_id: Id, parent: int) -> RRef[Any]:
     agent = _agent_mod.current_agent()
     me = agent.me.id
     if owner == me:
         if parent == me:
             with _ctx.lock:
                 _ctx.entry(rref_id).forks.discard(fork_id)  # our own fork came back: no user exists
-        elif not note_for_reply(wire.EXTRA_RREF_ACCEPTED, fork_id):  # in a request: the parent learns it from the response
+        elif not note_for_reply(wire.EXTRA_RREF_ACCEPTED, fork_id):  # a request: the parent learns it from the response
             track(agent.send_request(parent, _on_child_accept, (fork_id,), {}, timeout=0))
         return RRef._owner_handle(rref_id)
     if parent == owner:
@@ -56,7 +56,7 @@ def _from_fork(owner: int, rref_id: Id, fork_id: Id, parent: int) -> RRef:
         _ctx.unconfirmed.add(fork_id)
     confirmed = agent.send_request(owner, _on_fork, (rref_id, fork_id), {}, timeout=0)
 
-    def on_confirmed(f: torch.futures.Future) -> None:
+    def on_confirmed(f: torch.futures.Future[Any]) -> None:
         rref._confirmed = True
         with _ctx.lock:
             _ctx.unconfirmed.discard(fork_id)

@@ -8,7 +8,7 @@ fork of the owner's value, named by fork id). Handles register with the per-proc
 from __future__ import annotations
 
 import weakref
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NoReturn, TypeVar
 
 import torch
 
@@ -36,7 +36,7 @@ class RRef(Generic[T]):
 
     # -- construction of the two flavours --------------------------------------------------------
     def _init(self, owner: int, rref_id: Id, fork_id: Id | None, confirmed: bool,
-              creation: torch.futures.Future | None = None) -> None:
+              creation: torch.futures.Future[Any] | None = None) -> None:
         self._owner_id = owner
         self._rref_id = rref_id
         self._fork_id = fork_id
@@ -51,14 +51,14 @@ class RRef(Generic[T]):
             _ctx.users[fork_id] = self
 
     @classmethod
-    def _owner_handle(cls, rref_id: Id) -> RRef:
+    def _owner_handle(cls, rref_id: Id) -> RRef[Any]:
         r = cls.__new__(cls)
         r._init(_agent_mod.current_agent().me.id, rref_id, None, True)
         return r
 
     @classmethod
     def _user(cls, owner: int, rref_id: Id, fork_id: Id, confirmed: bool,
-              creation: torch.futures.Future | None = None) -> RRef:
+              creation: torch.futures.Future[Any] | None = None) -> RRef[Any]:
         r = cls.__new__(cls)
         r._init(owner, rref_id, fork_id, confirmed, creation)
         return r
@@ -100,15 +100,19 @@ class RRef(Generic[T]):
             raise RpcError(
                 f"For {self}, can't call localValue() on user {me}. Call it on owner {self.owner()}"
             )
-        return _ctx.entry(self._rref_id).value.wait()
+        value: T = _ctx.entry(self._rref_id).value.wait()
+        return value
 
     def to_here(self, timeout: float = -1) -> T:
         """Copy the value from the owner (the value itself on the owner); blocks."""
         self._check_alive("to_here")
+        value: T
         if self.is_owner():
-            return _ctx.entry(self._rref_id).value.wait()
+            value = _ctx.entry(self._rref_id).value.wait()
+            return value
         self._raise_creation_error()
-        return calls.invoke(self._owner_id, _on_fetch, (self._rref_id,), None, timeout, "sync")
+        value = calls.invoke(self._owner_id, _on_fetch, (self._rref_id,), None, timeout, "sync")
+        return value
 
     def _raise_creation_error(self) -> None:
         c = self._creation
@@ -123,10 +127,10 @@ class RRef(Generic[T]):
             except RpcError:
                 pass  # other creation errors surface from the fetch itself
 
-    def _get_future(self) -> torch.futures.Future:
+    def _get_future(self) -> torch.futures.Future[Any]:
         if self._creation is not None:
             return self._creation
-        f: torch.futures.Future = torch.futures.Future()
+        f: torch.futures.Future[Any] = torch.futures.Future()
         f.set_result(None)
         return f
 
@@ -138,7 +142,7 @@ class RRef(Generic[T]):
                 self._type = calls.invoke(self._owner_id, _on_type, (self._rref_id,), None, timeout, "sync")
         if blocking:
             return self._type
-        f: torch.futures.Future = torch.futures.Future()
+        f: torch.futures.Future[Any] = torch.futures.Future()
         f.set_result(self._type)
         return f
 
@@ -159,7 +163,7 @@ class RRef(Generic[T]):
             return f"OwnerRRef({fmt(self._rref_id)})"
         return f"UserRRef(RRefId = {fmt(self._rref_id)}, ForkId = {fmt(self._fork_id)})"  # type: ignore[arg-type]
 
-    def __reduce__(self):
+    def __reduce__(self) -> NoReturn:
         raise RuntimeError("Can not pickle rref in python pickler, rref can only be pickled when using RPC")
 
     @classmethod
@@ -170,7 +174,7 @@ class RRef(Generic[T]):
 class _Proxy:
     """``rref.rpc_sync().method(*args)`` runs ``method`` on the owner's value."""
 
-    def __init__(self, rref: RRef, mode: str, timeout: float) -> None:
+    def __init__(self, rref: RRef[Any], mode: str, timeout: float) -> None:
         self._rref, self._mode, self._timeout = rref, mode, timeout
 
     def __getattr__(self, name: str) -> Any:
@@ -190,8 +194,8 @@ class _Proxy:
 
 
 # -- remote(): creating a value on its owner ---------------------------------------------------------
-def remote(to: Any, func: Any, args: tuple | None = None, kwargs: dict | None = None,
-           timeout: float = UNSET_RPC_TIMEOUT, _keepalive: Any = None) -> RRef:
+def remote(to: Any, func: Any, args: tuple[Any, ...] | None = None, kwargs: dict[str, Any] | None = None,
+           timeout: float = UNSET_RPC_TIMEOUT, _keepalive: Any = None) -> RRef[Any]:
     """Run ``func`` on ``to`` and return an RRef to its result, owned by ``to``, at once.
     Errors inside ``func`` surface at ``to_here()`` with their type."""
     agent = _agent_mod.current_agent()
@@ -214,11 +218,11 @@ def remote(to: Any, func: Any, args: tuple | None = None, kwargs: dict | None = 
     return _new_user_for_remote(dst, rref_id, fork_id, creation)
 
 
-def _new_user_for_remote(owner: int, rref_id: Id, fork_id: Id, creation: torch.futures.Future) -> RRef:
+def _new_user_for_remote(owner: int, rref_id: Id, fork_id: Id, creation: torch.futures.Future[Any]) -> RRef[Any]:
     rref = RRef._user(owner, rref_id, fork_id, False, creation)
     ref = weakref.ref(rref)
 
-    def confirm(f: torch.futures.Future) -> None:
+    def confirm(f: torch.futures.Future[Any]) -> None:
         r = ref()
         if r is not None:
             r._confirmed = _succeeded(f)
@@ -229,7 +233,7 @@ def _new_user_for_remote(owner: int, rref_id: Id, fork_id: Id, creation: torch.f
     return rref
 
 
-def _succeeded(f: torch.futures.Future) -> bool:
+def _succeeded(f: torch.futures.Future[Any]) -> bool:
     try:
         f.wait()
         return True
@@ -238,7 +242,7 @@ def _succeeded(f: torch.futures.Future) -> bool:
 
 
 # -- RRef.backward ------------------------------------------------------------------------------------
-def _backward(rref: RRef, context_id: int, retain_graph: bool) -> None:
+def _backward(rref: RRef[Any], context_id: int, retain_graph: bool) -> None:
     """Run backward from the RRef's value (on its owner)."""
     if context_id == -1:
         if not rref.is_owner():
@@ -257,5 +261,5 @@ def _backward(rref: RRef, context_id: int, retain_graph: bool) -> None:
     calls.rpc_sync(rref.owner(), _backward_on_owner, args=(rref, context_id, retain_graph))
 
 
-def _backward_on_owner(rref: RRef, context_id: int, retain_graph: bool) -> None:
+def _backward_on_owner(rref: RRef[Any], context_id: int, retain_graph: bool) -> None:
     _backward(rref, context_id, retain_graph)

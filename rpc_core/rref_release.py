@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 
@@ -38,8 +39,8 @@ class Release(NamedTuple):
     owner: int = -1
     rref_id: Id | None = None
     fork_id: Id | None = None
-    creation: torch.futures.Future | None = None  # USER: the delete waits for it
-    done: torch.futures.Future | None = None  # BARRIER: completed once earlier items are sent
+    creation: torch.futures.Future[Any] | None = None  # USER: the delete waits for it
+    done: torch.futures.Future[Any] | None = None  # BARRIER: completed once earlier items are sent
 
 
 _POKE = Release(POKE)
@@ -77,9 +78,17 @@ def _release_loop() -> None:
         elif item.creation is not None and not item.creation.done():
             # Delete once the owner knows the fork. The delete is queued before the tracked
             # future completes: flush() sees the one or the other.
-            track(item.creation.then(lambda _, it=item: collect(it.owner, it.rref_id, it.fork_id)))
+            track(item.creation.then(_collector(item)))
         else:
+            assert item.rref_id is not None and item.fork_id is not None  # a USER item
             _send_delete(item.owner, item.rref_id, item.fork_id)
+
+
+def _collector(item: Release) -> Callable[[torch.futures.Future[Any]], None]:
+    """``collect`` for a USER item, as a then() callback bound to this item (not the loop's next)."""
+    owner, rref_id, fork_id = item.owner, item.rref_id, item.fork_id
+    assert rref_id is not None and fork_id is not None  # a USER item
+    return lambda _: collect(owner, rref_id, fork_id)
 
 
 def collect(owner: int, rref_id: Id, fork_id: Id) -> None:
@@ -99,7 +108,7 @@ def drop_owner_handle(rref_id: Id) -> None:
         _ctx.releases.put(_POKE)
 
 
-def delete_after_creation(owner: int, rref_id: Id, fork_id: Id, creation: torch.futures.Future) -> None:
+def delete_after_creation(owner: int, rref_id: Id, fork_id: Id, creation: torch.futures.Future[Any]) -> None:
     """A collected user handle whose creation is not confirmed yet: its delete must wait for it."""
     _ctx.releases.put(Release(USER, owner, rref_id, fork_id, creation))
 
@@ -131,7 +140,7 @@ def _send_deletes(owner: int | None = None) -> None:
                 pass
 
 
-def track(fut: torch.futures.Future) -> None:
+def track(fut: torch.futures.Future[Any]) -> None:
     """A protocol step in flight that ``flush`` (and shutdown) must wait for."""
     with _ctx.lock:
         _ctx.in_flight.append(fut)
@@ -154,13 +163,14 @@ def delete_all_user_rrefs(timeout: float) -> None:
     """Shutdown: tell owners that every live user RRef is gone, and wait for them to hear it."""
     agent = _agent_mod.current_agent()
     _send_deletes()
-    futs = []
+    futs: list[torch.futures.Future[Any]] = []
     for fork_id, rref in list(_ctx.users.items()):
         if rref._deleted:
             continue
         rref._deleted = True
         try:
-            futs.append(agent.send_request(rref._owner_id, _on_user_delete, (rref._rref_id, fork_id), {}, timeout=timeout))
+            futs.append(agent.send_request(rref._owner_id, _on_user_delete, (rref._rref_id, fork_id), {},
+                                           timeout=timeout))
         except RpcError:
             pass
     with _ctx.lock:
@@ -182,7 +192,7 @@ def flush() -> int:
     a flush on every worker until all of them return 0."""
     work = 0
     while True:
-        fut: torch.futures.Future = torch.futures.Future()
+        fut: torch.futures.Future[Any] = torch.futures.Future()
         _ctx.releases.put(Release(BARRIER, done=fut))  # processed in order after earlier releases
         fut.wait()
         with _ctx.lock:

@@ -51,7 +51,7 @@ class _Entry:
     __slots__ = ("value", "forks", "handles")
 
     def __init__(self) -> None:
-        self.value: torch.futures.Future = torch.futures.Future()
+        self.value: torch.futures.Future[Any] = torch.futures.Future()
         self.forks: set[Id] = set()
         self.handles = 0
 
@@ -69,7 +69,7 @@ class _Context:
         self.unconfirmed: set[Id] = set()
         # The release loop's queue (items: rref_release.Release).
         self.releases: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self.in_flight: list[torch.futures.Future] = []
+        self.in_flight: list[torch.futures.Future[Any]] = []
         # Ids this owner freed (ids are never reused): a late request for one fails at once
         # instead of waiting forever for a value that will not come. Bounded, oldest out.
         self.freed: collections.OrderedDict[Id, None] = collections.OrderedDict()
@@ -173,7 +173,8 @@ def reset() -> None:
 
 # -- the owner's handlers (run as RPCs) ------------------------------------------------------------
 @async_execution
-def _on_create(rref_id: Id, fork_id: Id | None, func: Any, args: tuple, kwargs: dict) -> torch.futures.Future:
+def _on_create(rref_id: Id, fork_id: Id | None, func: Any, args: tuple[Any, ...],
+               kwargs: dict[str, Any]) -> torch.futures.Future[Any]:
     e = _ctx.entry(rref_id)
     if fork_id is not None:
         with _ctx.lock:
@@ -182,14 +183,15 @@ def _on_create(rref_id: Id, fork_id: Id | None, func: Any, args: tuple, kwargs: 
         result = func(*args, **(kwargs or {}))
         if getattr(func, "_wrapped_async_rpc_function", None) is not None:
             if not isinstance(result, torch._C.Future):
-                raise TypeError("Functions decorated with @rpc.async_function must return a torch.futures.Future object")
+                raise TypeError("Functions decorated with @rpc.async_function must return a torch.futures.Future "
+                                "object")
             result.add_done_callback(lambda f: _copy_outcome(e.value, f))
         else:
             e.value.set_result(result)
     except BaseException as exc:
         _futures.set_error(e.value, exc)
     if e.value.done():  # the usual case: acknowledge at once, without a then() callback
-        ack = torch.futures.Future()
+        ack: torch.futures.Future[None] = torch.futures.Future()
         ack.set_result(None)
         return ack
     return e.value.then(lambda _: None)
@@ -203,7 +205,7 @@ def store_creation_error(rref_id: Id, error: BaseException) -> None:
         _futures.set_error(value, error)
 
 
-def _copy_outcome(target: torch.futures.Future, source: torch.futures.Future) -> None:
+def _copy_outcome(target: torch.futures.Future[Any], source: torch.futures.Future[Any]) -> None:
     try:
         target.set_result(source.value())
     except BaseException as exc:
@@ -211,13 +213,13 @@ def _copy_outcome(target: torch.futures.Future, source: torch.futures.Future) ->
 
 
 @async_execution
-def _on_fetch(rref_id: Id) -> torch.futures.Future:
+def _on_fetch(rref_id: Id) -> torch.futures.Future[Any]:
     # The creation request may still be queued behind this fetch: wait for the value.
     return _ctx.live_entry(rref_id).value
 
 
 @async_execution
-def _on_type(rref_id: Id) -> torch.futures.Future:
+def _on_type(rref_id: Id) -> torch.futures.Future[Any]:
     return _ctx.live_entry(rref_id).value.then(lambda f: type(f.value()))
 
 
@@ -242,11 +244,11 @@ def _on_user_delete(rref_id: Id, fork_id: Id) -> None:
 
 def _on_user_deletes(pile: list[tuple[Id, Id]]) -> None:
     for rref_id, fork_id in pile:
-        _on_user_delete(tuple(rref_id), tuple(fork_id))
+        _on_user_delete((rref_id[0], rref_id[1]), (fork_id[0], fork_id[1]))  # lists or tuples: Ids
 
 
 @async_execution
-def _on_invoke(rref_id: Id, name: str, args: tuple, kwargs: dict) -> torch.futures.Future:
+def _on_invoke(rref_id: Id, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.futures.Future[Any]:
     """Run ``value.name(*args, **kwargs)`` on the owner (the RRef proxies)."""
     value = _ctx.live_entry(rref_id).value
     obj = value.wait() if value.done() else None
@@ -256,14 +258,15 @@ def _on_invoke(rref_id: Id, name: str, args: tuple, kwargs: dict) -> torch.futur
     return _call_method(obj, name, args, kwargs)
 
 
-def _call_method(obj: Any, name: str, args: tuple, kwargs: dict) -> torch.futures.Future:
+def _call_method(obj: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.futures.Future[Any]:
     method = getattr(obj, name)
     if getattr(method, "_wrapped_async_rpc_function", None) is not None:
-        return method(*args, **kwargs)
-    f: torch.futures.Future = torch.futures.Future()
+        fut: torch.futures.Future[Any] = method(*args, **kwargs)
+        return fut
+    f: torch.futures.Future[Any] = torch.futures.Future()
     f.set_result(method(*args, **kwargs))
     return f
 
 
-def _unwrap(f: torch.futures.Future) -> Any:
+def _unwrap(f: torch.futures.Future[Any]) -> Any:
     return f.value().wait()

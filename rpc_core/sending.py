@@ -16,13 +16,17 @@ import ctypes
 import itertools
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from . import cma, wire
 from .buffers import DIRECT_READ
 from .errors import ProtocolError
 from .handshake import PeerClosed
 from .polling import NOTHING
+
+if TYPE_CHECKING:
+    import torch
 
 _IOV_MAX = 512
 _HEADER = wire.FRAME_HEADER.size
@@ -63,10 +67,17 @@ class Sender:
     _reader_sleeps: bool
     _no_poll: int
     _lock: threading.Lock
-    _inbox: collections.deque[tuple]
+    _inbox: collections.deque[tuple[Any, ...]]
     _failed: BaseException | None
     _outstanding: set[int]
     _released: set[int]
+
+    if TYPE_CHECKING:  # transport.Connection's: its reader role and failure
+        def _take_role(self, done: Callable[[], Any], failed: Callable[[BaseException], BaseException]) -> Any: ...
+        def _read_frame(self) -> tuple[wire.FrameHeader, bytes, bytes, list[torch.UntypedStorage]] | None: ...
+        def _drop_role(self) -> None: ...
+        def _wake_waiters(self) -> None: ...
+        def _fail(self, e: BaseException) -> None: ...
 
     def _init_sender(self) -> None:
         self._send_lock = threading.Lock()
@@ -109,7 +120,7 @@ class Sender:
             self._write(header, head, body, buffers)
             return
         token = next(self._tokens)
-        remote = sum(len(b) for b, a in zip(buffers, addrs) if a)
+        remote = sum(len(b) for b, a in zip(buffers, addrs, strict=True) if a)
         quiet = cma.parallel(remote)
         with self._lock:
             if self._failed is not None:
@@ -119,7 +130,7 @@ class Sender:
         try:
             header = wire.pack_header(kind, flags | wire.REMOTE, len(head), len(body), msg_id,
                                       [len(b) for b in buffers]) + wire.pack_remote_table(token, addrs)
-            self._write(header, head, body, [b for b, a in zip(buffers, addrs) if not a])
+            self._write(header, head, body, [b for b, a in zip(buffers, addrs, strict=True) if not a])
             self._await_release(token)
         finally:
             with self._lock:

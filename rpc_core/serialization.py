@@ -55,7 +55,8 @@ def storage_view(storage: torch.UntypedStorage, start: int = 0, end: int | None 
 
 
 def _tensor_from_table(index: int) -> torch.Tensor:
-    return _tls.tensors[index]
+    t: torch.Tensor = _tls.tensors[index]
+    return t
 
 
 # Compressed sparse layouts by the code they travel under.
@@ -122,6 +123,9 @@ class _Pickler(pickle.Pickler):
 
 
 _Parameter = torch.nn.Parameter
+# What _pack_tensors learns of a tensor: (tensor, storage, storage's data_ptr, element size,
+# offset in elements, size, stride, first byte, end byte of its span, empty).
+_TensorInfo = tuple[torch.Tensor, torch.UntypedStorage, int, int, int, tuple[int, ...], tuple[int, ...], int, int, bool]
 
 
 def _pack_tensors(tensors: Sequence[torch.Tensor]) -> tuple[list[TensorMeta], list[memoryview], list[Any]]:
@@ -132,18 +136,19 @@ def _pack_tensors(tensors: Sequence[torch.Tensor]) -> tuple[list[TensorMeta], li
             return packed
     # One pass over the tensors: every accessor below is a call into torch. Plain loops, no
     # generators: this runs for every tensor of every message.
-    infos = []
+    infos: list[_TensorInfo] = []
     by_storage: dict[int, list[int]] = {}  # data_ptr -> indices into infos
     for t in tensors:
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
         esize = t.element_size()
-        offset, size, stride = t.storage_offset(), tuple(t.size()), tuple(t.stride())
+        offset: int = t.storage_offset()  # type: ignore[assignment]  # torch's stubs: a SymInt only when tracing
+        size, stride = tuple(t.size()), tuple(t.stride())
         empty = t.numel() == 0
         last = offset
         if not empty:
             last += 1
-            for n, st in zip(size, stride):
+            for n, st in zip(size, stride, strict=True):
                 last += (n - 1) * st
         members = by_storage.get(ptr)
         if members is None:
@@ -253,7 +258,8 @@ def encode_head(metas: Sequence[TensorMeta], extras: dict[str, Any] | None) -> b
 def decode_head(head: bytes) -> tuple[Sequence[TensorMeta], dict[str, Any] | None]:
     if not head:
         return (), None
-    return pickle.loads(head)
+    decoded: tuple[Sequence[TensorMeta], dict[str, Any] | None] = pickle.loads(head)
+    return decoded
 
 
 # One empty tensor per dtype: ``template.new()`` makes the next empty tensor of that dtype
@@ -281,7 +287,7 @@ def rebuild_tensors(metas: Sequence[TensorMeta], storages: Sequence[torch.Untype
     return out
 
 
-def defer_until(fut: torch.futures.Future) -> None:
+def defer_until(fut: torch.futures.Future[Any]) -> None:
     """Called while unpickling: the message's user function must wait for ``fut``
     (e.g. an RRef fork's confirmation) before it runs."""
     waits = getattr(_tls, "waits", None)
@@ -300,8 +306,8 @@ def note_for_reply(key: str, item: Any) -> bool:
     return True
 
 
-def unpickle_body(body: Any, tensors: Sequence[torch.Tensor], waits: list | None = None,
-                  notes: dict[str, list] | None = None) -> Any:
+def unpickle_body(body: Any, tensors: Sequence[torch.Tensor], waits: list[torch.futures.Future[Any]] | None = None,
+                  notes: dict[str, list[Any]] | None = None) -> Any:
     prev = getattr(_tls, "tensors", None), getattr(_tls, "waits", None), getattr(_tls, "notes", None)
     _tls.tensors, _tls.waits, _tls.notes = tensors, waits, notes
     try:
@@ -315,8 +321,8 @@ def deserialize(
     body: Any,
     storages: Sequence[torch.UntypedStorage],
     tensor_hook: Callable[[list[torch.Tensor], Sequence[TensorMeta], dict[str, Any]], list[torch.Tensor]] | None = None,
-    waits: list | None = None,
-    notes: dict[str, list] | None = None,
+    waits: list[torch.futures.Future[Any]] | None = None,
+    notes: dict[str, list[Any]] | None = None,
 ) -> tuple[Any, dict[str, Any] | None]:
     """Inverse of ``serialize``; returns (object, extras). Futures the body's objects ask to
     wait for (``defer_until``) are appended to ``waits``; what they want to tell the sender
@@ -331,8 +337,8 @@ def deserialize_decoded(
     body: Any,
     storages: Sequence[torch.UntypedStorage],
     tensor_hook: Callable[[list[torch.Tensor], Sequence[TensorMeta], dict[str, Any]], list[torch.Tensor]] | None = None,
-    waits: list | None = None,
-    notes: dict[str, list] | None = None,
+    waits: list[torch.futures.Future[Any]] | None = None,
+    notes: dict[str, list[Any]] | None = None,
 ) -> Any:
     """``deserialize`` for a head that was decoded already (``decode_head``)."""
     tensors = rebuild_tensors(metas, storages) if metas else []

@@ -37,7 +37,8 @@ from .polling import DONTWAIT, NOTHING, Waiting
 from .sending import CMA_MIN, DEFER_ANSWER, DEFER_BATCH, Sender
 from .serialization import storage_view
 
-__all__ = ["CMA_MIN", "Connection", "DEFER_ANSWER", "DEFER_BATCH", "PeerClosed", "accept", "dial", "new_storage", "tune"]
+__all__ = ["CMA_MIN", "Connection", "DEFER_ANSWER", "DEFER_BATCH", "PeerClosed", "accept", "dial", "new_storage",
+           "tune"]
 
 _HEADER = wire.FRAME_HEADER.size
 
@@ -72,7 +73,7 @@ class Connection(Sender, Waiting, ReadBuffer):
         self._state = threading.Condition(self._lock)
         self._role_waiters = 0
         self._reading = False  # someone is reading the socket (recv, or a sender awaiting RELEASE)
-        self._inbox: collections.deque[tuple] = collections.deque()  # frames a waiting sender read for recv
+        self._inbox: collections.deque[tuple[Any, ...]] = collections.deque()  # frames a waiting sender read for recv
         # recv's "done" test for _take_role, built once (recv runs for every frame)
         self._next_queued = lambda: self._inbox.popleft() if self._inbox else NOTHING
         self._failed: BaseException | None = None  # the connection is unusable, and why
@@ -157,7 +158,8 @@ class Connection(Sender, Waiting, ReadBuffer):
         RELEASE frames are the transport's own: they are handled here, never returned."""
         queued = self._take_role(self._next_queued, _same)
         if queued is not NOTHING:
-            return queued
+            got: tuple[wire.FrameHeader, bytes, bytes, list[torch.UntypedStorage]] = queued
+            return got
         try:
             while True:
                 frame = self._read_frame()
@@ -186,14 +188,14 @@ class Connection(Sender, Waiting, ReadBuffer):
                 self._released.add(h.msg_id)
                 self._wake_waiters()
             return None
-        lens: tuple = ()
+        lens: tuple[int, ...] = ()
         if h.nbuf:
             lens = wire.unpack_buffer_lens(self._read_small(wire.BUFFER_LEN.size * h.nbuf), h.nbuf)
             try:
                 wire.check_buffer_lens(lens, h)
             except ValueError as e:
                 raise ProtocolError(f"malformed frame: {e}") from None
-        addrs: tuple = ()
+        addrs: tuple[int, ...] = ()
         token = 0
         if h.flags & wire.REMOTE:
             if not self.cma_recv:
@@ -223,7 +225,8 @@ class Connection(Sender, Waiting, ReadBuffer):
                 try:
                     cma.read(self.peer_pid, addrs[i], st.data_ptr(), n)
                 except OSError as e:
-                    raise ProtocolError(f"cannot copy the {n}-byte buffer the peer announced at {addrs[i]:#x}: {e}") from None
+                    raise ProtocolError(f"cannot copy the {n}-byte buffer the peer announced at "
+                                        f"{addrs[i]:#x}: {e}") from None
                 self.bytes_received += n
                 self.bytes_cma_received += n
             elif n:

@@ -170,7 +170,7 @@ def unpack_buffer_lens(raw: bytes, nbuf: int) -> tuple[int, ...]:
     return struct.unpack(f"<{nbuf}Q", raw)
 
 
-def pack_remote_table(token: int, addrs: list[int]) -> bytes:
+def pack_remote_table(token: int, addrs: Sequence[int]) -> bytes:
     return struct.pack(f"<{1 + len(addrs)}Q", token, *addrs)
 
 
@@ -193,7 +193,7 @@ def check_header(h: FrameHeader) -> None:
 
 def check_remote_table(addrs: tuple[int, ...], lens: tuple[int, ...]) -> None:
     """Raise ValueError for a descriptor no process could own (the copy checks the rest)."""
-    for a, n in zip(addrs, lens):
+    for a, n in zip(addrs, lens, strict=True):
         if a and a + n >= 1 << 64:
             raise ValueError(f"remote buffer at {a:#x} + {n} bytes wraps the address space")
 

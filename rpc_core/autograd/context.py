@@ -215,4 +215,4 @@ def count() -> int:
 
 
 def max_id() -> int:
-    return (2**_ID_BITS - 1) + (_worker_id << _ID_BITS)
+    return ((1 << _ID_BITS) - 1) + (_worker_id << _ID_BITS)

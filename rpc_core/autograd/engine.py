@@ -57,7 +57,7 @@ def _prefix(me: WorkerInfo) -> str:
 def _discover(starts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Leaves (including recv anchors) reachable from ``starts``: the inputs of the pass."""
     leaves: list[torch.Tensor] = []
-    seen = set()
+    seen: set[object] = set()  # nodes, and ids of leaf tensors (a tensor's __eq__ is elementwise)
     stack = []
     for t in starts:
         if t.grad_fn is not None:
@@ -83,7 +83,7 @@ def _discover(starts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def local_pass(ctx: _context.DistAutogradContext, starts: Sequence[torch.Tensor],
-               grads: Sequence[torch.Tensor], waited: bool = False) -> list[torch.futures.Future]:
+               grads: Sequence[torch.Tensor], waited: bool = False) -> list[torch.futures.Future[Any]]:
     """Backward from ``starts`` with ``grads`` on this worker; returns the futures of the
     gradient RPCs it started. ``waited``: this thread waits on them itself afterwards (so
     it reads their answers; see outbound)."""
@@ -91,7 +91,7 @@ def local_pass(ctx: _context.DistAutogradContext, starts: Sequence[torch.Tensor]
     if not inputs:
         return []
     prev = getattr(_pass_tls, "futures", None), getattr(_pass_tls, "waited", False)
-    futures: list[torch.futures.Future] = []
+    futures: list[torch.futures.Future[Any]] = []
     _pass_tls.futures, _pass_tls.waited = futures, waited
     prev_ctx = _context.set_current(ctx.context_id)
     try:
@@ -99,7 +99,7 @@ def local_pass(ctx: _context.DistAutogradContext, starts: Sequence[torch.Tensor]
     finally:
         _pass_tls.futures, _pass_tls.waited = prev
         _context.set_current(prev_ctx)
-    for leaf, g in zip(inputs, results):
+    for leaf, g in zip(inputs, results, strict=True):
         if g is not None and not is_anchor(leaf):
             ctx.accumulate(leaf, g)
     ctx.backward_passes += 1
@@ -141,7 +141,7 @@ def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = Fa
     _raise_all(_wait(futures))
 
 
-def _wait(futures: list[torch.futures.Future]) -> list[BaseException]:
+def _wait(futures: list[torch.futures.Future[Any]]) -> list[BaseException]:
     """Wait for every gradient RPC; their errors, each naming the node it happened on."""
     _, errors = settle(futures)
     return [_on_this_node(e) for e in errors]
@@ -172,7 +172,7 @@ def _raise_all(errors: list[BaseException]) -> None:
 
 
 @async_execution
-def _on_backward(context_id: int, msg_id: int, grads: list[Any]) -> torch.futures.Future:
+def _on_backward(context_id: int, msg_id: int, grads: list[Any]) -> torch.futures.Future[Any]:
     """On the worker that sent message ``msg_id``: continue backward from those tensors."""
     me = _agent_mod.current_agent().me
     try:
@@ -182,12 +182,12 @@ def _on_backward(context_id: int, msg_id: int, grads: list[Any]) -> torch.future
     sent = ctx.sends.get(msg_id)
     if sent is None:
         raise RpcError(f"{_prefix(me)}: no send with autograd message id {msg_id} in context {context_id}")
-    pairs: list[tuple[torch.Tensor, torch.Tensor]] = [(t, g) for t, g in zip(sent, grads) if g is not None]
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = [(t, g) for t, g in zip(sent, grads, strict=True) if g is not None]
     try:
         futures = local_pass(ctx, [t for t, _ in pairs], [g for _, g in pairs])
     except Exception as e:
         raise RuntimeError(f"{_prefix(me)}: {e}") from e
-    done: torch.futures.Future = torch.futures.Future()
+    done: torch.futures.Future[Any] = torch.futures.Future()
     if not futures:
         done.set_result(None)
         return done

@@ -69,7 +69,7 @@ def _context_of_graph(tensors: list[torch.Tensor]) -> int | None:
             continue
         seen.add(node)
         if isinstance(node, _RecvBackward):
-            cid = node.info.context_id
+            cid: int = node.info.context_id  # type: ignore[attr-defined]  # _Recv.forward set it on its ctx, this node
             if _context.is_valid(cid):
                 return cid
             continue  # a released context: its inputs are detached anyway
@@ -79,7 +79,7 @@ def _context_of_graph(tensors: list[torch.Tensor]) -> int | None:
     return None
 
 
-_RecvBackward = _Recv._backward_cls  # type: ignore[attr-defined]
+_RecvBackward = _Recv._backward_cls
 
 
 class AutogradMiddleware(_agent_mod.Middleware):
@@ -107,6 +107,7 @@ class AutogradMiddleware(_agent_mod.Middleware):
 
     def outgoing(self, dst: int, tensors: list[torch.Tensor], extras: dict[str, Any],
                  request_extras: dict[str, Any] | None) -> None:
+        ctx: _context.DistAutogradContext | None
         if request_extras is None:
             if _context.deferred:
                 released = _context.take_deferred(dst)
@@ -134,13 +135,15 @@ class AutogradMiddleware(_agent_mod.Middleware):
         else:
             extras[wire.EXTRA_AUTOGRAD] = (context_id, -1)
 
-    def incoming(self, src: int, tensors: list[torch.Tensor], extras: dict[str, Any], is_response: bool) -> list[torch.Tensor]:
+    def incoming(self, src: int, tensors: list[torch.Tensor], extras: dict[str, Any],
+                 is_response: bool) -> list[torch.Tensor]:
         ag = extras.get(wire.EXTRA_AUTOGRAD)
         if not ag:
             return tensors
         context_id, msg_id = ag
         if msg_id < 0:  # no tensor of this message needed grad
             return tensors
+        ctx: _context.DistAutogradContext | None
         if is_response:
             if _context.is_released(context_id):
                 return tensors  # a late answer in a released context
@@ -163,7 +166,7 @@ class AutogradMiddleware(_agent_mod.Middleware):
             outs = (outs,)
         ctx.recvs[msg_id] = outs[0].grad_fn
         tensors = list(tensors)
-        for i, o in zip(idx, outs):
+        for i, o in zip(idx, outs, strict=True):
             tensors[i] = o
         return tensors
 
@@ -173,7 +176,7 @@ class AutogradMiddleware(_agent_mod.Middleware):
             return _NO_TOKEN
         return _context.set_current(ctx.context_id)
 
-    def exit_call(self, token: Any, extras: dict[str, Any], result_future: torch.futures.Future | None) -> None:
+    def exit_call(self, token: Any, extras: dict[str, Any], result_future: torch.futures.Future[Any] | None) -> None:
         if token is not _NO_TOKEN:
             _context.set_current(token)
 

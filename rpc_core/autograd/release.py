@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import torch
 
@@ -21,7 +22,7 @@ from ..futures import settle
 from . import context as _context
 from .context import DistAutogradContext
 
-_cleanups: list[torch.futures.Future] = []  # cleanup RPCs this worker sent, not yet known done
+_cleanups: list[torch.futures.Future[Any]] = []  # cleanup RPCs this worker sent, not yet known done
 _cleanups_lock = threading.Lock()
 _MAX_DEFERRED = 16  # deferred releases per worker before they go out as a cleanup RPC
 # How long a deferred release waits for a request to ride on before it goes out as a
@@ -37,7 +38,7 @@ def reset() -> None:
     _flush_armed = False
 
 
-def release_context(context_id: int, skip: int = -1, defer: bool = False) -> list[torch.futures.Future]:
+def release_context(context_id: int, skip: int = -1, defer: bool = False) -> list[torch.futures.Future[Any]]:
     """Release the context here and tell the workers it touched (except ``skip``, who told
     us); returns the futures of those cleanup calls. Each receiver does the same with the
     workers *it* touched and answers only when they have answered, so waiting for these
@@ -50,7 +51,7 @@ def release_context(context_id: int, skip: int = -1, defer: bool = False) -> lis
     return _announce(ctx, skip, defer)
 
 
-def _announce(ctx: DistAutogradContext, skip: int, defer: bool) -> list[torch.futures.Future]:
+def _announce(ctx: DistAutogradContext, skip: int, defer: bool) -> list[torch.futures.Future[Any]]:
     """Tell the workers ``ctx`` touched (except ``skip``) that it was released here."""
     agent = _agent_mod._agent
     if agent is None or agent._closing:
@@ -101,11 +102,11 @@ def _flush_stale() -> None:
         agent.call_later(nxt + _FLUSH_AFTER, _flush_stale)
 
 
-def _send_cleanup(per_worker: dict[int, list[int]]) -> list[torch.futures.Future]:
+def _send_cleanup(per_worker: dict[int, list[int]]) -> list[torch.futures.Future[Any]]:
     agent = _agent_mod._agent
     if agent is None or agent._closing:
         return []
-    futs = []
+    futs: list[torch.futures.Future[Any]] = []
     for w, ids in per_worker.items():
         try:
             futs.append(agent.send_request(w, _on_cleanup, (ids, agent.me.id), {}, timeout=0))
@@ -130,8 +131,8 @@ def flush(worker: int | None = None) -> None:
     _send_cleanup({w: ids for w, ids in pending.items() if ids})
 
 
-def _release_many(context_ids: list[int], sender: int) -> list[torch.futures.Future]:
-    futs: list[torch.futures.Future] = []
+def _release_many(context_ids: list[int], sender: int) -> list[torch.futures.Future[Any]]:
+    futs: list[torch.futures.Future[Any]] = []
     for cid in context_ids:
         futs += release_context(cid, skip=sender)
     return futs
@@ -157,9 +158,9 @@ def released_after_requests(ctx: DistAutogradContext) -> None:
 
 
 @async_execution
-def _on_cleanup(context_ids: list[int], sender: int) -> torch.futures.Future:
+def _on_cleanup(context_ids: list[int], sender: int) -> torch.futures.Future[Any]:
     futs = _release_many(context_ids, sender)
-    done: torch.futures.Future = torch.futures.Future()
+    done: torch.futures.Future[Any] = torch.futures.Future()
     if not futs:
         done.set_result(None)
         return done
