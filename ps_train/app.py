@@ -20,7 +20,8 @@ from ps_train.launch import launch_local, run_rank
 log = logging.getLogger("ps_train")
 
 
-def run(cfg: Config, run_dir: str, overrides: list[str] | None = None, timeout: float | None = None) -> dict[str, Any] | None:
+def run(cfg: Config, run_dir: str, overrides: list[str] | None = None,
+        timeout: float | None = None) -> dict[str, Any] | None:
     """Train ``cfg``; outputs go to ``run_dir``. Returns the final metrics (on the process
     that has them: always with the local launcher, trainer0's rank with ``launcher=env``).
 
@@ -79,7 +80,7 @@ def env_init_method(cfg: Config, rank: int) -> str:
         return "env://"
     from datetime import timedelta
 
-    from torch.distributed import TCPStore
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]  # torch re-exports it implicitly
 
     from ps_train.ports import free_port
 

@@ -289,6 +289,8 @@ def load_checkpoint(ckpt_dir: str | os.PathLike[str]) -> tuple[Manifest, dict[st
 def capture_rng_state() -> dict[str, Any]:
     """This process's torch (CPU), Python and NumPy RNG states, JSON-safe."""
     np_state = np.random.get_state()
+    if isinstance(np_state, dict):  # numpy's legacy state is the tuple; its stubs allow either
+        raise TypeError("numpy returned its RNG state as a dict; capture_rng_state needs the legacy tuple")
     version, internal, gauss = random.getstate()
     return {
         "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode("ascii"),

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Union
 
 import numpy as np
 import torch
 
 __all__ = ["auc", "log_loss", "ctr_metrics", "format_ctr_metrics"]
 
-ArrayLike = Union[torch.Tensor, np.ndarray, Sequence[float]]
+ArrayLike = torch.Tensor | np.ndarray | Sequence[float]
 
 
 def _vector(x: ArrayLike, what: str) -> np.ndarray:

@@ -41,7 +41,7 @@ class DatasetNotFoundError(FileNotFoundError):
     """Dataset files are missing (or corrupt) under ``data.root``; the message says how to get them."""
 
 
-class TensorSplit(Dataset):
+class TensorSplit(Dataset[tuple[Tensor, Tensor]]):
     """One split (train or test) as in-memory tensors.
 
     ``images``: ``[N, *in_shape]`` of any dtype; ``labels``: int64 ``[N]``. Indexing with an
@@ -59,7 +59,8 @@ class TensorSplit(Dataset):
         self.scale = float(scale)
         # Shape [C, 1, 1] broadcasts over [B, C, H, W]; a scalar for other sample shapes.
         view = (-1, 1, 1) if images.dim() == 4 else (-1,)
-        self._mean = torch.tensor(mean, dtype=torch.float32).view(view) if len(mean) > 1 else torch.tensor(float(mean[0]))
+        self._mean = (torch.tensor(mean, dtype=torch.float32).view(view) if len(mean) > 1
+                      else torch.tensor(float(mean[0])))
         self._std = torch.tensor(std, dtype=torch.float32).view(view) if len(std) > 1 else torch.tensor(float(std[0]))
 
     @property
@@ -200,7 +201,7 @@ class BatchIterator(Iterator[tuple[Tensor, Tensor]]):
     already consumed; ``state_dict`` / ``load_state_dict`` save and restore it exactly.
     """
 
-    def __init__(self, dataset: Dataset, rank: int, world: int, batch_size: int, seed: int) -> None:
+    def __init__(self, dataset: Dataset[Any], rank: int, world: int, batch_size: int, seed: int) -> None:
         self.dataset, self.rank, self.world, self.seed = dataset, rank, world, seed
         self.batch_size = batch_size
         self.n_items = len(dataset)  # type: ignore[arg-type]

@@ -143,7 +143,7 @@ def assemble(plan: TableLookup, rows: Sequence[Tensor]) -> Tensor:
     """Each sample's embedding, [B, dim], from ``rows[s]`` ([U_s, dim], the rows server s
     returned for ``plan.local[s]``). Differentiable: the gradient of each returned row is
     the sum over the samples that used it."""
-    nonempty = [(p, r) for p, r in zip(plan.positions, rows) if len(p)]
+    nonempty = [(p, r) for p, r in zip(plan.positions, rows, strict=True) if len(p)]
     dim = rows[0].shape[1]
     if not nonempty:
         return rows[0].new_zeros(len(plan.inverse), dim)

@@ -79,8 +79,8 @@ class ParameterServer:
             for m in self.shards.values() for x in m.modules())
         self._turn = threading.Condition()
         self.rounds = 0  # sync mode: steps whose update is applied (all trainers' gradients)
-        self._failed_round: tuple | None = None  # (step, error) of an update that failed
-        self._forwards_done: dict[tuple, int] = {}  # (shard, step) -> trainers whose forward ran
+        self._failed_round: tuple[int, BaseException] | None = None  # (step, error) of an update that failed
+        self._forwards_done: dict[tuple[int, int], int] = {}  # (shard, step) -> trainers whose forward ran
 
     # -- forward ----------------------------------------------------------------------------------
     def forward(self, shard: int, x: torch.Tensor, trainer: int = -1, step: int = -1) -> torch.Tensor:
@@ -118,7 +118,8 @@ class ParameterServer:
                 raise self._round_error(step, "forward")
 
     def _round_error(self, step: int, what: str = "update") -> RuntimeError:
-        failed, error = self._failed_round  # type: ignore[misc]
+        assert self._failed_round is not None  # asked for once an update failed
+        failed, error = self._failed_round
         e = RuntimeError(f"ps{self.rank} cannot run the step-{step} {what}: the step-{failed} update "
                          f"failed: {error!r}; sync mode cannot go on without it")
         e.__cause__ = error
@@ -168,7 +169,7 @@ class ParameterServer:
         maybe_inject_fault(f"ps{self.rank}", self.version)  # test-only, see ps_train.faults
 
     @async_execution
-    def apply_sync(self, context_id: int, trainer: int, step: int) -> torch.futures.Future:
+    def apply_sync(self, context_id: int, trainer: int, step: int) -> torch.futures.Future[Any]:
         if self._failed_round is not None:
             raise self._round_error(step)
         r = None
@@ -212,10 +213,10 @@ class ParameterServer:
         return staleness
 
     @async_execution
-    def clock(self, trainer: int, completed: int) -> torch.futures.Future:
+    def clock(self, trainer: int, completed: int) -> torch.futures.Future[Any]:
         """SSP barrier: resolves (to the current staleness) once every trainer completed at
         least ``completed - staleness_bound`` steps."""
-        fut: torch.futures.Future = torch.futures.Future()
+        fut: torch.futures.Future[Any] = torch.futures.Future()
         with self.lock:
             self._clock[trainer] = completed
             self._clock_waiters.append((completed, fut))

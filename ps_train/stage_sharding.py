@@ -49,7 +49,7 @@ def place_stages(stages: Sequence[nn.Module], num_servers: int, strategy: str = 
         return [list(range(s, n, num_servers)) for s in range(num_servers)]
     if strategy == "balanced":
         bounds = _balanced_bounds([stage_param_bytes(s) for s in stages], num_servers)
-        return [list(range(a, b)) for a, b in zip(bounds[:-1], bounds[1:])]
+        return [list(range(a, b)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
     raise ValueError(f"cluster.placement={strategy!r} is unknown; use round_robin or balanced")
 
 

@@ -28,7 +28,7 @@ class TableShards(nn.Module):
         self.server = server
         self.shardings = [RowSharding(kind, n, num_servers) for n in table_sizes]
         self.weights = nn.ParameterList()
-        for t, (n, sh) in enumerate(zip(table_sizes, self.shardings)):
+        for t, (n, sh) in enumerate(zip(table_sizes, self.shardings, strict=True)):
             rows = sh.rows_of(server)
             weight = torch.empty(rows, dim)
             # Block by block: the shard is the only large allocation, whatever the table size.
@@ -42,7 +42,7 @@ class TableShards(nn.Module):
         if len(local_ids) != len(self.weights):
             raise ValueError(f"a lookup names {len(local_ids)} tables; this server holds {len(self.weights)}")
         out = []
-        for t, (ids, weight) in enumerate(zip(local_ids, self.weights)):
+        for t, (ids, weight) in enumerate(zip(local_ids, self.weights, strict=True)):
             if ids.dtype != torch.int64 or ids.dim() != 1:
                 raise ValueError(f"table {t}: ids must be int64 [U], got {ids.dtype} {tuple(ids.shape)}")
             if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= weight.shape[0]):

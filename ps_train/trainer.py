@@ -50,11 +50,11 @@ from rpc_core.functions import async_execution
 
 log = logging.getLogger("ps_train.trainer")
 
-_done: torch.futures.Future | None = None
+_done: torch.futures.Future[Any] | None = None
 
 
 @async_execution
-def final_stats() -> torch.futures.Future:
+def final_stats() -> torch.futures.Future[Any]:
     """Called by trainer0 over RPC: this trainer's totals, once it has finished."""
     global _done
     if _done is None:
@@ -92,7 +92,8 @@ class Trainer:
         self.latency = {r: LatencyStats() for r in range(cfg.cluster.num_servers)}
         self.meter = ThroughputMeter()
         self.max_steps_ahead = 0  # ssp: the most steps this trainer ran ahead of the slowest
-        self._in_flight: tuple | None = None  # (open context scope or None, update futures, step)
+        # (open context scope or None, update futures, step)
+        self._in_flight: tuple[Any, list[torch.futures.Future[Any]], int] | None = None
         self.pipelined = cfg.mode.name == "sync" and backend.name() == "rpc_core"  # see module docstring
 
     # -- one step ---------------------------------------------------------------------------------

@@ -3,7 +3,7 @@ a composed (or saved) config into a validated ``Config``."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, cast
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
@@ -58,7 +58,7 @@ def from_dictconfig(cfg: DictConfig | dict[str, Any], check: bool = True) -> Con
             Config(model=MODEL_SCHEMAS[model_name](), data=DATA_SCHEMAS[data_name](name=data_name))
         )
         try:
-            cfg = OmegaConf.merge(schema, cfg)
+            cfg = cast(DictConfig, OmegaConf.merge(schema, cfg))  # a dict merged onto a structured dict
         except OmegaConfBaseException as e:  # unknown key or wrong type in the saved file
             raise ConfigError(f"invalid ps_train config: {e}") from e
     extra = _unknown_keys(cfg)
@@ -77,8 +77,8 @@ def _unknown_keys(node: DictConfig, prefix: str = "") -> list[str]:
     schema = OmegaConf.get_type(node)
     known = {f.name for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else None
     for key in node.keys():
-        path = f"{prefix}{key}"
-        if known is not None and key not in known:
+        path = prefix + str(key)
+        if known is not None and schema is not None and key not in known:
             problems.append(f"{path}: not a field of {schema.__name__} (fields: {', '.join(sorted(known))}); "
                             "check the spelling, and do not add keys with +")
             continue

@@ -125,7 +125,7 @@ def _parse(line: bytes, mods: list[int]) -> tuple[float, list[float], list[int]]
             ints = [float(max(int(f), 0)) if f else 0.0 for f in g[1:1 + NUM_INT_FEATURES]]
         except OverflowError:
             return _parse_fields(line, mods)
-        rows = [1 + int(f, 16) % mod if f else EMPTY_ROW for f, mod in zip(g[1 + NUM_INT_FEATURES:], mods)]
+        rows = [1 + int(f, 16) % mod if f else EMPTY_ROW for f, mod in zip(g[1 + NUM_INT_FEATURES:], mods, strict=True)]
         return (1.0 if g[0] == b"1" else 0.0), ints, rows
     return _parse_fields(line, mods)
 
