@@ -329,7 +329,7 @@ def loss_check(single: list[dict], core: list[dict]) -> float | None:
     ref = next((r["losses"] for r in single if r["status"] == "ok" and r.get("losses")), None)
     if ref is None:
         return None
-    diffs = [max(abs(a - b) for a, b in zip(ref, r["losses"]))
+    diffs = [max(abs(a - b) for a, b in zip(ref, r["losses"], strict=True))
              for r in core if r["status"] == "ok" and r.get("losses") and len(r["losses"]) == len(ref)]
     return max(diffs) if diffs else None
 
@@ -379,7 +379,7 @@ def render(rows, targets, info) -> str:
             "rpc_core/single"]
     body = []
     for r in rows:
-        def cell(impl):
+        def cell(impl, r=r):
             if r[impl] is not None:
                 return fmt(r[impl]) + (" *" if impl == "single" and r["servers"] > 1 else "")
             return "error" if r["errors"][impl] else "-"
@@ -395,7 +395,7 @@ def render(rows, targets, info) -> str:
 
     def line(cols):
         return "| " + " | ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w)
-                                 for i, (c, w) in enumerate(zip(cols, widths))) + " |"
+                                 for i, (c, w) in enumerate(zip(cols, widths, strict=True))) + " |"
 
     out = [line(head), "|" + "|".join("-" * (w + 2) if i == 0 else "-" * (w + 1) + ":"
                                        for i, w in enumerate(widths)) + "|"]
@@ -424,7 +424,8 @@ def render(rows, targets, info) -> str:
             pr = r["per_round"]
 
             def ratios(num, den):
-                return ", ".join(f"{a / b:.2f}" if a and b else "-" for a, b in zip(num, den))
+                # one value per round in each
+                return ", ".join(f"{a / b:.2f}" if a and b else "-" for a, b in zip(num, den, strict=True))
 
             out.append(f"  {r['config']}: {ratios(pr['rpc_core'], pr['torch'])} | "
                        f"{ratios(pr['rpc_core'], pr['single'])}")

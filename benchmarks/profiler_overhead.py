@@ -94,7 +94,7 @@ def main() -> None:
     for p in procs:
         p.join(60)
     med = {k: statistics.median(v) for k, v in samples.items()}
-    paired = statistics.median(w / wo for w, wo in zip(samples["with"], samples["without"]))
+    paired = statistics.median(w / wo for w, wo in zip(samples["with"], samples["without"], strict=True))
     print(f"rpc_sync no-op, median of {args.reps} repetitions x {args.calls} calls (us/call):")
     print(f"  never profiled (= before):         {med['without']:8.1f}")
     print(f"  after a profile (idle middleware): {med['with']:8.1f}   "

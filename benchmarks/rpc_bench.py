@@ -313,7 +313,7 @@ def render(rows, runs, rounds=1) -> str:
     def line(cols):
         return "| " + " | ".join(
             str(c).rjust(w) if i in right else str(c).ljust(w)
-            for i, (c, w) in enumerate(zip(cols, widths))
+            for i, (c, w) in enumerate(zip(cols, widths, strict=True))
         ) + " |"
 
     out = [line(head), "|" + "|".join(("-" * (w + 1) + ":") if i in right else "-" * (w + 2)
@@ -375,7 +375,7 @@ def main(argv=None) -> int:
     selected = select(args.only)
     timeout = args.timeout or (120.0 if args.quick else 300.0)
     impls = IMPLS if args.impl == "both" else (args.impl,)
-    plan = [(w[0], dict(zip(("warmup", "iters", "reps"), w[6] if args.quick else w[5])))
+    plan = [(w[0], dict(zip(("warmup", "iters", "reps"), w[6] if args.quick else w[5], strict=True)))
             for w in WORKLOADS if w[0] in selected]
     core_extra = parse_core_options(args.core_option)
 

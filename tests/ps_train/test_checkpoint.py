@@ -191,4 +191,5 @@ def test_resume_from_checkpoint_equals_uninterrupted_training(tmp_path):
     restore_rng_state(manifest.rng_states["trainer0"])
     resumed = first + _train(shards, opt, it, 4)
     assert resumed == straight  # bit for bit
-    assert all(torch.equal(a, b) for a, b in zip(final, (p for s in shards for p in s.module.parameters())))
+    trained = [p for s in shards for p in s.module.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(final, trained, strict=True))

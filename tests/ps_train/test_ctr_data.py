@@ -184,7 +184,8 @@ def _write(path, rows, gz=False):
 def _expected(rows, sizes):
     labels = np.array([r[0] for r in rows], dtype=np.float32)
     dense = np.array([[math.log(max(v or 0, 0) + 1) for v in r[1]] for r in rows], dtype=np.float32)
-    ids = np.array([[0 if c is None else 1 + int(c, 16) % (s - 1) for c, s in zip(r[2], sizes)] for r in rows])
+    ids = np.array([[0 if c is None else 1 + int(c, 16) % (s - 1) for c, s in zip(r[2], sizes, strict=True)]
+                    for r in rows])
     return dense, ids, labels
 
 
@@ -448,7 +449,7 @@ def test_resume_from_state_gives_the_same_next_batch():
     resumed = CtrBatchIterator(split, 1, 2, 4, seed=3)
     resumed.load_state_dict(dict(state))
     for _ in range(6):  # across the next epoch boundary
-        assert all(torch.equal(a, b) for a, b in zip(next(it), next(resumed)))
+        assert all(torch.equal(a, b) for a, b in zip(next(it), next(resumed), strict=True))
     with pytest.raises(ValueError, match="batch_size=4"):
         CtrBatchIterator(split, 1, 2, 5, seed=3).load_state_dict(state)
     with pytest.raises(ValueError, match="not a full batch"):

@@ -114,7 +114,8 @@ def test_cifar10_loads_through_torchvision_with_checksums(tmp_path, monkeypatch)
 
 def test_cifar10_with_wrong_checksums_is_reported(tmp_path):
     make_cifar_files(tmp_path)  # not the real release: torchvision's md5 check fails
-    with pytest.raises(DatasetNotFoundError, match=r"could not load the files in .*cifar-10-batches-py.*data.download=true"):
+    with pytest.raises(DatasetNotFoundError, match=r"could not load the files in "
+                                                   r".*cifar-10-batches-py.*data.download=true"):
         load_data(VisionDataConfig(name="cifar10", root=str(tmp_path)))
 
 

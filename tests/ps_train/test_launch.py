@@ -98,7 +98,7 @@ def test_env_launcher_runs_four_ranks_started_from_torchrun_style_variables(tmp_
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    for rank, (p, (out, err)) in enumerate(zip(procs, outputs)):
+    for rank, (p, (out, err)) in enumerate(zip(procs, outputs, strict=True)):
         assert p.returncode == 0, f"rank {rank} exited {p.returncode}:\n{out}\n{err}"
     metrics = read_json(run_dir / "metrics.json")  # written by trainer0 (rank 2)
     assert metrics["steps"] == 3 and metrics["num_trainers"] == 2 and metrics["server_updates"] == [3, 3]
@@ -141,7 +141,7 @@ def test_multirun_sweep_gives_each_job_its_own_folder_port_and_overrides(tmp_pat
     assert r.returncode == 0, r.stdout + r.stderr
     jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and not p.name.startswith("."))
     assert [j.name for j in jobs] == ["0", "1"]
-    for job, lr in zip(jobs, ("0.01", "0.1")):
+    for job, lr in zip(jobs, ("0.01", "0.1"), strict=True):
         assert read_json(job / "metrics.json")["steps"] == 2
         prov = read_json(job / "provenance.json")
         assert f"optim.lr={lr}" in prov["overrides"] and prov["config"]["optim"]["lr"] == float(lr)

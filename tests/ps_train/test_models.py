@@ -58,12 +58,12 @@ def test_build_is_deterministic_under_seed_and_leaves_global_rng_alone(cfg):
     assert torch.equal(torch.get_rng_state(), before)  # seed= forks the RNG
     b = build_stages(cfg, (1, 8, 8), 10, seed=5)
     c = build_stages(cfg, (1, 8, 8), 10, seed=6)
-    assert all(torch.equal(p, q) for p, q in zip(_params(a), _params(b)))
-    assert not all(torch.equal(p, q) for p, q in zip(_params(a), _params(c)))
+    assert all(torch.equal(p, q) for p, q in zip(_params(a), _params(b), strict=True))
+    assert not all(torch.equal(p, q) for p, q in zip(_params(a), _params(c), strict=True))
     # Without seed=, torch.manual_seed decides.
     torch.manual_seed(5)
     d = build_stages(cfg, (1, 8, 8), 10)
-    assert all(torch.equal(p, q) for p, q in zip(_params(a), _params(d)))
+    assert all(torch.equal(p, q) for p, q in zip(_params(a), _params(d), strict=True))
 
 
 def test_build_errors_are_explained():

@@ -72,7 +72,7 @@ def test_sharded_lookups_train_like_one_embedding_bag(kind: str) -> None:
     shardings = [RowSharding(kind, n, servers) for n in sizes]
     shards: list[list[torch.Tensor]] = [
         [init_rows(1, t, n, dim, sh.global_ids(s)).requires_grad_() for s in range(servers)]
-        for t, (n, sh) in enumerate(zip(sizes, shardings))]
+        for t, (n, sh) in enumerate(zip(sizes, shardings, strict=True))]
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
     opt = torch.optim.SGD([p for table in shards for p in table] + list(bottom.parameters()) + list(top.parameters()),
                           lr=0.5)

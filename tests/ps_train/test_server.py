@@ -28,7 +28,7 @@ def test_sync_forwards_with_batchnorm_run_in_trainer_order_whatever_order_reques
     assert not late.is_alive()
 
     reference(x0), reference(x1)  # running statistics updated in trainer order
-    for (name, a), (_, b) in zip(module.named_buffers(), reference.named_buffers()):
+    for (name, a), (_, b) in zip(module.named_buffers(), reference.named_buffers(), strict=True):
         assert torch.equal(a, b), name
     assert ps._forwards_done == {}  # the step's bookkeeping is dropped once every trainer ran
 

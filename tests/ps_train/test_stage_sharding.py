@@ -45,7 +45,7 @@ def test_shards_equal_single_process_model_forward_and_backward(cfg, shape, serv
     grads_ref = [p.grad for p in ref.parameters()]
     grads_shards = [p.grad for s in shards for p in s.module.parameters()]
     assert len(grads_ref) == len(grads_shards)
-    assert all(torch.equal(a, b) for a, b in zip(grads_ref, grads_shards))
+    assert all(torch.equal(a, b) for a, b in zip(grads_ref, grads_shards, strict=True))
 
 
 def test_round_robin_places_stage_i_on_server_i_mod_n_and_merges_neighbours():
@@ -81,9 +81,9 @@ def test_balanced_bounds_match_brute_force():
         w = [rng.choice([0, 1, 5, 100, rng.randint(0, 1000)]) for _ in range(n)]
         bounds = _balanced_bounds(w, k)
         assert bounds[0] == 0 and bounds[-1] == n and len(bounds) == k + 1
-        assert all(a < b for a, b in zip(bounds, bounds[1:]))
-        got = max(sum(w[a:b]) for a, b in zip(bounds, bounds[1:]))
-        best = min(max(sum(w[a:b]) for a, b in zip((0, *cuts), (*cuts, n)))
+        assert all(a < b for a, b in zip(bounds, bounds[1:], strict=False))
+        got = max(sum(w[a:b]) for a, b in zip(bounds, bounds[1:], strict=False))
+        best = min(max(sum(w[a:b]) for a, b in zip((0, *cuts), (*cuts, n), strict=True))
                    for cuts in itertools.combinations(range(1, n), k - 1))
         assert got == best
 

@@ -98,7 +98,8 @@ def _sleep(seconds):
 def _body_shutdown_timeout(ctx):
     if ctx.rank == 0:
         rpc_core.rpc_async(1, _sleep, args=(3.0,))
-        with pytest.raises(RuntimeError, match=r"graceful shutdown of 'worker0' failed.*shutdown timed out after 0\.5 s"):
+        with pytest.raises(RuntimeError, match=r"graceful shutdown of 'worker0' failed.*shutdown timed out after "
+                                               r"0\.5 s"):
             rpc_core.shutdown(timeout=0.5)
     else:
         # worker0 gave up and left: this worker's shutdown then fails naming it, promptly
@@ -550,7 +551,7 @@ def _body_frozen_peer(ctx):
 
 def test_first_call_to_a_frozen_peer_fails_within_its_own_timeout_dialling_included():
     (sync, (issued, late), quick, slow), _, _ = run_world(_body_frozen_peer, 3, init=False, timeout=90)
-    for kind, message, seconds in (sync, late, quick):
+    for kind, message, _seconds in (sync, late, quick):
         assert kind == "RpcTimeoutError", (kind, message)
         assert "RPC ran for more than" in message and "worker 'worker2' (rank 2)" in message, message
         assert "did not answer the connection handshake" in message, message

@@ -85,7 +85,7 @@ def _body_targets(ctx):
     n = ctx.world_size
     peer = (ctx.rank + 1) % n
     for to in (f"worker{peer}", WorkerInfo(f"worker{peer}", peer), peer,
-               "worker%d" % ctx.rank, rpc_core.get_worker_info(), ctx.rank):
+               f"worker{ctx.rank}", rpc_core.get_worker_info(), ctx.rank):
         want = rpc_core.get_worker_info(to if isinstance(to, str) else f"worker{to if isinstance(to, int) else to.id}")
         assert rpc_core.rpc_sync(to, _whoami) == want.name
         assert rpc_core.rpc_async(to, _whoami).wait() == want.name
@@ -234,7 +234,8 @@ def _install_caller_only_function():
 def _body_missing_function(ctx):
     fn, ghost_fn = _install_caller_only_function()
     assert rpc_core.rpc_sync(0, fn) == "ran"  # it exists here...
-    with pytest.raises(RuntimeError, match=r"(?s)worker1 could not load.*_only_on_caller.*RPC pickler does not serialize function code"):
+    with pytest.raises(RuntimeError, match=r"(?s)worker1 could not load.*_only_on_caller.*RPC pickler does not "
+                                           r"serialize function code"):
         rpc_core.rpc_sync(1, fn)  # ...but not on the callee
     with pytest.raises(RuntimeError, match=r"(?s)_ghost_module.*RPC pickler does not serialize function code"):
         rpc_core.rpc_async(1, ghost_fn).wait()
@@ -274,9 +275,9 @@ def _body_remote_exceptions(ctx):
     for to in (1, 0):
         where = f"worker{to}"
         for call in (
-            lambda f: rpc_core.rpc_sync(to, f),
-            lambda f: rpc_core.rpc_async(to, f).wait(),
-            lambda f: rpc_core.remote(to, f).to_here(),
+            lambda f, to=to: rpc_core.rpc_sync(to, f),
+            lambda f, to=to: rpc_core.rpc_async(to, f).wait(),
+            lambda f, to=to: rpc_core.remote(to, f).to_here(),
         ):
             with pytest.raises(ValueError, match="Expected error") as info:
                 call(_raise_value_error)
@@ -376,7 +377,8 @@ def test_apis_before_init_say_to_call_init_rpc_first():
         lambda: rpc_core.RRef(1),
     ]
     for call in calls:
-        with pytest.raises(RpcNotInitializedError, match=r"RPC has not been initialized\. Call rpc_core\.init_rpc first"):
+        with pytest.raises(RpcNotInitializedError, match=r"RPC has not been initialized\. Call rpc_core\.init_rpc "
+                                                         r"first"):
             call()
 
 

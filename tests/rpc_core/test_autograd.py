@@ -255,7 +255,7 @@ def assert_close(got: torch.Tensor | None, want: torch.Tensor | None, what: str)
 
 def check_grads(grads: dict[torch.Tensor, torch.Tensor], inputs: Sequence[torch.Tensor],
                 expected: Sequence[torch.Tensor | None], scale: float = 1.0) -> None:
-    for i, (t, e) in enumerate(zip(inputs, expected)):
+    for i, (t, e) in enumerate(zip(inputs, expected, strict=True)):
         assert t.grad is None, f"input {i}: .grad was set ({t.grad})"
         assert_close(grads.get(t), None if e is None else e * scale, f"input {i}")
     want = sum(e is not None for e in expected)
@@ -270,7 +270,7 @@ def verify(forward: Callable[..., Any], specs: Sequence[Any], seed: int = 0,
     (gradient, .grad) pairs for tensors living on other workers)."""
     local = leaves(seed, specs)
     roots = as_roots(forward(False, *local))
-    for i in range(backward_times):
+    for _ in range(backward_times):
         torch.autograd.backward(roots, retain_graph=True)
     expected = [t.grad for t in local]
     local_remote = [chk(False, -1) for chk in remote_checks]
@@ -279,11 +279,11 @@ def verify(forward: Callable[..., Any], specs: Sequence[Any], seed: int = 0,
     inputs = leaves(seed, specs)
     with dist_autograd.context() as cid:
         roots = as_roots(forward(True, *inputs))
-        for i in range(backward_times):
+        for _ in range(backward_times):
             dist_autograd.backward(cid, roots, retain_graph=True)
         check_grads(dist_autograd.get_gradients(cid), inputs, expected)
         for k, chk in enumerate(remote_checks):
-            for j, (got, want) in enumerate(zip(chk(True, cid), local_remote[k])):
+            for j, (got, want) in enumerate(zip(chk(True, cid), local_remote[k], strict=True)):
                 got_grad, got_dot_grad = got
                 assert got_dot_grad is None, f"remote check {k}/{j}: .grad was set on the owner"
                 assert_close(got_grad, want, f"remote check {k}/{j}")
@@ -294,7 +294,7 @@ def verify(forward: Callable[..., Any], specs: Sequence[Any], seed: int = 0,
 # ---------------------------------------------------------------------------------------------
 def case_builtin_ops() -> None:
     for how in ("sync", "async", "remote"):
-        def fwd(dist: bool, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        def fwd(dist: bool, a: torch.Tensor, b: torch.Tensor, how: str = how) -> torch.Tensor:
             x = call(dist, how, W1, torch.mul, a, b)
             y = call(dist, how, W2, torch.matmul, a, b.t())  # a non-contiguous argument
             z = call(dist, how, W1, torch.add, a, a)  # one tensor twice in one message
@@ -305,7 +305,7 @@ def case_builtin_ops() -> None:
 
 def case_python_udf() -> None:
     for how in ("sync", "async", "remote"):
-        def fwd(dist: bool, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        def fwd(dist: bool, a: torch.Tensor, b: torch.Tensor, how: str = how) -> torch.Tensor:
             return call(dist, how, W1, udf, a, b, scale=3.0).sum() + call(dist, how, W2, udf, b, a).pow(2).sum()
 
         verify(fwd, spec((3, 4), (3, 4)), seed=1)
@@ -510,7 +510,8 @@ def case_module_shards() -> None:
 
     def shard_grads(dist: bool, cid: int) -> list[Any]:
         if not dist:
-            return [p.grad for p in list(shards["l1"].parameters()) + list(shards["l2"].parameters())] + [shards["lp"].grad]
+            return ([p.grad for p in list(shards["l1"].parameters()) + list(shards["l2"].parameters())]
+                    + [shards["lp"].grad])
         got = rpc.rpc_sync(W1, module_grads, args=(shards["d1"], cid))
         got += rpc.rpc_sync(W2, module_grads, args=(shards["d2"], cid))
         got.append(rpc.rpc_sync(W3, tensor_grad, args=(shards["dp"], cid)))
@@ -789,7 +790,7 @@ def case_error_messages() -> None:
 
 def case_backward_error_on_other_worker() -> None:
     a, b = leaves(23, spec((3, 3), (3, 3)))
-    for attempt in range(2):  # the engine is not left wedged by the first failure
+    for _ in range(2):  # the engine is not left wedged by the first failure
         with dist_autograd.context() as cid:
             x = rpc.rpc_sync(W1, nested, args=(True, [W2], a, b))  # gradients must cross 2 hops
             y = rpc.rpc_sync(W3, fail_in_backward, args=(x,))  # the failure is on worker3

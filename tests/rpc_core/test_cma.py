@@ -69,7 +69,7 @@ def _tensors():
 
 def _check_same(sent, got):
     assert len(sent) == len(got)
-    for a, b in zip(sent, got):
+    for a, b in zip(sent, got, strict=True):
         assert (a.dtype, a.shape, a.stride()) == (b.dtype, b.shape, b.stride())
         assert torch.equal(_bits(a), _bits(b))
 
@@ -81,12 +81,13 @@ def _body_round_trip(ctx):
     got = rpc_core.rpc_sync(1, _echo, args=tensors, timeout=60)
     _check_same(tensors, got)
     # Views of one storage arrive as views of one storage.
-    assert got[9].untyped_storage().data_ptr() == got[10].untyped_storage().data_ptr() == got[11].untyped_storage().data_ptr()
+    ptrs = [t.untyped_storage().data_ptr() for t in got[9:12]]
+    assert ptrs[0] == ptrs[1] == ptrs[2]
     got_many = rpc_core.rpc_sync(1, _echo, args=many, timeout=60)
     _check_same(many, got_many)
     # Several calls in flight at once, each message with large buffers.
     futs = [rpc_core.rpc_async(1, _echo, args=(t,)) for t in tensors[3:8]]
-    for t, f in zip(tensors[3:8], futs):
+    for t, f in zip(tensors[3:8], futs, strict=True):
         _check_same((t,), f.wait())
     return _cma_counters(), rpc_core.rpc_sync(1, _cma_counters)
 

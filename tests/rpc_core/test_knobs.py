@@ -117,4 +117,5 @@ def test_a_bad_value_stops_init_rpc_at_once(monkeypatch):
     monkeypatch.setenv("RPC_CORE_CMA", "maybe")
     with pytest.raises(ValueError, match="RPC_CORE_CMA='maybe'"):
         rpc_core.init_rpc("worker0", rank=0, world_size=1,
-                          rpc_backend_options=rpc_core.RpcBackendOptions(init_method="tcp://127.0.0.1:1", auth_secret="k"))
+                          rpc_backend_options=rpc_core.RpcBackendOptions(init_method="tcp://127.0.0.1:1",
+                                                                         auth_secret="k"))

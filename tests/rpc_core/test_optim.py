@@ -109,13 +109,13 @@ def run_config(optim_cls: type, args: tuple, kwargs: dict[str, Any]) -> None:
             dist_autograd.backward(cid, [loss])
             dopt.step(cid)
         now = [d0.detach().clone()] + [w for r in (r1, r2, r3) for w in r.rpc_sync().weights()]
-        for i, (got, want) in enumerate(zip(now, local_history[step])):
+        for i, (got, want) in enumerate(zip(now, local_history[step], strict=True)):
             assert got.dtype == want.dtype and torch.allclose(got, want, rtol=1e-9, atol=1e-12), (
                 f"step {step}, parameter {i}: distributed {got} != local {want}")
         assert d0.grad is None, "DistributedOptimizer left a .grad behind on the trainer"
     # Parameters with no gradient in any context did not move; the others did.
     unused = {3, 6} | {7, 8, 9}  # Shard.unused of s1 and s2, all of s3 (p0 is index 0)
-    for i, (a, b) in enumerate(zip(initial, now)):
+    for i, (a, b) in enumerate(zip(initial, now, strict=True)):
         if i in unused:
             assert torch.equal(a, b), f"parameter {i} has no gradient but moved"
         else:

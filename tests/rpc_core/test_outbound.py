@@ -229,7 +229,7 @@ def _body_burst_mixed_sizes(ctx):
     args = [torch.full((1 << 18,) if i % 7 == 0 else (3,), float(i)) for i in range(300)]
     futs = [rpc_core.rpc_async(1, _double, args=(a,)) for a in args]
     torch.futures.wait_all(futs)
-    return all(torch.equal(f.value(), a * 2) for f, a in zip(futs, args))
+    return all(torch.equal(f.value(), a * 2) for f, a in zip(futs, args, strict=True))
 
 
 def test_a_burst_mixing_small_and_large_tensors_returns_every_result_intact():

@@ -57,7 +57,7 @@ def _ported(tmp_path: pathlib.Path) -> pathlib.Path:
     source = PROGRAM.read_text()
     ported = source.replace("import torch.distributed.rpc as rpc", "import rpc_core as rpc")
     ported = ported.replace("from torch.distributed.rpc import", "from rpc_core import")
-    changed = [(a, b) for a, b in zip(source.splitlines(), ported.splitlines()) if a != b]
+    changed = [(a, b) for a, b in zip(source.splitlines(), ported.splitlines(), strict=True) if a != b]
     assert len(changed) == 2 and all(a.startswith(("import", "from")) for a, _ in changed), changed
     assert not re.search(r"^(import|from) torch\.distributed|[^\w.]torch\.distributed\.\w+\(", ported, re.M)
     path = tmp_path / "ported_program.py"

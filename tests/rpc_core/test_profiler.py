@@ -129,10 +129,10 @@ def _avg(out: dict) -> dict:
 def _check_remote_events_nest(events) -> None:
     """Each remote event lies within its RPC's event (clocks aligned, same host)."""
     spans = {}
-    for name, node, start, end, is_remote, is_async in events:
+    for name, _node, start, end, is_remote, is_async in events:
         if is_async and not is_remote:
             spans.setdefault(name, []).append((start, end))
-    for name, node, start, end, is_remote, _ in events:
+    for name, _node, start, end, is_remote, _ in events:
         if is_remote:
             rpc = name.split("#remote_op: ")[0]
             assert any(s <= start and end <= e for s, e in spans[rpc]), (name, start, end, spans[rpc])

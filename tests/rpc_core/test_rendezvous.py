@@ -129,7 +129,8 @@ def test_env_master_port_must_be_a_number(monkeypatch):
 
 @pytest.mark.parametrize(
     "init_method, message",
-    [("tcp://127.0.0.1", "no port"), ("tcp://[::1]", "no port"), ("tcp://:29500", "no host"), ("tcp://127.0.0.1:99999", "out of range"),
+    [("tcp://127.0.0.1", "no port"), ("tcp://[::1]", "no port"), ("tcp://:29500", "no host"),
+     ("tcp://127.0.0.1:99999", "out of range"),
      ("tcp://127.0.0.1:x", "not a number")],
 )
 def test_malformed_tcp_init_method_says_what_is_wrong(init_method, message):
@@ -167,7 +168,8 @@ def test_world_that_never_fills_fails_every_worker_that_did_join():
 
 def test_worker_that_cannot_reach_rank_0_times_out_saying_where_it_looked():
     port = free_port()
-    with pytest.raises(RendezvousError, match=rf"could not reach the rendezvous at 127\.0\.0\.1:{port}.*is rank 0 running"):
+    with pytest.raises(RendezvousError, match=rf"could not reach the rendezvous at 127\.0\.0\.1:{port}.*is rank 0 "
+                                              r"running"):
         _init("b", 1, 2, _opts(port, init_timeout=0.5))
 
 

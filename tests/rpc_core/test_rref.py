@@ -169,7 +169,8 @@ def _body_api(ctx):
         assert to_self.is_owner() and to_self.to_here() == 5 and to_self.local_value() == 5
 
         for r in (rref, own):
-            with pytest.raises(RuntimeError, match="Can not pickle rref in python pickler, rref can only be pickled when using RPC"):
+            with pytest.raises(RuntimeError, match="Can not pickle rref in python pickler, rref can only be pickled "
+                                                   "when using RPC"):
                 pickle.dumps(r)
             with pytest.raises(RuntimeError, match="Can not pickle rref"):
                 torch.save(r, io.BytesIO())

@@ -132,7 +132,7 @@ def test_views_with_different_dtypes_on_one_storage_are_rebuilt_at_their_own_byt
     floats = raw[4:12].view(torch.float32)  # two float32s at bytes 4..11
     longs = raw[16:32].view(torch.int64)
     out = roundtrip([bytes_view, floats, longs])
-    for got, want in zip(out, [bytes_view, floats, longs]):
+    for got, want in zip(out, [bytes_view, floats, longs], strict=True):
         _same_tensor(got, want)
 
 
@@ -146,7 +146,7 @@ def test_parameters_stay_parameters_and_requires_grad_is_kept():
     assert isinstance(out[1], torch.nn.Parameter) and not out[1].requires_grad
     assert type(out[2]) is torch.Tensor and out[2].requires_grad and out[2].is_leaf
     assert not out[3].requires_grad
-    for got, want in zip(out, [p, frozen, leaf, plain]):
+    for got, want in zip(out, [p, frozen, leaf, plain], strict=True):
         assert torch.equal(got.detach(), want.detach())
 
 

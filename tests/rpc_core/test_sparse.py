@@ -198,7 +198,7 @@ def test_distributed_optimizer_steps_sparse_gradients_like_the_local_optimizer(g
     _, opt_cls, kwargs = next(o for o in OPTIMIZERS if o[0] == name)
     want_grads, want_table = _local_run(opt_cls, kwargs)
     got_grads, got_table = grad_world[name]
-    for (layout, rows, got), want, (ids, _) in zip(got_grads, want_grads, BATCHES):
+    for (layout, rows, got), want, (ids, _) in zip(got_grads, want_grads, BATCHES, strict=True):
         assert layout == str(torch.sparse_coo) and rows == sorted(set(ids))  # only the rows the bags touched
         torch.testing.assert_close(torch.tensor(got), want.coalesce().to_dense(), rtol=0, atol=0)
     torch.testing.assert_close(torch.tensor(got_table), want_table, rtol=0, atol=0)

@@ -37,7 +37,8 @@ def swapped_source() -> str:
     for old, new in IMPORT_SWAPS.items():
         assert src.count(old) == 1, f"{PROGRAM.name} should contain {old!r} once"
         src = src.replace(old, new)
-    left = [line for line in src.splitlines() if line.startswith(("import torch.distributed", "from torch.distributed"))]
+    left = [line for line in src.splitlines()
+            if line.startswith(("import torch.distributed", "from torch.distributed"))]
     assert not left, f"imports not swapped: {left}"
     return src
 
@@ -73,7 +74,7 @@ def _ps_tutorial(ctx: Any, module_dir: str, module_name: str) -> Any:
         trained = [p.detach() for p in program.param_server.model.parameters()]
         expected = [p.detach() for p in local_training(program).parameters()]
         # Plain floats back: tensors through a multiprocessing pipe would share memory.
-        return [(float((a - b).abs().max()), float(b.abs().max())) for a, b in zip(trained, expected)]
+        return [(float((a - b).abs().max()), float(b.abs().max())) for a, b in zip(trained, expected, strict=True)]
     train_loader, test_loader = loaders()
     return program.run_worker(ctx.rank, ctx.world_size, 0, train_loader, test_loader)
 

@@ -172,7 +172,7 @@ def test_frames_round_trip_exactly(pool, listener, head, body_size, buffer_sizes
     assert (h.kind, h.flags, h.msg_id, h.nbuf) == (wire.RESPONSE, wire.CONTROL, 2**63, len(buffer_sizes))
     assert got_head == head and got_body == body
     assert [s.nbytes() for s in storages] == buffer_sizes
-    for t, st in zip(tensors, storages):
+    for t, st in zip(tensors, storages, strict=True):
         assert torch.equal(torch.empty(0, dtype=torch.uint8).set_(st), t)
     c.close()
     a.close()

@@ -189,7 +189,7 @@ def get_accuracy(test_loader, model):
     # Use GPU to evaluate if possible
     device = torch.device("cuda:0" if model.num_gpus > 0 and torch.cuda.is_available() else "cpu")
     with torch.no_grad():
-        for i, (data, target) in enumerate(test_loader):
+        for data, target in test_loader:
             out = model(data)
             pred = out.argmax(dim=1, keepdim=True)
             pred, target = pred.to(device), target.to(device)
