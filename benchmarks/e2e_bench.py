@@ -100,6 +100,7 @@ import sys
 import tempfile
 import time
 import traceback
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -184,7 +185,7 @@ def _failure_reason(exc: BaseException, run_dir: str) -> str:
 def run_ps_train(model: str, servers: int, trainers: int, backend: str, steps: int,
                  run_root: str, timeout: float, log) -> dict:
     """One ``ps_train.app.run``; returns ``{"status", "samples_per_s", ...}``, never raises."""
-    res = {"status": "ok", "samples_per_s": None, "error": None, "run_dir": None}
+    res: dict[str, Any] = {"status": "ok", "samples_per_s": None, "error": None, "run_dir": None}
     t0 = time.monotonic()
     run_dir = tempfile.mkdtemp(prefix=f"{model}_{servers}x{trainers}_{backend}_", dir=run_root)
     res["run_dir"] = run_dir
@@ -273,7 +274,7 @@ def single_main(model: str, steps: int, threads: int, out) -> None:
 
 
 def run_single(model: str, steps: int, threads: int, timeout: float, log) -> dict:
-    res = {"status": "ok", "samples_per_s": None, "error": None}
+    res: dict[str, Any] = {"status": "ok", "samples_per_s": None, "error": None}
     t0 = time.monotonic()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -510,12 +511,12 @@ def main(argv=None) -> int:
     keep_dirs = []
     t_all = time.monotonic()
     for rnd in range(args.rounds):
-        jobs = []
+        jobs: list[tuple[str, str, tuple[int, int] | None]] = []
         for model in models:
             jobs.append((model, "single", None))
-            for cluster in CLUSTERS:
+            for size in CLUSTERS:
                 for b in BACKENDS:
-                    jobs.append((model, b, cluster))
+                    jobs.append((model, b, size))
         if rnd % 2 == 1:  # reverse the order so slow drift in machine load favours no side
             jobs.reverse()
         for model, impl, cluster in jobs:
@@ -525,6 +526,7 @@ def main(argv=None) -> int:
                 res = run_single(model, n, args.single_threads, timeout, log)
                 raw[(model, "single")].append(res)
             else:
+                assert cluster is not None  # every ps_train job names its cluster
                 s, t = cluster
                 log(f"[round {rnd + 1}/{args.rounds}] {model} {s}+{t} ps_train backend={impl}, {n} steps")
                 res = run_ps_train(model, s, t, impl, n, run_root, timeout, log)

@@ -59,7 +59,7 @@ def _worker(rank: int, port: int, reps: int, calls: int, out: mp.Queue) -> None:
                 rpc_core.rpc_sync("worker1", fn)
             return (time.perf_counter() - t0) / calls * 1e6
 
-        samples = {"without": [], "with": [], "profiling": []}
+        samples: dict[str, list[float]] = {"without": [], "with": [], "profiling": []}
         for _ in range(3 * calls):  # warm up
             rpc_core.rpc_sync("worker1", fn)
         for i in range(reps):

@@ -77,6 +77,7 @@ import queue as queue_mod
 import statistics
 import sys
 import time
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -145,7 +146,7 @@ def run_impl(impl: str, plan, options_extra: dict, timeout: float, log) -> dict:
         )
         for rank in range(WORLD_SIZE)
     ]
-    run = {"status": "ok", "notes": [], "results": {}, "errors": {}, "init_s": None,
+    run: dict[str, Any] = {"status": "ok", "notes": [], "results": {}, "errors": {}, "init_s": None,
            "shutdown_s": None, "wall_s": None}
     t_start = time.monotonic()
     deadline = t_start + timeout
@@ -382,7 +383,7 @@ def main(argv=None) -> int:
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
 
-    per_round = {impl: [] for impl in impls}
+    per_round: dict[str, list[Any]] = {impl: [] for impl in impls}
     for rnd in range(args.rounds):
         # Alternate the order so slow drift in machine load does not favour one side.
         for impl in impls if rnd % 2 == 0 else tuple(reversed(impls)):

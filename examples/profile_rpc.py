@@ -50,7 +50,8 @@ def worker(rank: int, port: int, trace_path: str) -> None:
                  rpc_backend_options=rpc.RpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}"))
     if rank == 0:
         t1, t2 = torch.rand((3, 3)), torch.rand((3, 3))
-        with profiler.profile() as prof:
+        prof = profiler.profile()
+        with prof:
             fut1 = rpc.rpc_async("worker1", torch.add, args=(t1, t2))
             fut2 = rpc.rpc_async("worker1", torch.mul, args=(t1, t2))
             fut3 = rpc.rpc_async("worker1", this.udf_with_ops)

@@ -30,10 +30,10 @@ from .profiler_rpc import (
     _Collector,
     _ensure_middleware,
     _flatten,
-    _Middleware,  # noqa: F401 (re-exported: tests and benchmarks look for it)
     _Options,
     _parse,
 )
+from .profiler_rpc import _Middleware as _Middleware  # re-exported: tests and benchmarks look for it
 
 __all__ = ["profile", "record_function"]
 

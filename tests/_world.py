@@ -30,7 +30,7 @@ from typing import Any
 
 # Re-exported for rpc_core's tests. ps_train.ports imports only the standard library, so
 # these tests and their worker processes load nothing of the application.
-from ps_train.ports import free_port
+from ps_train.ports import free_port as free_port  # re-exported: tests import it from here
 
 DEFAULT_TIMEOUT = 90.0
 _EXIT_GRACE = 20.0  # a child that reported must be gone within this
@@ -74,7 +74,7 @@ class WorkerContext:
     def backend_options(self, **overrides: Any):
         from rpc_core import RpcBackendOptions
 
-        kw = {"init_method": self.init_method, "auth_secret": self.secret}
+        kw: dict[str, Any] = {"init_method": self.init_method, "auth_secret": self.secret}
         kw.update(self.options)
         kw.update(overrides)
         return RpcBackendOptions(**kw)
@@ -171,7 +171,7 @@ def run_world(
         pending = {conns[r]: r for r in range(world_size)}
         while pending:
             remaining = deadline - time.monotonic()
-            ready = multiprocessing.connection.wait(list(pending), timeout=max(0.0, remaining))
+            ready: list[Any] = multiprocessing.connection.wait(list(pending), timeout=max(0.0, remaining))
             if not ready:
                 stuck = sorted(pending.values())
                 _dump_stacks([procs[r] for r in stuck])

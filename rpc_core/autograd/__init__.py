@@ -22,9 +22,10 @@ from .context import DistAutogradContext
 from .engine import backward
 from .recording import AutogradMiddleware
 from .release import release_context as _release_context
-from .release import wait_cleanups as _wait_cleanups  # noqa: F401 (private API: tests wait with it)
 
 __all__ = ["backward", "context", "get_gradients", "is_available", "DistAutogradContext"]
+
+_wait_cleanups = _release.wait_cleanups  # private API: tests wait with it
 
 
 def is_available() -> bool:

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +43,9 @@ def make_cfg(*overrides: str) -> Config:
 
 
 def run_app(run_dir: Path, *overrides: str, timeout: float = RUN_TIMEOUT) -> dict[str, Any]:
-    return run(make_cfg(*overrides), str(run_dir), overrides=list(overrides), timeout=timeout)
+    metrics = run(make_cfg(*overrides), str(run_dir), overrides=list(overrides), timeout=timeout)
+    assert metrics is not None  # a local run returns trainer0's metrics (None is for env-launched roles)
+    return metrics
 
 
 def read_json(path: Path) -> Any:
@@ -66,7 +69,7 @@ def assert_same_weights(a: dict[Any, torch.Tensor], b: dict[Any, torch.Tensor], 
         if exact:
             assert torch.equal(a[k], b[k]), f"{k} differs: max |diff| {(a[k] - b[k]).abs().max().item()}"
         else:
-            torch.testing.assert_close(a[k], b[k], msg=lambda m, k=k: f"{k}: {m}")
+            torch.testing.assert_close(a[k], b[k], msg=_prefixed(k))
 
 
 def scalars(tb_dir: Path) -> dict[str, list[tuple[int, float]]]:
@@ -97,3 +100,8 @@ def rendezvous_port(run_dir: Path, role: str = "ps0") -> int:
         if "rendezvous at tcp://" in line:
             return int(line.split("rendezvous at tcp://", 1)[1].split(",")[0].rsplit(":", 1)[1])
     raise AssertionError(f"{role}.log in {run_dir} names no rendezvous address")
+
+
+def _prefixed(key: str) -> Callable[[str], str]:
+    """assert_close's message, named by the state-dict key that differs."""
+    return lambda message: f"{key}: {message}"

@@ -248,6 +248,7 @@ def as_roots(r: Any) -> list[torch.Tensor]:
 def assert_close(got: torch.Tensor | None, want: torch.Tensor | None, what: str) -> None:
     assert (got is None) == (want is None), f"{what}: got {got}, want {want}"
     if want is not None:
+        assert got is not None
         assert got.dtype == want.dtype, f"{what}: dtype {got.dtype} != {want.dtype}"
         assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
         assert torch.allclose(got, want, rtol=1e-6, atol=1e-9), f"{what}: {got} != {want}"
@@ -356,6 +357,8 @@ def case_graph_recording() -> None:
 
 def case_rref_args() -> None:
     def fwd(dist: bool, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        r: Any  # RRefs when dist, else the local values (and so below)
+        t: Any
         if dist:
             r = rpc.remote(W1, torch.mul, args=(a, b))  # owned by worker1
             x = rpc.rpc_sync(W2, rref_plus, args=(r, c))  # worker2 fetches it from worker1
@@ -488,9 +491,11 @@ def case_different_dtypes() -> None:
 def case_module_shards() -> None:
     """Two nn.Module shards owned by workers 1 and 2, driven through RRef proxies, and a
     parameter owned by worker3 fetched with to_here and used on the trainer."""
-    shards = {}
+    shards: dict[str, Any] = {}  # RRefs ("d...") and the oracle's local objects ("l...")
 
     def fwd(dist: bool, x: torch.Tensor) -> torch.Tensor:
+        s1: Any
+        s2: Any
         if dist:
             s1 = shards["d1"] = rpc.remote(W1, make_shard, args=(1, 4, 5))
             s2 = shards["d2"] = rpc.remote(W2, make_shard, args=(2, 5, 2))
@@ -521,7 +526,7 @@ def case_module_shards() -> None:
 
 
 def case_async_execution() -> None:
-    ps = {}
+    ps: dict[str, Any] = {}
 
     def fwd(dist: bool, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         x = call(dist, "sync", W1, async_mul_add, dist, W2, a, b)
@@ -553,9 +558,10 @@ def case_async_rpc_in_callback() -> None:
 
 
 def case_retain_graph_accumulates() -> None:
-    shard = {}
+    shard: dict[str, Any] = {}
 
     def fwd(dist: bool, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        s: Any
         if dist:
             s = shard["d"] = rpc.remote(W1, make_shard, args=(17, 3, 3))
             h = s.rpc_sync().forward(a)
@@ -762,9 +768,9 @@ def case_error_messages() -> None:
             dist_autograd.backward(cid, [torch.rand(1, requires_grad=True)])
         for bad in (None, loss, "loss"):
             with pytest.raises(TypeError, match="incompatible function arguments"):
-                dist_autograd.backward(cid, bad)
+                dist_autograd.backward(cid, bad)  # type: ignore[arg-type]  # wrong on purpose
         with pytest.raises(TypeError, match="incompatible function arguments"):
-            dist_autograd.backward(None, [loss])
+            dist_autograd.backward(None, [loss])  # type: ignore[arg-type]  # wrong on purpose
         with pytest.raises(RuntimeError, match="Already have an autograd context id for this thread"):
             with dist_autograd.context():
                 pass

@@ -2,6 +2,7 @@
 returned Future's callback, so waiting calls hold no server thread. Bodies run on worker
 processes (tests/_world.py)."""
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -140,10 +141,10 @@ def test_async_static_class_and_instance_methods_work_directly_and_through_rref_
 
 # -- no server thread held ---------------------------------------------------------------------
 N_WAITING = 40
-_parked = []
+_parked: list[Any] = []
 _lock = threading.Lock()
 _all_arrived = threading.Event()
-_pool_size_seen = []
+_pool_size_seen: list[int] = []
 
 
 def _pool_size():

@@ -46,7 +46,7 @@ def _resolve(importer: str, node: ast.ImportFrom, modules: dict[str, Path]) -> s
         base = base[:len(base) - (node.level - 1)] if node.level > 1 else base
         target = ".".join(base + ([node.module] if node.module else []))
         return target
-    if node.module == PACKAGE or (node.module or "").startswith(PACKAGE + "."):
+    if node.module is not None and (node.module == PACKAGE or node.module.startswith(PACKAGE + ".")):
         return node.module[len(PACKAGE) + 1:]
     return None
 
@@ -65,6 +65,8 @@ def imports(root: Path) -> tuple[list[Edge], list[tuple[str, str, int]]]:
     for name, path in modules.items():
         tree = ast.parse(path.read_text(), str(path))
         for node in ast.walk(tree):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
             targets: list[str] = []
             if isinstance(node, ast.Import):
                 for alias in node.names:

@@ -138,7 +138,7 @@ class FailingOnConstructor(torch.optim.Optimizer):
         super().__init__(params, {})
         raise ValueError("Error creating optimizer.")
 
-    def step(self, closure: Any = None) -> None:
+    def step(self, closure: Any = None) -> Any:
         raise NotImplementedError
 
 
@@ -146,7 +146,7 @@ class FailingOnStep(torch.optim.Optimizer):
     def __init__(self, params: Any) -> None:
         super().__init__(params, {})
 
-    def step(self, closure: Any = None) -> None:
+    def step(self, closure: Any = None) -> Any:
         raise ValueError("Error running optimizer.")
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+from typing import Any
 
 import torch
 
@@ -71,7 +72,8 @@ def _recipe_body(ctx, trace_path: str):
     # never profiled: no profiler code on the RPC path of either worker
     untouched = not has_profiler_middleware() and not rpc_core.rpc_sync("worker1", has_profiler_middleware)
     t1, t2 = torch.rand((3, 3)), torch.rand((3, 3))
-    with profiler.profile() as prof:
+    prof = profiler.profile()
+    with prof:
         futs = [
             rpc_core.rpc_async("worker1", torch.add, args=(t1, t2)),
             rpc_core.rpc_async("worker1", torch.mul, args=(t1, t2)),
@@ -128,7 +130,7 @@ def _avg(out: dict) -> dict:
 
 def _check_remote_events_nest(events) -> None:
     """Each remote event lies within its RPC's event (clocks aligned, same host)."""
-    spans = {}
+    spans: dict[str, list[tuple[Any, Any]]] = {}
     for name, _node, start, end, is_remote, is_async in events:
         if is_async and not is_remote:
             spans.setdefault(name, []).append((start, end))
@@ -142,7 +144,7 @@ def _check_trace_format(evs) -> None:
     """What Perfetto's JSON importer needs: known phases, numeric times, integer ids, slices
     on one thread properly nested, async begin/end paired."""
     open_async = {}
-    by_thread = {}
+    by_thread: dict[Any, list[Any]] = {}
     for e in evs:
         assert e["ph"] in ("M", "X", "b", "e") and isinstance(e["pid"], int), e
         if e["ph"] == "M":
@@ -159,7 +161,7 @@ def _check_trace_format(evs) -> None:
                 assert open_async.pop(key) <= e["ts"], e
     assert not open_async
     for slices in by_thread.values():
-        stack = []
+        stack: list[Any] = []
         for start, end, name in sorted(slices, key=lambda x: (x[0], -x[1])):
             while stack and stack[-1][1] <= start:
                 stack.pop()

@@ -8,6 +8,7 @@ import pickle
 import subprocess
 import sys
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -106,7 +107,7 @@ def _forward_chain(dst, rref, ttl):
     return rref.to_here()
 
 
-_kept = []
+_kept: list[Any] = []
 
 
 def _keep(rref):

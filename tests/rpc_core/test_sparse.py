@@ -130,7 +130,9 @@ def _local_run(opt_cls: type, kwargs: dict[str, Any]) -> tuple[list[torch.Tensor
     for ids, offsets in BATCHES:
         opt.zero_grad(set_to_none=True)
         _loss(m(torch.tensor(ids), torch.tensor(offsets))).backward()
-        grads.append(m.bags.weight.grad.clone())
+        grad = m.bags.weight.grad
+        assert grad is not None
+        grads.append(grad.clone())
         opt.step()
     return grads, m.bags.weight.detach().clone()
 
@@ -169,9 +171,9 @@ def _grad_world(ctx: Any) -> dict[str, Any]:
         out[name] = ([_described(g) for g in grads], rpc.rpc_sync(W1, _table, args=(module,)).tolist())
     # A sparse gradient that crosses the wire: the caller's table is used by the callee.
     table = Bags().bags.weight.detach().clone().requires_grad_()
-    ids = torch.tensor([3, 5, 3, 0])
+    looked_up = torch.tensor([3, 5, 3, 0])
     with dist_autograd.context() as cid:
-        rows = rpc.rpc_sync(W1, _lookup, args=(ids, table))
+        rows = rpc.rpc_sync(W1, _lookup, args=(looked_up, table))
         dist_autograd.backward(cid, [_loss(rows)])
         out["caller_table_grad"] = _described(dist_autograd.get_gradients(cid)[table])
     return out
@@ -209,4 +211,5 @@ def test_a_sparse_gradient_for_a_tensor_the_caller_sent_comes_back_sparse(grad_w
     _loss(F.embedding(torch.tensor([3, 5, 3, 0]), table, sparse=True)).backward()
     layout, rows, got = grad_world["caller_table_grad"]
     assert layout == str(torch.sparse_coo) and rows == [0, 3, 5]
+    assert table.grad is not None
     torch.testing.assert_close(torch.tensor(got), table.grad.coalesce().to_dense(), rtol=0, atol=0)
