@@ -83,6 +83,9 @@ with the table: the cores are shared, so compare ratios from one invocation, not
 figures across invocations. A run that fails or times out shows "error" in its cell and the
 reason (with the failing role's last log line) under the table; the other runs go on. The
 exit status is 1 when any run failed.
+
+One script, though past 400 lines (most of them this usage text and the report): a benchmark
+is run as one file, its helpers shared with rpc_bench in ``_format.py``.
 """
 
 from __future__ import annotations

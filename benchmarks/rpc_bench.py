@@ -63,6 +63,9 @@ the issues with whether this run met it.
 If rpc_core cannot be imported (or is incomplete: no ``init_rpc`` etc.), its column reads
 "not available" and the reason is printed under the table; a missing ``rpc_core.autograd``
 or ``rpc_core.optim`` only affects the two training-step workloads.
+
+One script, though past 400 lines: what it runs, how it runs it and how it reports are read
+together; the workloads themselves live in ``_workloads.py``, the number format in ``_format.py``.
 """
 
 from __future__ import annotations

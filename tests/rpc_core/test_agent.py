@@ -1,6 +1,9 @@
 """The worker (rpc_core/agent.py, api.py shutdown): graceful shutdown waits for all work in
 flight, dead peers are reported quickly and by name, and a worker's port survives wrong
-secrets and malformed bytes. Bodies run on worker processes (tests/_world.py)."""
+secrets and malformed bytes. Bodies run on worker processes (tests/_world.py).
+
+One module, though past 400 lines: one test module per module under test (here the worker),
+its sections the worker's concerns."""
 import logging
 import os
 import pickle

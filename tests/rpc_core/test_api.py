@@ -1,6 +1,9 @@
 """The public call API (rpc_core/api.py, agent.py): rpc_sync / rpc_async / remote, targets,
 futures, remote errors, timeouts, init/shutdown state. Bodies run on worker processes
-(tests/_world.py); each test's name says the rule it checks."""
+(tests/_world.py); each test's name says the rule it checks.
+
+One module, though past 400 lines: one test module per module under test (here the call
+API), its sections the API's parts."""
 import sys
 import threading
 import time

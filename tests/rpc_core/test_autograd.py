@@ -10,6 +10,9 @@ on other workers (module shards, remote parameters) are fetched over RPC and com
 One 4-worker world (tests/_world.py) runs all the cases that need no special world
 (``_main_world``), one after the other on worker0, and returns each case's outcome; one
 pytest test per case checks it. The killed-worker case gets its own 3-worker world.
+
+One module, though past 400 lines: the cases share that world (its start-up is most of the
+run time) and the oracle's helpers (``verify``, ``call``, ``leaves``).
 """
 from __future__ import annotations
 

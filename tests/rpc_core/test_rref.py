@@ -1,6 +1,9 @@
 """Remote references (rpc_core/rref.py): the RRef API, proxies, RRefs inside arguments and
 return values, forwarding between users, and owner-side reference counting (tables return
-to empty once users let go). Bodies run on worker processes (tests/_world.py)."""
+to empty once users let go). Bodies run on worker processes (tests/_world.py).
+
+One module, though past 400 lines: one test module for the RRef group, whose bodies share
+the helpers at the top (table checks, flushes)."""
 import gc
 import io
 import os

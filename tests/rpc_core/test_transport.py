@@ -1,5 +1,8 @@
 """Connections (rpc_core/transport.py): the authentication handshake, framing, and what a
-connection does with malformed bytes. Real TCP sockets on 127.0.0.1, in this process."""
+connection does with malformed bytes. Real TCP sockets on 127.0.0.1, in this process.
+
+One module, though past 400 lines: one test module per module under test (here the
+transport), sharing its socket-pair helpers."""
 import os
 import resource
 import socket
