@@ -9,7 +9,7 @@ Each trainer owns a partition of the training data. Per step (batch x: [B, *in_s
         loss = cross_entropy(h, y)                  # logits h: [B, num_classes]
         dist_autograd.backward(ctx, [loss])         # gradients land on the servers
         sync:  every server: apply_sync(ctx, me, step)   (waits for all trainers)
-        async: every server: apply_async(ctx, me)
+        async: every server: apply_async(ctx, me, step)
         x, y = next batch                           # while the servers update
         wait for the updates                        # before the next forward
     ssp: ps0.clock(me, step + 1)                    # wait if too far ahead
@@ -120,7 +120,7 @@ class Trainer:
             if self.cfg.mode.name == "sync":
                 futs = [s.rpc_async().apply_sync(ctx, self.index, self.step) for s in self.servers]
             else:
-                futs = [s.rpc_async().apply_async(ctx, self.index) for s in self.servers]
+                futs = [s.rpc_async().apply_async(ctx, self.index, self.step) for s in self.servers]
         except BaseException:
             scope.__exit__(*sys.exc_info())
             raise
