@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from ps_train import backend
+from ps_train.aggregation import lr_scale
 from ps_train.config import Config, config_to_dict
 from ps_train.data import BatchIterator, iter_eval_batches, load_data, total_steps
 from ps_train.faults import maybe_inject_fault
@@ -235,7 +236,10 @@ class Trainer:
         w.add_scalar("train/loss", last["loss"], step)
         w.add_scalar("train/accuracy", last["accuracy"], step)
         w.add_scalar("train/samples_per_s", rate, step)
-        w.add_scalar("train/lr", self.cfg.optim.lr, step)
+        lr = self.cfg.optim.lr
+        if self.cfg.mode.name != "sync":  # the rate the last update got on its stalest server
+            lr *= lr_scale(int(last["staleness"]), self.cfg.mode.staleness_rule)
+        w.add_scalar("train/lr", lr, step)
         if self.cfg.mode.name != "sync":
             # Updates by other trainers between this step's forward and its update.
             w.add_scalar("train/staleness", last["staleness"], step)
