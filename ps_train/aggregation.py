@@ -16,7 +16,7 @@ Each trainer's gradient is applied on its own, by an optimizer step whose learni
 scaled by ``lr_scale``: ``scale`` (the default) divides it by the gradient's staleness,
 ``lr / max(1, tau)``, the staleness-dependent learning rate of Zhang, Gupta, Lian and Liu,
 "Staleness-aware Async-SGD for Distributed Deep Learning", IJCAI 2016. ``tau`` counts the
-updates the server applied between the trainer's read of the parameters (its forward) and
+updates the server applied between the step's first read of its parameters (a forward) and
 this update, so a fresh gradient (``tau`` 0 or 1) keeps the full rate and one computed
 ``tau`` updates ago moves the weights ``tau`` times less. ``none`` applies every gradient at
 the full rate.
