@@ -10,10 +10,11 @@ What a seed reproduces
 ``mode=sync`` is bit-reproducible: with the same config (seed, model, data, cluster shape,
 batch size, optimizer) on the same torch build, two runs give identical per-step losses and
 identical final weights; so does a run resumed from a checkpoint, and ``backend=torch``
-gives the same numbers as rpc_core. Each step equals plain single-process torch that sums
-the trainers' mean-loss gradients in trainer-rank order (tests/ps_train/test_reproducibility.py).
+gives the same numbers as rpc_core. Each step equals plain single-process torch that adds
+the trainers' mean-loss gradients in trainer-rank order and divides the sum by the number of
+trainers (``mode.aggregate=mean``; ``sum`` stops there) (tests/ps_train/test_reproducibility.py).
 What makes it so: seeded init and shard placement, seeded per-epoch data partitions,
-gradients summed in rank order on every server, dropout masks seeded per (seed, shard,
+gradients added in rank order on every server, dropout masks seeded per (seed, shard,
 trainer, step), and BatchNorm statistics updated in trainer order. Changing
 ``cluster.num_trainers`` or ``train.batch_size`` changes the computation itself.
 

@@ -6,13 +6,15 @@ shards placed on it. Trainers call it through an RRef:
 - ``forward(shard, x, trainer)``: the shard's forward; under distributed autograd the
   parameters' gradients land in the trainer's context on this server.
 - ``apply_sync(context_id, trainer, step)``: sync mode. Waits (without holding a thread)
-  until every trainer handed in its step-``step`` gradients, sums them in trainer-rank
-  order, and steps the optimizer once; bit-reproducible. A sync-mode forward of step
-  ``s`` runs only once the round of step ``s - 1`` is applied, so a trainer may send it
-  without waiting for its update's answer (see ``ps_train.trainer``).
-- ``apply_async(context_id, trainer)``: async/ssp modes. Applies this trainer's gradients
-  now; returns the staleness (updates by others since this trainer's forward read the
-  parameters).
+  until every trainer handed in its step-``step`` gradients, averages (or sums, per
+  ``mode.aggregate``) them in trainer-rank order, and steps the optimizer once;
+  bit-reproducible. A sync-mode forward of step ``s`` runs only once the round of step
+  ``s - 1`` is applied, so a trainer may send it without waiting for its update's answer
+  (see ``ps_train.trainer``).
+- ``apply_async(context_id, trainer, step)``: async/ssp modes. Applies this trainer's
+  gradients now, at a learning rate scaled by their staleness (``mode.staleness_rule``);
+  returns the staleness: the updates this server applied since the trainer's step-``step``
+  forward first read one of its shards.
 - ``clock(trainer, completed)`` (on ps0, ssp mode): returns once no trainer is more than
   ``staleness`` steps behind ``completed``.
 
@@ -21,8 +23,9 @@ gradient path), so an update applied while another trainer's backward is still p
 cannot invalidate the tensors that backward saved: the upstream example's "modified by an
 inplace operation" failure cannot happen.
 
-Sync mode is bit-reproducible; async/ssp are not (see the ``ps_train`` package docstring for
-exactly what they do and do not reproduce).
+The update arithmetic (averaging, the staleness rule, and why 8 async trainers need the
+latter) is ``ps_train.aggregation``. Sync mode is bit-reproducible; async/ssp are not (see
+the ``ps_train`` package docstring for exactly what they do and do not reproduce).
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ from torch import nn
 from torch.func import functional_call
 
 from ps_train import backend
+from ps_train.aggregation import combine, lr_scale, scaled_lr
 from ps_train.checkpoint_files import ShardFile, save_shard_state
 from ps_train.config import Config, optimizer_spec
 from ps_train.faults import maybe_inject_fault
@@ -53,6 +57,8 @@ class ParameterServer:
         self.mode = cfg.mode.name
         self.staleness_bound = cfg.mode.staleness
         self.num_trainers = cfg.cluster.num_trainers
+        self.aggregate = cfg.mode.aggregate
+        self.staleness_rule = cfg.mode.staleness_rule
         # Every server builds the whole seeded model and keeps its own shards (module docstring).
         shards = shards_of_server(model_shards(cfg), rank)
         self.shards: dict[int, nn.Module] = {s.index: s.module for s in shards}
@@ -64,9 +70,9 @@ class ParameterServer:
         self.lock = threading.Lock()
         self._eval_copies: dict[int, Any] = {}  # shard -> (version, eval-mode copy)
         self.forward_lock = threading.Lock()
-        self.version = 0  # updates applied so far
+        self.version = 0  # updates applied so far: the version of every shard here (they step together)
         self.updates = {i: 0 for i in self.shards}
-        self._read_version: dict[int, int] = {}
+        self._read_version: dict[tuple[int, int], int] = {}  # (trainer, step) -> version its first forward read
         self._rounds: dict[int, dict[str, Any]] = {}
         self._clock: dict[int, int] = {}
         self._clock_waiters: list[Any] = []
@@ -106,7 +112,8 @@ class ParameterServer:
         with self.lock:
             # Private copies of the parameters for this forward (see module docstring).
             params = {n: p.clone() for n, p in module.named_parameters()}
-            self._read_version[trainer] = self.version
+            # The step's first forward here: its gradient is as old as the oldest shard it read.
+            self._read_version.setdefault((trainer, step), self.version)
         # functional_call swaps the module's parameters while it runs: one at a time.
         with self.forward_lock:
             return functional_call(module, params, (x,))
@@ -154,13 +161,14 @@ class ParameterServer:
         grads = backend.dist_autograd().get_gradients(context_id)
         return {p: grads[p] for p in self.params if p in grads}
 
-    def _step(self, grads: dict[nn.Parameter, torch.Tensor]) -> None:
+    def _step(self, grads: dict[nn.Parameter, torch.Tensor], lr_factor: float = 1.0) -> None:
         # Caller holds self.lock.
         if self.optimizer is None:
             return
         for p in self.params:
             p.grad = grads.get(p)
-        self.optimizer.step()
+        with scaled_lr(self.optimizer, lr_factor):
+            self.optimizer.step()
         for p in self.params:
             p.grad = None
         self.version += 1
@@ -181,11 +189,7 @@ class ParameterServer:
                 complete = len(r["grads"]) == self.num_trainers
                 if complete:
                     del self._rounds[step]
-                    total: dict[nn.Parameter, torch.Tensor] = {}
-                    for t in sorted(r["grads"]):  # rank order: the same float sums every run
-                        for p, g in r["grads"][t].items():
-                            total[p] = g if p not in total else total[p] + g
-                    self._step(total)
+                    self._step(combine(r["grads"], self.aggregate))  # rank order: the same floats every run
         except BaseException as e:
             # This round can never complete: the trainers waiting for it and forwards waiting
             # for it fail instead of hanging.
@@ -204,11 +208,11 @@ class ParameterServer:
             r["future"].set_result(self.version)
         return r["future"]
 
-    def apply_async(self, context_id: int, trainer: int) -> int:
+    def apply_async(self, context_id: int, trainer: int, step: int = -1) -> int:
         grads = self._grads(context_id)
         with self.lock:
-            staleness = self.version - self._read_version.pop(trainer, self.version)
-            self._step(grads)
+            staleness = self.version - self._read_version.pop((trainer, step), self.version)
+            self._step(grads, lr_scale(staleness, self.staleness_rule))
             self.max_staleness_seen = max(self.max_staleness_seen, staleness)
         return staleness
 

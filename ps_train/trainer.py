@@ -9,7 +9,7 @@ Each trainer owns a partition of the training data. Per step (batch x: [B, *in_s
         loss = cross_entropy(h, y)                  # logits h: [B, num_classes]
         dist_autograd.backward(ctx, [loss])         # gradients land on the servers
         sync:  every server: apply_sync(ctx, me, step)   (waits for all trainers)
-        async: every server: apply_async(ctx, me)
+        async: every server: apply_async(ctx, me, step)
         x, y = next batch                           # while the servers update
         wait for the updates                        # before the next forward
     ssp: ps0.clock(me, step + 1)                    # wait if too far ahead
@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from ps_train import backend
+from ps_train.aggregation import lr_scale
 from ps_train.config import Config, config_to_dict
 from ps_train.data import BatchIterator, iter_eval_batches, load_data, total_steps
 from ps_train.faults import maybe_inject_fault
@@ -121,7 +122,7 @@ class Trainer:
             if self.cfg.mode.name == "sync":
                 futs = [s.rpc_async().apply_sync(ctx, self.index, self.step) for s in self.servers]
             else:
-                futs = [s.rpc_async().apply_async(ctx, self.index) for s in self.servers]
+                futs = [s.rpc_async().apply_async(ctx, self.index, self.step) for s in self.servers]
         except BaseException:
             scope.__exit__(*sys.exc_info())
             raise
@@ -236,7 +237,10 @@ class Trainer:
         w.add_scalar("train/loss", last["loss"], step)
         w.add_scalar("train/accuracy", last["accuracy"], step)
         w.add_scalar("train/samples_per_s", rate, step)
-        w.add_scalar("train/lr", self.cfg.optim.lr, step)
+        lr = self.cfg.optim.lr
+        if self.cfg.mode.name != "sync":  # the rate the last update got on its stalest server
+            lr *= lr_scale(int(last["staleness"]), self.cfg.mode.staleness_rule)
+        w.add_scalar("train/lr", lr, step)
         if self.cfg.mode.name != "sync":
             # Updates by other trainers between this step's forward and its update.
             w.add_scalar("train/staleness", last["staleness"], step)

@@ -32,14 +32,23 @@ from ps_train.config.loading import from_dictconfig, register_configs
 from ps_train.config.model import MODEL_NAMES, MODEL_SCHEMAS, CNNConfig, MLPConfig, ModelConfig, ResNetConfig
 from ps_train.config.optim import OPTIMIZERS, OptimConfig, optimizer_spec
 from ps_train.config.root import BACKENDS, Config, config_to_dict, validate
-from ps_train.config.run import MODE_NAMES, CheckpointConfig, LoggingConfig, ModeConfig, TrainConfig
+from ps_train.config.run import (
+    AGGREGATES,
+    MODE_NAMES,
+    STALENESS_RULES,
+    CheckpointConfig,
+    LoggingConfig,
+    ModeConfig,
+    TrainConfig,
+)
 
 __all__ = [
     "ModelConfig", "MLPConfig", "CNNConfig", "ResNetConfig",
     "DataConfig", "DigitsConfig", "VisionDataConfig", "SyntheticConfig",
     "ClusterConfig", "OptimConfig", "ModeConfig", "TrainConfig", "CheckpointConfig",
     "LoggingConfig", "Config", "ConfigError",
-    "MODEL_NAMES", "MODEL_SCHEMAS", "DATA_NAMES", "DATA_SCHEMAS", "VISION_SHAPES", "MODE_NAMES", "PLACEMENTS",
+    "MODEL_NAMES", "MODEL_SCHEMAS", "DATA_NAMES", "DATA_SCHEMAS", "VISION_SHAPES", "MODE_NAMES", "AGGREGATES",
+    "STALENESS_RULES", "PLACEMENTS",
     "LAUNCHERS", "BACKENDS", "OPTIMIZERS", "register_configs", "from_dictconfig", "validate", "optimizer_spec",
     "config_to_dict",
 ]

@@ -54,6 +54,6 @@ def test_cfg_job_prints_the_composed_config_without_running(tmp_path):
     assert r.returncode == 0, r.stderr
     cfg = yaml.safe_load(r.stdout)
     assert cfg["model"]["name"] == "cnn" and cfg["model"]["channels"] == [32, 64]
-    assert cfg["mode"] == {"name": "ssp", "staleness": 2}
+    assert cfg["mode"] == {"name": "ssp", "staleness": 2, "aggregate": "mean", "staleness_rule": "scale"}
     assert cfg["cluster"]["num_servers"] == 3 and cfg["cluster"]["launcher"] == "local"
     assert not (tmp_path / "runs").exists()

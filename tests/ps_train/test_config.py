@@ -108,6 +108,10 @@ def test_typos_and_wrong_types_fail_in_hydra(override, pattern):
     (["model=resnet18", "cluster.num_servers=7"], "cluster.num_servers"),
     (["mode=ssp", "mode.staleness=-1"], "mode.staleness: -1 must be >= 0"),
     (["mode.staleness=2"], "mode.staleness: only used by mode=ssp"),
+    (["mode.aggregate=avg"], "mode.aggregate: unknown rule 'avg'; choose one of ['mean', 'sum']"),
+    (["mode=async", "mode.aggregate=sum"], "mode.aggregate: only used by mode=sync"),
+    (["mode=ssp", "mode.staleness_rule=inverse"], "mode.staleness_rule: unknown rule 'inverse'"),
+    (["mode.staleness_rule=none"], "mode.staleness_rule: only used by mode=async and mode=ssp"),
     (["model.name=transformer"], "model.name: unknown model 'transformer'"),
     (["model.name=cnn"], "model.name: 'cnn' does not match"),
     (["data.name=imagenet"], "data.name: unknown dataset 'imagenet'"),
@@ -185,7 +189,7 @@ def test_optimizer_spec_builds_every_optimizer(name):
 
 def test_default_experiment_reaches_90_percent_single_process():
     # The default's hyper-parameters, replayed as sync mode does it in one process: each step
-    # sums both trainers' gradients (rank order) and applies one optimizer step.
+    # averages both trainers' gradients (rank order) and applies one optimizer step.
     cfg = from_dictconfig(compose_cfg())
     torch.manual_seed(cfg.seed)
     train, test = load_data(cfg.data)
@@ -199,6 +203,8 @@ def test_default_experiment_reaches_90_percent_single_process():
         for it in iters:
             x, y = next(it)
             torch.nn.functional.cross_entropy(model(x), y).backward()
+        for p in model.parameters():
+            p.grad.div_(world)  # mode.aggregate=mean
         opt.step()
     model.eval()
     with torch.no_grad():

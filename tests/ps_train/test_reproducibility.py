@@ -1,10 +1,12 @@
-"""Sync mode is exact: it equals single-process torch, repeats bit for bit, survives a resume,
-and gives the same numbers on torch.distributed.rpc (backend=torch)."""
+"""Sync mode is exact: it equals single-process torch (averaging, or summing, the trainers'
+gradients), repeats bit for bit, survives a resume, and gives the same numbers on
+torch.distributed.rpc (backend=torch)."""
 import contextlib
 import subprocess
 import sys
 
 import pytest
+import torch
 import torch.nn.functional as F
 
 from ps_train.config import optimizer_spec
@@ -22,9 +24,14 @@ from tests.ps_train._app import (
 )
 
 
-def single_process_run(cfg, steps):
-    """Plain torch: one model, each step sums the trainers' mean-loss gradients in rank order
-    (trainer k's batches from the same BatchIterator) and steps the optimizer once."""
+def single_process_run(cfg, steps, union_batch=False):
+    """Plain torch: one model, each step adds the trainers' mean-loss gradients in rank order
+    (trainer k's batches from the same BatchIterator), divides the sum by the number of
+    trainers for ``mode.aggregate=mean``, and steps the optimizer once.
+
+    ``union_batch``: instead, one backward of the mean loss over the union of the trainers'
+    batches -- what averaging means (equal batches), in another summation order (see
+    tests/ps_train/test_aggregation.py), so equal to the servers' result only to ~1e-6."""
     shape, classes = cfg.data.sample_shape(), cfg.data.class_count()
     stages = build_stages(cfg.model, shape, classes, seed=cfg.seed)
     shards = build_shards(stages, place_stages(stages, cfg.cluster.num_servers, cfg.cluster.placement))
@@ -37,11 +44,22 @@ def single_process_run(cfg, steps):
     losses = {f"trainer{k}": [] for k in range(T)}
     for _ in range(steps):
         opt.zero_grad(set_to_none=True)
+        if union_batch:
+            xs, ys = zip(*(next(b) for b in batches), strict=True)
+            with torch.no_grad():
+                for k, (x, y) in enumerate(zip(xs, ys, strict=True)):
+                    losses[f"trainer{k}"].append(F.cross_entropy(model(x), y).item())
+            F.cross_entropy(model(torch.cat(xs)), torch.cat(ys)).backward()
+            opt.step()
+            continue
         for k in range(T):  # .grad accumulates g0 + g1 + ...: the servers' rank-order sum
             x, y = next(batches[k])
             loss = F.cross_entropy(model(x), y)
             loss.backward()
             losses[f"trainer{k}"].append(loss.item())
+        if cfg.mode.aggregate == "mean":
+            for p in model.parameters():
+                p.grad.div_(T)  # the servers' division of that sum, bit for bit
         opt.step()
     weights = {(f"ps{s.server}", s.index, key): t.detach().clone()
                for s in shards for key, t in s.module.state_dict().items()}
@@ -54,6 +72,32 @@ def test_sync_mode_equals_single_process_torch_bit_for_bit(sync_baseline):
     losses, weights = single_process_run(make_cfg(*BASELINE), BASELINE_STEPS)
     assert metrics["losses"] == losses  # per trainer, per step, exactly
     assert_same_weights(final_weights(run_dir), weights, exact=True)
+
+
+@pytest.mark.timeout(120)
+def test_sync_mode_averages_like_one_process_on_the_union_of_the_trainers_batches(sync_baseline):
+    # The meaning of mode.aggregate=mean: each step is one step on the trainers' batches
+    # together. Float sums in another order: within 1e-6, not bit for bit.
+    run_dir, metrics = sync_baseline
+    losses, weights = single_process_run(make_cfg(*BASELINE), BASELINE_STEPS, union_batch=True)
+    for trainer, values in losses.items():
+        assert metrics["losses"][trainer] == pytest.approx(values, rel=0, abs=1e-6)
+    mine = final_weights(run_dir)
+    assert mine.keys() == weights.keys()
+    for k in weights:
+        torch.testing.assert_close(mine[k], weights[k], rtol=0, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+
+
+@pytest.mark.timeout(120)
+def test_sync_mode_sum_equals_single_process_torch_summing_gradients_bit_for_bit(tmp_path):
+    # mode.aggregate=sum: the rate grows with the trainers (twice the default's steps here).
+    cfg = (*BASELINE, "mode.aggregate=sum")
+    metrics = run_app(tmp_path / "sum", *cfg)
+    losses, weights = single_process_run(make_cfg(*cfg), BASELINE_STEPS)
+    assert metrics["losses"] == losses
+    assert_same_weights(final_weights(tmp_path / "sum"), weights, exact=True)
+    mean_losses, _ = single_process_run(make_cfg(*BASELINE), BASELINE_STEPS)
+    assert metrics["losses"]["trainer0"][1:] != mean_losses["trainer0"][1:]  # a different computation
 
 
 @pytest.mark.timeout(120)

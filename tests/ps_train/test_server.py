@@ -5,7 +5,16 @@ import threading
 import pytest
 import torch
 
-from ps_train.config import ClusterConfig, Config, ResNetConfig, SyntheticConfig, TrainConfig, validate
+from ps_train.config import (
+    ClusterConfig,
+    Config,
+    ModeConfig,
+    OptimConfig,
+    ResNetConfig,
+    SyntheticConfig,
+    TrainConfig,
+    validate,
+)
 from ps_train.server import ParameterServer
 
 
@@ -82,3 +91,48 @@ def test_a_failed_sync_update_fails_its_round_and_what_waits_for_it_naming_it(mo
         ps.forward(0, torch.randn(4, *cfg.data.sample_shape()), 0, 1)
     with pytest.raises(RuntimeError, match=f"cannot run the step-1 update: {failed}"):
         ps.apply_sync(1, 1, 1)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("aggregate", "divisor"), [("mean", 3), ("sum", 1)])
+def test_a_sync_round_steps_once_with_the_mean_or_the_sum_of_the_trainers_gradients(monkeypatch, aggregate, divisor):
+    # Plain SGD: a step with gradient g moves each weight by -lr * g.
+    cfg = validate(Config(cluster=ClusterConfig(num_servers=1, num_trainers=3), optim=OptimConfig(momentum=0.0),
+                          mode=ModeConfig(name="sync", aggregate=aggregate), train=TrainConfig(steps=1)))
+    ps = ParameterServer(cfg, rank=0)
+    before = [p.detach().clone() for p in ps.params]
+    # Trainer k's gradient (context k) is k + 1 everywhere.
+    monkeypatch.setattr(ps, "_grads", lambda context_id: {p: torch.full_like(p, context_id + 1.0) for p in ps.params})
+    rounds = [ps.apply_sync(k, k, 0) for k in (2, 0, 1)]
+    assert all(r.done() for r in rounds) and ps.version == 1
+    for p, w in zip(ps.params, before, strict=True):
+        assert torch.equal(p.detach(), w.add(torch.full_like(w, 1.0 + 2.0 + 3.0) / divisor, alpha=-cfg.optim.lr))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("rule", "factors"), [("scale", [1, 1, 1 / 2, 1 / 3, 1 / 3]), ("none", [1, 1, 1, 1, 1])])
+def test_an_async_update_steps_at_the_learning_rate_its_staleness_gives(monkeypatch, rule, factors):
+    # Plain SGD with a gradient of ones: an update at rate r moves each weight by -r.
+    cfg = validate(Config(cluster=ClusterConfig(num_servers=2, num_trainers=4, placement="round_robin"),
+                          optim=OptimConfig(momentum=0.0), mode=ModeConfig(name="async", staleness_rule=rule),
+                          train=TrainConfig(steps=2)))
+    ps = ParameterServer(cfg, rank=0)  # the MLP's shards 0 (input [B, 64]) and 2 (input [B, 64])
+    assert sorted(ps.shards) == [0, 2]
+    before = [p.detach().clone() for p in ps.params]
+    monkeypatch.setattr(ps, "_grads", lambda context_id: {p: torch.ones_like(p) for p in ps.params})
+    x = torch.randn(4, *cfg.data.sample_shape())  # [4, 64]
+    for t in range(4):
+        ps.forward(0, x, t, 0)  # every trainer's step 0 reads version 0
+    staleness = [ps.apply_async(0, 0, 0)]  # nobody overtook trainer0: 0
+    ps.forward(0, x, 0, 1)  # trainer0's step 1 reads version 1
+    ps.forward(2, torch.randn(4, 64), 1, 0)  # trainer1's last shard at version 1: its step first read version 0
+    staleness += [ps.apply_async(0, t, 0) for t in (1, 2, 3)]  # 1, 2, 3 updates since version 0
+    staleness.append(ps.apply_async(0, 0, 1))  # trainer0's step 1: versions 2, 3, 4 since its read
+    assert staleness == [0, 1, 2, 3, 3]
+    assert ps.max_staleness_seen == 3 and ps.version == 5
+    assert ps._read_version == {}  # every step's read is forgotten once its update is in
+    assert ps.optimizer.param_groups[0]["lr"] == cfg.optim.lr  # the configured rate is back
+    for p, w in zip(ps.params, before, strict=True):
+        for f in factors:
+            w = w.add(torch.ones_like(w), alpha=-cfg.optim.lr * f)
+        assert torch.equal(p.detach(), w)
