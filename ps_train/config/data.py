@@ -119,7 +119,7 @@ class CtrDataConfig(DataConfig):
     if given, else ``num_tables`` tables of ``table_rows`` rows each."""
 
     num_tables: int = 8
-    table_rows: int = 10000
+    table_rows: int = 1000
     table_sizes: list[int] = field(default_factory=list)
     test_fraction: float = 0.1  # the last samples (in time order) are the held-out split
 
@@ -153,7 +153,7 @@ class SyntheticCtrConfig(CtrDataConfig):
     """Seeded CTR data with a known best AUC (``ps_train.ctr.synthetic``); offline."""
 
     name: str = "synthetic_ctr"
-    num_samples: int = 400000  # train + test
+    num_samples: int = 500000  # train + test
     num_dense: int = 13
     zipf_alpha: float = 1.05  # id popularity ~ rank ** -alpha; 0 = uniform
     positive_rate: float = 0.25
