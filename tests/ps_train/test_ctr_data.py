@@ -283,7 +283,7 @@ def test_malformed_line_error_names_file_line_and_problem(tmp_path, kind, proble
     assert isinstance(err, ValueError)
     assert (err.path, err.line) == (str(path), 3)  # line numbers restart in each file
     assert str(err).startswith(f"{path}, line 3: {problem}")
-    assert "skip_malformed=True" in str(err)
+    assert "data.skip_malformed=true" in str(err)  # the config flag that skips such lines
 
 
 def test_skip_malformed_counts_skips_and_warns_once(tmp_path, caplog):
