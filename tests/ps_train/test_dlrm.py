@@ -9,17 +9,20 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from ps_train.checkpoint_files import latest_checkpoint, load_checkpoint
-from ps_train.config import Config, optimizer_spec, table_optimizer_spec
+from ps_train.config import Config, CriteoConfig, optimizer_spec, table_optimizer_spec
+from ps_train.ctr import CriteoFormatError
 from ps_train.ctr.batches import CtrBatchIterator
 from ps_train.ctr.loading import load_ctr_data
+from ps_train.ctr_metrics import auc
 from ps_train.dlrm import DLRM
 from ps_train.row_sharding import RowSharding
-from tests.ps_train._app import make_cfg, read_json, run_app
+from tests.ps_train._app import make_cfg, read_json, run_app, scalars
 
 # Small and quick, with few rows per table so a batch uses rows several times (the
 # trainer deduplicates them) and every server owns rows that batches use.
@@ -113,3 +116,84 @@ def test_sync_dlrm_equals_single_process_embedding_bags(tmp_path: Path, setup: t
     # Only touched rows moved, and the trainer asked for each distinct row once per step.
     assert 0 < metrics["rows_pulled_per_step"] <= cfg.train.batch_size * len(cfg.data.sizes())
     assert metrics["rows_pushed_per_step"] == metrics["rows_pulled_per_step"]
+
+
+@pytest.mark.timeout(180)
+def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path: Path) -> None:
+    # Table rows and their Adagrad sums are in the checkpoint: resumed == uninterrupted, bit
+    # for bit (the same distributed arithmetic both ways).
+    cfg = (*SMALL, "mode=sync", "checkpoint.every=2", "checkpoint.keep=0")
+    whole = run_app(tmp_path / "whole", *cfg, "train.steps=6", timeout=120)
+    run_app(tmp_path / "first", *cfg, "train.steps=4", timeout=120)
+    second = run_app(tmp_path / "second", *cfg, "train.steps=6", f"resume={tmp_path / 'first'}", timeout=120)
+    for trainer in ("trainer0", "trainer1"):
+        assert second["losses"][trainer] == whole["losses"][trainer][4:]
+    a, b = saved_servers(tmp_path / "whole"), saved_servers(tmp_path / "second")
+    for server in ("ps0", "ps1"):
+        for t, (x, y) in enumerate(zip(a[server]["tables"]["weights"], b[server]["tables"]["weights"], strict=True)):
+            assert torch.equal(x, y), f"{server} table {t}"
+        assert str(a[server]["tables"]["optimizer"]) == str(b[server]["tables"]["optimizer"])
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_async_and_ssp_train_and_report_ctr_metrics(tmp_path: Path, mode: str) -> None:
+    steps = 40
+    extra = ("mode.staleness=1",) if mode == "ssp" else ()
+    m = run_app(tmp_path, *SMALL, f"mode={mode}", *extra, f"train.steps={steps}", "train.batch_size=64",
+                "model.table_lr=0.2", timeout=150)
+    # Every trainer's update reaches every server: dense shards and table rows alike.
+    assert m["server_updates"] == [2 * steps, 2 * steps]
+    assert all(n > 0 for n in m["table_rows_updated"].values())
+    assert 0.5 < m["test_auc"] <= 1.0 and m["test_best_auc"] > m["test_auc"] - 0.05
+    assert m["test_log_loss"] < m["test_base_log_loss"] + 0.05
+    assert set(m["peak_rss_bytes"]) == {"ps0", "ps1", "trainer0", "trainer1"}
+    assert all(200e6 < v < 1.5e9 for v in m["peak_rss_bytes"].values())
+    assert set(m["server_bytes_per_step"]) == {"ps0", "ps1"}
+    assert all(v["sent"] > 0 and v["received"] > 0 for v in m["server_bytes_per_step"].values())
+    assert m["samples_per_s"] > 0 and m["rows_pulled_per_step"] > 0
+    assert read_json(tmp_path / "metrics.json")["test_auc"] == m["test_auc"]
+    tags = scalars(tmp_path / "tb" / "trainer0")
+    for tag in ("test/auc", "test/log_loss", "train/rows_pulled", "train/rows_pushed", "rpc/bytes_sent/ps0",
+                "hparam/test_auc"):
+        assert tag in tags, f"{tag} missing from TensorBoard"
+
+
+def _criteo_file(path: Path, n: int, bad_line: int | None = None) -> None:
+    rng = np.random.default_rng(0)
+    lines = []
+    for i in range(n):
+        ints = [str(int(v)) for v in rng.integers(0, 100, 13)]
+        cats = [f"{int(v):08x}" for v in rng.integers(0, 2**32, 26)]
+        label = "x" if i + 1 == bad_line else str(int(rng.integers(2)))
+        lines.append("\t".join([label, *ints, *cats]) + "\n")
+    path.write_text("".join(lines))
+
+
+def test_criteo_malformed_line_fails_naming_file_line_and_flag_or_is_skipped(tmp_path: Path) -> None:
+    _criteo_file(tmp_path / "day_0", 50, bad_line=7)
+    cfg = CriteoConfig(root=str(tmp_path), table_rows=20)
+    with pytest.raises(CriteoFormatError, match=r"day_0, line 7: the label is 'x'.*data.skip_malformed=true"):
+        load_ctr_data(cfg)
+    train, test, best = load_ctr_data(CriteoConfig(root=str(tmp_path), table_rows=20, skip_malformed=True))
+    assert (len(train) + len(test), best) == (49, None)
+
+
+@pytest.mark.timeout(180)
+def test_criteo_files_train_end_to_end(tmp_path: Path) -> None:
+    _criteo_file(tmp_path / "day_0", 400)
+    m = run_app(tmp_path / "run", "model=dlrm", "data=criteo", f"data.root={tmp_path}", "data.table_rows=50",
+                "train.batch_size=16", "train.steps=5", "cluster.num_trainers=1", "checkpoint.every=0", timeout=120)
+    assert m["steps"] == 5 and "test_best_auc" not in m and 0.0 <= m["test_auc"] <= 1.0
+
+
+@pytest.mark.timeout(300)
+def test_default_dlrm_run_reaches_the_generators_best_auc_single_process() -> None:
+    # `python -m ps_train model=dlrm data=synthetic_ctr`'s hyper-parameters, replayed as sync
+    # mode runs them (the oracle above): the run's AUC is within 0.02 of the best possible.
+    cfg = make_cfg("model=dlrm", "data=synthetic_ctr")
+    _, model = reference_run(cfg, cfg.train.steps)
+    _, test, best = load_ctr_data(cfg.data)
+    with torch.no_grad():
+        z = torch.cat([model(test.dense[i:i + 8192], test.ids[i:i + 8192]) for i in range(0, len(test), 8192)])
+    assert best - auc(z, test.labels) < 0.02
