@@ -279,20 +279,29 @@ class ParameterServer:
 
     def state_dict(self) -> dict[str, Any]:
         with self.lock:
-            return {
-                "shards": {i: copy.deepcopy(m.state_dict()) for i, m in self.shards.items()},
-                "optimizer": copy.deepcopy(self.optimizer.state_dict()) if self.optimizer else None,
-                "version": self.version,
-                "rounds": self.rounds,
-                "updates": dict(self.updates),
-                "tables": self.tables.state_dict() if self.tables is not None else None,
-            }
+            return self._state(copy_tables=True)
+
+    def _state(self, copy_tables: bool) -> dict[str, Any]:
+        # Caller holds self.lock.
+        tables = self.tables.state_dict(copy=copy_tables) if self.tables is not None else None
+        return {
+            "shards": {i: copy.deepcopy(m.state_dict()) for i, m in self.shards.items()},
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()) if self.optimizer else None,
+            "version": self.version,
+            "rounds": self.rounds,
+            "updates": dict(self.updates),
+            "tables": tables,
+        }
 
     def save_state(self, ckpt_dir: str) -> ShardFile:
         """Write this server's shards and optimizer state into the checkpoint folder
         ``ckpt_dir`` as ``ps<rank>.pt``; returns the file's manifest entry. The checkpoint
         coordinator (``ps_train.checkpoint_protocol``) calls it through the server's RRef."""
-        return save_shard_state(ckpt_dir, f"ps{self.rank}", self.state_dict())
+        if self.tables is None:
+            return save_shard_state(ckpt_dir, f"ps{self.rank}", self.state_dict())
+        # Tables are too large to copy: updates wait while they are written out.
+        with self.lock:
+            return save_shard_state(ckpt_dir, f"ps{self.rank}", self._state(copy_tables=False))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         with self.lock:

@@ -10,7 +10,7 @@ rows trainers looked up travel back, and SGD, Adagrad and SparseAdam update only
 """
 from __future__ import annotations
 
-import copy
+import copy as copy_module
 import warnings
 from typing import Any
 
@@ -68,11 +68,14 @@ class TableServer:
         return {"table_bytes": self.nbytes(), "table_rows_updated": self.rows_updated,
                 "table_rows_read": self.rows_read}
 
-    def state_dict(self) -> dict[str, Any]:
-        # Copies: a checkpoint must not change while it is being written (async modes).
-        return {"weights": [p.detach().clone() for p in self.params],
-                "optimizer": copy.deepcopy(self.optimizer.state_dict()),
-                "rows_updated": self.rows_updated}
+    def state_dict(self, copy: bool = True) -> dict[str, Any]:
+        """The rows and optimizer state; ``copy=False``: the live tensors themselves (the
+        caller keeps updates off while it uses them), for tables too large to copy."""
+        weights = [p.detach() for p in self.params]
+        opt = self.optimizer.state_dict()
+        if copy:
+            weights, opt = [w.clone() for w in weights], copy_module.deepcopy(opt)
+        return {"weights": weights, "optimizer": opt, "rows_updated": self.rows_updated}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         weights = state["weights"]
