@@ -11,6 +11,8 @@ rows trainers looked up travel back, and SGD, Adagrad and SparseAdam update only
 from __future__ import annotations
 
 import copy as copy_module
+import logging
+import time
 import warnings
 from typing import Any
 
@@ -22,13 +24,19 @@ from ps_train.table_shards import TableShards
 
 __all__ = ["TableServer", "make_table_server"]
 
+log = logging.getLogger("ps_train.server")
+
 
 class TableServer:
     """Server ``rank``'s rows of every table (``TableShards``) and their optimizer."""
 
     def __init__(self, model: DLRMConfig, data: CtrDataConfig, cfg: Config, rank: int) -> None:
+        t0 = time.perf_counter()
         self.shards = TableShards(data.sizes(), model.embedding_dim, model.table_sharding, rank,
                                   cfg.cluster.num_servers, cfg.seed)
+        log.info("ps%d: built its rows of %d tables (%s sharding): %d rows, %.3f GB, in %.1f s", rank,
+                 len(self.shards.weights), model.table_sharding, sum(w.shape[0] for w in self.shards.weights),
+                 self.nbytes() / 1e9, time.perf_counter() - t0)
         self.params: list[nn.Parameter] = list(self.shards.weights)
         cls, kwargs = table_optimizer_spec(model.table_optim, cfg.optim, model.table_lr)
         self.optimizer = cls(self.params, **kwargs)
