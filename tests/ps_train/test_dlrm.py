@@ -89,9 +89,10 @@ def assert_losses_close(got: dict[str, list[float]], want: dict[str, list[float]
 # Why 1e-6 and not bit-exact: a row used by several samples of a batch gets their gradients
 # summed by the trainer's gather backward (deduplicated rows) and then coalesced on the
 # server, where the reference's EmbeddingBag hands one gradient per sample to a sparse
-# coalesce: the same terms, added in another order, so float32 results differ in the last
-# bits. Everything else (dense layers, the sum over trainers in rank order) runs the same
-# arithmetic as the reference.
+# coalesce: the same terms, added in another order, so some table values differ in their
+# last bit (seen: up to 4e-8). Everything else (dense layers, the sum over trainers in rank
+# order) runs the same arithmetic as the reference; in these short runs the losses have come
+# out bit-identical, but nothing guarantees that once table values differ.
 ATOL = 1e-6
 
 
@@ -104,7 +105,11 @@ ATOL = 1e-6
     # ps2 holds table rows only; Adam on the MLPs, lazy Adam on the tables.
     ("cluster.num_trainers=2", "cluster.num_servers=3", "optim=adam", "optim.lr=0.01", "model.table_optim=sparse_adam",
      "model.table_sharding=mod"),
-], ids=["1trainer-sgd-adagrad-range", "2trainers-sgd-adagrad-range", "2trainers-3servers-adam-sparseadam-mod"])
+    # SGD on the tables: here even the per-row arithmetic is the reference's, bit for bit.
+    ("cluster.num_trainers=2", "cluster.num_servers=2", "optim=sgd", "model.table_optim=sgd"),
+], ids=["1trainer-sgd-adagrad-range", "2trainers-sgd-adagrad-range", "2trainers-3servers-adam-sparseadam-mod",
+        "2trainers-sgd-sgd"])
+@pytest.mark.filterwarnings("ignore:Sparse invariant checks")  # the reference's Adagrad, see table_server
 def test_sync_dlrm_equals_single_process_embedding_bags(tmp_path: Path, setup: tuple[str, ...]) -> None:
     steps = 8
     overrides = (*SMALL, *setup, f"train.steps={steps}", "mode=sync")
@@ -116,6 +121,22 @@ def test_sync_dlrm_equals_single_process_embedding_bags(tmp_path: Path, setup: t
     # Only touched rows moved, and the trainer asked for each distinct row once per step.
     assert 0 < metrics["rows_pulled_per_step"] <= cfg.train.batch_size * len(cfg.data.sizes())
     assert metrics["rows_pushed_per_step"] == metrics["rows_pulled_per_step"]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.filterwarnings("ignore:Sparse invariant checks")
+def test_torch_backend_trains_dlrm_like_the_oracle(tmp_path: Path) -> None:
+    # The same application on torch.distributed.rpc. Its losses leave the oracle's (and
+    # rpc_core's, which are bit-identical here) by up to ~1e-6 from the first table update on,
+    # while its dense layers alone stay exact (checked with a vanishing model.table_lr): the
+    # rows' sparse gradients come out of torch's distributed autograd rounded differently.
+    # Where exactly is not tracked down; hence the looser bound.
+    overrides = (*SMALL, "cluster.num_trainers=2", "cluster.num_servers=2", "optim=sgd", "model.table_optim=sgd",
+                 "backend=torch", "train.steps=8", "mode=sync")
+    metrics = run_app(tmp_path, *overrides, timeout=120)
+    losses, model = reference_run(make_cfg(*overrides), 8)
+    assert metrics["backend"] == "torch"
+    assert_losses_close(metrics["losses"], losses, 1e-5)
 
 
 @pytest.mark.timeout(180)
@@ -188,6 +209,7 @@ def test_criteo_files_train_end_to_end(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.filterwarnings("ignore:Sparse invariant checks")
 def test_default_dlrm_run_reaches_the_generators_best_auc_single_process() -> None:
     # `python -m ps_train model=dlrm data=synthetic_ctr`'s hyper-parameters, replayed as sync
     # mode runs them (the oracle above): the run's AUC is within 0.02 of the best possible.
