@@ -158,6 +158,7 @@ class SyntheticCtrConfig(CtrDataConfig):
     zipf_alpha: float = 1.05  # id popularity ~ rank ** -alpha; 0 = uniform
     positive_rate: float = 0.25
     signal_std: float = 1.4  # std of the hidden model's logit: higher = easier (best AUC up)
+    interaction: float = 0.0  # share of the logit's variance from pairwise table interactions
     data_seed: int = 0
 
     def dense_count(self) -> int:
@@ -170,6 +171,9 @@ class SyntheticCtrConfig(CtrDataConfig):
         p.need(self.zipf_alpha >= 0, f"data.zipf_alpha: {self.zipf_alpha} must be >= 0")
         p.need(0.0 < self.positive_rate < 1.0, f"data.positive_rate: {self.positive_rate} must be in (0, 1)")
         p.need(self.signal_std > 0, f"data.signal_std: {self.signal_std} must be > 0")
+        p.need(0.0 <= self.interaction < 1.0, f"data.interaction: {self.interaction} must be in [0, 1)")
+        p.need(self.interaction == 0 or len(self.sizes()) >= 2,
+               "data.interaction: pairwise interactions need at least 2 tables")
         return p
 
 

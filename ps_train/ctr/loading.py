@@ -16,7 +16,8 @@ def load_ctr_data(cfg: CtrDataConfig) -> tuple[CtrSplit, CtrSplit, float | None]
     a model can reach on the test split (synthetic data only; None for Criteo)."""
     if isinstance(cfg, SyntheticCtrConfig):
         return synthetic_ctr(cfg.num_samples, cfg.num_dense, cfg.sizes(), cfg.zipf_alpha, cfg.data_seed,
-                             cfg.test_fraction, positive_rate=cfg.positive_rate, signal_std=cfg.signal_std)
+                             cfg.test_fraction, positive_rate=cfg.positive_rate, signal_std=cfg.signal_std,
+                             interaction=cfg.interaction)
     if isinstance(cfg, CriteoConfig):
         root = os.path.expanduser(cfg.root)
         if not os.path.exists(root):
