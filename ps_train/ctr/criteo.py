@@ -19,7 +19,8 @@ What a line becomes:
 A malformed line (not 40 fields, a label other than 0/1, a non-integer I field, a non-hex
 C field) raises ``CriteoFormatError`` naming the file, the 1-based line number and the
 problem; with ``skip_malformed=True`` (the config's ``data.skip_malformed=true``) such
-lines are counted in ``CriteoStats`` and skipped, and one warning gives the count. A line ending in ``\\r\\n`` is accepted.
+lines are counted in ``CriteoStats`` and skipped, and one warning gives the count. A line
+ending in ``\\r\\n`` is accepted.
 
 Speed and size: this is a plain Python parser (tens of thousands of lines per second)
 that holds everything in memory -- right for test files and samples of a few million
