@@ -126,11 +126,11 @@ def test_sync_dlrm_equals_single_process_embedding_bags(tmp_path: Path, setup: t
 @pytest.mark.timeout(180)
 @pytest.mark.filterwarnings("ignore:Sparse invariant checks")
 def test_torch_backend_trains_dlrm_like_the_oracle(tmp_path: Path) -> None:
-    # The same application on torch.distributed.rpc. Its losses leave the oracle's (and
-    # rpc_core's, which are bit-identical here) by up to ~1e-6 from the first table update on,
-    # while its dense layers alone stay exact (checked with a vanishing model.table_lr): the
-    # rows' sparse gradients come out of torch's distributed autograd rounded differently.
-    # Where exactly is not tracked down; hence the looser bound.
+    # The same application on torch.distributed.rpc trains close to the oracle, but not on
+    # it: after one step (one trainer too) the updated table rows differ from rpc_core's and
+    # the oracle's by up to ~2e-4, while the dense layers are bit-identical -- the rows'
+    # sparse gradients that torch's distributed autograd leaves in the server's context
+    # differ from a local backward's. Not tracked down yet; the losses stay within 1e-5.
     overrides = (*SMALL, "cluster.num_trainers=2", "cluster.num_servers=2", "optim=sgd", "model.table_optim=sgd",
                  "backend=torch", "train.steps=8", "mode=sync")
     metrics = run_app(tmp_path, *overrides, timeout=120)
