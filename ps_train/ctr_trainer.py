@@ -66,8 +66,8 @@ class CtrTrainer(Trainer):
         plans = self._plans(ids)
         # Every server's lookup leaves at once; the bottom MLP's forward runs meanwhile.
         t0 = time.perf_counter()
-        futs = [server.rpc_async().lookup([p.local[s] for p in plans], self.index, self.step)
-                for s, server in enumerate(self.servers)]
+        futs = [self.rpc.rpc_async(f"ps{s}", _lookup, args=([p.local[s] for p in plans], self.index, self.step))
+                for s in range(len(self.servers))]
         (bottom, bottom_server), (top, top_server) = self.shard_servers
         x = self._call(bottom_server, "forward", bottom, dense, self.index, self.step)  # [B, d]
         rows = [f.wait() for f in futs]
@@ -136,6 +136,18 @@ class CtrTrainer(Trainer):
                 f"ps{r}": {"sent": s["bytes_sent"] / steps, "received": s["bytes_received"] / steps}
                 for r, s in enumerate(server_stats)}
         return out
+
+
+def _lookup(local_ids: list[Tensor], trainer: int, step: int) -> list[Tensor]:
+    """Runs on a server: its rows ``local_ids[t]`` of every table (``ParameterServer.lookup``).
+
+    Called as a function with ``rpc_async``, not through ``rref.rpc_async()``: torch's RRef
+    proxy sends that call from a callback thread, outside the caller's distributed-autograd
+    context, so on backend=torch the rows would come back without a way to send their
+    gradients home."""
+    from ps_train.server import local_server
+
+    return local_server().lookup(local_ids, trainer, step)
 
 
 def trainer_class(cfg: Config) -> type[Trainer]:

@@ -326,6 +326,13 @@ def create(cfg: Config, rank: int) -> ParameterServer:
     return _server
 
 
+def local_server() -> ParameterServer:
+    """This process's ParameterServer (for functions that trainers call on a server)."""
+    if _server is None:
+        raise RuntimeError("this worker hosts no ParameterServer (is it a trainer?)")
+    return _server
+
+
 def get_server_rref() -> Any:
     """Called by trainers over RPC: an RRef to this process's ParameterServer."""
     if _server is None:

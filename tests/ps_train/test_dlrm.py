@@ -105,10 +105,11 @@ ATOL = 1e-6
     # ps2 holds table rows only; Adam on the MLPs, lazy Adam on the tables.
     ("cluster.num_trainers=2", "cluster.num_servers=3", "optim=adam", "optim.lr=0.01", "model.table_optim=sparse_adam",
      "model.table_sharding=mod"),
-    # SGD on the tables: here even the per-row arithmetic is the reference's, bit for bit.
     ("cluster.num_trainers=2", "cluster.num_servers=2", "optim=sgd", "model.table_optim=sgd"),
+    # The same application on torch.distributed.rpc.
+    ("cluster.num_trainers=2", "cluster.num_servers=2", "optim=sgd", "model.table_optim=adagrad", "backend=torch"),
 ], ids=["1trainer-sgd-adagrad-range", "2trainers-sgd-adagrad-range", "2trainers-3servers-adam-sparseadam-mod",
-        "2trainers-sgd-sgd"])
+        "2trainers-sgd-sgd", "torch-backend"])
 @pytest.mark.filterwarnings("ignore:Sparse invariant checks")  # the reference's Adagrad, see table_server
 def test_sync_dlrm_equals_single_process_embedding_bags(tmp_path: Path, setup: tuple[str, ...]) -> None:
     steps = 8
@@ -121,22 +122,6 @@ def test_sync_dlrm_equals_single_process_embedding_bags(tmp_path: Path, setup: t
     # Only touched rows moved, and the trainer asked for each distinct row once per step.
     assert 0 < metrics["rows_pulled_per_step"] <= cfg.train.batch_size * len(cfg.data.sizes())
     assert metrics["rows_pushed_per_step"] == metrics["rows_pulled_per_step"]
-
-
-@pytest.mark.timeout(180)
-@pytest.mark.filterwarnings("ignore:Sparse invariant checks")
-def test_torch_backend_trains_dlrm_like_the_oracle(tmp_path: Path) -> None:
-    # The same application on torch.distributed.rpc trains close to the oracle, but not on
-    # it: after one step (one trainer too) the updated table rows differ from rpc_core's and
-    # the oracle's by up to ~2e-4, while the dense layers are bit-identical -- the rows'
-    # sparse gradients that torch's distributed autograd leaves in the server's context
-    # differ from a local backward's. Not tracked down yet; the losses stay within 1e-5.
-    overrides = (*SMALL, "cluster.num_trainers=2", "cluster.num_servers=2", "optim=sgd", "model.table_optim=sgd",
-                 "backend=torch", "train.steps=8", "mode=sync")
-    metrics = run_app(tmp_path, *overrides, timeout=120)
-    losses, model = reference_run(make_cfg(*overrides), 8)
-    assert metrics["backend"] == "torch"
-    assert_losses_close(metrics["losses"], losses, 1e-5)
 
 
 @pytest.mark.timeout(180)
