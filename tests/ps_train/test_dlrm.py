@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ps_train.checkpoint_files import latest_checkpoint, load_checkpoint
-from ps_train.config import Config, CriteoConfig, optimizer_spec, table_optimizer_spec
+from ps_train.config import Config, ConfigError, CriteoConfig, optimizer_spec, table_optimizer_spec
 from ps_train.ctr import CriteoFormatError
 from ps_train.ctr.batches import CtrBatchIterator
 from ps_train.ctr.loading import load_ctr_data
@@ -139,6 +139,9 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path: Path) -> N
         for t, (x, y) in enumerate(zip(a[server]["tables"]["weights"], b[server]["tables"]["weights"], strict=True)):
             assert torch.equal(x, y), f"{server} table {t}"
         assert str(a[server]["tables"]["optimizer"]) == str(b[server]["tables"]["optimizer"])
+    with pytest.raises(ConfigError, match=r"data.table_sizes: the checkpoint has \[40, 7, 300\]"):
+        run_app(tmp_path / "other", *cfg, "train.steps=6", "data.table_sizes=[40,7,301]",
+                f"resume={tmp_path / 'first'}")
 
 
 @pytest.mark.timeout(240)
