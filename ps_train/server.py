@@ -45,7 +45,7 @@ from ps_train.config import Config, optimizer_spec
 from ps_train.faults import maybe_inject_fault
 from ps_train.metrics import peak_rss_bytes
 from ps_train.stage_sharding import model_shards, shards_of_server
-from ps_train.table_server import make_table_server
+from ps_train.table_server import TableServer, make_table_server
 from rpc_core.functions import async_execution
 
 log = logging.getLogger("ps_train.server")
@@ -169,7 +169,7 @@ class ParameterServer:
         with self.lock:
             return tables.read(local_ids)
 
-    def _tables(self) -> Any:
+    def _tables(self) -> TableServer:
         if self.tables is None:
             raise RuntimeError(f"ps{self.rank} holds no embedding tables: the model is not model=dlrm")
         return self.tables
