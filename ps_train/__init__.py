@@ -13,6 +13,10 @@ identical final weights; so does a run resumed from a checkpoint, and ``backend=
 gives the same numbers as rpc_core. Each step equals plain single-process torch that adds
 the trainers' mean-loss gradients in trainer-rank order and divides the sum by the number of
 trainers (``mode.aggregate=mean``; ``sum`` stops there) (tests/ps_train/test_reproducibility.py).
+For ``model=dlrm`` the reference is ``nn.EmbeddingBag(sparse=True)`` tables, which sum a row's
+per-sample gradients in another order than the trainer's deduplicated lookup: table values
+agree within float32 rounding (1e-6, tests/ps_train/test_dlrm.py), on either backend, and
+runs repeat bit for bit.
 What makes it so: seeded init and shard placement, seeded per-epoch data partitions,
 gradients added in rank order on every server, dropout masks seeded per (seed, shard,
 trainer, step), and BatchNorm statistics updated in trainer order. Changing

@@ -24,7 +24,6 @@ from __future__ import annotations
 import base64
 import dataclasses
 import hashlib
-import io
 import json
 import os
 import random
@@ -141,29 +140,51 @@ def begin_checkpoint(run_dir: str | os.PathLike[str], step: int) -> Path:
 
 
 def save_shard_state(ckpt_dir: str | os.PathLike[str], shard_name: str, state: Mapping[str, Any]) -> ShardFile:
-    """Save one shard's state (e.g. ``{"model": sd, "optimizer": sd, "rng": ...}``) atomically."""
+    """Save one shard's state (e.g. ``{"model": sd, "optimizer": sd, "rng": ...}``) atomically.
+
+    Streamed to a temporary file and hashed from there: a server holding gigabytes of
+    embedding rows never holds a serialised copy of them in memory as well."""
     if not _SHARD_NAME.fullmatch(shard_name):
         raise ValueError(f"shard name {shard_name!r} must match [A-Za-z0-9_.-]+ (it becomes a file name)")
-    buf = io.BytesIO()
-    torch.save(dict(state), buf)
-    data = buf.getvalue()
     file = f"{shard_name}.pt"
-    atomic_write_bytes(Path(ckpt_dir) / file, data)
-    return ShardFile(shard_name, file, len(data), hashlib.sha256(data).hexdigest())
+    path = Path(ckpt_dir) / file
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(dict(state), f)
+            f.flush()
+            os.fsync(f.fileno())  # contents on disk before the rename makes them visible
+        size, digest = _file_sha256(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(path.parent)
+    return ShardFile(shard_name, file, size, digest)
+
+
+def _file_sha256(path: str | os.PathLike[str]) -> tuple[int, str]:
+    """``(size, SHA-256 hex digest)`` of a file, read in chunks."""
+    h, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+            size += len(chunk)
+    return size, h.hexdigest()
 
 
 def load_shard_state(ckpt_dir: str | os.PathLike[str], entry: ShardFile, verify: bool = True) -> dict[str, Any]:
     """Load a shard file listed in a manifest, checking its SHA-256 unless ``verify=False``."""
     path = Path(ckpt_dir) / entry.file
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {ckpt_dir}: shard file {entry.file} is missing") from None
-    if verify and hashlib.sha256(data).hexdigest() != entry.sha256:
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {ckpt_dir}: shard file {entry.file} is missing")
+    if verify and _file_sha256(path)[1] != entry.sha256:
         raise CheckpointError(f"checkpoint {ckpt_dir}: {entry.file} does not match the manifest's SHA-256 "
                               "(corrupt or overwritten); resume from an earlier checkpoint")
     # weights_only: a checkpoint is data; loading it must not run code from the file.
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def write_manifest(ckpt_dir: str | os.PathLike[str], manifest: Manifest) -> Path:

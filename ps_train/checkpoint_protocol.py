@@ -119,6 +119,10 @@ def check_resumable(cfg: Config, path: str) -> dict[str, Any]:
             old, new = saved.get(group, {}).get(key), now[group][key]
             if old is not None and old != new:
                 problems.append(f"{group}.{key}: the checkpoint has {old!r}, this run {new!r}")
+        for key in _TABLE_KEYS:  # model=dlrm: the servers' saved table shards have these shapes
+            old, new = saved.get("data", {}).get(key), now["data"].get(key)
+            if old is not None and new is not None and old != new:
+                problems.append(f"data.{key}: the checkpoint has {old!r}, this run {new!r}")
         if problems:
             raise ConfigError(f"resume={path}: {state['checkpoint']} was written by a different setup; pass the "
                               "original run's overrides again:\n  - " + "\n  - ".join(problems))
@@ -127,3 +131,4 @@ def check_resumable(cfg: Config, path: str) -> dict[str, Any]:
 
 # Config sections a resumed run must share with the checkpoint's run (optim.lr etc. may change).
 _RESUME_MUST_MATCH = ("model", "seed")
+_TABLE_KEYS = ("num_tables", "table_rows", "table_sizes")

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from ps_train.row_sharding import init_rows
 
-__all__ = ["mlp", "interact", "interaction_size", "DLRM"]
+__all__ = ["mlp", "interact", "interaction_size", "dense_stages", "DLRM"]
 
 
 def mlp(sizes: Sequence[int], last_relu: bool) -> nn.Sequential:
@@ -48,6 +48,16 @@ def interact(x: Tensor, emb: Tensor) -> Tensor:
     f = feats.shape[1]
     rows, cols = torch.tril_indices(f, f, offset=-1)
     return torch.cat([x, dots[:, rows, cols]], dim=1)
+
+
+def dense_stages(num_dense: int, num_tables: int, dim: int, bottom: Sequence[int], top: Sequence[int],
+                 seed: int) -> list[nn.Sequential]:
+    """``[bottom MLP, top MLP]``, initialised exactly as ``DLRM(..., seed)`` initialises them,
+    without touching the caller's RNG: the dense stages a distributed run places on servers."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return [mlp([num_dense, *bottom, dim], last_relu=True),  # [B, num_dense] -> [B, dim]
+                mlp([interaction_size(num_tables, dim), *top, 1], last_relu=False)]  # [B, z] -> [B, 1]
 
 
 class DLRM(nn.Module):

@@ -42,6 +42,7 @@ log = logging.getLogger("ps_train")
 # What the forkserver imports once, so forked roles start without importing anything heavy.
 _PRELOAD = ["ps_train.launch", "ps_train.server", "ps_train.trainer", "ps_train.checkpoint_protocol",
             "ps_train.data", "ps_train.metrics", "rpc_core", "rpc_core.autograd", "sklearn.datasets",
+            "ps_train.ctr_trainer",
             "sklearn.model_selection", "torch.utils.tensorboard",
             "torch._dynamo",  # the first torch.optim optimizer imports it: ~2.5 s of CPU per server
             "torch.fx.experimental.symbolic_shapes"]  # first autograd.grad with grads imports sympy
@@ -87,8 +88,8 @@ def run_rank(cfg: Config, rank: int, master_addr: str, master_port: int, secret:
     backend.select(cfg.backend)
     rpc = backend.rpc()
     from ps_train import server as server_mod
-    from ps_train import trainer as trainer_mod
     from ps_train.checkpoint_protocol import checkpoint_hook, load_resume_state, load_server_state
+    from ps_train.ctr_trainer import trainer_class
 
     resume_state = load_resume_state(resume, server=name if rank < S else None) if resume else None
     if rank < S:
@@ -107,7 +108,7 @@ def run_rank(cfg: Config, rank: int, master_addr: str, master_port: int, secret:
             if resume_state is not None:
                 start = resume_state["step"]
                 data_state = resume_state["trainer_positions"].get(name)
-            t = trainer_mod.Trainer(cfg, rank - S, run_dir, start_step=start, data_state=data_state)
+            t = trainer_class(cfg)(cfg, rank - S, run_dir, start_step=start, data_state=data_state)
             result = t.run(on_step=checkpoint_hook(cfg, run_dir))
     finally:
         rpc.shutdown()

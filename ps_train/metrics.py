@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import resource
+import sys
 import time
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
@@ -18,7 +20,7 @@ from ps_train.checkpoint_files import atomic_write_text
 
 __all__ = [
     "MetricsWriter", "TensorBoardWriter", "NullWriter", "make_writer", "flatten_hparams",
-    "ThroughputMeter", "LatencyStats", "write_metrics_json",
+    "ThroughputMeter", "LatencyStats", "write_metrics_json", "peak_rss_bytes",
 ]
 
 HParamValue = bool | int | float | str
@@ -216,3 +218,9 @@ def write_metrics_json(path: str | os.PathLike[str], metrics: Mapping[str, Any])
         return v
 
     atomic_write_text(path, json.dumps(clean(dict(metrics)), indent=2, sort_keys=True, allow_nan=False) + "\n")
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size so far, in bytes (what metrics.json reports per role)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)  # Linux reports KiB, macOS bytes

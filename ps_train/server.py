@@ -17,6 +17,10 @@ shards placed on it. Trainers call it through an RRef:
   forward first read one of its shards.
 - ``clock(trainer, completed)`` (on ps0, ssp mode): returns once no trainer is more than
   ``staleness`` steps behind ``completed``.
+- ``lookup(ids, trainer, step)`` (model=dlrm): this server's rows of every table that a
+  trainer's batch uses (``ps_train.table_server``); like a forward, a sync-mode lookup of
+  step ``s`` runs once the round of step ``s - 1`` is applied. The updates above apply the
+  tables' sparse gradients along with the dense ones.
 
 In async/ssp modes a forward reads a private copy of the parameters (``clone`` keeps the
 gradient path), so an update applied while another trainer's backward is still pending
@@ -43,7 +47,9 @@ from ps_train.aggregation import combine, lr_scale, scaled_lr
 from ps_train.checkpoint_files import ShardFile, save_shard_state
 from ps_train.config import Config, optimizer_spec
 from ps_train.faults import maybe_inject_fault
+from ps_train.metrics import peak_rss_bytes
 from ps_train.stage_sharding import model_shards, shards_of_server
+from ps_train.table_server import TableServer, make_table_server
 from rpc_core.functions import async_execution
 
 log = logging.getLogger("ps_train.server")
@@ -62,11 +68,13 @@ class ParameterServer:
         # Every server builds the whole seeded model and keeps its own shards (module docstring).
         shards = shards_of_server(model_shards(cfg), rank)
         self.shards: dict[int, nn.Module] = {s.index: s.module for s in shards}
-        self.params: list[nn.Parameter] = [p for m in self.shards.values() for p in m.parameters()]
+        dense = [p for m in self.shards.values() for p in m.parameters()]
+        self.tables = make_table_server(cfg, rank)  # this server's rows of the embedding tables, if any
+        self.params: list[nn.Parameter] = dense + (self.tables.params if self.tables is not None else [])
         self.seed = cfg.seed
         self.has_dropout = any(isinstance(x, nn.Dropout) and x.p > 0 for m in self.shards.values() for x in m.modules())
         cls, kwargs = optimizer_spec(cfg.optim)
-        self.optimizer = cls(self.params, **kwargs) if self.params else None
+        self.optimizer = cls(dense, **kwargs) if dense else None
         self.lock = threading.Lock()
         self._eval_copies: dict[int, Any] = {}  # shard -> (version, eval-mode copy)
         self.forward_lock = threading.Lock()
@@ -152,6 +160,28 @@ class ParameterServer:
         with torch.no_grad():
             return cached[1](x)
 
+    def lookup(self, local_ids: list[torch.Tensor], trainer: int = -1, step: int = -1) -> list[torch.Tensor]:
+        """Rows ``local_ids[t]`` (int64 [U_t]) of every table held here: [U_t, dim] each."""
+        tables = self._tables()
+        if self.mode == "sync":
+            if step > self.rounds:  # the previous step's update is still on its way
+                self._await_round(step)
+            return tables.lookup(local_ids)
+        with self.lock:  # rows read whole, never half updated
+            self._read_version[trainer] = self.version
+            return tables.lookup(local_ids)
+
+    def read_rows(self, local_ids: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``lookup`` for evaluation: no autograd, no step bookkeeping."""
+        tables = self._tables()
+        with self.lock:
+            return tables.read(local_ids)
+
+    def _tables(self) -> TableServer:
+        if self.tables is None:
+            raise RuntimeError(f"ps{self.rank} holds no embedding tables: the model is not model=dlrm")
+        return self.tables
+
     def parameter_rrefs(self) -> list[Any]:
         rpc = backend.rpc()
         return [rpc.RRef(p) for p in self.params]
@@ -163,12 +193,16 @@ class ParameterServer:
 
     def _step(self, grads: dict[nn.Parameter, torch.Tensor], lr_factor: float = 1.0) -> None:
         # Caller holds self.lock.
-        if self.optimizer is None:
+        if self.optimizer is None and self.tables is None:
             return
         for p in self.params:
             p.grad = grads.get(p)
-        with scaled_lr(self.optimizer, lr_factor):
-            self.optimizer.step()
+        if self.optimizer is not None:
+            with scaled_lr(self.optimizer, lr_factor):
+                self.optimizer.step()
+        if self.tables is not None:
+            with scaled_lr(self.tables.optimizer, lr_factor):
+                self.tables.step()
         for p in self.params:
             p.grad = None
         self.version += 1
@@ -238,7 +272,9 @@ class ParameterServer:
     # -- state ------------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {"version": self.version, "updates": dict(self.updates),
-                               "max_staleness": self.max_staleness_seen}
+                               "max_staleness": self.max_staleness_seen, "peak_rss_bytes": peak_rss_bytes()}
+        if self.tables is not None:
+            out.update(self.tables.stats())
         if backend.name() == "rpc_core":
             from rpc_core.agent import connection_stats
 
@@ -249,19 +285,29 @@ class ParameterServer:
 
     def state_dict(self) -> dict[str, Any]:
         with self.lock:
-            return {
-                "shards": {i: copy.deepcopy(m.state_dict()) for i, m in self.shards.items()},
-                "optimizer": copy.deepcopy(self.optimizer.state_dict()) if self.optimizer else None,
-                "version": self.version,
-                "rounds": self.rounds,
-                "updates": dict(self.updates),
-            }
+            return self._state(copy_tables=True)
+
+    def _state(self, copy_tables: bool) -> dict[str, Any]:
+        # Caller holds self.lock.
+        tables = self.tables.state_dict(copy=copy_tables) if self.tables is not None else None
+        return {
+            "shards": {i: copy.deepcopy(m.state_dict()) for i, m in self.shards.items()},
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()) if self.optimizer else None,
+            "version": self.version,
+            "rounds": self.rounds,
+            "updates": dict(self.updates),
+            "tables": tables,
+        }
 
     def save_state(self, ckpt_dir: str) -> ShardFile:
         """Write this server's shards and optimizer state into the checkpoint folder
         ``ckpt_dir`` as ``ps<rank>.pt``; returns the file's manifest entry. The checkpoint
         coordinator (``ps_train.checkpoint_protocol``) calls it through the server's RRef."""
-        return save_shard_state(ckpt_dir, f"ps{self.rank}", self.state_dict())
+        if self.tables is None:
+            return save_shard_state(ckpt_dir, f"ps{self.rank}", self.state_dict())
+        # Tables are too large to copy: updates wait while they are written out.
+        with self.lock:
+            return save_shard_state(ckpt_dir, f"ps{self.rank}", self._state(copy_tables=False))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         with self.lock:
@@ -273,11 +319,23 @@ class ParameterServer:
             self.rounds = state.get("rounds", self.version)  # older checkpoints: one update per round
             self._eval_copies.clear()
             self.updates = {int(k): v for k, v in state.get("updates", {}).items()} or self.updates
+            if self.tables is not None:
+                if state.get("tables") is None:
+                    raise ValueError(f"ps{self.rank}: the checkpoint holds no embedding tables; resume a "
+                                     "model=dlrm run")
+                self.tables.load_state_dict(state["tables"])
 
 
 def create(cfg: Config, rank: int) -> ParameterServer:
     global _server
     _server = ParameterServer(cfg, rank)
+    return _server
+
+
+def local_server() -> ParameterServer:
+    """This process's ParameterServer (for functions that trainers call on a server)."""
+    if _server is None:
+        raise RuntimeError("this worker hosts no ParameterServer (is it a trainer?)")
     return _server
 
 

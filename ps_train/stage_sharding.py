@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ps_train.config import Config, ModelConfig
+from ps_train.config import Config, CtrDataConfig, DLRMConfig, ModelConfig
+from ps_train.dlrm import dense_stages
 from ps_train.models import build_stages
 
 __all__ = [
@@ -93,8 +94,10 @@ class Shard:
         return f"shard{self.index}"
 
 
-def build_shards(stages: Sequence[nn.Module], placement: list[list[int]]) -> list[Shard]:
-    """Group stages into shards in forward order; consecutive stages on one server merge.
+def build_shards(stages: Sequence[nn.Module], placement: list[list[int]], merge: bool = True) -> list[Shard]:
+    """Group stages into shards in forward order; consecutive stages on one server merge
+    (unless ``merge=False``: then each stage is its own shard, for models that compute
+    something between stages, as DLRM does between its bottom and top MLPs).
 
     With ``balanced`` placement there is exactly one shard per server; with ``round_robin``
     a server may host several (e.g. 3 stages, 2 servers: ps0 hosts shard0 and shard2).
@@ -113,7 +116,7 @@ def build_shards(stages: Sequence[nn.Module], placement: list[list[int]]) -> lis
         raise ValueError(f"placement {placement} leaves stages {missing} unplaced")
     groups: list[tuple[int, list[int]]] = []
     for i in range(len(stages)):
-        if groups and groups[-1][0] == owner[i]:
+        if merge and groups and groups[-1][0] == owner[i]:
             groups[-1][1].append(i)
         else:
             groups.append((owner[i], [i]))
@@ -135,6 +138,15 @@ def build_model_shards(cfg: ModelConfig, in_shape: tuple[int, ...], num_classes:
 
 
 def model_shards(cfg: Config) -> list[Shard]:
-    """``build_model_shards`` for a run's config: the same list in every process of the run."""
+    """``build_model_shards`` for a run's config: the same list in every process of the run.
+
+    model=dlrm: its dense stages (bottom and top MLP), one shard each, on at most two
+    servers (its tables live on all of them, see ``ps_train.table_server``)."""
+    if isinstance(cfg.model, DLRMConfig) and isinstance(cfg.data, CtrDataConfig):
+        m = cfg.model
+        stages: list[nn.Module] = list(dense_stages(cfg.data.dense_count(), len(cfg.data.sizes()), m.embedding_dim,
+                                                    m.bottom_mlp, m.top_mlp, cfg.seed))
+        servers = min(cfg.cluster.num_servers, len(stages))
+        return build_shards(stages, place_stages(stages, servers, cfg.cluster.placement), merge=False)
     return build_model_shards(cfg.model, cfg.data.sample_shape(), cfg.data.class_count(), cfg.cluster.num_servers,
                               cfg.cluster.placement, cfg.seed)

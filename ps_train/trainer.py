@@ -29,6 +29,10 @@ the update request that came before it; torch's RPC sends its release at once, a
 could overtake the update, so on ``backend=torch`` the trainer waits as described above.
 
 trainer0 also evaluates on the test split, prints progress, and writes metrics.json.
+
+What a step computes is in ``load``, ``step_loss`` and ``evaluate``; a model with another
+forward (``ps_train.ctr_trainer.CtrTrainer``, model=dlrm) overrides them and keeps the
+loop, the update protocol and checkpoints.
 """
 from __future__ import annotations
 
@@ -45,7 +49,14 @@ from ps_train.aggregation import lr_scale
 from ps_train.config import Config, config_to_dict
 from ps_train.data import BatchIterator, iter_eval_batches, load_data, total_steps
 from ps_train.faults import maybe_inject_fault
-from ps_train.metrics import LatencyStats, ThroughputMeter, flatten_hparams, make_writer, write_metrics_json
+from ps_train.metrics import (
+    LatencyStats,
+    ThroughputMeter,
+    flatten_hparams,
+    make_writer,
+    peak_rss_bytes,
+    write_metrics_json,
+)
 from ps_train.stage_sharding import model_shards
 from rpc_core.functions import async_execution
 
@@ -79,8 +90,7 @@ class Trainer:
         self.run_dir = run_dir
         self.rpc = backend.rpc()
         self.dist_autograd = backend.dist_autograd()
-        self.train_set, self.test_set = load_data(cfg.data)
-        self.batches = BatchIterator(self.train_set, index, cfg.cluster.num_trainers, cfg.train.batch_size, cfg.seed)
+        self.load()
         if data_state is not None:
             self.batches.load_state_dict(data_state)
         self.steps = total_steps(cfg.train.steps, cfg.train.epochs, len(self.train_set),
@@ -97,6 +107,13 @@ class Trainer:
         self._in_flight: tuple[Any, list[torch.futures.Future[Any]], int] | None = None
         self.pipelined = cfg.mode.name == "sync" and backend.name() == "rpc_core"  # see module docstring
 
+    def load(self) -> None:
+        """Set ``train_set``, ``test_set`` and ``batches`` (this trainer's batch iterator)."""
+        cfg = self.cfg
+        self.train_set, self.test_set = load_data(cfg.data)
+        self.batches = BatchIterator(self.train_set, self.index, cfg.cluster.num_trainers, cfg.train.batch_size,
+                                     cfg.seed)
+
     # -- one step ---------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, step: int = -1) -> torch.Tensor:
         h = x
@@ -106,7 +123,15 @@ class Trainer:
             self.latency[server].record(time.perf_counter() - t0)
         return h
 
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
+    def step_loss(self, batch: Any) -> tuple[torch.Tensor, dict[str, float]]:
+        """The forward of one step through the servers: the loss to backpropagate, and the
+        step's metrics besides the loss (here the batch accuracy)."""
+        x, y = batch
+        logits = self.forward(x, self.step)  # [B, num_classes]
+        acc = (logits.detach().argmax(1) == y).float().mean().item()
+        return F.cross_entropy(logits, y), {"accuracy": acc}
+
+    def train_step(self, batch: Any) -> dict[str, float]:
         """Forward, backward, and the update requests of one step; ``settle()`` completes
         them. Until then this step's autograd context stays open (the servers read their
         gradients from it), except when ``pipelined``."""
@@ -115,9 +140,8 @@ class Trainer:
         scope = self.dist_autograd.context()
         ctx = scope.__enter__()
         try:
-            logits = self.forward(x, self.step)  # [B, num_classes]
+            loss, out = self.step_loss(batch)
             self.settle()  # pipelined: the forward ran after the previous update, so this is done
-            loss = F.cross_entropy(logits, y)
             self.dist_autograd.backward(ctx, [loss])
             if self.cfg.mode.name == "sync":
                 futs = [s.rpc_async().apply_sync(ctx, self.index, self.step) for s in self.servers]
@@ -130,8 +154,7 @@ class Trainer:
             scope.__exit__(None, None, None)
             scope = None
         self._in_flight = (scope, futs, self.step)
-        acc = (logits.detach().argmax(1) == y).float().mean().item()
-        return {"loss": loss.item(), "accuracy": acc}
+        return {"loss": loss.item(), **out}
 
     def settle(self) -> dict[str, float]:
         """Wait until every server applied the last step's update (and, in ssp mode, until
@@ -169,6 +192,19 @@ class Trainer:
             total += len(y)
         return {"accuracy": correct / max(total, 1), "loss": loss_sum / max(total, 1)}
 
+    def describe_eval(self, ev: dict[str, float]) -> str:
+        """``evaluate()``'s result for a log line."""
+        return f"test accuracy {ev['accuracy']:.4f}"
+
+    def totals(self) -> dict[str, Any]:
+        """This trainer's own totals for metrics.json (trainer0 gathers every trainer's)."""
+        return {"peak_rss_bytes": peak_rss_bytes()}
+
+    def extra_metrics(self, all_stats: list[dict[str, Any]], server_stats: list[dict[str, Any]]) -> dict[str, Any]:
+        """metrics.json entries beyond the common ones, from every trainer's ``totals()``
+        (``all_stats``, in trainer order) and every server's ``stats()``."""
+        return {}
+
     # -- the loop ---------------------------------------------------------------------------------
     def run(self, on_step: Any = None) -> dict[str, Any] | None:
         """Train to the last step; trainer0 returns the run's final metrics, others None."""
@@ -193,7 +229,7 @@ class Trainer:
             self.servers[0].rpc_sync().finish(self.index)
         mine = {"steps": self.step, "samples": self.meter.total, "wall_time_s": wall,
                 "samples_per_s": self.meter.overall(), "losses": losses,
-                "max_steps_ahead": self.max_steps_ahead}
+                "max_steps_ahead": self.max_steps_ahead, **self.totals()}
         _publish(mine)
         if not is_chief:
             self.writer.close()
@@ -207,11 +243,10 @@ class Trainer:
         is_chief = self.index == 0
         last: dict[str, float] = {}
         while self.step < self.steps:
-            x, y = batch
-            last = self.train_step(x, y)
+            last = self.train_step(batch)
             losses.append(last["loss"])
             self.step += 1
-            self.meter.update(len(y))
+            self.meter.update(len(batch[-1]))  # every batch ends with its labels [B]
             step = self.step
             if step < self.steps:
                 batch = next(self.batches)  # overlaps the servers' update
@@ -223,9 +258,9 @@ class Trainer:
                 self._log_train(step, last)
             if evaluates:
                 ev = self.evaluate()
-                self.writer.add_scalar("test/accuracy", ev["accuracy"], step)
-                self.writer.add_scalar("test/loss", ev["loss"], step)
-                log.info("step %d: test accuracy %.4f, loss %.4f", step, ev["accuracy"], ev["loss"])
+                for key, value in ev.items():
+                    self.writer.add_scalar(f"test/{key}", value, step)
+                log.info("step %d: %s", step, self.describe_eval(ev))
             if on_step is not None:
                 on_step(self, step)
             maybe_inject_fault(self.name, step)  # test-only, see ps_train.faults
@@ -267,13 +302,13 @@ class Trainer:
         cfg = self.cfg
         others = [self.rpc.rpc_async(f"trainer{k}", final_stats, timeout=0) for k in range(1, cfg.cluster.num_trainers)]
         all_stats = [mine] + [f.wait() for f in others]
+        # Before the final evaluation, so the servers' byte counts are the training's.
+        server_stats = [s.rpc_sync().stats() for s in self.servers]
         ev = self.evaluate()
         wall = max(s["wall_time_s"] for s in all_stats)
         samples = sum(s["samples"] for s in all_stats)
-        server_stats = [s.rpc_sync().stats() for s in self.servers]
         metrics = {
-            "test_accuracy": ev["accuracy"],
-            "test_loss": ev["loss"],
+            **{f"test_{key}": value for key, value in ev.items()},
             "final_train_loss": last.get("loss"),
             "steps": self.step,
             "samples": samples,
@@ -287,16 +322,19 @@ class Trainer:
             "max_staleness": max([s["max_staleness"] for s in server_stats] + [0]),
             "max_steps_ahead": max(s["max_steps_ahead"] for s in all_stats),
             "losses": {f"trainer{k}": s["losses"] for k, s in enumerate(all_stats)},
+            "peak_rss_bytes": {**{f"ps{r}": s["peak_rss_bytes"] for r, s in enumerate(server_stats)},
+                               **{f"trainer{k}": s["peak_rss_bytes"] for k, s in enumerate(all_stats)}},
+            **self.extra_metrics(all_stats, server_stats),
         }
         w = self.writer
-        w.add_scalar("test/accuracy", ev["accuracy"], self.step)
-        w.add_scalar("test/loss", ev["loss"], self.step)
+        for key, value in ev.items():
+            w.add_scalar(f"test/{key}", value, self.step)
         w.add_hparams(flatten_hparams(config_to_dict(cfg)),
-                      {"hparam/test_accuracy": ev["accuracy"], "hparam/test_loss": ev["loss"],
+                      {**{f"hparam/test_{key}": value for key, value in ev.items()},
                        "hparam/samples_per_s": metrics["samples_per_s"]})
         w.close()
         write_metrics_json(f"{self.run_dir}/metrics.json", metrics)
-        print(f"[{self.name}] done: {self.step} steps, test accuracy {ev['accuracy']:.4f}, "
+        print(f"[{self.name}] done: {self.step} steps, {self.describe_eval(ev)}, "
               f"{metrics['samples_per_s']:,.0f} samples/s over {cfg.cluster.num_trainers} trainer(s), "
               f"{wall:.1f}s", flush=True)
         return metrics

@@ -23,14 +23,25 @@ from ps_train.config.data import (
     DATA_NAMES,
     DATA_SCHEMAS,
     VISION_SHAPES,
+    CriteoConfig,
+    CtrDataConfig,
     DataConfig,
     DigitsConfig,
     SyntheticConfig,
+    SyntheticCtrConfig,
     VisionDataConfig,
 )
 from ps_train.config.loading import from_dictconfig, register_configs
-from ps_train.config.model import MODEL_NAMES, MODEL_SCHEMAS, CNNConfig, MLPConfig, ModelConfig, ResNetConfig
-from ps_train.config.optim import OPTIMIZERS, OptimConfig, optimizer_spec
+from ps_train.config.model import (
+    MODEL_NAMES,
+    MODEL_SCHEMAS,
+    CNNConfig,
+    DLRMConfig,
+    MLPConfig,
+    ModelConfig,
+    ResNetConfig,
+)
+from ps_train.config.optim import OPTIMIZERS, TABLE_OPTIMIZERS, OptimConfig, optimizer_spec, table_optimizer_spec
 from ps_train.config.root import BACKENDS, Config, config_to_dict, validate
 from ps_train.config.run import (
     AGGREGATES,
@@ -43,13 +54,14 @@ from ps_train.config.run import (
 )
 
 __all__ = [
-    "ModelConfig", "MLPConfig", "CNNConfig", "ResNetConfig",
-    "DataConfig", "DigitsConfig", "VisionDataConfig", "SyntheticConfig",
+    "ModelConfig", "MLPConfig", "CNNConfig", "ResNetConfig", "DLRMConfig",
+    "DataConfig", "DigitsConfig", "VisionDataConfig", "SyntheticConfig", "CtrDataConfig", "SyntheticCtrConfig",
+    "CriteoConfig",
     "ClusterConfig", "OptimConfig", "ModeConfig", "TrainConfig", "CheckpointConfig",
     "LoggingConfig", "Config", "ConfigError",
     "MODEL_NAMES", "MODEL_SCHEMAS", "DATA_NAMES", "DATA_SCHEMAS", "VISION_SHAPES", "MODE_NAMES", "AGGREGATES",
-    "STALENESS_RULES", "PLACEMENTS",
-    "LAUNCHERS", "BACKENDS", "OPTIMIZERS", "register_configs", "from_dictconfig", "validate", "optimizer_spec",
+    "STALENESS_RULES", "PLACEMENTS", "LAUNCHERS", "BACKENDS", "OPTIMIZERS", "TABLE_OPTIMIZERS", "register_configs",
+    "from_dictconfig", "validate", "optimizer_spec", "table_optimizer_spec",
     "config_to_dict",
 ]
 

@@ -9,9 +9,11 @@ from omegaconf import MISSING
 from ps_train.config.base import Problems
 
 __all__ = [
-    "DataConfig", "DigitsConfig", "VisionDataConfig", "SyntheticConfig", "DATA_SCHEMAS", "DATA_NAMES",
-    "VISION_SHAPES",
+    "DataConfig", "DigitsConfig", "VisionDataConfig", "SyntheticConfig", "CtrDataConfig", "SyntheticCtrConfig",
+    "CriteoConfig", "DATA_SCHEMAS", "DATA_NAMES", "VISION_SHAPES", "CRITEO_TABLES", "CRITEO_DENSE",
 ]
+
+CRITEO_TABLES, CRITEO_DENSE = 26, 13  # Criteo's categorical and integer features
 
 # Sample shape [C, H, W] of each dataset torchvision reads; ps_train.data checks the files
 # it loads against it.
@@ -34,6 +36,10 @@ class DataConfig:
     def class_count(self) -> int:
         """Number of classes (the model's output width)."""
         return 10
+
+    def is_ctr(self) -> bool:
+        """Click-through-rate data (dense features, one id per table, 0/1 labels)."""
+        return False
 
     def matches_schema(self) -> bool:
         """``name`` is a known dataset and this object is that dataset's schema."""
@@ -107,8 +113,94 @@ class SyntheticConfig(DataConfig):
         return p
 
 
+@dataclass
+class CtrDataConfig(DataConfig):
+    """Click-through-rate data for model=dlrm. The tables: ``table_sizes`` (rows per table)
+    if given, else ``num_tables`` tables of ``table_rows`` rows each."""
+
+    num_tables: int = 8
+    table_rows: int = 1000
+    table_sizes: list[int] = field(default_factory=list)
+    test_fraction: float = 0.1  # the last samples (in time order) are the held-out split
+
+    def is_ctr(self) -> bool:
+        return True
+
+    def sizes(self) -> list[int]:
+        """Rows of each embedding table."""
+        return list(self.table_sizes) if self.table_sizes else [self.table_rows] * self.num_tables
+
+    def dense_count(self) -> int:
+        raise NotImplementedError
+
+    def sample_shape(self) -> tuple[int, ...]:
+        return (self.dense_count(),)
+
+    def class_count(self) -> int:
+        return 2
+
+    def problems(self) -> Problems:
+        p = super().problems()
+        p.need(self.num_tables >= 1, f"data.num_tables: {self.num_tables} must be >= 1")
+        p.need(self.table_rows >= 2, f"data.table_rows: {self.table_rows} must be >= 2")
+        p.need(all(s >= 2 for s in self.table_sizes), f"data.table_sizes: {self.table_sizes} must all be >= 2")
+        p.need(0.0 < self.test_fraction < 1.0, f"data.test_fraction: {self.test_fraction} must be in (0, 1)")
+        return p
+
+
+@dataclass
+class SyntheticCtrConfig(CtrDataConfig):
+    """Seeded CTR data with a known best AUC (``ps_train.ctr.synthetic``); offline."""
+
+    name: str = "synthetic_ctr"
+    num_samples: int = 500000  # train + test
+    num_dense: int = 13
+    zipf_alpha: float = 1.05  # id popularity ~ rank ** -alpha; 0 = uniform
+    positive_rate: float = 0.25
+    signal_std: float = 1.4  # std of the hidden model's logit: higher = easier (best AUC up)
+    interaction: float = 0.0  # share of the logit's variance from pairwise table interactions
+    data_seed: int = 0
+
+    def dense_count(self) -> int:
+        return self.num_dense
+
+    def problems(self) -> Problems:
+        p = super().problems()
+        p.need(self.num_samples >= 4, f"data.num_samples: {self.num_samples} must be >= 4")
+        p.need(self.num_dense >= 1, f"data.num_dense: {self.num_dense} must be >= 1 (model=dlrm's bottom MLP)")
+        p.need(self.zipf_alpha >= 0, f"data.zipf_alpha: {self.zipf_alpha} must be >= 0")
+        p.need(0.0 < self.positive_rate < 1.0, f"data.positive_rate: {self.positive_rate} must be in (0, 1)")
+        p.need(self.signal_std > 0, f"data.signal_std: {self.signal_std} must be > 0")
+        p.need(0.0 <= self.interaction < 1.0, f"data.interaction: {self.interaction} must be in [0, 1)")
+        p.need(self.interaction == 0 or len(self.sizes()) >= 2,
+               "data.interaction: pairwise interactions need at least 2 tables")
+        return p
+
+
+@dataclass
+class CriteoConfig(CtrDataConfig):
+    """Criteo TSV day files (``day_0`` .. or ``train.txt``, plain or .gz) from ``root``."""
+
+    name: str = "criteo"
+    root: str = "data/criteo"
+    num_tables: int = CRITEO_TABLES
+    table_rows: int = 100000  # ids are hashed into this many rows per table
+    skip_malformed: bool = False  # true: count and skip malformed lines with a warning
+
+    def dense_count(self) -> int:
+        return CRITEO_DENSE
+
+    def problems(self) -> Problems:
+        p = super().problems()
+        p.need(len(self.sizes()) == CRITEO_TABLES,
+               f"data.num_tables/table_sizes: Criteo has {CRITEO_TABLES} categorical features, got "
+               f"{len(self.sizes())} tables; leave data.num_tables={CRITEO_TABLES} or give {CRITEO_TABLES} table_sizes")
+        return p
+
+
 DATA_SCHEMAS: dict[str, type[DataConfig]] = {
     "digits": DigitsConfig, "mnist": VisionDataConfig, "fashion_mnist": VisionDataConfig,
-    "cifar10": VisionDataConfig, "synthetic": SyntheticConfig,
+    "cifar10": VisionDataConfig, "synthetic": SyntheticConfig, "synthetic_ctr": SyntheticCtrConfig,
+    "criteo": CriteoConfig,
 }
 DATA_NAMES = tuple(DATA_SCHEMAS)

@@ -10,7 +10,16 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ps_train.config.base import ConfigError, format_problems
-from ps_train.config.data import DATA_NAMES, DATA_SCHEMAS, DataConfig, DigitsConfig, SyntheticConfig, VisionDataConfig
+from ps_train.config.data import (
+    DATA_NAMES,
+    DATA_SCHEMAS,
+    CriteoConfig,
+    DataConfig,
+    DigitsConfig,
+    SyntheticConfig,
+    SyntheticCtrConfig,
+    VisionDataConfig,
+)
 from ps_train.config.model import MODEL_NAMES, MODEL_SCHEMAS, ModelConfig
 from ps_train.config.root import Config, validate
 
@@ -32,6 +41,8 @@ def register_configs() -> None:
     cs.store(group="data", name="digits_schema", node=DigitsConfig)
     cs.store(group="data", name="vision_schema", node=VisionDataConfig)
     cs.store(group="data", name="synthetic_schema", node=SyntheticConfig)
+    cs.store(group="data", name="synthetic_ctr_schema", node=SyntheticCtrConfig)
+    cs.store(group="data", name="criteo_schema", node=CriteoConfig)
     # cluster/optim/mode/logging have one schema each, already typed by the root schema.
 
 

@@ -10,8 +10,14 @@ from dataclasses import dataclass, field
 from omegaconf import MISSING
 
 from ps_train.config.base import Problems
+from ps_train.config.optim import TABLE_OPTIMIZERS
 
-__all__ = ["ModelConfig", "MLPConfig", "CNNConfig", "ResNetConfig", "MODEL_SCHEMAS", "MODEL_NAMES"]
+__all__ = [
+    "ModelConfig", "MLPConfig", "CNNConfig", "ResNetConfig", "DLRMConfig", "MODEL_SCHEMAS", "MODEL_NAMES",
+    "TABLE_SHARDINGS",
+]
+
+TABLE_SHARDINGS = ("range", "mod")
 
 
 @dataclass
@@ -27,6 +33,15 @@ class ModelConfig:
 
     def has_batch_norm(self) -> bool:
         """Whether a forward updates BatchNorm running statistics (servers order such forwards)."""
+        return False
+
+    def needs_ctr_data(self) -> bool:
+        """Whether the model trains on click-through-rate data (dense features + table ids)."""
+        return False
+
+    def uses_every_server(self) -> bool:
+        """Whether every server hosts part of the model whatever its stage count (row-sharded
+        tables), so ``cluster.num_servers`` is not limited by ``num_stages()``."""
         return False
 
     def matches_schema(self) -> bool:
@@ -113,7 +128,54 @@ class ResNetConfig(ModelConfig):
         return p
 
 
+@dataclass
+class DLRMConfig(ModelConfig):
+    """A DLRM-style CTR model: bottom MLP on the dense features, one embedding table per
+    categorical feature (sizes from the ``data`` group), dot interaction, top MLP, BCE.
+
+    The bottom and top MLPs are two stages placed on servers like any model's; every
+    table is split by rows across all servers (``table_sharding``) and updated sparsely by
+    ``table_optim``."""
+
+    name: str = "dlrm"
+    embedding_dim: int = 16
+    bottom_mlp: list[int] = field(default_factory=lambda: [64, 32])  # hidden sizes; its output is embedding_dim
+    top_mlp: list[int] = field(default_factory=lambda: [64, 32])  # hidden sizes; its output is 1 logit
+    table_sharding: str = "range"  # range (contiguous rows per server) | mod (id % num_servers)
+    table_optim: str = "adagrad"  # sgd | adagrad | sparse_adam: touched rows only
+    table_lr: float | None = None  # null: optim.lr
+
+    def num_stages(self) -> int:
+        return 2  # bottom MLP, top MLP
+
+    def needs_ctr_data(self) -> bool:
+        return True
+
+    def uses_every_server(self) -> bool:
+        return True
+
+    def problems(self) -> Problems:
+        p = super().problems()
+        p.need(self.embedding_dim >= 1, f"model.embedding_dim: {self.embedding_dim} must be >= 1")
+        p.need(all(h > 0 for h in self.bottom_mlp), f"model.bottom_mlp: {self.bottom_mlp} must all be > 0")
+        p.need(all(h > 0 for h in self.top_mlp), f"model.top_mlp: {self.top_mlp} must all be > 0")
+        p.need(self.table_sharding in TABLE_SHARDINGS,
+               f"model.table_sharding: unknown {self.table_sharding!r}; choose one of {list(TABLE_SHARDINGS)}")
+        p.need(self.table_optim in TABLE_OPTIMIZERS,
+               f"model.table_optim: unknown {self.table_optim!r}; choose one of {list(TABLE_OPTIMIZERS)} "
+               "(optimizers that update only the rows a batch touched)")
+        p.need(self.table_lr is None or self.table_lr > 0,
+               f"model.table_lr: {self.table_lr} must be > 0 (or null for optim.lr)")
+        return p
+
+    def input_problems(self, shape: tuple[int, ...], data_name: str) -> Problems:
+        p = Problems()
+        p.need(len(shape) == 1 and shape[0] >= 1,
+               f"model=dlrm needs at least one dense feature; data {data_name!r} has {list(shape)}")
+        return p
+
+
 MODEL_SCHEMAS: dict[str, type[ModelConfig]] = {
-    "mlp": MLPConfig, "cnn": CNNConfig, "resnet18": ResNetConfig,
+    "mlp": MLPConfig, "cnn": CNNConfig, "resnet18": ResNetConfig, "dlrm": DLRMConfig,
 }
 MODEL_NAMES = tuple(MODEL_SCHEMAS)

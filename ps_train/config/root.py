@@ -59,9 +59,13 @@ class Config:
     def _model_vs_data_and_cluster(self) -> Problems:
         p = Problems()
         m, d, c = self.model, self.data, self.cluster
+        if m.needs_ctr_data() != d.is_ctr():
+            p.append(f"data: model {m.name!r} and data {d.name!r} do not go together; model=dlrm trains on CTR "
+                     "data (data=synthetic_ctr or data=criteo), the other models on images (e.g. data=digits)")
+            return p
         shape = d.sample_shape()
         stages = m.num_stages()
-        p.need(c.num_servers <= stages,
+        p.need(c.num_servers <= stages or m.uses_every_server(),
                f"cluster.num_servers: {c.num_servers} servers but model {m.name!r} has only {stages} stages "
                f"(each server needs at least one); use cluster.num_servers<={stages} or a deeper model")
         p += m.input_problems(shape, d.name)

@@ -18,8 +18,9 @@ What a line becomes:
 
 A malformed line (not 40 fields, a label other than 0/1, a non-integer I field, a non-hex
 C field) raises ``CriteoFormatError`` naming the file, the 1-based line number and the
-problem; with ``skip_malformed=True`` such lines are counted in ``CriteoStats`` and
-skipped, and one warning gives the count. A line ending in ``\\r\\n`` is accepted.
+problem; with ``skip_malformed=True`` (the config's ``data.skip_malformed=true``) such
+lines are counted in ``CriteoStats`` and skipped, and one warning gives the count. A line
+ending in ``\\r\\n`` is accepted.
 
 Speed and size: this is a plain Python parser (tens of thousands of lines per second)
 that holds everything in memory -- right for test files and samples of a few million
@@ -70,8 +71,8 @@ class CriteoFormatError(ValueError):
 
     def __init__(self, path: str, line: int, problem: str, remedy: str | None = None) -> None:
         self.path, self.line, self.problem = path, line, problem
-        remedy = remedy or ("fix or delete that line, or read with skip_malformed=True to count and "
-                            "skip malformed lines with a warning")
+        remedy = remedy or ("fix or delete that line, or set data.skip_malformed=true (read_criteo(..., "
+                            "skip_malformed=True)) to count and skip malformed lines with a warning")
         super().__init__(f"{path}, line {line}: {problem}. Expected 40 tab-separated fields: label "
                          f"0/1, 13 integers I1-I13, 26 hex strings C1-C26 (any may be empty except "
                          f"the label); {remedy}")

@@ -22,6 +22,12 @@ A sample has ``num_dense`` standard-normal features, one id per table and a clic
   variance and the tables share the rest equally, the total standard deviation is
   ``signal_std`` and ``bias`` makes the expected click rate ``positive_rate``. The defaults
   (rate 0.25, ``signal_std`` 1.4) give a best AUC near 0.8.
+- **Interactions** (optional, ``interaction`` > 0): the logit also gets a term that no sum of
+  per-feature effects can express, ``sum over table pairs t < u of <v_t(ids[:, t]),
+  v_u(ids[:, u])>``, with ``v_t(row)`` a hashed standard-normal vector of ``INTERACTION_DIM``
+  values per row -- a hidden factorisation machine, the kind of signal DLRM's dot
+  interaction is for. It takes the share ``interaction`` of the logit's variance; the
+  dense and per-table parts share the rest as above. 0 (the default) leaves labels additive.
 - **best AUC**: the AUC of the true probabilities on the test split -- what a perfect model
   scores on that sample. A logistic regression on the dense features plus one learned bias
   per (table, row) is exactly the hidden model's class, so the gap to it measures how well
@@ -45,7 +51,7 @@ import torch
 from ps_train.ctr.split import CtrSplit
 from ps_train.ctr_metrics import auc
 
-__all__ = ["SyntheticCtr", "synthetic_ctr", "zipf_ranks", "MAX_TABLE_ROWS"]
+__all__ = ["SyntheticCtr", "synthetic_ctr", "zipf_ranks", "MAX_TABLE_ROWS", "INTERACTION_DIM"]
 
 _MASK64 = (1 << 64) - 1
 _CHUNK = 65536  # samples per seeded stream; fixed so data never depends on num_samples
@@ -55,8 +61,10 @@ _GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0  # 0.618...: its multiples mod 1 are the 
 # a * rank must stay below 2**63 in int64: both < 2**31.
 MAX_TABLE_ROWS = 2**31
 
-# Streams of SeedSequence([seed, stream, ...]).
-_S_MODEL, _S_CALIBRATION, _S_DATA = 0, 1, 2
+# Streams of SeedSequence([seed, stream, ...]); interactions have their own, so turning them
+# on leaves every other parameter of the hidden model as it was.
+_S_MODEL, _S_CALIBRATION, _S_DATA, _S_PAIRS = 0, 1, 2, 3
+INTERACTION_DIM = 4  # values per row of the hidden interaction vectors
 
 
 def _rng(seed: int, *stream: int) -> np.random.Generator:
@@ -118,7 +126,7 @@ class SyntheticCtr:
     """
 
     def __init__(self, num_dense: int, table_sizes: Sequence[int], zipf_alpha: float, seed: int, *,
-                 positive_rate: float = 0.25, signal_std: float = 1.4) -> None:
+                 positive_rate: float = 0.25, signal_std: float = 1.4, interaction: float = 0.0) -> None:
         self.table_sizes = [int(s) for s in table_sizes]
         self.num_dense, self.zipf_alpha, self.seed = int(num_dense), float(zipf_alpha), int(seed)
         if self.num_dense < 0:
@@ -134,6 +142,12 @@ class SyntheticCtr:
             raise ValueError(f"positive_rate={positive_rate}: must be strictly between 0 and 1")
         if not signal_std > 0.0:
             raise ValueError(f"signal_std={signal_std}: must be > 0")
+        if not 0.0 <= interaction < 1.0:
+            raise ValueError(f"interaction={interaction}: must be in [0, 1) (its share of the logit's variance)")
+        if interaction > 0 and len(self.table_sizes) < 2:
+            raise ValueError(f"interaction={interaction}: pairwise interactions need at least 2 tables")
+        self.interaction = float(interaction)
+        additive = math.sqrt(1.0 - self.interaction)  # the additive parts' share of the logit's std
 
         rng = _rng(seed, _S_MODEL)
         n_tables = len(self.table_sizes)
@@ -141,7 +155,7 @@ class SyntheticCtr:
         w = rng.standard_normal(self.num_dense)
         norm = float(np.linalg.norm(w))
         # Dense features are i.i.d. N(0, 1), so Var(dense @ w) = |w|^2.
-        self.dense_weight = w * (math.sqrt(dense_share) * signal_std / norm) if norm > 0 else w
+        self.dense_weight = w * (math.sqrt(dense_share) * signal_std * additive / norm) if norm > 0 else w
         self._stride = [_coprime_stride(n, _GOLDEN if rng.random() < 0.5 else 1.0 - _GOLDEN)
                         for n in self.table_sizes]
         self._offset = [int(rng.integers(n)) for n in self.table_sizes]
@@ -153,9 +167,18 @@ class SyntheticCtr:
         effects = self._raw_effects(ids_c)
         self._mean = effects.mean(axis=0) if n_tables else np.zeros(0)
         std = effects.std(axis=0) if n_tables else np.zeros(0)
-        scale = math.sqrt((1.0 - dense_share) / n_tables) * signal_std if n_tables else 0.0
+        scale = math.sqrt((1.0 - dense_share) / n_tables) * signal_std * additive if n_tables else 0.0
         # A table whose calibration draws all hit one row (e.g. 1 row) carries no signal.
         self._coef = np.where(std > 1e-9, scale / np.maximum(std, 1e-9), 0.0)
+        self._pair_keys = np.zeros((n_tables, 0), dtype=np.int64)
+        self._pair_mean, self._pair_coef = 0.0, 0.0
+        if self.interaction > 0:
+            self._pair_keys = _rng(seed, _S_PAIRS).integers(0, 2**63, size=(n_tables, INTERACTION_DIM),
+                                                            dtype=np.int64)
+            pairs = self._raw_pairs(ids_c)
+            self._pair_mean, pair_std = float(pairs.mean()), float(pairs.std())
+            if pair_std > 1e-9:
+                self._pair_coef = math.sqrt(self.interaction) * signal_std / pair_std
         self.bias = 0.0
         self.bias = _solve_bias(self.logits(dense_c, ids_c), positive_rate)
 
@@ -177,6 +200,14 @@ class SyntheticCtr:
             out[:, t] = _row_effects(ids[:, t], self._keys[t])
         return out
 
+    def _raw_pairs(self, ids: np.ndarray) -> np.ndarray:
+        """``sum_{t < u} <v_t(ids[:, t]), v_u(ids[:, u])>``, float64 [N]."""
+        v = np.stack([np.stack([_row_effects(ids[:, t], int(k)) for k in self._pair_keys[t]], axis=1)
+                      for t in range(ids.shape[1])], axis=1)  # [N, T, K]
+        total = v.sum(axis=1)  # [N, K]
+        # |sum_t v_t|^2 = sum_t |v_t|^2 + 2 sum_{t<u} <v_t, v_u>
+        return 0.5 * ((total * total).sum(axis=1) - (v * v).sum(axis=(1, 2)))
+
     def logits(self, dense: np.ndarray | torch.Tensor, ids: np.ndarray | torch.Tensor) -> np.ndarray:
         """The hidden model's logits, float64 [N], for ``dense [N, num_dense]``, ``ids [N, num_tables]``."""
         dense = np.asarray(dense, dtype=np.float64)
@@ -184,6 +215,8 @@ class SyntheticCtr:
         z = self.bias + dense @ self.dense_weight
         if ids.shape[1]:
             z = z + (self._raw_effects(ids) - self._mean) @ self._coef
+        if self._pair_coef:
+            z = z + (self._raw_pairs(ids) - self._pair_mean) * self._pair_coef
         return z
 
     def probabilities(self, dense: np.ndarray | torch.Tensor, ids: np.ndarray | torch.Tensor) -> np.ndarray:
@@ -233,7 +266,7 @@ def _solve_bias(logits: np.ndarray, rate: float) -> float:
 
 def synthetic_ctr(num_samples: int, num_dense: int, table_sizes: Sequence[int], zipf_alpha: float,
                   seed: int, test_fraction: float, *, positive_rate: float = 0.25,
-                  signal_std: float = 1.4) -> tuple[CtrSplit, CtrSplit, float]:
+                  signal_std: float = 1.4, interaction: float = 0.0) -> tuple[CtrSplit, CtrSplit, float]:
     """``(train, test, best_auc)``: ``num_samples`` synthetic samples, the last
     ``round(num_samples * test_fraction)`` of them as test.
 
@@ -249,7 +282,7 @@ def synthetic_ctr(num_samples: int, num_dense: int, table_sizes: Sequence[int], 
                          f"{n_test} test and {num_samples - n_test} train samples; need at least 2 "
                          "test samples and 1 train sample")
     gen = SyntheticCtr(num_dense, table_sizes, zipf_alpha, seed, positive_rate=positive_rate,
-                       signal_std=signal_std)
+                       signal_std=signal_std, interaction=interaction)
     dense, ids, labels, probs = gen.generate(num_samples)
     n_train = num_samples - n_test
     split = [CtrSplit(torch.from_numpy(dense[s]), torch.from_numpy(ids[s]), torch.from_numpy(labels[s]),

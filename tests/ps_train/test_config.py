@@ -14,10 +14,13 @@ from ps_train.config import (
     CNNConfig,
     Config,
     ConfigError,
+    CriteoConfig,
     DigitsConfig,
+    DLRMConfig,
     MLPConfig,
     ResNetConfig,
     SyntheticConfig,
+    SyntheticCtrConfig,
     VisionDataConfig,
     config_to_dict,
     from_dictconfig,
@@ -40,23 +43,33 @@ def compose_cfg(*overrides, hydra=False):
 def test_every_group_has_its_options():
     assert {"model", "data", "cluster", "optim", "mode", "logging"} <= set(GROUPS)
     names = {g: {o for gg, o in OPTIONS if gg == g} for g in GROUPS}
-    assert names["model"] == {"mlp", "cnn", "resnet18"}
-    assert names["data"] == {"digits", "mnist", "fashion_mnist", "cifar10", "synthetic"}
+    assert names["model"] == {"mlp", "cnn", "resnet18", "dlrm"}
+    assert names["data"] == {"digits", "mnist", "fashion_mnist", "cifar10", "synthetic", "synthetic_ctr", "criteo"}
     assert {"local", "env"} <= names["cluster"] and {"sgd", "adam"} <= names["optim"]
     assert names["mode"] == {"sync", "async", "ssp"}
+
+
+# Options that only go with a partner option (the DLRM model trains on CTR data only).
+PARTNERS = {("model", "dlrm"): "data=synthetic_ctr", ("data", "synthetic_ctr"): "model=dlrm",
+            ("data", "criteo"): "model=dlrm"}
 
 
 @pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
 def test_every_group_option_composes_and_validates(group, option, monkeypatch):
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     monkeypatch.delenv("MASTER_PORT", raising=False)
-    cfg = from_dictconfig(compose_cfg(f"{group}={option}"))
+    partner = [PARTNERS[group, option]] if (group, option) in PARTNERS else []
+    cfg = from_dictconfig(compose_cfg(f"{group}={option}", *partner))
+    if group == "preset":  # a preset sets fields of several groups, and names its runs' folder
+        assert cfg.experiment == option
+        return
     section = getattr(cfg, group)
     if group in ("model", "data", "optim", "mode"):
         assert section.name == option
     schema = {"mlp": MLPConfig, "cnn": CNNConfig, "resnet18": ResNetConfig, "digits": DigitsConfig,
               "synthetic": SyntheticConfig, "mnist": VisionDataConfig, "fashion_mnist": VisionDataConfig,
-              "cifar10": VisionDataConfig}
+              "cifar10": VisionDataConfig, "dlrm": DLRMConfig, "synthetic_ctr": SyntheticCtrConfig,
+              "criteo": CriteoConfig}
     if option in schema:
         assert type(section) is schema[option]
 
@@ -131,6 +144,15 @@ def test_typos_and_wrong_types_fail_in_hydra(override, pattern):
     (["resume=/nonexistent/run"], "resume: '/nonexistent/run' does not exist"),
     (["logging.level=LOUD"], "logging.level"),
     (["checkpoint.keep=-1"], "checkpoint.keep"),
+    (["model=dlrm"], "data: model 'dlrm' and data 'digits' do not go together"),
+    (["data=synthetic_ctr"], "data: model 'mlp' and data 'synthetic_ctr' do not go together"),
+    (["model=dlrm", "data=synthetic_ctr", "model.table_optim=adam"], "model.table_optim: unknown 'adam'"),
+    (["model=dlrm", "data=synthetic_ctr", "model.table_sharding=hash"], "model.table_sharding: unknown 'hash'"),
+    (["model=dlrm", "data=synthetic_ctr", "model.embedding_dim=0"], "model.embedding_dim"),
+    (["model=dlrm", "data=synthetic_ctr", "model.table_lr=0"], "model.table_lr"),
+    (["model=dlrm", "data=synthetic_ctr", "data.table_sizes=[10,1]"], "data.table_sizes"),
+    (["model=dlrm", "data=synthetic_ctr", "data.num_dense=0"], "data.num_dense"),
+    (["model=dlrm", "data=criteo", "data.num_tables=8"], "Criteo has 26 categorical features"),
 ])
 def test_invalid_combinations_name_the_field(overrides, field):
     with pytest.raises(ConfigError) as info:
@@ -156,7 +178,10 @@ def test_all_problems_are_reported_at_once():
 def test_valid_alternatives_pass():
     for overrides in (["train.steps=null", "train.epochs=2"], ["mode=ssp", "mode.staleness=0"],
                       ["model=resnet18", "data=cifar10", "cluster.num_servers=6", "cluster.placement=round_robin"],
-                      ["model=cnn", "data=synthetic", "data.shape=[3,16,16]", "optim=adamw"]):
+                      ["model=cnn", "data=synthetic", "data.shape=[3,16,16]", "optim=adamw"],
+                      # tables live on every server, so any number of servers will do
+                      ["model=dlrm", "data=synthetic_ctr", "cluster.num_servers=5", "optim=adam",
+                       "model.table_optim=sparse_adam"]):
         from_dictconfig(compose_cfg(*overrides))
 
 

@@ -288,7 +288,7 @@ def test_malformed_line_error_names_file_line_and_problem(tmp_path, kind, proble
     assert isinstance(err, ValueError)
     assert (err.path, err.line) == (str(path), 3)  # line numbers restart in each file
     assert str(err).startswith(f"{path}, line 3: {problem}")
-    assert "skip_malformed=True" in str(err)
+    assert "data.skip_malformed=true" in str(err)  # the config flag that skips such lines
 
 
 def test_skip_malformed_counts_skips_and_warns_once(tmp_path, caplog):
@@ -465,3 +465,40 @@ def test_eval_batches_cover_the_split_in_order():
     batches = list(iter_ctr_eval_batches(split, 4))
     assert [len(b[2]) for b in batches] == [4, 4, 2]
     assert torch.cat([b[0][:, 0] for b in batches]).tolist() == list(range(10))
+
+
+# ---------------------------------------------------------------- interactions
+
+
+def test_interaction_zero_leaves_the_hidden_model_additive_and_unchanged():
+    a = SyntheticCtr(3, [50, 80], 1.05, seed=4)
+    b = SyntheticCtr(3, [50, 80], 1.05, seed=4, interaction=0.0)
+    dense, ids, _, probs = a.generate(2000)
+    assert np.array_equal(b.probabilities(dense, ids), probs)
+
+
+def test_interaction_takes_its_share_of_the_logit_variance_and_is_not_additive():
+    share, std = 0.5, 1.4
+    gen = SyntheticCtr(3, [200, 300, 400], 1.05, seed=4, signal_std=std, interaction=share)
+    additive = SyntheticCtr(3, [200, 300, 400], 1.05, seed=4, signal_std=std)
+    dense, ids, _, _ = gen.generate(60_000)
+    z = gen.logits(dense, ids)
+    assert np.var(z) == pytest.approx(std**2, rel=0.15)
+    # The additive part is the additive model's, scaled to the remaining share of the variance.
+    pairs = z - gen.bias - (additive.logits(dense, ids) - additive.bias) * np.sqrt(1 - share)
+    assert np.var(pairs) == pytest.approx(share * std**2, rel=0.15)
+    # Not a sum of per-feature effects: swapping one table's ids between two samples whose
+    # other ids differ changes the sum of their logits.
+    i, j = 0, 1
+    swapped = ids[[i, j]].copy()
+    swapped[:, 0] = swapped[::-1, 0]
+    assert gen.logits(dense[[i, j]], swapped).sum() != pytest.approx(z[[i, j]].sum(), abs=1e-9)
+    assert additive.logits(dense[[i, j]], swapped).sum() == pytest.approx(
+        additive.logits(dense[[i, j]], ids[[i, j]]).sum(), abs=1e-9)
+
+
+def test_interaction_needs_two_tables_and_a_share_below_one():
+    with pytest.raises(ValueError, match="at least 2 tables"):
+        SyntheticCtr(3, [50], 1.05, seed=1, interaction=0.3)
+    with pytest.raises(ValueError, match=r"interaction=1.0: must be in \[0, 1\)"):
+        SyntheticCtr(3, [50, 60], 1.05, seed=1, interaction=1.0)

@@ -139,3 +139,18 @@ def test_a_servers_table_shards_hold_its_rows_and_train_only_the_touched_ones() 
         parts[1].lookup([torch.tensor([10**6]), torch.tensor([0])])
     with pytest.raises(ValueError, match="names 1 tables"):
         parts[1].lookup([torch.tensor([0])])
+
+
+@pytest.mark.parametrize("kind", ["range", "mod"])
+def test_servers_build_the_same_tables_for_any_number_of_servers(kind: str) -> None:
+    from ps_train.table_shards import TableShards
+
+    sizes, dim = [2 * INIT_BLOCK + 7, 5], 3
+    one = TableShards(sizes, dim, kind, 0, 1, seed=9)
+    for servers in (2, 3):
+        parts = [TableShards(sizes, dim, kind, s, servers, seed=9) for s in range(servers)]
+        for t, n in enumerate(sizes):
+            rebuilt = torch.empty(n, dim)
+            for s, part in enumerate(parts):
+                rebuilt[RowSharding(kind, n, servers).global_ids(s)] = part.weights[t].detach()
+            assert torch.equal(rebuilt, one.weights[t].detach()), f"{servers} servers, table {t}"

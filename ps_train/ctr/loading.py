@@ -1,0 +1,29 @@
+"""The CTR data a run's ``data`` config names: ``(train, test, best_auc)``."""
+from __future__ import annotations
+
+import os
+
+from ps_train.config import CriteoConfig, CtrDataConfig, SyntheticCtrConfig
+from ps_train.ctr.criteo import load_criteo
+from ps_train.ctr.split import CtrSplit
+from ps_train.ctr.synthetic import synthetic_ctr
+
+__all__ = ["load_ctr_data"]
+
+
+def load_ctr_data(cfg: CtrDataConfig) -> tuple[CtrSplit, CtrSplit, float | None]:
+    """Train and test splits for ``data=synthetic_ctr`` or ``data=criteo``, and the best AUC
+    a model can reach on the test split (synthetic data only; None for Criteo)."""
+    if isinstance(cfg, SyntheticCtrConfig):
+        return synthetic_ctr(cfg.num_samples, cfg.num_dense, cfg.sizes(), cfg.zipf_alpha, cfg.data_seed,
+                             cfg.test_fraction, positive_rate=cfg.positive_rate, signal_std=cfg.signal_std,
+                             interaction=cfg.interaction)
+    if isinstance(cfg, CriteoConfig):
+        root = os.path.expanduser(cfg.root)
+        if not os.path.exists(root):
+            raise FileNotFoundError(f"data=criteo: data.root={cfg.root!r} does not exist; point data.root at the "
+                                    "folder holding the Criteo day_* or train.txt files")
+        train, test, _ = load_criteo(root, cfg.sizes(), cfg.test_fraction, skip_malformed=cfg.skip_malformed)
+        return train, test, None
+    raise ValueError(f"data.name: {cfg.name!r} is not click-through-rate data; use data=synthetic_ctr or "
+                     "data=criteo with model=dlrm")
