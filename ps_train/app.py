@@ -15,29 +15,33 @@ from typing import Any
 
 from ps_train.checkpoint_files import atomic_write_text
 from ps_train.config import Config, ConfigError, config_to_dict
-from ps_train.launch import launch_local, run_rank
+from ps_train.launch import run_rank
+from ps_train.restarts import restart_count, run_local, start_checkpoint
 
 log = logging.getLogger("ps_train")
 
 
-def run(cfg: Config, run_dir: str, overrides: list[str] | None = None, timeout: float | None = None) -> dict[str, Any] | None:
+def run(cfg: Config, run_dir: str, overrides: list[str] | None = None,
+        timeout: float | None = None) -> dict[str, Any] | None:
     """Train ``cfg``; outputs go to ``run_dir``. Returns the final metrics (on the process
     that has them: always with the local launcher, trainer0's rank with ``launcher=env``).
 
     ``timeout`` (seconds, local launcher only): stop the run and raise ``RoleFailed`` if it
-    has not finished by then.
+    has not finished by then (restarts included, see ``ps_train.restarts``).
     """
     Path(run_dir).mkdir(parents=True, exist_ok=True)
-    resume = None
-    if cfg.resume:
+    attempt = restart_count() if cfg.cluster.launcher == "env" else 0
+    resume = start_checkpoint(cfg.resume, run_dir, restarted=attempt > 0)
+    if resume:
         from ps_train.checkpoint_protocol import check_resumable
 
-        state = check_resumable(cfg, cfg.resume)  # fails here, before any process starts
+        state = check_resumable(cfg, resume)  # fails here, before any process starts
         resume = state["checkpoint"]
-        log.info("resuming from %s (step %d)", resume, state["step"])
+        log.info("resuming from %s (step %d)%s", resume, state["step"],
+                 f"; torchrun restarted the job {attempt} time(s)" if attempt else "")
     if cfg.cluster.launcher == "local":
         write_provenance(run_dir, cfg, overrides or [])
-        return launch_local(cfg, run_dir, resume, timeout=timeout)
+        return run_local(cfg, run_dir, resume, timeout=timeout)
     rank, world = env_rank()
     expected = cfg.cluster.num_servers + cfg.cluster.num_trainers
     if world != expected:
@@ -52,7 +56,7 @@ def run(cfg: Config, run_dir: str, overrides: list[str] | None = None, timeout: 
     init_method = env_init_method(cfg, rank)
     # The secret comes from RPC_CORE_AUTH_SECRET (the same on every rank); rpc_core reads it.
     return run_rank(cfg, rank, cfg.cluster.master_addr, cfg.cluster.master_port, None, run_dir, resume,
-                    init_method=init_method)
+                    init_method=init_method, attempt=attempt)
 
 
 def env_rank() -> tuple[int, int]:

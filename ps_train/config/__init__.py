@@ -31,7 +31,7 @@ from ps_train.config.data import (
 from ps_train.config.loading import from_dictconfig, register_configs
 from ps_train.config.model import MODEL_NAMES, MODEL_SCHEMAS, CNNConfig, MLPConfig, ModelConfig, ResNetConfig
 from ps_train.config.optim import OPTIMIZERS, OptimConfig, optimizer_spec
-from ps_train.config.root import BACKENDS, Config, config_to_dict, validate
+from ps_train.config.root import BACKENDS, RESUME_AUTO, Config, config_to_dict, validate
 from ps_train.config.run import MODE_NAMES, CheckpointConfig, LoggingConfig, ModeConfig, TrainConfig
 
 __all__ = [
@@ -41,7 +41,7 @@ __all__ = [
     "LoggingConfig", "Config", "ConfigError",
     "MODEL_NAMES", "MODEL_SCHEMAS", "DATA_NAMES", "DATA_SCHEMAS", "VISION_SHAPES", "MODE_NAMES", "PLACEMENTS",
     "LAUNCHERS", "BACKENDS", "OPTIMIZERS", "register_configs", "from_dictconfig", "validate", "optimizer_spec",
-    "config_to_dict",
+    "config_to_dict", "RESUME_AUTO",
 ]
 
 register_configs()
