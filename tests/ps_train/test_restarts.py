@@ -1,0 +1,105 @@
+"""cluster.max_restarts: a run whose role dies or freezes restarts from its latest checkpoint
+in the same run folder and, in sync mode, ends exactly like an uninterrupted run."""
+import pytest
+
+from ps_train.config import ConfigError
+from ps_train.faults import FAULT_ENV, Fault, parse_faults
+from ps_train.launch import RoleFailed
+from ps_train.restarts import RESTARTS_FILE
+from tests.ps_train._app import (
+    BASELINE,
+    BASELINE_STEPS,
+    assert_same_weights,
+    final_weights,
+    make_cfg,
+    read_json,
+    run_app,
+    scalars,
+)
+
+FAIL_STEP = 5  # ps1's 5th update, i.e. during step 5; BASELINE checkpoints every 4 steps
+RESUMED_FROM = 4
+
+
+def assert_like_the_baseline(run_dir, metrics, sync_baseline):
+    """The restarted run's last attempt ran steps 5..8 with the baseline's losses, ended with
+    its weights, and TensorBoard shows every step once, with the baseline's loss."""
+    base_dir, base = sync_baseline
+    assert metrics["steps"] == BASELINE_STEPS
+    for trainer, losses in base["losses"].items():
+        assert metrics["losses"][trainer] == losses[RESUMED_FROM:]
+        curve = scalars(run_dir / "tb" / trainer)["train/loss"]  # both attempts' event files
+        assert [step for step, _ in curve] == list(range(1, BASELINE_STEPS + 1))
+        assert [value for _, value in curve] == pytest.approx(losses, rel=1e-6)  # stored as float32
+    assert_same_weights(final_weights(run_dir), final_weights(base_dir), exact=True)
+    assert read_json(run_dir / "metrics.json")["restarts"] == metrics["restarts"]
+    assert read_json(run_dir / RESTARTS_FILE) == metrics["restarts"]
+    assert scalars(run_dir / "tb" / "trainer0")["train/restarts"] == [(0, 0.0), (RESUMED_FROM, 1.0)]
+
+
+@pytest.mark.timeout(180)
+def test_killed_server_is_restarted_from_the_latest_checkpoint_and_ends_like_an_uninterrupted_run(
+        tmp_path, monkeypatch, sync_baseline, caplog):
+    run_dir = tmp_path / "run"
+    monkeypatch.setenv(FAULT_ENV, f"ps1@{FAIL_STEP}#0")  # the first attempt only
+    with caplog.at_level("WARNING", logger="ps_train"):
+        metrics = run_app(run_dir, *BASELINE, "cluster.max_restarts=1", timeout=150)
+    checkpoint = str(run_dir / "checkpoints" / "step_000000004")
+    assert metrics["restarts"] == [{"role": "ps1", "reason": "killed by signal SIGKILL", "from_step": RESUMED_FROM,
+                                    "checkpoint": checkpoint}]
+    assert (f"restart 1 of 1: ps1 failed (killed by signal SIGKILL); stopped the other roles; restarting the run "
+            f"from its checkpoint after step 4 ({checkpoint})") in caplog.text
+    assert_like_the_baseline(run_dir, metrics, sync_baseline)
+
+
+@pytest.mark.timeout(180)
+def test_frozen_server_is_detected_by_its_missing_heartbeat_and_the_run_restarted(tmp_path, monkeypatch,
+                                                                                  sync_baseline):
+    run_dir = tmp_path / "run"
+    monkeypatch.setenv(FAULT_ENV, f"ps1@{FAIL_STEP}:freeze#0")  # SIGSTOP: alive, silent
+    metrics = run_app(run_dir, *BASELINE, "cluster.max_restarts=1", "cluster.role_timeout=5", timeout=150)
+    [restart] = metrics["restarts"]
+    assert (restart["role"], restart["from_step"]) == ("ps1", RESUMED_FROM)
+    assert restart["reason"].startswith("unresponsive: no heartbeat for ")
+    assert restart["reason"].endswith(", the process is stopped by a signal (SIGSTOP)")
+    silent = float(restart["reason"].split("no heartbeat for ", 1)[1].split(" s", 1)[0])
+    assert 5.0 <= silent < 15.0  # detected once role_timeout passed, not after an RPC timeout (60 s)
+    assert_like_the_baseline(run_dir, metrics, sync_baseline)
+
+
+@pytest.mark.timeout(180)
+def test_a_run_that_keeps_failing_stops_after_max_restarts_naming_the_role(tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+    monkeypatch.setenv(FAULT_ENV, f"ps1@{FAIL_STEP}")  # every attempt
+    with pytest.raises(RoleFailed) as err:
+        run_app(run_dir, *BASELINE, "cluster.max_restarts=1", timeout=150)
+    msg = str(err.value)
+    assert msg.startswith("ps1 (rank 1, killed by signal SIGKILL; log: "), msg
+    assert msg.endswith("(after 1 restart(s), the most cluster.max_restarts=1 allows)")
+    assert err.value.role == "ps1" and err.value.checkpoint == str(run_dir / "checkpoints" / "step_000000004")
+    assert [r["from_step"] for r in read_json(run_dir / RESTARTS_FILE)] == [RESUMED_FROM]
+    assert not (run_dir / "metrics.json").exists()
+
+
+def test_fault_specs_parse_and_bad_ones_say_the_format():
+    assert parse_faults("ps1@5:freeze#0, trainer1@7") == [Fault("ps1", 5, "freeze", 0), Fault("trainer1", 7, "kill", None)]
+    with pytest.raises(ValueError, match=r"'ps1@x' is not <role>@<step>\[:kill\|:freeze\]\[#<attempt>\]"):
+        parse_faults("ps1@x")
+    with pytest.raises(ValueError, match="'ps1@2:explode' is not"):
+        parse_faults("ps1@2:explode")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["cluster.max_restarts=-1"], "cluster.max_restarts: -1 must be >= 0"),
+    (["cluster.role_timeout=-1"], "cluster.role_timeout: -1.0 must be >= 0 seconds"),
+    (["cluster=env", "cluster.max_restarts=2"], r"let torchrun restart them \(torchrun --max-restarts=N"),
+])
+def test_restart_settings_are_checked_before_anything_starts(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        make_cfg(*overrides)
+
+
+def test_restart_settings_default_to_no_restarts_and_a_30_s_heartbeat_timeout():
+    cfg = make_cfg()
+    assert (cfg.cluster.max_restarts, cfg.cluster.role_timeout) == (0, 30.0)
+    assert make_cfg("resume=auto").resume == "auto"
