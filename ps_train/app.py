@@ -13,10 +13,19 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ps_train.checkpoint_files import atomic_write_text
+from ps_train.checkpoint_files import CheckpointError, atomic_write_text
 from ps_train.config import Config, ConfigError, config_to_dict
-from ps_train.launch import run_rank
-from ps_train.restarts import restart_count, run_local, start_checkpoint
+from ps_train.data import DatasetNotFoundError
+from ps_train.launch import role_name, run_rank
+from ps_train.metrics import write_metrics_json
+from ps_train.restarts import (
+    rank_failed,
+    read_restarts,
+    record_env_restart,
+    restart_count,
+    run_local,
+    start_checkpoint,
+)
 
 log = logging.getLogger("ps_train")
 
@@ -37,7 +46,7 @@ def run(cfg: Config, run_dir: str, overrides: list[str] | None = None,
 
         state = check_resumable(cfg, resume)  # fails here, before any process starts
         resume = state["checkpoint"]
-        log.info("resuming from %s (step %d)%s", resume, state["step"],
+        (log.warning if attempt else log.info)("resuming from %s (step %d)%s", resume, state["step"],
                  f"; torchrun restarted the job {attempt} time(s)" if attempt else "")
     if cfg.cluster.launcher == "local":
         write_provenance(run_dir, cfg, overrides or [])
@@ -55,8 +64,22 @@ def run(cfg: Config, run_dir: str, overrides: list[str] | None = None,
         write_provenance(run_dir, cfg, overrides or [])
     init_method = env_init_method(cfg, rank)
     # The secret comes from RPC_CORE_AUTH_SECRET (the same on every rank); rpc_core reads it.
-    return run_rank(cfg, rank, cfg.cluster.master_addr, cfg.cluster.master_port, None, run_dir, resume,
-                    init_method=init_method, attempt=attempt)
+    if attempt and rank == cfg.cluster.num_servers:  # trainer0 records torchrun's restart
+        record_env_restart(run_dir, attempt, resume)
+    try:
+        metrics = run_rank(cfg, rank, cfg.cluster.master_addr, cfg.cluster.master_port, None, run_dir, resume,
+                           init_method=init_method, attempt=attempt)
+    except (ConfigError, CheckpointError, DatasetNotFoundError):
+        raise
+    except Exception as e:
+        # No launcher watches this rank: exit now, non-zero, with one line naming the failed
+        # role (the traceback goes to this role's log), so torchrun or SLURM can restart the job.
+        log.exception("this rank failed")
+        raise rank_failed(rank, role_name(rank, cfg.cluster.num_servers), run_dir, attempt, e) from e
+    if metrics is not None:
+        metrics["restarts"] = read_restarts(run_dir)
+        write_metrics_json(Path(run_dir) / "metrics.json", metrics)  # trainer0 wrote it without them
+    return metrics
 
 
 def env_rank() -> tuple[int, int]:

@@ -128,10 +128,21 @@ def run_rank(cfg: Config, rank: int, master_addr: str, master_port: int, secret:
             t = trainer_mod.Trainer(cfg, rank - S, run_dir, start_step=start, data_state=data_state)
             mark_attempt(t.writer, start, attempt if t.index == 0 else None)
             result = t.run(on_step=checkpoint_hook(cfg, run_dir))
-    finally:
-        rpc.shutdown()
+    except BaseException:
+        _abandon(rpc)
+        raise
+    rpc.shutdown()
     log.info("%s finished", name)
     return result
+
+
+def _abandon(rpc: Any) -> None:
+    """Shut down a failed role without waiting for its peers: a graceful shutdown would wait
+    for every peer (forever, for a frozen one) and its error would hide the role's own."""
+    try:
+        rpc.shutdown(graceful=False)
+    except Exception:  # the role's own error is what matters; it is being raised
+        log.exception("shutting down after the failure failed too")
 
 
 def _exit_with_parent() -> None:
