@@ -1,14 +1,22 @@
 """cluster.max_restarts: a run whose role dies or freezes restarts from its latest checkpoint
 in the same run folder and, in sync mode, ends exactly like an uninterrupted run."""
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
 import pytest
 
 from ps_train.config import ConfigError
 from ps_train.faults import FAULT_ENV, Fault, parse_faults
-from ps_train.launch import RoleFailed
+from ps_train.launch import RoleFailed, free_port
 from ps_train.restarts import RESTARTS_FILE
 from tests.ps_train._app import (
     BASELINE,
     BASELINE_STEPS,
+    QUICK,
     assert_same_weights,
     final_weights,
     make_cfg,
@@ -82,7 +90,8 @@ def test_a_run_that_keeps_failing_stops_after_max_restarts_naming_the_role(tmp_p
 
 
 def test_fault_specs_parse_and_bad_ones_say_the_format():
-    assert parse_faults("ps1@5:freeze#0, trainer1@7") == [Fault("ps1", 5, "freeze", 0), Fault("trainer1", 7, "kill", None)]
+    assert parse_faults("ps1@5:freeze#0, trainer1@7") == [Fault("ps1", 5, "freeze", 0),
+                                                          Fault("trainer1", 7, "kill", None)]
     with pytest.raises(ValueError, match=r"'ps1@x' is not <role>@<step>\[:kill\|:freeze\]\[#<attempt>\]"):
         parse_faults("ps1@x")
     with pytest.raises(ValueError, match="'ps1@2:explode' is not"):
@@ -103,3 +112,67 @@ def test_restart_settings_default_to_no_restarts_and_a_30_s_heartbeat_timeout():
     cfg = make_cfg()
     assert (cfg.cluster.max_restarts, cfg.cluster.role_timeout) == (0, 30.0)
     assert make_cfg("resume=auto").resume == "auto"
+
+
+# Ranks started as separate programs each import everything: spare them TensorBoard.
+LIGHT = ("logging.tensorboard=false",)
+ENV_ARGS = ("-m", "ps_train", "cluster=env", *QUICK, *LIGHT, *BASELINE)
+
+
+def job_env(**extra):
+    """The test's environment (less any fault of its own) with a fresh secret and ``extra``."""
+    env = {k: v for k, v in os.environ.items() if k != FAULT_ENV}
+    return dict(env, RPC_CORE_AUTH_SECRET=os.urandom(16).hex(), **extra)
+
+
+@pytest.mark.timeout(300)
+def test_torchrun_max_restarts_restarts_the_job_and_it_resumes_from_the_latest_checkpoint(tmp_path, sync_baseline):
+    run_dir = tmp_path / "job"
+    env = job_env(**{FAULT_ENV: f"ps1@{FAIL_STEP}#0"})  # TORCHELASTIC_RESTART_COUNT=0 only
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=4",
+                        "--master-addr=127.0.0.1", f"--master-port={free_port()}", "--max-restarts=1",
+                        *ENV_ARGS, f"hydra.run.dir={run_dir}"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=280)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "(exitcode: -9) local_rank: 1" in r.stderr  # torchrun saw ps1 die, and restarted the group
+    metrics = read_json(run_dir / "metrics.json")
+    [restart] = metrics["restarts"]
+    # Who failed is what a surviving rank noted before torchrun stopped it, if one had the time.
+    assert (restart["role"], restart["from_step"]) in (("ps1", RESUMED_FROM), ("unknown", RESUMED_FROM))
+    assert restart["checkpoint"] == str(run_dir / "checkpoints" / "step_000000004")
+    base_dir, base = sync_baseline
+    for trainer, losses in base["losses"].items():
+        assert metrics["losses"][trainer] == losses[RESUMED_FROM:]
+    assert_same_weights(final_weights(run_dir), final_weights(base_dir), exact=True)
+
+
+@pytest.mark.timeout(200)
+def test_env_ranks_of_a_job_whose_server_died_exit_promptly_non_zero_with_one_line_naming_it(tmp_path):
+    # No torchrun: nothing kills the survivors for them.
+    run_dir = tmp_path / "job"
+    common = job_env(WORLD_SIZE="4", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+                               **{FAULT_ENV: f"ps1@{FAIL_STEP}"})
+    procs = [subprocess.Popen([sys.executable, *ENV_ARGS, f"hydra.run.dir={run_dir}"], cwd=tmp_path,
+                              env=dict(common, RANK=str(r)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for r in range(4)]
+    outputs, exited = [], []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=180))
+            exited.append(time.time())
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    killed = float(re.search(r"at unix time ([0-9.]+)", (run_dir / "logs" / "ps1.log").read_text()).group(1))
+    assert procs[1].returncode == -signal.SIGKILL
+    for rank in (0, 2, 3):
+        _, err = outputs[rank]
+        assert procs[rank].returncode == 1, err[-3000:]
+        [line] = [x for x in err.splitlines() if x.startswith("error: ")]
+        assert line.startswith("error: ps1 failed (seen by "), line
+        assert "the latest complete checkpoint is" in line and "step_000000004" in line
+        assert "Traceback" not in err  # the traceback is in the rank's own log
+        assert exited[rank] - killed < 30.0
+    assert "this rank failed" in (run_dir / "logs" / "trainer0.log").read_text()
