@@ -11,8 +11,9 @@ import pytest
 
 from ps_train.config import ConfigError
 from ps_train.faults import FAULT_ENV, Fault, parse_faults
+from ps_train.heartbeat import process_state
 from ps_train.launch import RoleFailed, free_port
-from ps_train.restarts import RESTARTS_FILE
+from ps_train.restarts import RESTARTS_FILE, start_checkpoint
 from tests.ps_train._app import (
     BASELINE,
     BASELINE_STEPS,
@@ -176,3 +177,38 @@ def test_env_ranks_of_a_job_whose_server_died_exit_promptly_non_zero_with_one_li
         assert "Traceback" not in err  # the traceback is in the rank's own log
         assert exited[rank] - killed < 30.0
     assert "this rank failed" in (run_dir / "logs" / "trainer0.log").read_text()
+
+
+def test_where_an_attempt_starts(tmp_path):
+    import torch
+
+    from ps_train.checkpoint_files import save_checkpoint
+
+    run_dir, other = tmp_path / "run", str(tmp_path / "other" / "checkpoints" / "step_000000002")
+    assert start_checkpoint(None, str(run_dir), restarted=False) is None
+    assert start_checkpoint("auto", str(run_dir), restarted=False) is None  # nothing yet: from scratch
+    assert start_checkpoint(other, str(run_dir), restarted=True) == other  # failed before its first checkpoint
+    save_checkpoint(run_dir, 3, {"ps0": {"w": torch.zeros(1)}})
+    save_checkpoint(run_dir, 6, {"ps0": {"w": torch.ones(1)}})
+    latest = str(run_dir / "checkpoints" / "step_000000006")
+    assert start_checkpoint("auto", str(run_dir), restarted=False) == latest
+    assert start_checkpoint(other, str(run_dir), restarted=True) == latest
+    assert start_checkpoint(None, str(run_dir), restarted=True) == latest
+    assert start_checkpoint(other, str(run_dir), restarted=False) == other  # a fresh start honours resume=
+
+
+@pytest.mark.timeout(30)
+def test_process_state_tells_a_stopped_process_from_a_sleeping_one():
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        os.kill(child.pid, signal.SIGSTOP)
+        # A signal to another process arrives asynchronously: wait until the kernel reports the
+        # stop (waitpid with WUNTRACED) rather than guessing a delay.
+        _, status = os.waitpid(child.pid, os.WUNTRACED)
+        assert os.WIFSTOPPED(status)
+        assert process_state(child.pid) == "stopped by a signal (SIGSTOP)"
+        os.kill(child.pid, signal.SIGCONT)
+    finally:
+        child.kill()
+        child.wait()
+    assert process_state(child.pid) is None  # gone
