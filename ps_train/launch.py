@@ -38,6 +38,7 @@ from ps_train import backend
 from ps_train.config import Config, config_to_dict, from_dictconfig
 from ps_train.faults import ATTEMPT_ENV
 from ps_train.heartbeat import HeartbeatBoard, process_state, start_heartbeat
+from ps_train.metrics import mark_attempt
 from ps_train.ports import free_port  # also re-exported: ps_train.launch.free_port predates ps_train.ports
 from rpc_core import memory
 
@@ -126,7 +127,7 @@ def run_rank(cfg: Config, rank: int, master_addr: str, master_port: int, secret:
                 start = resume_state["step"]
                 data_state = resume_state["trainer_positions"].get(name)
             t = trainer_mod.Trainer(cfg, rank - S, run_dir, start_step=start, data_state=data_state)
-            mark_attempt(t.writer, start, attempt if t.index == 0 else None)
+            mark_attempt(t.writer, start, attempt if t.index == 0 else None)  # see ps_train.restarts
             result = t.run(on_step=checkpoint_hook(cfg, run_dir))
     except BaseException:
         _abandon(rpc)
@@ -274,17 +275,6 @@ def _unresponsive(procs: dict[int, Any], silent: list[tuple[int, float]], S: int
                       f"{also}; {hint}", role=first, reason=reason, checkpoint=last)
 
 
-def mark_attempt(writer: Any, start_step: int, restarts: int | None) -> None:
-    """A role's TensorBoard writer at the start of an attempt: events the failed attempt
-    wrote after ``start_step`` are superseded, and trainer0 (``restarts`` not None) plots
-    ``train/restarts``, the number of restarts so far."""
-    from ps_train.metrics import mark_session_start
-
-    mark_session_start(writer, start_step + 1)
-    if restarts is not None:
-        writer.add_scalar("train/restarts", restarts, start_step)
-
-
 def _watch(procs: dict[int, Any], S: int, run_dir: str, deadline: float | None, board: HeartbeatBoard) -> None:
     """Wait for all roles; on the first failure (exit or silence) stop and name the role."""
     alive = dict(procs)
@@ -296,9 +286,9 @@ def _watch(procs: dict[int, Any], S: int, run_dir: str, deadline: float | None, 
         ready = multiprocessing.connection.wait([p.sentinel for p in alive.values()], timeout=wait)
         if not ready:
             if deadline is not None and time.monotonic() >= deadline:
+                hint, last = _checkpoint_hint(run_dir)
                 raise RoleFailed(f"the run did not finish within its time limit; roles still running: "
-                                 f"{[role_name(r, S) for r in alive]}; {_checkpoint_hint(run_dir)[0]}",
-                                 checkpoint=_checkpoint_hint(run_dir)[1])
+                                 f"{[role_name(r, S) for r in alive]}; {hint}", checkpoint=last)
             silent = board.silent(alive)
             if silent:
                 raise _unresponsive(procs, silent, S, run_dir)

@@ -18,7 +18,7 @@ from ps_train.checkpoint_files import atomic_write_text
 
 __all__ = [
     "MetricsWriter", "TensorBoardWriter", "NullWriter", "make_writer", "flatten_hparams",
-    "ThroughputMeter", "LatencyStats", "write_metrics_json", "mark_session_start",
+    "ThroughputMeter", "LatencyStats", "write_metrics_json", "mark_session_start", "mark_attempt",
 ]
 
 HParamValue = bool | int | float | str
@@ -137,6 +137,15 @@ def mark_session_start(writer: MetricsWriter, purge_step: int) -> None:
 
     file_writer = writer._writer._get_file_writer()
     file_writer.add_event(Event(step=int(purge_step), session_log=SessionLog(status=SessionLog.START)))
+
+
+def mark_attempt(writer: MetricsWriter, start_step: int, restarts: int | None) -> None:
+    """A trainer's writer at the start of an attempt that resumes after ``start_step``: what
+    a failed attempt wrote after that step is superseded (``mark_session_start``), and
+    trainer0 (``restarts`` not None) plots ``train/restarts``, the restarts so far."""
+    mark_session_start(writer, start_step + 1)
+    if restarts is not None:
+        writer.add_scalar("train/restarts", restarts, start_step)
 
 
 def flatten_hparams(values: Mapping[str, Any], prefix: str = "") -> dict[str, HParamValue]:

@@ -135,7 +135,7 @@ def test_torchrun_max_restarts_restarts_the_job_and_it_resumes_from_the_latest_c
                         *ENV_ARGS, f"hydra.run.dir={run_dir}"],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=280)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "(exitcode: -9) local_rank: 1" in r.stderr  # torchrun saw ps1 die, and restarted the group
+    assert "killing ps1" in (run_dir / "logs" / "ps1.log").read_text()  # the fault did fire
     metrics = read_json(run_dir / "metrics.json")
     [restart] = metrics["restarts"]
     # Who failed is what a surviving rank noted before torchrun stopped it, if one had the time.
