@@ -215,3 +215,34 @@ def test_process_state_tells_a_stopped_process_from_a_sleeping_one():
         child.kill()
         child.wait()
     assert process_state(child.pid) is None  # gone
+
+
+@pytest.mark.timeout(200)
+def test_env_ranks_of_a_job_whose_server_froze_exit_within_the_rpc_timeout_naming_it(tmp_path):
+    run_dir = tmp_path / "job"
+    common = job_env(WORLD_SIZE="4", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+                     **{FAULT_ENV: f"ps1@{FAIL_STEP}:freeze"})
+    procs = [subprocess.Popen([sys.executable, *ENV_ARGS, "cluster.rpc_timeout=5", f"hydra.run.dir={run_dir}"],
+                              cwd=tmp_path, env=dict(common, RANK=str(r)), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(4)]
+    survivors = [procs[r] for r in (0, 2, 3)]
+    outputs, exited = [], []
+    try:
+        for p in survivors:
+            outputs.append(p.communicate(timeout=150))
+            exited.append(time.time())
+    finally:
+        for p in procs:  # ps1 stays stopped until killed, as torchrun or SLURM would
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    froze = float(re.search(r"freezing ps1 \(pid \d+\) at step \d+ at unix time ([0-9.]+)",
+                            (run_dir / "logs" / "ps1.log").read_text()).group(1))
+    for rank, p, (_, err), t in zip((0, 2, 3), survivors, outputs, exited, strict=True):
+        assert p.returncode == 1, err[-3000:]
+        [line] = [x for x in err.splitlines() if x.startswith("error: ")]
+        culprit = "ps1" if rank >= 2 else "(ps1|trainer[01])"
+        assert re.match(rf"error: {culprit} failed \(seen by \w+ \(rank {rank}\)\): ", line), line
+        if rank >= 2:
+            assert "RpcTimeoutError: RPC ran for more than set timeout (5000 ms)" in line, line
+        assert t - froze < 5 + 30.0  # the RPC timeout, then a prompt exit
