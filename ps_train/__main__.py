@@ -1,7 +1,8 @@
 """``python -m ps_train [overrides]``: compose the Hydra config, convert it once, run it.
 
 Exit codes: 0 done; 1 a role failed (the message names it and the checkpoint to resume
-from); 2 invalid configuration or setup (nothing was started).
+from; with ``cluster.max_restarts`` only once the restarts are used up); 2 invalid
+configuration or setup (nothing was started).
 """
 from __future__ import annotations
 
@@ -52,6 +53,14 @@ def main(dcfg: DictConfig) -> float:
     except RoleFailed as e:
         log.error("%s", e)
         print(f"error: {e}", file=sys.stderr)
+        if cfg.cluster.launcher == "env":
+            # One rank of a job whose peers failed: leave at once, so torchrun or SLURM can
+            # restart the job (the interpreter's teardown of torch and of RPC threads left
+            # behind by a failed shutdown takes seconds, or hangs).
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
         sys.exit(1)
     return float(metrics["test_accuracy"]) if metrics else 0.0
 

@@ -13,9 +13,19 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ps_train.checkpoint_files import atomic_write_text
+from ps_train.checkpoint_files import CheckpointError, atomic_write_text
 from ps_train.config import Config, ConfigError, config_to_dict
-from ps_train.launch import launch_local, run_rank
+from ps_train.data import DatasetNotFoundError
+from ps_train.launch import role_name, run_rank
+from ps_train.metrics import write_metrics_json
+from ps_train.restarts import (
+    rank_failed,
+    read_restarts,
+    record_env_restart,
+    restart_count,
+    run_local,
+    start_checkpoint,
+)
 
 log = logging.getLogger("ps_train")
 
@@ -26,19 +36,21 @@ def run(cfg: Config, run_dir: str, overrides: list[str] | None = None,
     that has them: always with the local launcher, trainer0's rank with ``launcher=env``).
 
     ``timeout`` (seconds, local launcher only): stop the run and raise ``RoleFailed`` if it
-    has not finished by then.
+    has not finished by then (restarts included, see ``ps_train.restarts``).
     """
     Path(run_dir).mkdir(parents=True, exist_ok=True)
-    resume = None
-    if cfg.resume:
+    attempt = restart_count() if cfg.cluster.launcher == "env" else 0
+    resume = start_checkpoint(cfg.resume, run_dir, restarted=attempt > 0)
+    if resume:
         from ps_train.checkpoint_protocol import check_resumable
 
-        state = check_resumable(cfg, cfg.resume)  # fails here, before any process starts
+        state = check_resumable(cfg, resume)  # fails here, before any process starts
         resume = state["checkpoint"]
-        log.info("resuming from %s (step %d)", resume, state["step"])
+        (log.warning if attempt else log.info)("resuming from %s (step %d)%s", resume, state["step"],
+                 f"; torchrun restarted the job {attempt} time(s)" if attempt else "")
     if cfg.cluster.launcher == "local":
         write_provenance(run_dir, cfg, overrides or [])
-        return launch_local(cfg, run_dir, resume, timeout=timeout)
+        return run_local(cfg, run_dir, resume, timeout=timeout)
     rank, world = env_rank()
     expected = cfg.cluster.num_servers + cfg.cluster.num_trainers
     if world != expected:
@@ -52,8 +64,22 @@ def run(cfg: Config, run_dir: str, overrides: list[str] | None = None,
         write_provenance(run_dir, cfg, overrides or [])
     init_method = env_init_method(cfg, rank)
     # The secret comes from RPC_CORE_AUTH_SECRET (the same on every rank); rpc_core reads it.
-    return run_rank(cfg, rank, cfg.cluster.master_addr, cfg.cluster.master_port, None, run_dir, resume,
-                    init_method=init_method)
+    if attempt and rank == cfg.cluster.num_servers:  # trainer0 records torchrun's restart
+        record_env_restart(run_dir, attempt, resume)
+    try:
+        metrics = run_rank(cfg, rank, cfg.cluster.master_addr, cfg.cluster.master_port, None, run_dir, resume,
+                           init_method=init_method, attempt=attempt)
+    except (ConfigError, CheckpointError, DatasetNotFoundError):
+        raise
+    except Exception as e:
+        # No launcher watches this rank: exit now, non-zero, with one line naming the failed
+        # role (the traceback goes to this role's log), so torchrun or SLURM can restart the job.
+        log.exception("this rank failed")
+        raise rank_failed(rank, role_name(rank, cfg.cluster.num_servers), run_dir, attempt, e) from e
+    if metrics is not None:
+        metrics["restarts"] = read_restarts(run_dir)
+        write_metrics_json(Path(run_dir) / "metrics.json", metrics)  # trainer0 wrote it without them
+    return metrics
 
 
 def env_rank() -> tuple[int, int]:

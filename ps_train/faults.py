@@ -1,37 +1,85 @@
-"""Fault injection for tests: make a chosen role die at a chosen step.
+"""Fault injection for tests: make a chosen role die or freeze at a chosen step.
 
-``PS_TRAIN_FAULT=<role>@<step>`` in the launcher's environment (every role inherits it)
-makes that role SIGKILL itself -- a trainer right after finishing step ``<step>``, a server
-right after applying its ``<step>``-th update -- so tests can check how the launcher reports
-a dead role and that resuming from the last checkpoint works. Never set it in real runs.
+``PS_TRAIN_FAULT`` in the launcher's environment (every role inherits it) holds one or more
+comma-separated faults ``<role>@<step>[:<action>][#<attempt>]``:
 
-It lives apart from the launcher so that the server and trainer, which call the hook, do
-not import the launcher that starts them.
+- ``<role>@<step>``: that role SIGKILLs itself -- a trainer right after finishing step
+  ``<step>``, a server right after applying its ``<step>``-th update;
+- ``:freeze`` instead SIGSTOPs it: the process stays alive but does nothing, not even its
+  heartbeat, as a hung machine or a stopped VM would (``:kill`` is the default);
+- ``#<attempt>`` limits the fault to one attempt of a restarted run (0 = the first; see
+  ``cluster.max_restarts``); without it the fault fires in every attempt, so a run that
+  restarts from a checkpoint before that step meets it again.
+
+E.g. ``ps1@5#0`` kills ps1 once, ``ps1@5:freeze#0,trainer1@7#1`` freezes ps1 in the first
+attempt and kills trainer1 in the second. So tests can check how the launcher reports a
+failed role, restarts the run, and that resuming from the last checkpoint works. Never set
+it in real runs.
+
+The attempt a process belongs to is ``PS_TRAIN_ATTEMPT`` (set by the local launcher) or
+torchrun's ``TORCHELASTIC_RESTART_COUNT``. This module lives apart from the launcher so
+that the server and trainer, which call the hook, do not import the launcher that starts them.
 """
 from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import time
+from typing import NamedTuple
 
-__all__ = ["FAULT_ENV", "maybe_inject_fault"]
+__all__ = ["FAULT_ENV", "ATTEMPT_ENV", "Fault", "current_attempt", "parse_faults", "maybe_inject_fault"]
 
 log = logging.getLogger("ps_train")
 
 FAULT_ENV = "PS_TRAIN_FAULT"
+ATTEMPT_ENV = "PS_TRAIN_ATTEMPT"
+_ACTIONS = {"kill": signal.SIGKILL, "freeze": signal.SIGSTOP}
+_SPEC = re.compile(r"(?P<role>[A-Za-z0-9_]+)@(?P<step>\d+)(?::(?P<action>[a-z]+))?(?:#(?P<attempt>\d+))?")
+
+
+class Fault(NamedTuple):
+    role: str
+    step: int
+    action: str  # kill | freeze
+    attempt: int | None  # None: every attempt
+
+
+def parse_faults(spec: str) -> list[Fault]:
+    """``"ps1@5:freeze#0,trainer1@7"`` -> faults; a malformed entry raises ``ValueError``."""
+    faults = []
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        m = _SPEC.fullmatch(part)
+        action = (m.group("action") or "kill") if m else ""
+        if m is None or action not in _ACTIONS:
+            raise ValueError(f"{FAULT_ENV}={spec!r}: {part!r} is not <role>@<step>[:kill|:freeze][#<attempt>] "
+                             "(e.g. ps1@5 or trainer0@3:freeze#0)")
+        attempt = m.group("attempt")
+        faults.append(Fault(m.group("role"), int(m.group("step")), action, None if attempt is None else int(attempt)))
+    return faults
+
+
+def current_attempt() -> int:
+    """Which attempt of a restarted run this process belongs to (0 = the first)."""
+    raw = os.environ.get(ATTEMPT_ENV) or os.environ.get("TORCHELASTIC_RESTART_COUNT") or "0"
+    return int(raw) if raw.isdigit() else 0
 
 
 def maybe_inject_fault(role: str, step: int) -> None:
-    """SIGKILL this process if ``PS_TRAIN_FAULT`` is ``<role>@<step>``; else do nothing."""
+    """Kill or stop this process if ``PS_TRAIN_FAULT`` names ``role`` at ``step`` in this
+    attempt; else do nothing."""
     spec = os.environ.get(FAULT_ENV)
     if not spec:
         return
-    who, _, at = spec.partition("@")
-    if who == role and at.isdigit() and int(at) == step:
-        log.warning("%s=%s: test fault injection, killing %s (pid %d) at step %d at unix time %.3f",
-                    FAULT_ENV, spec, role, os.getpid(), step, time.time())
-        # SIGKILL skips every handler: flush the log first so the test can read the line.
-        for h in logging.getLogger().handlers:
-            h.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
+    attempt = current_attempt()
+    for fault in parse_faults(spec):
+        if fault.role == role and fault.step == step and fault.attempt in (None, attempt):
+            verb = "killing" if fault.action == "kill" else "freezing"
+            log.warning("%s=%s: test fault injection, %s %s (pid %d) at step %d at unix time %.3f",
+                        FAULT_ENV, spec, verb, role, os.getpid(), step, time.time())
+            # Neither signal runs a handler: flush the log first so the test can read the line.
+            for h in logging.getLogger().handlers:
+                h.flush()
+            os.kill(os.getpid(), _ACTIONS[fault.action])
+            return

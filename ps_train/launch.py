@@ -2,8 +2,10 @@
 
 Ranks 0..S-1 are the parameter servers ``ps0..``, ranks S..S+T-1 the trainers
 ``trainer0..``. ``launch_local`` starts all of them on this machine with a fresh auth
-secret and a free port, watches them, and stops the run as soon as one fails, naming it
-(and the latest complete checkpoint to resume from). ``run_rank`` is what each process runs
+secret and a free port, watches them, and stops the run as soon as one fails -- exits, or
+stops sending heartbeats for ``cluster.role_timeout`` seconds (``ps_train.heartbeat``) --
+naming it (and the latest complete checkpoint to resume from). Restarting the run is the
+caller's choice (``ps_train.restarts``). ``run_rank`` is what each process runs
 (and, with ``cluster.launcher=env``, what a torchrun/SLURM-started process runs directly).
 
 Local roles are forked from a ``forkserver`` that has imported torch and ps_train once, so
@@ -34,6 +36,9 @@ import torch
 
 from ps_train import backend
 from ps_train.config import Config, config_to_dict, from_dictconfig
+from ps_train.faults import ATTEMPT_ENV
+from ps_train.heartbeat import HeartbeatBoard, process_state, start_heartbeat
+from ps_train.metrics import mark_attempt
 from ps_train.ports import free_port  # also re-exported: ps_train.launch.free_port predates ps_train.ports
 from rpc_core import memory
 
@@ -50,7 +55,19 @@ _PRELOAD = ["ps_train.launch", "ps_train.server", "ps_train.trainer", "ps_train.
 
 class RoleFailed(RuntimeError):
     """A server or trainer process failed (or the run hit its time limit); the message names
-    the role, its log, and the latest complete checkpoint."""
+    the role, its log, and the latest complete checkpoint.
+
+    ``role``: the failed role (``ps1``), None when the run ran out of time; ``reason``: how
+    it failed (``killed by signal SIGKILL``, ``unresponsive: ...``); ``checkpoint``: the
+    latest complete checkpoint of the run folder, if any.
+    """
+
+    def __init__(self, message: str, role: str | None = None, reason: str = "",
+                 checkpoint: str | None = None) -> None:
+        super().__init__(message)
+        self.role = role
+        self.reason = reason
+        self.checkpoint = checkpoint
 
 
 def role_name(rank: int, num_servers: int) -> str:
@@ -68,11 +85,13 @@ def _setup_logging(run_dir: str, name: str, level: str) -> None:
 
 
 def run_rank(cfg: Config, rank: int, master_addr: str, master_port: int, secret: str | None, run_dir: str,
-             resume: str | None = None, init_method: str | None = None) -> dict[str, Any] | None:
+             resume: str | None = None, init_method: str | None = None,
+             attempt: int = 0) -> dict[str, Any] | None:
     """Run one role until the whole job is done; returns the metrics on trainer0.
 
     ``resume``: a complete checkpoint dir (see ``checkpoint_files.resolve_resume``) to start from.
     ``init_method``: where the ranks meet, if not ``tcp://master_addr:master_port``.
+    ``attempt``: how many times the run was restarted before this start (TensorBoard shows it).
     """
     S, T = cfg.cluster.num_servers, cfg.cluster.num_trainers
     name = role_name(rank, S)
@@ -109,11 +128,23 @@ def run_rank(cfg: Config, rank: int, master_addr: str, master_port: int, secret:
                 start = resume_state["step"]
                 data_state = resume_state["trainer_positions"].get(name)
             t = trainer_class(cfg)(cfg, rank - S, run_dir, start_step=start, data_state=data_state)
+            mark_attempt(t.writer, start, attempt if t.index == 0 else None)  # see ps_train.restarts
             result = t.run(on_step=checkpoint_hook(cfg, run_dir))
-    finally:
-        rpc.shutdown()
+    except BaseException:
+        _abandon(rpc)
+        raise
+    rpc.shutdown()
     log.info("%s finished", name)
     return result
+
+
+def _abandon(rpc: Any) -> None:
+    """Shut down a failed role without waiting for its peers: a graceful shutdown would wait
+    for every peer (forever, for a frozen one) and its error would hide the role's own."""
+    try:
+        rpc.shutdown(graceful=False)
+    except Exception:  # the role's own error is what matters; it is being raised
+        log.exception("shutting down after the failure failed too")
 
 
 def _exit_with_parent() -> None:
@@ -130,8 +161,10 @@ def _exit_with_parent() -> None:
 
 
 def _child(cfg_dict: dict[str, Any], rank: int, port: int, secret: str, run_dir: str,
-           resume: str | None, results: Any, env: dict[str, str], cwd: str) -> None:
+           resume: str | None, results: Any, env: dict[str, str], cwd: str, heartbeats: Any,
+           beat_every: float, attempt: int) -> None:
     name = role_name(rank, cfg_dict["cluster"]["num_servers"])
+    start_heartbeat(heartbeats, rank, beat_every)  # first: the launcher counts silence from its start
     try:
         # The forkserver was started by an earlier launch: take this launch's environment.
         os.environ.clear()
@@ -139,7 +172,7 @@ def _child(cfg_dict: dict[str, Any], rank: int, port: int, secret: str, run_dir:
         os.chdir(cwd)
         _exit_with_parent()
         cfg = from_dictconfig(cfg_dict)
-        out = run_rank(cfg, rank, cfg.cluster.master_addr, port, secret, run_dir, resume)
+        out = run_rank(cfg, rank, cfg.cluster.master_addr, port, secret, run_dir, resume, attempt=attempt)
         if out is not None:
             results.put(out)
             results.close()
@@ -168,11 +201,13 @@ def _context() -> Any:
 
 
 def launch_local(cfg: Config, run_dir: str, resume: str | None = None,
-                 timeout: float | None = None) -> dict[str, Any]:
+                 timeout: float | None = None, attempt: int = 0) -> dict[str, Any]:
     """Start every role as a process on this machine; return trainer0's metrics.
 
-    Raises ``RoleFailed`` naming the first role that failed (or, with ``timeout`` seconds,
-    the roles still running when time ran out), after stopping all the others.
+    Raises ``RoleFailed`` naming the first role that failed or went silent for
+    ``cluster.role_timeout`` seconds (or, with ``timeout`` seconds, the roles still running
+    when time ran out), after stopping all the others. ``attempt``: how many times the run
+    was restarted before this launch.
     """
     S, T = cfg.cluster.num_servers, cfg.cluster.num_trainers
     # master_port=0: a free port for this run, so concurrent runs and -m sweep jobs never clash.
@@ -183,16 +218,18 @@ def launch_local(cfg: Config, run_dir: str, resume: str | None = None,
     ctx = _context()
     results = ctx.Queue()
     cfg_dict = config_to_dict(cfg)
-    env, cwd = dict(os.environ), os.getcwd()
+    env, cwd = dict(os.environ, **{ATTEMPT_ENV: str(attempt)}), os.getcwd()
+    board = HeartbeatBoard(ctx, S + T, cfg.cluster.role_timeout)
     procs = {}
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
         for rank in range(S + T):
-            p = ctx.Process(target=_child, args=(cfg_dict, rank, port, secret, run_dir, resume, results, env, cwd),
+            p = ctx.Process(target=_child, args=(cfg_dict, rank, port, secret, run_dir, resume, results, env, cwd,
+                                                 board.counters, board.interval, attempt),
                             name=role_name(rank, S), daemon=False)
             p.start()
             procs[rank] = p
-        _watch(procs, S, run_dir, deadline)
+        _watch(procs, S, run_dir, deadline, board)
     finally:
         for p in procs.values():
             if p.is_alive():
@@ -205,29 +242,58 @@ def launch_local(cfg: Config, run_dir: str, resume: str | None = None,
         raise RoleFailed(f"all roles exited cleanly but trainer0 reported no metrics; see {run_dir}/logs") from None
 
 
+def _how(exitcode: int) -> str:
+    return f"killed by signal {signal.Signals(-exitcode).name}" if exitcode < 0 else f"exit code {exitcode}"
+
+
 def _describe(rank: int, exitcode: int, S: int, run_dir: str) -> str:
-    how = f"killed by signal {signal.Signals(-exitcode).name}" if exitcode < 0 else f"exit code {exitcode}"
     name = role_name(rank, S)
-    return f"{name} (rank {rank}, {how}; log: {run_dir}/logs/{name}.log)"
+    return f"{name} (rank {rank}, {_how(exitcode)}; log: {run_dir}/logs/{name}.log)"
 
 
-def _checkpoint_hint(run_dir: str) -> str:
+def _checkpoint_hint(run_dir: str) -> tuple[str, str | None]:
+    """The sentence naming the checkpoint to resume from, and that checkpoint."""
     from ps_train.checkpoint_files import latest_checkpoint
 
     last = latest_checkpoint(run_dir)
-    return (f"the latest complete checkpoint is {last}; continue with resume={run_dir}" if last
-            else "no checkpoint was written yet; the run has to start over")
+    return ((f"the latest complete checkpoint is {last}; continue with resume={run_dir}", str(last)) if last
+            else ("no checkpoint was written yet; the run has to start over", None))
 
 
-def _watch(procs: dict[int, Any], S: int, run_dir: str, deadline: float | None) -> None:
-    """Wait for all roles; on the first failure stop and name the role."""
+def _unresponsive(procs: dict[int, Any], silent: list[tuple[int, float]], S: int, run_dir: str) -> RoleFailed:
+    """The error for roles whose heartbeats stopped (the longest silent first)."""
+    silent = sorted(silent, key=lambda rs: (-rs[1], rs[0]))
+    parts = []
+    for rank, quiet in silent:
+        state = process_state(procs[rank].pid)
+        parts.append((role_name(rank, S), f"unresponsive: no heartbeat for {quiet:.1f} s"
+                      + (f", the process is {state}" if state else "")))
+    hint, last = _checkpoint_hint(run_dir)
+    (first, reason), others = parts[0], parts[1:]
+    also = f"; also unresponsive: {', '.join(name for name, _ in others)}" if others else ""
+    rank = silent[0][0]
+    return RoleFailed(f"{first} (rank {rank}, {reason}; log: {run_dir}/logs/{first}.log) failed; stopped the run"
+                      f"{also}; {hint}", role=first, reason=reason, checkpoint=last)
+
+
+def _watch(procs: dict[int, Any], S: int, run_dir: str, deadline: float | None, board: HeartbeatBoard) -> None:
+    """Wait for all roles; on the first failure (exit or silence) stop and name the role."""
     alive = dict(procs)
     while alive:
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-        ready = multiprocessing.connection.wait([p.sentinel for p in alive.values()], timeout=remaining)
+        wait = board.check_every()
+        if remaining is not None:
+            wait = remaining if wait is None else min(wait, remaining)
+        ready = multiprocessing.connection.wait([p.sentinel for p in alive.values()], timeout=wait)
         if not ready:
-            raise RoleFailed(f"the run did not finish within its time limit; roles still running: "
-                             f"{[role_name(r, S) for r in alive]}; {_checkpoint_hint(run_dir)}")
+            if deadline is not None and time.monotonic() >= deadline:
+                hint, last = _checkpoint_hint(run_dir)
+                raise RoleFailed(f"the run did not finish within its time limit; roles still running: "
+                                 f"{[role_name(r, S) for r in alive]}; {hint}", checkpoint=last)
+            silent = board.silent(alive)
+            if silent:
+                raise _unresponsive(procs, silent, S, run_dir)
+            continue
         failed: list[int] = []
         for rank, p in list(alive.items()):
             if p.sentinel in ready:
@@ -245,5 +311,6 @@ def _watch(procs: dict[int, Any], S: int, run_dir: str, deadline: float | None) 
             first, *others = failed
             also = f"; also failed: {', '.join(_describe(r, procs[r].exitcode, S, run_dir) for r in others)}" \
                 if others else ""
+            hint, last = _checkpoint_hint(run_dir)
             raise RoleFailed(f"{_describe(first, procs[first].exitcode, S, run_dir)} failed; stopped the run{also}; "
-                             f"{_checkpoint_hint(run_dir)}")
+                             f"{hint}", role=role_name(first, S), reason=_how(procs[first].exitcode), checkpoint=last)

@@ -20,7 +20,8 @@ from ps_train.checkpoint_files import atomic_write_text
 
 __all__ = [
     "MetricsWriter", "TensorBoardWriter", "NullWriter", "make_writer", "flatten_hparams",
-    "ThroughputMeter", "LatencyStats", "write_metrics_json", "peak_rss_bytes",
+    "ThroughputMeter", "LatencyStats", "write_metrics_json", "peak_rss_bytes", "mark_session_start",
+    "mark_attempt",
 ]
 
 HParamValue = bool | int | float | str
@@ -121,6 +122,33 @@ class TensorBoardWriter:
 def make_writer(enabled: bool, log_dir: str | os.PathLike[str], filename_suffix: str = "") -> MetricsWriter:
     """TensorBoard writer if ``enabled`` (``logging.tensorboard``), else a no-op one."""
     return TensorBoardWriter(log_dir, filename_suffix) if enabled else NullWriter()
+
+
+def mark_session_start(writer: MetricsWriter, purge_step: int) -> None:
+    """Tell TensorBoard that a (re)started attempt writes from ``purge_step`` on.
+
+    A restarted run resumes from a checkpoint at step k and writes steps k+1.. again, next to
+    the failed attempt's events for those steps. This writes a ``SessionLog.START`` event at
+    ``purge_step = k + 1`` (what ``SummaryWriter(purge_step=...)`` does): TensorBoard's event
+    reader then drops the points earlier event files hold at steps >= k+1, so every curve
+    shows each step once. TensorBoard ignores a run's first START, which is why every
+    attempt, the first included, writes one. A no-op for writers other than TensorBoard's.
+    """
+    if not isinstance(writer, TensorBoardWriter):
+        return
+    from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+
+    file_writer = writer._writer._get_file_writer()
+    file_writer.add_event(Event(step=int(purge_step), session_log=SessionLog(status=SessionLog.START)))
+
+
+def mark_attempt(writer: MetricsWriter, start_step: int, restarts: int | None) -> None:
+    """A trainer's writer at the start of an attempt that resumes after ``start_step``: what
+    a failed attempt wrote after that step is superseded (``mark_session_start``), and
+    trainer0 (``restarts`` not None) plots ``train/restarts``, the restarts so far."""
+    mark_session_start(writer, start_step + 1)
+    if restarts is not None:
+        writer.add_scalar("train/restarts", restarts, start_step)
 
 
 def flatten_hparams(values: Mapping[str, Any], prefix: str = "") -> dict[str, HParamValue]:

@@ -21,6 +21,12 @@ class ClusterConfig:
     launcher: str = "local"  # local: spawn all roles here; env: one rank from RANK/WORLD_SIZE/...
     rpc_timeout: float = 60.0  # seconds; 0 = no timeout
     num_worker_threads: int = 8
+    # Local launcher: restart the whole run from its latest complete checkpoint when a role dies or
+    # stops answering, at most this often (0: a failed role stops the run). Under launcher=env
+    # torchrun's --max-restarts restarts the processes instead (see docs/failures.md).
+    max_restarts: int = 0
+    # Local launcher: seconds without a heartbeat after which a role counts as frozen (0: off).
+    role_timeout: float = 30.0
 
     def problems(self) -> Problems:
         p = Problems()
@@ -35,4 +41,11 @@ class ClusterConfig:
         p.need(bool(self.master_addr), "cluster.master_addr: must not be empty (e.g. 127.0.0.1)")
         p.need(self.rpc_timeout >= 0, f"cluster.rpc_timeout: {self.rpc_timeout} must be >= 0 (0 = no timeout)")
         p.need(self.num_worker_threads >= 1, f"cluster.num_worker_threads: {self.num_worker_threads} must be >= 1")
+        p.need(self.max_restarts >= 0, f"cluster.max_restarts: {self.max_restarts} must be >= 0 (0 = no restarts)")
+        p.need(self.launcher != "env" or self.max_restarts == 0,
+               f"cluster.max_restarts: {self.max_restarts} with cluster.launcher=env, where no ps_train launcher "
+               "watches the ranks; let torchrun restart them (torchrun --max-restarts=N ...), each restarted "
+               "attempt resumes from the run folder's latest checkpoint by itself")
+        p.need(self.role_timeout >= 0,
+               f"cluster.role_timeout: {self.role_timeout} must be >= 0 seconds (0 = do not detect frozen roles)")
         return p

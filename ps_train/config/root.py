@@ -14,9 +14,10 @@ from ps_train.config.model import MLPConfig, ModelConfig
 from ps_train.config.optim import OptimConfig
 from ps_train.config.run import CheckpointConfig, LoggingConfig, ModeConfig, TrainConfig
 
-__all__ = ["Config", "BACKENDS", "validate", "config_to_dict"]
+__all__ = ["Config", "BACKENDS", "RESUME_AUTO", "validate", "config_to_dict"]
 
 BACKENDS = ("rpc_core", "torch")
+RESUME_AUTO = "auto"  # resume=auto: this run folder's latest complete checkpoint, if it has one
 
 
 @dataclass
@@ -25,7 +26,7 @@ class Config:
     experiment: str = "default"
     seed: int = 0
     backend: str = "rpc_core"  # rpc_core | torch (torch.distributed.rpc, for comparison)
-    resume: str | None = None  # a run dir (latest checkpoint) or a checkpoint dir
+    resume: str | None = None  # a run dir (latest checkpoint), a checkpoint dir, or auto (this run's own)
     model: ModelConfig = field(default_factory=MLPConfig)
     data: DataConfig = field(default_factory=DigitsConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -43,10 +44,10 @@ class Config:
                f"experiment: {self.experiment!r} must be a non-empty name of letters, digits and _.,=+- "
                "(it becomes a folder under runs/)")
         p.need(self.backend in BACKENDS, f"backend: unknown backend {self.backend!r}; choose one of {list(BACKENDS)}")
-        if self.resume is not None:
+        if self.resume is not None and self.resume != RESUME_AUTO:
             p.need(os.path.exists(self.resume),
                    f"resume: {self.resume!r} does not exist; pass a run dir (runs/<experiment>/<date>_<time>) "
-                   "or one of its checkpoint dirs")
+                   "or one of its checkpoint dirs (or resume=auto: this run folder's own latest checkpoint)")
         p += self.model.problems()
         p += self.data.problems()
         p += self.cluster.problems()

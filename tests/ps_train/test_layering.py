@@ -14,7 +14,8 @@ from tests._graphs import cycles
 
 PACKAGE_DIR = Path(ps_train.__file__).resolve().parent
 # The entry points: what starts a run may import the launcher; nothing the launcher starts may.
-ENTRY_POINTS = {"ps_train.app", "ps_train.__main__"}
+# ps_train.restarts starts it again after a failure.
+ENTRY_POINTS = {"ps_train.app", "ps_train.__main__", "ps_train.restarts"}
 
 
 def _module_name(path: Path) -> str:
