@@ -6,8 +6,7 @@ Port a ``torch.distributed.rpc`` program by changing its imports::
     import rpc_core.autograd as dist_autograd   # was: torch.distributed.autograd
     from rpc_core.optim import DistributedOptimizer
 """
-from typing import Tuple
-
+# ruff: noqa: F401 (the package face: its imports are re-exports)
 from . import autograd, functions, optim, profiler  # autograd installs its middleware at init_rpc
 from . import rref as _rref
 from .agent import current_agent as _current_agent
@@ -72,8 +71,8 @@ _LAYERS: tuple[tuple[str, ...], ...] = (
     ("rref_handle",),  # the RRef class, proxies, remote()
     ("rref_fork",),  # RRefs in messages; the protocol's middleware
     ("rref",),  # the RRef group's face
-    ("optim", "profiler_rpc"),
-    ("profiler",),
+    ("optim", "profiler_rpc", "nn.remote_module"),
+    ("profiler", "nn"),  # nn: RemoteModule's package face
     ("api",),  # the facade: composes the layers into init_rpc/shutdown/...
     ("",),  # rpc_core itself: the public names
 )
