@@ -51,18 +51,21 @@ class _EventList(EventList):
         if max_name_column_width is None:
             max_name_column_width = min(160, max([len(e.key) for e in self] + [20]) + 4)
         return super().table(sort_by=sort_by, row_limit=row_limit, max_src_column_width=max_src_column_width,
-                             max_name_column_width=max_name_column_width, max_shapes_column_width=max_shapes_column_width,
-                             header=header, top_level_events_only=top_level_events_only, time_unit=time_unit)
+                             max_name_column_width=max_name_column_width,
+                             max_shapes_column_width=max_shapes_column_width, header=header,
+                             top_level_events_only=top_level_events_only, time_unit=time_unit)
 
     def key_averages(self, *args: Any, **kwargs: Any) -> _EventList:  # type: ignore[override]
         avg = super().key_averages(*args, **kwargs)
-        out = _EventList(avg, use_device=self._use_device, profile_memory=self._profile_memory, with_flops=self._with_flops)
+        out = _EventList(avg, use_device=self._use_device, profile_memory=self._profile_memory,
+                         with_flops=self._with_flops)
         out.node_names = self.node_names
         return out
 
     def export_chrome_trace(self, path: str) -> None:
         """Write a Trace Event Format JSON file: one process per node (``node_id: N``), one
-        thread row per profiled thread, RPCs as async slices. Opens in Perfetto/chrome://tracing."""
+        thread row per profiled thread, RPCs as async slices, every event under its
+        ``function_events`` name. Opens in Perfetto/chrome://tracing."""
         out: list[dict[str, Any]] = []
         seen = set()
         for i, e in enumerate(self):
@@ -75,10 +78,11 @@ class _EventList(EventList):
                          if e.node_id >= 0 else "CPU functions")
                 out.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": label}})
                 out.append({"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": pid}})
+            # Under the name tables and key_averages() show, as torch's export writes it: a
+            # remote event keeps its "{rpc}#remote_op: {op}" name, which tools look for.
             name, args = e.name, {"node_id": e.node_id}
             if e.is_remote and REMOTE_OP in name:
-                rpc, _, name = name.rpartition(REMOTE_OP)
-                args["rpc"] = rpc
+                args["rpc"], _, args["op"] = name.rpartition(REMOTE_OP)
             if e.input_shapes:
                 args["input_shapes"] = e.input_shapes
             ts, dur = e.time_range.start, e.time_range.elapsed_us()
@@ -117,7 +121,8 @@ class profile:
         if not enabled:
             return
         if not use_cpu:
-            raise ValueError("rpc_core.profiler.profile records CPU events (legacy profiler); use_cpu=False is not supported")
+            raise ValueError("rpc_core.profiler.profile records CPU events (legacy profiler); "
+                             "use_cpu=False is not supported")
         self.use_device = use_device
         self._state = ProfilerState.CPU
         if use_device == "cuda" and torch.cuda.is_available():
@@ -176,7 +181,8 @@ class profile:
             node_id=e.node, is_legacy=True, flops=e.flops or None)
             for i, e in enumerate(all_events, start=1)]
         fes.sort(key=lambda fe: (fe.time_range.start, -fe.time_range.end))
-        result = _EventList(fes, use_device=self.use_device, profile_memory=self.profile_memory, with_flops=self.with_flops)
+        result = _EventList(fes, use_device=self.use_device, profile_memory=self.profile_memory,
+                            with_flops=self.with_flops)
         result.node_names = self._names
         result._build_tree()
         if self.acc_events and self._function_events is not None:
@@ -199,7 +205,8 @@ class profile:
     def table(self, sort_by: str | None = None, row_limit: int = 100, max_src_column_width: int = 75,
               max_name_column_width: int | None = None, max_shapes_column_width: int = 80,
               header: str | None = None, top_level_events_only: bool = False) -> str:
-        return self.function_events.table(sort_by=sort_by, row_limit=row_limit, max_src_column_width=max_src_column_width,
+        return self.function_events.table(sort_by=sort_by, row_limit=row_limit,
+                                          max_src_column_width=max_src_column_width,
                                           max_name_column_width=max_name_column_width,
                                           max_shapes_column_width=max_shapes_column_width, header=header,
                                           top_level_events_only=top_level_events_only)
