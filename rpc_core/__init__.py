@@ -9,11 +9,14 @@ Port a ``torch.distributed.rpc`` program by changing its imports::
 # ruff: noqa: F401 (the package face: its imports are re-exports)
 from . import autograd, functions, optim, profiler  # autograd installs its middleware at init_rpc
 from . import rref as _rref
+from . import torchscript as _torchscript  # scripted functions and modules in messages
 from .agent import current_agent as _current_agent
 from .api import (
     BackendType,
     _all_gather,
     _barrier,
+    _get_current_rpc_agent,
+    _is_current_rpc_agent_set,
     _set_rpc_timeout,
     _wait_all_workers,
     get_rpc_timeout,
@@ -34,6 +37,8 @@ from .errors import (
     RpcTimeoutError,
     WorkerUnavailableError,
 )
+from .options import DEFAULT_INIT_METHOD as _DEFAULT_INIT_METHOD
+from .options import DEFAULT_NUM_WORKER_THREADS as _DEFAULT_NUM_WORKER_THREADS
 from .options import (
     DEFAULT_RPC_TIMEOUT_SEC,
     DEFAULT_SHUTDOWN_TIMEOUT,
@@ -41,8 +46,12 @@ from .options import (
     RpcBackendOptions,
     TensorPipeRpcBackendOptions,
 )
+from .options import DEFAULT_RPC_TIMEOUT_SEC as _DEFAULT_RPC_TIMEOUT_SEC
+from .options import UNSET_RPC_TIMEOUT as _UNSET_RPC_TIMEOUT
 from .rendezvous import WorkerInfo
 from .rref import RRef
+
+PyRRef = RRef  # torch's RRef derives from PyRRef; isinstance checks against either name hold
 
 # The layers of rpc_core, bottom-up: a module imports only modules of lower layers (never
 # one of its own layer, never one above, and a package's modules never the package's
@@ -53,7 +62,7 @@ _LAYERS: tuple[tuple[str, ...], ...] = (
     # foundations: no rpc_core imports
     ("knobs", "polling", "middleware"),
     ("errors", "wire", "options", "functions", "memory", "cma", "pool", "serialization"),
-    ("handshake", "futures"),
+    ("handshake", "futures", "torchscript"),
     ("buffers",),
     ("sending",),
     ("transport",),  # connections: bytes only

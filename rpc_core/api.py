@@ -47,13 +47,15 @@ def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | N
     if not isinstance(options, RpcBackendOptions):
         raise TypeError("Argument rpc_backend_options must be an instance of RpcBackendOptions")
     if world_size is None:
-        raise ValueError("world_size is required: rpc_core supports static groups (dynamic membership is not implemented)")
+        raise ValueError("world_size is required: rpc_core supports static groups "
+                         "(dynamic membership is not implemented)")
     if not options.auth_secret:
         logging.getLogger("rpc_core").warning(
             "rpc_core worker %r runs without an auth secret: any process that can reach its port can make it "
             "run functions. Set RpcBackendOptions(auth_secret=...) or RPC_CORE_AUTH_SECRET, the same on every worker.",
             name)
-    world = rendezvous(name, rank, world_size, options.init_method, options.auth_secret, options.effective_init_timeout())
+    world = rendezvous(name, rank, world_size, options.init_method, options.auth_secret,
+                       options.effective_init_timeout())
     memory.tune()  # keep freed tensor memory in the process (see rpc_core.memory)
     agent = Agent(world, options)
     _rref.install(agent)
@@ -70,6 +72,28 @@ def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
     if worker_name is None:
         return agent.me
     return agent.worker_info(worker_name)
+
+
+def _is_current_rpc_agent_set() -> bool:
+    """Whether this process is a worker (``init_rpc`` done, ``shutdown`` not yet)."""
+    return _agent_mod._agent is not None
+
+
+class _RpcAgentView:
+    """What programs read from torch's ``_get_current_rpc_agent()``: the group's workers."""
+
+    def __init__(self, agent: Agent) -> None:
+        self._agent = agent
+
+    def get_worker_info(self, worker_name: str | None = None) -> WorkerInfo:
+        return self._agent.me if worker_name is None else self._agent.worker_info(worker_name)
+
+    def get_worker_infos(self) -> list[WorkerInfo]:
+        return list(self._agent.workers)
+
+
+def _get_current_rpc_agent() -> _RpcAgentView:
+    return _RpcAgentView(current_agent())
 
 
 def get_rpc_timeout() -> float:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any, Dict
+from typing import Any
 
 import torch
 
@@ -67,6 +67,12 @@ def _current_context() -> DistAutogradContext:
         raise RuntimeError("Current thread doesn't have a valid autograd context. Please wrap your code using "
                            "`with rpc_core.autograd.context() as context_id` to generate a valid context")
     return _context.retrieve(cid)
+
+
+def _new_context() -> DistAutogradContext:
+    """A new context, current on this thread (``context()`` also releases it at the end)."""
+    _agent_mod.current_agent()
+    return _context.new_context()
 
 
 def _retrieve_context(context_id: int) -> DistAutogradContext:
