@@ -120,3 +120,33 @@ def test_the_same_program_on_torch_rpc_equals_it_too(tmp_path: pathlib.Path) -> 
         pytest.skip("this torch build has no torch.distributed.rpc")
     (tmp_path / "ddp_rpc_on_torch.py").write_text(torch_source())
     check_against_oracle(run_program(str(tmp_path), "ddp_rpc_on_torch"))
+
+
+def _root_pass_body(ctx: Any) -> dict[str, Any]:
+    import rpc_core
+    import rpc_core.autograd as dist_autograd
+
+    w = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+    w.grad = torch.full((2,), 7.0)  # the owner's own .grad: left as it was
+    w.register_hook(lambda g: g * 2)  # a gradient hook runs once per pass, as in torch
+    accumulated: list[torch.Tensor] = []
+    w.register_post_accumulate_grad_hook(lambda p: accumulated.append(p.grad.clone()))
+    with dist_autograd.context() as cid:
+        remote_part = rpc_core.rpc_sync("worker1", torch.mul, args=(w, 3.0))  # r = 3w, (2,)
+        loss = (remote_part * w).sum()
+        dist_autograd.backward(cid, [loss])
+        grad = dist_autograd.get_gradients(cid)[w]
+    return {"grad": grad.tolist(), "dot_grad": w.grad.tolist(), "accumulated": [a.tolist() for a in accumulated]}
+
+
+@pytest.mark.timeout(120)
+def test_the_root_pass_runs_accumulators_but_leaves_grad_alone() -> None:
+    """The caller's leaves go through their accumulators (DDP's hooks run there), which the
+    gradient hook sees once and .grad only for the moment; the context holds the result."""
+    out = run_world(_root_pass_body, 2, timeout=100)[0]
+    # loss = sum(r * w) with r = 3w from worker1. The root pass gives d/dw = r = [3, 6],
+    # doubled by the hook: [6, 12]; d/dr = w goes to worker1 and comes back as 3w = [3, 6]
+    # in a second pass, doubled too: [12, 24] in all.
+    assert out["grad"] == [12.0, 24.0]
+    assert out["dot_grad"] == [7.0, 7.0]
+    assert out["accumulated"] == [[6.0, 12.0]], "post-accumulate hooks run in the root pass only"
