@@ -10,6 +10,7 @@ from typing import Any
 
 from . import autograd, functions, optim, profiler  # autograd installs its middleware at init_rpc
 from . import rref as _rref
+from . import torchscript as _torchscript  # scripted functions and modules in messages
 from .agent import current_agent as _current_agent
 from .api import (
     BackendType,
@@ -26,6 +27,8 @@ from .api import (
 # private helpers torch.distributed.rpc also has (tests use them), re-exported by the `as` form
 from .api import _all_gather as _all_gather
 from .api import _barrier as _barrier
+from .api import _get_current_rpc_agent as _get_current_rpc_agent
+from .api import _is_current_rpc_agent_set as _is_current_rpc_agent_set
 from .api import _set_rpc_timeout as _set_rpc_timeout
 from .api import _wait_all_workers as _wait_all_workers
 from .errors import (
@@ -37,6 +40,8 @@ from .errors import (
     RpcTimeoutError,
     WorkerUnavailableError,
 )
+from .options import DEFAULT_INIT_METHOD as _DEFAULT_INIT_METHOD
+from .options import DEFAULT_NUM_WORKER_THREADS as _DEFAULT_NUM_WORKER_THREADS
 from .options import (
     DEFAULT_RPC_TIMEOUT_SEC,
     DEFAULT_SHUTDOWN_TIMEOUT,
@@ -44,8 +49,12 @@ from .options import (
     RpcBackendOptions,
     TensorPipeRpcBackendOptions,
 )
+from .options import DEFAULT_RPC_TIMEOUT_SEC as _DEFAULT_RPC_TIMEOUT_SEC
+from .options import UNSET_RPC_TIMEOUT as _UNSET_RPC_TIMEOUT
 from .rendezvous import WorkerInfo
 from .rref import RRef
+
+PyRRef = RRef  # torch's RRef derives from PyRRef; isinstance checks against either name hold
 
 # The layers of rpc_core, bottom-up: a module imports only modules of lower layers (never
 # one of its own layer, never one above, and a package's modules never the package's
@@ -56,7 +65,7 @@ _LAYERS: tuple[tuple[str, ...], ...] = (
     # foundations: no rpc_core imports
     ("knobs", "polling", "middleware"),
     ("errors", "wire", "options", "functions", "memory", "cma", "pool", "serialization"),
-    ("handshake", "futures"),
+    ("handshake", "futures", "torchscript"),
     ("buffers",),
     ("sending",),
     ("transport",),  # connections: bytes only
@@ -74,8 +83,8 @@ _LAYERS: tuple[tuple[str, ...], ...] = (
     ("rref_handle",),  # the RRef class, proxies, remote()
     ("rref_fork",),  # RRefs in messages; the protocol's middleware
     ("rref",),  # the RRef group's face
-    ("optim", "profiler_rpc"),
-    ("profiler",),
+    ("optim", "profiler_rpc", "nn.remote_module"),
+    ("profiler", "nn"),  # nn: RemoteModule's package face
     ("api",),  # the facade: composes the layers into init_rpc/shutdown/...
     ("",),  # rpc_core itself: the public names
 )

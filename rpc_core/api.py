@@ -81,6 +81,28 @@ def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
     return agent.worker_info(worker_name)
 
 
+def _is_current_rpc_agent_set() -> bool:
+    """Whether this process is a worker (``init_rpc`` done, ``shutdown`` not yet)."""
+    return _agent_mod._agent is not None
+
+
+class _RpcAgentView:
+    """What programs read from torch's ``_get_current_rpc_agent()``: the group's workers."""
+
+    def __init__(self, agent: Agent) -> None:
+        self._agent = agent
+
+    def get_worker_info(self, worker_name: str | None = None) -> WorkerInfo:
+        return self._agent.me if worker_name is None else self._agent.worker_info(worker_name)
+
+    def get_worker_infos(self) -> list[WorkerInfo]:
+        return list(self._agent.workers)
+
+
+def _get_current_rpc_agent() -> _RpcAgentView:
+    return _RpcAgentView(current_agent())
+
+
 def get_rpc_timeout() -> float:
     return current_agent().default_timeout
 

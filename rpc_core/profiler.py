@@ -68,7 +68,8 @@ class _EventList(EventList):
 
     def export_chrome_trace(self, path: str) -> None:
         """Write a Trace Event Format JSON file: one process per node (``node_id: N``), one
-        thread row per profiled thread, RPCs as async slices. Opens in Perfetto/chrome://tracing."""
+        thread row per profiled thread, RPCs as async slices, every event under its
+        ``function_events`` name. Opens in Perfetto/chrome://tracing."""
         out: list[dict[str, Any]] = []
         seen = set()
         for i, e in enumerate(self):
@@ -81,10 +82,11 @@ class _EventList(EventList):
                          if e.node_id >= 0 else "CPU functions")
                 out.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": label}})
                 out.append({"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": pid}})
+            # Under the name tables and key_averages() show, as torch's export writes it: a
+            # remote event keeps its "{rpc}#remote_op: {op}" name, which tools look for.
             name, args = e.name, {"node_id": e.node_id}
             if e.is_remote and REMOTE_OP in name:
-                rpc, _, name = name.rpartition(REMOTE_OP)
-                args["rpc"] = rpc
+                args["rpc"], _, args["op"] = name.rpartition(REMOTE_OP)
             if e.input_shapes:
                 args["input_shapes"] = e.input_shapes
             ts, dur = e.time_range.start, e.time_range.elapsed_us()

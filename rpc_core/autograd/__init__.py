@@ -70,6 +70,12 @@ def _current_context() -> DistAutogradContext:
     return _context.retrieve(cid)
 
 
+def _new_context() -> DistAutogradContext:
+    """A new context, current on this thread (``context()`` also releases it at the end)."""
+    _agent_mod.current_agent()
+    return _context.new_context()
+
+
 def _retrieve_context(context_id: int) -> DistAutogradContext:
     return _context.retrieve(context_id)
 

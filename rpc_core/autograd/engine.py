@@ -17,6 +17,17 @@ the context, so ``retain_graph=False`` neither frees them early nor forbids a se
 backward. One consequence of passes: a gradient hook (``register_hook``) on a tensor
 reached by several passes sees each pass's part, not their sum, as torch's engine would
 give it; linear hooks (scaling) give the same result, non-linear ones (clamping) do not.
+
+The pass that ``backward()`` starts on the caller's own worker (the root pass) runs the
+leaves' ``AccumulateGrad`` nodes, as torch's distributed engine does, instead of only
+capturing their gradients: hooks that other torch machinery puts after them then fire. That
+is how DistributedDataParallel learns that a gradient is ready; it averages the gradients
+across its process group and writes the result to ``.grad``, which the pass moves into the
+context (``.grad`` is left as it was). Root passes on one worker take turns for this (a
+lock; only their local autograd part), and a plain ``.backward()`` on the same leaves in
+another thread at the same time would mix with it. Passes started by gradients arriving
+from other workers only capture (their leaves, often a parameter server's, are shared by
+many concurrent passes), so DDP modules belong on the worker that calls ``backward``.
 """
 from __future__ import annotations
 
@@ -43,6 +54,7 @@ _pass_tls = threading.local()
 # them: autograd.grad never accumulates into its inputs, and a local .backward() only ever
 # hands it None. A pass finds it among its leaves and skips it.
 ANCHOR = torch.empty(0, requires_grad=True)
+_accumulating = threading.Lock()  # root passes that run AccumulateGrad take turns with .grad
 
 
 def is_anchor(t: torch.Tensor) -> bool:
@@ -82,11 +94,32 @@ def _discover(starts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return leaves
 
 
+def _accumulate_pass(starts: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                     inputs: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    """The leaves' gradients, through their AccumulateGrad nodes (so the hooks after those
+    run: DDP's), read back from ``.grad``, which is then restored."""
+    with _accumulating:
+        saved = [t.grad for t in inputs]
+        for t in inputs:
+            t.grad = None
+        try:
+            torch.autograd.backward(list(starts), list(grads), retain_graph=True, inputs=inputs)
+            # A DDP gradient may be a view of its bucket (gradient_as_bucket_view=True),
+            # which the next backward overwrites: the context keeps its own copy.
+            return [None if t.grad is None else t.grad.clone() if t.grad._base is not None else t.grad
+                    for t in inputs]
+        finally:
+            for t, g in zip(inputs, saved, strict=True):
+                t.grad = g
+
+
 def local_pass(ctx: _context.DistAutogradContext, starts: Sequence[torch.Tensor],
-               grads: Sequence[torch.Tensor], waited: bool = False) -> list[torch.futures.Future[Any]]:
+               grads: Sequence[torch.Tensor], waited: bool = False,
+               root: bool = False) -> list[torch.futures.Future[Any]]:
     """Backward from ``starts`` with ``grads`` on this worker; returns the futures of the
     gradient RPCs it started. ``waited``: this thread waits on them itself afterwards (so
-    it reads their answers; see outbound)."""
+    it reads their answers; see outbound). ``root``: the pass ``backward()`` started here,
+    which runs the leaves' AccumulateGrad nodes (see the module docstring)."""
     inputs = _discover(starts)
     if not inputs:
         return []
@@ -95,7 +128,10 @@ def local_pass(ctx: _context.DistAutogradContext, starts: Sequence[torch.Tensor]
     _pass_tls.futures, _pass_tls.waited = futures, waited
     prev_ctx = _context.set_current(ctx.context_id)
     try:
-        results = torch.autograd.grad(list(starts), inputs, list(grads), retain_graph=True, allow_unused=True)
+        if root and any(not is_anchor(t) for t in inputs):
+            results = _accumulate_pass(starts, grads, inputs)
+        else:
+            results = torch.autograd.grad(list(starts), inputs, list(grads), retain_graph=True, allow_unused=True)
     finally:
         _pass_tls.futures, _pass_tls.waited = prev
         _context.set_current(prev_ctx)
@@ -135,7 +171,7 @@ def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = Fa
     ctx = _context.retrieve(context_id)
     me = _agent_mod.current_agent().me
     try:
-        futures = local_pass(ctx, roots, [torch.ones_like(r) for r in roots], waited=True)
+        futures = local_pass(ctx, roots, [torch.ones_like(r) for r in roots], waited=True, root=True)
     except Exception as e:
         raise RuntimeError(f"{_prefix(me)}: {e}") from e
     _raise_all(_wait(futures))
@@ -182,7 +218,7 @@ def _on_backward(context_id: int, msg_id: int, grads: list[Any]) -> torch.future
     sent = ctx.sends.get(msg_id)
     if sent is None:
         raise RpcError(f"{_prefix(me)}: no send with autograd message id {msg_id} in context {context_id}")
-    pairs: list[tuple[torch.Tensor, torch.Tensor]] = [(t, g) for t, g in zip(sent, grads, strict=True) if g is not None]
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = [(t, g) for t, g in zip(sent, grads, strict=False) if g is not None]
     try:
         futures = local_pass(ctx, [t for t, _ in pairs], [g for _, g in pairs])
     except Exception as e:

@@ -169,6 +169,13 @@ def _check_trace_format(evs) -> None:
             stack.append((start, end, name))
 
 
+def _remote_ops(trace_events) -> set:
+    """What a tool that reads torch's RPC traces does: remote events by their name,
+    ``{rpc event}#remote_op: {op}``, and the node whose row they are on."""
+    return {(*e["name"].split("#remote_op: ", 1), e["pid"]) for e in trace_events
+            if "#remote_op: " in e.get("name", "") and e["ph"] == "X"}
+
+
 def test_recipe_table_and_trace(tmp_path):
     trace = tmp_path / "trace.json"
     out, callee = run_world(_recipe_body, 2, args=(str(trace),), timeout=120)
@@ -197,10 +204,16 @@ def test_recipe_table_and_trace(tmp_path):
     _check_trace_format(evs)
     procs = {e["pid"]: e["args"]["name"] for e in evs if e.get("name") == "process_name"}
     assert procs == {0: "node_id: 0 (worker0)", 1: "node_id: 1 (worker1)"}
-    on1 = {(e["name"], e["args"].get("rpc")) for e in evs if e["pid"] == 1 and e["ph"] == "X"}
-    assert ("aten::add", f"rpc_async#aten::add{W0_W1}") in on1
-    assert ("aten::mul", f"rpc_async#aten::mul{W0_W1}") in on1
-    assert ("aten::sigmoid", f"rpc_async#udf_with_ops{W0_W1}") in on1
+    on1 = {(e["name"], e["args"].get("rpc"), e["args"].get("op")) for e in evs if e["pid"] == 1 and e["ph"] == "X"}
+    for rpc, op in ((f"rpc_async#aten::add{W0_W1}", "aten::add"), (f"rpc_async#aten::mul{W0_W1}", "aten::mul"),
+                    (f"rpc_async#udf_with_ops{W0_W1}", "aten::sigmoid")):
+        assert (f"{rpc}#remote_op: {op}", rpc, op) in on1
+    # Every event under the name function_events and key_averages() show, so a tool that
+    # reads torch's traces for "#remote_op:" finds each remote op, on its node's row.
+    traced = {(e["name"], e["pid"]) for e in evs if e["ph"] in ("X", "b")}
+    assert traced == set(avg), traced ^ set(avg)
+    remote_keys = [(*key.split("#remote_op: "), node) for key, node in avg if "#remote_op: " in key]
+    assert _remote_ops(evs) == set(remote_keys) and len(remote_keys) >= 7
     rpcs = [e for e in evs if e["pid"] == 0 and e.get("cat") == "rpc"]
     assert {e["ph"] for e in rpcs} == {"b", "e"} and len(rpcs) == 6
 
