@@ -82,12 +82,14 @@ class Heartbeats:
     describe: Callable[[int], str]
     send_request: Callable[..., RpcFuture]
     call_later: Callable[[float, Callable[[], None]], None]
-    _fail: Callable[..., None]
+    _complete: Callable[..., None]
+    n_sent: int
 
     def _init_heartbeats(self, timeout: float) -> None:
         self.heartbeat_timeout = timeout  # s; 0: off
         self._tick = timeout / TICKS_PER_TIMEOUT
         self._watches: dict[Outbound, _Watch] = {}
+        self._last_look = time.monotonic()
         self._dialling: set[int] = set()  # peers a heartbeat is dialling (watch-all only)
         # Called with (rank, what was observed) when a watched peer stays silent too long.
         self.on_peer_unreachable: list[Callable[[int, str], None]] = []
@@ -96,14 +98,21 @@ class Heartbeats:
 
     def _start_heartbeats(self) -> None:
         if self.heartbeat_timeout > 0:
-            self.call_later(time.monotonic() + self._tick, self._heartbeat_tick)
+            self._last_look = time.monotonic()
+            self.call_later(self._last_look + self._tick, self._heartbeat_tick)
 
     def _heartbeat_tick(self) -> None:
         """On the timer thread, every tick: look at the watched connections."""
         if self._closing:
             return
+        now = time.monotonic()
+        if now - self._last_look > 2 * self._tick:
+            # This process did not run for a while (stopped, suspended, starved): the silence
+            # was ours, and answers may wait unread in our sockets. Start the watches afresh.
+            self._watches = {}
+        self._last_look = now
         try:
-            self._look(time.monotonic())
+            self._look(now)
         finally:
             if not self._closing:
                 self.call_later(time.monotonic() + self._tick, self._heartbeat_tick)
@@ -149,7 +158,11 @@ class Heartbeats:
                 w.beating = False
             self._dialling.discard(peer)
             return
-        fut = self.send_request(peer, beat, (), {}, 0, flags=wire.CONTROL, call_extras={wire.LOCAL_HEARTBEAT: True})
+        # Over a watched connection the watch bounds the call; one dialled for it gets the
+        # heartbeat timeout (dial included) as its own.
+        timeout = 0 if link is not None else self.heartbeat_timeout
+        fut = self.send_request(peer, beat, (), {}, timeout, flags=wire.CONTROL,
+                                call_extras={wire.LOCAL_HEARTBEAT: True})
         fut.add_done_callback(lambda f: self._beat_done(peer, w, f))
 
     def _beat_done(self, peer: int, w: _Watch | None, fut: torch.futures.Future) -> None:
@@ -161,8 +174,10 @@ class Heartbeats:
             fut.wait()
         except Exception as e:  # noqa: BLE001 - any failure to reach a watched peer is news
             if not self._closing:
+                reason = (f"{self.describe(peer)} did not answer a heartbeat of {self.me.name} within "
+                          f"{self.heartbeat_timeout:g} s (heartbeat_timeout, RPC_CORE_HEARTBEAT_TIMEOUT): {e}")
                 for cb in self.on_peer_unreachable:
-                    cb(peer, str(e))  # on a pool thread already (the future has a callback)
+                    cb(peer, reason)  # on a pool thread already (the future has a callback)
 
     def _unreachable(self, peer: int, link: Outbound, silent: float, n: int) -> None:
         """``peer`` sent nothing on ``link`` for ``silent`` s: fail what waits on it, drop the connection."""
@@ -179,8 +194,14 @@ class Heartbeats:
                 del self._out[peer]
         log.warning("rpc_core %s: %s", self.me.name, reason)
         for msg_id, rec in list(self._pending.items()):
-            if rec.link is link:
-                self._fail(msg_id, WorkerUnavailableError(reason), inline=False)
+            if rec.link is link and self._pending.pop(msg_id, None) is not None:
+                rec.future._answered = True
+                self._complete(rec.future, error=WorkerUnavailableError(reason), inline=False, counted=False)
+                link.answered(rec.unattended)
+                if not rec.flags & wire.CONTROL:
+                    # The reset may drop the request before it arrives: for graceful shutdown's
+                    # count of requests sent and received, it was never sent.
+                    self.n_sent -= 1
         link.close()  # before the socket: its reader then takes the error as expected, not as news
         try:
             link.conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _ABORT)
