@@ -253,6 +253,7 @@ def _body_short_cut(ctx, outage):
         rpc_core.rpc_sync(0, _set_ready)
         return held.wait()
     _wait_ready()
+    rpc_core.rpc_sync(1, _whoami)  # connected before the cut (a dial would wait for the heal)
     control("cut", 0, 1)
     _gate.set()  # the answer to worker1's call leaves while the link is cut
     futs = [rpc_core.rpc_async(1, _add_one, timeout=0) for _ in range(20)]
