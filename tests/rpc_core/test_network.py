@@ -3,6 +3,8 @@ with delay, jitter, loss and rate limits, cut and healed; frozen and killed peer
 from another host. Needs root, ip and iptables; skipped, with the reason, where unavailable."""
 from __future__ import annotations
 
+import os
+import socket
 import threading
 import time
 
@@ -15,6 +17,7 @@ from rpc_core.agent import connection_stats
 from rpc_core.optim import DistributedOptimizer
 from tests.netns import Network, unavailable_reason
 from tests.netns_world import control, run_hosts
+from tests.rpc_core import test_agent, test_handshake
 
 HEARTBEAT = 2.0  # s, the tests' heartbeat timeout: a silent peer is reported within 1.5x this
 SLACK = 3.0  # s, for a loaded 2-core machine
@@ -254,8 +257,8 @@ def _body_short_cut(ctx, outage):
         return held.wait()
     _wait_ready()
     rpc_core.rpc_sync(1, _whoami)  # connected before the cut (a dial would wait for the heal)
-    control("cut", 0, 1)
-    _gate.set()  # the answer to worker1's call leaves while the link is cut
+    control("link_down", 1)
+    _gate.set()  # the answer to worker1's call leaves while its link is down
     futs = [rpc_core.rpc_async(1, _add_one, timeout=0) for _ in range(20)]
     sync = [None]
     t = threading.Thread(target=lambda: sync.__setitem__(0, rpc_core.rpc_sync(1, _whoami, timeout=0)))
@@ -364,3 +367,45 @@ def test_a_killed_peer_fails_calls_at_once_by_name_and_shutdown_is_bounded(net):
     assert seconds < SLACK, failed  # the reset crosses the network: no heartbeat needed
     kind, message, seconds = shutdown
     assert kind == "RpcError" and "worker1" in message and seconds < SLACK + 5, shutdown
+
+
+# -- bad input from another host -------------------------------------------------------------------
+def _body_idle_client(ctx, deadline):
+    if ctx.rank == 1:
+        os.environ["RPC_CORE_HANDSHAKE_TIMEOUT"] = str(deadline)
+    ctx.init()
+    if ctx.rank == 1:
+        _wait_ready()
+        return None
+    address = tuple(rpc_core.api.current_agent().addresses[1])
+    with socket.create_connection(address, timeout=30) as s:  # connects, then says nothing
+        start = time.monotonic()
+        s.settimeout(deadline + 10)
+        try:
+            while s.recv(4096):  # the worker's HELLO, then its end
+                pass
+        except (ConnectionResetError, TimeoutError):
+            pass
+        closed_after = time.monotonic() - start
+    assert rpc_core.rpc_sync(1, _whoami) == "worker1"
+    rpc_core.rpc_sync(1, _set_ready)
+    return closed_after
+
+
+@pytest.mark.timeout(120)
+def test_garbage_wrong_secrets_truncated_frames_and_huge_lengths_from_another_host_are_dropped(net):
+    # The loopback tests' bodies, run across hosts: each also checks that the worker keeps
+    # serving its real peer and did not allocate what the frames claimed.
+    assert run_hosts(net, test_agent._body_garbage, 2, timeout=80) == [True, None]
+    assert run_hosts(net, test_agent._body_wrong_secret, 2, timeout=80) == [True, None]
+
+
+@pytest.mark.timeout(120)
+def test_silent_and_trickling_unauthenticated_clients_on_another_host_are_closed_at_the_deadline(net):
+    deadline = 1.5
+    closed_after, _ = run_hosts(net, _body_idle_client, 2, args=(deadline,), init=False, timeout=60)
+    assert deadline * 0.9 <= closed_after < deadline + SLACK, closed_after
+    (unauthenticated, identity), _ = run_hosts(net, test_handshake._body_trickle, 2, args=(deadline,), init=False,
+                                               timeout=60)
+    assert unauthenticated is not None and unauthenticated < deadline + 4
+    assert identity is not None and identity < deadline + 4
