@@ -69,7 +69,7 @@ class _Watch:
 
 class Heartbeats:
     """The liveness watch. Uses the agent's ``describe``, ``send_request``, ``call_later``,
-    its call table (``_pending``, ``_fail``) and connection table (``_links``, ``_out``)."""
+    its call table (``_pending``, ``_complete``) and connection table (``_links``, ``_out``)."""
 
     me: Any
     workers: list[Any]
