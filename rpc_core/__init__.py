@@ -71,6 +71,7 @@ _LAYERS: tuple[tuple[str, ...], ...] = (
     ("transport",),  # connections: bytes only
     ("rendezvous", "outbound"),
     ("deadlines", "completion", "dispatch"),  # the worker's parts: timer, pending calls, requests
+    ("heartbeats",),  # the worker's liveness watch of the peers it waits on
     ("connections",),
     ("agent",),  # the worker
     ("calls", "lifecycle"),  # issuing a user call; init/shutdown hooks, barriers, quiescence

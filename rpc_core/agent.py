@@ -4,6 +4,7 @@
     dispatch.py     running the requests that arrive, and answering them
     calls.py        calls this worker made, until each is answered, fails or times out
     deadlines.py    the timer thread: call deadlines, lazy-answer kicks, call_later
+    heartbeats.py   noticing peers that went silent while calls wait on them
     middleware.py   the hooks of higher layers (RRefs, distributed autograd, the profiler)
 
 Threads: one acceptor; one reader per connection (it parses frames, completes response
@@ -32,6 +33,7 @@ from .deadlines import Deadlines
 from .dispatch import Dispatch
 from .errors import RpcError, RpcNotInitializedError
 from .futures import RpcFuture
+from .heartbeats import Heartbeats
 from .middleware import Middleware
 from .options import RpcBackendOptions
 from .pool import ElasticPool, ThreadGroup
@@ -67,7 +69,7 @@ def connection_stats() -> ConnectionStats:
     return current_agent().connection_stats()
 
 
-class Agent(Connections, Dispatch, Calls):
+class Agent(Connections, Dispatch, Calls, Heartbeats):
     """One worker's RPC agent: ``send_request`` makes calls, the connections' readers serve
     the calls of others; ``start`` begins serving, ``close`` ends everything."""
 
@@ -94,12 +96,14 @@ class Agent(Connections, Dispatch, Calls):
         self.on_peer_lost: list[Callable[[int, str], None]] = []
         # Called with (head extras, error) when a request cannot even be unpickled here.
         self.request_failed_hooks: list[Callable[[dict[str, Any], BaseException], None]] = []
+        self._init_heartbeats(options.effective_heartbeat_timeout())
 
     def start(self) -> None:
         """Start serving. Called once the layers above have plugged in, so no request is
         handled by a half-initialised worker."""
         self.threads.start(self._deadlines.run, "rpc-timer")
         self._start_connections()
+        self._start_heartbeats()
 
     def worker_info(self, to: Any) -> WorkerInfo:
         if isinstance(to, WorkerInfo):

@@ -16,7 +16,7 @@ from . import rref as _rref
 from .agent import Agent, current_agent
 from .calls import call_wrappers, rpc_async, rpc_sync  # noqa: F401 (re-exported: the facade)
 from .calls import invoke_async as _invoke_async  # noqa: F401 (re-exported: its historical home)
-from .errors import RpcError
+from .errors import RpcError, WorkerUnavailableError
 from .lifecycle import all_gather as _all_gather  # noqa: F401 (re-exported)
 from .lifecycle import barrier as _barrier  # noqa: F401 (re-exported)
 from .lifecycle import wait_all_workers as _wait_all_workers
@@ -128,9 +128,9 @@ def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -
     except RpcError as e:
         error = e
     finally:
-        if graceful and agent.me.id == 0 and (error is None or agent.dead):
+        if graceful and agent.me.id == 0 and (error is None or agent.dead or isinstance(error, WorkerUnavailableError)):
             # Let the peers close first, so they read our last replies before our sockets go
-            # away: with a dead worker, those replies are what tell them which one died.
+            # away: with a dead or silent worker, those replies tell them which one it was.
             agent.wait_incoming_closed(5.0)
         for hook in lifecycle.shutdown_hooks:
             hook()

@@ -44,6 +44,8 @@ class ConnectionStats(NamedTuple):
     bytes_cma_sent: int  # the part of bytes_sent that the peer copied by cross-memory attach
     bytes_cma_received: int  # the part of bytes_received copied from the peer's memory
     connections: int  # how many connections were summed
+    unix_connections: int = 0  # of those, how many are same-host Unix sockets (the rest TCP)
+    cma_connections: int = 0  # of those, how many may copy tensors by cross-memory attach, either way
 
 
 class _Loss(NamedTuple):
@@ -117,17 +119,19 @@ class Connections:
                 self._incoming.append(conn)
                 self._start_reader(conn, rank)
             else:
-                # Calls to rank 0 go over a same-host socket when there is one; the
-                # rendezvous connection stays open (rank 0 watches it for our exit) but idle.
+                # The rendezvous connection stays open but idle: rank 0 watches it for our
+                # exit, and only for that (so we may drop the connections our calls use, e.g.
+                # when heartbeats go unanswered, without rank 0 taking us for dead). Calls to
+                # rank 0 go over a same-host socket when there is one, else over a connection
+                # dialled on first use.
+                self._parked.append(conn)
                 try:
                     local = self._dial_local(rank, time.monotonic() + self._handshake_timeout)
                 except TimeoutError:
-                    local = None  # no answer there in time: the rendezvous connection will do
+                    local = None  # no answer there in time: the first call dials
                 if local is not None:
-                    self._parked.append(conn)
-                    conn = local
-                self._out[rank] = conn
-                self._start_outbound(conn, rank)
+                    self._out[rank] = local
+                    self._start_outbound(local, rank)
         self.threads.start(self._accept_loop, "rpc-accept", self._listener)
         if self._local_listener is not None:
             self.threads.start(self._accept_loop, "rpc-accept-local", self._local_listener)
@@ -294,9 +298,9 @@ class Connections:
         return _Loss(reason, isinstance(e, ProtocolError))
 
     def _connection_lost(self, conn: transport.Connection, peer: int, outgoing: bool, loss: _Loss) -> None:
-        """Forget ``conn``. An outgoing connection's loss fails the calls made over it; an
-        incoming one's tells rank 0 that the peer is gone (the peer's outgoing connection
-        to rank 0 closes when it exits), unless the peer only sent garbage."""
+        """Forget ``conn``. An outgoing connection's loss fails the calls made over it; the
+        loss of a peer's rendezvous connection tells rank 0 that the peer is gone (it closes
+        when the peer exits), unless the peer only sent garbage."""
         conn.close()
         with self._lock:
             if conn in self._incoming:
@@ -310,7 +314,8 @@ class Connections:
                 link.close()
         if self._closing:
             return
-        if outgoing or (self.me.id == 0 and peer != 0 and not loss.malformed):
+        exited = self.me.id == 0 and peer != 0 and not loss.malformed and conn is self._world_connections.get(peer)
+        if outgoing or exited:
             self._peer_lost(peer, loss.reason, conn if outgoing else None)
 
     def _peer_lost(self, peer: int, reason: str, conn: Any) -> None:
@@ -340,7 +345,9 @@ class Connections:
             conns = {id(c): c for c in [*self._out.values(), *self._incoming] if isinstance(c, transport.Connection)}
         cs = list(conns.values())
         return ConnectionStats(sum(c.bytes_sent for c in cs), sum(c.bytes_received for c in cs),
-                               sum(c.bytes_cma_sent for c in cs), sum(c.bytes_cma_received for c in cs), len(cs))
+                               sum(c.bytes_cma_sent for c in cs), sum(c.bytes_cma_received for c in cs), len(cs),
+                               sum(c.sock.family == socket.AF_UNIX for c in cs),
+                               sum(c.cma_send or c.cma_recv for c in cs))
 
     def _close_listeners(self) -> None:
         self._admission.close()  # wakes the threads still in a handshake

@@ -37,10 +37,18 @@ MALLOC_TUNE = Knob("RPC_CORE_MALLOC_TUNE", "1", "0 leaves glibc's malloc thresho
 HANDSHAKE_TIMEOUT = Knob("RPC_CORE_HANDSHAKE_TIMEOUT", "10",
                          "seconds a connection's whole handshake may take, either side (read when a worker starts "
                          "and by each rendezvous step)")
+# 30 s: well above the longest a live peer goes quiet that we know of (TCP's retransmission
+# backoff after a few packets lost in a row: 0.2 + 0.4 + ... + 6.4 = 12.6 s for six), and half
+# the default RPC timeout, so a call without a timeout, or a long one, learns that its callee
+# froze or became unreachable in at most 30 s plus a tick (see heartbeats).
+HEARTBEAT_TIMEOUT = Knob("RPC_CORE_HEARTBEAT_TIMEOUT", "30",
+                         "seconds a peer with calls pending may send nothing (heartbeats unanswered) before they "
+                         "fail; 0 turns heartbeats off (read when a worker starts)")
 AUTH_SECRET = Knob("RPC_CORE_AUTH_SECRET", "",
                    "shared secret when RpcBackendOptions(auth_secret=...) is not given (read by init_rpc)")
 
-KNOBS: dict[str, Knob] = {k.name: k for k in (SPIN_US, UDS, CMA, MALLOC_TUNE, HANDSHAKE_TIMEOUT, AUTH_SECRET)}
+KNOBS: dict[str, Knob] = {k.name: k for k in (SPIN_US, UDS, CMA, MALLOC_TUNE, HANDSHAKE_TIMEOUT, HEARTBEAT_TIMEOUT,
+                                               AUTH_SECRET)}
 
 
 def _raw(knob: Knob) -> str:
@@ -96,6 +104,12 @@ def handshake_timeout() -> float:
     return number(HANDSHAKE_TIMEOUT, lambda v: 0 < v < float("inf"), "a positive number of seconds")
 
 
+def heartbeat_timeout() -> float:
+    """How long a peer we wait on may stay silent before its calls fail, in s; 0: never
+    (``RPC_CORE_HEARTBEAT_TIMEOUT``)."""
+    return number(HEARTBEAT_TIMEOUT, lambda v: 0 <= v < float("inf"), "a number of seconds >= 0 (0: off)")
+
+
 def auth_secret() -> str:
     """The shared secret from the environment (``RPC_CORE_AUTH_SECRET``); empty: none."""
     return os.environ.get(AUTH_SECRET.name, "")
@@ -110,3 +124,4 @@ def check() -> None:
     cma()
     malloc_tune()
     handshake_timeout()
+    heartbeat_timeout()

@@ -51,6 +51,10 @@ class _Coordinator:
         self.agent = agent
         self.rounds = {}
         agent.on_peer_lost.append(self.peer_lost)
+        # A member that froze or became unreachable must not hold a round open forever: while
+        # one is open, the agent watches every peer (heartbeats) and reports a silent one.
+        agent.on_peer_unreachable.append(self.peer_lost)
+        agent.liveness_wanted.append(lambda: bool(self.rounds))
 
     def peer_lost(self, rank: int, reason: str) -> None:
         with self.lock:

@@ -30,6 +30,11 @@ class RpcBackendOptions:
             unpickled. ``None`` reads the ``RPC_CORE_AUTH_SECRET`` environment variable.
         init_timeout: seconds to wait for every worker to join at ``init_rpc``; ``None``
             uses ``rpc_timeout`` (or 60 s when that is 0).
+        heartbeat_timeout: seconds a peer this worker waits on (calls pending to it) may send
+            nothing before those calls fail with ``WorkerUnavailableError``: a frozen process or
+            a link that silently drops packets. Idle connections carry a small heartbeat call
+            after a quarter of this; a peer answering it or anything else is alive. 0 turns
+            heartbeats off; ``None`` reads ``RPC_CORE_HEARTBEAT_TIMEOUT`` (default 30 s).
         device_maps / devices: accepted for torch compatibility; only CPU is supported, so a
             non-empty value raises ``ValueError`` saying so.
     """
@@ -42,6 +47,7 @@ class RpcBackendOptions:
         init_method: str = DEFAULT_INIT_METHOD,
         auth_secret: str | bytes | None = None,
         init_timeout: float | None = None,
+        heartbeat_timeout: float | None = None,
         device_maps: dict[str, dict[Any, Any]] | None = None,
         devices: list[Any] | None = None,
         _transports: list[str] | None = None,
@@ -70,10 +76,16 @@ class RpcBackendOptions:
             )
         if init_timeout is not None and init_timeout <= 0:
             raise ValueError(f"init_timeout must be > 0 seconds, got {init_timeout}")
+        if heartbeat_timeout is not None and (
+                isinstance(heartbeat_timeout, bool) or not isinstance(heartbeat_timeout, (int, float))
+                or not 0 <= heartbeat_timeout < float("inf")):
+            raise ValueError(f"heartbeat_timeout must be a number of seconds >= 0 (0: off) or None (read "
+                             f"{knobs.HEARTBEAT_TIMEOUT.name}), got {heartbeat_timeout!r}")
         self.num_worker_threads = num_worker_threads
         self.rpc_timeout = float(rpc_timeout)
         self.init_method = init_method
         self.init_timeout = init_timeout
+        self.heartbeat_timeout = heartbeat_timeout
         self.device_maps: dict[str, dict[Any, Any]] = {}
         self.devices: list[Any] = []
         # Transports/channels are TensorPipe internals; ours is always TCP (+ same-host fast paths).
@@ -96,6 +108,12 @@ class RpcBackendOptions:
         if self.init_timeout is not None:
             return self.init_timeout
         return self.rpc_timeout if self.rpc_timeout > 0 else DEFAULT_RPC_TIMEOUT_SEC
+
+    def effective_heartbeat_timeout(self) -> float:
+        """``heartbeat_timeout``, or ``RPC_CORE_HEARTBEAT_TIMEOUT`` when it is None; 0: off."""
+        if self.heartbeat_timeout is not None:
+            return float(self.heartbeat_timeout)
+        return knobs.heartbeat_timeout()
 
     def set_device_map(self, to: str, device_map: dict[Any, Any]) -> None:
         raise ValueError(

@@ -108,6 +108,7 @@ LOCAL_REPLY_NOTES = "_reply"  # callee's request extras: notes for the response 
 LOCAL_AUTOGRAD_CONTEXT = "_ag_ctx"  # callee's request extras: the autograd context the request was admitted into
 LOCAL_PROFILE_SERVED = "prof.served"  # callee's request extras: the profile of this request
 LOCAL_KEEPALIVE = "keepalive"  # caller's call extras: an object held until the answer (an RRef named by id)
+LOCAL_HEARTBEAT = "heartbeat"  # caller's call extras: the call is a heartbeat (see heartbeats), not a wait on the peer
 
 # Bounds checked before any allocation; larger means a broken or hostile peer.
 MAX_HEAD_BYTES = 64 << 20

@@ -1,0 +1,212 @@
+"""Heartbeats: noticing that a peer we wait on went silent (frozen, stopped, unreachable).
+
+A dead peer is noticed at once: its kernel closes the connection. A peer that is alive at
+the TCP level but does not answer (a stopped or frozen process, a link that silently drops
+packets) closes nothing, and a call without a timeout would wait on it forever. So while
+calls to a peer are pending on an outgoing connection, the agent's timer looks at that
+connection every quarter of ``heartbeat_timeout``:
+
+- any byte received since the last look is proof of life (the count ``bytes_received``
+  that the connection keeps anyway: nothing is added to the per-message path);
+- after a quarter without a byte, a heartbeat call goes out (a CONTROL request of ``beat``,
+  which the peer's reader answers like any call; one at a time per connection), so an idle
+  connection carries one small message per quarter and a busy one none;
+- after ``heartbeat_timeout`` without a byte, every call pending on that connection fails
+  with ``WorkerUnavailableError`` saying what was observed, the connection is dropped (reset,
+  so a sender blocked on a full socket is released and nothing queued is delivered later),
+  and the next call to that peer dials afresh. A peer that answers before the deadline
+  loses nothing.
+
+So a silent peer is reported between ``heartbeat_timeout`` and 1.5 x ``heartbeat_timeout``
+after its last byte. Higher layers that wait on peers without a call of their own (rank 0's
+coordinator, while a barrier round is open) ask for every peer to be watched
+(``liveness_wanted``) and hear of silent ones through ``on_peer_unreachable``.
+
+``Heartbeats`` is a part of ``agent.Agent`` (a mixin sharing its connection and call tables);
+its work runs on the agent's timer thread (``call_later``) and, for sends, on the pool.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import wire
+from .completion import Pending
+from .errors import WorkerUnavailableError
+from .futures import RpcFuture
+from .outbound import Outbound
+from .pool import ElasticPool
+
+log = logging.getLogger("rpc_core")
+
+# The timer looks at the watched connections this many times per heartbeat timeout.
+TICKS_PER_TIMEOUT = 4
+_ABORT = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() resets and drops what is queued
+
+
+def beat() -> None:
+    """The heartbeat call: its answer (like any byte from the peer) proves the peer alive."""
+    return None
+
+
+class _Watch:
+    """What the timer knows of one watched outgoing connection."""
+
+    __slots__ = ("seen", "since", "beating")
+
+    def __init__(self, seen: int, since: float) -> None:
+        self.seen = seen  # the connection's bytes_received at the last look
+        self.since = since  # when that count last changed (or the watch began)
+        self.beating = False  # a heartbeat call is out and unanswered
+
+
+class Heartbeats:
+    """The liveness watch. Uses the agent's ``describe``, ``send_request``, ``call_later``,
+    its call table (``_pending``, ``_complete``) and connection table (``_links``, ``_out``)."""
+
+    me: Any
+    workers: list[Any]
+    pool: ElasticPool
+    _pending: dict[int, Pending]
+    _links: dict[int, Outbound]
+    _out: dict[int, Any]
+    _lock: threading.Lock
+    _closing: bool
+    describe: Callable[[int], str]
+    send_request: Callable[..., RpcFuture]
+    call_later: Callable[[float, Callable[[], None]], None]
+    _complete: Callable[..., None]
+    n_sent: int
+
+    def _init_heartbeats(self, timeout: float) -> None:
+        self.heartbeat_timeout = timeout  # s; 0: off
+        self._tick = timeout / TICKS_PER_TIMEOUT
+        self._watches: dict[Outbound, _Watch] = {}
+        self._last_look = time.monotonic()
+        self._dialling: set[int] = set()  # peers a heartbeat is dialling (watch-all only)
+        # Called with (rank, what was observed) when a watched peer stays silent too long.
+        self.on_peer_unreachable: list[Callable[[int, str], None]] = []
+        # While any of these returns True, every peer is watched, with calls pending or not.
+        self.liveness_wanted: list[Callable[[], bool]] = []
+
+    def _start_heartbeats(self) -> None:
+        if self.heartbeat_timeout > 0:
+            self._last_look = time.monotonic()
+            self.call_later(self._last_look + self._tick, self._heartbeat_tick)
+
+    def _heartbeat_tick(self) -> None:
+        """On the timer thread, every tick: look at the watched connections."""
+        if self._closing:
+            return
+        now = time.monotonic()
+        if now - self._last_look > 2 * self._tick:
+            # This process did not run for a while (stopped, suspended, starved): the silence
+            # was ours, and answers may wait unread in our sockets. Start the watches afresh.
+            self._watches = {}
+        self._last_look = now
+        try:
+            self._look(now)
+        finally:
+            if not self._closing:
+                self.call_later(time.monotonic() + self._tick, self._heartbeat_tick)
+
+    def _look(self, now: float) -> None:
+        waiting: dict[Outbound, int] = {}  # connection -> user and bookkeeping calls pending on it
+        for rec in list(self._pending.values()):
+            if rec.link is not None and wire.LOCAL_HEARTBEAT not in rec.call_extras:
+                waiting[rec.link] = waiting.get(rec.link, 0) + 1
+        watch_all = any(wanted() for wanted in self.liveness_wanted)
+        links = dict(self._links)
+        watches: dict[Outbound, _Watch] = {}
+        for peer, link in links.items():
+            n = waiting.get(link, 0)
+            if not n and not watch_all:
+                continue  # nobody waits on it: nothing to lose, no heartbeat (the watch restarts later)
+            w = self._watches.get(link)
+            received = link.conn.bytes_received
+            if w is None:
+                w = _Watch(received, now)
+            elif w.seen != received:
+                w.seen, w.since = received, now
+            watches[link] = w
+            silent = now - w.since
+            if silent >= self.heartbeat_timeout:
+                del watches[link]
+                self._unreachable(peer, link, silent, n)
+            elif silent >= self._tick * 0.999 and not w.beating:
+                w.beating = True
+                self.pool.submit(self._send_beat, peer, link, w)
+        self._watches = watches
+        if watch_all:
+            for peer in range(len(self.workers)):
+                if peer != self.me.id and peer not in links and peer not in self._dialling:
+                    self._dialling.add(peer)
+                    self.pool.submit(self._send_beat, peer, None, None)
+
+    def _send_beat(self, peer: int, link: Outbound | None, w: _Watch | None) -> None:
+        """On a pool thread (a send may block): a heartbeat call to ``peer`` over ``link``, or
+        (``link`` None, watch-all) over a connection dialled for it."""
+        if self._closing or (link is not None and self._links.get(peer) is not link):
+            if w is not None:
+                w.beating = False
+            self._dialling.discard(peer)
+            return
+        # Over a watched connection the watch bounds the call; one dialled for it gets the
+        # heartbeat timeout (dial included) as its own.
+        timeout = 0 if link is not None else self.heartbeat_timeout
+        fut = self.send_request(peer, beat, (), {}, timeout, flags=wire.CONTROL,
+                                call_extras={wire.LOCAL_HEARTBEAT: True})
+        fut.add_done_callback(lambda f: self._beat_done(peer, w, f))
+
+    def _beat_done(self, peer: int, w: _Watch | None, fut: torch.futures.Future) -> None:
+        if w is not None:
+            w.beating = False
+            return  # a failure here is the connection's loss or expiry, each reported where it happens
+        self._dialling.discard(peer)
+        try:
+            fut.wait()
+        except Exception as e:  # noqa: BLE001 - any failure to reach a watched peer is news
+            if not self._closing:
+                reason = (f"{self.describe(peer)} did not answer a heartbeat of {self.me.name} within "
+                          f"{self.heartbeat_timeout:g} s (heartbeat_timeout, RPC_CORE_HEARTBEAT_TIMEOUT): {e}")
+                for cb in self.on_peer_unreachable:
+                    cb(peer, reason)  # on a pool thread already (the future has a callback)
+
+    def _unreachable(self, peer: int, link: Outbound, silent: float, n: int) -> None:
+        """``peer`` sent nothing on ``link`` for ``silent`` s: fail what waits on it, drop the connection."""
+        reason = (f"{self.describe(peer)} sent nothing for {silent:.1f} s while this worker ({self.me.name}) waited "
+                  f"on it ({n} call(s) pending), heartbeats unanswered (heartbeat_timeout "
+                  f"{self.heartbeat_timeout:g} s, RPC_CORE_HEARTBEAT_TIMEOUT): it is stopped, frozen or overloaded, "
+                  "or the network to it drops packets or is cut. The connection was dropped; the next call to it "
+                  "reconnects")
+        with self._lock:
+            if self._links.get(peer) is not link:
+                return  # lost or replaced meanwhile
+            del self._links[peer]
+            if self._out.get(peer) is link.conn:
+                del self._out[peer]
+        log.warning("rpc_core %s: %s", self.me.name, reason)
+        for msg_id, rec in list(self._pending.items()):
+            if rec.link is link and self._pending.pop(msg_id, None) is not None:
+                rec.future._answered = True
+                self._complete(rec.future, error=WorkerUnavailableError(reason), inline=False, counted=False)
+                link.answered(rec.unattended)
+                if not rec.flags & wire.CONTROL:
+                    # The reset may drop the request before it arrives: for graceful shutdown's
+                    # count of requests sent and received, it was never sent.
+                    self.n_sent -= 1
+        link.close()  # before the socket: its reader then takes the error as expected, not as news
+        try:
+            link.conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _ABORT)
+        except OSError:
+            pass  # not TCP: a plain close
+        link.conn.close()
+        for cb in self.on_peer_unreachable:
+            self.pool.submit(cb, peer, reason)  # not on the timer: a callback may answer calls, i.e. write
