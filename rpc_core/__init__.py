@@ -15,6 +15,7 @@ from .api import (
     BackendType,
     _all_gather,
     _barrier,
+    _get_current_rpc_agent,
     _set_rpc_timeout,
     _wait_all_workers,
     get_rpc_timeout,
@@ -33,6 +34,7 @@ from .errors import (
     RpcError,
     RpcNotInitializedError,
     RpcTimeoutError,
+    WorkerLeftError,
     WorkerUnavailableError,
 )
 from .options import (
@@ -59,10 +61,11 @@ _LAYERS: tuple[tuple[str, ...], ...] = (
     ("sending",),
     ("transport",),  # connections: bytes only
     ("rendezvous", "outbound"),
+    ("roster",),  # who is in the group (a part of the agent)
     ("deadlines", "completion", "dispatch"),  # the worker's parts: timer, pending calls, requests
     ("connections",),
     ("agent",),  # the worker
-    ("calls", "lifecycle"),  # issuing a user call; init/shutdown hooks, barriers, quiescence
+    ("calls", "lifecycle", "registry"),  # a user call; init/shutdown hooks, barriers; joins and leaves
     ("autograd.context",),
     ("autograd.engine", "autograd.release"),
     ("autograd.recording",),
@@ -95,6 +98,6 @@ __all__ = [
     "AuthenticationError", "BackendType", "DEFAULT_RPC_TIMEOUT_SEC", "DEFAULT_SHUTDOWN_TIMEOUT",
     "ProtocolError", "RRef", "RendezvousError", "RpcBackendOptions", "RpcError", "RpcNotInitializedError",
     "RpcTimeoutError", "TensorPipeRpcBackendOptions", "UNSET_RPC_TIMEOUT", "WorkerInfo",
-    "WorkerUnavailableError", "functions", "get_rpc_timeout", "get_worker_info", "init_rpc", "is_available",
+    "WorkerLeftError", "WorkerUnavailableError", "functions", "get_rpc_timeout", "get_worker_info", "init_rpc", "is_available",
     "remote", "rpc_async", "rpc_sync", "shutdown",
 ]

@@ -20,7 +20,7 @@ import selectors
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from . import handshake, knobs, transport, wire
 from .errors import AuthenticationError, RendezvousError
@@ -39,6 +39,8 @@ _MIN_ATTEMPT = 0.1
 # Rank 0 answers a join once the world is complete: a joiner waits for that until its
 # deadline, plus this for the answer of a world that filled just in time to travel.
 _ANSWER_SLACK = 5.0
+# torch's words for a join that mixes world_size=None with a static group, or the reverse.
+MIXED_GROUP = "RPC group mixes statically and dynamically initialized members which is not supported."
 
 
 class WorkerInfo:
@@ -97,6 +99,11 @@ class World:
     connections: dict[int, transport.Connection]
     # The same-host listener beside ``listener`` (see handshake.listen_local), if any.
     local_listener: socket.socket | None = None
+    # A dynamic group (``world_size=None``): members join and leave while it runs.
+    dynamic: bool = False
+    # Dynamic groups: which join brought each member in (rank 0, the founder: 0), so a rank
+    # reused after a leave is told apart from the member that held it before.
+    generations: dict[int, int] = field(default_factory=dict)
 
 
 def resolve_init_method(init_method: str) -> tuple[str, int]:
@@ -138,9 +145,22 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def rendezvous(name: str, rank: int, world_size: int, init_method: str, secret: bytes, timeout: float) -> World:
+def rendezvous(name: str, rank: int, world_size: int | None, init_method: str, secret: bytes, timeout: float) -> World:
+    """Find the group. ``world_size=None``: a dynamic group, founded by rank 0 alone (it
+    returns at once); any other rank joins it through rank 0's registry (``registry``)."""
     knobs.check()
     validate_name(name)
+    if world_size is None:
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise ValueError(f"rank parameter missing or invalid: a worker of a dynamic group (world_size=None) "
+                             f"needs its rank, an int >= 0 (0 founds the group), got {rank!r}")
+        host, port = resolve_init_method(init_method)
+        if rank == 0:
+            world = _host(name, 1, host, port, secret, timeout)
+            world.dynamic = True
+            world.generations = {0: 0}
+            return world
+        return _join(name, rank, None, host, port, secret, timeout)
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if not isinstance(rank, int) or not 0 <= rank < world_size:
@@ -337,6 +357,9 @@ def _accept_joiner(sock: socket.socket, peer: tuple[str, int], world_size: int, 
         h, body = handshake.read_intro(sock, deadline)
         c = transport.Connection(sock)
         name, rank, ws, address = pickle.loads(body)
+        if ws is None:
+            _reply(c, h.msg_id, MIXED_GROUP)
+            return None
         if ws != world_size:
             _reply(c, h.msg_id, f"world_size mismatch: worker {name!r} (rank {rank}) says {ws}, rank 0 says {world_size}")
             return None
@@ -358,7 +381,7 @@ def _check_joiner(info: WorkerInfo, me: WorkerInfo, joined: dict) -> str | None:
     return None
 
 
-def _join(name: str, rank: int, world_size: int, host: str, port: int, secret: bytes, timeout: float) -> World:
+def _join(name: str, rank: int, world_size: int | None, host: str, port: int, secret: bytes, timeout: float) -> World:
     import pickle
 
     deadline = time.monotonic() + timeout
@@ -398,6 +421,10 @@ def _join(name: str, rank: int, world_size: int, host: str, port: int, secret: b
         _close(listener, local)
         c.close()
         raise RendezvousError(pickle.loads(body))
-    names, addresses = pickle.loads(body)
-    workers = [WorkerInfo(n, r) for n, r in names]
-    return World(workers[rank], workers, addresses, listener, {0: c}, local)
+    # A static world's table: (names, addresses); a dynamic group's adds the generations.
+    table = pickle.loads(body)
+    workers = [WorkerInfo(n, r) for n, r in table[0]]
+    me = next(w for w in workers if w.id == rank)
+    if world_size is None:
+        return World(me, workers, table[1], listener, {0: c}, local, dynamic=True, generations=table[2])
+    return World(me, workers, table[1], listener, {0: c}, local)
