@@ -112,7 +112,7 @@ def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -
     except RpcError as e:
         error = e
     finally:
-        if graceful and agent.me.id == 0 and not agent.dynamic and (error is None or agent.dead):
+        if graceful and agent.me.id == 0 and (error is None or agent.dead):
             # Let the peers close first, so they read our last replies before our sockets go
             # away: with a dead worker, those replies are what tell them which one died.
             agent.wait_incoming_closed(5.0)

@@ -48,6 +48,7 @@ class Roster:
         # Why each departed name / rank is gone, for the errors of calls to it.
         self._departed_names: dict[str, str] = {}
         self._departed_ranks: dict[int, str] = {}
+        self._departed_members: dict[tuple[int, int], str] = {}  # (rank, generation) -> why
         self._roster_lock = threading.Lock()
         # Called with each WorkerInfo that joined or left: (info, joined).
         self.on_membership: list[Any] = []
@@ -115,7 +116,7 @@ class Roster:
         held the rank at ``generation``) has left, even if a newcomer holds the rank now."""
         if rank in self.workers and self.generations.get(rank, 0) == generation:
             return
-        gone = self._departed_ranks.get(rank, f"the worker of rank {rank} left the group")
+        gone = self._departed_members.get((rank, generation or 0), f"the worker of rank {rank} left the group")
         if rank in self.workers:
             gone += f"; rank {rank} now belongs to a new member, {self.workers[rank].name!r}"
         raise WorkerLeftError(f"{what}: {gone}")
@@ -168,11 +169,12 @@ class Roster:
         del workers[rank]
         self.workers = workers
         self.by_name = {n: w for n, w in self.by_name.items() if n != info.name}
-        for table in (self._departed_names, self._departed_ranks):
+        for table in (self._departed_names, self._departed_ranks, self._departed_members):
             while len(table) >= _MAX_DEPARTED:
-                del table[next(iter(table))]
+                del table[next(iter(table))]  # type: ignore[attr-defined]
         self._departed_names[info.name] = reason
         self._departed_ranks[rank] = reason
+        self._departed_members[(rank, self.generations.get(rank, 0))] = reason
         if rank == self.me.id:
             return
         # Our connection to it is no member's any more: its end is no news (see
