@@ -13,9 +13,10 @@ tells the others (``_member_left``); calls to it then fail with ``WorkerLeftErro
 (it crashed, or ``shutdown(graceful=False)``) is removed the same way, with the reason.
 
 Rank 0 leaves last: its graceful shutdown waits (up to the shutdown timeout) until every
-other member has left. If it goes first anyway (timeout, ``graceful=False``), the others
-are told it left and keep calling each other, but nobody can join any more (no worker
-listens at the rendezvous address) and each later leave is told to the members directly.
+other member has left. If the timeout passes first, the others are told it left and keep
+calling each other, but nobody can join any more (no worker listens at the rendezvous
+address) and each later leave is told to the members directly (so too after rank 0's
+``shutdown(graceful=False)``, which tells nobody: the members find it gone).
 """
 from __future__ import annotations
 
@@ -185,7 +186,7 @@ def leave(agent: Agent, timeout: float) -> None:
                            "told it left; nobody can join the group any more)")
         return
     generation = agent.generation(me.id)
-    if 0 in agent.workers:
+    if 0 in agent.workers and 0 not in agent.dead:
         fut = agent.send_request(0, _leave_request, (me.id, generation), {}, timeout=timeout, flags=wire.CONTROL)
         fut.wait()
     else:  # the registry left before us: tell the others ourselves

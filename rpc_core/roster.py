@@ -33,6 +33,7 @@ class Roster:
     dead: dict[int, str]
     _out: dict[int, Any]
     _links: dict[int, Any]
+    _parked: list[Any]
     _dial_locks: dict[int, threading.Lock]
     _lock: threading.Lock
     _pending: dict[int, Any]
@@ -78,8 +79,8 @@ class Roster:
     def _unknown(self, name: str | None, rank: int | None) -> RpcError:
         gone = (self._departed_names.get(name) if name is not None else None) or (
             self._departed_ranks.get(rank) if rank is not None and name is None else None)
-        if gone is not None:
-            return WorkerLeftError(gone)
+        if gone is not None:  # torch's words first (its tests match them), then ours
+            return WorkerLeftError(f"could not find destination {name if name is not None else rank!r}: {gone}")
         if name is not None and rank is not None:
             if rank in self.workers:
                 return RpcError(f"could not find destination {WorkerInfo(name, rank)}: rank {rank} is "
@@ -178,17 +179,16 @@ class Roster:
         if rank == self.me.id:
             return
         # Our connection to it is no member's any more: its end is no news (see
-        # is_member_connection). Calls still on it fail now: the leaver answered all it had
-        # before it left, so these were sent as it was leaving.
+        # is_member_connection). The leaver closes it: closing it here would look, to a
+        # registry that is still telling the others it left, like our own death. Calls still
+        # on it fail now: the leaver answered all it had before it left, so these were sent
+        # as it was leaving.
         with self._lock:
             conn = self._out.pop(rank, None)
-            link = self._links.pop(rank, None)
-        if conn is not None:
-            conn.departed = True
+            self._links.pop(rank, None)
+            if conn is not None:
+                conn.departed = True
+                self._parked.append(conn)  # closed with the agent, if the leaver has not by then
         for msg_id, rec in list(self._pending.items()):
             if rec.dst == rank:
                 self._fail(msg_id, WorkerLeftError(reason), inline=False)
-        if link is not None:
-            link.close()
-        if conn is not None:
-            conn.close()

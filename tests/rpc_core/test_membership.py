@@ -113,7 +113,8 @@ def test_newcomers_call_and_are_called_by_name_as_soon_as_init_rpc_returns():
     out, across = results[0]
     assert out == {1: [2.0, 2.0], 2: [3.0, 3.0]}
     assert across == ("worker2", "worker1")
-    assert results[1] == (["worker1"], ["worker0", "worker1"])
+    back1, names1 = results[1]  # worker2's first incarnation ("probe", rank 9) may still be in
+    assert back1 == ["worker1"] and names1 in (["worker0", "worker1"], ["worker0", "worker1", "probe"])
     assert results[2] == (["worker2", "worker2"], ["worker0", "worker1", "worker2"])
 
 
@@ -219,6 +220,59 @@ def test_a_member_that_leaves_is_named_in_a_clear_error_and_the_others_go_on():
         assert "worker 'worker1' (rank 1) left the group" in e, e
     assert errors[0].startswith("WorkerLeftError")
     assert still == (["worker0", "worker2"], "worker0")
+
+
+def _body_crash(ctx):
+    if ctx.rank == 0:
+        _init(ctx, "worker0", 0)
+        _on_leave("worker1", "worker1 gone")
+        _wait_for("worker1 gone")
+        return _error_calling("worker1"), _names()
+    _init(ctx, "worker1", 1)
+    rpc_core.shutdown(graceful=False)  # tells nobody: rank 0 sees its connection drop
+    return None
+
+
+@pytest.mark.timeout(120)
+def test_a_member_that_stops_without_leaving_is_removed_and_named():
+    (error, names), _ = run_world(_body_crash, 2, init=False)
+    assert "worker 'worker1' (rank 1) left the group without shutting down" in error, error
+    assert names == ["worker0"]
+
+
+def _body_registry_first(ctx):
+    if ctx.rank == 0:
+        _init(ctx, "worker0", 0)
+        _wait_for("worker1 in")
+        _wait_for("worker2 in")
+        try:
+            rpc_core.shutdown(timeout=1.0)  # the others stay: rank 0 gives up waiting for them
+        except rpc_core.RpcError as e:
+            return str(e)
+        return "no error"
+    _init(ctx, ctx.name, ctx.rank)
+    _on_leave("worker0", "worker0 left")
+    _on_leave("worker2", "worker2 left")
+    rpc_core.rpc_sync("worker0", _post, args=(f"{ctx.name} in",))
+    _wait_for("worker0 left")
+    if ctx.rank == 2:
+        echo = rpc_core.rpc_sync("worker1", _whoami)  # the rest go on without the registry
+        rpc_core.shutdown()  # told to worker1 directly
+        return echo, _refused(ctx, "worker3", 3, init_timeout=1.0)
+    _wait_for("worker2 left")
+    return _error_calling("worker0"), _error_calling("worker2"), _names()
+
+
+@pytest.mark.timeout(120)
+def test_when_rank_0_leaves_first_the_rest_go_on_but_nobody_can_join():
+    error0, (to_0, to_2, names), (echo, join) = run_world(_body_registry_first, 3, init=False)
+    assert "timed out after 1 s waiting for the other members to leave the group first" in error0, error0
+    assert "['worker1', 'worker2'] are still in it" in error0
+    assert "worker 'worker0' (rank 0) left the group before ['worker1', 'worker2']" in to_0, to_0
+    assert "it was the group's registry, so no worker can join" in to_0
+    assert "worker 'worker2' (rank 2) left the group" in to_2 and names == ["worker1"]
+    assert echo == "worker1"
+    assert join.startswith("RendezvousError") and "could not reach the rendezvous" in join, join
 
 
 # -- collisions, rank reuse, the wrong secret ----------------------------------------------------------------
