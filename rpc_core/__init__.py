@@ -97,7 +97,7 @@ def _get_debug_info() -> dict:
 __all__ = [
     "AuthenticationError", "BackendType", "DEFAULT_RPC_TIMEOUT_SEC", "DEFAULT_SHUTDOWN_TIMEOUT",
     "ProtocolError", "RRef", "RendezvousError", "RpcBackendOptions", "RpcError", "RpcNotInitializedError",
-    "RpcTimeoutError", "TensorPipeRpcBackendOptions", "UNSET_RPC_TIMEOUT", "WorkerInfo",
-    "WorkerLeftError", "WorkerUnavailableError", "functions", "get_rpc_timeout", "get_worker_info", "init_rpc", "is_available",
+    "RpcTimeoutError", "TensorPipeRpcBackendOptions", "UNSET_RPC_TIMEOUT", "WorkerInfo", "WorkerLeftError",
+    "WorkerUnavailableError", "functions", "get_rpc_timeout", "get_worker_info", "init_rpc", "is_available",
     "remote", "rpc_async", "rpc_sync", "shutdown",
 ]

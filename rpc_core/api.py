@@ -25,7 +25,6 @@ from .options import DEFAULT_SHUTDOWN_TIMEOUT, RpcBackendOptions
 from .rendezvous import WorkerInfo, rendezvous
 from .rref import remote  # noqa: F401 (re-exported: the facade)
 
-
 # How long a leaving member (shutdown without a timeout) lets the requests that reached it
 # as it left finish before it closes.
 _LEAVE_GRACE = 5.0

@@ -10,6 +10,10 @@ open: it becomes the worker's connection to rank 0, which is how rank 0 notices 
 Rank 0 runs each joiner's handshake on a thread of its own (``_Joiners``), so a connection
 that stays silent holds up nobody but itself, and collects the validated joiners on the
 thread that called ``init_rpc``.
+
+A dynamic group (``world_size=None``) has no table to wait for: rank 0 returns at once, as a
+world of one, and a joiner's request (the same, with world_size None) is answered later by
+the registry on rank 0's running agent (``registry``) with the roster and generations.
 """
 from __future__ import annotations
 
