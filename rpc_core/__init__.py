@@ -60,6 +60,7 @@ _LAYERS: tuple[tuple[str, ...], ...] = (
     ("buffers",),
     ("sending",),
     ("transport",),  # connections: bytes only
+    ("worlds",),  # WorkerInfo, and the World a rendezvous gives
     ("rendezvous", "outbound"),
     ("roster",),  # who is in the group (a part of the agent)
     ("deadlines", "completion", "dispatch"),  # the worker's parts: timer, pending calls, requests

@@ -193,7 +193,7 @@ def leave(agent: Agent, timeout: float) -> None:
         _tell(agent, [r for r in agent.workers if r != me.id], _member_left, (me.id, generation, _left(me)), timeout)
 
 
-def _tell(agent: Agent, ranks: list[int], func: Any, args: tuple, timeout: float = -1) -> None:
+def _tell(agent: Agent, ranks: list[int], func: Any, args: tuple[Any, ...], timeout: float = -1) -> None:
     """Call ``func(*args)`` on every rank of ``ranks`` and wait for all; a member that fails
     to answer is logged (it is crashing or gone, and its loss is handled as such)."""
     futs = [(r, agent.send_request(r, func, args, {}, timeout=timeout, flags=wire.CONTROL)) for r in ranks]

@@ -170,9 +170,9 @@ class Roster:
         del workers[rank]
         self.workers = workers
         self.by_name = {n: w for n, w in self.by_name.items() if n != info.name}
-        for table in (self._departed_names, self._departed_ranks, self._departed_members):
-            while len(table) >= _MAX_DEPARTED:
-                del table[next(iter(table))]  # type: ignore[attr-defined]
+        _trim(self._departed_names)
+        _trim(self._departed_ranks)
+        _trim(self._departed_members)
         self._departed_names[info.name] = reason
         self._departed_ranks[rank] = reason
         self._departed_members[(rank, self.generations.get(rank, 0))] = reason
@@ -192,3 +192,9 @@ class Roster:
         for msg_id, rec in list(self._pending.items()):
             if rec.dst == rank:
                 self._fail(msg_id, WorkerLeftError(reason), inline=False)
+
+
+def _trim(table: dict[Any, str]) -> None:
+    """Make room for one more departed member, forgetting the oldest."""
+    while len(table) >= _MAX_DEPARTED:
+        del table[next(iter(table))]

@@ -348,8 +348,8 @@ def _body_rank_reuse(ctx, x, w):
     passes = []
     for again in (False, True):  # the same process holds rank 2 twice: the second is a new member
         _init(ctx, "worker2", 2)
-        rpc_core.rpc_sync("worker0", _post, args=("worker2 again" if again else "worker2 in",))
         if not again:
+            rpc_core.rpc_sync("worker0", _post, args=("worker2 in",))
             rpc_core.rpc_sync("worker0", _wait_for, args=("rref made",))
         xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
         with dist_autograd.context() as cid:
@@ -359,6 +359,7 @@ def _body_rank_reuse(ctx, x, w):
             passes.append((cid, grads[xg].tolist(), grads[wg].tolist()))
         if not again:
             rpc_core.shutdown()
+    rpc_core.rpc_sync("worker0", _post, args=("worker2 again",))  # worker1 may now check and go
     rpc_core.rpc_sync("worker0", _wait_for, args=("done",))
     return passes
 
