@@ -69,12 +69,16 @@ class _Loopback:
 
 class Connections:
     """The connection table. Uses the agent's ``describe``, the calls' ``_pending``,
-    ``_fail``, ``_on_frame`` and ``_timeout_message`` (``calls``) and the request side's
-    ``_read_loop`` (``dispatch``)."""
+    ``_fail``, ``_on_frame`` and ``_timeout_message`` (``calls``), the request side's
+    ``_read_loop`` (``dispatch``) and the roster's members and join handler (``roster``)."""
 
     me: WorkerInfo
-    workers: list[WorkerInfo]
+    workers: dict[int, WorkerInfo]
     addresses: dict[int, tuple[str, int]]
+    join_handler: Callable[[transport.Connection, int, bytes], int | None] | None
+    worker_info: Callable[[Any], WorkerInfo]
+    tag_connection: Callable[[Any, int], None]
+    is_member_connection: Callable[[Any, int], bool]
     threads: ThreadGroup
     on_peer_lost: list[Callable[[int, str], None]]
     _pending: dict[int, Pending]
