@@ -4,6 +4,7 @@
 Every test runs real worker processes on loopback (tests/_world.py, ``init=False``: each body
 founds or joins itself). Processes order their steps through a small board of named events
 on rank 0 (``_post`` / ``_wait_for``, ordinary RPCs), never by sleeping."""
+import importlib
 import threading
 
 import pytest
@@ -13,7 +14,7 @@ import rpc_core
 import rpc_core.autograd as dist_autograd
 from rpc_core import AuthenticationError, RendezvousError, RpcBackendOptions, WorkerInfo, WorkerLeftError
 from rpc_core.rendezvous import rendezvous
-from tests._world import free_port, run_world
+from tests._world import _mp_context, free_port, run_world
 
 STEP = 60.0  # bound of any one wait for another process's step
 
@@ -34,7 +35,7 @@ def _post(key):
 
 def _wait_for(key, timeout=STEP):
     if not _event(key).wait(timeout):
-        raise TimeoutError(f"{rpc_core.get_worker_info().name}: no {key!r} within {timeout:g} s")
+        raise TimeoutError(f"no {key!r} within {timeout:g} s")
 
 
 def _on_leave(name, key):
@@ -418,3 +419,53 @@ def test_a_static_join_of_a_dynamic_group_and_a_wrong_secret_are_refused():
 def test_a_dynamic_worker_needs_its_rank():
     with pytest.raises(ValueError, match="rank parameter missing"):
         rpc_core.init_rpc("a", world_size=None, rpc_backend_options=_opts(free_port()))
+
+
+# -- the same program on torch.distributed.rpc --------------------------------------------------------------------
+def _whoami_on(backend):
+    return importlib.import_module(backend).get_worker_info().name
+
+
+def _body_both_backends(ctx, backend, left):
+    """Found, join, call both ways, leave, call the leaver: on ``backend`` (a module name)."""
+    rpc = importlib.import_module(backend)
+    if backend == "rpc_core":
+        opts = ctx.backend_options(rpc_timeout=30.0)
+    else:
+        opts = rpc.TensorPipeRpcBackendOptions(init_method=ctx.init_method, rpc_timeout=30.0)
+    if ctx.rank == 0:
+        rpc.init_rpc("w0", rank=0, world_size=None, rpc_backend_options=opts)
+        _wait_for("w1 in", 150.0)
+        infos = sorted((w.id, w.name) for w in rpc._get_current_rpc_agent().get_worker_infos())
+        echo = rpc.rpc_sync("w1", _whoami_on, args=(backend,))
+        _post("checked")
+        if not left.wait(150.0):  # set by w1 once its shutdown returned
+            raise TimeoutError("w1 did not leave")
+        try:
+            rpc.rpc_sync("w1", _whoami_on, args=(backend,))
+            error = "no error"
+        except RuntimeError as e:
+            error = str(e)
+        after = sorted((w.id, w.name) for w in rpc._get_current_rpc_agent().get_worker_infos())
+        rpc.shutdown()
+        return infos, echo, error, after
+    rpc.init_rpc("w1", rank=1, world_size=None, rpc_backend_options=opts)
+    echo = rpc.rpc_sync("w0", _whoami_on, args=(backend,))
+    rpc.rpc_sync("w0", _post, args=("w1 in",))
+    rpc.rpc_sync("w0", _wait_for, args=("checked", 150.0))
+    rpc.shutdown()
+    left.set()
+    return echo
+
+
+@pytest.mark.timeout(420)
+def test_join_call_and_leave_behave_as_on_torch_rpc():
+    outcomes = {}
+    for backend in ("torch.distributed.rpc", "rpc_core"):
+        left = _mp_context().Event()
+        outcomes[backend] = run_world(_body_both_backends, 2, init=False, args=(backend, left), timeout=200.0)
+    for backend, ((infos, echo0, error, after), echo1) in outcomes.items():
+        assert infos == [(0, "w0"), (1, "w1")] and after == [(0, "w0")], backend
+        assert (echo0, echo1) == ("w1", "w0"), backend
+        assert "could not find destination" in error and "w1" in error, (backend, error)
+    assert "worker 'w1' (rank 1) left the group" in outcomes["rpc_core"][0][2]
