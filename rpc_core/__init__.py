@@ -38,6 +38,7 @@ from .errors import (
     RpcError,
     RpcNotInitializedError,
     RpcTimeoutError,
+    WorkerLeftError,
     WorkerUnavailableError,
 )
 from .options import DEFAULT_INIT_METHOD as _DEFAULT_INIT_METHOD
@@ -69,12 +70,14 @@ _LAYERS: tuple[tuple[str, ...], ...] = (
     ("buffers",),
     ("sending",),
     ("transport",),  # connections: bytes only
+    ("worlds",),  # WorkerInfo, and the World a rendezvous gives
     ("rendezvous", "outbound"),
+    ("roster",),  # who is in the group (a part of the agent)
     ("deadlines", "completion", "dispatch"),  # the worker's parts: timer, pending calls, requests
     ("heartbeats",),  # the worker's liveness watch of the peers it waits on
     ("connections",),
     ("agent",),  # the worker
-    ("calls", "lifecycle"),  # issuing a user call; init/shutdown hooks, barriers, quiescence
+    ("calls", "lifecycle", "registry"),  # a user call; init/shutdown hooks, barriers; joins and leaves
     ("autograd.context",),
     ("autograd.engine", "autograd.release"),
     ("autograd.recording",),
@@ -106,7 +109,7 @@ def _get_debug_info() -> dict[str, Any]:
 __all__ = [
     "AuthenticationError", "BackendType", "DEFAULT_RPC_TIMEOUT_SEC", "DEFAULT_SHUTDOWN_TIMEOUT",
     "ProtocolError", "RRef", "RendezvousError", "RpcBackendOptions", "RpcError", "RpcNotInitializedError",
-    "RpcTimeoutError", "TensorPipeRpcBackendOptions", "UNSET_RPC_TIMEOUT", "WorkerInfo",
+    "RpcTimeoutError", "TensorPipeRpcBackendOptions", "UNSET_RPC_TIMEOUT", "WorkerInfo", "WorkerLeftError",
     "WorkerUnavailableError", "functions", "get_rpc_timeout", "get_worker_info", "init_rpc", "is_available",
     "remote", "rpc_async", "rpc_sync", "shutdown", "autograd", "optim", "profiler",
 ]

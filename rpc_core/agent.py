@@ -6,6 +6,7 @@
     deadlines.py    the timer thread: call deadlines, lazy-answer kicks, call_later
     heartbeats.py   noticing peers that went silent while calls wait on them
     middleware.py   the hooks of higher layers (RRefs, distributed autograd, the profiler)
+    roster.py       who is in the group (and, in a dynamic group, who joined and left)
 
 Threads: one acceptor; one reader per connection (it parses frames, completes response
 futures, and runs requests inline: a request that blocks or runs long moves the reading
@@ -37,7 +38,8 @@ from .heartbeats import Heartbeats
 from .middleware import Middleware
 from .options import RpcBackendOptions
 from .pool import ElasticPool, ThreadGroup
-from .rendezvous import WorkerInfo, World
+from .rendezvous import World
+from .roster import Roster
 from .serialization import encode_head, serialize
 
 __all__ = ["Agent", "ConnectionStats", "Middleware", "connection_stats", "current_agent", "set_current_agent"]
@@ -69,21 +71,19 @@ def connection_stats() -> ConnectionStats:
     return current_agent().connection_stats()
 
 
-class Agent(Connections, Dispatch, Calls, Heartbeats):
+class Agent(Roster, Connections, Dispatch, Calls, Heartbeats):
     """One worker's RPC agent: ``send_request`` makes calls, the connections' readers serve
     the calls of others; ``start`` begins serving, ``close`` ends everything."""
 
     def __init__(self, world: World, options: RpcBackendOptions) -> None:
-        self.me: WorkerInfo = world.me
-        self.workers = world.workers
-        self.by_name = {w.name: w for w in world.workers}
-        self.addresses = world.addresses
+        self.me = world.me
         self.options = options
         self.default_timeout = options.rpc_timeout
         self.middleware: list[Middleware] = []
         self._closing = False
         self._init_calls()
         self._init_connections(world, options)
+        self._init_roster(world)
         self._ids = itertools.count(1)
         # Counters for graceful shutdown's quiescence check (user calls only, not CONTROL).
         self.n_sent = self.n_done = self.n_received = self.n_answered = 0
@@ -104,25 +104,6 @@ class Agent(Connections, Dispatch, Calls, Heartbeats):
         self.threads.start(self._deadlines.run, "rpc-timer")
         self._start_connections()
         self._start_heartbeats()
-
-    def worker_info(self, to: Any) -> WorkerInfo:
-        if isinstance(to, WorkerInfo):
-            return to
-        if isinstance(to, str):
-            info = self.by_name.get(to)
-            if info is None:
-                raise RpcError(f"could not find destination worker {to!r}; known workers: {sorted(self.by_name)}")
-            return info
-        if isinstance(to, int) and not isinstance(to, bool):
-            if not 0 <= to < len(self.workers):
-                raise RpcError(f"could not find destination rank {to}; ranks are 0..{len(self.workers) - 1}")
-            return self.workers[to]
-        raise ValueError(f"Cannot get WorkerInfo from name {to!r} (type {type(to).__name__}); pass a name, "
-                         "WorkerInfo or rank")
-
-    def describe(self, rank: int) -> str:
-        """How errors and logs name the worker of ``rank``."""
-        return f"worker {self.workers[rank].name!r} (rank {rank})"
 
     def send_request(self, dst: int, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], timeout: float,
                      extras: dict[str, Any] | None = None, flags: int = 0,

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import enum
 import logging
+import time
 from typing import Any
 
 from . import agent as _agent_mod
-from . import lifecycle, memory
+from . import lifecycle, memory, registry
 from . import rref as _rref
 from .agent import Agent, current_agent
 from .calls import call_wrappers, rpc_async, rpc_sync  # noqa: F401 (re-exported: the facade)
@@ -32,6 +33,11 @@ __all__ = [
     "current_agent",
 ]
 
+# How long a leaving member (shutdown without a timeout) lets the requests that reached it
+# as it left finish before it closes.
+_LEAVE_GRACE = 5.0
+
+
 class BackendType(enum.Enum):
     """Accepted for compatibility; rpc_core has one backend."""
 
@@ -45,7 +51,9 @@ def is_available() -> bool:
 
 def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | None = None,
              rpc_backend_options: RpcBackendOptions | None = None) -> None:
-    """Join the group: rendezvous, authenticate, start this worker's agent."""
+    """Join the group: rendezvous, authenticate, start this worker's agent. ``world_size=None``
+    makes the group dynamic (every member passes None): rank 0 founds it, other ranks join it
+    while it runs, and ``shutdown`` leaves it (see ``registry``)."""
     if _agent_mod._agent is not None:
         raise RuntimeError("RPC is already initialized")
     if backend is not None and not isinstance(backend, BackendType):
@@ -53,9 +61,6 @@ def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | N
     options = rpc_backend_options if rpc_backend_options is not None else RpcBackendOptions()
     if not isinstance(options, RpcBackendOptions):
         raise TypeError("Argument rpc_backend_options must be an instance of RpcBackendOptions")
-    if world_size is None:
-        raise ValueError("world_size is required: rpc_core supports static groups (dynamic membership is not "
-                         "implemented)")
     if not options.auth_secret:
         logging.getLogger("rpc_core").warning(
             "rpc_core worker %r runs without an auth secret: any process that can reach its port can make it "
@@ -68,6 +73,7 @@ def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | N
     _rref.install(agent)
     if world.me.id == 0:
         lifecycle.start_coordinator(agent)
+    registry.install(agent)
     for hook in lifecycle.init_hooks:
         hook(agent)
     _agent_mod.set_current_agent(agent)
@@ -93,10 +99,10 @@ class _RpcAgentView:
         self._agent = agent
 
     def get_worker_info(self, worker_name: str | None = None) -> WorkerInfo:
-        return self._agent.me if worker_name is None else self._agent.worker_info(worker_name)
+        return self._agent.get_worker_info(worker_name)
 
     def get_worker_infos(self) -> list[WorkerInfo]:
-        return list(self._agent.workers)
+        return self._agent.get_worker_infos()
 
 
 def _get_current_rpc_agent() -> _RpcAgentView:
@@ -119,7 +125,9 @@ def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -
     agent = current_agent()
     error: BaseException | None = None
     try:
-        if graceful:
+        if graceful and agent.dynamic:
+            _leave(agent, timeout)
+        elif graceful:
             _wait_all_workers(timeout)
             for hook in lifecycle.pre_shutdown_hooks:
                 hook()
@@ -140,3 +148,19 @@ def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -
         lifecycle.reset_rounds()
     if error is not None:
         raise RpcError(f"graceful shutdown of {agent.me.name!r} failed: {error}") from error
+
+
+def _leave(agent: Agent, timeout: float) -> None:
+    """Graceful shutdown of a dynamic group's member: finish this worker's own work (its
+    calls, its RRefs' deletes, its autograd releases), leave the group, then answer what
+    the others sent before they heard (bounded by ``timeout``; 0: no limit)."""
+    deadline = time.monotonic() + timeout if timeout > 0 else None
+    for hook in lifecycle.pre_shutdown_hooks:
+        hook()
+    _rref.delete_all_user_rrefs(timeout)
+    agent.wait_idle(deadline)
+    registry.leave(agent, timeout)
+    agent.wait_idle(deadline)
+    end = time.monotonic() + _LEAVE_GRACE if deadline is None else deadline
+    while agent.n_received != agent.n_answered and time.monotonic() < end:
+        time.sleep(0.005)  # requests that arrived as we left are still running; let them finish

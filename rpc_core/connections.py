@@ -74,12 +74,16 @@ class _Loopback:
 
 class Connections:
     """The connection table. Uses the agent's ``describe``, the calls' ``_pending``,
-    ``_fail``, ``_on_frame`` and ``_timeout_message`` (``calls``) and the request side's
-    ``_read_loop`` (``dispatch``)."""
+    ``_fail``, ``_on_frame`` and ``_timeout_message`` (``calls``), the request side's
+    ``_read_loop`` (``dispatch``) and the roster's members and join handler (``roster``)."""
 
     me: WorkerInfo
-    workers: list[WorkerInfo]
+    workers: dict[int, WorkerInfo]
     addresses: dict[int, tuple[str, int]]
+    join_handler: Callable[[transport.Connection, int, bytes], int | None] | None
+    worker_info: Callable[[Any], WorkerInfo]
+    tag_connection: Callable[[Any, int], None]
+    is_member_connection: Callable[[Any, int], bool]
     threads: ThreadGroup
     on_peer_lost: list[Callable[[int, str], None]]
     _pending: dict[int, Pending]
@@ -145,6 +149,8 @@ class Connections:
             return conn
         if dst in self.dead:
             raise WorkerUnavailableError(self.dead[dst])
+        if dst not in self.workers:
+            self.worker_info(dst)  # raises: the worker that had this rank left the group
         limit = time.monotonic() + self._handshake_timeout
         by_call = call_deadline is not None and call_deadline <= limit  # whose deadline binds
         deadline = limit if call_deadline is None else min(call_deadline, limit)  # the earlier binds
@@ -250,12 +256,22 @@ class Connections:
         try:
             transport.accept(sock, self._secret, deadline - time.monotonic(), self._admission)
             h, body = handshake.read_intro(sock, deadline)
-            if h.msg_id != _HELLO_ID:
-                raise ProtocolError("first frame is not an identity frame")
-            src = pickle.loads(body)
-            if not isinstance(src, int) or not 0 <= src < len(self.workers):
-                raise ProtocolError(f"bad identity {src!r}")
-            conn = transport.Connection(sock)
+            if h.msg_id != _HELLO_ID and self.join_handler is not None:
+                # A worker asking to join the group (see registry): admitted, it becomes a member
+                # and this its connection to us, as after a rendezvous; refused, it was told why.
+                conn = transport.Connection(sock)
+                src = self.join_handler(conn, h.msg_id, body)
+                if src is None:
+                    conn.close()
+                    return
+            else:
+                if h.msg_id != _HELLO_ID:
+                    raise ProtocolError("first frame is not an identity frame")
+                src = pickle.loads(body)
+                if not isinstance(src, int) or src not in self.workers:
+                    raise ProtocolError(f"bad identity {src!r}")
+                conn = transport.Connection(sock)
+            self.tag_connection(conn, src)
         except AuthenticationError:
             log.warning("rpc_core %s: rejected a connection from %s:%s: wrong or missing auth secret",
                         self.me.name, peer[0], peer[1])
@@ -312,8 +328,8 @@ class Connections:
             if link is not None and link.conn is conn:
                 del self._links[peer]
                 link.close()
-        if self._closing:
-            return
+        if self._closing or not self.is_member_connection(conn, peer):
+            return  # ours, or a member's that left the group (see roster)
         exited = self.me.id == 0 and peer != 0 and not loss.malformed and conn is self._world_connections.get(peer)
         if outgoing or exited:
             self._peer_lost(peer, loss.reason, conn if outgoing else None)

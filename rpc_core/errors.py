@@ -39,6 +39,11 @@ class WorkerUnavailableError(RpcError, ConnectionError):
     """The destination worker is dead, unreachable, or closed its connection."""
 
 
+class WorkerLeftError(WorkerUnavailableError):
+    """The destination worker left the (dynamic) group with ``shutdown()``: its name, rank
+    and RRefs are no longer served. The message says "worker X left the group"."""
+
+
 class RemoteFunctionError(RpcError):
     """A remote exception whose original type could not be rebuilt on the caller."""
 

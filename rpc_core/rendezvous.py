@@ -11,28 +11,25 @@ Rank 0 runs each joiner's handshake on a thread of its own (``_Joiners``), so a 
 that stays silent holds up nobody but itself, and collects the validated joiners on the
 thread that called ``init_rpc``.
 
-One module, though past 400 lines: the host's and the joiner's side are the two ends of one
-exchange (what a joiner sends is what rank 0 validates, and both name the same failures), and
-read best side by side.
+A dynamic group (``world_size=None``) has no table to wait for: rank 0 returns at once, as a
+world of one, and a joiner's request (the same, with world_size None) is answered later by
+the registry on rank 0's running agent (``registry``) with the roster and generations.
 """
 from __future__ import annotations
 
 import logging
 import os
-import re
 import selectors
 import socket
 import threading
 import time
-from dataclasses import dataclass
 
 from . import handshake, knobs, transport, wire
 from .errors import AuthenticationError, RendezvousError
+from .worlds import MAX_NAME_LEN, WorkerInfo, World, validate_name  # noqa: F401 (re-exported)
 
 log = logging.getLogger("rpc_core")
 
-MAX_NAME_LEN = 128
-_NAME_RE = re.compile(r"^[A-Za-z0-9_:\-]+$")
 # How long the end of a rendezvous waits for the joiners' handshake threads it stopped.
 _STOP_GRACE = 2.0
 # A joiner retries reaching rank 0 (which may not be listening yet) after this, doubling
@@ -43,64 +40,8 @@ _MIN_ATTEMPT = 0.1
 # Rank 0 answers a join once the world is complete: a joiner waits for that until its
 # deadline, plus this for the answer of a world that filled just in time to travel.
 _ANSWER_SLACK = 5.0
-
-
-class WorkerInfo:
-    """A worker's name and id (its rank). Equal and hashable by both."""
-
-    __slots__ = ("_name", "_id")
-
-    def __init__(self, name: str, id: int) -> None:
-        validate_name(name)
-        self._name = name
-        self._id = int(id)
-
-    @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def id(self) -> int:
-        return self._id
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, WorkerInfo) and other._id == self._id and other._name == self._name
-
-    def __hash__(self) -> int:
-        return hash((self._id, self._name))
-
-    def __repr__(self) -> str:
-        return f"WorkerInfo(id={self._id}, name={self._name})"
-
-    def __reduce__(self) -> tuple[type[WorkerInfo], tuple[str, int]]:
-        return WorkerInfo, (self._name, self._id)
-
-
-def validate_name(name: str) -> None:
-    if not isinstance(name, str):
-        raise TypeError(f"worker name must be a str, got {type(name).__name__}")
-    if not name:
-        raise ValueError("Worker name must be non-empty")
-    if len(name) >= MAX_NAME_LEN:
-        raise ValueError(f"Worker name must be shorter than {MAX_NAME_LEN} chars, got {len(name)}: {name[:40]!r}...")
-    if not _NAME_RE.match(name):
-        raise ValueError(
-            f"Worker name must match ^[A-Za-z0-9_:-]+$ (letters, digits, '_', ':' and '-'), got {name!r}"
-        )
-
-
-@dataclass
-class World:
-    """Result of a rendezvous: who is who, and the sockets it leaves us with."""
-
-    me: WorkerInfo
-    workers: list[WorkerInfo]  # by rank
-    addresses: dict[int, tuple[str, int]]
-    listener: socket.socket
-    # rank 0: {rank: incoming connection}; others: {0: outgoing connection to rank 0}
-    connections: dict[int, transport.Connection]
-    # The same-host listener beside ``listener`` (see handshake.listen_local), if any.
-    local_listener: socket.socket | None = None
+# torch's words for a join that mixes world_size=None with a static group, or the reverse.
+MIXED_GROUP = "RPC group mixes statically and dynamically initialized members which is not supported."
 
 
 def resolve_init_method(init_method: str) -> tuple[str, int]:
@@ -142,9 +83,22 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def rendezvous(name: str, rank: int, world_size: int, init_method: str, secret: bytes, timeout: float) -> World:
+def rendezvous(name: str, rank: int, world_size: int | None, init_method: str, secret: bytes, timeout: float) -> World:
+    """Find the group. ``world_size=None``: a dynamic group, founded by rank 0 alone (it
+    returns at once); any other rank joins it through rank 0's registry (``registry``)."""
     knobs.check()
     validate_name(name)
+    if world_size is None:
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise ValueError(f"rank parameter missing or invalid: a worker of a dynamic group (world_size=None) "
+                             f"needs its rank, an int >= 0 (0 founds the group), got {rank!r}")
+        host, port = resolve_init_method(init_method)
+        if rank == 0:
+            world = _host(name, 1, host, port, secret, timeout)
+            world.dynamic = True
+            world.generations = {0: 0}
+            return world
+        return _join(name, rank, None, host, port, secret, timeout)
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if not isinstance(rank, int) or not 0 <= rank < world_size:
@@ -342,6 +296,9 @@ def _accept_joiner(sock: socket.socket, peer: tuple[str, int], world_size: int, 
         h, body = handshake.read_intro(sock, deadline)
         c = transport.Connection(sock)
         name, rank, ws, address = pickle.loads(body)
+        if ws is None:
+            _reply(c, h.msg_id, MIXED_GROUP)
+            return None
         if ws != world_size:
             _reply(c, h.msg_id, f"world_size mismatch: worker {name!r} (rank {rank}) says {ws}, rank 0 says "
                                 f"{world_size}")
@@ -365,7 +322,7 @@ def _check_joiner(info: WorkerInfo, me: WorkerInfo,
     return None
 
 
-def _join(name: str, rank: int, world_size: int, host: str, port: int, secret: bytes, timeout: float) -> World:
+def _join(name: str, rank: int, world_size: int | None, host: str, port: int, secret: bytes, timeout: float) -> World:
     import pickle
 
     deadline = time.monotonic() + timeout
@@ -407,6 +364,10 @@ def _join(name: str, rank: int, world_size: int, host: str, port: int, secret: b
         _close(listener, local)
         c.close()
         raise RendezvousError(pickle.loads(body))
-    names, addresses = pickle.loads(body)
-    workers = [WorkerInfo(n, r) for n, r in names]
-    return World(workers[rank], workers, addresses, listener, {0: c}, local)
+    # A static world's table: (names, addresses); a dynamic group's adds the generations.
+    table = pickle.loads(body)
+    workers = [WorkerInfo(n, r) for n, r in table[0]]
+    me = next(w for w in workers if w.id == rank)
+    if world_size is None:
+        return World(me, workers, table[1], listener, {0: c}, local, dynamic=True, generations=table[2])
+    return World(me, workers, table[1], listener, {0: c}, local)

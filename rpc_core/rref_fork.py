@@ -19,7 +19,7 @@ from . import agent as _agent_mod
 from . import wire
 from .rref_handle import RRef
 from .rref_release import start_release_thread, track
-from .rref_state import Id, _ctx, _on_child_accept, _on_fork, _on_user_deletes, new_id, store_creation_error
+from .rref_state import Id, _ctx, _on_child_accept, _on_fork, _on_user_deletes, new_id, start_ids, store_creation_error
 from .serialization import defer_until, note_for_reply, register_reducer
 
 
@@ -105,5 +105,6 @@ class RRefMiddleware(_agent_mod.Middleware):
 def install(agent: _agent_mod.Agent) -> None:
     """At init_rpc, before the agent starts: the release loop and the protocol's plug-ins."""
     start_release_thread()
+    start_ids(agent.id_base)
     agent.request_failed_hooks.append(on_request_failed)
     agent.middleware.append(RRefMiddleware())

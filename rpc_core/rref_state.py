@@ -34,6 +34,13 @@ def new_id() -> Id:
     return (_agent_mod.current_agent().me.id, next(_local_ids))
 
 
+def start_ids(base: int) -> None:
+    """At init_rpc: number this worker's RRef ids from ``base`` (``Agent.id_base``: a rank
+    reused in a dynamic group never makes the ids of the member that held it before)."""
+    global _local_ids
+    _local_ids = itertools.count(base)
+
+
 def fmt(i: Id) -> str:
     created_on, local_id = i
     return f"GloballyUniqueId(created_on={created_on}, local_id={local_id})"

@@ -92,11 +92,13 @@ class DistAutogradContext:
             self.grads[leaf] = grad if old is None else old + grad
 
 
-def init(worker_id: int) -> None:
+def init(worker_id: int, base: int = 0) -> None:
+    """At init_rpc: ids from now on are this worker's, counted from ``base`` (a rank reused in
+    a dynamic group never makes the ids of the member that held it before)."""
     global _worker_id, _counter, _msg_counter
     _worker_id = worker_id
-    _counter = itertools.count(0)
-    _msg_counter = itertools.count(0)
+    _counter = itertools.count(base)
+    _msg_counter = itertools.count(base)
     with _lock:
         _contexts.clear()
         _released.clear()

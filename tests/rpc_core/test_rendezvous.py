@@ -100,9 +100,9 @@ def test_rank_and_world_size_are_checked(rank, world_size):
         _init("a", rank, world_size, _opts(free_port()))
 
 
-def test_missing_world_size_says_dynamic_groups_are_not_supported():
-    with pytest.raises(ValueError, match="world_size is required"):
-        rpc_core.init_rpc("a", rank=0, rpc_backend_options=_opts(free_port()))
+def test_missing_world_size_and_rank_says_a_dynamic_worker_needs_its_rank():
+    with pytest.raises(ValueError, match="rank parameter missing"):
+        rpc_core.init_rpc("a", rpc_backend_options=_opts(free_port()))
 
 
 # -- init_method ------------------------------------------------------------------------------------
