@@ -77,6 +77,10 @@ class DLRM(nn.Module):
                 bag.weight.copy_(init_rows(seed, t, rows, dim, torch.arange(rows)))
             self.tables.append(bag)
 
+    def table_weights(self) -> list[Tensor]:
+        """Each table's rows, [rows_t, dim], in table order."""
+        return [bag.weight for bag in self.tables if isinstance(bag, nn.EmbeddingBag)]
+
     def forward(self, dense: Tensor, ids: Tensor) -> Tensor:
         """dense [B, num_dense] float, ids [B, T] int64 -> logits [B]."""
         x = self.bottom(dense)

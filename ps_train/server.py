@@ -168,7 +168,7 @@ class ParameterServer:
                 self._await_round(step)
             return tables.lookup(local_ids)
         with self.lock:  # rows read whole, never half updated
-            self._read_version[trainer] = self.version
+            self._read_version.setdefault((trainer, step), self.version)
             return tables.lookup(local_ids)
 
     def read_rows(self, local_ids: list[torch.Tensor]) -> list[torch.Tensor]:

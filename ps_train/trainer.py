@@ -82,6 +82,12 @@ def _publish(stats: dict[str, Any]) -> None:
 
 
 class Trainer:
+    # Set by ``load``; their kinds depend on the model (TensorSplit and BatchIterator here,
+    # CtrSplit and CtrBatchIterator in ps_train.ctr_trainer): the loop needs only len() and next().
+    train_set: Any
+    test_set: Any
+    batches: Any
+
     def __init__(self, cfg: Config, index: int, run_dir: str, start_step: int = 0,
                  data_state: dict[str, int] | None = None) -> None:
         self.cfg = cfg

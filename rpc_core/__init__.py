@@ -10,7 +10,9 @@ from typing import Any
 
 from . import autograd, functions, optim, profiler  # autograd installs its middleware at init_rpc
 from . import rref as _rref
-from . import torchscript as _torchscript  # scripted functions and modules in messages
+
+# imported for its effect: scripted functions and modules travel in messages
+from . import torchscript as _torchscript  # noqa: F401
 from .agent import current_agent as _current_agent
 from .api import (
     BackendType,
@@ -41,8 +43,10 @@ from .errors import (
     WorkerLeftError,
     WorkerUnavailableError,
 )
-from .options import DEFAULT_INIT_METHOD as _DEFAULT_INIT_METHOD
-from .options import DEFAULT_NUM_WORKER_THREADS as _DEFAULT_NUM_WORKER_THREADS
+
+# torch's private constants, under torch's names
+from .options import DEFAULT_INIT_METHOD as _DEFAULT_INIT_METHOD  # noqa: F401
+from .options import DEFAULT_NUM_WORKER_THREADS as _DEFAULT_NUM_WORKER_THREADS  # noqa: F401
 from .options import (
     DEFAULT_RPC_TIMEOUT_SEC,
     DEFAULT_SHUTDOWN_TIMEOUT,
@@ -50,10 +54,10 @@ from .options import (
     RpcBackendOptions,
     TensorPipeRpcBackendOptions,
 )
-from .options import DEFAULT_RPC_TIMEOUT_SEC as _DEFAULT_RPC_TIMEOUT_SEC
-from .options import UNSET_RPC_TIMEOUT as _UNSET_RPC_TIMEOUT
-from .rendezvous import WorkerInfo
+from .options import DEFAULT_RPC_TIMEOUT_SEC as _DEFAULT_RPC_TIMEOUT_SEC  # noqa: F401
+from .options import UNSET_RPC_TIMEOUT as _UNSET_RPC_TIMEOUT  # noqa: F401
 from .rref import RRef
+from .worlds import WorkerInfo
 
 PyRRef = RRef  # torch's RRef derives from PyRRef; isinstance checks against either name hold
 

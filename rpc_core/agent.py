@@ -38,9 +38,9 @@ from .heartbeats import Heartbeats
 from .middleware import Middleware
 from .options import RpcBackendOptions
 from .pool import ElasticPool, ThreadGroup
-from .rendezvous import World
 from .roster import Roster
 from .serialization import encode_head, serialize
+from .worlds import World
 
 __all__ = ["Agent", "ConnectionStats", "Middleware", "connection_stats", "current_agent", "set_current_agent"]
 

@@ -22,8 +22,9 @@ from .lifecycle import all_gather as _all_gather  # noqa: F401 (re-exported)
 from .lifecycle import barrier as _barrier  # noqa: F401 (re-exported)
 from .lifecycle import wait_all_workers as _wait_all_workers
 from .options import DEFAULT_SHUTDOWN_TIMEOUT, RpcBackendOptions
-from .rendezvous import WorkerInfo, rendezvous
+from .rendezvous import rendezvous
 from .rref import remote  # noqa: F401 (re-exported: the facade)
+from .worlds import WorkerInfo
 
 __all__ = [
     "BackendType", "get_rpc_timeout", "get_worker_info", "init_rpc", "is_available", "remote", "rpc_async", "rpc_sync",

@@ -25,8 +25,8 @@ from .errors import AuthenticationError, ProtocolError, RpcError, RpcTimeoutErro
 from .options import RpcBackendOptions
 from .outbound import Outbound
 from .pool import ThreadGroup
-from .rendezvous import WorkerInfo, World
 from .serialization import loopback
+from .worlds import WorkerInfo, World
 
 if TYPE_CHECKING:
     import torch

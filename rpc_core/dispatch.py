@@ -23,8 +23,8 @@ from . import transport, wire
 from .errors import RpcError
 from .middleware import Middleware
 from .pool import ElasticPool, init_torch_thread
-from .rendezvous import WorkerInfo
 from .serialization import decode_head, deserialize_decoded, encode_head, serialize
+from .worlds import WorkerInfo
 
 log = logging.getLogger("rpc_core")
 

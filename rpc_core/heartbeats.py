@@ -72,7 +72,7 @@ class Heartbeats:
     its call table (``_pending``, ``_complete``) and connection table (``_links``, ``_out``)."""
 
     me: Any
-    workers: list[Any]
+    workers: dict[int, Any]
     pool: ElasticPool
     _pending: dict[int, Pending]
     _links: dict[int, Outbound]
@@ -145,7 +145,7 @@ class Heartbeats:
                 self.pool.submit(self._send_beat, peer, link, w)
         self._watches = watches
         if watch_all:
-            for peer in range(len(self.workers)):
+            for peer in list(self.workers):  # ranks of the members (a dynamic group's may have gaps)
                 if peer != self.me.id and peer not in links and peer not in self._dialling:
                     self._dialling.add(peer)
                     self.pool.submit(self._send_beat, peer, None, None)
@@ -165,7 +165,7 @@ class Heartbeats:
                                 call_extras={wire.LOCAL_HEARTBEAT: True})
         fut.add_done_callback(lambda f: self._beat_done(peer, w, f))
 
-    def _beat_done(self, peer: int, w: _Watch | None, fut: torch.futures.Future) -> None:
+    def _beat_done(self, peer: int, w: _Watch | None, fut: torch.futures.Future[Any]) -> None:
         if w is not None:
             w.beating = False
             return  # a failure here is the connection's loss or expiry, each reported where it happens

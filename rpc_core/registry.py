@@ -29,9 +29,10 @@ from typing import Any
 from . import wire
 from .agent import Agent, current_agent
 from .errors import RpcError
-from .rendezvous import MIXED_GROUP, WorkerInfo
+from .rendezvous import MIXED_GROUP
 from .rendezvous import _dumps as dumps
 from .rendezvous import _reply as reply
+from .worlds import WorkerInfo
 
 log = logging.getLogger("rpc_core")
 

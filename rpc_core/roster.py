@@ -16,7 +16,7 @@ import threading
 from typing import Any
 
 from .errors import RpcError, WorkerLeftError
-from .rendezvous import WorkerInfo, World
+from .worlds import WorkerInfo, World
 
 # A member's RRef and autograd context ids start at its generation shifted by this, so ids
 # made by two holders of one rank never meet (2**32 ids per member, 2**16 joins: context

@@ -17,9 +17,9 @@ from . import calls, wire
 from .autograd.engine import backward as _dist_backward
 from .errors import RpcError, RpcTimeoutError
 from .options import UNSET_RPC_TIMEOUT
-from .rendezvous import WorkerInfo
 from .rref_release import collect, delete_after_creation, drop_owner_handle
 from .rref_state import Id, _ctx, _on_create, _on_fetch, _on_invoke, _on_type, fmt, new_id
+from .worlds import WorkerInfo
 
 T = TypeVar("T")
 

@@ -23,7 +23,7 @@ from .serialization import register_reducer
 _PREFIX = "__torch__."
 
 
-def _function_by_name(module: str, name: str) -> torch.jit.ScriptFunction:
+def _function_by_name(module: str, name: str) -> torch.jit.ScriptFunction[Any, Any]:
     try:
         fn = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:
@@ -33,7 +33,7 @@ def _function_by_name(module: str, name: str) -> torch.jit.ScriptFunction:
     return fn
 
 
-def _reduce_function(fn: torch.jit.ScriptFunction) -> tuple[Any, tuple[str, str]]:
+def _reduce_function(fn: torch.jit.ScriptFunction[Any, Any]) -> tuple[Any, tuple[str, str]]:
     qualified = fn.qualified_name
     module, _, name = qualified[len(_PREFIX):].rpartition(".")
     # The qualified name leaves out enclosing functions: check that it finds this very function.
@@ -44,7 +44,8 @@ def _reduce_function(fn: torch.jit.ScriptFunction) -> tuple[Any, tuple[str, str]
 
 
 def _module_from_bytes(data: bytes) -> torch.jit.ScriptModule:
-    return torch.jit.load(io.BytesIO(data))
+    module: torch.jit.ScriptModule = torch.jit.load(io.BytesIO(data))
+    return module
 
 
 def _reduce_module(module: torch.jit.ScriptModule) -> tuple[Any, tuple[bytes]]:
@@ -54,4 +55,4 @@ def _reduce_module(module: torch.jit.ScriptModule) -> tuple[Any, tuple[bytes]]:
 
 
 register_reducer(torch.jit.ScriptFunction, _reduce_function)
-register_reducer(torch.jit.RecursiveScriptModule, _reduce_module)
+register_reducer(torch.jit.RecursiveScriptModule, _reduce_module)  # type: ignore[attr-defined]  # torch's stub omits it

@@ -42,7 +42,7 @@ class WorkerInfo:
     def __repr__(self) -> str:
         return f"WorkerInfo(id={self._id}, name={self._name})"
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[type[WorkerInfo], tuple[str, int]]:
         return WorkerInfo, (self._name, self._id)
 
 

@@ -21,7 +21,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from tests import _world
 from tests.netns import CLONE_NEWPID, Network, setns, unshare
@@ -145,7 +145,7 @@ def run_hosts(net: Network, body: Callable[..., Any], world_size: int, *, args: 
                 failures.append(f"world of {world_size} running {where} timed out after {timeout:g} s "
                                 f"(or {_world._FAIL_GRACE:g} s after a rank failed): ranks {stuck} were killed")
                 break
-            for c in ready:
+            for c in cast("list[multiprocessing.connection.Connection]", ready):
                 if c in controls:
                     try:
                         op, op_args = c.recv()

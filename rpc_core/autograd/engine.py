@@ -41,7 +41,7 @@ from .. import agent as _agent_mod
 from ..errors import RpcError, format_many
 from ..functions import async_execution
 from ..futures import raised_on, settle
-from ..rendezvous import WorkerInfo
+from ..worlds import WorkerInfo
 from . import context as _context
 
 # The backward pass running on this thread (the CPU autograd engine runs a pass on the
@@ -131,7 +131,8 @@ def local_pass(ctx: _context.DistAutogradContext, starts: Sequence[torch.Tensor]
         if root and any(not is_anchor(t) for t in inputs):
             results = _accumulate_pass(starts, grads, inputs)
         else:
-            results = torch.autograd.grad(list(starts), inputs, list(grads), retain_graph=True, allow_unused=True)
+            results = list(torch.autograd.grad(list(starts), inputs, list(grads), retain_graph=True,
+                                               allow_unused=True))
     finally:
         _pass_tls.futures, _pass_tls.waited = prev
         _context.set_current(prev_ctx)
@@ -218,7 +219,8 @@ def _on_backward(context_id: int, msg_id: int, grads: list[Any]) -> torch.future
     sent = ctx.sends.get(msg_id)
     if sent is None:
         raise RpcError(f"{_prefix(me)}: no send with autograd message id {msg_id} in context {context_id}")
-    pairs: list[tuple[torch.Tensor, torch.Tensor]] = [(t, g) for t, g in zip(sent, grads, strict=False) if g is not None]
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = [
+        (t, g) for t, g in zip(sent, grads, strict=False) if g is not None]
     try:
         futures = local_pass(ctx, [t for t, _ in pairs], [g for _, g in pairs])
     except Exception as e:

@@ -79,7 +79,8 @@ def parse_remote_device(remote_device: str) -> tuple[str | int, str]:
 
 
 # -- on the owner ----------------------------------------------------------------------------------------
-def _create_module(module_cls: Callable[..., Any], args: tuple, kwargs: dict[str, Any], device: str) -> nn.Module:
+def _create_module(module_cls: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                   device: str) -> nn.Module:
     module = module_cls(*args, **kwargs)
     if not isinstance(module, nn.Module):
         raise ValueError("Expect `module_cls(*args, **kwargs)` returns an instance of <class nn.Module>, "
@@ -117,7 +118,7 @@ class RemoteModule(nn.Module):
     device: str
     module_rref: RRef[nn.Module]
 
-    def __init__(self, remote_device: str, module_cls: Callable[..., nn.Module], args: tuple | None = None,
+    def __init__(self, remote_device: str, module_cls: Callable[..., nn.Module], args: tuple[Any, ...] | None = None,
                  kwargs: dict[str, Any] | None = None, _module_interface_cls: Any = None) -> None:
         super().__init__()
         self._prepare(remote_device, _module_interface_cls)
@@ -146,7 +147,7 @@ class RemoteModule(nn.Module):
         return m
 
     # -- what runs remotely ----------------------------------------------------------------------------
-    def forward_async(self, *args: Any, **kwargs: Any) -> torch.futures.Future:
+    def forward_async(self, *args: Any, **kwargs: Any) -> torch.futures.Future[Any]:
         """Run the module's ``forward(*args, **kwargs)`` on its owner; a Future of the result."""
         rref = self.module_rref
         # Named by RRef id, as RRef proxies do: no fork (and no delete) per forward.
@@ -159,7 +160,8 @@ class RemoteModule(nn.Module):
 
     def remote_parameters(self, recurse: bool = True) -> list[RRef[nn.Parameter]]:
         """RRefs to the remote module's parameters (for ``DistributedOptimizer``)."""
-        return calls.rpc_sync(self.on, _param_rrefs, args=(self.module_rref, recurse))
+        rrefs: list[RRef[nn.Parameter]] = calls.rpc_sync(self.on, _param_rrefs, args=(self.module_rref, recurse))
+        return rrefs
 
     def get_module_rref(self) -> RRef[nn.Module]:
         return self.module_rref
@@ -213,7 +215,7 @@ def _rebuild(on: str | int, device: str, training: bool, module_rref: RRef[nn.Mo
     return m
 
 
-def _reduce(m: RemoteModule) -> tuple[Callable[..., RemoteModule], tuple]:
+def _reduce(m: RemoteModule) -> tuple[Callable[..., RemoteModule], tuple[Any, ...]]:
     return _rebuild, (m.on, m.device, m.training, m.module_rref)  # the RRef forks as it pickles
 
 

@@ -15,7 +15,15 @@ import torch
 import torch.nn.functional as F
 
 from ps_train.checkpoint_files import latest_checkpoint, load_checkpoint
-from ps_train.config import Config, ConfigError, CriteoConfig, optimizer_spec, table_optimizer_spec
+from ps_train.config import (
+    Config,
+    ConfigError,
+    CriteoConfig,
+    CtrDataConfig,
+    DLRMConfig,
+    optimizer_spec,
+    table_optimizer_spec,
+)
 from ps_train.ctr import CriteoFormatError
 from ps_train.ctr.batches import CtrBatchIterator
 from ps_train.ctr.loading import load_ctr_data
@@ -31,18 +39,23 @@ SMALL = ("model=dlrm", "data=synthetic_ctr", "data.num_samples=3000", "data.num_
          "model.top_mlp=[8]", "train.batch_size=32", "checkpoint.every=0")
 
 
+def ctr_parts(cfg: Config) -> tuple[CtrDataConfig, DLRMConfig]:
+    assert isinstance(cfg.data, CtrDataConfig) and isinstance(cfg.model, DLRMConfig), (cfg.data, cfg.model)
+    return cfg.data, cfg.model
+
+
 def reference_run(cfg: Config, steps: int) -> tuple[dict[str, list[float]], DLRM]:
     """Single-process torch: each step sums the trainers' mean-loss gradients in rank order
     (trainer k's batches from the same CtrBatchIterator) and steps each optimizer once --
     the servers' sync rule (``ParameterServer.apply_sync``: sum of the trainers' gradients;
     with ``mode.aggregate=mean``, where that option exists, their mean)."""
-    data, m = cfg.data, cfg.model
+    data, m = ctr_parts(cfg)
     train, _, _ = load_ctr_data(data)
     model = DLRM(data.dense_count(), data.sizes(), m.embedding_dim, m.bottom_mlp, m.top_mlp, cfg.seed)
     cls, kwargs = optimizer_spec(cfg.optim)
     dense_opt = cls([*model.bottom.parameters(), *model.top.parameters()], **kwargs)
     tcls, tkwargs = table_optimizer_spec(m.table_optim, cfg.optim, m.table_lr)
-    table_opt = tcls([bag.weight for bag in model.tables], **tkwargs)
+    table_opt = tcls(model.table_weights(), **tkwargs)
     T = cfg.cluster.num_trainers
     scale = 1.0 / T if getattr(cfg.mode, "aggregate", "sum") == "mean" else 1.0
     batches = [CtrBatchIterator(train, k, T, cfg.train.batch_size, cfg.seed) for k in range(T)]
@@ -70,12 +83,12 @@ def assert_tables_equal(run_dir: Path, cfg: Config, model: DLRM, atol: float) ->
     """Every server's saved rows equal the reference table's rows it owns."""
     S = cfg.cluster.num_servers
     states = saved_servers(run_dir)
-    for t, bag in enumerate(model.tables):
-        sharding = RowSharding(cfg.model.table_sharding, bag.weight.shape[0], S)
+    for t, weight in enumerate(model.table_weights()):
+        sharding = RowSharding(ctr_parts(cfg)[1].table_sharding, weight.shape[0], S)
         for s in range(S):
             got = states[f"ps{s}"]["tables"]["weights"][t]
-            want = bag.weight.detach()[sharding.global_ids(s)]
-            torch.testing.assert_close(got, want, atol=atol, rtol=0, msg=lambda m, t=t, s=s: f"table {t} ps{s}: {m}")
+            want = weight.detach()[sharding.global_ids(s)]
+            torch.testing.assert_close(got, want, atol=atol, rtol=0, msg=f"table {t} ps{s}")
 
 
 def assert_losses_close(got: dict[str, list[float]], want: dict[str, list[float]], atol: float) -> None:
@@ -120,7 +133,7 @@ def test_sync_dlrm_equals_single_process_embedding_bags(tmp_path: Path, setup: t
     assert_losses_close(metrics["losses"], losses, ATOL)
     assert_tables_equal(tmp_path, cfg, model, atol=ATOL)
     # Only touched rows moved, and the trainer asked for each distinct row once per step.
-    assert 0 < metrics["rows_pulled_per_step"] <= cfg.train.batch_size * len(cfg.data.sizes())
+    assert 0 < metrics["rows_pulled_per_step"] <= cfg.train.batch_size * len(ctr_parts(cfg)[0].sizes())
     assert metrics["rows_pushed_per_step"] == metrics["rows_pulled_per_step"]
 
 
@@ -202,8 +215,10 @@ def test_default_dlrm_run_reaches_the_generators_best_auc_single_process() -> No
     # `python -m ps_train model=dlrm data=synthetic_ctr`'s hyper-parameters, replayed as sync
     # mode runs them (the oracle above): the run's AUC is within 0.02 of the best possible.
     cfg = make_cfg("model=dlrm", "data=synthetic_ctr")
+    assert cfg.train.steps is not None
     _, model = reference_run(cfg, cfg.train.steps)
-    _, test, best = load_ctr_data(cfg.data)
+    _, test, best = load_ctr_data(ctr_parts(cfg)[0])
+    assert best is not None
     with torch.no_grad():
         z = torch.cat([model(test.dense[i:i + 8192], test.ids[i:i + 8192]) for i in range(0, len(test), 8192)])
     assert best - auc(z, test.labels) < 0.02

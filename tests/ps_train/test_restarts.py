@@ -12,7 +12,8 @@ import pytest
 from ps_train.config import ConfigError
 from ps_train.faults import FAULT_ENV, Fault, parse_faults
 from ps_train.heartbeat import process_state
-from ps_train.launch import RoleFailed, free_port
+from ps_train.launch import RoleFailed
+from ps_train.ports import free_port
 from ps_train.restarts import RESTARTS_FILE, start_checkpoint
 from tests.ps_train._app import (
     BASELINE,

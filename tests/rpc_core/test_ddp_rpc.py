@@ -87,9 +87,9 @@ def oracle(program: Any, initial_emb: dict[str, list], initial_fc: dict[str, lis
             fc_grads.append(torch.autograd.grad(loss, list(fc.parameters())))
         with torch.no_grad():
             for i, p in enumerate(emb.parameters()):
-                p -= program.LR * (emb_grads[0][i] + emb_grads[1][i])
+                p.sub_(program.LR * (emb_grads[0][i] + emb_grads[1][i]))
             for i, p in enumerate(fc.parameters()):
-                p -= program.LR * (fc_grads[0][i] + fc_grads[1][i]) / 2
+                p.sub_(program.LR * (fc_grads[0][i] + fc_grads[1][i]) / 2)
     return {"emb": emb.state_dict(), "fc": fc.state_dict(), "losses": losses}
 
 

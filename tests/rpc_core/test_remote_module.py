@@ -145,7 +145,7 @@ def _errors_body(ctx: Any) -> dict[str, Any]:
         RemoteModule("nobody/cpu", nn.Linear, args=(2, 2))
     except RpcError as e:
         out["unknown worker"] = str(e)
-    bad = RemoteModule("worker1/cpu", not_a_module)
+    bad = RemoteModule("worker1/cpu", not_a_module)  # type: ignore[arg-type]  # not a module, on purpose
     try:
         bad(torch.ones(1))
     except ValueError as e:
