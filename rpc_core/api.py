@@ -93,21 +93,10 @@ def _is_current_rpc_agent_set() -> bool:
     return _agent_mod._agent is not None
 
 
-class _RpcAgentView:
-    """What programs read from torch's ``_get_current_rpc_agent()``: the group's workers."""
-
-    def __init__(self, agent: Agent) -> None:
-        self._agent = agent
-
-    def get_worker_info(self, worker_name: str | None = None) -> WorkerInfo:
-        return self._agent.get_worker_info(worker_name)
-
-    def get_worker_infos(self) -> list[WorkerInfo]:
-        return self._agent.get_worker_infos()
-
-
-def _get_current_rpc_agent() -> _RpcAgentView:
-    return _RpcAgentView(current_agent())
+def _get_current_rpc_agent() -> Agent:
+    """This worker's agent (torch's private ``_get_current_rpc_agent``): ``get_worker_info()``
+    and ``get_worker_infos()`` list the group's members."""
+    return current_agent()
 
 
 def get_rpc_timeout() -> float:

@@ -264,6 +264,8 @@ class Connections:
                 if src is None:
                     conn.close()
                     return
+                # Its loss is the member's exit, as a rendezvous connection's is (see _connection_lost).
+                self._world_connections[src] = conn
             else:
                 if h.msg_id != _HELLO_ID:
                     raise ProtocolError("first frame is not an identity frame")
