@@ -31,10 +31,10 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
@@ -60,20 +60,27 @@ class CheckpointError(RuntimeError):
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
     """Write ``data`` to ``path`` so readers see the old file or the whole new one."""
-    path = Path(path)
+    _atomic_write(Path(path), lambda f: f.write(data))
+
+
+def _atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> tuple[int, str]:
+    """Write ``path`` through ``write(file)`` into a temporary file, fsync it, rename it over
+    ``path`` (readers see the old file or the whole new one); the new file's size and sha256."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            write(f)
             f.flush()
             os.fsync(f.fileno())  # contents on disk before the rename makes them visible
+        size, digest = _file_sha256(tmp)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
     _fsync_dir(path.parent)
+    return size, digest
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
@@ -147,21 +154,7 @@ def save_shard_state(ckpt_dir: str | os.PathLike[str], shard_name: str, state: M
     if not _SHARD_NAME.fullmatch(shard_name):
         raise ValueError(f"shard name {shard_name!r} must match [A-Za-z0-9_.-]+ (it becomes a file name)")
     file = f"{shard_name}.pt"
-    path = Path(ckpt_dir) / file
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(dict(state), f)
-            f.flush()
-            os.fsync(f.fileno())  # contents on disk before the rename makes them visible
-        size, digest = _file_sha256(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(path.parent)
+    size, digest = _atomic_write(Path(ckpt_dir) / file, lambda f: torch.save(dict(state), f))
     return ShardFile(shard_name, file, size, digest)
 
 

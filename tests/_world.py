@@ -24,7 +24,7 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -209,6 +209,24 @@ def run_world(
         for c in conns:
             c.close()
 
+    return results_of(outcomes, world_size, may_die, failures, where)
+
+
+def _dump_stacks(procs: Sequence[Any]) -> None:
+    for p in procs:
+        if p.is_alive() and p.pid:
+            try:
+                os.kill(p.pid, signal.SIGUSR1)
+            except OSError:
+                pass
+    for p in procs:
+        p.join(2.0)  # give faulthandler a moment to write the dump before the kill
+
+
+def results_of(outcomes: dict[int, tuple[Any, ...]], world_size: int, may_die: Collection[int],
+               failures: list[str], where: str) -> list[Any]:
+    """Each rank's result from its outcome (``("ok", result)``, ``("error", text)`` or
+    ``("died", exit code)``); raise WorldError naming every failure, ``failures`` included."""
     results: list[Any] = [None] * world_size
     for rank in range(world_size):
         kind, *rest = outcomes.get(rank, ("missing",))
@@ -221,14 +239,3 @@ def run_world(
     if failures:
         raise WorldError(f"{where} failed:\n" + "\n".join(failures))
     return results
-
-
-def _dump_stacks(procs: Sequence[Any]) -> None:
-    for p in procs:
-        if p.is_alive() and p.pid:
-            try:
-                os.kill(p.pid, signal.SIGUSR1)
-            except OSError:
-                pass
-    for p in procs:
-        p.join(2.0)  # give faulthandler a moment to write the dump before the kill

@@ -183,15 +183,4 @@ def run_hosts(net: Network, body: Callable[..., Any], world_size: int, *, args: 
             p.join()
         for c in results + ctls:
             c.close()
-    out: list[Any] = [None] * world_size
-    for rank in range(world_size):
-        kind, *rest = outcomes.get(rank, ("missing",))
-        if kind == "ok":
-            out[rank] = rest[0]
-        elif kind == "error":
-            failures.append(rest[0])
-        elif kind == "died" and rank not in may_die:
-            failures.append(f"rank {rank} died with exit code {rest[0]} before reporting a result")
-    if failures:
-        raise _world.WorldError(f"{where} failed:\n" + "\n".join(failures))
-    return out
+    return _world.results_of(outcomes, world_size, may_die, failures, where)
