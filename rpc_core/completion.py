@@ -48,6 +48,7 @@ class Calls:
 
     middleware: list[Middleware]
     pool: ElasticPool
+    n_sent: int
     n_done: int
     n_received: int
 
@@ -136,13 +137,19 @@ class Calls:
             # before this one counts as done, so shutdown cannot see a false quiet moment.
             self.n_done += 1
 
-    def _fail(self, msg_id: int, error: BaseException, inline: bool = True) -> None:
+    def _fail(self, msg_id: int, error: BaseException, inline: bool = True, unsent: bool = False) -> None:
+        """Fail the pending call ``msg_id`` with ``error``. ``unsent``: its connection was reset,
+        which may have dropped the request before it arrived, so graceful shutdown's count of
+        requests sent and received takes it as never sent (and never done)."""
         rec = self._pending.pop(msg_id, None)
         if rec is not None:
             rec.future._answered = True
-            self._complete(rec.future, error=error, inline=inline, counted=not rec.flags & wire.CONTROL)
+            user_call = not rec.flags & wire.CONTROL
+            self._complete(rec.future, error=error, inline=inline, counted=user_call and not unsent)
             if rec.link is not None:
                 rec.link.answered(rec.unattended)
+            if unsent and user_call:
+                self.n_sent -= 1
 
     def in_flight(self) -> int:
         """User calls (not CONTROL) made by this worker and not answered yet."""

@@ -69,7 +69,7 @@ class _Watch:
 
 class Heartbeats:
     """The liveness watch. Uses the agent's ``describe``, ``send_request``, ``call_later``,
-    its call table (``_pending``, ``_complete``) and connection table (``_links``, ``_out``)."""
+    its call table (``_pending``, ``_fail``) and connection table (``_links``, ``_out``)."""
 
     me: Any
     workers: dict[int, Any]
@@ -82,8 +82,7 @@ class Heartbeats:
     describe: Callable[[int], str]
     send_request: Callable[..., RpcFuture]
     call_later: Callable[[float, Callable[[], None]], None]
-    _complete: Callable[..., None]
-    n_sent: int
+    _fail: Callable[..., None]
 
     def _init_heartbeats(self, timeout: float) -> None:
         self.heartbeat_timeout = timeout  # s; 0: off
@@ -194,14 +193,8 @@ class Heartbeats:
                 del self._out[peer]
         log.warning("rpc_core %s: %s", self.me.name, reason)
         for msg_id, rec in list(self._pending.items()):
-            if rec.link is link and self._pending.pop(msg_id, None) is not None:
-                rec.future._answered = True
-                self._complete(rec.future, error=WorkerUnavailableError(reason), inline=False, counted=False)
-                link.answered(rec.unattended)
-                if not rec.flags & wire.CONTROL:
-                    # The reset may drop the request before it arrives: for graceful shutdown's
-                    # count of requests sent and received, it was never sent.
-                    self.n_sent -= 1
+            if rec.link is link:  # the reset below may drop its request before it arrives
+                self._fail(msg_id, WorkerUnavailableError(reason), inline=False, unsent=True)
         link.close()  # before the socket: its reader then takes the error as expected, not as news
         try:
             link.conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _ABORT)
