@@ -30,6 +30,7 @@ from typing import Any
 
 # Re-exported for rpc_core's tests. ps_train.ports imports only the standard library, so
 # these tests and their worker processes load nothing of the application.
+from ps_train.heartbeat import process_state
 from ps_train.ports import free_port as free_port  # re-exported: tests import it from here
 
 DEFAULT_TIMEOUT = 90.0
@@ -239,3 +240,14 @@ def results_of(outcomes: dict[int, tuple[Any, ...]], world_size: int, may_die: C
     if failures:
         raise WorldError(f"{where} failed:\n" + "\n".join(failures))
     return results
+
+
+def stop_process(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP ``pid`` and return once the kernel reports it stopped. The signal arrives
+    asynchronously: without the wait the process may still answer a call sent right after."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while process_state(pid) != "stopped by a signal (SIGSTOP)":
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"process {pid} not stopped {timeout:g} s after SIGSTOP: {process_state(pid)}")
+        time.sleep(0.001)  # a state poll, bounded by the deadline (not a guess at a delay)

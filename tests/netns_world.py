@@ -97,9 +97,11 @@ class _Parent:
     def do(self, op: str, args: tuple) -> Any:
         if op in ("cut", "link_down", "heal", "shape"):
             return getattr(self.net, op)(*args)
-        if op in ("stop", "cont", "kill"):
-            sig = {"stop": signal.SIGSTOP, "cont": signal.SIGCONT, "kill": signal.SIGKILL}[op]
-            os.kill(self.worker_pid(args[0]), sig)
+        if op == "stop":
+            _world.stop_process(self.worker_pid(args[0]))
+            return None
+        if op in ("cont", "kill"):
+            os.kill(self.worker_pid(args[0]), signal.SIGCONT if op == "cont" else signal.SIGKILL)
             return None
         raise ValueError(f"unknown control {op!r}")
 

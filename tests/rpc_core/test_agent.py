@@ -20,7 +20,7 @@ import rpc_core
 from rpc_core import WorkerUnavailableError, handshake, transport, wire
 from rpc_core import agent as agent_mod
 from rpc_core.errors import AuthenticationError
-from tests._world import run_world
+from tests._world import run_world, stop_process
 
 IO_TIMEOUT = 30.0
 
@@ -542,7 +542,7 @@ def _body_frozen_peer(ctx):
         _wait_signal()
         return None
     pid = rpc_core.rpc_sync(2, _pid)
-    os.kill(pid, signal.SIGSTOP)
+    stop_process(pid)
     try:
         got = rpc_core.rpc_sync(1, _call_frozen_peer, args=(2,), timeout=60)
     finally:

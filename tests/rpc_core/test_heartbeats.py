@@ -12,7 +12,7 @@ import pytest
 
 import rpc_core
 from rpc_core import RpcBackendOptions, heartbeats
-from tests._world import run_world
+from tests._world import run_world, stop_process
 
 HEARTBEAT = 0.8  # s
 
@@ -97,7 +97,7 @@ def _body_stopped(ctx):
         _wait_release()  # stopped, resumed, then released
         return None
     pid = rpc_core.rpc_sync(1, _pid)
-    os.kill(pid, signal.SIGSTOP)
+    stop_process(pid)
     try:
         start = time.monotonic()
         try:
