@@ -426,7 +426,7 @@ def _whoami_on(backend):
     return importlib.import_module(backend).get_worker_info().name
 
 
-def _body_both_backends(ctx, backend, left):
+def _body_both_backends(ctx, backend, founded, left):
     """Found, join, call both ways, leave, call the leaver: on ``backend`` (a module name)."""
     rpc = importlib.import_module(backend)
     if backend == "rpc_core":
@@ -435,6 +435,7 @@ def _body_both_backends(ctx, backend, left):
         opts = rpc.TensorPipeRpcBackendOptions(init_method=ctx.init_method, rpc_timeout=30.0)
     if ctx.rank == 0:
         rpc.init_rpc("w0", rank=0, world_size=None, rpc_backend_options=opts)
+        founded.set()
         _wait_for("w1 in", 150.0)
         infos = sorted((w.id, w.name) for w in rpc._get_current_rpc_agent().get_worker_infos())
         echo = rpc.rpc_sync("w1", _whoami_on, args=(backend,))
@@ -449,6 +450,10 @@ def _body_both_backends(ctx, backend, left):
         after = sorted((w.id, w.name) for w in rpc._get_current_rpc_agent().get_worker_infos())
         rpc.shutdown()
         return infos, echo, error, after
+    # torch's joiner reads the member list from the store once: join after w0 has founded
+    # the group, or w0 may be missing from it.
+    if not founded.wait(150.0):
+        raise TimeoutError("w0 did not found the group")
     rpc.init_rpc("w1", rank=1, world_size=None, rpc_backend_options=opts)
     echo = rpc.rpc_sync("w0", _whoami_on, args=(backend,))
     rpc.rpc_sync("w0", _post, args=("w1 in",))
@@ -462,8 +467,9 @@ def _body_both_backends(ctx, backend, left):
 def test_join_call_and_leave_behave_as_on_torch_rpc():
     outcomes = {}
     for backend in ("torch.distributed.rpc", "rpc_core"):
-        left = _mp_context().Event()
-        outcomes[backend] = run_world(_body_both_backends, 2, init=False, args=(backend, left), timeout=200.0)
+        founded, left = _mp_context().Event(), _mp_context().Event()
+        outcomes[backend] = run_world(_body_both_backends, 2, init=False, args=(backend, founded, left),
+                                      timeout=200.0)
     for backend, ((infos, echo0, error, after), echo1) in outcomes.items():
         assert infos == [(0, "w0"), (1, "w1")] and after == [(0, "w0")], backend
         assert (echo0, echo1) == ("w1", "w0"), backend
