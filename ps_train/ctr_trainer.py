@@ -82,12 +82,6 @@ class CtrTrainer(Trainer):
         acc = ((logit.detach() > 0) == (labels > 0.5)).float().mean().item()
         return loss, {"accuracy": acc, "rows_pulled": float(pulled), "rows_pushed": float(pulled)}
 
-    def _call(self, server: int, method: str, *args: Any) -> Tensor:
-        t0 = time.perf_counter()
-        out = getattr(self.servers[server].rpc_sync(), method)(*args)
-        self.latency[server].record(time.perf_counter() - t0)
-        return out
-
     # -- evaluation -------------------------------------------------------------------------------
     def predict(self, dense: Tensor, ids: Tensor) -> Tensor:
         """Logits [B] of the current model (no autograd): what evaluation scores."""

@@ -100,8 +100,7 @@ class ParameterServer:
     def forward(self, shard: int, x: torch.Tensor, trainer: int = -1, step: int = -1) -> torch.Tensor:
         module = self.shards[shard]
         if self.mode == "sync":
-            if step > self.rounds:  # the previous step's update is still on its way
-                self._await_round(step)
+            self._await_round(step)
             if not self.ordered_forwards or step < 0:
                 return self._sync_forward(module, shard, x, trainer, step)
             key = (shard, step)
@@ -127,6 +126,10 @@ class ParameterServer:
             return functional_call(module, params, (x,))
 
     def _await_round(self, step: int) -> None:
+        """Sync mode: return once the round of step ``step - 1`` is applied (a step-``step``
+        read must see it); at once if it is."""
+        if step <= self.rounds:
+            return
         with self._turn:
             self._turn.wait_for(lambda: self.rounds >= step or self._failed_round is not None)
             if self.rounds < step:
@@ -164,8 +167,7 @@ class ParameterServer:
         """Rows ``local_ids[t]`` (int64 [U_t]) of every table held here: [U_t, dim] each."""
         tables = self._tables()
         if self.mode == "sync":
-            if step > self.rounds:  # the previous step's update is still on its way
-                self._await_round(step)
+            self._await_round(step)
             return tables.lookup(local_ids)
         with self.lock:  # rows read whole, never half updated
             self._read_version.setdefault((trainer, step), self.version)

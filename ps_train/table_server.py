@@ -4,7 +4,7 @@ optimizer that updates them.
 ``ps_train.server.ParameterServer`` owns one ``TableServer`` when the model has tables
 (model=dlrm). The server's update paths (``apply_sync``, ``apply_async``) treat the table
 weights like any other parameter: they read each trainer's gradients from its autograd
-context, sum them in sync mode, and set ``.grad``; ``step`` then runs the table optimizer.
+context, combine them in sync mode (``mode.aggregate``), and set ``.grad``; ``step`` then runs the table optimizer.
 The gradients are sparse (``TableShards.lookup`` embeds with ``sparse=True``), so only the
 rows trainers looked up travel back, and SGD, Adagrad and SparseAdam update only those rows.
 """

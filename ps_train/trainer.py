@@ -124,10 +124,15 @@ class Trainer:
     def forward(self, x: torch.Tensor, step: int = -1) -> torch.Tensor:
         h = x
         for shard, server in self.shard_servers:
-            t0 = time.perf_counter()
-            h = self.servers[server].rpc_sync().forward(shard, h, self.index, step)
-            self.latency[server].record(time.perf_counter() - t0)
+            h = self._call(server, "forward", shard, h, self.index, step)
         return h
+
+    def _call(self, server: int, method: str, *args: Any) -> torch.Tensor:
+        """``method(*args)`` of server ``server``'s ParameterServer, timed into its RPC latency."""
+        t0 = time.perf_counter()
+        out: torch.Tensor = getattr(self.servers[server].rpc_sync(), method)(*args)
+        self.latency[server].record(time.perf_counter() - t0)
+        return out
 
     def step_loss(self, batch: Any) -> tuple[torch.Tensor, dict[str, float]]:
         """The forward of one step through the servers: the loss to backpropagate, and the
