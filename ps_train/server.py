@@ -47,6 +47,7 @@ from ps_train.aggregation import combine, lr_scale, scaled_lr
 from ps_train.checkpoint_files import ShardFile, save_shard_state
 from ps_train.config import Config, optimizer_spec
 from ps_train.faults import maybe_inject_fault
+from ps_train.membership import Membership
 from ps_train.metrics import peak_rss_bytes
 from ps_train.stage_sharding import model_shards, shards_of_server
 from ps_train.table_server import TableServer, make_table_server
@@ -85,6 +86,9 @@ class ParameterServer:
         self._clock: dict[int, int] = {}
         self._clock_waiters: list[Any] = []
         self.max_staleness_seen = 0
+        self.updates_by_trainer: dict[int, int] = {}  # async/ssp: updates applied per trainer index
+        self.membership: Membership | None = None  # ps0 of a cluster.elastic=true job (ps_train.membership)
+        self._released = threading.Event()  # elastic: trainer0 is done with the servers
         # BatchNorm updates its running statistics in place during the forward: in sync mode
         # the trainers' forwards of a step run on each shard in trainer-rank order, so those
         # statistics are the same every run (and never updated by two threads at once).
@@ -244,12 +248,17 @@ class ParameterServer:
             r["future"].set_result(self.version)
         return r["future"]
 
-    def apply_async(self, context_id: int, trainer: int, step: int = -1) -> int:
+    def apply_async(self, context_id: int, trainer: int, step: int = -1,
+                    position: dict[str, int] | None = None) -> int:
+        """``position`` (elastic, on ps0): the trainer's data position after this step."""
         grads = self._grads(context_id)
         with self.lock:
             staleness = self.version - self._read_version.pop((trainer, step), self.version)
             self._step(grads, lr_scale(staleness, self.staleness_rule))
             self.max_staleness_seen = max(self.max_staleness_seen, staleness)
+            self.updates_by_trainer[trainer] = self.updates_by_trainer.get(trainer, 0) + 1
+        if self.membership is not None and position is not None:
+            self.membership.completed(trainer, step, position)
         return staleness
 
     @async_execution
@@ -260,12 +269,35 @@ class ParameterServer:
         with self.lock:
             self._clock[trainer] = completed
             self._clock_waiters.append((completed, fut))
-            slowest = min(self._clock.get(t, 0) for t in range(self.num_trainers))
+        self._release_clock()
+        return fut
+
+    def _release_clock(self) -> None:
+        """Resolve the clock waiters the slowest trainer no longer holds back."""
+        with self.lock:
+            if self.membership is None:
+                slowest = min(self._clock.get(t, 0) for t in range(self.num_trainers))
+            else:  # elastic: only the trainers in the job count (ps_train.membership)
+                counted = self.membership.counted()
+                slowest = min((c for t, c in self._clock.items() if t in counted), default=1 << 60)
             ready = [(c, f) for c, f in self._clock_waiters if c - self.staleness_bound <= slowest]
             self._clock_waiters = [(c, f) for c, f in self._clock_waiters if c - self.staleness_bound > slowest]
         for c, f in ready:
-            f.set_result(c - slowest)
-        return fut
+            f.set_result(max(0, c - slowest))
+
+    def trainer_changed(self, trainer: int, joined: bool) -> None:
+        """Elastic, ps0: a trainer left (its clock no longer counts) or joined."""
+        if not joined:
+            with self.lock:
+                self._clock.pop(trainer, None)
+            self._release_clock()
+
+    def release(self) -> None:
+        """Elastic: trainer0 wrote the run's results; this server may leave the group."""
+        self._released.set()
+
+    def wait_released(self) -> None:
+        self._released.wait()
 
     def finish(self, trainer: int) -> None:
         """A trainer is done: it no longer holds back the others in ssp mode."""
@@ -274,6 +306,7 @@ class ParameterServer:
     # -- state ------------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {"version": self.version, "updates": dict(self.updates),
+                               "updates_by_trainer": {f"trainer{t}": n for t, n in sorted(self.updates_by_trainer.items())},
                                "max_staleness": self.max_staleness_seen, "peak_rss_bytes": peak_rss_bytes()}
         if self.tables is not None:
             out.update(self.tables.stats())

@@ -27,6 +27,9 @@ class ClusterConfig:
     max_restarts: int = 0
     # Local launcher: seconds without a heartbeat after which a role counts as frozen (0: off).
     role_timeout: float = 30.0
+    # async/ssp, local launcher, rpc_core: a trainer that dies or freezes is replaced instead of
+    # stopping the run, and trainers may join the running job (docs/failures.md, ps_train.membership).
+    elastic: bool = False
 
     def problems(self) -> Problems:
         p = Problems()
@@ -48,4 +51,8 @@ class ClusterConfig:
                "attempt resumes from the run folder's latest checkpoint by itself")
         p.need(self.role_timeout >= 0,
                f"cluster.role_timeout: {self.role_timeout} must be >= 0 seconds (0 = do not detect frozen roles)")
+        p.need(not self.elastic or self.launcher == "local",
+               "cluster.elastic=true needs cluster.launcher=local: the local launcher replaces dead trainers; "
+               "under cluster=env let torchrun restart the job (torchrun --max-restarts=N), or run the servers "
+               "and first trainers with cluster=local and add trainers with join=<run dir>")
         return p

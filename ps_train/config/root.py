@@ -14,9 +14,11 @@ from ps_train.config.model import MLPConfig, ModelConfig
 from ps_train.config.optim import OptimConfig
 from ps_train.config.run import CheckpointConfig, LoggingConfig, ModeConfig, TrainConfig
 
-__all__ = ["Config", "BACKENDS", "RESUME_AUTO", "validate", "config_to_dict"]
+__all__ = ["Config", "BACKENDS", "ELASTIC_FILE", "RESUME_AUTO", "validate", "config_to_dict"]
 
 BACKENDS = ("rpc_core", "torch")
+# A running elastic job's rendezvous (address, port, auth secret) in its run folder, for join=.
+ELASTIC_FILE = "elastic.json"
 RESUME_AUTO = "auto"  # resume=auto: this run folder's latest complete checkpoint, if it has one
 
 
@@ -27,6 +29,7 @@ class Config:
     seed: int = 0
     backend: str = "rpc_core"  # rpc_core | torch (torch.distributed.rpc, for comparison)
     resume: str | None = None  # a run dir (latest checkpoint), a checkpoint dir, or auto (this run's own)
+    join: str | None = None  # the run dir of a running cluster.elastic=true job: add a trainer to it
     model: ModelConfig = field(default_factory=MLPConfig)
     data: DataConfig = field(default_factory=DigitsConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -51,10 +54,29 @@ class Config:
         p += self.model.problems()
         p += self.data.problems()
         p += self.cluster.problems()
+        p += self._elastic_problems()
         if self.model.matches_schema() and self.data.matches_schema():
             p += self._model_vs_data_and_cluster()
         for group in (self.optim, self.mode, self.train, self.checkpoint, self.logging):
             p += group.problems()
+        return p
+
+    def _elastic_problems(self) -> Problems:
+        p = Problems()
+        if self.join is not None:
+            p.need(os.path.isfile(os.path.join(self.join, ELASTIC_FILE)),
+                   f"join: {self.join!r} is not the run folder of a running cluster.elastic=true job (it has no "
+                   f"{ELASTIC_FILE}); pass the run dir the job printed (runs/<experiment>/<date>_<time>)")
+            p.need(self.resume is None, "join: a joining trainer takes the job's state from its servers; drop resume=")
+        if not self.cluster.elastic:
+            return p
+        p.need(self.mode.name in ("async", "ssp"),
+               f"cluster.elastic=true needs mode=async or mode=ssp (got mode={self.mode.name}): every sync round "
+               "waits for every trainer's gradient, so a dead trainer stops the round; use cluster.max_restarts "
+               "to restart a sync run from its latest checkpoint instead (docs/failures.md)")
+        p.need(self.backend == "rpc_core",
+               "cluster.elastic=true needs backend=rpc_core: torch.distributed.rpc reports no dead or frozen "
+               "peers to the servers and reads a dynamic group's members once, at join")
         return p
 
     def _model_vs_data_and_cluster(self) -> Problems:
