@@ -33,11 +33,15 @@ log = logging.getLogger("ps_train")
 def run(cfg: Config, run_dir: str, overrides: list[str] | None = None,
         timeout: float | None = None) -> dict[str, Any] | None:
     """Train ``cfg``; outputs go to ``run_dir``. Returns the final metrics (on the process
-    that has them: always with the local launcher, trainer0's rank with ``launcher=env``).
+    that has them: always with the local launcher, trainer0's rank with ``launcher=env``; None
+    for a trainer that joined a running job with ``join=``).
 
     ``timeout`` (seconds, local launcher only): stop the run and raise ``RoleFailed`` if it
     has not finished by then (restarts included, see ``ps_train.restarts``).
     """
+    if cfg.join is not None:
+        join_job(cfg.join)
+        return None
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     attempt = restart_count() if cfg.cluster.launcher == "env" else 0
     resume = start_checkpoint(cfg.resume, run_dir, restarted=attempt > 0)
@@ -80,6 +84,20 @@ def run(cfg: Config, run_dir: str, overrides: list[str] | None = None,
         metrics["restarts"] = read_restarts(run_dir)
         write_metrics_json(Path(run_dir) / "metrics.json", metrics)  # trainer0 wrote it without them
     return metrics
+
+
+def join_job(job_dir: str) -> None:
+    """``join=<run dir>``: run one more trainer for the running elastic job there, with the
+    job's own config, until the job is over (its logs and TensorBoard events go to that run
+    folder, under the name it gets: the first free ``trainer<k>``)."""
+    from ps_train.config import from_dictconfig
+    from ps_train.elastic_files import read_job_file
+
+    job = read_job_file(job_dir)
+    cfg = from_dictconfig(job["config"])
+    S, T = cfg.cluster.num_servers, cfg.cluster.num_trainers
+    log.info("joining the elastic job in %s at %s:%d", job_dir, job["master_addr"], job["master_port"])
+    run_rank(cfg, S + T, job["master_addr"], int(job["master_port"]), job["secret"], job_dir, joiner=True)
 
 
 def env_rank() -> tuple[int, int]:

@@ -45,7 +45,7 @@ class CtrTrainer(Trainer):
         if self.train_set.table_sizes != cfg.data.sizes():
             raise ValueError(f"data={cfg.data.name}: the data's tables {self.train_set.table_sizes} differ from the "
                              f"config's {cfg.data.sizes()}")
-        self.batches = CtrBatchIterator(self.train_set, self.index, cfg.cluster.num_trainers, cfg.train.batch_size,
+        self.batches = CtrBatchIterator(self.train_set, self.data_slot, cfg.cluster.num_trainers, cfg.train.batch_size,
                                         cfg.seed)
         S = cfg.cluster.num_servers
         self.shardings = [RowSharding(cfg.model.table_sharding, n, S) for n in cfg.data.sizes()]

@@ -54,6 +54,12 @@ class HeartbeatBoard:
         """How long the launcher may wait between checks (None: no checks)."""
         return self.interval if self.enabled else None
 
+    def restart(self, rank: int) -> None:
+        """A new process takes ``rank`` (an elastic run's replacement trainer): it gets the
+        startup allowance again, counted from now."""
+        self.counters[rank] = 0
+        self._seen[rank], self._moved[rank] = 0, time.monotonic()
+
     def silent(self, ranks: Iterable[int]) -> list[tuple[int, float]]:
         """``(rank, seconds since its last beat)`` for each of ``ranks`` over its allowance."""
         if not self.enabled:

@@ -36,6 +36,8 @@ import torch
 
 from ps_train import backend
 from ps_train.config import Config, config_to_dict, from_dictconfig
+from ps_train.elastic_files import record_replacement, remove_job_file, write_job_file
+from ps_train.elastic_trainer import join_group, wait_for_servers
 from ps_train.faults import ATTEMPT_ENV
 from ps_train.heartbeat import HeartbeatBoard, process_state, start_heartbeat
 from ps_train.metrics import mark_attempt
@@ -86,12 +88,14 @@ def _setup_logging(run_dir: str, name: str, level: str) -> None:
 
 def run_rank(cfg: Config, rank: int, master_addr: str, master_port: int, secret: str | None, run_dir: str,
              resume: str | None = None, init_method: str | None = None,
-             attempt: int = 0) -> dict[str, Any] | None:
+             attempt: int = 0, joiner: bool = False) -> dict[str, Any] | None:
     """Run one role until the whole job is done; returns the metrics on trainer0.
 
     ``resume``: a complete checkpoint dir (see ``checkpoint_files.resolve_resume``) to start from.
     ``init_method``: where the ranks meet, if not ``tcp://master_addr:master_port``.
     ``attempt``: how many times the run was restarted before this start (TensorBoard shows it).
+    ``joiner``: a trainer joining a running elastic job (``join=``): it takes the first free
+    trainer rank from ``rank`` on.
     """
     S, T = cfg.cluster.num_servers, cfg.cluster.num_trainers
     name = role_name(rank, S)
@@ -115,11 +119,20 @@ def run_rank(cfg: Config, rank: int, master_addr: str, master_port: int, secret:
         ps = server_mod.create(cfg, rank)  # before init_rpc: trainers may ask for it at once
         if resume_state is not None:
             load_server_state(ps, resume_state)
+        if rank == 0 and cfg.cluster.elastic:
+            keep_membership(ps, cfg, run_dir)
     init_method = init_method or f"tcp://{master_addr}:{master_port}"
     opts = backend.make_options(init_method, cfg.cluster.rpc_timeout, cfg.cluster.num_worker_threads, secret)
     log.info("starting %s (rank %d of %d) on the %s backend, rendezvous at %s%s", name, rank, S + T, cfg.backend,
              init_method, f", resuming from {resume} (step {resume_state['step']})" if resume_state else "")
-    rpc.init_rpc(name, rank=rank, world_size=S + T, rpc_backend_options=opts)
+    if cfg.cluster.elastic:  # a dynamic group: trainers can leave and join (ps_train.elastic_trainer)
+        rank = join_group(lambda r: role_name(r, S), rank, opts, cfg.cluster.rpc_timeout, next_free=joiner)
+        if joiner:
+            name = role_name(rank, S)
+            _setup_logging(run_dir, name, cfg.logging.level)
+            log.info("joined the running job as %s (rank %d)", name, rank)
+    else:
+        rpc.init_rpc(name, rank=rank, world_size=S + T, rpc_backend_options=opts)
     result = None
     try:
         if rank >= S:
@@ -127,15 +140,44 @@ def run_rank(cfg: Config, rank: int, master_addr: str, master_port: int, secret:
             if resume_state is not None:
                 start = resume_state["step"]
                 data_state = resume_state["trainer_positions"].get(name)
+            if cfg.cluster.elastic:
+                wait_for_servers(S, cfg.cluster.rpc_timeout)
             t = trainer_class(cfg)(cfg, rank - S, run_dir, start_step=start, data_state=data_state)
-            mark_attempt(t.writer, start, attempt if t.index == 0 else None)  # see ps_train.restarts
+            mark_attempt(t.writer, t.step, attempt if t.index == 0 else None)  # see ps_train.restarts
             result = t.run(on_step=checkpoint_hook(cfg, run_dir))
+        elif cfg.cluster.elastic:
+            serve_elastic(ps)
     except BaseException:
         _abandon(rpc)
         raise
     rpc.shutdown()
     log.info("%s finished", name)
     return result
+
+
+def keep_membership(ps: Any, cfg: Config, run_dir: str) -> None:
+    """ps0 of an elastic run, before ``init_rpc``: the trainer membership (ps_train.membership),
+    ready before any trainer can ask for it."""
+    from ps_train.membership import Membership, set_current
+    from ps_train.metrics import make_writer
+
+    writer = make_writer(cfg.logging.tensorboard, f"{run_dir}/tb/ps0", filename_suffix=".ps0")
+    ps.membership = Membership(cfg.cluster.num_trainers, cfg.cluster.num_servers, writer, lambda: ps.version)
+    ps.membership.listeners.append(ps.trainer_changed)
+    set_current(ps.membership)
+
+
+def serve_elastic(ps: Any) -> None:
+    """A server of an elastic run, in the group: ps0 follows its joins and leaves; every server
+    stays until trainer0 has written the results (each member of a dynamic group leaves on
+    its own, so a server's shutdown would not wait for the trainers)."""
+    from ps_train.membership import follow
+
+    if ps.membership is not None:
+        follow(ps.membership)
+    ps.wait_released()
+    if ps.membership is not None:
+        ps.membership.writer.close()
 
 
 def _abandon(rpc: Any) -> None:
@@ -222,15 +264,32 @@ def launch_local(cfg: Config, run_dir: str, resume: str | None = None,
     board = HeartbeatBoard(ctx, S + T, cfg.cluster.role_timeout)
     procs = {}
     deadline = None if timeout is None else time.monotonic() + timeout
+
+    def start(rank: int) -> Any:
+        p = ctx.Process(target=_child, args=(cfg_dict, rank, port, secret, run_dir, resume, results, env, cwd,
+                                             board.counters, board.interval, attempt),
+                        name=role_name(rank, S), daemon=False)
+        p.start()
+        return p
+
+    def replace(rank: int, reason: str) -> Any:
+        """Elastic: start a trainer in place of a dead one (it continues where ps0 says)."""
+        rows = record_replacement(run_dir, role_name(rank, S), reason, attempt)
+        log.warning("replacement %d: %s failed (%s); the other roles go on; starting a new %s that continues "
+                    "its partition after its last step the servers applied", len(rows), role_name(rank, S), reason,
+                    role_name(rank, S))
+        board.restart(rank)
+        return start(rank)
+
     try:
+        if cfg.cluster.elastic:
+            write_job_file(run_dir, cfg.cluster.master_addr, port, secret, cfg_dict)
         for rank in range(S + T):
-            p = ctx.Process(target=_child, args=(cfg_dict, rank, port, secret, run_dir, resume, results, env, cwd,
-                                                 board.counters, board.interval, attempt),
-                            name=role_name(rank, S), daemon=False)
-            p.start()
-            procs[rank] = p
-        _watch(procs, S, run_dir, deadline, board)
+            procs[rank] = start(rank)
+        _watch(procs, S, run_dir, deadline, board, replace if cfg.cluster.elastic else None)
     finally:
+        if cfg.cluster.elastic:
+            remove_job_file(run_dir)
         for p in procs.values():
             if p.is_alive():
                 p.kill()  # a role of a failed run holds nothing worth a graceful stop
@@ -276,8 +335,14 @@ def _unresponsive(procs: dict[int, Any], silent: list[tuple[int, float]], S: int
                       f"{also}; {hint}", role=first, reason=reason, checkpoint=last)
 
 
-def _watch(procs: dict[int, Any], S: int, run_dir: str, deadline: float | None, board: HeartbeatBoard) -> None:
-    """Wait for all roles; on the first failure (exit or silence) stop and name the role."""
+def _watch(procs: dict[int, Any], S: int, run_dir: str, deadline: float | None, board: HeartbeatBoard,
+           replace: Any = None) -> None:
+    """Wait for all roles; on the first failure (exit or silence) stop and name the role.
+
+    ``replace(rank, reason) -> process`` (elastic runs): a trainer killed by a signal or gone
+    silent is killed and replaced instead, while every server runs. A trainer that exits with
+    an error (its own, or a server's it saw) still stops the run.
+    """
     alive = dict(procs)
     while alive:
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -291,6 +356,15 @@ def _watch(procs: dict[int, Any], S: int, run_dir: str, deadline: float | None, 
                 raise RoleFailed(f"the run did not finish within its time limit; roles still running: "
                                  f"{[role_name(r, S) for r in alive]}; {hint}", checkpoint=last)
             silent = board.silent(alive)
+            if silent and replace is not None and all(rank >= S for rank, _ in silent):
+                for rank, quiet in silent:
+                    state = process_state(procs[rank].pid)
+                    procs[rank].kill()  # frozen: it must not come back and train a partition twice
+                    procs[rank].join()
+                    reason = f"unresponsive: no heartbeat for {quiet:.1f} s" + (f", the process was {state}"
+                                                                                 if state else "")
+                    procs[rank] = alive[rank] = replace(rank, reason)
+                continue
             if silent:
                 raise _unresponsive(procs, silent, S, run_dir)
             continue
@@ -301,6 +375,11 @@ def _watch(procs: dict[int, Any], S: int, run_dir: str, deadline: float | None, 
                 del alive[rank]
                 if p.exitcode != 0:
                     failed.append(rank)
+        servers_fine = all(procs[r].exitcode is None for r in range(S))
+        if replace is not None and servers_fine:
+            for rank in [r for r in failed if r >= S and procs[r].exitcode < 0]:  # killed, not an error
+                failed.remove(rank)
+                procs[rank] = alive[rank] = replace(rank, _how(procs[rank].exitcode))
         if failed:
             # A dead role makes its peers fail too, soon after. Name the cause first: a role
             # killed by a signal, else the first in rank order; list the others as well.

@@ -38,7 +38,7 @@ from ps_train import backend
 from ps_train.metrics import MetricsWriter
 from rpc_core.functions import async_execution
 
-__all__ = ["Assignment", "Membership", "install", "request_stop", "stop_requested"]
+__all__ = ["Assignment", "Membership", "set_current", "follow", "request_stop", "stop_requested"]
 
 log = logging.getLogger("ps_train.membership")
 
@@ -220,15 +220,19 @@ def _ignore(fut: torch.futures.Future[Any]) -> None:
 _current: Membership | None = None
 
 
-def install(membership: Membership) -> None:
-    """On ps0, right after ``init_rpc``: follow the group's joins and leaves."""
+def set_current(membership: Membership) -> None:
+    """On ps0, before ``init_rpc``: the membership the trainers' calls below work on."""
     global _current
     _current = membership
+
+
+def follow(membership: Membership) -> None:
+    """On ps0, right after ``init_rpc``: follow the group's joins and leaves."""
     agent = backend.rpc()._get_current_rpc_agent()
-    for info in agent.get_worker_infos():  # members that joined before the hook was in place
-        if info.id != agent.me.id:
-            membership.changed(info, True)
     agent.on_membership.append(membership.changed)
+    for info in agent.get_worker_infos():  # members that joined before the hook was in place
+        if info.id != agent.me.id and membership.index_of(info.id) not in membership.present:
+            membership.changed(info, True)
 
 
 # -- a joiner's stop flag (set by ps0 over RPC once the job is over) ----------------------------------

@@ -31,6 +31,7 @@ from typing import Any
 
 from ps_train.checkpoint_files import atomic_write_text, latest_checkpoint, read_manifest
 from ps_train.config import RESUME_AUTO, Config
+from ps_train.elastic_files import read_replacements
 from ps_train.launch import RoleFailed, launch_local
 from ps_train.metrics import write_metrics_json
 
@@ -109,6 +110,8 @@ def run_local(cfg: Config, run_dir: str, resume: str | None, timeout: float | No
             log.warning("restart %d of %d: %s failed (%s); stopped the other roles; restarting the run from %s",
                         len(restarts), cfg.cluster.max_restarts, restart.role, restart.reason, where)
     metrics["restarts"] = [dataclasses.asdict(r) for r in restarts]
+    if cfg.cluster.elastic:  # trainers replaced without a restart (ps_train.elastic_files)
+        metrics["replacements"] = read_replacements(run_dir)
     write_metrics_json(Path(run_dir) / "metrics.json", metrics)  # trainer0 wrote it without the restarts
     return metrics
 

@@ -306,7 +306,8 @@ class ParameterServer:
     # -- state ------------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {"version": self.version, "updates": dict(self.updates),
-                               "updates_by_trainer": {f"trainer{t}": n for t, n in sorted(self.updates_by_trainer.items())},
+                               "updates_by_trainer": {f"trainer{t}": n
+                                                      for t, n in sorted(self.updates_by_trainer.items())},
                                "max_staleness": self.max_staleness_seen, "peak_rss_bytes": peak_rss_bytes()}
         if self.tables is not None:
             out.update(self.tables.stats())

@@ -48,7 +48,9 @@ from ps_train import backend
 from ps_train.aggregation import lr_scale
 from ps_train.config import Config, config_to_dict
 from ps_train.data import BatchIterator, iter_eval_batches, load_data, total_steps
+from ps_train.elastic_trainer import ElasticRole
 from ps_train.faults import maybe_inject_fault
+from ps_train.membership import stop_requested
 from ps_train.metrics import (
     LatencyStats,
     ThroughputMeter,
@@ -93,6 +95,8 @@ class Trainer:
         self.cfg = cfg
         self.index = index
         self.name = f"trainer{index}"
+        # The partition load() builds: a joiner's (index >= num_trainers) comes per epoch from ps0.
+        self.data_slot = index % cfg.cluster.num_trainers
         self.run_dir = run_dir
         self.rpc = backend.rpc()
         self.dist_autograd = backend.dist_autograd()
@@ -105,6 +109,8 @@ class Trainer:
         # The shard layout is computed, not asked for: every process derives the same one.
         self.shard_servers = [(s.index, s.server) for s in model_shards(cfg)]
         self.servers = [self.rpc.rpc_sync(f"ps{r}", _get_server_rref) for r in range(cfg.cluster.num_servers)]
+        # cluster.elastic: start step, batches and length come from ps0 (ps_train.elastic_trainer).
+        self.elastic = ElasticRole(self, data_state) if cfg.cluster.elastic else None
         self.writer = make_writer(cfg.logging.tensorboard, f"{run_dir}/tb/{self.name}", filename_suffix=f".{self.name}")
         self.latency = {r: LatencyStats() for r in range(cfg.cluster.num_servers)}
         self.meter = ThroughputMeter()
@@ -117,8 +123,8 @@ class Trainer:
         """Set ``train_set``, ``test_set`` and ``batches`` (this trainer's batch iterator)."""
         cfg = self.cfg
         self.train_set, self.test_set = load_data(cfg.data)
-        self.batches = BatchIterator(self.train_set, self.index, cfg.cluster.num_trainers, cfg.train.batch_size,
-                                     cfg.seed)
+        self.batches = BatchIterator(self.train_set, self.data_slot, cfg.cluster.num_trainers,
+                                     cfg.train.batch_size, cfg.seed)
 
     # -- one step ---------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, step: int = -1) -> torch.Tensor:
@@ -156,8 +162,10 @@ class Trainer:
             self.dist_autograd.backward(ctx, [loss])
             if self.cfg.mode.name == "sync":
                 futs = [s.rpc_async().apply_sync(ctx, self.index, self.step) for s in self.servers]
-            else:
-                futs = [s.rpc_async().apply_async(ctx, self.index, self.step) for s in self.servers]
+            else:  # elastic: ps0 also keeps the data position after this step (for a replacement)
+                pos = self.elastic.position() if self.elastic is not None else None
+                futs = [s.rpc_async().apply_async(ctx, self.index, self.step, pos if r == 0 else None)
+                        for r, s in enumerate(self.servers)]
         except BaseException:
             scope.__exit__(*sys.exc_info())
             raise
@@ -240,8 +248,11 @@ class Trainer:
             self.servers[0].rpc_sync().finish(self.index)
         mine = {"steps": self.step, "samples": self.meter.total, "wall_time_s": wall,
                 "samples_per_s": self.meter.overall(), "losses": losses,
-                "max_steps_ahead": self.max_steps_ahead, **self.totals()}
-        _publish(mine)
+                "max_steps_ahead": self.max_steps_ahead, "trainer": self.name, **self.totals()}
+        if self.elastic is not None:
+            self.elastic.finish(mine)  # to ps0: this trainer may leave the group right after
+        else:
+            _publish(mine)
         if not is_chief:
             self.writer.close()
             return None
@@ -253,7 +264,7 @@ class Trainer:
         log_every = max(1, cfg.train.log_every)
         is_chief = self.index == 0
         last: dict[str, float] = {}
-        while self.step < self.steps:
+        while self.step < self.steps and batch is not None and not stop_requested():  # None: elastic job over
             last = self.train_step(batch)
             losses.append(last["loss"])
             self.step += 1
@@ -311,8 +322,12 @@ class Trainer:
 
     def _finish(self, mine: dict[str, Any], last: dict[str, float]) -> dict[str, Any]:
         cfg = self.cfg
-        others = [self.rpc.rpc_async(f"trainer{k}", final_stats, timeout=0) for k in range(1, cfg.cluster.num_trainers)]
-        all_stats = [mine] + [f.wait() for f in others]
+        if self.elastic is not None:
+            all_stats = self.elastic.all_stats()
+        else:
+            others = [self.rpc.rpc_async(f"trainer{k}", final_stats, timeout=0)
+                      for k in range(1, cfg.cluster.num_trainers)]
+            all_stats = [mine] + [f.wait() for f in others]
         # Before the final evaluation, so the servers' byte counts are the training's.
         server_stats = [s.rpc_sync().stats() for s in self.servers]
         ev = self.evaluate()
@@ -332,10 +347,11 @@ class Trainer:
             "server_updates": [s["version"] for s in server_stats],
             "max_staleness": max([s["max_staleness"] for s in server_stats] + [0]),
             "max_steps_ahead": max(s["max_steps_ahead"] for s in all_stats),
-            "losses": {f"trainer{k}": s["losses"] for k, s in enumerate(all_stats)},
+            "losses": {s["trainer"]: s["losses"] for s in all_stats},
             "peak_rss_bytes": {**{f"ps{r}": s["peak_rss_bytes"] for r, s in enumerate(server_stats)},
-                               **{f"trainer{k}": s["peak_rss_bytes"] for k, s in enumerate(all_stats)}},
+                               **{s["trainer"]: s["peak_rss_bytes"] for s in all_stats}},
             **self.extra_metrics(all_stats, server_stats),
+            **(self.elastic.extra_metrics(server_stats) if self.elastic is not None else {}),
         }
         w = self.writer
         for key, value in ev.items():
@@ -345,6 +361,8 @@ class Trainer:
                        "hparam/samples_per_s": metrics["samples_per_s"]})
         w.close()
         write_metrics_json(f"{self.run_dir}/metrics.json", metrics)
+        if self.elastic is not None:
+            self.elastic.release_servers()
         print(f"[{self.name}] done: {self.step} steps, {self.describe_eval(ev)}, "
               f"{metrics['samples_per_s']:,.0f} samples/s over {cfg.cluster.num_trainers} trainer(s), "
               f"{wall:.1f}s", flush=True)
