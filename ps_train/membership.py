@@ -179,9 +179,11 @@ class Membership:
         if ending:
             for _, fut in waiting:
                 fut.set_result(None)
-            rpc = backend.rpc()
             for j in joiners:  # they stop after their current step
-                rpc.rpc_async(f"trainer{j}", request_stop).then(lambda f: _ignore(f))
+                try:
+                    backend.rpc().rpc_async(f"trainer{j}", request_stop).then(_ignore)
+                except Exception as e:  # noqa: BLE001 - it left already: nothing to stop
+                    log.info("trainer%d did not take the stop request: %s", j, e)
         self._resolve(ready)
 
     def final_reports(self) -> torch.futures.Future[Any]:

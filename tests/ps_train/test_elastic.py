@@ -1,0 +1,189 @@
+"""cluster.elastic=true (async/ssp): a dead trainer is replaced and continues its partition
+while the others train on; a trainer started with ``join=<run dir>`` enters the running job;
+``train/num_trainers`` (ps0's TensorBoard folder) shows the membership over time."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ps_train.config import ConfigError
+from ps_train.elastic_files import REPLACEMENTS_FILE
+from ps_train.elastic_trainer import ElasticBatches
+from ps_train.faults import FAULT_ENV
+from ps_train.membership import Assignment, Membership
+from ps_train.metrics import NullWriter
+from ps_train.restarts import RESTARTS_FILE
+from tests.ps_train._app import BASELINE, cli, make_cfg, read_json, run_app, scalars
+
+STEPS, KILL_AT, BATCH = 16, 6, 32
+ELASTIC = ("mode=async", "cluster.elastic=true", f"train.steps={STEPS}", f"train.batch_size={BATCH}",
+           "checkpoint.every=0")
+
+
+def curve(run_dir):
+    return [value for _, value in scalars(run_dir / "tb" / "ps0")["train/num_trainers"]]
+
+
+def assert_every_step_trained_once(metrics, trainers):
+    """Each trainer's steps 0..STEPS-1 reached every server once: STEPS updates per trainer
+    per server (a replacement continues after its predecessor's last applied step, so none
+    is repeated or skipped), i.e. each trainer's whole partition share was trained."""
+    for server, counts in metrics["updates_by_trainer"].items():
+        assert counts == {t: STEPS for t in trainers}, server
+    assert metrics["samples_by_trainer"] == {t: STEPS * BATCH for t in trainers}
+    assert metrics["samples"] == len(trainers) * STEPS * BATCH
+
+
+@pytest.mark.timeout(180)
+def test_a_killed_trainer_is_replaced_and_its_partition_trained_while_the_run_goes_on(tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+    monkeypatch.setenv(FAULT_ENV, f"trainer1@{KILL_AT}")
+    metrics = run_app(run_dir, *ELASTIC, timeout=150)  # returns: the run finished (exit 0 on the CLI)
+    assert metrics["restarts"] == []  # no restart of the run: only trainer1 was started again
+    assert metrics["replacements"] == [{"role": "trainer1", "reason": "killed by signal SIGKILL", "attempt": 0}]
+    assert read_json(run_dir / REPLACEMENTS_FILE) == metrics["replacements"]
+    assert_every_step_trained_once(metrics, ["trainer0", "trainer1"])
+    # The replacement ran the steps after the killed one's last: its own losses are those.
+    assert len(metrics["losses"]["trainer1"]) == STEPS - KILL_AT
+    assert len(metrics["losses"]["trainer0"]) == STEPS
+    events = [(e["trainer"], e["event"], e["num_trainers"]) for e in metrics["membership"]]
+    assert events[:4] == [("trainer0", "joined", 1), ("trainer1", "joined", 2), ("trainer1", "left", 1),
+                          ("trainer1", "joined", 2)] or events[:4] == [
+        ("trainer1", "joined", 1), ("trainer0", "joined", 2), ("trainer1", "left", 1), ("trainer1", "joined", 2)]
+    assert curve(run_dir)[:4] == [1.0, 2.0, 1.0, 2.0]  # the dip while trainer1 was away
+    assert metrics["test_accuracy"] > 0.5
+    assert not (run_dir / "elastic.json").exists()  # the job is over: nobody can join it
+
+
+@pytest.mark.timeout(180)
+def test_in_ssp_the_others_do_not_wait_for_a_dead_trainer(tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+    monkeypatch.setenv(FAULT_ENV, f"trainer1@{KILL_AT}")
+    # staleness 0: trainer0 may not start a step before trainer1 finished the one before,
+    # unless the servers dropped trainer1 from the clock when it died.
+    metrics = run_app(run_dir, *ELASTIC, "mode=ssp", "mode.staleness=0", timeout=150)
+    assert [r["role"] for r in metrics["replacements"]] == ["trainer1"]
+    assert_every_step_trained_once(metrics, ["trainer0", "trainer1"])
+    left = next(e for e in metrics["membership"] if e["event"] == "left")
+    back = next(e for e in metrics["membership"] if e["event"] == "joined" and e["time_s"] > left["time_s"])
+    # Updates were applied while trainer1 was gone: trainer0's alone.
+    assert back["server_updates"] > left["server_updates"]
+
+
+@pytest.mark.timeout(300)
+def test_a_trainer_joins_a_running_job_and_its_updates_reach_the_servers(tmp_path):
+    run_dir = tmp_path / "job"
+    # Long enough for a second interpreter to start while it trains (the joiner starts
+    # once trainer0 printed its first progress line).
+    steps = 2500
+    env = dict(os.environ)
+    env.pop(FAULT_ENV, None)
+    job = subprocess.Popen([sys.executable, "-m", "ps_train", "mode=async", "cluster.elastic=true",
+                            f"train.steps={steps}", "train.eval_every=0", "train.log_every=50",
+                            "checkpoint.every=0", f"hydra.run.dir={run_dir}"],
+                           cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        seen = []
+        for line in job.stdout:  # blocks until the job prints; ends if it exits
+            seen.append(line)
+            if line.startswith("[trainer0] step "):
+                break
+        assert (run_dir / "elastic.json").is_file(), "".join(seen)
+        joiner = cli(f"join={run_dir}", cwd=tmp_path, timeout=240)
+        out, _ = job.communicate(timeout=240)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert joiner.returncode == 0, joiner.stderr
+    assert job.returncode == 0, "".join(seen) + out
+    metrics = read_json(run_dir / "metrics.json")
+    joined = [e for e in metrics["membership"] if e["trainer"] == "trainer2"]
+    assert joined and joined[0]["event"] == "joined" and joined[0]["num_trainers"] == 3
+    assert joined[0]["server_updates"] > 0  # the job was training when it came
+    assert 3.0 in curve(run_dir)
+    for server, counts in metrics["updates_by_trainer"].items():
+        assert counts["trainer0"] == counts["trainer1"] == steps, server
+        assert counts["trainer2"] > 0, server  # the joiner's gradients reached every server
+    assert (run_dir / "logs" / "trainer2.log").is_file()
+    assert "trainer2" in metrics["losses"]
+
+
+@pytest.mark.timeout(180)
+def test_sync_mode_restarts_the_run_when_a_trainer_dies(tmp_path, monkeypatch):
+    # A sync round needs every trainer's gradient: without the dead trainer no round can
+    # complete, so sync runs use cluster.max_restarts (and refuse cluster.elastic).
+    run_dir = tmp_path / "run"
+    monkeypatch.setenv(FAULT_ENV, "trainer1@5#0")
+    metrics = run_app(run_dir, *BASELINE, "cluster.max_restarts=1", timeout=150)
+    assert [(r["role"], r["from_step"]) for r in metrics["restarts"]] == [("trainer1", 4)]
+    assert read_json(run_dir / RESTARTS_FILE) == metrics["restarts"]
+    assert "replacements" not in metrics
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["cluster.elastic=true"], r"cluster.elastic=true needs mode=async or mode=ssp \(got mode=sync\): every sync "
+                               r"round waits for every trainer's gradient"),
+    (["cluster.elastic=true", "mode=async", "backend=torch"], "cluster.elastic=true needs backend=rpc_core"),
+    (["cluster.elastic=true", "mode=ssp", "cluster=env"], "cluster.elastic=true needs cluster.launcher=local"),
+    (["join=/nonexistent"], r"join: '/nonexistent' is not the run folder of a running cluster.elastic=true job"),
+])
+def test_elastic_settings_are_checked_before_anything_starts(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        make_cfg(*overrides)
+
+
+def test_a_finished_job_cannot_be_joined(tmp_path):
+    res = cli(f"join={tmp_path}", cwd=tmp_path)
+    assert res.returncode == 2
+    assert "is not the run folder of a running cluster.elastic=true job (it has no elastic.json)" in res.stderr
+
+
+# -- ps0's bookkeeping, in one process --------------------------------------------------------------
+class _Info:
+    def __init__(self, name, rank):
+        self.name, self.id = name, rank
+
+
+def test_epochs_take_the_launched_trainers_and_the_joiners_present_when_they_begin():
+    m = Membership(launched=2, num_servers=1, writer=NullWriter(), version=lambda: 0)
+    for name, rank in (("trainer0", 1), ("trainer1", 2)):
+        m.changed(_Info(name, rank), True)
+    assert m.assignment(0, 0).wait() == Assignment(0, 0, 2)
+    m.changed(_Info("trainer1", 2), False)  # dead: its replacement will take its slot
+    assert m.assignment(1, 0).wait() == Assignment(0, 1, 2)
+    m.changed(_Info("trainer2", 3), True)  # a joiner waits for the next epoch
+    waiting = m.assignment(2, -1)
+    assert not waiting.done()
+    assert m.assignment(0, 1).wait() == Assignment(1, 0, 3)  # trainer0 begins epoch 1: all three
+    assert waiting.wait() == Assignment(1, 2, 3)
+    assert m.counted() == {0, 2}  # trainer1 is away
+    # The job is over once the launched trainers finished; a joiner still waiting is told so.
+    late = m.assignment(2, -1)
+    reports = m.final_reports()
+    m.finish(0, {"trainer": "trainer0"})
+    m.finish(1, {"trainer": "trainer1"})
+    assert late.wait() is None
+    assert not reports.done()  # trainer2 is in the group and has not reported
+    m.changed(_Info("trainer2", 3), False)
+    assert sorted(reports.wait()) == [0, 1]
+
+
+def test_elastic_batches_move_to_the_partition_of_each_epoch_and_say_where_they_are():
+    from ps_train.data import BatchIterator, TensorSplit
+
+    data = TensorSplit(torch.arange(40.0).view(40, 1), torch.zeros(40, dtype=torch.int64), 1)
+    plan = {1: Assignment(1, 0, 4)}
+    batches = ElasticBatches(lambda slot, world: BatchIterator(data, slot, world, 5, seed=0), plan.get,
+                             Assignment(0, 1, 2), offset=10)
+    x, _ = next(batches)  # the rest of epoch 0's slot 1 of 2: samples 10..19 of that partition
+    assert batches.position() == {"epoch": 0, "slot": 1, "world": 2, "offset": 15}
+    next(batches)
+    x, _ = next(batches)  # epoch 1: slot 0 of 4
+    assert batches.position() == {"epoch": 1, "slot": 0, "world": 4, "offset": 5}
+    from ps_train.data import partition
+
+    assert x.view(-1).long().tolist() == partition(40, 0, 4, 0, 1)[:5].tolist()
+    next(batches)
+    assert next(batches) is None  # no epoch 2: the job is over
