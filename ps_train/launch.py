@@ -123,7 +123,8 @@ def run_rank(cfg: Config, rank: int, master_addr: str, master_port: int, secret:
             keep_membership(ps, cfg, run_dir)
     init_method = init_method or f"tcp://{master_addr}:{master_port}"
     opts = backend.make_options(init_method, cfg.cluster.rpc_timeout, cfg.cluster.num_worker_threads, secret)
-    log.info("starting %s (rank %d of %d) on the %s backend, rendezvous at %s%s", name, rank, S + T, cfg.backend,
+    log.info("starting %s (rank %d of %d, pid %d) on the %s backend, rendezvous at %s%s", name, rank, S + T,
+             os.getpid(), cfg.backend,
              init_method, f", resuming from {resume} (step {resume_state['step']})" if resume_state else "")
     if cfg.cluster.elastic:  # a dynamic group: trainers can leave and join (ps_train.elastic_trainer)
         rank = join_group(lambda r: role_name(r, S), rank, opts, cfg.cluster.rpc_timeout, next_free=joiner)
