@@ -282,6 +282,11 @@ def launch_local(cfg: Config, run_dir: str, resume: str | None = None,
         board.restart(rank)
         return start(rank)
 
+    # Read trainer0's metrics as they come: a long run's (per-step losses) fill the pipe, and
+    # trainer0 cannot exit before they are read.
+    got: list[dict[str, Any]] = []
+    collector = threading.Thread(target=lambda: got.append(results.get()), name="metrics-collector", daemon=True)
+    collector.start()
     try:
         if cfg.cluster.elastic:
             write_job_file(run_dir, cfg.cluster.master_addr, port, secret, cfg_dict)
@@ -296,10 +301,10 @@ def launch_local(cfg: Config, run_dir: str, resume: str | None = None,
                 p.kill()  # a role of a failed run holds nothing worth a graceful stop
         for p in procs.values():
             p.join(5)
-    try:
-        return results.get(timeout=10)
-    except Exception:
-        raise RoleFailed(f"all roles exited cleanly but trainer0 reported no metrics; see {run_dir}/logs") from None
+    collector.join(10)
+    if not got:
+        raise RoleFailed(f"all roles exited cleanly but trainer0 reported no metrics; see {run_dir}/logs")
+    return got[0]
 
 
 def _how(exitcode: int) -> str:
