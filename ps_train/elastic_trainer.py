@@ -123,7 +123,7 @@ class ElasticRole:
     """Sets up ``trainer`` (a ``ps_train.trainer.Trainer``) for an elastic run: its first step,
     its batches, and for a joiner its length."""
 
-    def __init__(self, trainer: Any, data_state: dict[str, int] | None) -> None:
+    def __init__(self, trainer: Any) -> None:
         self.trainer = trainer
         cfg = trainer.cfg
         self.rpc = backend.rpc()
@@ -133,7 +133,7 @@ class ElasticRole:
         def make(slot: int, world: int) -> Any:
             return type(template)(trainer.train_set, slot, world, cfg.train.batch_size, cfg.seed)
 
-        resumed = self._ps0(membership.resume_point, trainer.index)
+        point = self._ps0(membership.resume_point, trainer.index)
         if self.joiner:
             trainer.step = self._ps0(membership.join_step)
             trainer.steps = JOINER_STEPS
@@ -142,13 +142,14 @@ class ElasticRole:
             log.info("%s joined the job at step %d; %s", trainer.name, trainer.step,
                      f"training from epoch {first.epoch} as {first.slot} of {first.world}" if first
                      else "the job is over already")
-        elif resumed is not None:  # a replacement: continue after the predecessor's last step
-            trainer.step, pos = resumed
+        elif "position" in point:  # a replacement: continue after the predecessor's last step
+            trainer.step, pos = point["step"], point["position"]
             first, offset = Assignment(pos["epoch"], pos["slot"], pos["world"]), pos["offset"]
             log.warning("%s replaces a trainer that died: continuing after its step %d (epoch %d, slot %d of %d, "
                         "%d samples of the epoch done)", trainer.name, trainer.step, first.epoch, first.slot,
                         first.world, offset)
-        else:
+        else:  # where the attempt started (step 0 or its checkpoint's)
+            trainer.step, data_state = point["step"], point["data_state"]
             epoch, offset = (data_state["epoch"], data_state["offset"]) if data_state else (0, 0)
             first = self._ps0(membership.assignment, trainer.index, epoch)
         trainer.batches = ElasticBatches(make, lambda e: self._ps0(membership.assignment, trainer.index, e),

@@ -120,7 +120,7 @@ def run_rank(cfg: Config, rank: int, master_addr: str, master_port: int, secret:
         if resume_state is not None:
             load_server_state(ps, resume_state)
         if rank == 0 and cfg.cluster.elastic:
-            keep_membership(ps, cfg, run_dir)
+            keep_membership(ps, cfg, run_dir, resume_state)
     init_method = init_method or f"tcp://{master_addr}:{master_port}"
     opts = backend.make_options(init_method, cfg.cluster.rpc_timeout, cfg.cluster.num_worker_threads, secret)
     log.info("starting %s (rank %d of %d, pid %d) on the %s backend, rendezvous at %s%s", name, rank, S + T,
@@ -156,14 +156,16 @@ def run_rank(cfg: Config, rank: int, master_addr: str, master_port: int, secret:
     return result
 
 
-def keep_membership(ps: Any, cfg: Config, run_dir: str) -> None:
+def keep_membership(ps: Any, cfg: Config, run_dir: str, resume_state: dict[str, Any] | None) -> None:
     """ps0 of an elastic run, before ``init_rpc``: the trainer membership (ps_train.membership),
-    ready before any trainer can ask for it."""
+    ready before any trainer can ask for it; it knows where this attempt started."""
     from ps_train.membership import Membership, set_current
     from ps_train.metrics import make_writer
 
     writer = make_writer(cfg.logging.tensorboard, f"{run_dir}/tb/ps0", filename_suffix=".ps0")
     ps.membership = Membership(cfg.cluster.num_trainers, cfg.cluster.num_servers, writer, lambda: ps.version)
+    if resume_state is not None:
+        ps.membership.start = (resume_state["step"], dict(resume_state["trainer_positions"]))
     ps.membership.listeners.append(ps.trainer_changed)
     set_current(ps.membership)
 
@@ -266,7 +268,7 @@ def launch_local(cfg: Config, run_dir: str, resume: str | None = None,
     procs = {}
     deadline = None if timeout is None else time.monotonic() + timeout
 
-    def start(rank: int) -> Any:
+    def start(rank: int, resume: str | None = resume) -> Any:
         p = ctx.Process(target=_child, args=(cfg_dict, rank, port, secret, run_dir, resume, results, env, cwd,
                                              board.counters, board.interval, attempt),
                         name=role_name(rank, S), daemon=False)
@@ -280,7 +282,7 @@ def launch_local(cfg: Config, run_dir: str, resume: str | None = None,
                     "its partition after its last step the servers applied", len(rows), role_name(rank, S), reason,
                     role_name(rank, S))
         board.restart(rank)
-        return start(rank)
+        return start(rank, resume=None)  # ps0 says where it starts; the attempt's checkpoint may be pruned by now
 
     # Read trainer0's metrics as they come: a long run's (per-step losses) fill the pipe, and
     # trainer0 cannot exit before they are read.

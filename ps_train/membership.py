@@ -72,6 +72,8 @@ class Membership:
         self.listeners: list[Any] = []  # called with (trainer, joined) after each change
         self.done = False
         self._t0 = time.monotonic()
+        # Where this attempt started: the resumed checkpoint's step and trainer data positions.
+        self.start: tuple[int, dict[str, dict[str, int]]] = (0, {})
 
     def index_of(self, rank: int) -> int | None:
         return rank - self.num_servers if rank >= self.num_servers else None
@@ -111,11 +113,16 @@ class Membership:
             if last is None or step + 1 > last[0]:
                 self.positions[trainer] = (step + 1, dict(position))
 
-    def resume_point(self, trainer: int) -> tuple[int, dict[str, int]] | None:
-        """Where a replacement for ``trainer`` starts: the step after its last one ps0 applied,
-        and the data position after it (None: it never completed a step in this attempt)."""
+    def resume_point(self, trainer: int) -> dict[str, Any]:
+        """Where ``trainer`` starts: ``{"step", "position"}``, the step after its last one ps0
+        applied and the data position after it (it is a replacement); else ``{"step",
+        "data_state"}``, where this attempt started (a checkpoint's step and position, or 0)."""
         with self.cond:
-            return self.positions.get(trainer)
+            if trainer in self.positions:
+                step, position = self.positions[trainer]
+                return {"step": step, "position": position}
+            step, positions = self.start
+            return {"step": step, "data_state": positions.get(f"trainer{trainer}")}
 
     def join_step(self) -> int:
         """A joiner's first step number: the slowest counted trainer's, so ssp's clock does not
@@ -257,7 +264,7 @@ def membership() -> Membership:
 
 
 # -- what trainers call on ps0 -------------------------------------------------------------------------
-def resume_point(trainer: int) -> tuple[int, dict[str, int]] | None:
+def resume_point(trainer: int) -> dict[str, Any]:
     return membership().resume_point(trainer)
 
 

@@ -110,7 +110,7 @@ class Trainer:
         self.shard_servers = [(s.index, s.server) for s in model_shards(cfg)]
         self.servers = [self.rpc.rpc_sync(f"ps{r}", _get_server_rref) for r in range(cfg.cluster.num_servers)]
         # cluster.elastic: start step, batches and length come from ps0 (ps_train.elastic_trainer).
-        self.elastic = ElasticRole(self, data_state) if cfg.cluster.elastic else None
+        self.elastic = ElasticRole(self) if cfg.cluster.elastic else None
         self.writer = make_writer(cfg.logging.tensorboard, f"{run_dir}/tb/{self.name}", filename_suffix=f".{self.name}")
         self.latency = {r: LatencyStats() for r in range(cfg.cluster.num_servers)}
         self.meter = ThroughputMeter()
