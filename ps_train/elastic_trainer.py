@@ -21,6 +21,7 @@ from typing import Any
 
 from ps_train import backend, membership
 from ps_train.membership import Assignment
+from rpc_core.errors import WorkerLeftError
 
 __all__ = ["ElasticBatches", "ElasticRole", "join_group", "wait_for_servers", "JOINER_STEPS"]
 
@@ -181,5 +182,8 @@ class ElasticRole:
 
     def release_servers(self) -> None:
         """trainer0, after writing the results: the servers may leave the group."""
-        for s in self.trainer.servers:
-            s.rpc_sync().release()
+        for fut in [s.rpc_async().release() for s in self.trainer.servers]:
+            try:
+                fut.wait()
+            except WorkerLeftError:
+                pass  # it left at once, before its answer reached us: released all the same
