@@ -178,9 +178,9 @@ def main(argv: list[str] | None = None) -> int:
             ("complete / interrupted checkpoints", "",
              f"{len(list((chaos_dir / 'checkpoints').glob('step_*'))) - len(interrupted)} / {len(interrupted)}"),
             ("wall-time overhead", "", f"{(wall / ref_wall - 1) * 100:+.0f} %")]
-    print(f"\n| {'':32} | {'fault-free':>10} | {'chaos':>10} |\n|{'-' * 34}|{'-' * 12}|{'-' * 12}|")
+    print(f"\n| {'':34} | {'fault-free':>10} | {'chaos':>10} |\n|{'-' * 36}|{'-' * 12}|{'-' * 12}|")
     for name, a, b in rows:
-        print(f"| {name:32} | {a:>10} | {b:>10} |")
+        print(f"| {name:34} | {a:>10} | {b:>10} |")
     for r in metrics.get("restarts", []):
         print(f"restart: {r['role']} ({r['reason']}), resumed after step {r['from_step']}")
     for r in metrics.get("replacements", []):
