@@ -40,6 +40,7 @@ from ps_train.elastic_files import record_replacement, remove_job_file, write_jo
 from ps_train.elastic_trainer import join_group, wait_for_servers
 from ps_train.faults import ATTEMPT_ENV
 from ps_train.heartbeat import HeartbeatBoard, process_state, start_heartbeat
+from ps_train.membership import keep_membership, serve_elastic
 from ps_train.metrics import mark_attempt
 from ps_train.ports import free_port  # also re-exported: ps_train.launch.free_port predates ps_train.ports
 from rpc_core import memory
@@ -120,7 +121,7 @@ def run_rank(cfg: Config, rank: int, master_addr: str, master_port: int, secret:
         if resume_state is not None:
             load_server_state(ps, resume_state)
         if rank == 0 and cfg.cluster.elastic:
-            keep_membership(ps, cfg, run_dir, resume_state)
+            keep_membership(ps, cfg, run_dir, resume_state)  # ps_train.membership
     init_method = init_method or f"tcp://{master_addr}:{master_port}"
     opts = backend.make_options(init_method, cfg.cluster.rpc_timeout, cfg.cluster.num_worker_threads, secret)
     log.info("starting %s (rank %d of %d, pid %d) on the %s backend, rendezvous at %s%s", name, rank, S + T,
@@ -147,40 +148,13 @@ def run_rank(cfg: Config, rank: int, master_addr: str, master_port: int, secret:
             mark_attempt(t.writer, t.step, attempt if t.index == 0 else None)  # see ps_train.restarts
             result = t.run(on_step=checkpoint_hook(cfg, run_dir))
         elif cfg.cluster.elastic:
-            serve_elastic(ps)
+            serve_elastic(ps)  # ps_train.membership
     except BaseException:
         _abandon(rpc)
         raise
     rpc.shutdown()
     log.info("%s finished", name)
     return result
-
-
-def keep_membership(ps: Any, cfg: Config, run_dir: str, resume_state: dict[str, Any] | None) -> None:
-    """ps0 of an elastic run, before ``init_rpc``: the trainer membership (ps_train.membership),
-    ready before any trainer can ask for it; it knows where this attempt started."""
-    from ps_train.membership import Membership, set_current
-    from ps_train.metrics import make_writer
-
-    writer = make_writer(cfg.logging.tensorboard, f"{run_dir}/tb/ps0", filename_suffix=".ps0")
-    ps.membership = Membership(cfg.cluster.num_trainers, cfg.cluster.num_servers, writer, lambda: ps.version)
-    if resume_state is not None:
-        ps.membership.start = (resume_state["step"], dict(resume_state["trainer_positions"]))
-    ps.membership.listeners.append(ps.trainer_changed)
-    set_current(ps.membership)
-
-
-def serve_elastic(ps: Any) -> None:
-    """A server of an elastic run, in the group: ps0 follows its joins and leaves; every server
-    stays until trainer0 has written the results (each member of a dynamic group leaves on
-    its own, so a server's shutdown would not wait for the trainers)."""
-    from ps_train.membership import follow
-
-    if ps.membership is not None:
-        follow(ps.membership)
-    ps.wait_released()
-    if ps.membership is not None:
-        ps.membership.writer.close()
 
 
 def _abandon(rpc: Any) -> None:

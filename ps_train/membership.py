@@ -35,10 +35,12 @@ from typing import Any, NamedTuple
 import torch
 
 from ps_train import backend
-from ps_train.metrics import MetricsWriter
+from ps_train.config import Config
+from ps_train.metrics import MetricsWriter, make_writer
 from rpc_core.functions import async_execution
 
-__all__ = ["Assignment", "Membership", "set_current", "follow", "request_stop", "stop_requested"]
+__all__ = ["Assignment", "Membership", "set_current", "follow", "keep_membership", "serve_elastic", "request_stop",
+           "stop_requested"]
 
 log = logging.getLogger("ps_train.membership")
 
@@ -242,6 +244,30 @@ def follow(membership: Membership) -> None:
     for info in agent.get_worker_infos():  # members that joined before the hook was in place
         if info.id != agent.me.id and membership.index_of(info.id) not in membership.present:
             membership.changed(info, True)
+
+
+# -- ps0's role in an elastic run (ps_train.launch.run_rank) ---------------------------------------
+def keep_membership(ps: Any, cfg: Config, run_dir: str, resume_state: dict[str, Any] | None) -> None:
+    """ps0 of an elastic run, before ``init_rpc``: the trainer membership (ps_train.membership),
+    ready before any trainer can ask for it; it knows where this attempt started."""
+    writer = make_writer(cfg.logging.tensorboard, f"{run_dir}/tb/ps0", filename_suffix=".ps0")
+    ps.membership = Membership(cfg.cluster.num_trainers, cfg.cluster.num_servers, writer, lambda: ps.version)
+    if resume_state is not None:
+        ps.membership.start = (resume_state["step"], dict(resume_state["trainer_positions"]))
+    ps.membership.listeners.append(ps.trainer_changed)
+    set_current(ps.membership)
+
+
+def serve_elastic(ps: Any) -> None:
+    """A server of an elastic run, in the group: ps0 follows its joins and leaves; every server
+    stays until trainer0 has written the results (each member of a dynamic group leaves on
+    its own, so a server's shutdown would not wait for the trainers)."""
+    if ps.membership is not None:
+        follow(ps.membership)
+    ps.wait_released()
+    if ps.membership is not None:
+        ps.membership.writer.close()
+
 
 
 # -- a joiner's stop flag (set by ps0 over RPC once the job is over) ----------------------------------
