@@ -116,10 +116,12 @@ def run_rank(cfg: Config, rank: int, master_addr: str, master_port: int, secret:
         if resume_state is not None:
             load_server_state(ps, resume_state)
     init_method = init_method or f"tcp://{master_addr}:{master_port}"
-    opts = backend.make_options(init_method, cfg.cluster.rpc_timeout, cfg.cluster.num_worker_threads, secret)
+    opts = backend.make_options(init_method, cfg.cluster.rpc_timeout, cfg.cluster.num_worker_threads, secret,
+                                cfg.cluster.init_timeout)
     log.info("starting %s (rank %d of %d) on the %s backend, rendezvous at %s%s", name, rank, S + T, cfg.backend,
              init_method, f", resuming from {resume} (step {resume_state['step']})" if resume_state else "")
     rpc.init_rpc(name, rank=rank, world_size=S + T, rpc_backend_options=opts)
+    backend.restore_rpc_timeout(cfg.cluster.rpc_timeout)
     result = None
     try:
         if rank >= S:
