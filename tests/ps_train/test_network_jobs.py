@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -41,6 +42,9 @@ RESUMED_FROM = 4  # BASELINE checkpoints every 4 of its 8 steps
 @pytest.fixture(scope="module")
 def net():
     reason = unavailable_reason()
+    for tool, package in (("unshare", "util-linux"), ("ss", "iproute2")):
+        if reason is None and shutil.which(tool) is None:
+            reason = f"`{tool}` not found (apt-get install -y {package})"
     if reason is not None:
         pytest.skip(f"no emulated network here: {reason}")
     network = Network(len(ROLES))
