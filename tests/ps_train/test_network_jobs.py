@@ -35,11 +35,13 @@ ROLES = ("ps0", "ps1", "trainer0", "trainer1")  # rank r runs on host r
 MASTER_PORT = 29500  # free by construction: nothing else lives in these namespaces
 LIGHT = ("logging.tensorboard=false",)  # each rank imports everything itself: spare it TensorBoard
 # s for one job of 4 ranks: ~40 s on the 2-core machine, but each rank imports torch and, once
-# done, tears its interpreter down (a full garbage collection): at a load average of 20 that
-# took 100 s.
-JOB_TIMEOUT = 240.0
+# done, tears its interpreter down (a full garbage collection): at a load average of 14-20
+# that took 100-150 s.
+JOB_TIMEOUT = 300.0
 BLIP = 1.5  # s a server's link is down in the lossy job: well under the 30 s heartbeat timeout
-HEARTBEAT = 2.0  # s, rpc_core's heartbeat timeout in the cut test (RPC_CORE_HEARTBEAT_TIMEOUT)
+# s, rpc_core's heartbeat timeout in the cut job (RPC_CORE_HEARTBEAT_TIMEOUT). Not shorter:
+# ranks starved of CPU (a load average of 20 on 2 cores) went 2 s without answering.
+HEARTBEAT = 5.0
 RESUMED_FROM = 4  # BASELINE checkpoints every 4 of its 8 steps
 
 
@@ -159,7 +161,7 @@ def assert_like_baseline(run_dir: Path, sync_baseline: Any, from_step: int = 0) 
     assert_same_weights(final_weights(run_dir), final_weights(base_dir), exact=True)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(400)
 def test_a_sync_job_on_delayed_lossy_links_with_a_server_blip_ends_as_on_loopback(net, tmp_path, sync_baseline):
     net.reset()
     net.shape(loss=0.01, delay=0.005, jitter=0.001)
@@ -187,7 +189,7 @@ def test_a_sync_job_on_delayed_lossy_links_with_a_server_blip_ends_as_on_loopbac
     assert relayed >= 4  # the trainers' connections to both servers went through the delaying relays
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(720)
 def test_a_server_cut_off_longer_than_the_heartbeat_stops_every_rank_and_a_restart_completes(
         net, tmp_path, sync_baseline):
     net.reset()
@@ -225,8 +227,9 @@ def test_a_server_cut_off_longer_than_the_heartbeat_stops_every_rank_and_a_resta
         # first rank to notice anything beyond ps1 notices ps1's silence, and says so.
         assert any(named[rank] == ("ps1", True) for rank in (0, 2, 3)), named
         assert named[1][0] != "ps1", named
-        # Started again on the healed network (a requeued job): from the step-4 checkpoint to the end.
-        again = Job(net, run_dir, "resume=auto", env=env)
+        # Started again on the healed network (a requeued job), with the default heartbeat
+        # timeout: from the step-4 checkpoint to the end.
+        again = Job(net, run_dir, "resume=auto")
         try:
             again.wait(JOB_TIMEOUT)
         finally:
