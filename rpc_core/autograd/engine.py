@@ -211,10 +211,24 @@ def _continue(ctx: _context.DistAutogradContext, answers: list[Any], waited: boo
     """Continue backward from this worker's sends whose gradients came back in gradient
     calls' ``answers`` (see the module docstring); the futures of the calls that started."""
     futures: list[torch.futures.Future[Any]] = []
-    for answer in answers:
-        for msg_id, grads in answer or ():
-            futures += _pass_from_send(ctx, msg_id, grads, waited, reply)
+    for msg_id, grads in _merge([entry for answer in answers for entry in answer or ()]):
+        futures += _pass_from_send(ctx, msg_id, grads, waited, reply)
     return futures
+
+
+def _merge(entries: list[tuple[int, list[Any]]]) -> list[tuple[int, list[Any]]]:
+    """Gradients for the same send added up (passes add by linearity): one pass per send,
+    so what it reaches is called once, not once per part."""
+    merged: dict[int, list[Any]] = {}
+    for msg_id, grads in entries:
+        have = merged.get(msg_id)
+        if have is None:
+            merged[msg_id] = list(grads)
+            continue
+        for i, g in enumerate(grads):
+            if g is not None:
+                have[i] = g if have[i] is None else have[i] + g
+    return list(merged.items())
 
 
 def _pass_from_send(ctx: _context.DistAutogradContext, msg_id: int, grads: list[Any], waited: bool,
@@ -281,7 +295,7 @@ def _finish_when_answered(ctx: _context.DistAutogradContext, futures: list[torch
     pass was answered, continuing from the gradients those answers brought back (which
     may start more calls); never blocks (it runs in the callbacks of those calls)."""
     if not futures:
-        done.set_result(reply[1] or None if reply is not None else None)
+        done.set_result(_merge(reply[1]) or None if reply is not None else None)
         return
 
     def finish(_: Any) -> None:
