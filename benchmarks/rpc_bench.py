@@ -402,7 +402,7 @@ def render_cpu(rows, runs) -> str:
         for impl in IMPLS:
             cpu = ((runs.get(impl) or {}).get("results", {}).get(r["name"]) or {}).get("cpu")
             scale, unit = (1e3, "ms") if r["unit"] == "ms/step" else (1e6, "us")
-            cells += [f"{cpu[0] * scale:.3g} {unit}", f"{cpu[1] * scale:.3g} {unit}"] if cpu else ["-", "-"]
+            cells += [f"{fmt(cpu[0] * scale)} {unit}", f"{fmt(cpu[1] * scale)} {unit}"] if cpu else ["-", "-"]
         if any(c != "-" for c in cells):
             body.append([r["workload"]] + cells)
     if not body:
@@ -426,7 +426,7 @@ def render(rows, runs, rounds=1, floor=None) -> str:
             r["workload"], r["unit"], r["torch_cell"], r["rpc_core_cell"],
             f"{r['ratio']:.2f}x" if r["ratio"] is not None else "-",
             r["better"], tgt,
-            f"{r['floor_x']:.2f}x" if r.get("floor_x") is not None else "-",
+            f"{fmt(r['floor_x'])}x" if r.get("floor_x") is not None else "-",
         ])
     out = _table(head, body, {2, 3, 4, 7})
     out.append("")
