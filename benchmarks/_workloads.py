@@ -108,6 +108,16 @@ def call_bump(rref):
     return rref.local_value().bump()
 
 
+def process_cpu():
+    """This process's CPU time so far (all threads), s: the callee's side of the CPU per call."""
+    return time.process_time()
+
+
+def linear_owned(rref, x):
+    """``x @ W.T + b`` with the owner's ``nn.Linear``: the gradient of ``x`` goes back to the caller."""
+    return rref.local_value()(x)
+
+
 def grads_in_context(context_id):
     """Number of gradients recorded in ``context_id`` on this worker (sanity check)."""
     return len(_IMPL.autograd.get_gradients(context_id))
@@ -139,16 +149,45 @@ class Shard(nn.Module):
 CALLEE = "worker1"
 
 
-def _time_calls(fn, warmup: int, iters: int, reps: int):
-    """Seconds per call of ``fn`` for each repetition (``iters`` calls per repetition)."""
+# CPU seconds per call of the last measurement, (caller, callee), each process's time over
+# all its threads (time.process_time), or None if the workload did not measure it.
+LAST_CPU: tuple[float, float] | None = None
+
+
+class CpuMeter:
+    """Process CPU time spent by the caller (this process) and the callee between ``start``
+    and ``stop``; the two calls that read the callee's clock are outside the interval."""
+
+    def __init__(self, impl):
+        self.rpc = impl.rpc
+
+    def start(self):
+        self.callee0 = self.rpc.rpc_sync(CALLEE, process_cpu)
+        self.caller0 = time.process_time()
+
+    def stop(self, calls: int):
+        global LAST_CPU
+        caller = time.process_time() - self.caller0
+        callee = self.rpc.rpc_sync(CALLEE, process_cpu) - self.callee0
+        LAST_CPU = (caller / calls, callee / calls)
+
+
+def _time_calls(fn, warmup: int, iters: int, reps: int, impl=None):
+    """Seconds per call of ``fn`` for each repetition (``iters`` calls per repetition);
+    with ``impl``, also the CPU time per call on both sides (``LAST_CPU``)."""
     for _ in range(warmup):
         fn()
     samples = []
+    meter = CpuMeter(impl) if impl is not None else None
+    if meter:
+        meter.start()
     for _ in range(reps):
         t0 = time.perf_counter()
         for _ in range(iters):
             fn()
         samples.append((time.perf_counter() - t0) / iters)
+    if meter:
+        meter.stop(iters * reps)
     return samples
 
 
@@ -159,7 +198,7 @@ def _per_call(samples, scale):
 
 def w_sync_noop(impl, c):
     rpc = impl.rpc
-    samples = _time_calls(lambda: rpc.rpc_sync(CALLEE, noop), c["warmup"], c["iters"], c["reps"])
+    samples = _time_calls(lambda: rpc.rpc_sync(CALLEE, noop), c["warmup"], c["iters"], c["reps"], impl)
     return _per_call(samples, 1e6)
 
 
@@ -170,7 +209,7 @@ def w_sync_add(impl, c):
     if not torch.allclose(got, a + b):
         raise AssertionError("rpc_sync(torch.add) returned a wrong result")
     samples = _time_calls(
-        lambda: rpc.rpc_sync(CALLEE, torch.add, args=(a, b)), c["warmup"], c["iters"], c["reps"]
+        lambda: rpc.rpc_sync(CALLEE, torch.add, args=(a, b)), c["warmup"], c["iters"], c["reps"], impl
     )
     return _per_call(samples, 1e6)
 
@@ -186,10 +225,13 @@ def w_async_noop(impl, c):
     for _ in range(c["warmup"]):
         burst(min(n, 1000))
     vals = []
+    meter = CpuMeter(impl)
+    meter.start()
     for _ in range(c["reps"]):
         t0 = time.perf_counter()
         burst(n)
         vals.append(n / (time.perf_counter() - t0))
+    meter.stop(n * c["reps"])
     return statistics.median(vals), vals
 
 
@@ -202,7 +244,7 @@ def _echo(nbytes):
             raise AssertionError("echo returned a different tensor")
         del got
         samples = _time_calls(
-            lambda: rpc.rpc_sync(CALLEE, echo, args=(t,)), c["warmup"], c["iters"], c["reps"]
+            lambda: rpc.rpc_sync(CALLEE, echo, args=(t,)), c["warmup"], c["iters"], c["reps"], impl
         )
         vals = [2 * nbytes / s / 1e9 for s in samples]  # bytes sent + received, GB = 1e9 B
         return statistics.median(vals), vals
@@ -216,7 +258,7 @@ def w_remote_to_here(impl, c):
     if not torch.equal(got, torch.ones(10, 10)):
         raise AssertionError("remote(...).to_here() returned a wrong result")
     samples = _time_calls(
-        lambda: rpc.remote(CALLEE, small_tensor).to_here(), c["warmup"], c["iters"], c["reps"]
+        lambda: rpc.remote(CALLEE, small_tensor).to_here(), c["warmup"], c["iters"], c["reps"], impl
     )
     return _per_call(samples, 1e6)
 
@@ -227,7 +269,7 @@ def w_rref_arg_to_owner(impl, c):
     if rpc.rpc_sync(CALLEE, call_bump, args=(counter,)) != 1:
         raise AssertionError("the call through the RRef argument did not reach its value")
     samples = _time_calls(
-        lambda: rpc.rpc_sync(CALLEE, call_bump, args=(counter,)), c["warmup"], c["iters"], c["reps"]
+        lambda: rpc.rpc_sync(CALLEE, call_bump, args=(counter,)), c["warmup"], c["iters"], c["reps"], impl
     )
     return _per_call(samples, 1e6)
 
@@ -254,7 +296,32 @@ def w_remote_linear_step(impl, c):
                     raise AssertionError(f"expected 2 gradients on {CALLEE}, found {n}")
 
     step(check=True)
-    samples = _time_calls(step, c["warmup"], c["iters"], c["reps"])
+    samples = _time_calls(step, c["warmup"], c["iters"], c["reps"], impl)
+    return _per_call(samples, 1e3)
+
+
+def w_grad_to_caller_step(impl, c):
+    if impl.autograd is None:
+        raise Unavailable(f"{impl.name} autograd not available: {impl.autograd_error}")
+    rpc, dist_autograd = impl.rpc, impl.autograd
+    lin = rpc.remote(CALLEE, nn.Linear, args=(256, 256))
+    x = torch.randn(64, 256, requires_grad=True)
+
+    def step(check=False):
+        with dist_autograd.context() as ctx:
+            out = rpc.rpc_sync(CALLEE, linear_owned, args=(lin, x))
+            dist_autograd.backward(ctx, [out.sum()])
+            if check:
+                g = dist_autograd.get_gradients(ctx)
+                w = lin.to_here().weight.detach()
+                if x not in g or not torch.allclose(g[x], torch.ones(64, 256) @ w, atol=1e-4):
+                    raise AssertionError("the gradient of x that came back to the caller is wrong")
+                n = rpc.rpc_sync(CALLEE, grads_in_context, args=(ctx,))
+                if n != 2:
+                    raise AssertionError(f"expected 2 gradients on {CALLEE}, found {n}")
+
+    step(check=True)
+    samples = _time_calls(step, c["warmup"], c["iters"], c["reps"], impl)
     return _per_call(samples, 1e3)
 
 
@@ -285,7 +352,7 @@ def w_mlp3_distopt_step(impl, c):
     step()
     if shards[0].rpc_sync().weight_checksum() == before:
         raise AssertionError("DistributedOptimizer.step did not change the first shard")
-    samples = _time_calls(step, c["warmup"], c["iters"], c["reps"])
+    samples = _time_calls(step, c["warmup"], c["iters"], c["reps"], impl)
     return _per_call(samples, 1e3)
 
 
@@ -300,6 +367,7 @@ MEASUREMENTS = {
     "remote_to_here": w_remote_to_here,
     "rref_arg_to_owner": w_rref_arg_to_owner,
     "remote_linear_step": w_remote_linear_step,
+    "grad_to_caller_step": w_grad_to_caller_step,
     "mlp3_distopt_step": w_mlp3_distopt_step,
 }
 
@@ -315,7 +383,7 @@ def worker_main(rank, world_size, impl_name, port, plan, options_extra, queue):
     Messages: ("unavailable", reason) | ("ready", init_s) | ("result", name, value, samples)
     | ("error", name, kind, message) | ("shutdown", seconds) | ("fatal", rank, traceback).
     """
-    global _IMPL
+    global _IMPL, LAST_CPU
     for p in (REPO, HERE):  # the repo checkout's rpc_core, and this module, by name
         if p not in sys.path:
             sys.path.insert(0, p)
@@ -341,9 +409,10 @@ def worker_main(rank, world_size, impl_name, port, plan, options_extra, queue):
             queue.put(("ready", time.perf_counter() - t0))
             for name, counts in plan:
                 gc.collect()
+                LAST_CPU = None
                 try:
                     value, samples = MEASUREMENTS[name](impl, counts)
-                    queue.put(("result", name, value, samples))
+                    queue.put(("result", name, value, samples, LAST_CPU))
                 except Unavailable as e:
                     queue.put(("error", name, "unavailable", str(e)))
                 except Exception as e:  # noqa: BLE001 - keep measuring the rest

@@ -22,6 +22,9 @@ Options:
     --core-option KEY=VALUE      extra keyword for rpc_core's backend options (repeatable;
                                  VALUE is parsed as a Python literal when possible), e.g. an
                                  auth secret. Environment variables are inherited by the workers.
+    --hog N                      run N CPU-bound processes beside the benchmark for its whole
+                                 run (a busy neighbour; the floor is measured under it too)
+    --no-floor                   skip the floor measurements (socket ping-pong, memcpy)
     --list                       list the workloads and exit
 
 How it measures. For each implementation, in turn (never concurrently), two fresh processes
@@ -55,6 +58,22 @@ Workloads:
                         forward through the shards over RPC (x 64x256), loss =
                         mean(h^2), dist backward, DistributedOptimizer(SGD,
                         lr=0.01).step(ctx)                                      ms/step
+    grad_to_caller_step callee owns nn.Linear(256, 256); x 64x256 requires grad;
+                        out = rpc_sync(worker1, f, args=(rref, x)) with f applying
+                        the owner's Linear, dist backward of out.sum(): the
+                        gradient of x flows back to the caller                  ms/step
+    sync_noop_4x4       4 callers + 4 callees (8 processes, however many cores):
+                        caller r calls rpc_sync(worker{r+4}, noop), all at once
+                        (benchmarks/_oversub.py)                                us/call
+
+Besides the figures. Before each round the machine's floor is measured (``_floor.py``: a
+64-byte ping-pong between two processes over a Unix socketpair and TCP loopback, blocking
+and polling, and memcpy GB/s) and the machine is recorded (CPU model, cores, kernel, load);
+the "x floor" column gives each rpc_core figure as a multiple of that floor. Each timed
+workload also reads the process CPU time (``time.process_time``, all threads) of both
+sides around its timed calls: a second table gives it per call or step. ``RPC_CORE_*``
+variables set for the run are printed with the table (``RPC_CORE_SPIN_US=0
+python benchmarks/rpc_bench.py`` measures rpc_core without polling).
 
 The ratio column is always rpc_core / torch; the "better" column says whether a lower
 (times) or higher (throughputs) ratio is the improvement, and "target" shows the goal from
@@ -113,9 +132,15 @@ WORKLOADS = [
      (200, 500, 7), (30, 100, 3)),
     ("remote_linear_step", "remote Linear(256) fwd+dist bwd", "ms/step", "lower", 0.25,
      (20, 100, 7), (5, 30, 3)),
+    ("grad_to_caller_step", "rpc_sync(owner, f, (rref, x)) fwd+bwd, grad to x", "ms/step", "lower", 0.5,
+     (20, 100, 7), (5, 30, 3)),
     ("mlp3_distopt_step", "3-shard MLP + DistributedOptimizer", "ms/step", "lower", None,
      (10, 40, 7), (3, 15, 3)),
+    ("sync_noop_4x4", "rpc_sync no-op, 4 callers + 4 callees", "us/call", "lower", 1.0,
+     (100, 300, 5), (30, 100, 3)),
 ]
+# Workloads run in their own world (more processes than the two of the others).
+SEPARATE = {"sync_noop_4x4"}
 NAMES = [w[0] for w in WORKLOADS]
 
 
@@ -134,7 +159,30 @@ def select(only: str | None) -> list[str]:
 
 
 def run_impl(impl: str, plan, options_extra: dict, timeout: float, log) -> dict:
-    """Run one implementation's world of 2; never hangs longer than ``timeout``."""
+    """Run one implementation: the world of 2 for most workloads, then the oversubscribed
+    world if ``plan`` has its workload; the results are merged into one run record."""
+    main_plan = [p for p in plan if p[0] not in SEPARATE]
+    sep_plan = [p for p in plan if p[0] in SEPARATE]
+    run = _run_world(impl, main_plan, options_extra, timeout, log) if main_plan else None
+    if sep_plan and (run is None or run["status"] != "unavailable"):
+        import _oversub
+
+        other = _run_world(impl, sep_plan, options_extra, timeout, log, _oversub.oversub_main, _oversub.WORLD_SIZE)
+        if run is None:
+            return other
+        run["results"].update(other["results"])
+        run["errors"].update(other["errors"])
+        run["notes"] += other["notes"]
+        run["wall_s"] += other["wall_s"] or 0
+        if run["status"] == "ok":
+            run["status"] = other["status"]
+    assert run is not None
+    return run
+
+
+def _run_world(impl: str, plan, options_extra: dict, timeout: float, log, target=None,
+               world_size: int = WORLD_SIZE) -> dict:
+    """Run one implementation's world of ``world_size``; never hangs longer than ``timeout``."""
     import _workloads  # imported here so the spawned children re-import it by name
 
     ctx = mp.get_context("spawn")
@@ -142,12 +190,12 @@ def run_impl(impl: str, plan, options_extra: dict, timeout: float, log) -> dict:
     port = free_port()
     procs = [
         ctx.Process(
-            target=_workloads.worker_main,
-            args=(rank, WORLD_SIZE, impl, port, plan, options_extra, q),
+            target=target or _workloads.worker_main,
+            args=(rank, world_size, impl, port, plan, options_extra, q),
             name=f"rpc_bench-{impl}-worker{rank}",
             daemon=True,
         )
-        for rank in range(WORLD_SIZE)
+        for rank in range(world_size)
     ]
     run: dict[str, Any] = {"status": "ok", "notes": [], "results": {}, "errors": {}, "init_s": None,
            "shutdown_s": None, "wall_s": None}
@@ -165,9 +213,15 @@ def run_impl(impl: str, plan, options_extra: dict, timeout: float, log) -> dict:
             run["init_s"] = msg[1]
             log(f"  [{impl}] init_rpc took {msg[1]:.2f} s")
         elif kind == "result":
-            _, name, value, samples = msg
-            run["results"][name] = {"value": value, "samples": samples}
-            log(f"  [{impl}] {name}: {fmt(value)}")
+            _, name, value, samples, cpu = msg
+            slot = run["results"].get(name)
+            if slot is not None:  # several callers measure the same workload: pool them
+                slot["samples"] = slot["samples"] + samples
+                slot["value"] = statistics.median(slot["samples"])
+            else:
+                run["results"][name] = {"value": value, "samples": samples, "cpu": cpu}
+            cpu_txt = f" (CPU/call caller {cpu[0] * 1e6:.1f} us, callee {cpu[1] * 1e6:.1f} us)" if cpu else ""
+            log(f"  [{impl}] {name}: {fmt(value)}{cpu_txt}")
         elif kind == "error":
             _, name, what, text = msg
             run["errors"][name] = what
@@ -257,8 +311,12 @@ def merge_rounds(rounds: list[dict]) -> dict:
             slot = merged["results"].setdefault(name, {"samples": [], "per_round": []})
             slot["samples"].extend(res["samples"])
             slot["per_round"].append(res["value"])
+            if res.get("cpu"):
+                slot.setdefault("cpus", []).append(res["cpu"])
     for slot in merged["results"].values():
         slot["value"] = statistics.median(slot["samples"])
+        cpus = slot.pop("cpus", None)
+        slot["cpu"] = (statistics.median(c[0] for c in cpus), statistics.median(c[1] for c in cpus)) if cpus else None
     return merged
 
 
@@ -274,7 +332,7 @@ def cell(run: dict | None, name: str) -> str:
     return {"timeout": "timeout", "crashed": "crashed"}.get(run["status"], "-")
 
 
-def build_rows(selected, runs):
+def build_rows(selected, runs, floor=None):
     rows = []
     for name, label, unit, better, target, _full, _quick in WORKLOADS:
         if name not in selected:
@@ -292,12 +350,70 @@ def build_rows(selected, runs):
             "torch": tv, "rpc_core": cv, "ratio": ratio, "target": target, "target_met": met,
             "torch_cell": cell(runs.get("torch"), name),
             "rpc_core_cell": cell(runs.get("rpc_core"), name),
+            "floor_x": floor_multiple(unit, cv, floor),
         })
     return rows
 
 
-def render(rows, runs, rounds=1) -> str:
-    head = ["workload", "unit", "torch", "rpc_core", "ratio", "better", "target"]
+def floor_multiple(unit: str, value: float | None, floor: dict | None) -> float | None:
+    """An rpc_core figure as a multiple of the machine's floor: a time per call as a multiple
+    of the blocking Unix socket round trip (a rate as the time per call it implies), a
+    bandwidth as a fraction of memcpy's. None where no floor applies (training steps)."""
+    if value is None or not floor:
+        return None
+    rt = floor["unix_blocking"]["value"]
+    if unit == "us/call":
+        return value / rt
+    if unit == "calls/s":
+        return 1e6 / value / rt
+    if unit == "GB/s":
+        return value / floor["memcpy"]["value"]
+    return None
+
+
+def _table(head: list[str], body: list[list[str]], right: set[int]) -> list[str]:
+    widths = [max(len(str(x[i])) for x in [head] + body) for i in range(len(head))]
+
+    def line(cols):
+        return "| " + " | ".join(
+            str(c).rjust(w) if i in right else str(c).ljust(w)
+            for i, (c, w) in enumerate(zip(cols, widths, strict=True))
+        ) + " |"
+
+    out = [line(head), "|" + "|".join(("-" * (w + 1) + ":") if i in right else "-" * (w + 2)
+                                       for i, w in enumerate(widths)) + "|"]
+    return out + [line(b) for b in body]
+
+
+def render_floor(floor: dict, machine: dict) -> str:
+    import _floor
+
+    out = [_floor.describe_machine(machine), ""]
+    out += _table(["floor", "unit", "value"],
+                  [[f["label"], f["unit"], fmt(f["value"])] for f in floor.values()], {2})
+    return "\n".join(out)
+
+
+def render_cpu(rows, runs) -> str:
+    """CPU time per call (or step) on each side, from time.process_time in both processes."""
+    body = []
+    for r in rows:
+        cells = []
+        for impl in IMPLS:
+            cpu = ((runs.get(impl) or {}).get("results", {}).get(r["name"]) or {}).get("cpu")
+            scale, unit = (1e3, "ms") if r["unit"] == "ms/step" else (1e6, "us")
+            cells += [f"{fmt(cpu[0] * scale)} {unit}", f"{fmt(cpu[1] * scale)} {unit}"] if cpu else ["-", "-"]
+        if any(c != "-" for c in cells):
+            body.append([r["workload"]] + cells)
+    if not body:
+        return ""
+    head = ["CPU per call/step", "torch caller", "torch callee", "rpc_core caller", "rpc_core callee"]
+    return "\n".join(_table(head, body, {1, 2, 3, 4}) + [
+        "process CPU time (all threads) of each side over the timed calls, divided by the calls."])
+
+
+def render(rows, runs, rounds=1, floor=None) -> str:
+    head = ["workload", "unit", "torch", "rpc_core", "ratio", "better", "target", "rpc_core x floor"]
     body = []
     for r in rows:
         if r["target"] is None:
@@ -310,23 +426,16 @@ def render(rows, runs, rounds=1) -> str:
             r["workload"], r["unit"], r["torch_cell"], r["rpc_core_cell"],
             f"{r['ratio']:.2f}x" if r["ratio"] is not None else "-",
             r["better"], tgt,
+            f"{fmt(r['floor_x'])}x" if r.get("floor_x") is not None else "-",
         ])
-    widths = [max(len(str(x[i])) for x in [head] + body) for i in range(len(head))]
-    right = {2, 3, 4}
-
-    def line(cols):
-        return "| " + " | ".join(
-            str(c).rjust(w) if i in right else str(c).ljust(w)
-            for i, (c, w) in enumerate(zip(cols, widths, strict=True))
-        ) + " |"
-
-    out = [line(head), "|" + "|".join(("-" * (w + 1) + ":") if i in right else "-" * (w + 2)
-                                       for i, w in enumerate(widths)) + "|"]
-    out += [line(b) for b in body]
+    out = _table(head, body, {2, 3, 4, 7})
     out.append("")
     out.append("ratio = rpc_core / torch; 'better' is the direction of improvement. "
                "echo GB/s = 2 x payload bytes / round trip (GB = 1e9 B). Median of repetitions"
                + (f", pooled over {rounds} rounds." if rounds > 1 else "."))
+    if floor:
+        out.append("x floor: time per call / blocking Unix socket round trip (calls/s: the time per call "
+                   "it implies); GB/s: fraction of memcpy's bandwidth.")
     for impl in IMPLS:
         run = runs.get(impl)
         if not run:
@@ -342,6 +451,24 @@ def render(rows, runs, rounds=1) -> str:
         for n in run["notes"]:
             out.append(f"  note: {n}")
     return "\n".join(out)
+
+
+def _hog() -> None:
+    while True:  # a CPU-bound neighbour, as a browser or a build beside the benchmark
+        pass
+
+
+def start_hogs(n: int) -> list:
+    procs = [mp.get_context("spawn").Process(target=_hog, name=f"rpc_bench-hog{i}", daemon=True) for i in range(n)]
+    for p in procs:
+        p.start()
+    return procs
+
+
+def stop_hogs(procs: list) -> None:
+    for p in procs:
+        p.kill()
+        p.join(5)
 
 
 def parse_core_options(items):
@@ -368,6 +495,8 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=None)
     ap.add_argument("--core-option", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--hog", type=int, default=0, metavar="N")
+    ap.add_argument("--no-floor", action="store_true")
     ap.add_argument("--list", action="store_true")
     args = ap.parse_args(argv)
 
@@ -386,20 +515,48 @@ def main(argv=None) -> int:
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
 
-    per_round: dict[str, list[Any]] = {impl: [] for impl in impls}
-    for rnd in range(args.rounds):
-        # Alternate the order so slow drift in machine load does not favour one side.
-        for impl in impls if rnd % 2 == 0 else tuple(reversed(impls)):
-            if per_round[impl] and per_round[impl][-1]["status"] == "unavailable":
-                continue
-            log(f"running {impl} ({'quick' if args.quick else 'full'}, {len(plan)} workloads, "
-                f"round {rnd + 1}/{args.rounds}, timeout {timeout:.0f} s)")
-            per_round[impl].append(
-                run_impl(impl, plan, core_extra if impl == "rpc_core" else {}, timeout, log))
-    runs = {impl: merge_rounds(lst) for impl, lst in per_round.items()}
+    import _floor
 
-    rows = build_rows(selected, runs)
-    print(render(rows, runs, args.rounds))
+    machine = _floor.machine()
+    log(_floor.describe_machine(machine))
+    hogs = start_hogs(args.hog)
+    per_round: dict[str, list[Any]] = {impl: [] for impl in impls}
+    floors: list[dict] = []
+    try:
+        for rnd in range(args.rounds):
+            if not args.no_floor:  # each round: the floor under the load of that moment
+                floors.append(_floor.measure())
+                log("  floor: " + ", ".join(f"{k} {fmt(v['value'])} {v['unit']}" for k, v in floors[-1].items()))
+            # Alternate the order so slow drift in machine load does not favour one side.
+            for impl in impls if rnd % 2 == 0 else tuple(reversed(impls)):
+                if per_round[impl] and per_round[impl][-1]["status"] == "unavailable":
+                    continue
+                log(f"running {impl} ({'quick' if args.quick else 'full'}, {len(plan)} workloads, "
+                    f"round {rnd + 1}/{args.rounds}, timeout {timeout:.0f} s)")
+                per_round[impl].append(
+                    run_impl(impl, plan, core_extra if impl == "rpc_core" else {}, timeout, log))
+    finally:
+        stop_hogs(hogs)
+    runs = {impl: merge_rounds(lst) for impl, lst in per_round.items()}
+    floor = {k: dict(v, value=statistics.median(f[k]["value"] for f in floors)) for k, v in floors[0].items()} \
+        if floors else None
+
+    rows = build_rows(selected, runs, floor)
+    settings = [f"{k}={os.environ[k]}" for k in sorted(os.environ) if k.startswith("RPC_CORE_")]
+    if args.hog:
+        settings.append(f"{args.hog} CPU hog(s) beside the benchmark")
+    if settings:
+        print("settings: " + ", ".join(settings))
+    if floor:
+        print(render_floor(floor, machine))
+        print()
+    else:
+        print(_floor.describe_machine(machine))
+    print(render(rows, runs, args.rounds, floor))
+    cpu_table = render_cpu(rows, runs)
+    if cpu_table:
+        print()
+        print(cpu_table)
 
     if args.json:
         import torch
@@ -411,6 +568,11 @@ def main(argv=None) -> int:
             "python": platform.python_version(),
             "torch": torch.__version__,
             "cpus": os.cpu_count(),
+            "machine": machine,
+            "floor": floor,
+            "floors_per_round": floors,
+            "hogs": args.hog,
+            "env": {k: v for k, v in os.environ.items() if k.startswith("RPC_CORE_")},
             "plan": dict(plan),
             "rounds": args.rounds,
             "rows": rows,

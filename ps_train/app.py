@@ -128,7 +128,7 @@ def env_init_method(cfg: Config, rank: int) -> str:
 
     from ps_train.ports import free_port
 
-    timeout = timedelta(seconds=cfg.cluster.rpc_timeout or 300)
+    timeout = timedelta(seconds=cfg.cluster.init_timeout)
     store = TCPStore(addr, port, is_master=False, timeout=timeout)
     key = (f"ps_train/rpc_core_port/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
            f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")

@@ -74,7 +74,7 @@ def wait_for_servers(num_servers: int, timeout: float) -> None:
         with cond:
             if not cond.wait_for(lambda: not missing(), timeout=timeout or None):
                 raise TimeoutError(f"servers {sorted(missing())} did not join the group within {timeout:g} s "
-                                   "(cluster.rpc_timeout); see their logs")
+                                   "(cluster.init_timeout); see their logs")
     finally:
         agent.on_membership.remove(changed)
 

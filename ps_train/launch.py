@@ -123,18 +123,20 @@ def run_rank(cfg: Config, rank: int, master_addr: str, master_port: int, secret:
         if rank == 0 and cfg.cluster.elastic:
             keep_membership(ps, cfg, run_dir, resume_state)  # ps_train.membership
     init_method = init_method or f"tcp://{master_addr}:{master_port}"
-    opts = backend.make_options(init_method, cfg.cluster.rpc_timeout, cfg.cluster.num_worker_threads, secret)
+    opts = backend.make_options(init_method, cfg.cluster.rpc_timeout, cfg.cluster.num_worker_threads, secret,
+                                cfg.cluster.init_timeout)
     log.info("starting %s (rank %d of %d, pid %d) on the %s backend, rendezvous at %s%s", name, rank, S + T,
              os.getpid(), cfg.backend,
              init_method, f", resuming from {resume} (step {resume_state['step']})" if resume_state else "")
     if cfg.cluster.elastic:  # a dynamic group: trainers can leave and join (ps_train.elastic_trainer)
-        rank = join_group(lambda r: role_name(r, S), rank, opts, cfg.cluster.rpc_timeout, next_free=joiner)
+        rank = join_group(lambda r: role_name(r, S), rank, opts, cfg.cluster.init_timeout, next_free=joiner)
         if joiner:
             name = role_name(rank, S)
             _setup_logging(run_dir, name, cfg.logging.level)
             log.info("joined the running job as %s (rank %d)", name, rank)
     else:
         rpc.init_rpc(name, rank=rank, world_size=S + T, rpc_backend_options=opts)
+        backend.restore_rpc_timeout(cfg.cluster.rpc_timeout)
     result = None
     try:
         if rank >= S:
@@ -143,7 +145,7 @@ def run_rank(cfg: Config, rank: int, master_addr: str, master_port: int, secret:
                 start = resume_state["step"]
                 data_state = resume_state["trainer_positions"].get(name)
             if cfg.cluster.elastic:
-                wait_for_servers(S, cfg.cluster.rpc_timeout)
+                wait_for_servers(S, cfg.cluster.init_timeout)
             t = trainer_class(cfg)(cfg, rank - S, run_dir, start_step=start, data_state=data_state)
             mark_attempt(t.writer, t.step, attempt if t.index == 0 else None)  # see ps_train.restarts
             result = t.run(on_step=checkpoint_hook(cfg, run_dir))

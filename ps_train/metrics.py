@@ -76,6 +76,7 @@ class TensorBoardWriter:
         from torch.utils.tensorboard import SummaryWriter  # imports tensorboard; only when used
 
         self.log_dir = os.fspath(log_dir)
+        _wait_past_event_files(self.log_dir)
         self._writer = SummaryWriter(log_dir=self.log_dir, filename_suffix=filename_suffix, flush_secs=flush_secs)
         self._closed = False
 
@@ -117,6 +118,28 @@ class TensorBoardWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _wait_past_event_files(log_dir: str) -> None:
+    """Wait (at most about a second) until the clock has passed every event file in ``log_dir``.
+
+    Event files are named ``events.out.tfevents.<seconds>.<host>.<pid>...`` and TensorBoard
+    reads a folder's files in name order. A restarted attempt that opens its file within the
+    same second as the failed one would sort by pid, i.e. at random, and TensorBoard could
+    read the attempts backwards, letting the old attempt's points supersede the new ones.
+    """
+    newest = -1
+    try:
+        names = os.listdir(log_dir)
+    except FileNotFoundError:
+        return
+    for name in names:
+        parts = name.split(".")
+        if name.startswith("events.out.tfevents.") and len(parts) > 3 and parts[3].isdigit():
+            newest = max(newest, int(parts[3]))
+    remaining = newest + 1 - time.time()
+    if 0 < remaining <= 1.0:  # a file from the future (clock skew) is not worth waiting for
+        time.sleep(remaining)
 
 
 def make_writer(enabled: bool, log_dir: str | os.PathLike[str], filename_suffix: str = "") -> MetricsWriter:

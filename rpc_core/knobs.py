@@ -30,7 +30,8 @@ class Knob(NamedTuple):
 
 
 SPIN_US = Knob("RPC_CORE_SPIN_US", "2000",
-               "µs a reader polls its socket before sleeping in recv; 0 never polls (read when a connection is made)")
+               "µs a reader polls its socket before sleeping in recv, only while the machine has a core to spare; "
+               "0 never polls (read when a connection is made)")
 UDS = Knob("RPC_CORE_UDS", "1", "0 keeps same-host workers on TCP loopback instead of Unix sockets")
 CMA = Knob("RPC_CORE_CMA", "1", "0 turns off cross-memory attach for large same-host tensors (read per connection)")
 MALLOC_TUNE = Knob("RPC_CORE_MALLOC_TUNE", "1", "0 leaves glibc's malloc thresholds as they are (read by init_rpc)")

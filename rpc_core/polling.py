@@ -11,6 +11,15 @@ covers a call whose callee computes for a millisecond or two (a small model's fo
 ps_train's MLP 1+1 trained 15-16k samples/s with 200 µs and 18-20k with 2000 µs
 (e2e_bench --quick, alternating). A budget of 0 turns polling off.
 
+Polling only pays while a core is free for it: a reader that polls on a machine whose
+cores are all taken takes a core from the very process that is to answer it (or from
+another task that then preempts that process). Bare 64-byte socket ping-pong on the
+shared 2-core development machine, with other jobs running: 5-11 µs blocking, 16-146 µs
+polling. So a reader polls only while the machine's run queue (``/proc/loadavg``: tasks
+running or ready to run, the reader and its polling peer included) is no longer than the
+cores this process may use; the count is read at most every ``_RUN_QUEUE_TTL`` seconds,
+by whichever reader asks (``spare_core``).
+
 ``Waiting`` is the part of ``transport.Connection`` that does this; it only reads the
 socket and the connection's queue of small frames (which it writes before it waits:
 their answers may be what it waits for).
@@ -41,6 +50,47 @@ _PEEK = DONTWAIT | int(socket.MSG_PEEK)
 
 
 T = TypeVar("T")
+
+# How long a look at the run queue holds (s): a reader asks before every wait it might poll
+# in, and reading /proc/loadavg costs a few µs.
+_RUN_QUEUE_TTL = 0.01
+_LOADAVG = "/proc/loadavg"
+
+
+def runnable_tasks(text: bytes) -> int | None:
+    """Tasks running or ready to run, from ``/proc/loadavg``'s text (its 4th field is
+    "runnable/total"); None if the text does not say."""
+    try:
+        return int(text.split()[3].split(b"/")[0])
+    except (IndexError, ValueError):
+        return None
+
+
+class _RunQueue:
+    """The last look at the machine's run queue (shared by every reader of the process)."""
+
+    at = -1.0  # time.monotonic() of the look; < 0: never looked
+    spare = True
+    cores = 0  # cores this process may use, read at the first look
+
+
+def spare_core() -> bool:
+    """Whether the machine has a core for a reader to poll on: no more tasks running or
+    ready to run than the cores this process may use (True when that cannot be read)."""
+    now = time.monotonic()
+    q = _RunQueue
+    if now - q.at < _RUN_QUEUE_TTL and q.at >= 0:
+        return q.spare
+    if not q.cores:
+        q.cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        with open(_LOADAVG, "rb") as f:
+            n = runnable_tasks(f.read())
+    except OSError:
+        n = None
+    q.spare = n is None or n <= q.cores
+    q.at = now
+    return q.spare
 
 
 def poll_until(end: float, attempt: Callable[[], T]) -> T | Literal[_Nothing.NOTHING]:
@@ -110,9 +160,9 @@ class Waiting:
         return k
 
     def _may_poll(self) -> bool:
-        """Whether a reader polls before it sleeps: recent waits were short, and no peer is
-        copying our buffers with several threads."""
-        return self._wait_estimate < self._spin and not self._no_poll
+        """Whether a reader polls before it sleeps: recent waits were short, no peer is
+        copying our buffers with several threads, and a core is free (see module doc)."""
+        return self._wait_estimate < self._spin and not self._no_poll and spare_core()
 
     def _try_recv_into(self, view: memoryview) -> int:
         if self._small_q:

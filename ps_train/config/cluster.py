@@ -20,6 +20,9 @@ class ClusterConfig:
     master_port: int = 0  # 0: the launcher picks a free port
     launcher: str = "local"  # local: spawn all roles here; env: one rank from RANK/WORLD_SIZE/...
     rpc_timeout: float = 60.0  # seconds; 0 = no timeout
+    # Seconds the ranks wait for each other to start (the rendezvous): process start-up on a busy
+    # or large cluster may take far longer than one call should.
+    init_timeout: float = 300.0
     num_worker_threads: int = 8
     # Local launcher: restart the whole run from its latest complete checkpoint when a role dies or
     # stops answering, at most this often (0: a failed role stops the run). Under launcher=env
@@ -43,6 +46,7 @@ class ClusterConfig:
                f"cluster.master_port: {self.master_port} must be in 0..65535 (0 = pick a free port)")
         p.need(bool(self.master_addr), "cluster.master_addr: must not be empty (e.g. 127.0.0.1)")
         p.need(self.rpc_timeout >= 0, f"cluster.rpc_timeout: {self.rpc_timeout} must be >= 0 (0 = no timeout)")
+        p.need(self.init_timeout > 0, f"cluster.init_timeout: {self.init_timeout} must be > 0 seconds")
         p.need(self.num_worker_threads >= 1, f"cluster.num_worker_threads: {self.num_worker_threads} must be >= 1")
         p.need(self.max_restarts >= 0, f"cluster.max_restarts: {self.max_restarts} must be >= 0 (0 = no restarts)")
         p.need(self.launcher != "env" or self.max_restarts == 0,

@@ -18,6 +18,15 @@ backward. One consequence of passes: a gradient hook (``register_hook``) on a te
 reached by several passes sees each pass's part, not their sum, as torch's engine would
 give it; linear hooks (scaling) give the same result, non-linear ones (clamping) do not.
 
+Gradients for the worker that made a gradient call ride on its answer. When the pass that
+``_on_backward`` runs for worker A reaches a ``_Recv`` of tensors A sent, it does not call A
+back (a request A's reader would have to wake up for, while A's caller thread waits for
+this very answer, and an answer this worker's reader would have to wake up for): it puts
+(message id, gradients) in the answer, and A continues from those sends itself, on the
+thread that waited (``_continue``). The gradient of an input that flows back to the caller
+(``rpc_sync(owner, f, args=(rref, x))`` with ``x.requires_grad``) then costs no message
+beyond the gradient call's own round trip.
+
 The pass that ``backward()`` starts on the caller's own worker (the root pass) runs the
 leaves' ``AccumulateGrad`` nodes, as torch's distributed engine does, instead of only
 capturing their gradients: hooks that other torch machinery puts after them then fire. That
@@ -46,8 +55,14 @@ from . import context as _context
 
 # The backward pass running on this thread (the CPU autograd engine runs a pass on the
 # thread that started it): ``futures``, the gradient RPCs it started (recording's _Recv
-# appends to it); ``waited``, whether this thread waits on them itself.
+# appends to it); ``waited``, whether this thread waits on them itself; ``reply``, for a
+# pass serving a gradient call, (the caller's rank, the list of (message id, gradients)
+# its answer carries back) or None.
 _pass_tls = threading.local()
+
+# A gradient call's answer: the (message id, gradients) of the caller's own sends that its
+# pass reached, for the caller to continue from; None when there are none.
+Returned = list[tuple[int, list[Any]]] | None
 
 # A 0-element leaf that makes every received tensor's _Recv node part of the graph (its
 # received inputs are detached); its "gradient" is always None, so one leaf serves all of
@@ -115,17 +130,21 @@ def _accumulate_pass(starts: Sequence[torch.Tensor], grads: Sequence[torch.Tenso
 
 def local_pass(ctx: _context.DistAutogradContext, starts: Sequence[torch.Tensor],
                grads: Sequence[torch.Tensor], waited: bool = False,
-               root: bool = False) -> list[torch.futures.Future[Any]]:
+               root: bool = False, reply: tuple[int, list[tuple[int, list[Any]]]] | None = None,
+               ) -> list[torch.futures.Future[Any]]:
     """Backward from ``starts`` with ``grads`` on this worker; returns the futures of the
     gradient RPCs it started. ``waited``: this thread waits on them itself afterwards (so
     it reads their answers; see outbound). ``root``: the pass ``backward()`` started here,
-    which runs the leaves' AccumulateGrad nodes (see the module docstring)."""
+    which runs the leaves' AccumulateGrad nodes (see the module docstring). ``reply``:
+    (rank, list) of a pass serving that rank's gradient call: gradients for its sends go
+    into the list, for the answer, instead of into a call."""
     inputs = _discover(starts)
     if not inputs:
         return []
-    prev = getattr(_pass_tls, "futures", None), getattr(_pass_tls, "waited", False)
+    prev = (getattr(_pass_tls, "futures", None), getattr(_pass_tls, "waited", False),
+            getattr(_pass_tls, "reply", None))
     futures: list[torch.futures.Future[Any]] = []
-    _pass_tls.futures, _pass_tls.waited = futures, waited
+    _pass_tls.futures, _pass_tls.waited, _pass_tls.reply = futures, waited, reply
     prev_ctx = _context.set_current(ctx.context_id)
     try:
         if root and any(not is_anchor(t) for t in inputs):
@@ -134,7 +153,7 @@ def local_pass(ctx: _context.DistAutogradContext, starts: Sequence[torch.Tensor]
             results = list(torch.autograd.grad(list(starts), inputs, list(grads), retain_graph=True,
                                                allow_unused=True))
     finally:
-        _pass_tls.futures, _pass_tls.waited = prev
+        _pass_tls.futures, _pass_tls.waited, _pass_tls.reply = prev
         _context.set_current(prev_ctx)
     for leaf, g in zip(inputs, results, strict=True):
         if g is not None and not is_anchor(leaf):
@@ -175,13 +194,56 @@ def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = Fa
         futures = local_pass(ctx, roots, [torch.ones_like(r) for r in roots], waited=True, root=True)
     except Exception as e:
         raise RuntimeError(f"{_prefix(me)}: {e}") from e
-    _raise_all(_wait(futures))
+    while futures:  # the answers may carry gradients for our sends: continue from them here
+        values, errors = _wait(futures)
+        _raise_all(errors)
+        futures = _continue(ctx, values, True, None)
 
 
-def _wait(futures: list[torch.futures.Future[Any]]) -> list[BaseException]:
-    """Wait for every gradient RPC; their errors, each naming the node it happened on."""
-    _, errors = settle(futures)
-    return [_on_this_node(e) for e in errors]
+def _wait(futures: list[torch.futures.Future[Any]]) -> tuple[list[Any], list[BaseException]]:
+    """Wait for every gradient RPC; their answers, and their errors, each naming the node it happened on."""
+    values, errors = settle(futures)
+    return values, [_on_this_node(e) for e in errors]
+
+
+def _continue(ctx: _context.DistAutogradContext, answers: list[Any], waited: bool,
+              reply: tuple[int, list[tuple[int, list[Any]]]] | None) -> list[torch.futures.Future[Any]]:
+    """Continue backward from this worker's sends whose gradients came back in gradient
+    calls' ``answers`` (see the module docstring); the futures of the calls that started."""
+    futures: list[torch.futures.Future[Any]] = []
+    for msg_id, grads in _merge([entry for answer in answers for entry in answer or ()]):
+        futures += _pass_from_send(ctx, msg_id, grads, waited, reply)
+    return futures
+
+
+def _merge(entries: list[tuple[int, list[Any]]]) -> list[tuple[int, list[Any]]]:
+    """Gradients for the same send added up (passes add by linearity): one pass per send,
+    so what it reaches is called once, not once per part."""
+    merged: dict[int, list[Any]] = {}
+    for msg_id, grads in entries:
+        have = merged.get(msg_id)
+        if have is None:
+            merged[msg_id] = list(grads)
+            continue
+        for i, g in enumerate(grads):
+            if g is not None:
+                have[i] = g if have[i] is None else have[i] + g
+    return list(merged.items())
+
+
+def _pass_from_send(ctx: _context.DistAutogradContext, msg_id: int, grads: list[Any], waited: bool,
+                    reply: tuple[int, list[tuple[int, list[Any]]]] | None) -> list[torch.futures.Future[Any]]:
+    """Backward from the tensors of our send ``msg_id`` with their ``grads`` (None: no gradient)."""
+    me = _agent_mod.current_agent().me
+    sent = ctx.sends.get(msg_id)
+    if sent is None:
+        raise RpcError(f"{_prefix(me)}: no send with autograd message id {msg_id} in context {ctx.context_id}")
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = [
+        (t, g) for t, g in zip(sent, grads, strict=False) if g is not None]
+    try:
+        return local_pass(ctx, [t for t, _ in pairs], [g for _, g in pairs], waited=waited, reply=reply)
+    except Exception as e:
+        raise RuntimeError(f"{_prefix(me)}: {e}") from e
 
 
 def _on_this_node(e: BaseException) -> BaseException:
@@ -209,34 +271,41 @@ def _raise_all(errors: list[BaseException]) -> None:
 
 
 @async_execution
-def _on_backward(context_id: int, msg_id: int, grads: list[Any]) -> torch.futures.Future[Any]:
-    """On the worker that sent message ``msg_id``: continue backward from those tensors."""
+def _on_backward(context_id: int, msg_id: int, grads: list[Any], reply_to: int = -1) -> torch.futures.Future[Any]:
+    """On the worker that sent message ``msg_id``: continue backward from those tensors.
+    The answer carries the gradients for ``reply_to``'s (the caller's) sends that the pass
+    reached (``Returned``); the caller continues from them."""
     me = _agent_mod.current_agent().me
     try:
         ctx = _context.retrieve(context_id)
     except RpcError as e:  # released here meanwhile: named like every error this handler raises
         raise RpcError(f"{_prefix(me)}: {e}") from e
-    sent = ctx.sends.get(msg_id)
-    if sent is None:
-        raise RpcError(f"{_prefix(me)}: no send with autograd message id {msg_id} in context {context_id}")
-    pairs: list[tuple[torch.Tensor, torch.Tensor]] = [
-        (t, g) for t, g in zip(sent, grads, strict=False) if g is not None]
-    try:
-        futures = local_pass(ctx, [t for t, _ in pairs], [g for _, g in pairs])
-    except Exception as e:
-        raise RuntimeError(f"{_prefix(me)}: {e}") from e
+    returned: list[tuple[int, list[Any]]] = []
+    reply = (reply_to, returned) if reply_to >= 0 else None
+    futures = _pass_from_send(ctx, msg_id, grads, False, reply)
     done: torch.futures.Future[Any] = torch.futures.Future()
+    _finish_when_answered(ctx, futures, reply, done)
+    return done
+
+
+def _finish_when_answered(ctx: _context.DistAutogradContext, futures: list[torch.futures.Future[Any]],
+                          reply: tuple[int, list[tuple[int, list[Any]]]] | None,
+                          done: torch.futures.Future[Any]) -> None:
+    """Complete ``done`` with the gradients for the caller once every gradient call of this
+    pass was answered, continuing from the gradients those answers brought back (which
+    may start more calls); never blocks (it runs in the callbacks of those calls)."""
     if not futures:
-        done.set_result(None)
-        return done
+        done.set_result(_merge(reply[1]) or None if reply is not None else None)
+        return
 
     def finish(_: Any) -> None:
-        errors = _wait(futures)
         try:
+            values, errors = _wait(futures)  # all done: this does not block
             _raise_all(errors)
-            done.set_result(None)
+            more = _continue(ctx, values, False, reply)
         except BaseException as e:
             done.set_exception(e)
+            return
+        _finish_when_answered(ctx, more, reply, done)
 
     torch.futures.collect_all(futures).add_done_callback(finish)
-    return done

@@ -40,11 +40,18 @@ class _Recv(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
         info: _RecvInfo = ctx.info
         if any(g is not None for g in grads):
+            reply = getattr(_pass_tls, "reply", None)
+            if reply is not None and reply[0] == info.sender:
+                # The sender is the caller whose gradient call this pass serves: the
+                # gradients ride on that call's answer (see engine).
+                reply[1].append((info.msg_id, list(grads)))
+                return (None, None) + (None,) * len(grads)
             # through the user-call path, so the profiler sees this RPC (no cost otherwise)
             outstanding = getattr(_pass_tls, "futures", None)
             waited = outstanding is not None and getattr(_pass_tls, "waited", False)
-            fut = calls.invoke_async(info.sender, _on_backward, (info.context_id, info.msg_id, list(grads)), None, 0,
-                                     "async", waited=waited)
+            me = _agent_mod.current_agent().me.id
+            fut = calls.invoke_async(info.sender, _on_backward, (info.context_id, info.msg_id, list(grads), me),
+                                     None, 0, "async", waited=waited)
             if outstanding is not None:
                 outstanding.append(fut)
         return (None, None) + (None,) * len(grads)

@@ -110,6 +110,39 @@ def test_env_launcher_runs_four_ranks_started_from_torchrun_style_variables(tmp_
 
 
 @pytest.mark.timeout(120)
+def test_ranks_that_start_later_than_the_rpc_timeout_still_meet_within_the_init_timeout(tmp_path):
+    run_dir = tmp_path / "job"
+    args = [sys.executable, "-m", "ps_train", "cluster=env", f"hydra.run.dir={run_dir}", "train.steps=2",
+            "cluster.rpc_timeout=2", "cluster.init_timeout=60", *QUICK, *LIGHT]
+    common = dict(os.environ, WORLD_SIZE="4", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+                  RPC_CORE_AUTH_SECRET=os.urandom(16).hex())
+    common.pop(FAULT_ENV, None)
+
+    def start(rank):
+        return subprocess.Popen(args, cwd=tmp_path, env=dict(common, RANK=str(rank)), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+
+    procs = [start(0), start(1)]
+    try:
+        ps0_log = run_dir / "logs" / "ps0.log"
+        deadline = time.monotonic() + 60
+        while not (ps0_log.is_file() and "rendezvous at" in ps0_log.read_text()):
+            assert time.monotonic() < deadline and procs[0].poll() is None, "ps0 did not reach its rendezvous"
+            time.sleep(0.05)
+        time.sleep(3.0)  # the scenario itself: the trainers start after one rpc_timeout has passed
+        procs += [start(2), start(3)]
+        outputs = [p.communicate(timeout=90) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for rank, (p, (out, err)) in enumerate(zip(procs, outputs, strict=True)):
+        assert p.returncode == 0, f"rank {rank} exited {p.returncode}:\n{out}\n{err}"
+    assert read_json(run_dir / "metrics.json")["server_updates"] == [2, 2]
+
+
+@pytest.mark.timeout(120)
 def test_torchrun_starts_a_four_rank_job_although_its_own_store_holds_master_port(tmp_path):
     # torchrun's agent listens on MASTER_PORT itself; rank 0 hands the other ranks another port.
     run_dir = tmp_path / "job"

@@ -13,6 +13,7 @@ from ps_train.metrics import (
     ThroughputMeter,
     flatten_hparams,
     make_writer,
+    mark_session_start,
     write_metrics_json,
 )
 
@@ -36,6 +37,26 @@ def test_tensorboard_scalars_read_back(tmp_path):
     assert [e.step for e in loss] == [0, 1, 2]
     assert [e.value for e in loss] == pytest.approx([1.0, 0.5, 1 / 3])
     assert acc.Scalars("throughput/samples_per_s")[0].value == 250.0
+
+
+def test_restarted_attempt_supersedes_the_failed_one_even_within_the_same_second(tmp_path):
+    """A failed attempt wrote steps 1..6 and the restart resumes after step 4: TensorBoard shows
+    1..4 of the first attempt and 5..8 of the second, whatever the two processes' pids."""
+    with TensorBoardWriter(tmp_path) as first:
+        mark_session_start(first, 1)
+        for step in range(1, 7):
+            first.add_scalar("train/loss", 1.0, step)
+    # As if another process with a pid that sorts after ours had written it this second.
+    (old,) = tmp_path.iterdir()
+    parts = old.name.split(".")
+    parts[-2] = "9" * 12  # events.out.tfevents.<seconds>.<host>.<pid>.<counter>
+    old.rename(tmp_path / ".".join(parts))
+    with TensorBoardWriter(tmp_path) as second:
+        mark_session_start(second, 5)
+        for step in range(5, 9):
+            second.add_scalar("train/loss", 2.0, step)
+    curve = [(e.step, e.value) for e in _read(tmp_path).Scalars("train/loss")]
+    assert curve == [(1, 1.0), (2, 1.0), (3, 1.0), (4, 1.0), (5, 2.0), (6, 2.0), (7, 2.0), (8, 2.0)]
 
 
 def test_hparams_with_final_metrics_in_the_run_folder(tmp_path):

@@ -103,6 +103,7 @@ def test_fault_specs_parse_and_bad_ones_say_the_format():
 @pytest.mark.parametrize("overrides, message", [
     (["cluster.max_restarts=-1"], "cluster.max_restarts: -1 must be >= 0"),
     (["cluster.role_timeout=-1"], "cluster.role_timeout: -1.0 must be >= 0 seconds"),
+    (["cluster.init_timeout=0"], "cluster.init_timeout: 0.0 must be > 0 seconds"),
     (["cluster=env", "cluster.max_restarts=2"], r"let torchrun restart them \(torchrun --max-restarts=N"),
 ])
 def test_restart_settings_are_checked_before_anything_starts(overrides, message):

@@ -438,6 +438,37 @@ def case_nested_rpc() -> None:
     verify(fwd, spec((3, 3), (3, 3)), seed=8)
 
 
+def requests_received() -> int:
+    """User requests this worker received so far (this one included)."""
+    n: int = rpc._get_current_rpc_agent().n_received
+    return n
+
+
+def case_gradients_for_the_caller_ride_on_answers() -> None:
+    """Gradients for tensors the worker making a gradient call sent come back in that call's
+    answer: backward sends no request to the trainer, nor to worker1 from worker2."""
+
+    def fwd(dist: bool, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        x = call(dist, "sync", W1, udf, a, b)  # x: worker1's answer to the trainer
+        y = call(dist, "sync", W1, nested, dist, [W2], x, b)  # trainer -> worker1 -> worker2
+        return (y * x).sum()
+
+    verify(fwd, spec((3, 3), (3, 3)), seed=12)
+    a, b = leaves(12, spec((3, 3), (3, 3)))
+    with dist_autograd.context() as cid:
+        loss = fwd(True, a, b)
+        here, there = requests_received(), rpc.rpc_sync(W1, requests_received)
+        dist_autograd.backward(cid, [loss])
+        assert requests_received() == here, "backward sent the trainer a gradient call"
+        # worker1 got the root pass's two gradient calls (x and y came in two answers), one more
+        # for x once y's answer brought back x's part through the nested call (x was an
+        # argument there; its two parts there are added up first), and the call that reads
+        # its count: none from worker2
+        got = rpc.rpc_sync(W1, requests_received) - there
+        assert got == 4, f"worker1 received {got} requests, expected 4"
+        assert set(dist_autograd.get_gradients(cid)) == {a, b}
+
+
 def case_multiple_roots() -> None:
     def fwd(dist: bool, a: torch.Tensor, b: torch.Tensor) -> list[torch.Tensor]:
         r1 = call(dist, "sync", W1, torch.mul, a, b).sum()

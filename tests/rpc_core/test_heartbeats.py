@@ -92,6 +92,68 @@ def test_a_live_peer_with_long_calls_is_never_reported_and_busy_connections_carr
     assert busy_beats <= 1  # at most one that was already out when the traffic started
 
 
+BUSY_HEARTBEAT = 2.0  # s: the timer looks every 0.5 s; a heartbeat needs 0.5 s without a byte
+BUSY_LOOKS = 8  # looks at the busy connection (two heartbeat timeouts' worth) before it goes idle
+WINDOW = 8  # calls in flight during the busy phase
+
+
+def _count_sends_and_looks():
+    """On the caller: count the heartbeats it sends (each one frame) and the timer's looks
+    that found a connection watched (calls pending on it)."""
+    agent = rpc_core._get_current_rpc_agent()
+    counts = {"sent": 0, "looks": 0}
+    send, tick = agent._send_beat, agent._heartbeat_tick
+
+    def counted_send(*args):
+        counts["sent"] += 1
+        return send(*args)
+
+    def counted_tick():
+        tick()
+        if agent._watches:
+            counts["looks"] += 1
+
+    agent._send_beat = counted_send  # the timer submits self._send_beat, looked up each time
+    agent._heartbeat_tick = counted_tick  # the timer re-arms with self._heartbeat_tick
+    return counts
+
+
+def _body_busy(ctx):
+    if ctx.rank == 1:
+        _count_beats()
+        _wait_release()
+        return None
+    counts = _count_sends_and_looks()
+    # Busy: calls back to back, WINDOW in flight, until the timer looked BUSY_LOOKS times at
+    # the connection they wait on (counted, not timed; bounded by the test's timeout).
+    window = []
+    calls = 0
+    while counts["looks"] < BUSY_LOOKS:
+        window.append(rpc_core.rpc_async(1, _noop))
+        calls += 1
+        if len(window) >= WINDOW:
+            window.pop(0).wait()
+    for f in window:
+        f.wait()
+    busy = counts["sent"], rpc_core.rpc_sync(1, _beats_answered), counts["looks"], calls
+    # Idle: one call that runs 1.5 heartbeat timeouts, nothing received meanwhile: the same
+    # counters now see heartbeats (the counting works).
+    rpc_core.rpc_sync(1, _sleep, args=(1.5 * BUSY_HEARTBEAT,), timeout=0)
+    idle = counts["sent"] - busy[0], rpc_core.rpc_sync(1, _beats_answered) - busy[1]
+    rpc_core.rpc_sync(1, _set_release)
+    return busy, idle
+
+
+@pytest.mark.timeout(60)
+def test_a_connection_busy_with_calls_carries_no_heartbeat_frame_and_an_idle_one_does():
+    (busy, idle), _ = run_world(_body_busy, 2, options={"heartbeat_timeout": BUSY_HEARTBEAT})
+    sent, answered, looks, calls = busy
+    assert looks >= BUSY_LOOKS and calls > WINDOW * BUSY_LOOKS, busy
+    assert (sent, answered) == (0, 0), busy  # not one heartbeat frame while answers kept coming
+    sent, answered = idle
+    assert sent >= 1 and answered == sent, idle  # silent for >= 2 looks: heartbeats went out, were answered
+
+
 def _body_stopped(ctx):
     if ctx.rank == 1:
         _wait_release()  # stopped, resumed, then released

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from rpc_core import handshake, transport, wire
+from rpc_core import handshake, polling, transport, wire
 from rpc_core.errors import AuthenticationError, ProtocolError
 from rpc_core.serialization import storage_view
 
@@ -305,7 +305,35 @@ def _recv_after_gap(pool, sender, receiver, gap):
     return got.result(IO_TIMEOUT)
 
 
-def test_a_reader_polls_while_its_waits_are_short_and_blocks_at_once_after_long_ones(pool, pair, yields):
+@pytest.fixture
+def spare_core(monkeypatch):
+    """The machine has a core to spare for polling, whatever else runs on it now."""
+    monkeypatch.setattr(polling, "spare_core", lambda: True)
+
+
+@pytest.fixture
+def no_spare_core(monkeypatch):
+    """Every core is taken: the run queue holds more tasks than this process has cores."""
+    monkeypatch.setattr(polling, "_LOADAVG", "/nonexistent")  # never read: the look below holds
+    monkeypatch.setattr(polling._RunQueue, "at", time.monotonic() + 3600)
+    monkeypatch.setattr(polling._RunQueue, "spare", False)
+
+
+def test_the_run_queue_is_read_from_loadavg_and_unknown_text_counts_as_spare():
+    assert polling.runnable_tasks(b"0.52 0.61 0.70 3/456 12345\n") == 3
+    assert polling.runnable_tasks(b"garbage") is None
+    assert polling.runnable_tasks(b"") is None
+    assert isinstance(polling.spare_core(), bool)  # the real file, read once
+
+
+def test_a_reader_on_a_machine_without_a_spare_core_blocks_without_polling(pool, pair, yields, no_spare_core):
+    a, b = pair
+    assert _recv_after_gap(pool, a, b, 0.01)[2] == b"after the gap"
+    assert not yields
+
+
+def test_a_reader_polls_while_its_waits_are_short_and_blocks_at_once_after_long_ones(pool, pair, yields,
+                                                                                       spare_core):
     a, b = pair
     # Fresh connection: no long waits seen, so the first wait starts by polling, gives
     # up after the budget, blocks, and still gets the frame whole.
@@ -326,7 +354,7 @@ def test_a_reader_polls_while_its_waits_are_short_and_blocks_at_once_after_long_
     assert not yields
 
 
-def test_a_reader_stops_polling_as_soon_as_another_task_wants_its_cpu(pool, pair, monkeypatch):
+def test_a_reader_stops_polling_as_soon_as_another_task_wants_its_cpu(pool, pair, monkeypatch, spare_core):
     yields = []
 
     def busy_cpu():  # a yield that ran another task for a while

@@ -1,0 +1,76 @@
+"""The oversubscribed row of ``rpc_bench.py``: 4 callers and 4 callees on a machine with fewer cores.
+
+Eight processes (ranks 0-3 "worker0".."worker3" call, ranks 4-7 answer): caller ``r`` makes
+``rpc_sync(worker{r+4}, noop)`` calls back to back, all four at once. Each caller reports
+its µs per call per repetition; the table shows the median over all callers' repetitions.
+With more runnable processes than cores, a design that polls for its answer takes the core
+its peer needs, and one that hands each message between threads pays a scheduler
+wake-up per hop: the figure shows how each implementation copes.
+
+Spawned by ``rpc_bench.run_impl`` like ``_workloads.worker_main`` (same arguments and
+queue messages); ``plan`` holds the one workload ``sync_noop_4x4``.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+import traceback
+import warnings
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+NAME = "sync_noop_4x4"
+CALLERS = 4
+WORLD_SIZE = 2 * CALLERS
+
+
+def oversub_main(rank, world_size, impl_name, port, plan, options_extra, queue):
+    for p in (REPO, HERE):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+    import _workloads
+
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    warnings.filterwarnings("ignore", message=".*as a ProcessGroup.*")
+    torch.set_num_threads(1)
+    try:
+        try:
+            impl = _workloads.Impl(impl_name)
+        except Exception as e:  # noqa: BLE001
+            if rank == 0:
+                queue.put(("unavailable", f"{type(e).__name__}: {e}"))
+            return
+        _workloads._IMPL = impl
+        opts = impl.options(f"tcp://127.0.0.1:{port}", 16, 120, options_extra)
+        t0 = time.perf_counter()
+        impl.rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size, rpc_backend_options=opts)
+        if rank == 0:
+            queue.put(("ready", time.perf_counter() - t0))
+        if rank < CALLERS:
+            counts = dict(plan)[NAME]
+            callee = f"worker{rank + CALLERS}"
+            try:
+                for _ in range(counts["warmup"]):
+                    impl.rpc.rpc_sync(callee, _workloads.noop)
+                samples = []
+                for _ in range(counts["reps"]):
+                    t = time.perf_counter()
+                    for _ in range(counts["iters"]):
+                        impl.rpc.rpc_sync(callee, _workloads.noop)
+                    samples.append((time.perf_counter() - t) / counts["iters"] * 1e6)
+                queue.put(("result", NAME, statistics.median(samples), samples, None))
+            except Exception as e:  # noqa: BLE001
+                queue.put(("error", NAME, "error", f"{type(e).__name__}: {e}"))
+        t0 = time.perf_counter()
+        impl.rpc.shutdown()
+        if rank == 0:
+            queue.put(("shutdown", time.perf_counter() - t0))
+    except BaseException:  # noqa: BLE001
+        queue.put(("fatal", rank, traceback.format_exc()))
+        raise
