@@ -231,6 +231,9 @@ def machine() -> dict[str, Any]:
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
                                 timeout=5).stdout.strip() or None
+        if commit and subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                                     capture_output=True, text=True, timeout=5).stdout.strip():
+            commit += " (with uncommitted changes)"
     except (OSError, subprocess.SubprocessError):
         commit = None
     return {"cpu": cpu, "cores": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version(),
