@@ -82,7 +82,9 @@ COMMON = ["mode=sync", "seed=0", "train.eval_every=0", "checkpoint.every=0", "ch
 # name -> (overrides, (servers, trainers) clusters, steps {full, quick})
 CONFIGS: dict[str, tuple[list[str], list[tuple[int, int]], dict[str, int]]] = {
     "small": (["model=dlrm", "data=synthetic_ctr"], [(1, 1), (2, 2)], {"full": 600, "quick": 150}),
-    "large": (["preset=dlrm_large"], [(2, 2)], {"full": 200, "quick": 40}),
+    # Servers build their 1.28 GB of rows before init_rpc and the trainers' rendezvous waits
+    # for them within cluster.rpc_timeout: 60 s was too short on a loaded machine.
+    "large": (["preset=dlrm_large", "cluster.rpc_timeout=300"], [(2, 2)], {"full": 200, "quick": 40}),
 }
 BACKENDS = ("torch", "rpc_core")
 
