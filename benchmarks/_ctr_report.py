@@ -103,8 +103,8 @@ def render(names: Sequence[str], configs: dict[str, Any], backends: Sequence[str
             notes.append(f"{n} single process: peak RSS {rss / 1e9:.2f} GB")
     out += _table(["config", "single process", "ps_train torch", "ps_train rpc_core", "rpc_core/torch",
                    "rpc_core/single"], speed_body)
-    out += ["samples/s (median over rounds); ps_train: all trainers' samples over the longest trainer's "
-            "loop; single process: one trainer's batches, 1 thread", ""]
+    out += ["samples/s (median over rounds); ps_train: all trainers' samples over the loop of the trainer that "
+            "started last; single process: one trainer's batches, 1 thread", ""]
     out += _table(["config", "server", "ideal B/step", "rpc_core B/step", "rpc_core/ideal", "torch B/step"],
                   bytes_body)
     out += ["bytes sent + received per trainer step by each server; ideal: benchmarks/_ctr_traffic.py "
@@ -121,6 +121,11 @@ def render(names: Sequence[str], configs: dict[str, Any], backends: Sequence[str
               if r["status"] != "ok"]
     if errors:
         out += ["", "errors:"] + [f"  {k} (round {i}): {e}" for k, i, e in errors]
+    warnings = [(" ".join(map(str, k)), i + 1, r["warning"]) for k, v in raw.items() for i, r in enumerate(v)
+                if r.get("warning")]
+    if warnings:
+        out += ["", "failed after writing metrics.json (figures kept):"]
+        out += [f"  {k} (round {i}): {w}" for k, i, w in warnings]
     doc = {"rows": rows, "targets": [{"target": t[0], "value": t[1], "met": t[2]} for t in targets]}
     return "\n".join(out), doc
 
