@@ -68,13 +68,13 @@ def save(trainer: Any, step: int) -> Path:
 
 def checkpoint_hook(cfg: Config, run_dir: str) -> Callable[[Any, int], None] | None:
     """The per-step callback trainer0 runs: checkpoint every ``checkpoint.every`` steps and
-    after the last step."""
+    after the last step (unless ``checkpoint.final`` is false)."""
 
     def hook(trainer: Any, step: int) -> None:
         if trainer.index != 0:
             return
         every = cfg.checkpoint.every
-        if (every and step % every == 0) or step == trainer.steps:
+        if (every and step % every == 0) or (step == trainer.steps and cfg.checkpoint.final):
             save(trainer, step)
 
     return hook

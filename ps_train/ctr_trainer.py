@@ -124,6 +124,9 @@ class CtrTrainer(Trainer):
             "rows_pushed_per_step": sum(s["rows_pushed"] for s in all_stats) / steps,
             "table_bytes": {f"ps{r}": s["table_bytes"] for r, s in enumerate(server_stats)},
             "table_rows_updated": {f"ps{r}": s["table_rows_updated"] for r, s in enumerate(server_stats)},
+            # Each trainer's own loop time: in sync mode the trainer that started last never
+            # waits in its loop for the others' start-up (loading data), the others may.
+            "trainer_wall_time_s": {f"trainer{k}": s["wall_time_s"] for k, s in enumerate(all_stats)},
         }
         if all("bytes_sent" in s for s in server_stats):
             out["server_bytes_per_step"] = {

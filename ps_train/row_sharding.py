@@ -147,8 +147,12 @@ def assemble(plan: TableLookup, rows: Sequence[Tensor]) -> Tensor:
     dim = rows[0].shape[1]
     if not nonempty:
         return rows[0].new_zeros(len(plan.inverse), dim)
-    positions = torch.cat([p for p, _ in nonempty])
-    values = torch.cat([r for _, r in nonempty])  # [U, dim], ordered by server
-    unique_rows = values.new_zeros(plan.num_unique, dim).index_copy(0, positions, values)
+    # One index_copy_ per server rather than one of their concatenation: the backward then
+    # gives every server's rows a gradient of its own ([U_s, dim], index_select), where a
+    # concatenation's backward hands out views of one [U, dim] gradient, and a view that
+    # spans most of its storage is sent whole (the other servers' rows too).
+    unique_rows = rows[0].new_zeros(plan.num_unique, dim)  # [U, dim]
+    for p, r in nonempty:
+        unique_rows.index_copy_(0, p, r)
     return unique_rows[plan.inverse]
 

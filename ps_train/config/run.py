@@ -76,6 +76,7 @@ class TrainConfig:
 class CheckpointConfig:
     every: int = 100  # steps; 0 = only at the end
     keep: int = 2  # newest complete checkpoints to keep; 0 = keep all
+    final: bool = True  # also after the last step; false: none there (benchmarks, runs never resumed)
 
     def problems(self) -> Problems:
         p = Problems()

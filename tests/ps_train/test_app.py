@@ -108,3 +108,12 @@ def test_resnet18_trains_on_tiny_synthetic_cifar_sized_images(tmp_path):
     weights = final_weights(tmp_path / "run")  # 6 stages in 2 shards, BatchNorm statistics included
     assert {(server, shard) for server, shard, _ in weights} == {("ps0", 0), ("ps1", 1)}
     assert any(key.endswith("running_mean") for _, _, key in weights)
+
+
+@pytest.mark.timeout(90)
+def test_checkpoint_final_false_skips_only_the_checkpoint_after_the_last_step(tmp_path):
+    from ps_train.checkpoint_files import list_checkpoints
+
+    metrics = run_app(tmp_path, "train.steps=5", "checkpoint.every=2", "checkpoint.keep=0", "checkpoint.final=false")
+    check_metrics(metrics, steps=5)
+    assert [c.name for c in list_checkpoints(tmp_path)] == ["step_000000002", "step_000000004"]
