@@ -28,6 +28,26 @@ LIGHT = ("logging.tensorboard=false",)
 KILL_STEP = 6  # BASELINE checkpoints every 4 steps: the last complete one is step 4
 
 
+def finish_ok(procs, deadline):
+    """Wait until ``deadline`` (time.monotonic) for the ranks to exit, kill any still running,
+    and check each exited 0 (showing its output if not)."""
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic())))
+    finally:
+        kill_all(procs)
+    for rank, (p, (out, err)) in enumerate(zip(procs, outputs, strict=True)):
+        assert p.returncode == 0, f"rank {rank} exited {p.returncode}:\n{out}\n{err}"
+
+
+def kill_all(procs):
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
 def killed_at(log_text):
     """Unix time the fault-injection hook logged just before SIGKILLing its process."""
     m = re.search(r"test fault injection, killing \S+ \(pid \d+\) at step \d+ at unix time ([0-9.]+)", log_text)
@@ -89,18 +109,7 @@ def test_env_launcher_runs_four_ranks_started_from_torchrun_style_variables(tmp_
     common.pop(FAULT_ENV, None)
     procs = [subprocess.Popen(args, cwd=tmp_path, env=dict(common, RANK=str(r), LOCAL_RANK=str(r)),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(4)]
-    deadline = time.monotonic() + 100
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic())))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for rank, (p, (out, err)) in enumerate(zip(procs, outputs, strict=True)):
-        assert p.returncode == 0, f"rank {rank} exited {p.returncode}:\n{out}\n{err}"
+    finish_ok(procs, time.monotonic() + 100)
     metrics = read_json(run_dir / "metrics.json")  # written by trainer0 (rank 2)
     assert metrics["steps"] == 3 and metrics["num_trainers"] == 2 and metrics["server_updates"] == [3, 3]
     for role in ("ps0", "ps1", "trainer0", "trainer1"):
@@ -130,15 +139,11 @@ def test_ranks_that_start_later_than_the_rpc_timeout_still_meet_within_the_init_
             assert time.monotonic() < deadline and procs[0].poll() is None, "ps0 did not reach its rendezvous"
             time.sleep(0.05)
         time.sleep(3.0)  # the scenario itself: the trainers start after one rpc_timeout has passed
-        procs += [start(2), start(3)]
-        outputs = [p.communicate(timeout=90) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for rank, (p, (out, err)) in enumerate(zip(procs, outputs, strict=True)):
-        assert p.returncode == 0, f"rank {rank} exited {p.returncode}:\n{out}\n{err}"
+    except BaseException:
+        kill_all(procs)
+        raise
+    procs += [start(2), start(3)]
+    finish_ok(procs, time.monotonic() + 90)
     assert read_json(run_dir / "metrics.json")["server_updates"] == [2, 2]
 
 
