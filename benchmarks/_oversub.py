@@ -18,9 +18,6 @@ import statistics
 import sys
 import time
 import traceback
-import warnings
-
-import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -35,23 +32,10 @@ def oversub_main(rank, world_size, impl_name, port, plan, options_extra, queue):
             sys.path.insert(0, p)
     import _workloads
 
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    warnings.filterwarnings("ignore", message=".*as a ProcessGroup.*")
-    torch.set_num_threads(1)
     try:
-        try:
-            impl = _workloads.Impl(impl_name)
-        except Exception as e:  # noqa: BLE001
-            if rank == 0:
-                queue.put(("unavailable", f"{type(e).__name__}: {e}"))
+        impl = _workloads.join_world(rank, world_size, impl_name, port, options_extra, queue, rpc_timeout=120)
+        if impl is None:
             return
-        _workloads._IMPL = impl
-        opts = impl.options(f"tcp://127.0.0.1:{port}", 16, 120, options_extra)
-        t0 = time.perf_counter()
-        impl.rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size, rpc_backend_options=opts)
-        if rank == 0:
-            queue.put(("ready", time.perf_counter() - t0))
         if rank < CALLERS:
             counts = dict(plan)[NAME]
             callee = f"worker{rank + CALLERS}"

@@ -377,16 +377,11 @@ MEASUREMENTS = {
 # --------------------------------------------------------------------------------------
 
 
-def worker_main(rank, world_size, impl_name, port, plan, options_extra, queue):
-    """Entry of one spawned worker. Rank 0 measures ``plan`` and reports through ``queue``.
-
-    Messages: ("unavailable", reason) | ("ready", init_s) | ("result", name, value, samples)
-    | ("error", name, kind, message) | ("shutdown", seconds) | ("fatal", rank, traceback).
-    """
-    global _IMPL, LAST_CPU
-    for p in (REPO, HERE):  # the repo checkout's rpc_core, and this module, by name
-        if p not in sys.path:
-            sys.path.insert(0, p)
+def join_world(rank, world_size, impl_name, port, options_extra, queue, rpc_timeout):
+    """A spawned worker's start, for every benchmark world: settings, ``init_rpc`` as
+    ``worker<rank>``, and rank 0's ("ready", init_s) report. Returns the implementation, or
+    None when it cannot be imported (rank 0 then reported ("unavailable", reason))."""
+    global _IMPL
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     # Known noise from torch's own RPC/optim internals; it says nothing about the figures.
@@ -394,19 +389,34 @@ def worker_main(rank, world_size, impl_name, port, plan, options_extra, queue):
     # Same intra-op setting for both implementations: two workers share 2 cores.
     torch.set_num_threads(1)
     try:
-        try:
-            _IMPL = impl = Impl(impl_name)
-        except Exception as e:  # noqa: BLE001 - ImportError, or an incomplete package
-            if rank == 0:
-                queue.put(("unavailable", f"{type(e).__name__}: {e}"))
-            return
-        opts = impl.options(f"tcp://127.0.0.1:{port}", 16, 60, options_extra)
-        t0 = time.perf_counter()
-        impl.rpc.init_rpc(
-            f"worker{rank}", rank=rank, world_size=world_size, rpc_backend_options=opts
-        )
+        _IMPL = impl = Impl(impl_name)
+    except Exception as e:  # noqa: BLE001 - ImportError, or an incomplete package
         if rank == 0:
-            queue.put(("ready", time.perf_counter() - t0))
+            queue.put(("unavailable", f"{type(e).__name__}: {e}"))
+        return None
+    opts = impl.options(f"tcp://127.0.0.1:{port}", 16, rpc_timeout, options_extra)
+    t0 = time.perf_counter()
+    impl.rpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size, rpc_backend_options=opts)
+    if rank == 0:
+        queue.put(("ready", time.perf_counter() - t0))
+    return impl
+
+
+def worker_main(rank, world_size, impl_name, port, plan, options_extra, queue):
+    """Entry of one spawned worker. Rank 0 measures ``plan`` and reports through ``queue``.
+
+    Messages: ("unavailable", reason) | ("ready", init_s) | ("result", name, value, samples)
+    | ("error", name, kind, message) | ("shutdown", seconds) | ("fatal", rank, traceback).
+    """
+    global LAST_CPU
+    for p in (REPO, HERE):  # the repo checkout's rpc_core, and this module, by name
+        if p not in sys.path:
+            sys.path.insert(0, p)
+    try:
+        impl = join_world(rank, world_size, impl_name, port, options_extra, queue, rpc_timeout=60)
+        if impl is None:
+            return
+        if rank == 0:
             for name, counts in plan:
                 gc.collect()
                 LAST_CPU = None
