@@ -291,14 +291,16 @@ def _body_collisions(ctx):
     if ctx.rank == 0:
         _init(ctx, "worker0", 0)
         _wait_for("tried")
-        out = _names(), rpc_core.rpc_sync("worker1", _call, args=("worker0", _whoami))
+        # worker1's roster is read here, while "late" is still in: once "done" is posted it may leave
+        names1 = rpc_core.rpc_sync("worker1", _names)
+        out = _names(), names1, rpc_core.rpc_sync("worker1", _call, args=("worker0", _whoami))
         _post("done")
         return out
     if ctx.rank == 1:
         _init(ctx, "worker1", 1)
         rpc_core.rpc_sync("worker0", _post, args=("worker1 in",))
         rpc_core.rpc_sync("worker0", _wait_for, args=("done",))
-        return _names()
+        return None
     # Rank 2 waits for worker1 as a member itself, leaves, then tries the bad joins.
     _init(ctx, "waiter", 2)
     rpc_core.rpc_sync("worker0", _wait_for, args=("worker1 in",))
@@ -314,7 +316,7 @@ def _body_collisions(ctx):
 
 @pytest.mark.timeout(120)
 def test_taken_names_and_ranks_and_wrong_secrets_are_refused_and_the_group_is_unaffected():
-    (names0, echo), names1, (tries, names2) = run_world(_body_collisions, 3, init=False)
+    (names0, names1, echo), _, (tries, names2) = run_world(_body_collisions, 3, init=False)
     by_name, by_rank, founder, secret = tries
     assert by_name.startswith("RendezvousError") and "worker name 'worker1' is not unique" in by_name, by_name
     assert by_rank.startswith("RendezvousError") and "rank 1 is not unique" in by_rank, by_rank
@@ -328,7 +330,7 @@ def _body_rank_reuse(ctx, x, w):
     if ctx.rank == 0:
         _init(ctx, "worker0", 0)
         _wait_for("done")
-        return _names()
+        return None
     if ctx.rank == 1:
         _init(ctx, "worker1", 1)
         rpc_core.rpc_sync("worker0", _wait_for, args=("worker2 in",))
@@ -344,8 +346,9 @@ def _body_rank_reuse(ctx, x, w):
             except WorkerLeftError as e:
                 errors.append(str(e))
         new = rpc_core.rpc_sync("worker2", _whoami), rpc_core.rpc_sync(2, torch.add, args=(torch.ones(1), 1)).tolist()
+        names = rpc_core.rpc_sync("worker0", _names)  # before "done": then worker1 and worker2 may leave
         rpc_core.rpc_sync("worker0", _post, args=("done",))
-        return first, errors, new
+        return first, errors, new, names
     passes = []
     for again in (False, True):  # the same process holds rank 2 twice: the second is a new member
         _init(ctx, "worker2", 2)
@@ -369,7 +372,7 @@ def _body_rank_reuse(ctx, x, w):
 def test_a_reused_rank_is_a_new_member_whose_ids_and_rrefs_are_not_the_old_ones():
     gen = torch.Generator().manual_seed(1)
     x, w = torch.randn(4, 3, generator=gen), torch.randn(3, 2, generator=gen)
-    names, (first, errors, new), passes = run_world(_body_rank_reuse, 3, init=False, args=(x, w))
+    _, (first, errors, new, names), passes = run_world(_body_rank_reuse, 3, init=False, args=(x, w))
     assert names == ["worker0", "worker1", "worker2"]
     assert first == [0.0, 1.0, 2.0]
     for e in errors:
