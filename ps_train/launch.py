@@ -155,6 +155,8 @@ def run_rank(cfg: Config, rank: int, master_addr: str, master_port: int, secret:
         _abandon(rpc)
         raise
     rpc.shutdown()
+    if rank < S and ps.membership is not None:
+        ps.membership.close()  # after shutdown: ps0 records every trainer's leave first
     log.info("%s finished", name)
     return result
 

@@ -73,6 +73,7 @@ class Membership:
         self.events: list[dict[str, Any]] = []
         self.listeners: list[Any] = []  # called with (trainer, joined) after each change
         self.done = False
+        self.closed = False  # the writer is: later changes are kept in ``events`` only
         self._t0 = time.monotonic()
         # Where this attempt started: the resumed checkpoint's step and trainer data positions.
         self.start: tuple[int, dict[str, dict[str, int]]] = (0, {})
@@ -94,13 +95,21 @@ class Membership:
             self.events.append({"time_s": round(time.monotonic() - self._t0, 3), "trainer": info.name,
                                 "event": "joined" if joined else "left", "num_trainers": count,
                                 "server_updates": self._version()})
-            self.writer.add_scalar("train/num_trainers", count, self._version())
-            self.writer.flush()
+            if not self.closed:  # trainers leave after the job's end too, until ps0 shuts down
+                self.writer.add_scalar("train/num_trainers", count, self._version())
+                self.writer.flush()
             ready = self._reports_ready()
         log.info("%s %s the job; %d trainer(s) now", info.name, "joined" if joined else "left", count)
         for listener in self.listeners:
             listener(trainer, joined)
         self._resolve(ready)
+
+    def close(self) -> None:
+        """Close the TensorBoard writer (once ps0 has left the group: no change comes after)."""
+        with self.cond:
+            if not self.closed:
+                self.closed = True
+                self.writer.close()
 
     def counted(self) -> set[int]:
         """The trainers ssp's clock waits for: in the group and not finished."""
@@ -265,8 +274,6 @@ def serve_elastic(ps: Any) -> None:
     if ps.membership is not None:
         follow(ps.membership)
     ps.wait_released()
-    if ps.membership is not None:
-        ps.membership.writer.close()
 
 
 

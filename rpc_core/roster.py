@@ -12,11 +12,14 @@ reader needs no lock and never sees a table half updated.
 """
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any
 
 from .errors import RpcError, WorkerLeftError
 from .worlds import WorkerInfo, World
+
+log = logging.getLogger("rpc_core")
 
 # A member's RRef and autograd context ids start at its generation shifted by this, so ids
 # made by two holders of one rank never meet (2**32 ids per member, 2**16 joins: context
@@ -149,8 +152,7 @@ class Roster:
             self._departed_names.pop(info.name, None)
             self._departed_ranks.pop(info.id, None)
             self.dead.pop(info.id, None)
-        for cb in list(self.on_membership):
-            cb(info, True)
+        self._tell_listeners(info, True)
 
     def remove_member(self, rank: int, generation: int | None, reason: str) -> WorkerInfo | None:
         """The member of ``rank`` (if it is still the one of ``generation``; None: any) left:
@@ -160,9 +162,18 @@ class Roster:
             if info is None or generation is not None and self.generations.get(rank, 0) != generation:
                 return None
             self._forget(rank, reason)
-        for cb in list(self.on_membership):
-            cb(info, False)
+        self._tell_listeners(info, False)
         return info
+
+    def _tell_listeners(self, info: WorkerInfo, joined: bool) -> None:
+        # A listener's error is its own: the join or leave it hears of has happened, and the
+        # registry's request that made it must not fail (the leaver would see it as refused).
+        for cb in list(self.on_membership):
+            try:
+                cb(info, joined)
+            except Exception:
+                log.exception("rpc_core %s: a membership listener failed on %s %s", self.me.name, info.name,
+                              "joining" if joined else "leaving")
 
     def _forget(self, rank: int, reason: str) -> None:
         info = self.workers[rank]

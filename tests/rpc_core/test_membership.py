@@ -49,6 +49,10 @@ def _on_leave(name, key):
     agent.on_membership.append(seen)
 
 
+def _broken_listener(info, joined):
+    raise RuntimeError(f"a listener that fails on {info.name}")
+
+
 # -- remote functions ------------------------------------------------------------------------------------------
 def _whoami():
     return rpc_core.get_worker_info().name
@@ -191,6 +195,8 @@ def test_distributed_autograd_through_a_newcomer_matches_local_autograd():
 def _body_leave(ctx):
     if ctx.rank == 0:
         _init(ctx, "worker0", 0)
+        # a listener's error is logged: the registry still admits, removes and tells the others
+        rpc_core._get_current_rpc_agent().on_membership.append(_broken_listener)
         _on_leave("worker1", "worker1 left")
         _wait_for("worker2 in")
         _wait_for("worker1 left")
