@@ -144,17 +144,38 @@ def release_on_arrival(context_ids: list[int], sender: int) -> None:
     goes on to the workers they touched from a pool thread, so the reading loop never
     waits on a send or a dial."""
     ctxs = [c for c in (_context.release(cid, sender) for cid in context_ids) if c is not None]
-    agent = _agent_mod._agent
-    if ctxs and agent is not None and any(c.known_workers - {agent.me.id, sender} for c in ctxs):
-        agent.pool.submit(lambda: [_announce(c, sender, False) for c in ctxs])
+    _announce_later(ctxs, sender)
 
 
 def released_after_requests(ctx: DistAutogradContext) -> None:
-    """The last request of a context whose release waited for it was answered."""
+    """The last request of a context whose release waited for it was answered (called just
+    before that answer is sent)."""
+    _announce_later([ctx], ctx.release_from if ctx.release_from is not None else -1)
+
+
+def _announce_later(ctxs: list[DistAutogradContext], skip: int) -> None:
+    """Pass the releases of ``ctxs`` on from a pool thread. They count as this worker's
+    cleanups from now on, so a ``wait_cleanups`` here that comes after (e.g. once the answer
+    this runs before was read) waits for them too."""
     agent = _agent_mod._agent
-    skip = ctx.release_from if ctx.release_from is not None else -1
-    if agent is not None and ctx.known_workers - {agent.me.id, skip}:
-        agent.pool.submit(_announce, ctx, skip, False)
+    if agent is None or not any(c.known_workers - {agent.me.id, skip} for c in ctxs):
+        return
+    done: torch.futures.Future[Any] = torch.futures.Future()
+    with _cleanups_lock:
+        _cleanups.append(done)
+
+    def announce() -> None:
+        futs: list[torch.futures.Future[Any]] = []
+        try:
+            for c in ctxs:
+                futs += _announce(c, skip, False)
+        finally:
+            if futs:
+                torch.futures.collect_all(futs).add_done_callback(lambda _: done.set_result(None))
+            else:
+                done.set_result(None)
+
+    agent.pool.submit(announce)
 
 
 @async_execution

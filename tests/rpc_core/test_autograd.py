@@ -783,7 +783,10 @@ def case_cleanup_late_messages() -> None:
     rpc.rpc_sync(W1, open_gate, args=("late2",))
     rpc.rpc_sync(W2, open_gate, args=("late3",))
     assert fut.wait().requires_grad and fut2.wait().requires_grad and fut3.wait().requires_grad
-    dist_autograd._wait_cleanups()
+    # worker2 passes the release on to worker3 (who heard of the context only from the late
+    # nested call) once its last request of it is answered: wait for that on every worker
+    for w in range(4):
+        rpc.rpc_sync(w, dist_autograd._wait_cleanups)
     left = [w for w in range(4) if rpc.rpc_sync(w, has_context, args=(cid,))]
     assert not left, f"context {cid} came back on workers {left} after it was released"
 
