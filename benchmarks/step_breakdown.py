@@ -15,9 +15,11 @@ invocation:
   backward of ``nn.Linear(256, 256)`` in one process: the compute a step cannot avoid.
 - ``noop``: ``rpc_sync`` of a function that does nothing.
 
-For each: wall time per call, and for both processes the CPU time per call of every thread
-that used any (from ``/proc/self/task``; torch's native threads are summed as "native"),
-user and kernel time apart. When the two sides' CPU adds up to the wall time the call is
+First the machine and its floor: a bare ping-pong between two processes over a Unix
+socketpair, blocking and polling (``_floor.py``). For each workload: wall time per call,
+and for both processes the CPU time per call of every thread that used any (from
+``/proc/self/task``; torch's native threads are summed as "native"), user and kernel time
+apart. When the two sides' CPU adds up to the wall time the call is
 bound by the work of its two processes, which run one after the other; when it is well
 below, by waiting (wake-ups, the network).
 
@@ -35,7 +37,9 @@ import collections
 import cProfile
 import os
 import pstats
+import secrets
 import socket
+import statistics
 import sys
 import threading
 import time
@@ -170,9 +174,11 @@ def measure(impl, name, n, profile):
     return out
 
 
-def worker(rank, impl_name, port, spin, jobs, profile, queue):
-    if spin is not None and impl_name == "rpc_core":
-        os.environ["RPC_CORE_SPIN_US"] = str(spin)
+def worker(rank, impl_name, port, spin, jobs, profile, queue, secret):
+    if impl_name == "rpc_core":
+        os.environ["RPC_CORE_AUTH_SECRET"] = secret
+        if spin is not None:
+            os.environ["RPC_CORE_SPIN_US"] = str(spin)
     impl = _workloads.join_world(rank, 2, impl_name, port, {}, queue, rpc_timeout=60)
     if impl is not None and rank == 0:
         for name, n in jobs:
@@ -187,7 +193,9 @@ def run(impl_name, spin, jobs, profile):
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, impl_name, port, spin, jobs, profile, queue)) for r in range(2)]
+    secret = secrets.token_hex(16)
+    procs = [ctx.Process(target=worker, args=(r, impl_name, port, spin, jobs, profile, queue, secret))
+             for r in range(2)]
     for p in procs:
         p.start()
     results = {}
@@ -252,6 +260,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=2000, help="calls per workload (default 2000)")
     args = ap.parse_args(argv)
     print(_floor.describe_machine(_floor.machine()))
+    floor = {polling: statistics.median(_floor._pingpong(_floor._unix_pair, polling)) for polling in (False, True)}
+    print(f"floor: bare ping-pong over a Unix socketpair {fmt(floor[False])} us per round trip blocking, "
+          f"{fmt(floor[True])} us polling")
     jobs = [("grad_step", args.steps), ("noop", args.steps * 2)]
     impls = ["torch", "rpc_core"] if args.impl == "both" else [args.impl]
     for impl_name in impls:
