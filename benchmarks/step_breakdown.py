@@ -94,10 +94,17 @@ def stop_profile() -> dict:
 
 
 # -- profiles, grouped -------------------------------------------------------------------------------------------
+SYSCALLS = "system calls (socket, select)"
+# The modules that move bytes (framing, buffers, sockets, waiting, matching answers to calls):
+# what a native transport would replace.
+MESSAGE_PATH = {f"rpc_core/{m}.py" for m in ("transport", "buffers", "sending", "polling", "wire", "outbound",
+                                              "completion", "cma")}
+
+
 def _module_of(filename: str, func: str) -> str:
     if filename == "~":  # a builtin: name the socket and select calls apart, they are the waits
         if "socket" in func or "select" in func:
-            return "system calls (socket, select)"
+            return SYSCALLS
         return "builtins and C methods (torch ops included)"
     for root, label in ((os.path.join(REPO, "rpc_core"), "rpc_core"), (os.path.dirname(torch.__file__), "torch")):
         if filename.startswith(root):
@@ -250,6 +257,13 @@ def report(impl_name, spin, results):
                       f"{p['py_calls'] / prof['n']:.0f} Python calls per call, self time by module:")
                 for mod, t in sorted(p["self_time"].items(), key=lambda kv: -kv[1])[:12]:
                     print(f"        {100 * t / total:5.1f}%  {fmt(t / prof['n'] * 1e6):>7} us  {mod}")
+                working = total - p["self_time"].get(SYSCALLS, 0.0)
+                ours = sum(t for m, t in p["self_time"].items() if m.startswith("rpc_core/"))
+                path = sum(t for m, t in p["self_time"].items() if m in MESSAGE_PATH)
+                names = ", ".join(sorted(m[len("rpc_core/"):-len(".py")] for m in MESSAGE_PATH))
+                print(f"        outside system calls: {fmt(working / prof['n'] * 1e6)} us per call; rpc_core's "
+                      f"modules {100 * ours / working:.0f}% of it, their message path ({names}) "
+                      f"{100 * path / working:.0f}%")
 
 
 def main(argv=None) -> int:
