@@ -24,7 +24,6 @@ import dataclasses
 import json
 import logging
 import os
-import re
 import time
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from ps_train.config import RESUME_AUTO, Config
 from ps_train.elastic_files import read_replacements
 from ps_train.launch import RoleFailed, launch_local
 from ps_train.metrics import write_metrics_json
+from rpc_core.errors import failed_worker
 
 __all__ = ["Restart", "RESTARTS_FILE", "FAILURES_FILE", "run_local", "start_checkpoint", "read_restarts",
            "restart_count", "rank_failed", "record_env_restart"]
@@ -42,7 +42,6 @@ log = logging.getLogger("ps_train")
 
 RESTARTS_FILE = "restarts.json"
 FAILURES_FILE = "logs/failures.jsonl"  # cluster=env: one line per rank that failed, per attempt
-_PEER = re.compile(r"worker '([A-Za-z0-9_:-]+)'")  # how rpc_core's errors name the peer
 
 
 @dataclasses.dataclass
@@ -128,8 +127,8 @@ def rank_failed(rank: int, name: str, run_dir: str, attempt: int, error: BaseExc
     ``logs/failures.jsonl`` for the next attempt's restart record."""
     first = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
     reason = f"{type(error).__name__}: {first}" if first else type(error).__name__
-    m = _PEER.search(first)
-    role = m.group(1) if m and m.group(1) != name else name
+    peer = failed_worker(error)  # rpc_core's errors name the worker they are about
+    role = peer if peer is not None and peer != name else name
     path = Path(run_dir) / FAILURES_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:  # one short write in append mode: lines of several ranks do not mix

@@ -54,6 +54,7 @@ class Calls:
 
     if TYPE_CHECKING:  # the agent's and the request side's (dispatch: its _Head is Any here, a peer layer's type)
         def describe(self, rank: int) -> str: ...
+        def name_of(self, rank: int) -> str | None: ...
         def _admit(self, src: int, head: bytes) -> Any: ...
         def _run_request(self, conn: Any, src: int, h: wire.FrameHeader, req: Any, body: bytes,
                          storages: list[torch.UntypedStorage]) -> None: ...
@@ -111,7 +112,7 @@ class Calls:
         if rec is not None:
             self._fail(msg_id, RpcTimeoutError(
                 f"{self._timeout_message(rec.timeout, rec.dst)}; raise the timeout per call "
-                "(timeout=...) or in RpcBackendOptions(rpc_timeout=...), 0 means none"))
+                "(timeout=...) or in RpcBackendOptions(rpc_timeout=...), 0 means none", worker=self.name_of(rec.dst)))
 
     def _timeout_message(self, timeout: float, dst: int) -> str:
         return (f"RPC ran for more than set timeout ({int(timeout * 1000)} ms) and will now be marked "

@@ -91,6 +91,7 @@ class Connections:
 
     if TYPE_CHECKING:  # the agent's, the calls' and the request side's
         def describe(self, rank: int) -> str: ...
+        def name_of(self, rank: int) -> str | None: ...
         def _fail(self, msg_id: int, error: BaseException, inline: bool = True,
                   unsent: bool = False) -> None: ...
         def _on_frame(self, conn: Any, src: int, h: wire.FrameHeader, head: bytes, body: bytes,
@@ -149,7 +150,7 @@ class Connections:
         if conn is not None:
             return conn
         if dst in self.dead:
-            raise WorkerUnavailableError(self.dead[dst])
+            raise WorkerUnavailableError(self.dead[dst], worker=self.name_of(dst))
         if dst not in self.workers:
             self.worker_info(dst)  # raises: the worker that had this rank left the group
         limit = time.monotonic() + self._handshake_timeout
@@ -172,7 +173,7 @@ class Connections:
                 host, port = self.addresses[dst]
                 raise WorkerUnavailableError(
                     f"cannot reach {self.describe(dst)} at {host}:{port} ({e.__class__.__name__}: {e}); "
-                    "it has probably exited or crashed"
+                    "it has probably exited or crashed", worker=self.name_of(dst)
                 ) from None
             self._start_outbound(conn, dst)
             self._out[dst] = conn
@@ -189,10 +190,10 @@ class Connections:
             what += " " + detail
         if by_call:
             return RpcTimeoutError(f"{self._timeout_message(timeout, dst)}: {what}; it may be stopped, frozen "
-                                   "or overloaded")
+                                   "or overloaded", worker=self.name_of(dst))
         return WorkerUnavailableError(
             f"cannot reach {what} within {self._handshake_timeout:g} s (RPC_CORE_HANDSHAKE_TIMEOUT); "
-            "it is probably stopped, frozen or overloaded, or its host is unreachable"
+            "it is probably stopped, frozen or overloaded, or its host is unreachable", worker=self.name_of(dst)
         )
 
     def _dial(self, dst: int, deadline: float) -> transport.Connection:
@@ -340,15 +341,16 @@ class Connections:
     def _peer_lost(self, peer: int, reason: str, conn: Any) -> None:
         if self.me.id == 0 or peer == 0:
             self.dead.setdefault(peer, reason)
+        worker = self.name_of(peer)
         for msg_id, rec in list(self._pending.items()):
             if rec.dst == peer:
-                self._fail(msg_id, WorkerUnavailableError(reason), inline=False)
+                self._fail(msg_id, WorkerUnavailableError(reason, worker=worker), inline=False)
         for cb in self.on_peer_lost:
             cb(peer, reason)
 
     def _lost_error(self, dst: int, e: BaseException) -> WorkerUnavailableError:
         return WorkerUnavailableError(f"sending to {self.describe(dst)} failed ({e}); it has probably exited or "
-                                      "crashed")
+                                      "crashed", worker=self.name_of(dst))
 
     def wait_incoming_closed(self, timeout: float) -> None:
         """Rank 0, at the end of graceful shutdown: let peers close first, so our last

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from . import transport, wire
-from .errors import RpcError
+from .errors import RpcError, failed_worker
 from .middleware import Middleware
 from .pool import ElasticPool, init_torch_thread
 from .serialization import decode_head, deserialize_decoded, encode_head, serialize
@@ -204,7 +204,7 @@ class Dispatch:
         info = wire.ExceptionInfo(
             type(e).__module__, type(e).__qualname__,
             f"{e}\n\nRemote traceback (on {self.me.name}):\n{''.join(traceback.format_exception(e))}",
-            self.me.name,
+            self.me.name, failed_worker(e),
         )
         ser = serialize(info)
         resp: dict[str, Any] = extras.pop(_REPLY_NOTES, None) or {}

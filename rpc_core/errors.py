@@ -10,7 +10,13 @@ from collections.abc import Sequence
 
 
 class RpcError(RuntimeError):
-    """Base class of all rpc_core errors."""
+    """Base class of all rpc_core errors. ``worker``: the name of the worker the error is
+    about (the one that is unavailable, left the group or did not answer in time), when
+    there is one; ``failed_worker`` finds it along an error's causes."""
+
+    def __init__(self, *args: object, worker: str | None = None) -> None:
+        super().__init__(*args)
+        self.worker = worker
 
 
 class RpcNotInitializedError(RpcError):
@@ -46,6 +52,27 @@ class WorkerLeftError(WorkerUnavailableError):
 
 class RemoteFunctionError(RpcError):
     """A remote exception whose original type could not be rebuilt on the caller."""
+
+
+# Set on an exception rebuilt from another worker's answer (not an RpcError, or one whose
+# ``worker`` is the one it was about there): the worker its chain of causes named.
+PEER_ATTRIBUTE = "_rpc_core_peer"
+
+
+def failed_worker(error: BaseException) -> str | None:
+    """The name of the worker ``error`` is about -- unavailable, gone, or silent past a
+    timeout -- from the first of its causes (``__cause__``/``__context__``) that names one,
+    an error another worker sent back included; None if none does."""
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        worker = e.worker if isinstance(e, RpcError) else None
+        worker = worker or getattr(e, PEER_ATTRIBUTE, None)
+        if worker:
+            return str(worker)
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def format_many(errors: Sequence[BaseException], what: str) -> str:

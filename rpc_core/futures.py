@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import torch
 
 from . import wire
-from .errors import RemoteFunctionError
+from .errors import PEER_ATTRIBUTE, RemoteFunctionError, RpcError
 from .pool import handoff_current
 
 S = TypeVar("S")
@@ -134,4 +134,8 @@ def rebuild_exception(info: wire.ExceptionInfo) -> BaseException:
             f"{info.type_module}.{info.type_qualname}: {info.message}"
         )
     setattr(error, _RAISED_ON, info.worker)
+    if info.peer:
+        if isinstance(error, RpcError):
+            error.worker = info.peer
+        setattr(error, PEER_ATTRIBUTE, info.peer)
     return error

@@ -80,6 +80,7 @@ class Heartbeats:
     _lock: threading.Lock
     _closing: bool
     describe: Callable[[int], str]
+    name_of: Callable[[int], str | None]
     send_request: Callable[..., RpcFuture]
     call_later: Callable[[float, Callable[[], None]], None]
     _fail: Callable[..., None]
@@ -194,7 +195,8 @@ class Heartbeats:
         log.warning("rpc_core %s: %s", self.me.name, reason)
         for msg_id, rec in list(self._pending.items()):
             if rec.link is link:  # the reset below may drop its request before it arrives
-                self._fail(msg_id, WorkerUnavailableError(reason), inline=False, unsent=True)
+                self._fail(msg_id, WorkerUnavailableError(reason, worker=self.name_of(peer)), inline=False,
+                           unsent=True)
         link.close()  # before the socket: its reader then takes the error as expected, not as news
         try:
             link.conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _ABORT)

@@ -59,16 +59,18 @@ class _Coordinator:
     def peer_lost(self, rank: int, reason: str) -> None:
         with self.lock:
             rounds, self.rounds = self.rounds, {}
+        worker = self.agent.name_of(rank) if self.agent is not None else None
         for r in rounds.values():
             if not r.future.done():
-                r.future.set_exception(WorkerUnavailableError(reason))
+                r.future.set_exception(WorkerUnavailableError(reason, worker=worker))
 
     def arrive(self, key: Any, rank: int, payload: Any, expected: int) -> torch.futures.Future[Any]:
         agent = self.agent
         assert agent is not None
         if agent.dead:
             f: torch.futures.Future[Any] = torch.futures.Future()
-            f.set_exception(WorkerUnavailableError(next(iter(agent.dead.values()))))
+            rank, reason = next(iter(agent.dead.items()))
+            f.set_exception(WorkerUnavailableError(reason, worker=agent.name_of(rank)))
             return f
         with self.lock:
             r = self.rounds.get(key)

@@ -83,7 +83,8 @@ class Roster:
         gone = (self._departed_names.get(name) if name is not None else None) or (
             self._departed_ranks.get(rank) if rank is not None and name is None else None)
         if gone is not None:  # torch's words first (its tests match them), then ours
-            return WorkerLeftError(f"could not find destination {name if name is not None else rank!r}: {gone}")
+            return WorkerLeftError(f"could not find destination {name if name is not None else rank!r}: {gone}",
+                                   worker=name)
         if name is not None and rank is not None:
             if rank in self.workers:
                 return RpcError(f"could not find destination {WorkerInfo(name, rank)}: rank {rank} is "
@@ -95,6 +96,11 @@ class Roster:
         if self.dynamic:
             return RpcError(f"could not find destination rank {rank}; the members' ranks are {sorted(self.workers)}")
         return RpcError(f"could not find destination rank {rank}; ranks are 0..{len(self.workers) - 1}")
+
+    def name_of(self, rank: int) -> str | None:
+        """The name of the member of ``rank`` (None if none holds it): errors about it carry it."""
+        info = self.workers.get(rank)
+        return info.name if info is not None else None
 
     def describe(self, rank: int) -> str:
         """How errors and logs name the worker of ``rank``."""
@@ -202,7 +208,7 @@ class Roster:
                 self._parked.append(conn)  # closed with the agent, if the leaver has not by then
         for msg_id, rec in list(self._pending.items()):
             if rec.dst == rank:
-                self._fail(msg_id, WorkerLeftError(reason), inline=False)
+                self._fail(msg_id, WorkerLeftError(reason, worker=info.name), inline=False)
 
 
 def _trim(table: dict[Any, str]) -> None:

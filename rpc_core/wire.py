@@ -141,7 +141,8 @@ class ExceptionInfo(NamedTuple):
     type_module: str
     type_qualname: str
     message: str  # includes the remote traceback
-    worker: str
+    worker: str  # where it was raised
+    peer: str | None = None  # the worker it is about, if its causes named one (errors.failed_worker)
 
 
 def new_nonce() -> bytes:
