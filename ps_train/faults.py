@@ -4,7 +4,9 @@
 comma-separated faults ``<role>@<step>[:<action>][#<attempt>]``:
 
 - ``<role>@<step>``: that role SIGKILLs itself -- a trainer right after finishing step
-  ``<step>``, a server right after applying its ``<step>``-th update;
+  ``<step>``, a server right after applying its ``<step>``-th update; ``<role>@+<n>``: after
+  its ``<n>``-th step or update in this process (a trainer that joined a running job or
+  replaces a dead one starts at a later step);
 - ``:freeze`` instead SIGSTOPs it: the process stays alive but does nothing, not even its
   heartbeat, as a hung machine or a stopped VM would (``:kill`` is the default);
 - ``#<attempt>`` limits the fault to one attempt of a restarted run (0 = the first; see
@@ -36,7 +38,8 @@ log = logging.getLogger("ps_train")
 FAULT_ENV = "PS_TRAIN_FAULT"
 ATTEMPT_ENV = "PS_TRAIN_ATTEMPT"
 _ACTIONS = {"kill": signal.SIGKILL, "freeze": signal.SIGSTOP}
-_SPEC = re.compile(r"(?P<role>[A-Za-z0-9_]+)@(?P<step>\d+)(?::(?P<action>[a-z]+))?(?:#(?P<attempt>\d+))?")
+_SPEC = re.compile(r"(?P<role>[A-Za-z0-9_]+)@(?P<rel>\+?)(?P<step>\d+)(?::(?P<action>[a-z]+))?"
+                   r"(?:#(?P<attempt>\d+))?")
 
 
 class Fault(NamedTuple):
@@ -44,6 +47,10 @@ class Fault(NamedTuple):
     step: int
     action: str  # kill | freeze
     attempt: int | None  # None: every attempt
+    relative: bool = False  # ``step`` counts this process's steps (1 = its first), not the run's
+
+
+_first_step: dict[str, int] = {}  # role -> the first step this process reported for it
 
 
 def parse_faults(spec: str) -> list[Fault]:
@@ -53,10 +60,11 @@ def parse_faults(spec: str) -> list[Fault]:
         m = _SPEC.fullmatch(part)
         action = (m.group("action") or "kill") if m else ""
         if m is None or action not in _ACTIONS:
-            raise ValueError(f"{FAULT_ENV}={spec!r}: {part!r} is not <role>@<step>[:kill|:freeze][#<attempt>] "
-                             "(e.g. ps1@5 or trainer0@3:freeze#0)")
+            raise ValueError(f"{FAULT_ENV}={spec!r}: {part!r} is not <role>@[+]<step>[:kill|:freeze][#<attempt>] "
+                             "(e.g. ps1@5, trainer0@3:freeze#0 or trainer2@+2:freeze)")
         attempt = m.group("attempt")
-        faults.append(Fault(m.group("role"), int(m.group("step")), action, None if attempt is None else int(attempt)))
+        faults.append(Fault(m.group("role"), int(m.group("step")), action, None if attempt is None else int(attempt),
+                            relative=bool(m.group("rel"))))
     return faults
 
 
@@ -73,8 +81,9 @@ def maybe_inject_fault(role: str, step: int) -> None:
     if not spec:
         return
     attempt = current_attempt()
+    nth = step - _first_step.setdefault(role, step) + 1  # this process's n-th step of the role
     for fault in parse_faults(spec):
-        if fault.role == role and fault.step == step and fault.attempt in (None, attempt):
+        if fault.role == role and (nth if fault.relative else step) == fault.step and fault.attempt in (None, attempt):
             verb = "killing" if fault.action == "kill" else "freezing"
             log.warning("%s=%s: test fault injection, %s %s (pid %d) at step %d at unix time %.3f",
                         FAULT_ENV, spec, verb, role, os.getpid(), step, time.time())

@@ -8,7 +8,9 @@ servers never wait for a trainer that is gone:
 
 - **staleness accounting** (ssp): ``counted()`` is the trainers that are in the group and
   not finished; ps0's clock takes the slowest of those only, and a leave releases the
-  trainers it held back at once;
+  trainers it held back at once. ps0 watches every member with rpc_core's heartbeats, so a
+  trainer that freezes or is cut off is removed within ``RPC_CORE_HEARTBEAT_TIMEOUT`` (30 s)
+  to 1.5 times that, as one that dies is at once (a joiner too, which no launcher watches);
 - **where each trainer stands**: with every update ps0 applies, the trainer sends the data
   position after that step (``completed``); a replacement for a dead trainer (same name,
   started by the local launcher) asks ``resume_point`` and continues with the next step of
@@ -250,6 +252,9 @@ def follow(membership: Membership) -> None:
     """On ps0, right after ``init_rpc``: follow the group's joins and leaves."""
     agent = backend.rpc()._get_current_rpc_agent()
     agent.on_membership.append(membership.changed)
+    # ps0, the group's registry, watches every member with heartbeats: one that freezes or is
+    # cut off (not only one that dies) is removed, so ssp's clock stops waiting for it.
+    agent.liveness_wanted.append(lambda: not membership.closed)
     for info in agent.get_worker_infos():  # members that joined before the hook was in place
         if info.id != agent.me.id and membership.index_of(info.id) not in membership.present:
             membership.changed(info, True)

@@ -10,7 +10,10 @@ roster, so when ``init_rpc`` returns on the newcomer, everyone can call it by na
 can call everyone. A member's graceful ``shutdown`` asks the registry to remove it, which
 tells the others (``_member_left``); calls to it then fail with ``WorkerLeftError``
 ("worker X left the group"). A member whose connection to rank 0 drops without a leave
-(it crashed, or ``shutdown(graceful=False)``) is removed the same way, with the reason.
+(it crashed, or ``shutdown(graceful=False)``) is removed the same way, with the reason, and
+so is one that rank 0's heartbeats find silent (frozen, stopped, cut off: see ``heartbeats``;
+rank 0 watches a member while calls to it are pending, or every member while a higher layer
+asks for it with ``liveness_wanted``).
 
 Rank 0 leaves last: its graceful shutdown waits (up to the shutdown timeout) until every
 other member has left. If the timeout passes first, the others are told it left and keep
@@ -120,7 +123,8 @@ class _Registry:
             self._remove(rank, generation, _left(info))
 
     def lost(self, rank: int, reason: str) -> None:
-        """A member's connection to us dropped without a leave: it crashed or stopped."""
+        """A member's connection to us dropped without a leave (it crashed or stopped), or
+        heartbeats found it silent for the heartbeat timeout (frozen, stopped, cut off)."""
         info = self.agent.workers.get(rank)
         if info is None or rank == self.agent.me.id:
             return
@@ -173,6 +177,7 @@ def install(agent: Agent) -> None:
     agent.join_handler = _registry.join
     if agent.dynamic:
         agent.on_peer_lost.append(_registry.lost)
+        agent.on_peer_unreachable.append(_registry.lost)  # silent past the heartbeat timeout: gone too
 
 
 def leave(agent: Agent, timeout: float) -> None:

@@ -18,6 +18,7 @@ from ps_train.restarts import RESTARTS_FILE
 from tests.ps_train._app import BASELINE, cli, make_cfg, read_json, run_app, scalars
 
 STEPS, KILL_AT, BATCH = 16, 6, 32
+HEARTBEAT = 3.0  # s: RPC_CORE_HEARTBEAT_TIMEOUT of the frozen-joiner job (30 s by default)
 ELASTIC = ("mode=async", "cluster.elastic=true", f"train.steps={STEPS}", f"train.batch_size={BATCH}",
            "checkpoint.every=0")
 
@@ -70,6 +71,47 @@ def test_in_ssp_the_others_do_not_wait_for_a_dead_trainer(tmp_path, monkeypatch)
     back = next(e for e in metrics["membership"] if e["event"] == "joined" and e["time_s"] > left["time_s"])
     # Updates were applied while trainer1 was gone: trainer0's alone.
     assert back["server_updates"] > left["server_updates"]
+
+
+@pytest.mark.timeout(300)
+def test_in_ssp_a_joiner_that_freezes_is_removed_by_heartbeats_and_the_job_finishes(tmp_path):
+    run_dir = tmp_path / "job"
+    # staleness 0: every trainer waits for the slowest, so a frozen joiner still counted would
+    # hold the job forever; no launcher watches a joiner: ps0's heartbeats must find it.
+    env = dict(os.environ, RPC_CORE_HEARTBEAT_TIMEOUT=str(HEARTBEAT))
+    env.pop(FAULT_ENV, None)
+    job = subprocess.Popen([sys.executable, "-m", "ps_train", "mode=ssp", "mode.staleness=0", "cluster.elastic=true",
+                            "train.steps=2500", "train.eval_every=0", "train.log_every=50", "checkpoint.every=0",
+                            f"hydra.run.dir={run_dir}"],
+                           cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    joiner = None
+    try:
+        seen = []
+        for line in job.stdout:  # blocks until the job prints; ends if it exits
+            seen.append(line)
+            if line.startswith("[trainer0] step "):
+                break
+        assert (run_dir / "elastic.json").is_file(), "".join(seen)
+        joiner = subprocess.Popen([sys.executable, "-m", "ps_train", f"join={run_dir}"], cwd=tmp_path,
+                                  env=dict(env, **{FAULT_ENV: "trainer2@+2:freeze"}), stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL)
+        out, _ = job.communicate(timeout=240)
+        assert joiner.poll() is None, "the joiner was to stay frozen, not exit"
+    finally:
+        for p in (job, joiner):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+    assert job.returncode == 0, "".join(seen) + out
+    metrics = read_json(run_dir / "metrics.json")
+    events = [e["event"] for e in metrics["membership"] if e["trainer"] == "trainer2"]
+    assert events == ["joined", "left"], metrics["membership"]
+    for server, counts in metrics["updates_by_trainer"].items():
+        assert counts["trainer0"] == counts["trainer1"] == 2500, server
+        assert counts["trainer2"] >= 1, server  # it trained before it froze
+    ps0_log = (run_dir / "logs" / "ps0.log").read_text()
+    assert "'trainer2' (rank 4) left the group without shutting down" in ps0_log
+    assert f"heartbeat_timeout {HEARTBEAT:g} s" in ps0_log or "did not answer a heartbeat" in ps0_log
 
 
 @pytest.mark.timeout(300)
