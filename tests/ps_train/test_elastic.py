@@ -27,6 +27,26 @@ def curve(run_dir):
     return [value for _, value in scalars(run_dir / "tb" / "ps0")["train/num_trainers"]]
 
 
+def start_job(tmp_path, run_dir, env, *overrides, steps=2500):
+    """A local elastic job of ``steps`` steps (long enough for a second interpreter to start
+    and join while it trains), returned once trainer0 printed its first progress line, with
+    the lines it printed so far."""
+    job = subprocess.Popen([sys.executable, "-m", "ps_train", "cluster.elastic=true", f"train.steps={steps}",
+                            "train.eval_every=0", "train.log_every=50", "checkpoint.every=0",
+                            f"hydra.run.dir={run_dir}", *overrides],
+                           cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
+    for line in job.stdout:  # blocks until the job prints; ends if it exits
+        seen.append(line)
+        if line.startswith("[trainer0] step "):
+            break
+    if not (run_dir / "elastic.json").is_file():
+        job.kill()
+        job.wait()
+        raise AssertionError("the job did not start as an elastic job:\n" + "".join(seen))
+    return job, seen
+
+
 def assert_every_step_trained_once(metrics, trainers):
     """Each trainer's steps 0..STEPS-1 reached every server once: STEPS updates per trainer
     per server (a replacement continues after its predecessor's last applied step, so none
@@ -80,18 +100,9 @@ def test_in_ssp_a_joiner_that_freezes_is_removed_by_heartbeats_and_the_job_finis
     # hold the job forever; no launcher watches a joiner: ps0's heartbeats must find it.
     env = dict(os.environ, RPC_CORE_HEARTBEAT_TIMEOUT=str(HEARTBEAT))
     env.pop(FAULT_ENV, None)
-    job = subprocess.Popen([sys.executable, "-m", "ps_train", "mode=ssp", "mode.staleness=0", "cluster.elastic=true",
-                            "train.steps=2500", "train.eval_every=0", "train.log_every=50", "checkpoint.every=0",
-                            f"hydra.run.dir={run_dir}"],
-                           cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    job, seen = start_job(tmp_path, run_dir, env, "mode=ssp", "mode.staleness=0", steps=2500)
     joiner = None
     try:
-        seen = []
-        for line in job.stdout:  # blocks until the job prints; ends if it exits
-            seen.append(line)
-            if line.startswith("[trainer0] step "):
-                break
-        assert (run_dir / "elastic.json").is_file(), "".join(seen)
         joiner = subprocess.Popen([sys.executable, "-m", "ps_train", f"join={run_dir}"], cwd=tmp_path,
                                   env=dict(env, **{FAULT_ENV: "trainer2@+2:freeze"}), stdout=subprocess.DEVNULL,
                                   stderr=subprocess.DEVNULL)
@@ -117,22 +128,11 @@ def test_in_ssp_a_joiner_that_freezes_is_removed_by_heartbeats_and_the_job_finis
 @pytest.mark.timeout(300)
 def test_a_trainer_joins_a_running_job_and_its_updates_reach_the_servers(tmp_path):
     run_dir = tmp_path / "job"
-    # Long enough for a second interpreter to start while it trains (the joiner starts
-    # once trainer0 printed its first progress line).
     steps = 2500
     env = dict(os.environ)
     env.pop(FAULT_ENV, None)
-    job = subprocess.Popen([sys.executable, "-m", "ps_train", "mode=async", "cluster.elastic=true",
-                            f"train.steps={steps}", "train.eval_every=0", "train.log_every=50",
-                            "checkpoint.every=0", f"hydra.run.dir={run_dir}"],
-                           cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    job, seen = start_job(tmp_path, run_dir, env, "mode=async", steps=steps)
     try:
-        seen = []
-        for line in job.stdout:  # blocks until the job prints; ends if it exits
-            seen.append(line)
-            if line.startswith("[trainer0] step "):
-                break
-        assert (run_dir / "elastic.json").is_file(), "".join(seen)
         joiner = cli(f"join={run_dir}", cwd=tmp_path, timeout=240)
         out, _ = job.communicate(timeout=240)
     finally:

@@ -47,6 +47,8 @@ def _on_leave(name, key):
             _post(key)
 
     agent.on_membership.append(seen)
+    if name in agent._departed_names:  # it left before the listener was in place
+        _post(key)
 
 
 def _broken_listener(info, joined):
@@ -81,10 +83,11 @@ def _init(ctx, name, rank, **overrides):
 
 
 # -- join, then calls both ways ------------------------------------------------------------------------------------
-def _body_join_and_call(ctx):
+def _body_join_and_call(ctx, founded):
     if ctx.rank == 0:
         _init(ctx, "worker0", 0)
         assert _names() == ["worker0"]
+        founded.set()  # only now may the others join: the founder was alone until here
         _wait_for("worker1 in")
         _wait_for("worker2 in")
         assert _names() == ["worker0", "worker1", "worker2"]
@@ -96,6 +99,8 @@ def _body_join_and_call(ctx):
         _post("done")
         return out, across
     name = ctx.name
+    if not founded.wait(STEP):
+        raise TimeoutError(f"worker0 did not found the group within {STEP:g} s")
     if ctx.rank == 2:
         # joins once worker1 has: worker1, an existing member, must hear of it
         rpc_core.init_rpc("probe", rank=9, world_size=None, rpc_backend_options=ctx.backend_options())
@@ -114,7 +119,7 @@ def _body_join_and_call(ctx):
 
 @pytest.mark.timeout(120)
 def test_newcomers_call_and_are_called_by_name_as_soon_as_init_rpc_returns():
-    results = run_world(_body_join_and_call, 3, init=False)
+    results = run_world(_body_join_and_call, 3, init=False, args=(_mp_context().Event(),))
     out, across = results[0]
     assert out == {1: [2.0, 2.0], 2: [3.0, 3.0]}
     assert across == ("worker2", "worker1")
