@@ -272,8 +272,16 @@ def _body_lifetime(ctx):
         rref = rpc_core.remote(1, _add, args=(torch.ones(3), 0))
         assert rpc_core.rpc_sync(2, _keep, args=(rref,))  # worker2 keeps a fork, confirmed
         del rref
-        gc.collect()
+    rpc_core._barrier(names)  # _keep ran on worker2
+    if ctx.rank == 2:
+        # worker2 tells worker0 (the fork's parent) that it accepted the fork with a call of
+        # its own, which may come after _keep's answer; until it does, worker0 keeps its
+        # handle. flush() here waits until worker0 has heard it.
         rref_mod.flush()
+    rpc_core._barrier(names)
+    if ctx.rank == 0:
+        gc.collect()
+        rref_mod.flush()  # worker0's delete reaches the owner
     rpc_core._barrier(names)  # worker0 let go; worker2 still holds its fork
     if ctx.rank == 1:
         tables = _rref_tables()
