@@ -54,8 +54,8 @@ class RemoteFunctionError(RpcError):
     """A remote exception whose original type could not be rebuilt on the caller."""
 
 
-# Set on an exception rebuilt from another worker's answer (not an RpcError, or one whose
-# ``worker`` is the one it was about there): the worker its chain of causes named.
+# Set on an exception of another type than RpcError rebuilt from another worker's answer:
+# the worker its chain of causes named there (a rebuilt RpcError carries it in ``worker``).
 PEER_ATTRIBUTE = "_rpc_core_peer"
 
 
@@ -67,8 +67,7 @@ def failed_worker(error: BaseException) -> str | None:
     e: BaseException | None = error
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        worker = e.worker if isinstance(e, RpcError) else None
-        worker = worker or getattr(e, PEER_ATTRIBUTE, None)
+        worker = e.worker if isinstance(e, RpcError) else getattr(e, PEER_ATTRIBUTE, None)
         if worker:
             return str(worker)
         e = e.__cause__ or e.__context__

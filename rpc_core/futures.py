@@ -134,8 +134,8 @@ def rebuild_exception(info: wire.ExceptionInfo) -> BaseException:
             f"{info.type_module}.{info.type_qualname}: {info.message}"
         )
     setattr(error, _RAISED_ON, info.worker)
-    if info.peer:
-        if isinstance(error, RpcError):
-            error.worker = info.peer
-        setattr(error, PEER_ATTRIBUTE, info.peer)
+    if info.peer and isinstance(error, RpcError):
+        error.worker = info.peer
+    elif info.peer:
+        setattr(error, PEER_ATTRIBUTE, info.peer)  # another type has no ``worker``
     return error
