@@ -63,13 +63,10 @@ means "only at the end"; it cannot be turned off) and one status RPC per server.
 single process: steps x batch / wall time of its loop, measured the same way (clock started
 before the first batch, stopped after the last step, warm-up steps included, no checkpoint).
 
-One-off costs inside the loop differ by backend. When this was written: the final
-checkpoint ~10-30 ms; the first step ~0.1 s on torch, ~0.5-0.9 s on rpc_core (its first
-backward in each process calls ``torch.autograd.grad`` with explicit gradients, which
-imports ``torch.fx.experimental.symbolic_shapes`` and sympy). The full run's step counts
-keep that to roughly a tenth of rpc_core's MLP loop time and a few percent of the CNN's;
---quick figures, the MLP's above all, are skewed by it: use them to check that everything
-runs, not to judge the targets.
+One-off costs inside the loop, when this was written: the final checkpoint ~10-30 ms; the
+first step (a 1-step run, checkpoint included) ~30 ms on rpc_core, ~60 ms on torch. The
+full run's step counts keep them well under a tenth of every loop time; --quick figures
+are noisier: use them to check that everything runs, not to judge the targets.
 
 Steps (per trainer): full run: mlp 2000, cnn 400; --quick: mlp 600, cnn 100.
 

@@ -52,8 +52,7 @@ _PRELOAD = ["ps_train.launch", "ps_train.server", "ps_train.trainer", "ps_train.
             "ps_train.data", "ps_train.metrics", "rpc_core", "rpc_core.autograd", "sklearn.datasets",
             "ps_train.ctr_trainer",
             "sklearn.model_selection", "torch.utils.tensorboard",
-            "torch._dynamo",  # the first torch.optim optimizer imports it: ~2.5 s of CPU per server
-            "torch.fx.experimental.symbolic_shapes"]  # first autograd.grad with grads imports sympy
+            "torch._dynamo"]  # the first torch.optim optimizer imports it: ~2.5 s of CPU per server
 
 
 class RoleFailed(RuntimeError):

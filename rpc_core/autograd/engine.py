@@ -71,6 +71,11 @@ Returned = list[tuple[int, list[Any]]] | None
 ANCHOR = torch.empty(0, requires_grad=True)
 _accumulating = threading.Lock()  # root passes that run AccumulateGrad take turns with .grad
 
+try:  # what torch.autograd.grad and .backward call once they have checked their arguments
+    from torch.autograd.graph import _engine_run_backward
+except ImportError:  # a torch without it: the public functions
+    _engine_run_backward = None
+
 
 def is_anchor(t: torch.Tensor) -> bool:
     return t is ANCHOR
@@ -118,7 +123,7 @@ def _accumulate_pass(starts: Sequence[torch.Tensor], grads: Sequence[torch.Tenso
         for t in inputs:
             t.grad = None
         try:
-            torch.autograd.backward(list(starts), list(grads), retain_graph=True, inputs=inputs)
+            _run_pass(starts, grads, inputs, accumulate=True)
             # A DDP gradient may be a view of its bucket (gradient_as_bucket_view=True),
             # which the next backward overwrites: the context keeps its own copy.
             return [None if t.grad is None else t.grad.clone() if t.grad._base is not None else t.grad
@@ -126,6 +131,25 @@ def _accumulate_pass(starts: Sequence[torch.Tensor], grads: Sequence[torch.Tenso
         finally:
             for t, g in zip(inputs, saved, strict=True):
                 t.grad = g
+
+
+def _run_pass(starts: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], inputs: list[torch.Tensor],
+              accumulate: bool) -> tuple[torch.Tensor | None, ...]:
+    """``torch.autograd.grad`` (``accumulate``: ``.backward``, into the inputs' ``.grad``)
+    from ``starts`` with ``grads``, keeping the graph. Straight into torch's engine: every
+    gradient here is a tensor, one per start (roots' are ones, the others come from
+    ``_pass_from_send``), and the engine checks each one's shape against its start; the
+    public functions' own checks in Python cost more than a small layer's backward (and
+    the first one imports sympy). Tensor subclasses that override torch functions take the
+    public path, which dispatches to them."""
+    if _engine_run_backward is None or torch.overrides.has_torch_function((*starts, *inputs)):
+        if accumulate:
+            torch.autograd.backward(list(starts), list(grads), retain_graph=True, inputs=inputs)
+            return ()
+        return torch.autograd.grad(list(starts), inputs, list(grads), retain_graph=True, allow_unused=True)
+    out: tuple[torch.Tensor | None, ...] = _engine_run_backward(
+        tuple(starts), tuple(grads), True, False, tuple(inputs), True, accumulate)
+    return out
 
 
 def local_pass(ctx: _context.DistAutogradContext, starts: Sequence[torch.Tensor],
@@ -150,8 +174,7 @@ def local_pass(ctx: _context.DistAutogradContext, starts: Sequence[torch.Tensor]
         if root and any(not is_anchor(t) for t in inputs):
             results = _accumulate_pass(starts, grads, inputs)
         else:
-            results = list(torch.autograd.grad(list(starts), inputs, list(grads), retain_graph=True,
-                                               allow_unused=True))
+            results = list(_run_pass(starts, grads, inputs, accumulate=False))
     finally:
         _pass_tls.futures, _pass_tls.waited, _pass_tls.reply = prev
         _context.set_current(prev_ctx)

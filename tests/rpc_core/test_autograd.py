@@ -522,6 +522,40 @@ def case_different_dtypes() -> None:
     verify(fwd, [((3, 3), torch.float32, True), ((3, 3), F64, True), ((3, 3), torch.float32, True)], seed=13)
 
 
+class Traced(torch.Tensor):
+    """A tensor subclass that overrides torch functions, as wrappers for logging or
+    parallelism do; it travels as a plain tensor."""
+
+    calls = 0
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        Traced.calls += 1
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def case_tensor_subclass_leaf() -> None:
+    """A leaf of a subclass that overrides torch functions: its gradient as in plain torch
+    (backward passes over such tensors go through torch's public functions, as in torch)."""
+    def make() -> torch.Tensor:
+        g = torch.Generator().manual_seed(21)
+        return torch.rand(3, 3, generator=g, dtype=F64).as_subclass(Traced).requires_grad_()
+
+    def fwd(dist: bool, a: torch.Tensor) -> torch.Tensor:
+        return (call(dist, "sync", W1, torch.mul, a, a) * a).sum() + call(dist, "remote", W2, udf, a, a).sum()
+
+    local = make()
+    fwd(False, local).backward()
+    before = Traced.calls
+    a = make()
+    with dist_autograd.context() as cid:
+        dist_autograd.backward(cid, [fwd(True, a)])
+        grads = dist_autograd.get_gradients(cid)
+    assert Traced.calls > before, "the subclass's __torch_function__ never ran"
+    assert a.grad is None and list(grads) == [a], grads
+    assert_close(grads[a].as_subclass(torch.Tensor), local.grad.as_subclass(torch.Tensor), "subclass leaf")
+
+
 def case_module_shards() -> None:
     """Two nn.Module shards owned by workers 1 and 2, driven through RRef proxies, and a
     parameter owned by worker3 fetched with to_here and used on the trainer."""
