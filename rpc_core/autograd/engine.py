@@ -41,7 +41,7 @@ many concurrent passes), so DDP modules belong on the worker that calls ``backwa
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -71,10 +71,10 @@ Returned = list[tuple[int, list[Any]]] | None
 ANCHOR = torch.empty(0, requires_grad=True)
 _accumulating = threading.Lock()  # root passes that run AccumulateGrad take turns with .grad
 
-try:  # what torch.autograd.grad and .backward call once they have checked their arguments
-    from torch.autograd.graph import _engine_run_backward
-except ImportError:  # a torch without it: the public functions
-    _engine_run_backward = None
+# What torch.autograd.grad and .backward call once they have checked their arguments (None
+# in a torch without it: then the public functions).
+_engine_run_backward: Callable[..., tuple[torch.Tensor | None, ...]] | None = getattr(
+    torch.autograd.graph, "_engine_run_backward", None)
 
 
 def is_anchor(t: torch.Tensor) -> bool:

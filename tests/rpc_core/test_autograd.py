@@ -553,6 +553,7 @@ def case_tensor_subclass_leaf() -> None:
         grads = dist_autograd.get_gradients(cid)
     assert Traced.calls > before, "the subclass's __torch_function__ never ran"
     assert a.grad is None and list(grads) == [a], grads
+    assert local.grad is not None
     assert_close(grads[a].as_subclass(torch.Tensor), local.grad.as_subclass(torch.Tensor), "subclass leaf")
 
 
