@@ -326,6 +326,28 @@ def test_the_run_queue_is_read_from_loadavg_and_unknown_text_counts_as_spare():
     assert isinstance(polling.spare_core(), bool)  # the real file, read once
 
 
+def test_the_spare_core_gate_averages_its_looks(tmp_path, monkeypatch):
+    """On 2 cores: a third task in some looks (a helper thread waking) keeps polling on; a
+    third task in every look (a CPU hog beside a busy pair) turns it off within a few
+    looks, and its going away turns it on again."""
+    loadavg = tmp_path / "loadavg"
+    monkeypatch.setattr(polling, "_LOADAVG", str(loadavg))
+    monkeypatch.setattr(polling, "_RUN_QUEUE_TTL", 0.0)  # every call looks
+    monkeypatch.setattr(polling._RunQueue, "at", -1.0)
+    monkeypatch.setattr(polling._RunQueue, "average", -1.0)
+    monkeypatch.setattr(polling._RunQueue, "cores", 2)
+
+    def look(runnable: int) -> bool:
+        loadavg.write_text(f"0.52 0.61 0.70 {runnable}/456 12345\n")
+        return polling.spare_core()
+
+    assert [look(n) for n in (2, 3, 2, 3, 2, 2, 3, 2, 3, 2)] == [True] * 10
+    assert [look(4) for _ in range(4)][-1] is False  # a busy machine: closed after a few looks
+    assert look(3) is False
+    assert [look(2) for _ in range(6)][-1] is True  # open again once the extra tasks are gone
+    assert look(4) is True  # one crowded look alone does not close it
+
+
 def test_a_reader_on_a_machine_without_a_spare_core_blocks_without_polling(pool, pair, yields, no_spare_core):
     a, b = pair
     assert _recv_after_gap(pool, a, b, 0.01)[2] == b"after the gap"
