@@ -22,7 +22,7 @@ from ps_train.config import DataConfig, DigitsConfig, SyntheticConfig, VisionDat
 
 __all__ = [
     "TensorSplit", "DatasetNotFoundError", "load_data",
-    "partition", "steps_per_epoch", "total_steps", "BatchIterator", "iter_eval_batches",
+    "partition", "steps_per_epoch", "total_steps", "PartitionCursor", "BatchIterator", "iter_eval_batches",
 ]
 
 # name -> (torchvision class name, per-channel mean, std) of the 0..1 pixels; the sample
@@ -194,12 +194,59 @@ def total_steps(steps: int | None, epochs: int | None, n_items: int, world: int,
     return epochs * steps_per_epoch(n_items, world, batch_size)
 
 
-class BatchIterator(Iterator[tuple[Tensor, Tensor]]):
-    """Endless batches of trainer ``rank``'s partition, epoch after epoch (drops the tail).
+class PartitionCursor:
+    """Trainer ``rank``'s position in the per-epoch seeded partitions of ``n_items`` samples
+    (``partition``): ``(epoch, offset)``, ``offset`` = samples of this epoch's partition
+    already consumed. Only the first ``n_items // world`` samples of each partition are used,
+    in full batches, so every rank takes the same number of steps per epoch
+    (``steps_per_epoch``), as sync mode needs. ``state_dict`` / ``load_state_dict`` save and
+    restore the position exactly; a saved position is only valid for the same ``_valid_for``
+    settings."""
 
-    The position is ``(epoch, offset)`` with ``offset`` = samples of this epoch's partition
-    already consumed; ``state_dict`` / ``load_state_dict`` save and restore it exactly.
-    """
+    rank: int
+    world: int
+    seed: int
+    batch_size: int
+    n_items: int
+    _valid_for: tuple[str, ...] = ("rank", "world", "seed")
+    _resume_hint = "resume with the same seed and cluster.num_trainers"
+
+    def _start(self) -> None:
+        self.epoch, self.offset = 0, 0
+        self._perm: Tensor | None = None
+        self._perm_epoch = -1
+
+    def _indices(self) -> Tensor:
+        if self._perm is None or self._perm_epoch != self.epoch:
+            self._perm = partition(self.n_items, self.rank, self.world, self.seed, self.epoch)
+            self._perm_epoch = self.epoch
+        return self._perm
+
+    def _next_indices(self) -> Tensor:
+        """The next batch's sample indices [batch_size] (a new epoch once this one's are used)."""
+        if self.offset + self.batch_size > self.n_items // self.world:
+            self.epoch, self.offset = self.epoch + 1, 0
+        idx = self._indices()[self.offset:self.offset + self.batch_size]
+        self.offset += self.batch_size
+        return idx
+
+    def state_dict(self) -> dict[str, int]:
+        """JSON-safe position, plus the settings it is only valid for."""
+        return {"epoch": self.epoch, "offset": self.offset, **{k: getattr(self, k) for k in self._valid_for}}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        for key in self._valid_for:
+            if key in state and state[key] != getattr(self, key):
+                raise ValueError(
+                    f"cannot restore a data position saved with {key}={state[key]} into a trainer with "
+                    f"{key}={getattr(self, key)}; {self._resume_hint}")
+        if state["epoch"] < 0 or not 0 <= state["offset"] <= self.n_items // self.world:
+            raise ValueError(f"invalid data position {state}")
+        self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
+
+
+class BatchIterator(PartitionCursor, Iterator[tuple[Tensor, Tensor]]):
+    """Endless batches of trainer ``rank``'s partition, epoch after epoch (``PartitionCursor``)."""
 
     def __init__(self, dataset: Dataset[Any], rank: int, world: int, batch_size: int, seed: int) -> None:
         self.dataset, self.rank, self.world, self.seed = dataset, rank, world, seed
@@ -212,41 +259,13 @@ class BatchIterator(Iterator[tuple[Tensor, Tensor]]):
                 f"{self.n_items // world} of {self.n_items} training samples, not a full batch; "
                 "lower train.batch_size or cluster.num_trainers")
         partition(self.n_items, rank, world, seed, 0)  # validates rank/world early
-        self.epoch, self.offset = 0, 0
-        self._perm: Tensor | None = None
-        self._perm_epoch = -1
-
-    def _indices(self) -> Tensor:
-        if self._perm is None or self._perm_epoch != self.epoch:
-            self._perm = partition(self.n_items, self.rank, self.world, self.seed, self.epoch)
-            self._perm_epoch = self.epoch
-        return self._perm
+        self._start()
 
     def __next__(self) -> tuple[Tensor, Tensor]:
-        # Only the first n_items // world samples of each partition are used, so every rank
-        # has the same batches per epoch.
-        if self.offset + self.batch_size > self.n_items // self.world:
-            self.epoch, self.offset = self.epoch + 1, 0
-        idx = self._indices()[self.offset:self.offset + self.batch_size]
-        self.offset += self.batch_size
+        idx = self._next_indices()
         if isinstance(self.dataset, TensorSplit):
             return self.dataset[idx]
         return default_collate([self.dataset[int(i)] for i in idx])
-
-    def state_dict(self) -> dict[str, int]:
-        """JSON-safe position (plus what it is only valid for)."""
-        return {"epoch": self.epoch, "offset": self.offset, "rank": self.rank,
-                "world": self.world, "seed": self.seed}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        for key in ("rank", "world", "seed"):
-            if key in state and state[key] != getattr(self, key):
-                raise ValueError(
-                    f"cannot restore data position saved with {key}={state[key]} into a trainer with "
-                    f"{key}={getattr(self, key)}; resume with the same seed and cluster.num_trainers")
-        if state["epoch"] < 0 or not 0 <= state["offset"] <= self.n_items // self.world:
-            raise ValueError(f"invalid data position {state}")
-        self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
 
 
 def iter_eval_batches(dataset: TensorSplit, batch_size: int) -> Iterator[tuple[Tensor, Tensor]]:
