@@ -1,4 +1,4 @@
-"""rpc_core's imports point down only (DESIGN.md §2).
+"""rpc_core's imports point down only (docs/design.md, "Layout"; the order is ``rpc_core._LAYERS``).
 
 Reads every module of rpc_core with ``ast`` (no import runs) and collects every import of
 an rpc_core module: module-level and function-level, relative and absolute. Checks that
