@@ -73,7 +73,7 @@ class Config:
         p.need(self.mode.name in ("async", "ssp"),
                f"cluster.elastic=true needs mode=async or mode=ssp (got mode={self.mode.name}): every sync round "
                "waits for every trainer's gradient, so a dead trainer stops the round; use cluster.max_restarts "
-               "to restart a sync run from its latest checkpoint instead (docs/failures.md)")
+               "to restart a sync run from its latest checkpoint instead (docs/training_failures.md)")
         p.need(self.backend == "rpc_core",
                "cluster.elastic=true needs backend=rpc_core: torch.distributed.rpc reports no dead or frozen "
                "peers to the servers and reads a dynamic group's members once, at join")
