@@ -212,7 +212,7 @@ def run(impl_name, spin, jobs, profile):
             break
         try:
             msg = queue.get(timeout=1.0)
-        except Exception:  # noqa: BLE001 - queue.Empty: look at the processes again
+        except Exception:  # noqa: BLE001 - Empty, or a message cut by a dying rank: look at the processes
             continue
         if msg[0] == "unavailable":
             print(f"{impl_name}: unavailable: {msg[1]}")

@@ -156,10 +156,10 @@ def write_provenance(run_dir: str, cfg: Config, overrides: list[str]) -> None:
     }
     for name in ("torch", "torchvision", "hydra-core", "omegaconf", "tensorboard", "numpy", "scikit-learn"):
         try:
-            from importlib.metadata import version
+            from importlib.metadata import PackageNotFoundError, version
 
             info["packages"][name] = version(name)
-        except Exception:
+        except PackageNotFoundError:
             info["packages"][name] = None
     repo = Path(__file__).resolve().parent.parent
     try:

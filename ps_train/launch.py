@@ -199,7 +199,7 @@ def _child(cfg_dict: dict[str, Any], rank: int, port: int, secret: str, run_dir:
             results.put(out)
             results.close()
             results.join_thread()  # the result is in the pipe before we exit
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - any failure of a role is reported, then it exits 1
         msg = traceback.format_exc()
         logging.getLogger("ps_train").error("%s failed:\n%s", name, msg)
         sys.stderr.write(f"[{name}] failed:\n{msg}")

@@ -77,7 +77,7 @@ class Calls:
         if rec is None:  # timed out or failed already: the late answer is dropped, but not its news
             try:
                 extras = decode_head(head)[1]
-            except Exception:
+            except Exception:  # noqa: BLE001 - a late answer that cannot be decoded has no news
                 return
             self._response_extras(extras, {})
             return
@@ -96,7 +96,7 @@ class Calls:
                 info, extras = deserialize(head, body, storages)
                 self._response_extras(extras, call_extras)
                 self._complete(fut, error=rebuild_exception(info), inline=False, counted=counted)
-        except BaseException as e:  # a response we cannot decode fails its call, not the reader
+        except BaseException as e:  # noqa: BLE001 - a response we cannot decode fails its call, not the reader
             self._complete(fut, error=RpcError(f"could not decode the response from {self.describe(src)}: {e!r}"),
                            inline=False, counted=counted)
 

@@ -125,7 +125,7 @@ class Deadlines:
             for fn in due:
                 try:
                     fn()
-                except Exception:  # noqa: BLE001 - one failing job must not stop the timer
+                except Exception:  # one failing job must not stop the timer (logged)
                     log.exception("rpc_core %s: a timer job failed", self._name)
             if not expired and not kicks and not due:
                 self._wake.wait(max(0.0, next_wake - time.monotonic()))

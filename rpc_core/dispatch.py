@@ -89,7 +89,7 @@ class Dispatch:
                 if not self.pool.run_inline(resume, self._run_request, conn, peer, h, req, body, storages,
                                             waiting=waiting, stalled=conn.flush_queued):
                     return  # the loop goes on in another thread
-        except Exception as e:  # never leave a dead reader behind an open socket
+        except Exception as e:  # noqa: BLE001 - never leave a dead reader behind an open socket
             self._connection_lost(conn, peer, False, self._loss(peer, e))
         finally:
             _loop.conn = None
@@ -112,7 +112,7 @@ class Dispatch:
         thread that read the request runs this before it reads the next message."""
         try:
             metas, extras = decode_head(head)
-        except Exception as e:  # the request fails with it (see _run_request)
+        except Exception as e:  # noqa: BLE001 - the request fails with it (see _run_request)
             return _Head((), {}, e)
         extras = extras or {}
         for m in self.middleware:
@@ -149,7 +149,7 @@ class Dispatch:
                     lambda _: self.pool.submit(self._execute, conn, src, h, func, args, kwargs, extras))
                 return
             self._execute(conn, src, h, func, args, kwargs, extras)
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001 - whatever the call raised goes back to its caller
             self._respond_error(conn, h, e, extras)
 
     def _execute(self, conn: Any, src: int, h: wire.FrameHeader, func: Any, args: tuple[Any, ...],
@@ -171,7 +171,7 @@ class Dispatch:
             else:
                 result = func(*args, **kwargs)
                 self._respond(conn, src, h, result, extras)
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001 - whatever the call raised goes back to its caller
             self._respond_error(conn, h, e, extras)
         finally:
             # strict=False: the profiler may append its middleware while this call ran (never removes one)
@@ -182,7 +182,7 @@ class Dispatch:
                         extras: dict[str, Any]) -> None:
         try:
             value = f.value()
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001 - whatever the call raised goes back to its caller
             self._respond_error(conn, h, e, extras)
             return
         self._respond(conn, src, h, value, extras)
@@ -195,7 +195,7 @@ class Dispatch:
                 m.outgoing(src, ser.tensors, resp, extras)
                 m.response_extras(extras, resp)
             head = encode_head(ser.metas, resp)
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001 - the caller gets it as an RpcError
             self._respond_error(conn, h, RpcError(f"{self.me.name} could not serialize the result: {e!r}"), extras)
             return
         self._send_answer(conn, h, extras, wire.RESPONSE, head, ser.body, ser.buffers)

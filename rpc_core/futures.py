@@ -45,7 +45,7 @@ def set_error(fut: torch._C.Future[Any], error: BaseException) -> None:
 def _raise_copy(error: BaseException) -> None:
     try:
         fresh = copy.copy(error)
-    except Exception:
+    except Exception:  # noqa: BLE001 - a type whose constructor cannot rebuild it from its args
         raise error from None  # its constructor cannot rebuild it from its args: raise the original
     raise fresh from (error if error.__traceback__ is not None else None)
 
@@ -100,7 +100,7 @@ def settle(futures: Iterable[torch.futures.Future[Any]]) -> tuple[list[Any], lis
     for f in futures:
         try:
             values.append(f.wait())
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001 - collected for the caller
             errors.append(e)
     return values, errors
 
@@ -126,7 +126,7 @@ def rebuild_exception(info: wire.ExceptionInfo) -> BaseException:
             obj = getattr(obj, part)
         if isinstance(obj, type) and issubclass(obj, BaseException):
             error = obj(info.message)
-    except Exception:
+    except Exception:  # noqa: BLE001 - importing or building another worker's type may fail in any way
         pass
     if error is None:
         error = RemoteFunctionError(

@@ -224,7 +224,7 @@ class Outbound:
     def _read_one(self) -> None:
         try:
             frame = self.conn.recv()
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001 - any failure to read loses the connection, failing its calls with it
             with self._cv:
                 if self._closed:
                     return

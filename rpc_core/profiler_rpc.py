@@ -229,7 +229,7 @@ def _wrap_call(exec_mode: str, func: Any, dst: int,
     def finish(f: torch.futures.Future[Any]) -> None:
         try:
             out.set_result(f.value())
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001 - passed on to the user's future
             out.set_exception(e)
 
     def done(f: torch.futures.Future[Any]) -> None:

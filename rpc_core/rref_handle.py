@@ -244,7 +244,7 @@ def _succeeded(f: torch.futures.Future[Any]) -> bool:
     try:
         f.wait()
         return True
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - any error means it did not succeed
         return False
 
 

@@ -195,7 +195,7 @@ def _on_create(rref_id: Id, fork_id: Id | None, func: Any, args: tuple[Any, ...]
             result.add_done_callback(lambda f: _copy_outcome(e.value, f))
         else:
             e.value.set_result(result)
-    except BaseException as exc:
+    except BaseException as exc:  # noqa: BLE001 - the function's error is the RRef's outcome
         _futures.set_error(e.value, exc)
     if e.value.done():  # the usual case: acknowledge at once, without a then() callback
         ack: torch.futures.Future[None] = torch.futures.Future()
@@ -215,7 +215,7 @@ def store_creation_error(rref_id: Id, error: BaseException) -> None:
 def _copy_outcome(target: torch.futures.Future[Any], source: torch.futures.Future[Any]) -> None:
     try:
         target.set_result(source.value())
-    except BaseException as exc:
+    except BaseException as exc:  # noqa: BLE001 - the function's error is the RRef's outcome
         _futures.set_error(target, exc)
 
 

@@ -109,20 +109,20 @@ def _child_main(body: Callable[..., Any], ctx: WorkerContext, args: tuple, init:
         if init:
             ctx.init()
         outcome = ("ok", body(ctx, *args))
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - any failure is the rank's outcome
         outcome = ("error", f"rank {ctx.rank} raised:\n{traceback.format_exc()}")
     if outcome[0] == "ok" and _is_initialized():
         import rpc_core
 
         try:
             rpc_core.shutdown()
-        except BaseException:
+        except BaseException:  # noqa: BLE001 - any failure is the rank's outcome
             outcome = ("error", f"rank {ctx.rank}: shutdown() raised:\n{traceback.format_exc()}")
     # A failed rank reports at once and exits without a graceful shutdown (its peers may be
     # waiting for it in a barrier); its closed connections tell them it is gone.
     try:
         conn.send(outcome)
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - the parent must hear of it
         conn.send(("error", f"rank {ctx.rank}: could not send its result back:\n{traceback.format_exc()}"))
     conn.close()
     sys.stdout.flush()

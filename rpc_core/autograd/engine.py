@@ -280,7 +280,7 @@ def _on_this_node(e: BaseException) -> BaseException:
     msg = f"{_prefix(me)}: in distributed backward: {e}"
     try:
         wrapped = type(e)(msg)  # keep the type (WorkerUnavailableError, RpcTimeoutError, ...)
-    except Exception:
+    except Exception:  # noqa: BLE001 - a type's constructor may refuse a lone message
         wrapped = RuntimeError(f"{_prefix(me)}: in distributed backward: {type(e).__name__}: {e}")
     wrapped.__cause__ = e
     return wrapped
@@ -326,7 +326,7 @@ def _finish_when_answered(ctx: _context.DistAutogradContext, futures: list[torch
             values, errors = _wait(futures)  # all done: this does not block
             _raise_all(errors)
             more = _continue(ctx, values, False, reply)
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001 - the backward's waiter gets it
             done.set_exception(e)
             return
         _finish_when_answered(ctx, more, reply, done)

@@ -110,7 +110,7 @@ def _send_cleanup(per_worker: dict[int, list[int]]) -> list[torch.futures.Future
     for w, ids in per_worker.items():
         try:
             futs.append(agent.send_request(w, _on_cleanup, (ids, agent.me.id), {}, timeout=0))
-        except Exception:
+        except Exception:  # noqa: BLE001 - best effort: one worker not told must not stop the rest
             pass  # a dead worker has nothing left to clean
     if futs:
         with _cleanups_lock:

@@ -175,7 +175,7 @@ def _body_threads(ctx):
         try:
             for i in range(20):
                 assert rpc_core.rpc_sync(1 - ctx.rank, _add, args=(k, i)) == k + i
-        except BaseException as e:  # reported below
+        except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
     threads = [threading.Thread(target=hammer, args=(k,)) for k in range(6)]

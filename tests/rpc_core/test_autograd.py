@@ -655,7 +655,7 @@ def _backward_in_thread(cid: int, roots: list[torch.Tensor], seconds: float) -> 
     def run() -> None:
         try:
             dist_autograd.backward(cid, roots)
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001 - re-raised on the test's thread
             err.append(e)
 
     t = threading.Thread(target=run, daemon=True)
@@ -708,7 +708,7 @@ def remote_trainer(p_rref: Any, seed: int, iters: int) -> str | None:
     try:
         _thread_trainer(p_rref, seed, iters, None)
         return None
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - returned for the test to report
         return traceback.format_exc()
 
 
@@ -724,7 +724,7 @@ def case_concurrent_contexts() -> None:
     def run(seed: int) -> None:
         try:
             _thread_trainer(p_rref, seed, 3, barrier)
-        except BaseException:
+        except BaseException:  # noqa: BLE001 - reported after the threads end
             errors.append(traceback.format_exc())
             barrier.abort()
 
@@ -904,7 +904,7 @@ def _main_world(ctx: Any) -> dict[str, str | None] | None:
         try:
             fn()
             outcomes[name] = None
-        except BaseException:
+        except BaseException:  # noqa: BLE001 - each case's outcome is reported
             outcomes[name] = traceback.format_exc()
     return outcomes
 

@@ -125,7 +125,7 @@ def _body_both_ways(ctx):
         try:
             for _ in range(5):
                 _check_same((t,), rpc_core.rpc_sync(other, _echo, args=(t,), timeout=60))
-        except BaseException as e:  # reported below
+        except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
     threads = [threading.Thread(target=loop, args=(t,)) for t in tensors]
