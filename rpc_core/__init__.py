@@ -10,10 +10,8 @@ from typing import Any
 
 from . import autograd, functions, optim, profiler  # autograd installs its middleware at init_rpc
 from . import rref as _rref
-
-# imported for its effect: scripted functions and modules travel in messages
-from . import torchscript as _torchscript  # noqa: F401
-from .agent import current_agent as _current_agent
+from .agent.agent import current_agent as _current_agent
+from .agent.worlds import WorkerInfo
 from .api import (
     BackendType,
     get_rpc_timeout,
@@ -56,8 +54,10 @@ from .options import (
 )
 from .options import DEFAULT_RPC_TIMEOUT_SEC as _DEFAULT_RPC_TIMEOUT_SEC  # noqa: F401
 from .options import UNSET_RPC_TIMEOUT as _UNSET_RPC_TIMEOUT  # noqa: F401
+
+# imported for its effect: scripted functions and modules travel in messages
+from .protocol import torchscript as _torchscript  # noqa: F401
 from .rref import RRef
-from .worlds import WorkerInfo
 
 PyRRef = RRef  # torch's RRef derives from PyRRef; isinstance checks against either name hold
 
@@ -67,31 +67,48 @@ PyRRef = RRef  # torch's RRef derives from PyRRef; isinstance checks against eit
 # replaced knowing only those below it. tests/rpc_core/test_layering.py enforces this on
 # every import, module- or function-level; a new module must be placed here.
 _LAYERS: tuple[tuple[str, ...], ...] = (
-    # foundations: no rpc_core imports
-    ("knobs", "polling", "middleware"),
-    ("errors", "wire", "options", "functions", "memory", "cma", "pool", "serialization"),
-    ("handshake", "futures", "torchscript"),
-    ("buffers",),
-    ("sending",),
-    ("transport",),  # connections: bytes only
-    ("worlds",),  # WorkerInfo, and the World a rendezvous gives
-    ("rendezvous", "outbound"),
-    ("roster",),  # who is in the group (a part of the agent)
-    ("deadlines", "completion", "dispatch"),  # the worker's parts: timer, pending calls, requests
-    ("heartbeats",),  # the worker's liveness watch of the peers it waits on
-    ("connections",),
-    ("agent",),  # the worker
-    ("calls", "lifecycle", "registry"),  # a user call; init/shutdown hooks, barriers; joins and leaves
+    # foundations, at the top level: no other rpc_core imports but knobs
+    ("knobs", "errors", "functions"),
+    ("options", "memory"),
+    # protocol/: what travels, independent of how
+    ("protocol.wire", "protocol.serialization"),
+    ("protocol.torchscript",),
+    ("protocol",),
+    # transport/: authenticated connections that carry frames; bytes only
+    ("transport.cma", "transport.polling"),
+    ("transport.handshake",),
+    ("transport.buffers",),
+    ("transport.sending",),
+    ("transport.stream",),  # Connection: frames over a stream socket
+    ("transport",),
+    # agent/: the worker and its parts
+    ("agent.pool", "agent.middleware"),
+    ("agent.futures", "agent.worlds"),  # futures of calls; WorkerInfo and the World a rendezvous gives
+    ("agent.outbound",),
+    ("agent.roster",),  # who is in the group (a part of the agent)
+    ("agent.deadlines", "agent.completion", "agent.dispatch"),  # the worker's parts: timer, pending calls, requests
+    ("agent.heartbeats",),  # the worker's liveness watch of the peers it waits on
+    ("agent.connections",),
+    ("agent.agent",),  # the worker
+    ("agent.calls",),  # a user call
+    ("agent",),
+    # group/: finding each other, joining and leaving, starting and ending together
+    ("group.rendezvous",),
+    ("group.lifecycle", "group.registry"),  # init/shutdown hooks, barriers; joins and leaves
+    ("group",),
+    # autograd/: distributed autograd
     ("autograd.context",),
     ("autograd.engine", "autograd.release"),
     ("autograd.recording",),
     ("autograd",),  # the distributed autograd package's face
-    ("rref_state",),  # RRef tables and the owner's handlers
-    ("rref_release",),  # garbage-collected handles -> deletes
-    ("rref_handle",),  # the RRef class, proxies, remote()
-    ("rref_fork",),  # RRefs in messages; the protocol's middleware
+    # rref/: remote references
+    ("rref.state",),  # RRef tables and the owner's handlers
+    ("rref.release",),  # garbage-collected handles -> deletes
+    ("rref.handle",),  # the RRef class, proxies, remote()
+    ("rref.fork",),  # RRefs in messages; the protocol's middleware
     ("rref",),  # the RRef group's face
-    ("optim", "profiler_rpc", "nn.remote_module"),
+    # the upper layers and their faces
+    ("optim", "profiler.rpc_events", "nn.remote_module"),
     ("profiler", "nn"),  # nn: RemoteModule's package face
     ("api",),  # the facade: composes the layers into init_rpc/shutdown/...
     ("",),  # rpc_core itself: the public names

@@ -11,20 +11,21 @@ import logging
 import time
 from typing import Any
 
-from . import agent as _agent_mod
-from . import lifecycle, memory, registry
+from . import memory
 from . import rref as _rref
-from .agent import Agent, current_agent
-from .calls import call_wrappers, rpc_async, rpc_sync  # noqa: F401 (re-exported: the facade)
-from .calls import invoke_async as _invoke_async  # noqa: F401 (re-exported: its historical home)
+from .agent import agent as _agent_mod
+from .agent.agent import Agent, current_agent
+from .agent.calls import call_wrappers, rpc_async, rpc_sync  # noqa: F401 (re-exported: the facade)
+from .agent.calls import invoke_async as _invoke_async  # noqa: F401 (re-exported: its historical home)
+from .agent.worlds import WorkerInfo
 from .errors import RpcError, WorkerUnavailableError
-from .lifecycle import all_gather as _all_gather  # noqa: F401 (re-exported)
-from .lifecycle import barrier as _barrier  # noqa: F401 (re-exported)
-from .lifecycle import wait_all_workers as _wait_all_workers
+from .group import lifecycle, registry
+from .group.lifecycle import all_gather as _all_gather  # noqa: F401 (re-exported)
+from .group.lifecycle import barrier as _barrier  # noqa: F401 (re-exported)
+from .group.lifecycle import wait_all_workers as _wait_all_workers
+from .group.rendezvous import rendezvous
 from .options import DEFAULT_SHUTDOWN_TIMEOUT, RpcBackendOptions
-from .rendezvous import rendezvous
 from .rref import remote  # noqa: F401 (re-exported: the facade)
-from .worlds import WorkerInfo
 
 __all__ = [
     "BackendType", "get_rpc_timeout", "get_worker_info", "init_rpc", "is_available", "remote", "rpc_async", "rpc_sync",

@@ -92,7 +92,7 @@ class WorkerContext:
 
 
 def _is_initialized() -> bool:
-    from rpc_core import agent
+    from rpc_core.agent import agent
 
     return agent._agent is not None
 

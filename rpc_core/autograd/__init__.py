@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from .. import agent as _agent_mod
-from .. import lifecycle
+from ..agent import agent as _agent_mod
+from ..group import lifecycle
 from . import context as _context
 from . import release as _release
 from .context import DistAutogradContext

@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from .. import agent as _agent_mod
+from ..agent import agent as _agent_mod
+from ..agent.futures import settle
 from ..functions import async_execution
-from ..futures import settle
 from . import context as _context
 from .context import DistAutogradContext
 

@@ -1,4 +1,4 @@
-"""The worker (rpc_core/agent.py, api.py shutdown): graceful shutdown waits for all work in
+"""The worker (rpc_core/agent/agent.py, api.py shutdown): graceful shutdown waits for all work in
 flight, dead peers are reported quickly and by name, and a worker's port survives wrong
 secrets and malformed bytes. Bodies run on worker processes (tests/_world.py).
 
@@ -17,9 +17,12 @@ import pytest
 import torch
 
 import rpc_core
-from rpc_core import WorkerUnavailableError, handshake, transport, wire
-from rpc_core import agent as agent_mod
+from rpc_core import WorkerUnavailableError
+from rpc_core.agent import agent as agent_mod
 from rpc_core.errors import AuthenticationError
+from rpc_core.protocol import wire
+from rpc_core.transport import handshake
+from rpc_core.transport import stream as transport
 from tests._world import run_world, stop_process
 
 IO_TIMEOUT = 30.0

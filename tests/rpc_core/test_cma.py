@@ -1,5 +1,5 @@
-"""Large tensor buffers by cross-memory attach (rpc_core/cma.py, the REMOTE frames of
-rpc_core/transport.py): real processes on 127.0.0.1, with RPC_CORE_CMA on and off; a peer
+"""Large tensor buffers by cross-memory attach (rpc_core/transport/cma.py, the REMOTE frames of
+rpc_core/transport/stream.py): real processes on 127.0.0.1, with RPC_CORE_CMA on and off; a peer
 that dies while we wait for its RELEASE; two peers sending large frames to each other at
 once; and descriptors a lying peer could send."""
 import ctypes
@@ -17,9 +17,11 @@ import pytest
 import torch
 
 import rpc_core
-from rpc_core import cma, transport, wire
 from rpc_core.errors import ProtocolError
-from rpc_core.serialization import storage_view
+from rpc_core.protocol import wire
+from rpc_core.protocol.serialization import storage_view
+from rpc_core.transport import cma
+from rpc_core.transport import stream as transport
 from tests._world import run_world
 
 IO_TIMEOUT = 30.0
@@ -36,7 +38,7 @@ def _echo(*tensors):
 
 def _cma_counters():
     """(bytes_cma_sent, bytes_cma_received) over this worker's connections."""
-    stats = rpc_core.agent.connection_stats()
+    stats = rpc_core.agent.agent.connection_stats()
     return stats.bytes_cma_sent, stats.bytes_cma_received
 
 
@@ -149,7 +151,8 @@ def test_two_workers_echo_large_tensors_to_each_other_at_the_same_time():
 _STUCK_PEER = """
 import socket, sys
 sys.path.insert(0, sys.argv[3])
-from rpc_core import transport, wire
+from rpc_core.protocol import wire
+from rpc_core.transport import stream as transport
 sock = transport.dial(("127.0.0.1", int(sys.argv[1])), sys.argv[2].encode(), timeout=30)
 conn = transport.Connection(sock)
 assert conn.cma_recv, "the peer cannot read our memory"

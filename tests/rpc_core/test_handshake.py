@@ -1,4 +1,4 @@
-"""The connection handshake (rpc_core/handshake.py) has one deadline, and a worker holds a
+"""The connection handshake (rpc_core/transport/handshake.py) has one deadline, and a worker holds a
 bounded number of connections that have not authenticated yet: a client that trickles bytes
 or stays silent cannot keep a connection, or a worker's capacity to accept, forever."""
 import logging
@@ -11,7 +11,9 @@ import time
 import pytest
 
 import rpc_core
-from rpc_core import handshake, transport, wire
+from rpc_core.protocol import wire
+from rpc_core.transport import handshake
+from rpc_core.transport import stream as transport
 from tests._world import run_world
 
 IO_TIMEOUT = 30.0

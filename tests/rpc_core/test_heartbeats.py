@@ -1,4 +1,4 @@
-"""Heartbeats (rpc_core/heartbeats.py) on loopback: a stopped peer is reported by name within
+"""Heartbeats (rpc_core/agent/heartbeats.py) on loopback: a stopped peer is reported by name within
 the heartbeat timeout, a live one never, however long its calls run; heartbeats go out on
 idle connections only. The emulated-network cases are in test_network.py."""
 from __future__ import annotations
@@ -11,7 +11,8 @@ import time
 import pytest
 
 import rpc_core
-from rpc_core import RpcBackendOptions, heartbeats
+from rpc_core import RpcBackendOptions
+from rpc_core.agent import heartbeats
 from tests._world import run_world, stop_process
 
 HEARTBEAT = 0.8  # s

@@ -5,7 +5,9 @@ import re
 
 import pytest
 
-from rpc_core import cma, handshake, knobs, memory, transport
+from rpc_core import knobs, memory
+from rpc_core.transport import cma, handshake
+from rpc_core.transport import stream as transport
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BOOLEANS = [knobs.UDS, knobs.CMA, knobs.MALLOC_TUNE]

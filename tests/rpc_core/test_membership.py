@@ -1,4 +1,4 @@
-"""Dynamic groups (rpc_core/registry.py, roster.py): ``init_rpc(..., world_size=None)`` founds
+"""Dynamic groups (rpc_core/group/registry.py, agent/roster.py): ``init_rpc(..., world_size=None)`` founds
 (rank 0) or joins a running group, ``shutdown()`` leaves it.
 
 Every test runs real worker processes on loopback (tests/_world.py, ``init=False``: each body
@@ -13,7 +13,7 @@ import torch
 import rpc_core
 import rpc_core.autograd as dist_autograd
 from rpc_core import AuthenticationError, RendezvousError, RpcBackendOptions, WorkerInfo, WorkerLeftError
-from rpc_core.rendezvous import rendezvous
+from rpc_core.group.rendezvous import rendezvous
 from tests._world import _mp_context, free_port, run_world
 
 STEP = 60.0  # bound of any one wait for another process's step

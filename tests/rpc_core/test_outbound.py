@@ -1,5 +1,5 @@
 """Who reads answers: the caller waiting for one reads it itself; a background thread reads
-only for calls nobody waits on (rpc_core.outbound)."""
+only for calls nobody waits on (rpc_core/agent/outbound.py)."""
 import threading
 import time
 
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import rpc_core
-from rpc_core import agent as agent_mod
-from rpc_core import deadlines
+from rpc_core.agent import agent as agent_mod
+from rpc_core.agent import deadlines
 from tests._world import run_world
 
 _gate = threading.Event()

@@ -1,4 +1,4 @@
-"""Rendezvous (rpc_core/rendezvous.py via init_rpc): env:// and tcp://, and one clear error for
+"""Rendezvous (rpc_core/group/rendezvous.py via init_rpc): env:// and tcp://, and one clear error for
 each way it goes wrong.
 
 Failing rendezvous never creates an agent, so most of these run ``init_rpc`` in threads of the
@@ -12,7 +12,7 @@ import pytest
 import rpc_core
 from rpc_core import RendezvousError, RpcBackendOptions, WorkerInfo
 from rpc_core.errors import AuthenticationError
-from rpc_core.rendezvous import rendezvous
+from rpc_core.group.rendezvous import rendezvous
 from tests._world import free_port, run_world
 
 IO_TIMEOUT = 30.0
@@ -224,8 +224,8 @@ def test_tcp_init_method_builds_the_same_table_everywhere():
 def _body_silent_during_rendezvous(ctx, n_silent):
     import time
 
-    from rpc_core import handshake
-    from rpc_core.rendezvous import rendezvous as rdzv
+    from rpc_core.group.rendezvous import rendezvous as rdzv
+    from rpc_core.transport import handshake
 
     silent = []
     if ctx.rank == 1:

@@ -1,4 +1,4 @@
-"""Remote references (rpc_core/rref.py): the RRef API, proxies, RRefs inside arguments and
+"""Remote references (rpc_core/rref/): the RRef API, proxies, RRefs inside arguments and
 return values, forwarding between users, and owner-side reference counting (tables return
 to empty once users let go). Bodies run on worker processes (tests/_world.py).
 
@@ -471,7 +471,7 @@ def _body_rref_to_its_owner(ctx):
     assert r.to_here() == 3
     rpc_core.rpc_sync(1, _remember, args=(r._rref_id,))
     rpc_core.rpc_sync(1, _record_releases)
-    agent = rpc_core.agent.current_agent()
+    agent = rpc_core.api.current_agent()
     received_before = agent.n_received
     pending = []
     for _ in range(5):

@@ -1,4 +1,4 @@
-"""Connections (rpc_core/transport.py): the authentication handshake, framing, and what a
+"""Connections (rpc_core/transport/stream.py): the authentication handshake, framing, and what a
 connection does with malformed bytes. Real TCP sockets on 127.0.0.1, in this process.
 
 One module, though past 400 lines: one test module per module under test (here the
@@ -14,9 +14,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from rpc_core import handshake, polling, transport, wire
 from rpc_core.errors import AuthenticationError, ProtocolError
-from rpc_core.serialization import storage_view
+from rpc_core.protocol import wire
+from rpc_core.protocol.serialization import storage_view
+from rpc_core.transport import handshake, polling
+from rpc_core.transport import stream as transport
 
 IO_TIMEOUT = 30.0  # bounds every blocking step; a hang fails instead of stalling
 

@@ -37,9 +37,9 @@ from typing import Any
 
 import torch
 
-from . import wire
+from ..errors import WorkerUnavailableError
+from ..protocol import wire
 from .completion import Pending
-from .errors import WorkerUnavailableError
 from .futures import RpcFuture
 from .outbound import Outbound
 from .pool import ElasticPool

@@ -14,8 +14,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from . import wire
-from .errors import PEER_ATTRIBUTE, RemoteFunctionError, RpcError
+from ..errors import PEER_ATTRIBUTE, RemoteFunctionError, RpcError
+from ..protocol import wire
 from .pool import handoff_current
 
 S = TypeVar("S")

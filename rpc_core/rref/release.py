@@ -2,7 +2,7 @@
 
 A user RRef that is garbage collected is deleted on its owner (after its creation was
 confirmed). Deletes ride along with the next request to that owner (``rdel`` in the frame
-head, applied by ``rref_fork.RRefMiddleware``), so a loop that creates and drops RRefs costs
+head, applied by ``fork.RRefMiddleware``), so a loop that creates and drops RRefs costs
 no message for them; deletes still waiting after ``_DELETE_DELAY`` go in one
 ``_on_user_deletes`` call per owner. ``delete_all_user_rrefs`` deletes every live user RRef
 at shutdown, and ``flush`` lets tests wait until owners have applied every delete.
@@ -16,10 +16,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import agent as _agent_mod
-from .errors import RpcError
-from .futures import settle
-from .rref_state import Collected, Id, _ctx, _on_user_delete, _on_user_deletes
+from ..agent import agent as _agent_mod
+from ..agent.futures import settle
+from ..errors import RpcError
+from .state import Collected, Id, _ctx, _on_user_delete, _on_user_deletes
 
 # How long a delete may wait for a request to ride on before it is sent on its own, and how
 # many may pile up for one owner.

@@ -29,13 +29,13 @@ import threading
 import time
 from typing import Any
 
-from . import wire
-from .agent import Agent, current_agent
-from .errors import RpcError
+from ..agent.agent import Agent, current_agent
+from ..agent.worlds import WorkerInfo
+from ..errors import RpcError
+from ..protocol import wire
 from .rendezvous import MIXED_GROUP
 from .rendezvous import _dumps as dumps
 from .rendezvous import _reply as reply
-from .worlds import WorkerInfo
 
 log = logging.getLogger("rpc_core")
 

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from . import wire
+from ..options import UNSET_RPC_TIMEOUT
+from ..protocol import wire
 from .agent import current_agent
-from .options import UNSET_RPC_TIMEOUT
 
 # Wrappers around outgoing user calls: fn(exec_mode, func, dst, send) -> Future, where func is
 # the user's function (for remote, the one whose result the RRef holds) and send(extras=None)

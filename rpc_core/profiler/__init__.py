@@ -8,7 +8,7 @@
     prof.export_chrome_trace("trace.json")    # one process row per node, for Perfetto
 
 The profile records this thread's ops with torch's legacy (thread-local) profiler, as torch
-RPC does; the RPCs made meanwhile, and the callees' events, come from ``profiler_rpc``.
+RPC does; the RPCs made meanwhile, and the callees' events, come from ``rpc_events``.
 This module turns both into torch's result types (``EventList``, ``FunctionEvent``) and
 exports them.
 """
@@ -23,9 +23,9 @@ from torch._C._autograd import _disable_profiler_legacy, _enable_profiler_legacy
 from torch._C._profiler import ProfilerState
 from torch.autograd.profiler_util import EventList, FunctionEvent
 
-from . import agent as _agent_mod
-from . import profiler_rpc as _rpc
-from .profiler_rpc import (
+from ..agent import agent as _agent_mod
+from . import rpc_events as _rpc
+from .rpc_events import (
     REMOTE_OP,
     _Collector,
     _ensure_middleware,
@@ -33,7 +33,7 @@ from .profiler_rpc import (
     _Options,
     _parse,
 )
-from .profiler_rpc import _Middleware as _Middleware  # re-exported: tests and benchmarks look for it
+from .rpc_events import _Middleware as _Middleware  # re-exported: tests and benchmarks look for it
 
 __all__ = ["profile", "record_function"]
 

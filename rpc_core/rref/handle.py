@@ -2,8 +2,8 @@
 
 An RRef is an owner handle (``_fork_id`` None: the value lives here) or a user handle (a
 fork of the owner's value, named by fork id). Handles register with the per-process state
-(``rref_state``) and, once garbage collected, hand their delete to the release loop
-(``rref_release``). How handles travel inside messages is in ``rref_fork``.
+(``state``) and, once garbage collected, hand their delete to the release loop
+(``release``). How handles travel inside messages is in ``fork``.
 """
 from __future__ import annotations
 
@@ -12,14 +12,15 @@ from typing import Any, Generic, NoReturn, TypeVar
 
 import torch
 
-from . import agent as _agent_mod
-from . import calls, wire
-from .autograd.engine import backward as _dist_backward
-from .errors import RpcError, RpcTimeoutError
-from .options import UNSET_RPC_TIMEOUT
-from .rref_release import collect, delete_after_creation, drop_owner_handle
-from .rref_state import Id, _ctx, _on_create, _on_fetch, _on_invoke, _on_type, fmt, new_id
-from .worlds import WorkerInfo
+from ..agent import agent as _agent_mod
+from ..agent import calls
+from ..agent.worlds import WorkerInfo
+from ..autograd.engine import backward as _dist_backward
+from ..errors import RpcError, RpcTimeoutError
+from ..options import UNSET_RPC_TIMEOUT
+from ..protocol import wire
+from .release import collect, delete_after_creation, drop_owner_handle
+from .state import Id, _ctx, _on_create, _on_fetch, _on_invoke, _on_type, fmt, new_id
 
 T = TypeVar("T")
 

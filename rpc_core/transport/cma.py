@@ -15,7 +15,7 @@ import queue
 import threading
 from collections.abc import Callable
 
-from . import knobs
+from .. import knobs
 
 PROBE_LEN = 16
 

@@ -3,7 +3,7 @@
 ``dial`` (the connecting side) and ``accept`` (the accepting side) run the steps that
 ``wire`` lays out, on a plain socket, with fixed-size messages only: nothing from a peer is
 unpickled before it proved it knows the shared secret. They return the socket ready for
-``transport.Connection``, which picks up what the probe found (``take_link``).
+``stream.Connection``, which picks up what the probe found (``take_link``).
 
 Each side runs its whole handshake against one deadline (``handshake_timeout()`` unless the
 caller has less time): every receive gets only the time that is left, so a peer that
@@ -21,8 +21,10 @@ import time
 import weakref
 from typing import NamedTuple
 
-from . import cma, knobs, wire
-from .errors import AuthenticationError, ProtocolError
+from .. import knobs
+from ..errors import AuthenticationError, ProtocolError
+from ..protocol import wire
+from . import cma
 
 log = logging.getLogger("rpc_core")
 

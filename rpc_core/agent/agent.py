@@ -27,19 +27,20 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from . import transport, wire
+from ..errors import RpcError, RpcNotInitializedError
+from ..options import RpcBackendOptions
+from ..protocol import wire
+from ..protocol.serialization import encode_head, serialize
+from ..transport import stream as transport
 from .completion import Calls, Pending, new_pending
 from .connections import Connections, ConnectionStats
 from .deadlines import Deadlines
 from .dispatch import Dispatch
-from .errors import RpcError, RpcNotInitializedError
 from .futures import RpcFuture
 from .heartbeats import Heartbeats
 from .middleware import Middleware
-from .options import RpcBackendOptions
 from .pool import ElasticPool, ThreadGroup
 from .roster import Roster
-from .serialization import encode_head, serialize
 from .worlds import World
 
 __all__ = ["Agent", "ConnectionStats", "Middleware", "connection_stats", "current_agent", "set_current_agent"]

@@ -57,7 +57,7 @@ def new_storage(n: int) -> torch.UntypedStorage:
 
 
 class ReadBuffer:
-    """A connection's read buffer (a mixin of ``transport.Connection``, whose state it shares,
+    """A connection's read buffer (a mixin of ``stream.Connection``, whose state it shares,
     and whose ``_recv_into`` (``polling.Waiting``) it reads the socket with)."""
 
     sock: socket.socket

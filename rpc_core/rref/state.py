@@ -19,10 +19,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import agent as _agent_mod
-from . import futures as _futures
-from .errors import RpcError
-from .functions import async_execution
+from ..agent import agent as _agent_mod
+from ..agent import futures as _futures
+from ..errors import RpcError
+from ..functions import async_execution
 
 Id = tuple[int, int]  # GloballyUniqueId(created_on, local_id)
 
@@ -69,12 +69,12 @@ class _Context:
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self.owners: dict[Id, _Entry] = {}
-        # Handles (rref_handle.RRef, a layer above) by fork id: parents kept until their
+        # Handles (handle.RRef, a layer above) by fork id: parents kept until their
         # child forks are confirmed, and the live user handles.
         self.pending_children: dict[Id, Any] = {}
         self.users: weakref.WeakValueDictionary[Id, Any] = weakref.WeakValueDictionary()
         self.unconfirmed: set[Id] = set()
-        # The release loop's queue (items: rref_release.Release).
+        # The release loop's queue (items: release.Release).
         self.releases: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.in_flight: list[torch.futures.Future[Any]] = []
         # Ids this owner freed (ids are never reused): a late request for one fails at once

@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from . import wire
-from .errors import RpcError, RpcTimeoutError
+from ..errors import RpcError, RpcTimeoutError
+from ..protocol import wire
+from ..protocol.serialization import decode_head, deserialize
 from .futures import RpcFuture, rebuild_exception
 from .middleware import Middleware
 from .outbound import Outbound
 from .pool import ElasticPool
-from .serialization import decode_head, deserialize
 
 # torch.futures.Future.set_result is a Python wrapper around this: one frame less per answer.
 _set_result = torch._C.Future.set_result

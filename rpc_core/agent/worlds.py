@@ -9,7 +9,7 @@ import re
 import socket
 from dataclasses import dataclass, field
 
-from . import transport
+from ..transport import stream as transport
 
 MAX_NAME_LEN = 128
 _NAME_RE = re.compile(r"^[A-Za-z0-9_:\-]+$")

@@ -16,7 +16,7 @@ import logging
 import threading
 from typing import Any
 
-from .errors import RpcError, WorkerLeftError
+from ..errors import RpcError, WorkerLeftError
 from .worlds import WorkerInfo, World
 
 log = logging.getLogger("rpc_core")

@@ -19,13 +19,15 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from . import handshake, transport, wire
+from ..errors import AuthenticationError, ProtocolError, RpcError, RpcTimeoutError, WorkerUnavailableError
+from ..options import RpcBackendOptions
+from ..protocol import wire
+from ..protocol.serialization import loopback
+from ..transport import handshake
+from ..transport import stream as transport
 from .completion import Pending
-from .errors import AuthenticationError, ProtocolError, RpcError, RpcTimeoutError, WorkerUnavailableError
-from .options import RpcBackendOptions
 from .outbound import Outbound
 from .pool import ThreadGroup
-from .serialization import loopback
 from .worlds import WorkerInfo, World
 
 if TYPE_CHECKING:

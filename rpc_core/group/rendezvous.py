@@ -24,9 +24,12 @@ import socket
 import threading
 import time
 
-from . import handshake, knobs, transport, wire
-from .errors import AuthenticationError, RendezvousError
-from .worlds import MAX_NAME_LEN, WorkerInfo, World, validate_name  # noqa: F401 (re-exported)
+from .. import knobs
+from ..agent.worlds import MAX_NAME_LEN, WorkerInfo, World, validate_name  # noqa: F401 (re-exported)
+from ..errors import AuthenticationError, RendezvousError
+from ..protocol import wire
+from ..transport import handshake
+from ..transport import stream as transport
 
 log = logging.getLogger("rpc_core")
 

@@ -29,13 +29,15 @@ from typing import Any
 
 import torch
 
-from . import cma, handshake, knobs, wire
+from .. import knobs
+from ..errors import ProtocolError
+from ..protocol import wire
+from ..protocol.serialization import storage_view
+from . import cma, handshake
 from .buffers import READ_CHUNK, ReadBuffer, new_storage
-from .errors import ProtocolError
 from .handshake import PeerClosed, accept, dial, tune  # the transport's public face (see __all__)
 from .polling import DONTWAIT, NOTHING, Waiting
 from .sending import CMA_MIN, DEFER_ANSWER, DEFER_BATCH, Sender
-from .serialization import storage_view
 
 __all__ = ["CMA_MIN", "Connection", "DEFER_ANSWER", "DEFER_BATCH", "PeerClosed", "accept", "dial", "new_storage",
            "tune"]

@@ -16,11 +16,11 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import wire
-from .agent import Agent, current_agent
-from .errors import RpcTimeoutError, WorkerUnavailableError
-from .functions import async_execution
-from .options import DEFAULT_SHUTDOWN_TIMEOUT, UNSET_RPC_TIMEOUT
+from ..agent.agent import Agent, current_agent
+from ..errors import RpcTimeoutError, WorkerUnavailableError
+from ..functions import async_execution
+from ..options import DEFAULT_SHUTDOWN_TIMEOUT, UNSET_RPC_TIMEOUT
+from ..protocol import wire
 
 # Called with each new Agent, before it starts (distributed autograd installs its middleware here).
 init_hooks: list[Callable[[Agent], None]] = []

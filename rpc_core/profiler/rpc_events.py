@@ -26,10 +26,11 @@ import torch
 from torch._C._autograd import _disable_profiler_legacy, _enable_profiler_legacy, _profiler_enabled
 from torch._C._profiler import ProfilerConfig, ProfilerState
 
-from . import agent as _agent_mod
-from . import calls, wire
-from . import futures as _futures
-from .rref import _on_fetch
+from ..agent import agent as _agent_mod
+from ..agent import calls
+from ..agent import futures as _futures
+from ..protocol import wire
+from ..rref import _on_fetch
 
 REMOTE_OP = "#remote_op: "
 _EXIT_WAIT = 10.0  # s a response waits for the executing thread to stop its profiler

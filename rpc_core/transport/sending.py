@@ -19,9 +19,10 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from . import cma, wire
+from ..errors import ProtocolError
+from ..protocol import wire
+from . import cma
 from .buffers import DIRECT_READ
-from .errors import ProtocolError
 from .handshake import PeerClosed
 from .polling import NOTHING
 
@@ -54,7 +55,7 @@ def _address(b: memoryview) -> int:
 
 
 class Sender:
-    """A connection's sending side (a mixin of ``transport.Connection``, whose state it
+    """A connection's sending side (a mixin of ``stream.Connection``, whose state it
     shares, and whose reader role (``_take_role``, ``_read_frame``) a sender takes while it
     waits for a RELEASE: a mixin rather than a helper object, as this runs for every frame)."""
 
@@ -72,7 +73,7 @@ class Sender:
     _outstanding: set[int]
     _released: set[int]
 
-    if TYPE_CHECKING:  # transport.Connection's: its reader role and failure
+    if TYPE_CHECKING:  # stream.Connection's: its reader role and failure
         def _take_role(self, done: Callable[[], Any], failed: Callable[[BaseException], BaseException]) -> Any: ...
         def _read_frame(self) -> tuple[wire.FrameHeader, bytes, bytes, list[torch.UntypedStorage]] | None: ...
         def _drop_role(self) -> None: ...

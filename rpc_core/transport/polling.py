@@ -25,7 +25,7 @@ closed for each of those kept a trainer from polling in 40% of its waits (ps_tra
 1+1: 8% fewer samples/s than with no gate), while tasks that keep every core busy (CPU
 hogs, more workers than cores) hold the average above the limit within a few looks.
 
-``Waiting`` is the part of ``transport.Connection`` that does this; it only reads the
+``Waiting`` is the part of ``stream.Connection`` that does this; it only reads the
 socket and the connection's queue of small frames (which it writes before it waits:
 their answers may be what it waits for).
 """
@@ -129,7 +129,7 @@ def poll_until(end: float, attempt: Callable[[], T]) -> T | Literal[_Nothing.NOT
 
 
 class Waiting:
-    """A connection's waits for bytes (a mixin of ``transport.Connection``, whose state it
+    """A connection's waits for bytes (a mixin of ``stream.Connection``, whose state it
     shares, and whose ``_flush_small`` (``sending.Sender``) it calls: a mixin rather than a
     helper object, as this runs for every frame)."""
 

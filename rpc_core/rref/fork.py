@@ -15,12 +15,12 @@ from typing import Any
 
 import torch
 
-from . import agent as _agent_mod
-from . import wire
-from .rref_handle import RRef
-from .rref_release import start_release_thread, track
-from .rref_state import Id, _ctx, _on_child_accept, _on_fork, _on_user_deletes, new_id, start_ids, store_creation_error
-from .serialization import defer_until, note_for_reply, register_reducer
+from ..agent import agent as _agent_mod
+from ..protocol import wire
+from ..protocol.serialization import defer_until, note_for_reply, register_reducer
+from .handle import RRef
+from .release import start_release_thread, track
+from .state import Id, _ctx, _on_child_accept, _on_fork, _on_user_deletes, new_id, start_ids, store_creation_error
 
 
 def _reduce(rref: RRef[Any]) -> tuple[Any, tuple[Any, ...]]:
