@@ -14,14 +14,20 @@ from .agent.agent import current_agent as _current_agent
 from .agent.worlds import WorkerInfo
 from .api import (
     BackendType,
+    ConnectionStats,
+    add_membership_listener,
+    connection_stats,
     get_rpc_timeout,
     get_worker_info,
     init_rpc,
     is_available,
     remote,
+    remove_membership_listener,
     rpc_async,
     rpc_sync,
     shutdown,
+    tune_malloc,
+    watch_all_peers,
 )
 
 # private helpers torch.distributed.rpc also has (tests use them), re-exported by the `as` form
@@ -133,4 +139,7 @@ __all__ = [
     "RpcTimeoutError", "TensorPipeRpcBackendOptions", "UNSET_RPC_TIMEOUT", "WorkerInfo", "WorkerLeftError",
     "WorkerUnavailableError", "functions", "get_rpc_timeout", "get_worker_info", "init_rpc", "is_available",
     "remote", "rpc_async", "rpc_sync", "shutdown", "autograd", "optim", "profiler",
+    # rpc_core's own (docs/torch_compatibility.md, "rpc_core extensions")
+    "ConnectionStats", "add_membership_listener", "connection_stats", "remove_membership_listener", "tune_malloc",
+    "watch_all_peers",
 ]

@@ -43,7 +43,7 @@ from .pool import ElasticPool, ThreadGroup
 from .roster import Roster
 from .worlds import World
 
-__all__ = ["Agent", "ConnectionStats", "Middleware", "connection_stats", "current_agent", "set_current_agent"]
+__all__ = ["Agent", "ConnectionStats", "Middleware", "current_agent", "set_current_agent"]
 
 log = logging.getLogger("rpc_core")
 
@@ -64,12 +64,6 @@ def current_agent() -> Agent:
 def set_current_agent(agent: Agent | None) -> None:
     global _agent
     _agent = agent
-
-
-def connection_stats() -> ConnectionStats:
-    """Bytes this worker sent and received so far over its open connections (see
-    ``Agent.connection_stats``). Raises RpcNotInitializedError before ``init_rpc``."""
-    return current_agent().connection_stats()
 
 
 class Agent(Roster, Connections, Dispatch, Calls, Heartbeats):

@@ -38,7 +38,7 @@ def _echo(*tensors):
 
 def _cma_counters():
     """(bytes_cma_sent, bytes_cma_received) over this worker's connections."""
-    stats = rpc_core.agent.agent.connection_stats()
+    stats = rpc_core.connection_stats()
     return stats.bytes_cma_sent, stats.bytes_cma_received
 
 

@@ -13,7 +13,7 @@ import torch
 
 import rpc_core
 import rpc_core.autograd as dist_autograd
-from rpc_core.agent.agent import connection_stats
+from rpc_core import connection_stats
 from rpc_core.optim import DistributedOptimizer
 from tests.netns import Network, unavailable_reason
 from tests.netns_world import control, run_hosts
