@@ -82,11 +82,14 @@ _LAYERS: tuple[tuple[str, ...], ...] = (
     ("protocol",),
     # transport/: authenticated connections that carry frames; bytes only
     ("transport.cma", "transport.polling"),
-    ("transport.handshake",),
+    ("transport.handshake",),  # every transport's: authentication, the cross-memory-attach probe
+    ("transport.base",),  # the interface: Connection, Transport, Listener
     ("transport.buffers",),
     ("transport.sending",),
-    ("transport.stream",),  # Connection: frames over a stream socket
-    ("transport",),
+    ("transport.stream",),  # Connection over a stream socket
+    ("transport.tcp", "transport.unix"),  # the transports
+    ("transport.registry",),  # the transports in use, and the order they are tried in
+    ("transport",),  # the face the agent and the rendezvous use
     # agent/: the worker and its parts
     ("agent.pool", "agent.middleware"),
     ("agent.futures", "agent.worlds"),  # futures of calls; WorkerInfo and the World a rendezvous gives

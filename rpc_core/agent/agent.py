@@ -27,11 +27,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .. import transport
 from ..errors import RpcError, RpcNotInitializedError
 from ..options import RpcBackendOptions
 from ..protocol import wire
 from ..protocol.serialization import encode_head, serialize
-from ..transport import stream as transport
 from .completion import Calls, Pending, new_pending
 from .connections import Connections, ConnectionStats
 from .deadlines import Deadlines

@@ -1,5 +1,5 @@
-"""A worker's connections: dialling peers (same-host socket first, then TCP), accepting
-theirs, and what happens when one is lost.
+"""A worker's connections: dialling peers (over the first transport that reaches them:
+same-host socket first, then TCP), accepting theirs, and what happens when one is lost.
 
 Each peer has at most one outgoing connection (``_out``, dialled on first use under a
 per-peer lock; its answers are read by an ``Outbound``) and any number of incoming ones
@@ -19,12 +19,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from .. import transport
 from ..errors import AuthenticationError, ProtocolError, RpcError, RpcTimeoutError, WorkerUnavailableError
 from ..options import RpcBackendOptions
 from ..protocol import wire
 from ..protocol.serialization import loopback
-from ..transport import handshake
-from ..transport import stream as transport
+from ..transport import Connection, Listener
 from .completion import Pending
 from .outbound import Outbound
 from .pool import ThreadGroup
@@ -82,7 +82,7 @@ class Connections:
     me: WorkerInfo
     workers: dict[int, WorkerInfo]
     addresses: dict[int, tuple[str, int]]
-    join_handler: Callable[[transport.Connection, int, bytes], int | None] | None
+    join_handler: Callable[[Connection, int, bytes], int | None] | None
     worker_info: Callable[[Any], WorkerInfo]
     tag_connection: Callable[[Any, int], None]
     is_member_connection: Callable[[Any, int], bool]
@@ -99,24 +99,24 @@ class Connections:
         def _on_frame(self, conn: Any, src: int, h: wire.FrameHeader, head: bytes, body: bytes,
                       storages: list[torch.UntypedStorage]) -> None: ...
         def _timeout_message(self, timeout: float, dst: int) -> str: ...
-        def _read_loop(self, conn: transport.Connection, peer: int) -> None: ...
+        def _read_loop(self, conn: Connection, peer: int) -> None: ...
 
     def _init_connections(self, world: World, options: RpcBackendOptions) -> None:
         self._secret = options.auth_secret
         # Read once per worker: every dial and accept of this worker uses the same limit.
-        self._handshake_timeout = handshake.handshake_timeout()
-        self._listener = world.listener
-        self._local_listener = world.local_listener  # same-host peers dial this (handshake.listen_local)
-        # Hosts that name this machine: a peer advertised under one of them is dialled locally.
-        self._local_hosts = {"localhost", "::1", self._listener.getsockname()[0]}
-        self._parked: list[transport.Connection] = []  # open but unused (see start)
+        self._handshake_timeout = transport.handshake_timeout()
+        self._listeners = world.listeners  # one per transport (transport.listen)
+        # Hosts that name this machine: a peer advertised under one of them may be dialled
+        # over a same-host transport.
+        self._local_hosts = {"localhost", "::1", self._listeners[0].address[0]}
+        self._parked: list[Connection] = []  # open but unused (see start)
         self._lock = threading.Lock()
         self._incoming_cv = threading.Condition(self._lock)
         self._out: dict[int, Any] = {self.me.id: _Loopback(self)}
         self._links: dict[int, Outbound] = {}  # who reads each outgoing connection's answers
         self._dial_locks: dict[int, threading.Lock] = {w.id: threading.Lock() for w in world.workers}
-        self._admission = handshake.Admission(self.me.name)  # incoming connections in their handshake
-        self._incoming: list[transport.Connection] = []
+        self._admission = transport.Admission(self.me.name)  # incoming connections in their handshake
+        self._incoming: list[Connection] = []
         self.dead: dict[int, str] = {}  # rank -> why it is known to be gone
         self._world_connections = world.connections
 
@@ -134,15 +134,14 @@ class Connections:
                 # dialled on first use.
                 self._parked.append(conn)
                 try:
-                    local = self._dial_local(rank, time.monotonic() + self._handshake_timeout)
+                    local = self._dial(rank, time.monotonic() + self._handshake_timeout, same_host_only=True)
                 except TimeoutError:
                     local = None  # no answer there in time: the first call dials
                 if local is not None:
                     self._out[rank] = local
                     self._start_outbound(local, rank)
-        self.threads.start(self._accept_loop, "rpc-accept", self._listener)
-        if self._local_listener is not None:
-            self.threads.start(self._accept_loop, "rpc-accept-local", self._local_listener)
+        for listener in self._listeners:
+            self.threads.start(self._accept_loop, f"rpc-accept-{listener.transport.kind}", listener)
 
     def _connection(self, dst: int, call_deadline: float | None = None, timeout: float = 0.0) -> Any:
         """The connection to ``dst``, dialled if there is none yet. Dialling gives up at the
@@ -167,6 +166,8 @@ class Connections:
                 return conn
             try:
                 conn = self._dial(dst, deadline)
+                if conn is None:  # cannot happen: TCP reaches every worker (or raises)
+                    raise OSError("no transport reaches it")
             except TimeoutError as e:
                 connected = getattr(e, "connected", True)
                 raise self._dial_timed_out(dst, by_call, timeout,
@@ -198,72 +199,37 @@ class Connections:
             "it is probably stopped, frozen or overloaded, or its host is unreachable", worker=self.name_of(dst)
         )
 
-    def _dial(self, dst: int, deadline: float) -> transport.Connection:
-        """Dial ``dst`` by ``deadline``: over its same-host socket if it has one, else TCP. Both
-        share the deadline, and a same-host dial that timed out (the peer's kernel took the
-        connection but the worker never answered: it is stopped or frozen) is not tried again
-        over TCP: the same process would not answer there either."""
-        conn = self._dial_local(dst, deadline)
-        if conn is not None:
-            return conn
-        host, port = self.addresses[dst]
-        sock = transport.dial((host, port), self._secret, deadline - time.monotonic())
-        try:
-            return self._introduce(sock)
-        except BaseException:
-            sock.close()
-            raise
+    def _dial(self, dst: int, deadline: float, same_host_only: bool = False) -> Connection | None:
+        """Dial ``dst`` by ``deadline`` over the first transport that reaches it (see
+        ``transport.dial``); only over a same-host one if ``same_host_only`` (None if none did)."""
+        return transport.dial(self.addresses[dst], self._secret, deadline, self._local_hosts, self._introduce,
+                              same_host_only)
 
-    def _dial_local(self, dst: int, deadline: float) -> transport.Connection | None:
-        """A connection to ``dst`` over its same-host socket, or None (remote host, none
-        there, or anything but a timeout going wrong: the caller then dials TCP). Raises
-        TimeoutError if ``dst`` did not answer by ``deadline``."""
-        host, port = self.addresses[dst]
-        if not handshake.local_enabled() or not (host in self._local_hosts or host.startswith("127.")):
-            return None
-        sock = None
-        try:
-            sock = transport.dial(handshake.local_address(port), self._secret, deadline - time.monotonic())
-            return self._introduce(sock)
-        except TimeoutError:
-            if sock is not None:
-                sock.close()
-            raise
-        except Exception as e:  # noqa: BLE001 - TCP is always there to fall back on
-            if sock is not None:
-                sock.close()  # before the peer could count it as ours (it has no identity frame)
-            log.debug("rpc_core %s: no same-host connection to %s (%r); using TCP", self.me.name, self.describe(dst), e)
-            return None
-
-    def _introduce(self, sock: socket.socket) -> transport.Connection:
-        conn = transport.Connection(sock)
+    def _introduce(self, conn: Connection) -> None:
         conn.send(wire.REQUEST, wire.CONTROL, _HELLO_ID, b"", pickle.dumps(self.me.id))
-        return conn
 
-    def _accept_loop(self, listener: socket.socket) -> None:
+    def _accept_loop(self, listener: Listener) -> None:
         while not self._closing:
             try:
                 sock, peer = listener.accept()
             except OSError:
                 return
-            if not isinstance(peer, tuple):
-                peer = ("local", 0)  # a Unix socket's peer has no address
             deadline = time.monotonic() + self._handshake_timeout
             if not self._admission.admit(sock, peer):
                 sock.close()  # shutting down
                 return
-            self.threads.start(self._serve_incoming, "rpc-in", sock, peer, deadline)
+            self.threads.start(self._serve_incoming, "rpc-in", listener.transport, sock, peer, deadline)
 
-    def _serve_incoming(self, sock: socket.socket, peer: tuple[str, int], deadline: float) -> None:
+    def _serve_incoming(self, via: transport.Transport, sock: socket.socket, peer: tuple[str, int],
+                        deadline: float) -> None:
         """Authenticate an accepted connection and read its identity frame, all by ``deadline``,
         then serve its requests."""
+        conn = None
         try:
-            transport.accept(sock, self._secret, deadline - time.monotonic(), self._admission)
-            h, body = handshake.read_intro(sock, deadline)
+            conn, h, body = via.accept(sock, peer, self._secret, deadline, self._admission)
             if h.msg_id != _HELLO_ID and self.join_handler is not None:
                 # A worker asking to join the group (see registry): admitted, it becomes a member
                 # and this its connection to us, as after a rendezvous; refused, it was told why.
-                conn = transport.Connection(sock)
                 src = self.join_handler(conn, h.msg_id, body)
                 if src is None:
                     conn.close()
@@ -276,7 +242,6 @@ class Connections:
                 src = pickle.loads(body)
                 if not isinstance(src, int) or src not in self.workers:
                     raise ProtocolError(f"bad identity {src!r}")
-                conn = transport.Connection(sock)
             self.tag_connection(conn, src)
         except AuthenticationError:
             log.warning("rpc_core %s: rejected a connection from %s:%s: wrong or missing auth secret",
@@ -285,7 +250,10 @@ class Connections:
             return
         except (ProtocolError, OSError, transport.PeerClosed, pickle.UnpicklingError, ValueError, EOFError) as e:
             log.warning("rpc_core %s: dropped a connection from %s:%s: %s", self.me.name, peer[0], peer[1], e)
-            sock.close()
+            if conn is not None:
+                conn.close()
+            else:
+                sock.close()
             return
         with self._lock:
             if self._closing:
@@ -294,11 +262,11 @@ class Connections:
             self._incoming.append(conn)
         self._read_loop(conn, src)
 
-    def _start_reader(self, conn: transport.Connection, peer: int) -> None:
+    def _start_reader(self, conn: Connection, peer: int) -> None:
         """Serve the requests arriving on an incoming connection."""
         self.threads.start(self._read_loop, f"rpc-read-{peer}", conn, peer)
 
-    def _start_outbound(self, conn: transport.Connection, peer: int) -> None:
+    def _start_outbound(self, conn: Connection, peer: int) -> None:
         def deliver(frame: tuple[Any, ...]) -> None:
             self._on_frame(conn, peer, *frame)
 
@@ -319,7 +287,7 @@ class Connections:
             log.error("rpc_core %s: dropping connection: %s", self.me.name, reason, exc_info=e)
         return _Loss(reason, isinstance(e, ProtocolError))
 
-    def _connection_lost(self, conn: transport.Connection, peer: int, outgoing: bool, loss: _Loss) -> None:
+    def _connection_lost(self, conn: Connection, peer: int, outgoing: bool, loss: _Loss) -> None:
         """Forget ``conn``. An outgoing connection's loss fails the calls made over it; the
         loss of a peer's rendezvous connection tells rank 0 that the peer is gone (it closes
         when the peer exits), unless the peer only sent garbage."""
@@ -365,23 +333,13 @@ class Connections:
     def connection_stats(self) -> ConnectionStats:
         """Bytes sent and received so far over this worker's open connections, both ways."""
         with self._lock:
-            conns = {id(c): c for c in [*self._out.values(), *self._incoming] if isinstance(c, transport.Connection)}
-        cs = list(conns.values())
+            conns = {id(c): c for c in [*self._out.values(), *self._incoming] if not isinstance(c, _Loopback)}
+        cs: list[Connection] = list(conns.values())
         return ConnectionStats(sum(c.bytes_sent for c in cs), sum(c.bytes_received for c in cs),
                                sum(c.bytes_cma_sent for c in cs), sum(c.bytes_cma_received for c in cs), len(cs),
-                               sum(c.sock.family == socket.AF_UNIX for c in cs),
-                               sum(c.cma_send or c.cma_recv for c in cs))
+                               sum(c.kind == "unix" for c in cs),
+                               sum(c.capabilities.cma_send or c.capabilities.cma_recv for c in cs))
 
     def _close_listeners(self) -> None:
         self._admission.close()  # wakes the threads still in a handshake
-        for listener in (self._listener, self._local_listener):
-            if listener is None:
-                continue
-            try:
-                listener.shutdown(socket.SHUT_RDWR)  # wakes the accept loop (close alone does not)
-            except OSError:
-                pass
-            try:
-                listener.close()
-            except OSError:
-                pass
+        transport.close(self._listeners)  # wakes the accept loops

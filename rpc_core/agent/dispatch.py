@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from .. import transport
 from ..errors import RpcError, failed_worker
 from ..protocol import wire
 from ..protocol.serialization import decode_head, deserialize_decoded, encode_head, serialize
-from ..transport import stream as transport
 from .middleware import Middleware
 from .pool import ElasticPool, init_torch_thread
 from .worlds import WorkerInfo

@@ -28,8 +28,6 @@ its work runs on the agent's timer thread (``call_later``) and, for sends, on th
 from __future__ import annotations
 
 import logging
-import socket
-import struct
 import threading
 import time
 from collections.abc import Callable
@@ -48,7 +46,6 @@ log = logging.getLogger("rpc_core")
 
 # The timer looks at the watched connections this many times per heartbeat timeout.
 TICKS_PER_TIMEOUT = 4
-_ABORT = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() resets and drops what is queued
 
 
 def beat() -> None:
@@ -197,11 +194,7 @@ class Heartbeats:
             if rec.link is link:  # the reset below may drop its request before it arrives
                 self._fail(msg_id, WorkerUnavailableError(reason, worker=self.name_of(peer)), inline=False,
                            unsent=True)
-        link.close()  # before the socket: its reader then takes the error as expected, not as news
-        try:
-            link.conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _ABORT)
-        except OSError:
-            pass  # not TCP: a plain close
-        link.conn.close()
+        link.close()  # before the connection: its reader then takes the error as expected, not as news
+        link.conn.abort()
         for cb in self.on_peer_unreachable:
             self.pool.submit(cb, peer, reason)  # not on the timer: a callback may answer calls, i.e. write

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..transport import stream as transport
+from .. import transport
 from .pool import ThreadGroup, init_torch_thread
 
 log = logging.getLogger("rpc_core")

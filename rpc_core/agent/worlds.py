@@ -6,10 +6,9 @@ re-exports them (their historical home).
 from __future__ import annotations
 
 import re
-import socket
 from dataclasses import dataclass, field
 
-from ..transport import stream as transport
+from ..transport import Connection, Listener
 
 MAX_NAME_LEN = 128
 _NAME_RE = re.compile(r"^[A-Za-z0-9_:\-]+$")
@@ -61,16 +60,15 @@ def validate_name(name: str) -> None:
 
 @dataclass
 class World:
-    """Result of a rendezvous: who is who, and the sockets it leaves us with."""
+    """Result of a rendezvous: who is who, and the listeners and connections it leaves us with."""
 
     me: WorkerInfo
     workers: list[WorkerInfo]  # by rank
     addresses: dict[int, tuple[str, int]]
-    listener: socket.socket
+    # This worker's listeners (transport.listen): TCP's, at the address it advertises, first.
+    listeners: list[Listener]
     # rank 0: {rank: incoming connection}; others: {0: outgoing connection to rank 0}
-    connections: dict[int, transport.Connection]
-    # The same-host listener beside ``listener`` (see handshake.listen_local), if any.
-    local_listener: socket.socket | None = None
+    connections: dict[int, Connection]
     # A dynamic group (``world_size=None``): members join and leave while it runs.
     dynamic: bool = False
     # Dynamic groups: which join brought each member in (rank 0, the founder: 0), so a rank

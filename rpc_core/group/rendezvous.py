@@ -24,12 +24,11 @@ import socket
 import threading
 import time
 
-from .. import knobs
+from .. import knobs, transport
 from ..agent.worlds import MAX_NAME_LEN, WorkerInfo, World, validate_name  # noqa: F401 (re-exported)
 from ..errors import AuthenticationError, RendezvousError
 from ..protocol import wire
-from ..transport import handshake
-from ..transport import stream as transport
+from ..transport import Connection, Listener
 
 log = logging.getLogger("rpc_core")
 
@@ -76,16 +75,6 @@ def resolve_init_method(init_method: str) -> tuple[str, int]:
     return addr, port_n  # type: ignore[return-value]
 
 
-def _listen(host: str, port: int) -> socket.socket:
-    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    family, _, _, _, sockaddr = infos[0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(sockaddr)
-    sock.listen(128)
-    return sock
-
-
 def rendezvous(name: str, rank: int, world_size: int | None, init_method: str, secret: bytes, timeout: float) -> World:
     """Find the group. ``world_size=None``: a dynamic group, founded by rank 0 alone (it
     returns at once); any other rank joins it through rank 0's registry (``registry``)."""
@@ -113,20 +102,20 @@ def rendezvous(name: str, rank: int, world_size: int | None, init_method: str, s
 
 
 def _host(name: str, world_size: int, host: str, port: int, secret: bytes, timeout: float) -> World:
+    # Every transport's listener is bound before anyone learns our address, so a same-host
+    # peer never finds its socket missing.
     try:
-        listener = _listen(host, port)
+        listeners = transport.listen(host, port)
     except OSError as e:
         raise RendezvousError(
             f"rank 0 cannot listen on {host}:{port} for the rendezvous: {e.strerror or e}. "
             "If the port is in use (another program or an earlier run), choose another MASTER_PORT "
             "or stop the process holding it; if the host is wrong, fix MASTER_ADDR."
         ) from None
-    # Bound before anyone learns our address, so a same-host peer never finds it missing.
-    local = handshake.listen_local(port)
     me = WorkerInfo(name, 0)
-    joined: dict[int, tuple[WorkerInfo, tuple[str, int], transport.Connection, int]] = {}
+    joined: dict[int, tuple[WorkerInfo, tuple[str, int], Connection, int]] = {}
     deadline = time.monotonic() + timeout
-    joiners = _Joiners(listener, world_size, secret, f"rendezvous at {host}:{port}")
+    joiners = _Joiners(listeners[0], world_size, secret, f"rendezvous at {host}:{port}")
     try:
         while len(joined) < world_size - 1:
             remaining = deadline - time.monotonic()
@@ -154,11 +143,11 @@ def _host(name: str, world_size: int, host: str, port: int, secret: bytes, timeo
         for _, _, c, msg_id in joined.values():
             _reply(c, msg_id, message)
             c.close()
-        _close(listener, local)
+        transport.close(listeners)
         raise
     joiners.close(f"rank 0 completed the rendezvous at {host}:{port} without this worker: the world of "
                   f"{world_size} was full. Check the ranks and world_size given to each worker.")
-    listener.settimeout(None)
+    listeners[0].setblocking(True)
     workers = [me] + [joined[r][0] for r in range(1, world_size)]
     addresses = {0: (host, port)}
     addresses.update({r: joined[r][1] for r in joined})
@@ -166,23 +155,23 @@ def _host(name: str, world_size: int, host: str, port: int, secret: bytes, timeo
     for _, _, c, msg_id in joined.values():
         s = _dumps(table)
         c.send(wire.RESPONSE, 0, msg_id, b"", s)
-    return World(me, workers, addresses, listener, {r: joined[r][2] for r in joined}, local)
+    return World(me, workers, addresses, listeners, {r: joined[r][2] for r in joined})
 
 
 class _Joiners:
     """Rank 0's side of the joiners' handshakes: ``collect`` (on the rendezvous thread)
     accepts connections and returns the joiners whose handshake and join request came in;
     each handshake runs on a thread of its own, bounded by handshake_timeout(), and at most
-    MAX_PENDING_HANDSHAKES at once are unauthenticated (``handshake.Admission``)."""
+    MAX_PENDING_HANDSHAKES at once are unauthenticated (``transport.Admission``)."""
 
-    def __init__(self, listener: socket.socket, world_size: int, secret: bytes, where: str) -> None:
+    def __init__(self, listener: Listener, world_size: int, secret: bytes, where: str) -> None:
         self._listener = listener
         self._world_size = world_size
         self._secret = secret
-        self._admission = handshake.Admission(where)
+        self._admission = transport.Admission(where)
         self._lock = threading.Lock()
         self._socks: set[socket.socket] = set()  # in a handshake thread
-        self._done: list[tuple[transport.Connection, WorkerInfo, tuple[str, int], int]] = []
+        self._done: list[tuple[Connection, WorkerInfo, tuple[str, int], int]] = []
         self._threads: list[threading.Thread] = []
         self._closed = False
         self._wake_r, self._wake_w = socket.socketpair()  # a finished handshake wakes collect
@@ -191,7 +180,7 @@ class _Joiners:
         self._selector.register(listener, selectors.EVENT_READ)
         self._selector.register(self._wake_r, selectors.EVENT_READ)
 
-    def collect(self, timeout: float) -> list[tuple[transport.Connection, WorkerInfo, tuple[str, int], int]]:
+    def collect(self, timeout: float) -> list[tuple[Connection, WorkerInfo, tuple[str, int], int]]:
         """Accept what is connecting; return the joiners ready so far, waiting up to ``timeout``
         seconds for something to happen if none is."""
         for key, _ in self._selector.select(timeout):
@@ -208,14 +197,13 @@ class _Joiners:
             sock, peer = self._listener.accept()
         except (BlockingIOError, InterruptedError, ConnectionAbortedError):
             return  # gone before we took it
-        sock.setblocking(True)
         if not self._admission.admit(sock, peer):
             sock.close()
             return
         with self._lock:
             self._socks.add(sock)
         self._threads = [t for t in self._threads if t.is_alive()]
-        t = threading.Thread(target=self._run, args=(sock, peer, time.monotonic() + handshake.handshake_timeout()),
+        t = threading.Thread(target=self._run, args=(sock, peer, time.monotonic() + transport.handshake_timeout()),
                              name="rpc-rendezvous-join", daemon=True)
         self._threads.append(t)
         t.start()
@@ -223,7 +211,8 @@ class _Joiners:
     def _run(self, sock: socket.socket, peer: tuple[str, int], deadline: float) -> None:
         joiner = None
         try:
-            joiner = _accept_joiner(sock, peer, self._world_size, self._secret, deadline, self._admission)
+            joiner = _accept_joiner(self._listener.transport, sock, peer, self._world_size, self._secret, deadline,
+                                    self._admission)
         finally:
             with self._lock:
                 self._socks.discard(sock)  # before it may be closed (see close)
@@ -268,36 +257,28 @@ class _Joiners:
         self._wake_w.close()
 
 
-def _close(*socks: socket.socket | None) -> None:
-    for sock in socks:
-        if sock is not None:
-            sock.close()
-
-
 def _dumps(obj: object) -> bytes:
     import pickle
 
     return pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)
 
 
-def _reply(c: transport.Connection, msg_id: int, err: str) -> None:
+def _reply(c: Connection, msg_id: int, err: str) -> None:
     try:
         c.send(wire.EXCEPTION, 0, msg_id, b"", _dumps(err))
     except OSError:
         pass
 
 
-def _accept_joiner(sock: socket.socket, peer: tuple[str, int], world_size: int, secret: bytes, deadline: float,
-                   admission: handshake.Admission
-                   ) -> tuple[transport.Connection, WorkerInfo, tuple[str, int], int] | None:
+def _accept_joiner(via: transport.Transport, sock: socket.socket, peer: tuple[str, int], world_size: int,
+                   secret: bytes, deadline: float, admission: transport.Admission
+                   ) -> tuple[Connection, WorkerInfo, tuple[str, int], int] | None:
     """Authenticate a joiner and read its join request, all by ``deadline``; None if it is
     turned away (the caller closes ``sock`` then)."""
     import pickle
 
     try:
-        transport.accept(sock, secret, deadline - time.monotonic(), admission)
-        h, body = handshake.read_intro(sock, deadline)
-        c = transport.Connection(sock)
+        c, h, body = via.accept(sock, peer, secret, deadline, admission)
         name, rank, ws, address = pickle.loads(body)
         if ws is None:
             _reply(c, h.msg_id, MIXED_GROUP)
@@ -315,7 +296,7 @@ def _accept_joiner(sock: socket.socket, peer: tuple[str, int], world_size: int, 
 
 
 def _check_joiner(info: WorkerInfo, me: WorkerInfo,
-                  joined: dict[int, tuple[WorkerInfo, tuple[str, int], transport.Connection, int]]) -> str | None:
+                  joined: dict[int, tuple[WorkerInfo, tuple[str, int], Connection, int]]) -> str | None:
     if info.id in joined or info.id == 0:
         other = me if info.id == 0 else joined[info.id][0]
         return f"rank {info.id} is not unique: both {other.name!r} and {info.name!r} claim it"
@@ -332,9 +313,9 @@ def _join(name: str, rank: int, world_size: int | None, host: str, port: int, se
     delay = _RETRY_FIRST
     while True:
         try:
-            sock = transport.dial((host, port), secret,
-                                  timeout=max(_MIN_ATTEMPT, min(handshake.handshake_timeout(),
-                                                                deadline - time.monotonic())))
+            c = transport.TCP.dial((host, port), secret,
+                                   timeout=max(_MIN_ATTEMPT, min(transport.handshake_timeout(),
+                                                                 deadline - time.monotonic())))
             break
         except (TimeoutError, ConnectionRefusedError, transport.PeerClosed, ConnectionResetError, socket.gaierror) as e:
             if time.monotonic() + delay > deadline:
@@ -345,26 +326,24 @@ def _join(name: str, rank: int, world_size: int | None, host: str, port: int, se
                 ) from None
             time.sleep(delay)  # retry backoff while rank 0 starts; not a test wait
             delay = min(delay * 2, _RETRY_MAX)
-    local_ip = sock.getsockname()[0]
+    local_ip = c.local_host
     try:
-        listener = _listen(local_ip, 0)
+        listeners = transport.listen(local_ip, 0)
     except OSError as e:
-        sock.close()
+        c.close()
         raise RendezvousError(f"worker {name!r} cannot open a listening socket on {local_ip}: {e}") from None
-    local = handshake.listen_local(listener.getsockname()[1])
-    c = transport.Connection(sock)
     try:
-        c.send(wire.REQUEST, 0, 1, b"", _dumps((name, rank, world_size, listener.getsockname()[:2])))
-        sock.settimeout(max(_MIN_ATTEMPT, deadline - time.monotonic()) + _ANSWER_SLACK)
+        c.send(wire.REQUEST, 0, 1, b"", _dumps((name, rank, world_size, listeners[0].address)))
+        c.set_recv_timeout(max(_MIN_ATTEMPT, deadline - time.monotonic()) + _ANSWER_SLACK)
         h, _, body, _ = c.recv()
-        sock.settimeout(None)
+        c.set_recv_timeout(None)
     except (OSError, transport.PeerClosed) as e:
-        _close(listener, local)
+        transport.close(listeners)
         c.close()
         raise RendezvousError(f"worker {name!r} (rank {rank}): rendezvous with rank 0 at {host}:{port} "
                               f"failed: {e}") from None
     if h.kind == wire.EXCEPTION:
-        _close(listener, local)
+        transport.close(listeners)
         c.close()
         raise RendezvousError(pickle.loads(body))
     # A static world's table: (names, addresses); a dynamic group's adds the generations.
@@ -372,5 +351,5 @@ def _join(name: str, rank: int, world_size: int | None, host: str, port: int, se
     workers = [WorkerInfo(n, r) for n, r in table[0]]
     me = next(w for w in workers if w.id == rank)
     if world_size is None:
-        return World(me, workers, table[1], listener, {0: c}, local, dynamic=True, generations=table[2])
-    return World(me, workers, table[1], listener, {0: c}, local)
+        return World(me, workers, table[1], listeners, {0: c}, dynamic=True, generations=table[2])
+    return World(me, workers, table[1], listeners, {0: c})

@@ -1,9 +1,10 @@
-"""The connection handshake: mutual authentication, then the cross-memory-attach probe.
+"""The connection handshake, common to every transport: mutual authentication, then the
+cross-memory-attach probe.
 
-``dial`` (the connecting side) and ``accept`` (the accepting side) run the steps that
-``wire`` lays out, on a plain socket, with fixed-size messages only: nothing from a peer is
-unpickled before it proved it knows the shared secret. They return the socket ready for
-``stream.Connection``, which picks up what the probe found (``take_link``).
+``run_dialer`` (the connecting side) and ``run_acceptor`` (the accepting side) run the steps
+that ``wire`` lays out, on a connected stream socket, with fixed-size messages only: nothing
+from a peer is unpickled before it proved it knows the shared secret. They return what the
+probe found (a ``Link``), which the transport's connection takes along.
 
 Each side runs its whole handshake against one deadline (``handshake_timeout()`` unless the
 caller has less time): every receive gets only the time that is left, so a peer that
@@ -15,10 +16,8 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import sys
 import threading
 import time
-import weakref
 from typing import NamedTuple
 
 from .. import knobs
@@ -43,16 +42,6 @@ MAX_PENDING_HANDSHAKES = 64
 # The largest first frame read under the handshake deadline (an identity or join request).
 MAX_INTRO_BYTES = 64 << 10
 
-_SOCK_BUF = 4 << 20
-# Same-host peers talk over a Unix socket instead of TCP loopback: the kernel does far less
-# per message (bare Python ping-pong, polling: 64 B 10.8 -> 7.8 µs, 64 KB 37 -> 19 µs per
-# round trip). Linux's abstract namespace names it after the worker's TCP port, so it
-# needs no file and no new field in the rendezvous. RPC_CORE_UDS=0 keeps them on TCP.
-
-
-def local_enabled() -> bool:
-    return sys.platform.startswith("linux") and knobs.uds()
-
 
 class PeerClosed(ConnectionError):
     """The peer closed the connection (EOF) or it was reset."""
@@ -73,36 +62,6 @@ def _left(deadline: float) -> float:
     if left <= 0:
         raise HandshakeTimeout("the handshake did not complete in time", connected=True)
     return left
-
-
-def local_address(port: int) -> str:
-    """The abstract Unix socket on which the worker listening on TCP ``port`` also accepts
-    (in one network namespace both names belong to one process, or the handshake fails)."""
-    return f"\0rpc_core.{port}"
-
-
-def listen_local(port: int) -> socket.socket | None:
-    """The same-host listener for TCP ``port``, or None (not Linux, RPC_CORE_UDS=0, name taken)."""
-    if not local_enabled():
-        return None
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.bind(local_address(port))
-        sock.listen(128)
-    except OSError:
-        sock.close()
-        return None
-    return sock
-
-
-def tune(sock: socket.socket) -> None:
-    if sock.family != socket.AF_UNIX:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, opt, _SOCK_BUF)
-        except OSError:
-            pass
 
 
 def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
@@ -134,20 +93,18 @@ def _send(sock: socket.socket, data: bytes, deadline: float) -> None:
         raise HandshakeTimeout("the handshake did not complete in time", connected=True) from None
 
 
-class _Link(NamedTuple):
-    """What the cross-memory-attach step of the handshake found for one socket."""
+class Link(NamedTuple):
+    """What the cross-memory-attach step of the handshake found for one connection."""
 
     peer_pid: int
     send: bool  # the peer proved it can read our memory
     recv: bool  # we proved we can read the peer's memory
 
 
-# dial/accept return plain sockets (callers wrap them in Connection themselves), so the
-# handshake's findings wait here for the Connection made from that socket.
-_links: weakref.WeakKeyDictionary[socket.socket, _Link] = weakref.WeakKeyDictionary()
+NO_LINK = Link(0, False, False)  # a socket that ran no handshake (tests' socket pairs)
 
 
-def _exchange_cma(sock: socket.socket, deadline: float) -> None:
+def _exchange_cma(sock: socket.socket, deadline: float) -> Link:
     """The OFFER/RESULT step of the handshake (see ``wire``); both sides run the same code."""
     probe = cma.Probe() if cma.enabled() else None
     if probe is not None:
@@ -161,75 +118,54 @@ def _exchange_cma(sock: socket.socket, deadline: float) -> None:
     if peer_reads not in (0, 1):
         raise ProtocolError(f"bad cross-memory-attach result {peer_reads}")
     # The probe had to stay alive until the peer reported on it, i.e. until here.
-    _links[sock] = _Link(pid if readable else 0, probe is not None and peer_reads == 1, readable)
+    link = Link(pid if readable else 0, probe is not None and peer_reads == 1, readable)
     del probe
+    return link
 
 
-def dial(address: tuple[str, int] | str, secret: bytes, timeout: float) -> socket.socket:
-    """Connect (to a TCP ``(host, port)``, or a ``local_address``) and prove we know the
-    secret, all within ``timeout`` seconds (HandshakeTimeout past it); raise
-    AuthenticationError if the peer rejects us (or cannot prove it knows the secret itself)."""
-    deadline = time.monotonic() + timeout
-    if timeout <= 0:
-        raise HandshakeTimeout("no time left to connect", connected=False)
+def run_dialer(sock: socket.socket, secret: bytes, deadline: float, peer: str) -> Link:
+    """On a socket just connected to ``peer`` (for messages: "host:port"), prove we know the
+    secret and check that the peer does, by ``deadline`` (HandshakeTimeout past it); raise
+    AuthenticationError if the peer rejects us (or cannot prove it knows the secret itself).
+    The caller closes ``sock`` on any error."""
+    magic, version, nonce_a = wire.HELLO.unpack(_recv_exact(sock, wire.HELLO.size, deadline))
+    if magic != wire.MAGIC or version != wire.VERSION:
+        raise ProtocolError(
+            f"{peer} is not an rpc_core worker of protocol version "
+            f"{wire.VERSION} (got magic {magic!r}, version {version})"
+        )
+    nonce_c = wire.new_nonce()
+    _send(sock, wire.PROOF.pack(wire.MAGIC, wire.connector_mac(secret, nonce_a, nonce_c), nonce_c), deadline)
     try:
-        if isinstance(address, str):
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.settimeout(timeout)
-            try:
-                sock.connect(address)
-            except BaseException:
-                sock.close()
-                raise
-            address = ("localhost", int(address.rsplit(".", 1)[1]))  # for messages
-        else:
-            sock = socket.create_connection(address, timeout=timeout)
-    except TimeoutError:
-        raise HandshakeTimeout("the connection was not accepted in time", connected=False) from None
-    try:
-        tune(sock)
-        magic, version, nonce_a = wire.HELLO.unpack(_recv_exact(sock, wire.HELLO.size, deadline))
-        if magic != wire.MAGIC or version != wire.VERSION:
-            raise ProtocolError(
-                f"{address[0]}:{address[1]} is not an rpc_core worker of protocol version "
-                f"{wire.VERSION} (got magic {magic!r}, version {version})"
-            )
-        nonce_c = wire.new_nonce()
-        _send(sock, wire.PROOF.pack(wire.MAGIC, wire.connector_mac(secret, nonce_a, nonce_c), nonce_c), deadline)
-        try:
-            ok, mac_a = wire.VERDICT.unpack(_recv_exact(sock, wire.VERDICT.size, deadline))
-        except PeerClosed:
-            # Not a rejection (that comes as a VERDICT of 0): closed to make room for newer
-            # connections (see Admission), or the worker went away.
-            raise PeerClosed(f"{address[0]}:{address[1]} closed the connection before its verdict on our "
-                             "authentication") from None
-        if not ok:
-            raise AuthenticationError(
-                f"worker at {address[0]}:{address[1]} rejected our authentication: the shared "
-                "secret differs. Give every worker the same secret (RpcBackendOptions(auth_secret=...) "
-                "or the RPC_CORE_AUTH_SECRET environment variable)."
-            )
-        if not wire.macs_equal(mac_a, wire.acceptor_mac(secret, nonce_c, nonce_a)):
-            raise AuthenticationError(
-                f"worker at {address[0]}:{address[1]} could not prove it knows the shared secret; "
-                "refusing to talk to it"
-            )
-        _exchange_cma(sock, deadline)
-        sock.settimeout(None)
-        return sock
-    except BaseException:
-        sock.close()
-        raise
+        ok, mac_a = wire.VERDICT.unpack(_recv_exact(sock, wire.VERDICT.size, deadline))
+    except PeerClosed:
+        # Not a rejection (that comes as a VERDICT of 0): closed to make room for newer
+        # connections (see Admission), or the worker went away.
+        raise PeerClosed(f"{peer} closed the connection before its verdict on our "
+                         "authentication") from None
+    if not ok:
+        raise AuthenticationError(
+            f"worker at {peer} rejected our authentication: the shared "
+            "secret differs. Give every worker the same secret (RpcBackendOptions(auth_secret=...) "
+            "or the RPC_CORE_AUTH_SECRET environment variable)."
+        )
+    if not wire.macs_equal(mac_a, wire.acceptor_mac(secret, nonce_c, nonce_a)):
+        raise AuthenticationError(
+            f"worker at {peer} could not prove it knows the shared secret; "
+            "refusing to talk to it"
+        )
+    link = _exchange_cma(sock, deadline)
+    sock.settimeout(None)
+    return link
 
 
-def accept(sock: socket.socket, secret: bytes, timeout: float, admission: Admission | None = None) -> None:
+def run_acceptor(sock: socket.socket, secret: bytes, timeout: float, admission: Admission | None = None) -> Link:
     """Run the acceptor side of the handshake on a freshly accepted socket, all within
     ``timeout`` seconds. With ``admission`` (which admitted ``sock``), the peer leaves it once
     it proved it knows the secret; if it was closed to make room before, PeerClosed.
     Raises AuthenticationError / ProtocolError / OSError; the caller closes the socket."""
     deadline = time.monotonic() + timeout
     try:
-        tune(sock)
         nonce_a = wire.new_nonce()
         _send(sock, wire.HELLO.pack(wire.MAGIC, wire.VERSION, nonce_a), deadline)
         magic, mac_c, nonce_c = wire.PROOF.unpack(_recv_exact(sock, wire.PROOF.size, deadline))
@@ -244,11 +180,12 @@ def accept(sock: socket.socket, secret: bytes, timeout: float, admission: Admiss
         if admission is not None and not admission.authenticated(sock):
             raise PeerClosed("closed during its handshake to make room for newer connections")
         _send(sock, wire.VERDICT.pack(1, wire.acceptor_mac(secret, nonce_c, nonce_a)), deadline)
-        _exchange_cma(sock, deadline)
+        link = _exchange_cma(sock, deadline)
     finally:
         if admission is not None:
             admission.discard(sock)
     sock.settimeout(None)
+    return link
 
 
 def read_intro(sock: socket.socket, deadline: float) -> tuple[wire.FrameHeader, bytes]:
@@ -326,8 +263,3 @@ def _hang_up(sock: socket.socket) -> None:
         sock.shutdown(socket.SHUT_RDWR)
     except OSError:
         pass
-
-
-def take_link(sock: socket.socket) -> _Link | None:
-    """What the handshake found about cross-memory attach for ``sock`` (once)."""
-    return _links.pop(sock, None)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import ProtocolError
 from ..protocol import wire
 from . import cma
+from .base import DEFER_ANSWER
 from .buffers import DIRECT_READ
 from .handshake import PeerClosed
 from .polling import NOTHING
@@ -37,10 +38,6 @@ _HEADER = wire.FRAME_HEADER.size
 # below ~128 KB the RELEASE frame and the remote page pinning cost more than TCP's copies.
 CMA_MIN = 256 << 10
 
-# How a small tensor-free frame may wait in the queue instead of being written at once
-# (``send``'s ``defer``); whoever next reads the socket writes the queue first, in one go.
-DEFER_BATCH = 1  # the sender writes it with its next few (``flush_queued``/``frame_waiting``)
-DEFER_ANSWER = 2  # an answer, while the reader has the next frame's bytes buffered already
 
 
 def _address(b: memoryview) -> int:

@@ -1,9 +1,9 @@
-"""Connections: authenticated sockets (TCP, or Unix between same-host workers) that send and receive frames. Bytes only.
+"""A connection over a stream socket (TCP, or Unix between same-host workers): frames sent
+and received. Bytes only. Both socket transports (``tcp``, ``unix``) make theirs with it.
 
-``dial`` and ``accept`` (from ``handshake``) run the handshake of ``wire``; ``Connection.send`` writes a frame
-with one scatter-gather ``sendmsg`` straight from tensor memory; ``Connection.recv`` reads
-frames through a small reusable buffer, but receives large tensor buffers directly into
-freshly allocated tensor storage.
+``Connection.send`` writes a frame with one scatter-gather ``sendmsg`` straight from tensor
+memory; ``Connection.recv`` reads frames through a small reusable buffer, but receives
+large tensor buffers directly into freshly allocated tensor storage.
 
 Between processes that proved they can read each other's memory (``cma``), large buffers
 are not streamed at all: the frame names their addresses, the receiver copies them into
@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import socket
+import struct
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -33,16 +34,27 @@ from .. import knobs
 from ..errors import ProtocolError
 from ..protocol import wire
 from ..protocol.serialization import storage_view
-from . import cma, handshake
+from . import cma
+from .base import Capabilities
 from .buffers import READ_CHUNK, ReadBuffer, new_storage
-from .handshake import PeerClosed, accept, dial, tune  # the transport's public face (see __all__)
+from .handshake import NO_LINK, Link, PeerClosed
 from .polling import DONTWAIT, NOTHING, Waiting
-from .sending import CMA_MIN, DEFER_ANSWER, DEFER_BATCH, Sender
-
-__all__ = ["CMA_MIN", "Connection", "DEFER_ANSWER", "DEFER_BATCH", "PeerClosed", "accept", "dial", "new_storage",
-           "tune"]
+from .sending import Sender
 
 _HEADER = wire.FRAME_HEADER.size
+
+
+_SOCK_BUF = 4 << 20
+_ABORT = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() resets and drops what is queued
+
+
+def tune_buffers(sock: socket.socket) -> None:
+    """Large kernel buffers both ways: a large frame takes fewer wake-ups of either side."""
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, opt, _SOCK_BUF)
+        except OSError:
+            pass
 
 
 def _same(e: BaseException) -> BaseException:
@@ -50,23 +62,31 @@ def _same(e: BaseException) -> BaseException:
 
 
 class Connection(Sender, Waiting, ReadBuffer):
-    """One authenticated socket. ``send`` is thread-safe; ``recv`` serves one caller at a
-    time (concurrent callers queue), from any thread.
+    """One authenticated stream socket (a ``base.Connection``). ``send`` is thread-safe;
+    ``recv`` serves one caller at a time (concurrent callers queue), from any thread.
 
     ``bytes_sent`` / ``bytes_received`` count frame bytes however they travelled;
     ``bytes_cma_sent`` / ``bytes_cma_received`` the part that went by cross-memory attach.
+    ``link``: what the handshake found (``NO_LINK``: no handshake ran, as on tests' socket
+    pairs); ``kind``, ``peer``: the transport's name and the peer's, for statistics and messages.
     """
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, link: Link = NO_LINK, kind: str = "tcp", peer: str = "",
+                 capabilities: Capabilities | None = None) -> None:
         self.sock = sock
+        self.kind = kind
+        self.peer = peer
+        name = sock.getsockname()
+        self.local_host: str = name[0] if isinstance(name, tuple) else "localhost"
         self._init_sender()
         self._init_read_buffer()
         self.bytes_received = 0
         self.bytes_cma_received = 0
-        link = handshake.take_link(sock)
-        self.peer_pid = link.peer_pid if link else 0
-        self.cma_send = bool(link and link.send)
-        self.cma_recv = bool(link and link.recv)
+        self.peer_pid = link.peer_pid
+        self.cma_send = link.send
+        self.cma_recv = link.recv
+        self.capabilities = capabilities if capabilities is not None else Capabilities(
+            link.send or link.recv, link.send, link.recv)
         # Reader role and RELEASE bookkeeping, all under _lock. Threads that wait for the role
         # (or a RELEASE, or a frame read by someone else) wait on _state and are counted in
         # _role_waiters: a reader gives the role back once per frame, and waking nobody
@@ -243,6 +263,9 @@ class Connection(Sender, Waiting, ReadBuffer):
             self._flush_small()
         return h, head, body, storages
 
+    def set_recv_timeout(self, seconds: float | None) -> None:
+        self.sock.settimeout(seconds)
+
     def close(self) -> None:
         self._fail(PeerClosed("connection closed"))
         try:
@@ -250,3 +273,10 @@ class Connection(Sender, Waiting, ReadBuffer):
         except OSError:
             pass
         self.sock.close()
+
+    def abort(self) -> None:
+        try:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _ABORT)
+        except OSError:
+            pass  # not TCP: a plain close
+        self.close()

@@ -17,12 +17,11 @@ import pytest
 import torch
 
 import rpc_core
-from rpc_core import WorkerUnavailableError
+from rpc_core import WorkerUnavailableError, transport
 from rpc_core.agent import agent as agent_mod
 from rpc_core.errors import AuthenticationError
 from rpc_core.protocol import wire
-from rpc_core.transport import handshake
-from rpc_core.transport import stream as transport
+from rpc_core.transport import unix
 from tests._world import run_world, stop_process
 
 IO_TIMEOUT = 30.0
@@ -303,11 +302,11 @@ def _body_wrong_secret(ctx):
     address = tuple(rpc_core.api.current_agent().addresses[1])
     for secret in (b"wrong", b""):
         with pytest.raises(AuthenticationError, match="rejected our authentication.*same secret"):
-            transport.dial(address, secret, timeout=IO_TIMEOUT)
+            transport.TCP.dial(address, secret, timeout=IO_TIMEOUT)
     # the worker logged both and keeps accepting and serving everyone else
     logged = rpc_core.rpc_sync(1, _log_messages, args=(2,))
     assert all("wrong or missing auth secret" in m for m in logged[:2]), logged
-    transport.dial(address, ctx.secret.encode(), timeout=IO_TIMEOUT).close()
+    transport.TCP.dial(address, ctx.secret.encode(), timeout=IO_TIMEOUT).close()
     assert rpc_core.rpc_sync(1, _whoami) == "worker1"
     rpc_core.rpc_sync(1, _set_signal)
     return True
@@ -356,17 +355,16 @@ def _body_garbage(ctx):
         _identity_frame(99),  # identity out of range
     ]
     for raw in bad_frames:
-        s = transport.dial(address, secret, timeout=IO_TIMEOUT)
-        with s:
+        with transport.TCP.dial(address, secret, timeout=IO_TIMEOUT).sock as s:
             _send_ignoring_reset(s, raw)
             s.shutdown(socket.SHUT_WR)
             assert _dropped(s)
 
     # A well-formed request whose body is not a pickle gets an error answer, not a crash.
-    with transport.dial(address, secret, timeout=IO_TIMEOUT) as s:
-        s.sendall(_identity_frame(0) + wire.pack_header(wire.REQUEST, 0, 0, 11, 42, []) + b"not pickled")
-        conn = transport.Connection(s)
-        s.settimeout(IO_TIMEOUT)
+    conn = transport.TCP.dial(address, secret, timeout=IO_TIMEOUT)
+    with conn.sock:
+        conn.sock.sendall(_identity_frame(0) + wire.pack_header(wire.REQUEST, 0, 0, 11, 42, []) + b"not pickled")
+        conn.set_recv_timeout(IO_TIMEOUT)
         h, _, _, _ = conn.recv()
         assert (h.kind, h.msg_id) == (wire.EXCEPTION, 42)
 
@@ -474,7 +472,7 @@ def _body_impostor(ctx):
     # ... and another program holds the name rank 0 would dial for it: it answers garbage.
     port = agent_mod.current_agent().addresses[1][1]
     impostor = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    impostor.bind(handshake.local_address(port))
+    impostor.bind(unix.address(port))
     impostor.listen(8)
 
     def serve():

@@ -11,9 +11,9 @@ import time
 import pytest
 
 import rpc_core
+from rpc_core import transport
 from rpc_core.protocol import wire
 from rpc_core.transport import handshake
-from rpc_core.transport import stream as transport
 from tests._world import run_world
 
 IO_TIMEOUT = 30.0
@@ -116,7 +116,7 @@ def _body_trickle(ctx, deadline):
         proof = wire.MAGIC + os.urandom(wire.PROOF.size - len(wire.MAGIC))
         unauthenticated = _trickle(s, proof[:-1], 0.3, deadline + 4)
     # A client that knows the secret, but trickles its identity frame.
-    with transport.dial(address, ctx.secret.encode(), timeout=IO_TIMEOUT) as s:
+    with transport.TCP.dial(address, ctx.secret.encode(), timeout=IO_TIMEOUT).sock as s:
         body = pickle.dumps(0)  # the identity of rank 0
         frame = wire.pack_header(wire.REQUEST, wire.CONTROL, 0, len(body), 0, []) + body
         identity = _trickle(s, frame[:-1], 0.3, deadline + 4)
@@ -160,7 +160,7 @@ def test_dial_gives_up_at_its_timeout_even_when_the_peer_trickles_bytes():
             # Before, the 1 s applied to each receive: the dial waited for the whole trickled
             # HELLO (7.6 s), then for a VERDICT that never came, then raised PeerClosed.
             with pytest.raises(socket.timeout):
-                transport.dial(listener.getsockname(), b"secret", timeout=1.0)
+                transport.TCP.dial(listener.getsockname(), b"secret", timeout=1.0)
             assert time.monotonic() - start < 1.0 + 3
         finally:
             stop.set()

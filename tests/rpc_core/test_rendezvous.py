@@ -188,7 +188,8 @@ def test_joiner_with_the_wrong_secret_is_rejected_and_rank_0_keeps_waiting_for_t
         assert joiner.me == WorkerInfo("b", 1) and world0.me == WorkerInfo("a", 0)
     finally:
         for w in (world0, joiner):
-            w.listener.close()
+            for listener in w.listeners:
+                listener.close()
             for c in w.connections.values():
                 c.close()
 

@@ -10,7 +10,7 @@ import torch
 
 from rpc_core.protocol import serialization as ser
 from rpc_core.protocol import wire
-from rpc_core.transport import stream as transport
+from rpc_core.transport import stream
 
 IO_TIMEOUT = 30.0
 
@@ -22,7 +22,7 @@ def _send_receive(obj):
 
     a, b = socket.socketpair()
     b.settimeout(IO_TIMEOUT)
-    src, dst = transport.Connection(a), transport.Connection(b)
+    src, dst = stream.Connection(a), stream.Connection(b)
     s = ser.serialize(obj)
     head = ser.encode_head(s.metas, None)
     with ThreadPoolExecutor(1) as ex:
