@@ -94,11 +94,12 @@ _LAYERS: tuple[tuple[str, ...], ...] = (
     ("agent.pool", "agent.middleware"),
     ("agent.futures", "agent.worlds"),  # futures of calls; WorkerInfo and the World a rendezvous gives
     ("agent.outbound",),
-    ("agent.roster",),  # who is in the group (a part of the agent)
-    ("agent.deadlines", "agent.completion", "agent.dispatch"),  # the worker's parts: timer, pending calls, requests
-    ("agent.heartbeats",),  # the worker's liveness watch of the peers it waits on
-    ("agent.connections",),
-    ("agent.agent",),  # the worker
+    # The worker's parts, each an object the agent owns; a part imports those it is given.
+    ("agent.roster",),  # who is in the group
+    ("agent.deadlines", "agent.completion", "agent.dispatch"),  # the timer, calls made, requests served
+    ("agent.connections",),  # dialled and accepted connections; hands frames to dispatch and completion
+    ("agent.heartbeats",),  # the liveness watch of the peers calls wait on
+    ("agent.agent",),  # the worker: makes its parts and wires them
     ("agent.calls",),  # a user call
     ("agent",),
     # group/: finding each other, joining and leaving, starting and ending together
@@ -130,7 +131,7 @@ def _get_debug_info() -> dict[str, Any]:
     agent = _current_agent()
     info.update({
         "agent.thread_pool_size": agent.pool.size,
-        "agent.num_pending_requests": agent.in_flight(),
+        "agent.num_pending_requests": agent.pending.in_flight(),
         "agent.num_idle_threads": agent.pool.idle,
     })
     return info

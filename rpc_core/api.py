@@ -119,7 +119,7 @@ def connection_stats() -> ConnectionStats:
     """Bytes this worker sent and received so far over its open connections, both ways (calls
     to itself not included), and how many of them are same-host Unix sockets or may copy by
     cross-memory attach. Raises RpcNotInitializedError before ``init_rpc``."""
-    return current_agent().connection_stats()
+    return current_agent().connections.connection_stats()
 
 
 def tune_malloc() -> bool:
@@ -135,12 +135,12 @@ def add_membership_listener(listener: Callable[[WorkerInfo, bool], None]) -> Non
     dynamic group (``world_size=None``), as this worker's view of the group changes: after the
     change, on the thread that applied it (so it must not block on a call to the group). A
     listener's exception is logged, never raised into the change. A static group never changes."""
-    current_agent().on_membership.append(listener)
+    current_agent().roster.on_membership.append(listener)
 
 
 def remove_membership_listener(listener: Callable[[WorkerInfo, bool], None]) -> None:
     """Stop calling ``listener``; ValueError if it is not one of this worker's listeners."""
-    listeners = current_agent().on_membership
+    listeners = current_agent().roster.on_membership
     if listener not in listeners:
         raise ValueError(f"remove_membership_listener: {listener!r} is not a membership listener of this worker "
                          "(add it with add_membership_listener)")
@@ -153,7 +153,7 @@ def watch_all_peers(wanted: Callable[[], bool]) -> None:
     those its calls wait on. A member silent for ``heartbeat_timeout`` is then reported as
     unreachable; on rank 0 of a dynamic group that removes it (membership listeners hear it
     leave). Stays in place until ``shutdown``; no effect with ``heartbeat_timeout=0``."""
-    current_agent().liveness_wanted.append(wanted)
+    current_agent().heartbeats.liveness_wanted.append(wanted)
 
 
 def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> None:
@@ -163,7 +163,7 @@ def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -
     agent = current_agent()
     error: BaseException | None = None
     try:
-        if graceful and agent.dynamic:
+        if graceful and agent.roster.dynamic:
             _leave(agent, timeout)
         elif graceful:
             _wait_all_workers(timeout)
@@ -174,10 +174,11 @@ def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -
     except RpcError as e:
         error = e
     finally:
-        if graceful and agent.me.id == 0 and (error is None or agent.dead or isinstance(error, WorkerUnavailableError)):
+        if graceful and agent.me.id == 0 and (error is None or agent.roster.dead
+                                              or isinstance(error, WorkerUnavailableError)):
             # Let the peers close first, so they read our last replies before our sockets go
             # away: with a dead or silent worker, those replies tell them which one it was.
-            agent.wait_incoming_closed(5.0)
+            agent.connections.wait_incoming_closed(5.0)
         for hook in lifecycle.shutdown_hooks:
             hook()
         agent.close()
@@ -196,9 +197,9 @@ def _leave(agent: Agent, timeout: float) -> None:
     for hook in lifecycle.pre_shutdown_hooks:
         hook()
     _rref.delete_all_user_rrefs(timeout)
-    agent.wait_idle(deadline)
+    agent.pending.wait_idle(deadline)
     registry.leave(agent, timeout)
-    agent.wait_idle(deadline)
+    agent.pending.wait_idle(deadline)
     end = time.monotonic() + _LEAVE_GRACE if deadline is None else deadline
-    while agent.n_received != agent.n_answered and time.monotonic() < end:
+    while agent.dispatch.n_received != agent.dispatch.n_answered and time.monotonic() < end:
         time.sleep(0.005)  # requests that arrived as we left are still running; let them finish

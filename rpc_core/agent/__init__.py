@@ -5,12 +5,12 @@
     futures.py      the futures calls return, and remote errors rebuilt with their type
     worlds.py       ``WorkerInfo``, and the ``World`` a rendezvous gives
     outbound.py     who reads the answers on an outgoing connection
-    roster.py       who is in the group
-    deadlines.py    the timer thread: call deadlines, lazy-answer kicks, call_later
-    completion.py   calls this worker made, until each is answered, fails or times out
-    dispatch.py     running the requests that arrive, and answering them
-    heartbeats.py   noticing peers that went silent while calls wait on them
-    connections.py  dialling and accepting connections, and losing them
-    agent.py        ``Agent``: the worker, put together from the parts above
+    roster.py       ``Roster``: who is in the group
+    deadlines.py    ``Deadlines``: the timer thread (call deadlines, lazy-answer kicks, call_later)
+    completion.py   ``PendingCalls``: calls this worker made, until each is answered, fails or times out
+    dispatch.py     ``Dispatch``: running the requests that arrive, and answering them
+    connections.py  ``Connections``: dialling and accepting connections, and losing them
+    heartbeats.py   ``Heartbeats``: noticing peers that went silent while calls wait on them
+    agent.py        ``Agent``: the worker, which makes the parts above and wires them together
     calls.py        issuing a user call (``rpc_sync``, ``rpc_async``), the call wrappers
 """

@@ -1,22 +1,28 @@
 """The worker: the agent that higher layers call, put together from one part per concern.
 
-    connections.py  dialling and accepting connections, and losing them
-    dispatch.py     running the requests that arrive, and answering them
-    calls.py        calls this worker made, until each is answered, fails or times out
-    deadlines.py    the timer thread: call deadlines, lazy-answer kicks, call_later
-    heartbeats.py   noticing peers that went silent while calls wait on them
-    middleware.py   the hooks of higher layers (RRefs, distributed autograd, the profiler)
     roster.py       who is in the group (and, in a dynamic group, who joined and left)
+    completion.py   calls this worker made, until each is answered, fails or times out
+    dispatch.py     running the requests that arrive, and answering them
+    connections.py  dialling and accepting connections, and losing them
+    heartbeats.py   noticing peers that went silent while calls wait on them
+    deadlines.py    the timer thread: call deadlines, lazy-answer kicks, call_later
+    middleware.py   the hooks of higher layers (RRefs, distributed autograd, the profiler)
 
-Threads: one acceptor; one reader per connection (it parses frames, completes response
-futures, and runs requests inline: a request that blocks or runs long moves the reading
-to another pool thread); an elastic pool for calls to self, callbacks and deferred
+Each part is an object the agent owns and made, bottom-up, handing each what it needs: the
+parts below it, or a callable where a part must reach one made after it (``Dispatch``
+tells ``Connections`` of a lost reader, ``Roster`` tells it of a departed member,
+``Heartbeats`` sends through ``send_request``). So the imports between the parts are the
+real dependencies, and ``_LAYERS`` orders them.
+
+Threads: one acceptor per transport; one reader per connection (it parses frames, completes
+response futures, and runs requests inline: a request that blocks or runs long moves the
+reading to another pool thread); an elastic pool for calls to self, callbacks and deferred
 requests; one timer that fails calls past their deadline. Higher layers plug in as
 ``Middleware`` and never touch sockets.
 
-The request path's parts are mixins of ``Agent`` (every message passes through them, and
-a hop through a helper object would cost on each); the timer, with a thread and state of
-its own, is a helper object (``Deadlines``).
+The per-message path costs no extra hop for being split into parts: ``send_request`` files
+a call in the very dicts of its parts (bound once here), answers go from the connection
+that read them straight to ``PendingCalls.on_answer``, requests to ``Dispatch``.
 """
 from __future__ import annotations
 
@@ -32,8 +38,8 @@ from ..errors import RpcError, RpcNotInitializedError
 from ..options import RpcBackendOptions
 from ..protocol import wire
 from ..protocol.serialization import encode_head, serialize
-from .completion import Calls, Pending, new_pending
-from .connections import Connections, ConnectionStats
+from .completion import Pending, PendingCalls, new_pending
+from .connections import Connections
 from .deadlines import Deadlines
 from .dispatch import Dispatch
 from .futures import RpcFuture
@@ -43,7 +49,7 @@ from .pool import ElasticPool, ThreadGroup
 from .roster import Roster
 from .worlds import World
 
-__all__ = ["Agent", "ConnectionStats", "Middleware", "current_agent", "set_current_agent"]
+__all__ = ["Agent", "Middleware", "current_agent", "set_current_agent"]
 
 log = logging.getLogger("rpc_core")
 
@@ -66,39 +72,61 @@ def set_current_agent(agent: Agent | None) -> None:
     _agent = agent
 
 
-class Agent(Roster, Connections, Dispatch, Calls, Heartbeats):
+class Agent:
     """One worker's RPC agent: ``send_request`` makes calls, the connections' readers serve
-    the calls of others; ``start`` begins serving, ``close`` ends everything."""
+    the calls of others; ``start`` begins serving, ``close`` ends everything. Its parts:
+    ``roster``, ``pending`` (calls made), ``dispatch`` (requests served), ``connections``,
+    ``heartbeats``."""
 
     def __init__(self, world: World, options: RpcBackendOptions) -> None:
         self.me = world.me
         self.options = options
         self.default_timeout = options.rpc_timeout
         self.middleware: list[Middleware] = []
-        self._closing = False
-        self._init_calls()
-        self._init_connections(world, options)
-        self._init_roster(world)
-        self._ids = itertools.count(1)
-        # Counters for graceful shutdown's quiescence check (user calls only, not CONTROL).
-        self.n_sent = self.n_done = self.n_received = self.n_answered = 0
-        self._deadlines = Deadlines(self._pending, self._expire, self.me.name)
-        # Bound once: send_request arms a deadline per call without a hop through _deadlines.
-        self._arm_timer = self._deadlines.arm
-        self._arm_kick = self._deadlines.arm_kick
-        self.threads = ThreadGroup()  # every thread this agent starts (see close)
-        self.pool = ElasticPool(options.num_worker_threads, f"rpc-{self.me.name}", self.threads)
-        self.on_peer_lost: list[Callable[[int, str], None]] = []
         # Called with (head extras, error) when a request cannot even be unpickled here.
         self.request_failed_hooks: list[Callable[[dict[str, Any], BaseException], None]] = []
-        self._init_heartbeats(options.effective_heartbeat_timeout())
+        self._closing = False
+        self._ids = itertools.count(1)
+        self.threads = ThreadGroup()  # every thread this agent starts (see close)
+        self.pool = ElasticPool(options.num_worker_threads, f"rpc-{self.me.name}", self.threads)
+        self.roster = Roster(world, self._forget)
+        self.pending = PendingCalls(self.roster, self.pool, self.middleware)
+        self.dispatch = Dispatch(self.roster, self.pool, self.middleware, self.request_failed_hooks,
+                                 self.pending.on_answer, self._reader_lost)
+        self.connections = Connections(world, options, self.roster, self.pending, self.dispatch, self.threads)
+        self._deadlines = Deadlines(self.pending.pending, self.pending.expire, self.me.name)
+        self.heartbeats = Heartbeats(options.effective_heartbeat_timeout(), self.roster, self.pool, self.pending,
+                                     self.connections, self.send_request, self._deadlines.call_later)
+        # Bound once: send_request uses these on every call without a hop through the parts.
+        self._out = self.connections.out
+        self._links = self.connections.links
+        self._unanswered = self.pending.pending
+        self._arm_timer = self._deadlines.arm
+        self._arm_kick = self._deadlines.arm_kick
+        # The roster's lookups, as torch's agent has them (``get_worker_info(s)``); calls resolve
+        # their destination with ``worker_info``.
+        self.worker_info = self.roster.worker_info
+        self.get_worker_info = self.roster.get_worker_info
+        self.get_worker_infos = self.roster.get_worker_infos
+
+    # -- what a part reaches in a part made after it -------------------------------------------------
+    def _forget(self, rank: int, name: str, reason: str) -> None:
+        self.connections.forget(rank, name, reason)
+
+    def _reader_lost(self, conn: transport.Connection, peer: int, e: BaseException) -> None:
+        self.connections.reader_lost(conn, peer, e)
+
+    @property
+    def closing(self) -> bool:
+        """``close`` began: no new call may be sent."""
+        return self._closing
 
     def start(self) -> None:
         """Start serving. Called once the layers above have plugged in, so no request is
         handled by a half-initialised worker."""
         self.threads.start(self._deadlines.run, "rpc-timer")
-        self._start_connections()
-        self._start_heartbeats()
+        self.connections.start()
+        self.heartbeats.start()
 
     def send_request(self, dst: int, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], timeout: float,
                      extras: dict[str, Any] | None = None, flags: int = 0,
@@ -124,7 +152,7 @@ class Agent(Roster, Connections, Dispatch, Calls, Heartbeats):
         dialled = conn is None
         if conn is None:  # dialled: the dial is part of the call, its timeout bounds both
             try:
-                conn = self._connection(dst, start + timeout if timeout > 0 else None, timeout)
+                conn = self.connections.connection(dst, start + timeout if timeout > 0 else None, timeout)
             except RpcError as e:
                 fut.set_exception(e)
                 return fut
@@ -134,14 +162,14 @@ class Agent(Roster, Connections, Dispatch, Calls, Heartbeats):
         # batches, by this thread every few calls (see outbound). Not for the first few: a
         # caller that sends one and computes (overlapping communication) must not wait.
         burst = unattended and link is not None and not lazy and link.in_flight() >= _BURST_IN_FLIGHT
-        self._pending[msg_id] = new_pending(Pending, (fut, dst, call_extras if call_extras is not None else extras,
+        self._unanswered[msg_id] = new_pending(Pending, (fut, dst, call_extras if call_extras is not None else extras,
                                                       timeout, flags, link, unattended))
         if not flags & wire.CONTROL:
-            self.n_sent += 1
+            self.pending.n_sent += 1
         if timeout > 0:
             if dialled:
                 # Set by when the call began, so out of order with the queues (rare: call_later).
-                self.call_later(start + timeout, functools.partial(self._expire, msg_id))
+                self._deadlines.call_later(start + timeout, functools.partial(self.pending.expire, msg_id))
             else:
                 self._arm_timer(timeout, msg_id)
         if link is not None:
@@ -161,7 +189,7 @@ class Agent(Roster, Connections, Dispatch, Calls, Heartbeats):
             else:
                 conn.send(wire.REQUEST, flags, msg_id, head, ser.body, ser.buffers)
         except (OSError, RpcError) as e:
-            self._fail(msg_id, e if isinstance(e, RpcError) else self._lost_error(dst, e))
+            self.pending.fail(msg_id, e if isinstance(e, RpcError) else self.connections.lost_error(dst, e))
         return fut
 
     def call_later(self, when: float, fn: Callable[[], None]) -> None:
@@ -171,22 +199,13 @@ class Agent(Roster, Connections, Dispatch, Calls, Heartbeats):
 
     def close(self) -> None:
         """Stop: close every connection and thread; calls still pending fail."""
-        with self._lock:
-            self._closing = True
-            conns = list(self._out.values()) + list(self._incoming)
-            links = list(self._links.values())
-        for link in links:
-            link.close()
+        self._closing = self.dispatch.closing = self.heartbeats.closing = True
         self._deadlines.stop()
-        self._close_listeners()
-        for c in conns + self._parked:
-            c.close()
-        for msg_id in list(self._pending):
-            self._fail(msg_id, RpcError(f"RPC agent of {self.me.name!r} shut down before this call completed"))
+        self.connections.close()
+        self.pending.fail_all(lambda: RpcError(f"RPC agent of {self.me.name!r} shut down before this call completed"))
         self.pool.close()
         # Let the threads told to stop get out of torch before this process may exit (see
         # ThreadGroup); a thread stuck in a user function is left behind after the grace time.
         stuck = self.threads.join(_CLOSE_GRACE)
         if stuck:
             log.debug("rpc_core %s: threads still running after shutdown: %s", self.me.name, stuck)
-

@@ -6,8 +6,10 @@ reading (``ElasticPool.run_inline``). Whichever thread runs it, ``_admit`` has a
 shown the request to the middleware on the reading thread, before the next message was
 read: that is ``Middleware.admit``'s contract.
 
-``Dispatch`` is a part of ``agent.Agent`` (a mixin: its methods run for every request, and
-share the agent's middleware, pool and counters without a hop through another object).
+``Dispatch`` is a part of ``agent.Agent``. It answers requests on the connection they came
+on; a frame that is not a request goes to ``on_answer`` (``PendingCalls.on_answer``), and a
+connection whose reading fails to ``lost`` (the agent's connections), both callables it was
+made with.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import logging
 import threading
 import traceback
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -23,9 +25,10 @@ from .. import transport
 from ..errors import RpcError, failed_worker
 from ..protocol import wire
 from ..protocol.serialization import decode_head, deserialize_decoded, encode_head, serialize
-from .middleware import Middleware
+from ..transport import Connection
+from .middleware import Middleware, incoming_hook
 from .pool import ElasticPool, init_torch_thread
-from .worlds import WorkerInfo
+from .roster import Roster
 
 log = logging.getLogger("rpc_core")
 
@@ -47,25 +50,26 @@ class _Head(NamedTuple):
 
 
 class Dispatch:
-    """Serving requests. Uses the agent's ``describe`` and, when a connection fails, its
-    ``_loss`` and ``_connection_lost`` (``connections``)."""
+    """Serving requests. Uses the roster to name peers in errors, the pool to run requests,
+    and the agent's middleware and request-failed hooks (lists it shares with the agent)."""
 
-    me: WorkerInfo
-    middleware: list[Middleware]
-    pool: ElasticPool
-    request_failed_hooks: list[Callable[[dict[str, Any], BaseException], None]]
-    n_received: int
-    n_answered: int
-    _closing: bool
+    def __init__(self, roster: Roster, pool: ElasticPool, middleware: list[Middleware],
+                 request_failed_hooks: list[Callable[[dict[str, Any], BaseException], None]],
+                 on_answer: Callable[[int, wire.FrameHeader, bytes, bytes, list[torch.UntypedStorage]], None],
+                 lost: Callable[[Connection, int, BaseException], None]) -> None:
+        self.me = roster.me
+        self._roster = roster
+        self.pool = pool
+        self.middleware = middleware
+        self.request_failed_hooks = request_failed_hooks
+        self._on_answer = on_answer
+        self._lost = lost
+        # For graceful shutdown's quiescence check (user requests only, not CONTROL).
+        self.n_received = 0
+        self.n_answered = 0
+        self.closing = False  # the agent is shutting down: a failed answer is no news
 
-    if TYPE_CHECKING:  # the agent's, the calls' and the connections' (whose _Loss, a layer above, is Any here)
-        def describe(self, rank: int) -> str: ...
-        def _on_frame(self, conn: Any, src: int, h: wire.FrameHeader, head: bytes, body: bytes,
-                      storages: list[torch.UntypedStorage]) -> None: ...
-        def _loss(self, peer: int, e: BaseException) -> Any: ...
-        def _connection_lost(self, conn: transport.Connection, peer: int, outgoing: bool, loss: Any) -> None: ...
-
-    def _read_loop(self, conn: transport.Connection, peer: int) -> None:
+    def read_loop(self, conn: Connection, peer: int) -> None:
         """Read ``conn`` (from ``peer``) and serve its requests until it closes."""
         init_torch_thread()  # readers rebuild tensors and run recv nodes
         resume = None
@@ -74,7 +78,7 @@ class Dispatch:
             while True:
                 h, head, body, storages = conn.recv()
                 if h.kind != wire.REQUEST:
-                    self._on_frame(conn, peer, h, head, body, storages)
+                    self._on_answer(peer, h, head, body, storages)
                     continue
                 # The request runs here, on the thread that read it: no hand-over to another
                 # thread. If it blocks or runs long, another thread reads on (see pool).
@@ -83,7 +87,7 @@ class Dispatch:
                 req = self._admit(peer, head)
                 if resume is None:
                     def resume() -> None:
-                        self._read_loop(conn, peer)
+                        self.read_loop(conn, peer)
 
                     def waiting() -> bool:
                         return conn.poll(0)
@@ -91,22 +95,17 @@ class Dispatch:
                                             waiting=waiting, stalled=conn.flush_queued):
                     return  # the loop goes on in another thread
         except Exception as e:  # never leave a dead reader behind an open socket
-            self._connection_lost(conn, peer, False, self._loss(peer, e))
+            self._lost(conn, peer, e)
         finally:
             _loop.conn = None
 
-    def _incoming_hook(self, src: int, is_response: bool) -> Callable[..., list[torch.Tensor]] | None:
-        """What ``deserialize`` calls with a message's rebuilt tensors: the middleware's
-        ``incoming`` in turn (None without middleware: nothing to call)."""
-        if not self.middleware:
-            return None
-
-        def hook(tensors: list[torch.Tensor], metas: Sequence[Any], extras: dict[str, Any]) -> list[torch.Tensor]:
-            for m in self.middleware:
-                tensors = m.incoming(src, tensors, extras, is_response)
-            return tensors
-
-        return hook
+    def on_request(self, conn: Any, src: int, h: wire.FrameHeader, head: bytes, body: bytes,
+                   storages: list[torch.UntypedStorage]) -> None:
+        """A request that arrived outside a connection's reading loop (a call to self, a
+        request on an outgoing connection): admitted here, in arrival order, and run by the pool."""
+        if not h.flags & wire.CONTROL:
+            self.n_received += 1
+        self.pool.submit(self._run_request, conn, src, h, self._admit(src, head), body, storages)
 
     def _admit(self, src: int, head: bytes) -> _Head:
         """Decode a request's head and let the middleware see it, in arrival order: the
@@ -130,12 +129,12 @@ class Dispatch:
                     raise req.error
                 waits: list[torch.futures.Future[Any]] = []
                 func, args, kwargs = deserialize_decoded(req.metas, extras, body, storages,
-                                                         self._incoming_hook(src, False), waits, notes)
+                                                         incoming_hook(self.middleware, src, False), waits, notes)
             except BaseException as e:
                 if isinstance(e, (AttributeError, ModuleNotFoundError, ImportError)):
                     e = RpcError(
                         f"{self.me.name} could not load the function or arguments of a call from "
-                        f"{self.describe(src)}: {e}. The RPC pickler does not serialize function code: define "
+                        f"{self._roster.describe(src)}: {e}. The RPC pickler does not serialize function code: define "
                         "the function in a module that both caller and callee can import."
                     )
                 if self.request_failed_hooks:
@@ -227,5 +226,5 @@ class Dispatch:
         try:
             conn.send(kind, h.flags & wire.CONTROL, h.msg_id, head, body, buffers, defer)
         except OSError as e:
-            if not self._closing:
+            if not self.closing:
                 log.warning("rpc_core %s: could not send a response: %s", self.me.name, e)

@@ -22,13 +22,14 @@ after its last byte. Higher layers that wait on peers without a call of their ow
 coordinator, while a barrier round is open) ask for every peer to be watched
 (``liveness_wanted``) and hear of silent ones through ``on_peer_unreachable``.
 
-``Heartbeats`` is a part of ``agent.Agent`` (a mixin sharing its connection and call tables);
-its work runs on the agent's timer thread (``call_later``) and, for sends, on the pool.
+``Heartbeats`` is a part of ``agent.Agent``: it reads the agent's connection table
+(``Connections``) and call table (``PendingCalls``), sends its heartbeats with the agent's
+``send_request`` and schedules its looks with ``call_later`` (callables it was made with). Its
+work runs on the agent's timer thread and, for sends, on the pool.
 """
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -37,10 +38,12 @@ import torch
 
 from ..errors import WorkerUnavailableError
 from ..protocol import wire
-from .completion import Pending
+from .completion import PendingCalls
+from .connections import Connections
 from .futures import RpcFuture
 from .outbound import Outbound
 from .pool import ElasticPool
+from .roster import Roster
 
 log = logging.getLogger("rpc_core")
 
@@ -65,24 +68,21 @@ class _Watch:
 
 
 class Heartbeats:
-    """The liveness watch. Uses the agent's ``describe``, ``send_request``, ``call_later``,
-    its call table (``_pending``, ``_fail``) and connection table (``_links``, ``_out``)."""
+    """The liveness watch (see the module doc). ``send(dst, func, args, kwargs, timeout,
+    flags=, call_extras=)`` makes a call (``Agent.send_request``); ``call_later(when, fn)``
+    runs ``fn`` on the timer thread at ``when``."""
 
-    me: Any
-    workers: dict[int, Any]
-    pool: ElasticPool
-    _pending: dict[int, Pending]
-    _links: dict[int, Outbound]
-    _out: dict[int, Any]
-    _lock: threading.Lock
-    _closing: bool
-    describe: Callable[[int], str]
-    name_of: Callable[[int], str | None]
-    send_request: Callable[..., RpcFuture]
-    call_later: Callable[[float, Callable[[], None]], None]
-    _fail: Callable[..., None]
-
-    def _init_heartbeats(self, timeout: float) -> None:
+    def __init__(self, timeout: float, roster: Roster, pool: ElasticPool, pending: PendingCalls,
+                 connections: Connections, send: Callable[..., RpcFuture],
+                 call_later: Callable[[float, Callable[[], None]], None]) -> None:
+        self.me = roster.me
+        self._roster = roster
+        self._pool = pool
+        self._pending = pending
+        self._connections = connections
+        self._send = send
+        self._call_later = call_later
+        self.closing = False
         self.heartbeat_timeout = timeout  # s; 0: off
         self._tick = timeout / TICKS_PER_TIMEOUT
         self._watches: dict[Outbound, _Watch] = {}
@@ -93,14 +93,14 @@ class Heartbeats:
         # While any of these returns True, every peer is watched, with calls pending or not.
         self.liveness_wanted: list[Callable[[], bool]] = []
 
-    def _start_heartbeats(self) -> None:
+    def start(self) -> None:
         if self.heartbeat_timeout > 0:
             self._last_look = time.monotonic()
-            self.call_later(self._last_look + self._tick, self._heartbeat_tick)
+            self._call_later(self._last_look + self._tick, self._heartbeat_tick)
 
     def _heartbeat_tick(self) -> None:
         """On the timer thread, every tick: look at the watched connections."""
-        if self._closing:
+        if self.closing:
             return
         now = time.monotonic()
         if now - self._last_look > 2 * self._tick:
@@ -111,16 +111,16 @@ class Heartbeats:
         try:
             self._look(now)
         finally:
-            if not self._closing:
-                self.call_later(time.monotonic() + self._tick, self._heartbeat_tick)
+            if not self.closing:
+                self._call_later(time.monotonic() + self._tick, self._heartbeat_tick)
 
     def _look(self, now: float) -> None:
         waiting: dict[Outbound, int] = {}  # connection -> user and bookkeeping calls pending on it
-        for rec in list(self._pending.values()):
+        for rec in list(self._pending.pending.values()):
             if rec.link is not None and wire.LOCAL_HEARTBEAT not in rec.call_extras:
                 waiting[rec.link] = waiting.get(rec.link, 0) + 1
         watch_all = any(wanted() for wanted in self.liveness_wanted)
-        links = dict(self._links)
+        links = dict(self._connections.links)
         watches: dict[Outbound, _Watch] = {}
         for peer, link in links.items():
             n = waiting.get(link, 0)
@@ -139,18 +139,18 @@ class Heartbeats:
                 self._unreachable(peer, link, silent, n)
             elif silent >= self._tick * 0.999 and not w.beating:
                 w.beating = True
-                self.pool.submit(self._send_beat, peer, link, w)
+                self._pool.submit(self._send_beat, peer, link, w)
         self._watches = watches
         if watch_all:
-            for peer in list(self.workers):  # ranks of the members (a dynamic group's may have gaps)
+            for peer in list(self._roster.workers):  # ranks of the members (a dynamic group's may have gaps)
                 if peer != self.me.id and peer not in links and peer not in self._dialling:
                     self._dialling.add(peer)
-                    self.pool.submit(self._send_beat, peer, None, None)
+                    self._pool.submit(self._send_beat, peer, None, None)
 
     def _send_beat(self, peer: int, link: Outbound | None, w: _Watch | None) -> None:
         """On a pool thread (a send may block): a heartbeat call to ``peer`` over ``link``, or
         (``link`` None, watch-all) over a connection dialled for it."""
-        if self._closing or (link is not None and self._links.get(peer) is not link):
+        if self.closing or (link is not None and self._connections.links.get(peer) is not link):
             if w is not None:
                 w.beating = False
             self._dialling.discard(peer)
@@ -158,8 +158,7 @@ class Heartbeats:
         # Over a watched connection the watch bounds the call; one dialled for it gets the
         # heartbeat timeout (dial included) as its own.
         timeout = 0 if link is not None else self.heartbeat_timeout
-        fut = self.send_request(peer, beat, (), {}, timeout, flags=wire.CONTROL,
-                                call_extras={wire.LOCAL_HEARTBEAT: True})
+        fut = self._send(peer, beat, (), {}, timeout, flags=wire.CONTROL, call_extras={wire.LOCAL_HEARTBEAT: True})
         fut.add_done_callback(lambda f: self._beat_done(peer, w, f))
 
     def _beat_done(self, peer: int, w: _Watch | None, fut: torch.futures.Future[Any]) -> None:
@@ -170,31 +169,27 @@ class Heartbeats:
         try:
             fut.wait()
         except Exception as e:  # noqa: BLE001 - any failure to reach a watched peer is news
-            if not self._closing:
-                reason = (f"{self.describe(peer)} did not answer a heartbeat of {self.me.name} within "
+            if not self.closing:
+                reason = (f"{self._roster.describe(peer)} did not answer a heartbeat of {self.me.name} within "
                           f"{self.heartbeat_timeout:g} s (heartbeat_timeout, RPC_CORE_HEARTBEAT_TIMEOUT): {e}")
                 for cb in self.on_peer_unreachable:
                     cb(peer, reason)  # on a pool thread already (the future has a callback)
 
     def _unreachable(self, peer: int, link: Outbound, silent: float, n: int) -> None:
         """``peer`` sent nothing on ``link`` for ``silent`` s: fail what waits on it, drop the connection."""
-        reason = (f"{self.describe(peer)} sent nothing for {silent:.1f} s while this worker ({self.me.name}) waited "
-                  f"on it ({n} call(s) pending), heartbeats unanswered (heartbeat_timeout "
+        reason = (f"{self._roster.describe(peer)} sent nothing for {silent:.1f} s while this worker "
+                  f"({self.me.name}) waited on it ({n} call(s) pending), heartbeats unanswered (heartbeat_timeout "
                   f"{self.heartbeat_timeout:g} s, RPC_CORE_HEARTBEAT_TIMEOUT): it is stopped, frozen or overloaded, "
                   "or the network to it drops packets or is cut. The connection was dropped; the next call to it "
                   "reconnects")
-        with self._lock:
-            if self._links.get(peer) is not link:
-                return  # lost or replaced meanwhile
-            del self._links[peer]
-            if self._out.get(peer) is link.conn:
-                del self._out[peer]
+        if not self._connections.drop(peer, link):
+            return  # lost or replaced meanwhile
         log.warning("rpc_core %s: %s", self.me.name, reason)
-        for msg_id, rec in list(self._pending.items()):
+        for msg_id, rec in list(self._pending.pending.items()):
             if rec.link is link:  # the reset below may drop its request before it arrives
-                self._fail(msg_id, WorkerUnavailableError(reason, worker=self.name_of(peer)), inline=False,
-                           unsent=True)
+                self._pending.fail(msg_id, WorkerUnavailableError(reason, worker=self._roster.name_of(peer)),
+                                   inline=False, unsent=True)
         link.close()  # before the connection: its reader then takes the error as expected, not as news
         link.conn.abort()
         for cb in self.on_peer_unreachable:
-            self.pool.submit(cb, peer, reason)  # not on the timer: a callback may answer calls, i.e. write
+            self._pool.submit(cb, peer, reason)  # not on the timer: a callback may answer calls, i.e. write

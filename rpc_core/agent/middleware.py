@@ -3,6 +3,7 @@ every call without touching sockets: the agent calls each installed ``Middleware
 points of a request's and a response's way, in a fixed order (see the class)."""
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -43,3 +44,19 @@ class Middleware:
 
     def on_response(self, extras: dict[str, Any] | None, call_extras: dict[str, Any]) -> None:
         """On the caller, when a response with extras arrives."""
+
+
+def incoming_hook(middleware: list[Middleware], src: int,
+                  is_response: bool) -> Callable[[list[torch.Tensor], Sequence[Any], dict[str, Any]],
+                                                 list[torch.Tensor]] | None:
+    """What ``serialization.deserialize`` calls with a message's rebuilt tensors: each
+    middleware's ``incoming`` in turn (None without middleware: nothing to call)."""
+    if not middleware:
+        return None
+
+    def hook(tensors: list[torch.Tensor], metas: Sequence[Any], extras: dict[str, Any]) -> list[torch.Tensor]:
+        for m in middleware:
+            tensors = m.incoming(src, tensors, extras, is_response)
+        return tensors
+
+    return hook

@@ -6,14 +6,16 @@ carries a generation, the number of the join that brought it in, so a rank that 
 after a leave names a new member: its connections, RRefs and autograd context ids are
 never taken for those of the member that held the rank before (see ``id_base``).
 
-``Roster`` is a part of ``agent.Agent`` (a mixin, like ``connections.Connections``): every
-call resolves its destination here. The tables are replaced, never changed in place, so a
-reader needs no lock and never sees a table half updated.
+``Roster`` is a part of ``agent.Agent`` (every call resolves its destination here), the
+lowest of them: it knows nothing of connections or calls, and tells the agent of a member it
+forgets through the ``forget`` callable it was made with. The tables are replaced, never
+changed in place, so a reader needs no lock and never sees a table half updated.
 """
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from ..errors import RpcError, WorkerLeftError
@@ -30,19 +32,15 @@ _MAX_DEPARTED = 1 << 12
 
 
 class Roster:
-    """The members of the group and the departed, for one worker (part of the Agent)."""
+    """The members of the group and the departed, for one worker (part of the Agent).
 
-    me: WorkerInfo
-    dead: dict[int, str]
-    _out: dict[int, Any]
-    _links: dict[int, Any]
-    _parked: list[Any]
-    _dial_locks: dict[int, threading.Lock]
-    _lock: threading.Lock
-    _pending: dict[int, Any]
-    _fail: Any
+    ``forget(rank, name, reason)`` is called when a member other than this worker leaves
+    (or is replaced): the agent drops its connection to it and fails the calls still on
+    their way to it with ``reason``."""
 
-    def _init_roster(self, world: World) -> None:
+    def __init__(self, world: World, forget: Callable[[int, str, str], None]) -> None:
+        self.me = world.me
+        self._on_forget = forget
         self.workers: dict[int, WorkerInfo] = {w.id: w for w in world.workers}
         self.by_name: dict[str, WorkerInfo] = {w.name: w for w in world.workers}
         self.addresses: dict[int, tuple[str, int]] = dict(world.addresses)
@@ -55,10 +53,8 @@ class Roster:
         self._departed_members: dict[tuple[int, int], str] = {}  # (rank, generation) -> why
         self._roster_lock = threading.Lock()
         # Called with each WorkerInfo that joined or left: (info, joined).
-        self.on_membership: list[Any] = []
-        # Rank 0: takes a connection whose first frame is a join request (set by ``registry``):
-        # handler(conn, msg_id, body) -> the admitted rank, or None (it answered and refused).
-        self.join_handler: Any = None
+        self.on_membership: list[Callable[[WorkerInfo, bool], None]] = []
+        self.dead: dict[int, str] = {}  # rank -> why it is known to be gone (its connection was lost)
 
     # -- lookups (every call) ---------------------------------------------------------------------
     def worker_info(self, to: Any) -> WorkerInfo:
@@ -150,7 +146,6 @@ class Roster:
             old = self.workers.get(info.id)
             if old is not None:  # a member we never heard leave: the newcomer replaces it
                 self._forget(info.id, f"{self.describe(info.id)} was replaced by a new member")
-            self._dial_locks.setdefault(info.id, threading.Lock())
             self.addresses = {**self.addresses, info.id: tuple(address)}  # type: ignore[dict-item]
             self.generations = {**self.generations, info.id: generation}
             self.by_name = {**self.by_name, info.name: info}
@@ -193,22 +188,8 @@ class Roster:
         self._departed_names[info.name] = reason
         self._departed_ranks[rank] = reason
         self._departed_members[(rank, self.generations.get(rank, 0))] = reason
-        if rank == self.me.id:
-            return
-        # Our connection to it is no member's any more: its end is no news (see
-        # is_member_connection). The leaver closes it: closing it here would look, to a
-        # registry that is still telling the others it left, like our own death. Calls still
-        # on it fail now: the leaver answered all it had before it left, so these were sent
-        # as it was leaving.
-        with self._lock:
-            conn = self._out.pop(rank, None)
-            self._links.pop(rank, None)
-            if conn is not None:
-                conn.departed = True
-                self._parked.append(conn)  # closed with the agent, if the leaver has not by then
-        for msg_id, rec in list(self._pending.items()):
-            if rec.dst == rank:
-                self._fail(msg_id, WorkerLeftError(reason, worker=info.name), inline=False)
+        if rank != self.me.id:
+            self._on_forget(rank, info.name, reason)
 
 
 def _trim(table: dict[Any, str]) -> None:

@@ -33,7 +33,7 @@ def is_available() -> bool:
 
 
 def _install(agent: _agent_mod.Agent) -> None:
-    _context.init(agent.me.id, agent.id_base)
+    _context.init(agent.me.id, agent.roster.id_base)
     _release.reset()
     agent.middleware.append(AutogradMiddleware())
 

@@ -50,16 +50,16 @@ class _Coordinator:
     def start(self, agent: Agent) -> None:
         self.agent = agent
         self.rounds = {}
-        agent.on_peer_lost.append(self.peer_lost)
+        agent.connections.on_peer_lost.append(self.peer_lost)
         # A member that froze or became unreachable must not hold a round open forever: while
         # one is open, the agent watches every peer (heartbeats) and reports a silent one.
-        agent.on_peer_unreachable.append(self.peer_lost)
-        agent.liveness_wanted.append(lambda: bool(self.rounds))
+        agent.heartbeats.on_peer_unreachable.append(self.peer_lost)
+        agent.heartbeats.liveness_wanted.append(lambda: bool(self.rounds))
 
     def peer_lost(self, rank: int, reason: str) -> None:
         with self.lock:
             rounds, self.rounds = self.rounds, {}
-        worker = self.agent.name_of(rank) if self.agent is not None else None
+        worker = self.agent.roster.name_of(rank) if self.agent is not None else None
         for r in rounds.values():
             if not r.future.done():
                 r.future.set_exception(WorkerUnavailableError(reason, worker=worker))
@@ -67,10 +67,10 @@ class _Coordinator:
     def arrive(self, key: Any, rank: int, payload: Any, expected: int) -> torch.futures.Future[Any]:
         agent = self.agent
         assert agent is not None
-        if agent.dead:
+        if agent.roster.dead:
             f: torch.futures.Future[Any] = torch.futures.Future()
-            rank, reason = next(iter(agent.dead.items()))
-            f.set_exception(WorkerUnavailableError(reason, worker=agent.name_of(rank)))
+            rank, reason = next(iter(agent.roster.dead.items()))
+            f.set_exception(WorkerUnavailableError(reason, worker=agent.roster.name_of(rank)))
             return f
         with self.lock:
             r = self.rounds.get(key)
@@ -106,7 +106,7 @@ def gather_round(tag: str, payload: Any, timeout: float, worker_names: list[str]
     agent = current_agent()
     n = _round_ids.get(tag, 0)
     _round_ids[tag] = n + 1
-    members = len(agent.workers) if worker_names is None else len(worker_names)
+    members = len(agent.roster.workers) if worker_names is None else len(worker_names)
     key = (tag, n, tuple(sorted(worker_names)) if worker_names else None)
     fut = agent.send_request(0, _coord_arrive, (key, agent.me.id, payload, members), {},
                              timeout=timeout if timeout > 0 else 0, flags=wire.CONTROL)
@@ -127,7 +127,7 @@ def all_gather(obj: Any, worker_names: list[str] | None = None, timeout: float =
     agent = current_agent()
     t = agent.default_timeout if timeout < 0 else timeout
     got = gather_round("all_gather", obj, t, worker_names)
-    return {agent.workers[r].name: v for r, v in got.items()}
+    return {agent.roster.workers[r].name: v for r, v in got.items()}
 
 
 def barrier(worker_names: list[str]) -> None:
@@ -157,8 +157,9 @@ def wait_quiescent(agent: Agent, timeout: float) -> None:
     deadline = time.monotonic() + timeout if timeout > 0 else None
     previous = None
     while True:
-        agent.wait_idle(deadline)
-        mine = _CallCounts(agent.n_sent, agent.n_done, agent.n_received, agent.n_answered)
+        agent.pending.wait_idle(deadline)
+        calls, requests = agent.pending, agent.dispatch
+        mine = _CallCounts(calls.n_sent, calls.n_done, requests.n_received, requests.n_answered)
         got: dict[int, _CallCounts] = gather_round("quiesce", mine, timeout)
         counts = tuple(sorted(got.items()))
         idle = (all(c.sent == c.done and c.received == c.answered for c in got.values())

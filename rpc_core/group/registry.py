@@ -76,25 +76,27 @@ class _Registry:
                 return None
             generation = self.next_generation
             self.next_generation += 1
-            others = [r for r in agent.workers if r != agent.me.id]
-            agent.add_member(info, tuple(address), generation)
+            others = [r for r in agent.roster.workers if r != agent.me.id]
+            agent.roster.add_member(info, tuple(address), generation)
             _tell(agent, others, _member_joined, (info.name, info.id, tuple(address), generation))
-            table = ([(w.name, w.id) for w in agent.get_worker_infos()], dict(agent.addresses), dict(agent.generations))
+            roster = agent.roster
+            members = [(w.name, w.id) for w in roster.get_worker_infos()]
+            table = (members, dict(roster.addresses), dict(roster.generations))
             try:
                 conn.send(wire.RESPONSE, 0, msg_id, b"", dumps(table))
             except OSError as e:  # it gave up waiting: undo
                 self._remove(info.id, generation, _left(info, f" as it joined ({e})"))
                 return None
-        log.info("rpc_core %s: %s joined the group", agent.me.name, agent.describe(info.id))
+        log.info("rpc_core %s: %s joined the group", agent.me.name, agent.roster.describe(info.id))
         return info.id
 
     def _refusal(self, info: WorkerInfo, world_size: Any) -> str | None:
         agent = self.agent
-        if not agent.dynamic and world_size is not None:
-            return (f"the static group of {agent.me.name!r} (world_size={len(agent.workers)}) has completed its "
+        if not agent.roster.dynamic and world_size is not None:
+            return (f"the static group of {agent.me.name!r} (world_size={len(agent.roster.workers)}) has completed its "
                     f"rendezvous: worker {info.name!r} (rank {info.id}) cannot join it any more")
-        if not agent.dynamic:
-            return (f"{MIXED_GROUP} The group of {agent.me.name!r} is static (world_size={len(agent.workers)}); "
+        if not agent.roster.dynamic:
+            return (f"{MIXED_GROUP} The group of {agent.me.name!r} is static (world_size={len(agent.roster.workers)}); "
                     f"worker {info.name!r} cannot join it with world_size=None")
         if world_size is not None:
             return (f"{MIXED_GROUP} The group of {agent.me.name!r} is dynamic: worker {info.name!r} must join it with "
@@ -108,27 +110,28 @@ class _Registry:
         if self.closing:
             return (f"worker {info.name!r} cannot join: rank 0 ({agent.me.name!r}), the group's registry, is "
                     "leaving the group")
-        if info.id in agent.workers:
-            return (f"rank {info.id} is not unique: worker {agent.workers[info.id].name!r} holds it in the group, "
-                    f"so {info.name!r} cannot join with it; choose a free rank (members: {sorted(agent.workers)})")
-        if info.name in agent.by_name:
-            return (f"worker name {info.name!r} is not unique: rank {agent.by_name[info.name].id} uses it in the "
+        workers, by_name = agent.roster.workers, agent.roster.by_name
+        if info.id in workers:
+            return (f"rank {info.id} is not unique: worker {workers[info.id].name!r} holds it in the group, "
+                    f"so {info.name!r} cannot join with it; choose a free rank (members: {sorted(workers)})")
+        if info.name in by_name:
+            return (f"worker name {info.name!r} is not unique: rank {by_name[info.name].id} uses it in the "
                     f"group, so rank {info.id} cannot join with it; choose another name")
         return None
 
     def leave(self, rank: int, generation: int) -> None:
         """A member asks to leave (its graceful shutdown)."""
-        info = self.agent.workers.get(rank)
+        info = self.agent.roster.workers.get(rank)
         if info is not None:
             self._remove(rank, generation, _left(info))
 
     def lost(self, rank: int, reason: str) -> None:
         """A member's connection to us dropped without a leave (it crashed or stopped), or
         heartbeats found it silent for the heartbeat timeout (frozen, stopped, cut off)."""
-        info = self.agent.workers.get(rank)
+        info = self.agent.roster.workers.get(rank)
         if info is None or rank == self.agent.me.id:
             return
-        generation = self.agent.generation(rank)
+        generation = self.agent.roster.generation(rank)
         how = f" without shutting down: {reason}"
         # Off the reader that saw the loss: telling the others waits for their answers.
         self.agent.threads.start(self._remove, "rpc-registry", rank, generation, _left(info, how))
@@ -136,9 +139,9 @@ class _Registry:
     def _remove(self, rank: int, generation: int | None, reason: str) -> None:
         agent = self.agent
         with self.lock:
-            info = agent.remove_member(rank, generation, reason)
+            info = agent.roster.remove_member(rank, generation, reason)
             if info is not None:
-                others = [r for r in agent.workers if r != agent.me.id]
+                others = [r for r in agent.roster.workers if r != agent.me.id]
                 _tell(agent, others, _member_left, (rank, generation, reason))
             self.changed.notify_all()
         if info is not None:
@@ -150,7 +153,7 @@ class _Registry:
         agent = self.agent
         deadline = time.monotonic() + timeout if timeout > 0 else None
         with self.lock:
-            while len(agent.workers) > 1:
+            while len(agent.roster.workers) > 1:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     break
@@ -160,7 +163,8 @@ class _Registry:
         if stayed:
             reason = _left(agent.me, f" before {[w.name for w in stayed]}: it was the group's registry, "
                                      "so no worker can join the group any more")
-            _tell(agent, [w.id for w in stayed], _member_left, (agent.me.id, agent.generation(agent.me.id), reason))
+            me = agent.me
+            _tell(agent, [w.id for w in stayed], _member_left, (me.id, agent.roster.generation(me.id), reason))
         return stayed
 
 
@@ -174,10 +178,10 @@ def install(agent: Agent) -> None:
     if agent.me.id != 0:
         return
     _registry = _Registry(agent)
-    agent.join_handler = _registry.join
-    if agent.dynamic:
-        agent.on_peer_lost.append(_registry.lost)
-        agent.on_peer_unreachable.append(_registry.lost)  # silent past the heartbeat timeout: gone too
+    agent.connections.join_handler = _registry.join
+    if agent.roster.dynamic:
+        agent.connections.on_peer_lost.append(_registry.lost)
+        agent.heartbeats.on_peer_unreachable.append(_registry.lost)  # silent past the heartbeat timeout: gone too
 
 
 def leave(agent: Agent, timeout: float) -> None:
@@ -191,12 +195,13 @@ def leave(agent: Agent, timeout: float) -> None:
                            f"to leave the group first: {[w.name for w in stayed]} are still in it (they were "
                            "told it left; nobody can join the group any more)")
         return
-    generation = agent.generation(me.id)
-    if 0 in agent.workers and 0 not in agent.dead:
+    generation = agent.roster.generation(me.id)
+    if 0 in agent.roster.workers and 0 not in agent.roster.dead:
         fut = agent.send_request(0, _leave_request, (me.id, generation), {}, timeout=timeout, flags=wire.CONTROL)
         fut.wait()
     else:  # the registry left before us: tell the others ourselves
-        _tell(agent, [r for r in agent.workers if r != me.id], _member_left, (me.id, generation, _left(me)), timeout)
+        others = [r for r in agent.roster.workers if r != me.id]
+        _tell(agent, others, _member_left, (me.id, generation, _left(me)), timeout)
 
 
 def _tell(agent: Agent, ranks: list[int], func: Any, args: tuple[Any, ...], timeout: float = -1) -> None:
@@ -208,16 +213,16 @@ def _tell(agent: Agent, ranks: list[int], func: Any, args: tuple[Any, ...], time
             fut.wait()
         except Exception as e:  # noqa: BLE001 - any failure means the same: it did not hear it
             log.warning("rpc_core %s: %s did not take the membership change %s%r: %s", agent.me.name,
-                        agent.describe(r), func.__name__, args[:2], e)
+                        agent.roster.describe(r), func.__name__, args[:2], e)
 
 
 # -- the members' side (ordinary CONTROL calls, reached by reference) ----------------------------------
 def _member_joined(name: str, rank: int, address: tuple[str, int], generation: int) -> None:
-    current_agent().add_member(WorkerInfo(name, rank), tuple(address), generation)  # type: ignore[arg-type]
+    current_agent().roster.add_member(WorkerInfo(name, rank), tuple(address), generation)  # type: ignore[arg-type]
 
 
 def _member_left(rank: int, generation: int | None, reason: str) -> None:
-    current_agent().remove_member(rank, generation, reason)
+    current_agent().roster.remove_member(rank, generation, reason)
 
 
 def _leave_request(rank: int, generation: int) -> None:

@@ -147,7 +147,7 @@ class profile:
             raise RuntimeError("Profiler context manager is not reentrant")
         agent = _agent_mod._agent
         self._node = agent.me.id if agent is not None else -1
-        self._names = {w.id: w.name for w in agent.workers.values()} if agent is not None else {}
+        self._names = {w.id: w.name for w in agent.roster.workers.values()} if agent is not None else {}
         self._collector = _Collector(self._options, self._node)
         if agent is not None:
             _ensure_middleware(agent)

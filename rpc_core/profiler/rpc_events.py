@@ -222,7 +222,8 @@ def _wrap_call(exec_mode: str, func: Any, dst: int,
     if col.agent is not agent:  # RPC was initialized after the profile started
         _ensure_middleware(agent)
         col.agent = agent
-    call = _Call(f"rpc_{exec_mode}#{_func_name(func)}({agent.me.name} -> {agent.workers[dst].name})", col.options)
+    callee = agent.roster.workers[dst].name
+    call = _Call(f"rpc_{exec_mode}#{_func_name(func)}({agent.me.name} -> {callee})", col.options)
     fut = send(extras={wire.EXTRA_PROFILE: call})
     col.calls.append(call)
     out = _futures.RpcFuture()  # the user waits on this one, so the end is stamped first

@@ -105,6 +105,6 @@ class RRefMiddleware(_agent_mod.Middleware):
 def install(agent: _agent_mod.Agent) -> None:
     """At init_rpc, before the agent starts: the release loop and the protocol's plug-ins."""
     start_release_thread()
-    start_ids(agent.id_base)
+    start_ids(agent.roster.id_base)
     agent.request_failed_hooks.append(on_request_failed)
     agent.middleware.append(RRefMiddleware())

@@ -41,7 +41,7 @@ class RRef(Generic[T]):
         self._owner_id = owner
         # Which member held the owner's rank (a dynamic group may give a rank to a newcomer
         # once its holder left: this RRef is not the newcomer's).
-        self._owner_gen = _agent_mod.current_agent().generation(owner)
+        self._owner_gen = _agent_mod.current_agent().roster.generation(owner)
         self._rref_id = rref_id
         self._fork_id = fork_id
         self._confirmed = confirmed
@@ -83,8 +83,8 @@ class RRef(Generic[T]):
 
     def owner(self) -> WorkerInfo:
         agent = _agent_mod.current_agent()
-        agent.check_generation(self._owner_id, self._owner_gen, f"the owner of {self}")
-        return agent.workers[self._owner_id]
+        agent.roster.check_generation(self._owner_id, self._owner_gen, f"the owner of {self}")
+        return agent.roster.workers[self._owner_id]
 
     def owner_name(self) -> str:
         return self.owner().name
@@ -99,7 +99,7 @@ class RRef(Generic[T]):
         if self._deleted:
             raise RpcError(f"{self} has been deleted. Cannot call {what}() on it after deletion.")
         if self._fork_id is not None:
-            _agent_mod.current_agent().check_generation(self._owner_id, self._owner_gen, f"{what}() on {self}")
+            _agent_mod.current_agent().roster.check_generation(self._owner_id, self._owner_gen, f"{what}() on {self}")
 
     def local_value(self) -> T:
         self._check_alive("local_value")

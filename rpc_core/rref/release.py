@@ -130,7 +130,7 @@ def _send_deletes(owner: int | None = None) -> None:
         piles = [(o, _ctx.deletes.pop(o, [])) for o in owners]
         _ctx.deletes_out += sum(len(p) for _, p in piles)
     agent = _agent_mod._agent
-    if agent is None or agent._closing:
+    if agent is None or agent.closing:
         return
     for o, pile in piles:
         if pile:

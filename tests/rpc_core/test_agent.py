@@ -299,7 +299,7 @@ def _body_wrong_secret(ctx):
         _wait_signal()
         return None
     rpc_core._barrier(["worker0", "worker1"])
-    address = tuple(rpc_core.api.current_agent().addresses[1])
+    address = tuple(rpc_core.api.current_agent().roster.addresses[1])
     for secret in (b"wrong", b""):
         with pytest.raises(AuthenticationError, match="rejected our authentication.*same secret"):
             transport.TCP.dial(address, secret, timeout=IO_TIMEOUT)
@@ -326,7 +326,7 @@ def _body_garbage(ctx):
     if ctx.rank == 1:
         _wait_signal()
         return None
-    address = tuple(rpc_core.api.current_agent().addresses[1])
+    address = tuple(rpc_core.api.current_agent().roster.addresses[1])
     secret = ctx.secret.encode()
     rss_before = rpc_core.rpc_sync(1, _maxrss_mb)
 
@@ -440,7 +440,7 @@ def test_a_long_request_alone_on_its_connection_keeps_the_reader_thread():
 # -- same-host sockets ------------------------------------------------------------------------------
 def _families():
     agent = agent_mod.current_agent()
-    return sorted({str(c.sock.family.name) for k, c in agent._out.items() if k != agent.me.id})
+    return sorted({str(c.sock.family.name) for k, c in agent.connections.out.items() if k != agent.me.id})
 
 
 def _body_families(ctx):
@@ -470,7 +470,7 @@ def _body_impostor(ctx):
     if ctx.rank == 1:
         return None
     # ... and another program holds the name rank 0 would dial for it: it answers garbage.
-    port = agent_mod.current_agent().addresses[1][1]
+    port = agent_mod.current_agent().roster.addresses[1][1]
     impostor = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     impostor.bind(unix.address(port))
     impostor.listen(8)
@@ -582,7 +582,7 @@ def _body_connection_stats(ctx):
     tensor = torch.ones(1 << 18)  # 1 MB of float32, there and back
     assert torch.equal(rpc_core.rpc_sync(1, _echo, args=(tensor,)), tensor)
     after = rpc_core.connection_stats()
-    assert after == agent_mod.current_agent().connection_stats()
+    assert after == agent_mod.current_agent().connections.connection_stats()
     return before, after
 
 

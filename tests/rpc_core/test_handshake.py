@@ -106,7 +106,7 @@ def _body_trickle(ctx, deadline):
     if ctx.rank == 1:
         _wait_release()
         return None
-    address = tuple(rpc_core.api.current_agent().addresses[1])
+    address = tuple(rpc_core.api.current_agent().roster.addresses[1])
     # A client that never learnt the secret sends a plausible proof, one byte at a time.
     with socket.create_connection(address, timeout=IO_TIMEOUT) as s:
         s.settimeout(IO_TIMEOUT)
@@ -177,7 +177,7 @@ def _body_cap(ctx):
     if ctx.rank == 1:
         _wait_release()
         return None
-    address = tuple(rpc_core.api.current_agent().addresses[1])
+    address = tuple(rpc_core.api.current_agent().roster.addresses[1])
     cap = handshake.MAX_PENDING_HANDSHAKES
     extra = 5
     silent = []

@@ -103,7 +103,7 @@ def _count_sends_and_looks():
     that found a connection watched (calls pending on it)."""
     agent = rpc_core._get_current_rpc_agent()
     counts = {"sent": 0, "looks": 0}
-    send, tick = agent._send_beat, agent._heartbeat_tick
+    send, tick = agent.heartbeats._send_beat, agent.heartbeats._heartbeat_tick
 
     def counted_send(*args):
         counts["sent"] += 1
@@ -111,11 +111,11 @@ def _count_sends_and_looks():
 
     def counted_tick():
         tick()
-        if agent._watches:
+        if agent.heartbeats._watches:
             counts["looks"] += 1
 
-    agent._send_beat = counted_send  # the timer submits self._send_beat, looked up each time
-    agent._heartbeat_tick = counted_tick  # the timer re-arms with self._heartbeat_tick
+    agent.heartbeats._send_beat = counted_send  # the timer submits self._send_beat, looked up each time
+    agent.heartbeats._heartbeat_tick = counted_tick  # the timer re-arms with self._heartbeat_tick
     return counts
 
 

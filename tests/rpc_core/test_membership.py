@@ -50,7 +50,7 @@ def _on_leave(name, key):
             _post(key)
 
     rpc_core.add_membership_listener(seen)
-    if name in agent._departed_names:  # it left before the listener was in place
+    if name in agent.roster._departed_names:  # it left before the listener was in place
         _post(key)
 
 
