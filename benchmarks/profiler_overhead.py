@@ -31,8 +31,8 @@ def noop() -> None:
 
 
 def _set_profiler_middleware(installed: bool) -> None:
-    from rpc_core import agent as agent_mod
     from rpc_core import profiler
+    from rpc_core.agent import agent as agent_mod
 
     agent = agent_mod.current_agent()
     others = [m for m in agent.middleware if not isinstance(m, profiler._Middleware)]

@@ -69,14 +69,14 @@ def wait_for_servers(num_servers: int, timeout: float) -> None:
         with cond:
             cond.notify_all()
 
-    agent.on_membership.append(changed)
+    backend.rpc().add_membership_listener(changed)
     try:
         with cond:
             if not cond.wait_for(lambda: not missing(), timeout=timeout or None):
                 raise TimeoutError(f"servers {sorted(missing())} did not join the group within {timeout:g} s "
                                    "(cluster.init_timeout); see their logs")
     finally:
-        agent.on_membership.remove(changed)
+        backend.rpc().remove_membership_listener(changed)
 
 
 class ElasticBatches:

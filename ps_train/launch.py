@@ -43,7 +43,7 @@ from ps_train.heartbeat import HeartbeatBoard, process_state, start_heartbeat
 from ps_train.membership import keep_membership, serve_elastic
 from ps_train.metrics import mark_attempt
 from ps_train.ports import free_port  # also re-exported: ps_train.launch.free_port predates ps_train.ports
-from rpc_core import memory
+from rpc_core import tune_malloc
 
 log = logging.getLogger("ps_train")
 
@@ -104,7 +104,7 @@ def run_rank(cfg: Config, rank: int, master_addr: str, master_port: int, secret:
     # own MALLOC_*/GLIBC_TUNABLES settings turn it off). init_rpc applies it on rpc_core, but
     # torch's init_rpc does not: calling it here gives both backends the same allocator, and
     # before the server builds its model rather than after.
-    malloc_tuned = memory.tune()
+    malloc_tuned = tune_malloc()
     _setup_logging(run_dir, name, cfg.logging.level)
     log.info("malloc thresholds: %s", "fixed by rpc_core.memory" if malloc_tuned else
              "glibc's defaults or the environment's (RPC_CORE_MALLOC_TUNE=0, MALLOC_*, GLIBC_TUNABLES, or not glibc)")

@@ -3,7 +3,7 @@
 An elastic run is a dynamic rpc_core group (``init_rpc(..., world_size=None)``) founded by
 ps0, which is also its registry: every join and every leave goes through ps0, and a member
 whose connection drops without a leave (killed, or killed by the launcher after it froze)
-is removed there at once. ``Membership`` hangs on those events (``on_membership``), so the
+is removed there at once. ``Membership`` hangs on those events (``rpc_core.add_membership_listener``), so the
 servers never wait for a trainer that is gone:
 
 - **staleness accounting** (ssp): ``counted()`` is the trainers that are in the group and
@@ -83,7 +83,7 @@ class Membership:
     def index_of(self, rank: int) -> int | None:
         return rank - self.num_servers if rank >= self.num_servers else None
 
-    # -- joins and leaves (rpc_core's on_membership, on ps0) -----------------------------------
+    # -- joins and leaves (rpc_core.add_membership_listener, on ps0) -----------------------------------
     def changed(self, info: Any, joined: bool) -> None:
         trainer = self.index_of(info.id)
         if trainer is None:
@@ -251,12 +251,12 @@ def set_current(membership: Membership) -> None:
 def follow(membership: Membership) -> None:
     """On ps0, right after ``init_rpc``: follow the group's joins and leaves."""
     agent = backend.rpc()._get_current_rpc_agent()
-    agent.on_membership.append(membership.changed)
+    backend.rpc().add_membership_listener(membership.changed)
     # ps0, the group's registry, watches every member with heartbeats: one that freezes or is
     # cut off (not only one that dies) is removed, so ssp's clock stops waiting for it.
-    agent.liveness_wanted.append(lambda: not membership.closed)
+    backend.rpc().watch_all_peers(lambda: not membership.closed)
     for info in agent.get_worker_infos():  # members that joined before the hook was in place
-        if info.id != agent.me.id and membership.index_of(info.id) not in membership.present:
+        if info.id != agent.get_worker_info().id and membership.index_of(info.id) not in membership.present:
             membership.changed(info, True)
 
 

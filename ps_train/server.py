@@ -312,7 +312,7 @@ class ParameterServer:
         if self.tables is not None:
             out.update(self.tables.stats())
         if backend.name() == "rpc_core":
-            from rpc_core.agent import connection_stats
+            from rpc_core import connection_stats
 
             conns = connection_stats()
             out["bytes_sent"] = conns.bytes_sent

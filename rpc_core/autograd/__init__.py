@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from .. import agent as _agent_mod
-from .. import lifecycle
+from ..agent import agent as _agent_mod
+from ..group import lifecycle
 from . import context as _context
 from . import release as _release
 from .context import DistAutogradContext
@@ -33,7 +33,7 @@ def is_available() -> bool:
 
 
 def _install(agent: _agent_mod.Agent) -> None:
-    _context.init(agent.me.id, agent.id_base)
+    _context.init(agent.me.id, agent.roster.id_base)
     _release.reset()
     agent.middleware.append(AutogradMiddleware())
 

@@ -46,11 +46,11 @@ from typing import Any
 
 import torch
 
-from .. import agent as _agent_mod
+from ..agent import agent as _agent_mod
+from ..agent.futures import raised_on, settle
+from ..agent.worlds import WorkerInfo
 from ..errors import RpcError, format_many
 from ..functions import async_execution
-from ..futures import raised_on, settle
-from ..worlds import WorkerInfo
 from . import context as _context
 
 # The backward pass running on this thread (the CPU autograd engine runs a pass on the

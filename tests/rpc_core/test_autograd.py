@@ -440,7 +440,7 @@ def case_nested_rpc() -> None:
 
 def requests_received() -> int:
     """User requests this worker received so far (this one included)."""
-    n: int = rpc._get_current_rpc_agent().n_received
+    n: int = rpc._get_current_rpc_agent().dispatch.n_received
     return n
 
 

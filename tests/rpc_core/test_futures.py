@@ -6,7 +6,7 @@ import pickle
 
 import pytest
 
-from rpc_core import wire
+from rpc_core.agent.futures import RpcFuture, raised_on, rebuild_exception
 from rpc_core.errors import (
     RemoteFunctionError,
     RpcTimeoutError,
@@ -14,7 +14,7 @@ from rpc_core.errors import (
     WorkerUnavailableError,
     failed_worker,
 )
-from rpc_core.futures import RpcFuture, raised_on, rebuild_exception
+from rpc_core.protocol import wire
 
 
 def test_a_rebuilt_exception_has_its_type_and_knows_the_worker_it_was_raised_on() -> None:
