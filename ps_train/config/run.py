@@ -11,8 +11,8 @@ __all__ = ["ModeConfig", "TrainConfig", "CheckpointConfig", "LoggingConfig", "MO
            "STALENESS_RULES"]
 
 MODE_NAMES = ("sync", "async", "ssp")
-AGGREGATES = ("mean", "sum")  # sync: how a step's gradients combine (ps_train.aggregation)
-STALENESS_RULES = ("scale", "none")  # async/ssp: the learning rate of a stale gradient (ps_train.aggregation)
+AGGREGATES = ("mean", "sum")  # sync: how a step's gradients combine (ps_train.modes.aggregation)
+STALENESS_RULES = ("scale", "none")  # async/ssp: the learning rate of a stale gradient (ps_train.modes.aggregation)
 
 
 @dataclass

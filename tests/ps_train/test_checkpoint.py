@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from ps_train.checkpoint_files import (
+from ps_train.checkpoint.files import (
     MANIFEST_NAME,
     CheckpointError,
     Manifest,

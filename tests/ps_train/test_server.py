@@ -15,7 +15,7 @@ from ps_train.config import (
     TrainConfig,
     validate,
 )
-from ps_train.server import ParameterServer
+from ps_train.roles.server import ParameterServer
 
 
 @pytest.mark.timeout(60)

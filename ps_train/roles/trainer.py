@@ -31,7 +31,7 @@ could overtake the update, so on ``backend=torch`` the trainer waits as describe
 trainer0 also evaluates on the test split, prints progress, and writes metrics.json.
 
 What a step computes is in ``load``, ``step_loss`` and ``evaluate``; a model with another
-forward (``ps_train.ctr_trainer.CtrTrainer``, model=dlrm) overrides them and keeps the
+forward (``ps_train.ctr.trainer.CtrTrainer``, model=dlrm) overrides them and keeps the
 loop, the update protocol and checkpoints.
 """
 from __future__ import annotations
@@ -45,12 +45,11 @@ import torch
 import torch.nn.functional as F
 
 from ps_train import backend
-from ps_train.aggregation import lr_scale
 from ps_train.config import Config, config_to_dict
 from ps_train.data import BatchIterator, iter_eval_batches, load_data, total_steps
-from ps_train.elastic_trainer import ElasticRole
+from ps_train.elastic.membership import stop_requested
+from ps_train.elastic.trainer import ElasticRole
 from ps_train.faults import maybe_inject_fault
-from ps_train.membership import stop_requested
 from ps_train.metrics import (
     LatencyStats,
     ThroughputMeter,
@@ -59,6 +58,7 @@ from ps_train.metrics import (
     peak_rss_bytes,
     write_metrics_json,
 )
+from ps_train.modes.aggregation import lr_scale
 from ps_train.stage_sharding import model_shards
 from rpc_core.functions import async_execution
 
@@ -85,7 +85,7 @@ def _publish(stats: dict[str, Any]) -> None:
 
 class Trainer:
     # Set by ``load``; their kinds depend on the model (TensorSplit and BatchIterator here,
-    # CtrSplit and CtrBatchIterator in ps_train.ctr_trainer): the loop needs only len() and next().
+    # CtrSplit and CtrBatchIterator in ps_train.ctr.trainer): the loop needs only len() and next().
     train_set: Any
     test_set: Any
     batches: Any
@@ -109,7 +109,7 @@ class Trainer:
         # The shard layout is computed, not asked for: every process derives the same one.
         self.shard_servers = [(s.index, s.server) for s in model_shards(cfg)]
         self.servers = [self.rpc.rpc_sync(f"ps{r}", _get_server_rref) for r in range(cfg.cluster.num_servers)]
-        # cluster.elastic: start step, batches and length come from ps0 (ps_train.elastic_trainer).
+        # cluster.elastic: start step, batches and length come from ps0 (ps_train.elastic.trainer).
         self.elastic = ElasticRole(self) if cfg.cluster.elastic else None
         self.writer = make_writer(cfg.logging.tensorboard, f"{run_dir}/tb/{self.name}", filename_suffix=f".{self.name}")
         self.latency = {r: LatencyStats() for r in range(cfg.cluster.num_servers)}
@@ -370,6 +370,6 @@ class Trainer:
 
 
 def _get_server_rref() -> Any:
-    from ps_train.server import get_server_rref
+    from ps_train.roles.server import get_server_rref
 
     return get_server_rref()

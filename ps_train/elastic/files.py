@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ps_train.checkpoint_files import atomic_write_text
+from ps_train.checkpoint.files import atomic_write_text
 from ps_train.config import ELASTIC_FILE
 
 __all__ = ["ELASTIC_FILE", "REPLACEMENTS_FILE", "write_job_file", "read_job_file", "remove_job_file",

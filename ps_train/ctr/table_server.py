@@ -1,7 +1,7 @@
 """A parameter server's part of the embedding tables: its rows of every table and the sparse
 optimizer that updates them.
 
-``ps_train.server.ParameterServer`` owns one ``TableServer`` when the model has tables
+``ps_train.roles.server.ParameterServer`` owns one ``TableServer`` when the model has tables
 (model=dlrm). The server's update paths (``apply_sync``, ``apply_async``) treat the table
 weights like any other parameter: they read each trainer's gradients from its autograd
 context, combine them in sync mode (``mode.aggregate``), and set ``.grad``; ``step`` then runs the table optimizer.
@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from ps_train.config import Config, CtrDataConfig, DLRMConfig, table_optimizer_spec
-from ps_train.table_shards import TableShards
+from ps_train.ctr.shards import TableShards
 
 __all__ = ["TableServer", "make_table_server"]
 

@@ -10,7 +10,7 @@ shards placed on it. Trainers call it through an RRef:
   ``mode.aggregate``) them in trainer-rank order, and steps the optimizer once;
   bit-reproducible. A sync-mode forward of step ``s`` runs only once the round of step
   ``s - 1`` is applied, so a trainer may send it without waiting for its update's answer
-  (see ``ps_train.trainer``).
+  (see ``ps_train.roles.trainer``).
 - ``apply_async(context_id, trainer, step)``: async/ssp modes. Applies this trainer's
   gradients now, at a learning rate scaled by their staleness (``mode.staleness_rule``);
   returns the staleness: the updates this server applied since the trainer's step-``step``
@@ -18,7 +18,7 @@ shards placed on it. Trainers call it through an RRef:
 - ``clock(trainer, completed)`` (on ps0, ssp mode): returns once no trainer is more than
   ``staleness`` steps behind ``completed``.
 - ``lookup(ids, trainer, step)`` (model=dlrm): this server's rows of every table that a
-  trainer's batch uses (``ps_train.table_server``); like a forward, a sync-mode lookup of
+  trainer's batch uses (``ps_train.ctr.table_server``); like a forward, a sync-mode lookup of
   step ``s`` runs once the round of step ``s - 1`` is applied. The updates above apply the
   tables' sparse gradients along with the dense ones.
 
@@ -28,7 +28,7 @@ cannot invalidate the tensors that backward saved: the upstream example's "modif
 inplace operation" failure cannot happen.
 
 The update arithmetic (averaging, the staleness rule, and why 8 async trainers need the
-latter) is ``ps_train.aggregation``. Sync mode is bit-reproducible; async/ssp are not (see
+latter) is ``ps_train.modes.aggregation``. Sync mode is bit-reproducible; async/ssp are not (see
 the ``ps_train`` package docstring for exactly what they do and do not reproduce).
 """
 from __future__ import annotations
@@ -43,14 +43,14 @@ from torch import nn
 from torch.func import functional_call
 
 from ps_train import backend
-from ps_train.aggregation import combine, lr_scale, scaled_lr
-from ps_train.checkpoint_files import ShardFile, save_shard_state
+from ps_train.checkpoint.files import ShardFile, save_shard_state
 from ps_train.config import Config, optimizer_spec
+from ps_train.ctr.table_server import TableServer, make_table_server
+from ps_train.elastic.membership import Membership
 from ps_train.faults import maybe_inject_fault
-from ps_train.membership import Membership
 from ps_train.metrics import peak_rss_bytes
+from ps_train.modes.aggregation import combine, lr_scale, scaled_lr
 from ps_train.stage_sharding import model_shards, shards_of_server
-from ps_train.table_server import TableServer, make_table_server
 from rpc_core.functions import async_execution
 
 log = logging.getLogger("ps_train.server")
@@ -87,7 +87,7 @@ class ParameterServer:
         self._clock_waiters: list[Any] = []
         self.max_staleness_seen = 0
         self.updates_by_trainer: dict[int, int] = {}  # async/ssp: updates applied per trainer index
-        self.membership: Membership | None = None  # ps0 of a cluster.elastic=true job (ps_train.membership)
+        self.membership: Membership | None = None  # ps0 of a cluster.elastic=true job (ps_train.elastic.membership)
         self._released = threading.Event()  # elastic: trainer0 is done with the servers
         # BatchNorm updates its running statistics in place during the forward: in sync mode
         # the trainers' forwards of a step run on each shard in trainer-rank order, so those
@@ -277,7 +277,7 @@ class ParameterServer:
         with self.lock:
             if self.membership is None:
                 slowest = min(self._clock.get(t, 0) for t in range(self.num_trainers))
-            else:  # elastic: only the trainers in the job count (ps_train.membership)
+            else:  # elastic: only the trainers in the job count (ps_train.elastic.membership)
                 counted = self.membership.counted()
                 slowest = min((c for t, c in self._clock.items() if t in counted), default=1 << 60)
             ready = [(c, f) for c, f in self._clock_waiters if c - self.staleness_bound <= slowest]
@@ -338,7 +338,7 @@ class ParameterServer:
     def save_state(self, ckpt_dir: str) -> ShardFile:
         """Write this server's shards and optimizer state into the checkpoint folder
         ``ckpt_dir`` as ``ps<rank>.pt``; returns the file's manifest entry. The checkpoint
-        coordinator (``ps_train.checkpoint_protocol``) calls it through the server's RRef."""
+        coordinator (``ps_train.checkpoint.protocol``) calls it through the server's RRef."""
         if self.tables is None:
             return save_shard_state(ckpt_dir, f"ps{self.rank}", self.state_dict())
         # Tables are too large to copy: updates wait while they are written out.

@@ -12,7 +12,7 @@ shard file's size and SHA-256, so a crash at any point leaves either the previou
 checkpoint or a new complete one -- never a half-written one that ``latest_checkpoint``
 would pick up.
 
-Steps of a distributed save (``ps_train.checkpoint_protocol`` runs them between the
+Steps of a distributed save (``ps_train.checkpoint.protocol`` runs them between the
 roles): the coordinator calls ``begin_checkpoint`` (creates the
 folder, invalidates any stale manifest), each server calls ``save_shard_state`` and returns
 the ``ShardFile`` it gets, then the coordinator calls ``write_manifest`` and

@@ -10,7 +10,7 @@ No RPC here: ``DLRM`` is the single-process model (each table an
 ``nn.EmbeddingBag(mode="sum", sparse=True)`` with one id per bag, as Criteo's features are
 single-valued), which distributed runs are checked against; the distributed run keeps the
 same ``bottom`` and ``top`` modules and splits each table by rows across servers
-(``ps_train.row_sharding``), initialised to the same values.
+(``ps_train.ctr.rows``), initialised to the same values.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from ps_train.row_sharding import init_rows
+from ps_train.ctr.rows import init_rows
 
 __all__ = ["mlp", "interact", "interaction_size", "dense_stages", "DLRM"]
 

@@ -1,0 +1,1 @@
+"""The update modes: how trainers' gradients become optimizer steps on the servers."""
