@@ -15,8 +15,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from ps_train.config import Config, CtrDataConfig, DLRMConfig, ModelConfig
-from ps_train.ctr.model import dense_stages
-from ps_train.models import build_stages
+from ps_train.models import build_stages, dense_stages
 
 __all__ = [
     "stage_param_bytes", "place_stages", "Shard", "build_shards", "shards_of_server", "build_model_shards",

@@ -111,12 +111,14 @@ def run_rank(cfg: Config, rank: int, master_addr: str, master_port: int, secret:
     backend.select(cfg.backend)
     rpc = backend.rpc()
     from ps_train.checkpoint.protocol import checkpoint_hook, load_resume_state, load_server_state
+    from ps_train.ctr.table_server import make_table_server
     from ps_train.ctr.trainer import trainer_class
     from ps_train.roles import server as server_mod
 
     resume_state = load_resume_state(resume, server=name if rank < S else None) if resume else None
     if rank < S:
-        ps = server_mod.create(cfg, rank)  # before init_rpc: trainers may ask for it at once
+        # Before init_rpc: trainers may ask for it at once. The model's tables, if any, are its own part.
+        ps = server_mod.create(cfg, rank, make_table_server(cfg, rank))
         if resume_state is not None:
             load_server_state(ps, resume_state)
         if rank == 0 and cfg.cluster.elastic:

@@ -18,9 +18,9 @@ shards placed on it. Trainers call it through an RRef:
 - ``clock(trainer, completed)`` (on ps0, ssp mode): returns once no trainer is more than
   ``staleness`` steps behind ``completed``.
 - ``lookup(ids, trainer, step)`` (model=dlrm): this server's rows of every table that a
-  trainer's batch uses (``ps_train.ctr.table_server``); like a forward, a sync-mode lookup of
-  step ``s`` runs once the round of step ``s - 1`` is applied. The updates above apply the
-  tables' sparse gradients along with the dense ones.
+  trainer's batch uses (its ``TablePart``, ``ps_train.ctr.table_server``); like a forward, a
+  sync-mode lookup of step ``s`` runs once the round of step ``s - 1`` is applied. The
+  updates above apply the tables' sparse gradients along with the dense ones.
 
 In async/ssp modes a forward reads a private copy of the parameters (``clone`` keeps the
 gradient path), so an update applied while another trainer's backward is still pending
@@ -36,7 +36,7 @@ from __future__ import annotations
 import copy
 import logging
 import threading
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -45,7 +45,6 @@ from torch.func import functional_call
 from ps_train import backend
 from ps_train.checkpoint.files import ShardFile, save_shard_state
 from ps_train.config import Config, optimizer_spec
-from ps_train.ctr.table_server import TableServer, make_table_server
 from ps_train.elastic.membership import Membership
 from ps_train.faults import maybe_inject_fault
 from ps_train.metrics import peak_rss_bytes
@@ -58,8 +57,33 @@ log = logging.getLogger("ps_train.server")
 _server: ParameterServer | None = None
 
 
+class TablePart(Protocol):
+    """A model's embedding tables on one server, split by rows: its rows of every table and
+    their optimizer (model=dlrm: ``ps_train.ctr.table_server.TableServer``)."""
+
+    @property
+    def params(self) -> list[nn.Parameter]: ...
+
+    def lookup(self, local_ids: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Rows ``local_ids[t]`` (int64 [U_t]) of each table, [U_t, dim] each, for training."""
+
+    def read(self, local_ids: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The same rows without autograd, for evaluation."""
+
+    def step(self, lr_factor: float = 1.0) -> None:
+        """Update the rows named by the tables' ``.grad`` (sparse), at ``lr_factor`` times the rate."""
+
+    def stats(self) -> dict[str, int]: ...
+
+    def state_dict(self, copy: bool = True) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
 class ParameterServer:
-    def __init__(self, cfg: Config, rank: int) -> None:
+    """``tables``: the model's embedding tables on this server, if it has any (model=dlrm)."""
+
+    def __init__(self, cfg: Config, rank: int, tables: TablePart | None = None) -> None:
         self.rank = rank
         self.mode = cfg.mode.name
         self.staleness_bound = cfg.mode.staleness
@@ -70,7 +94,7 @@ class ParameterServer:
         shards = shards_of_server(model_shards(cfg), rank)
         self.shards: dict[int, nn.Module] = {s.index: s.module for s in shards}
         dense = [p for m in self.shards.values() for p in m.parameters()]
-        self.tables = make_table_server(cfg, rank)  # this server's rows of the embedding tables, if any
+        self.tables = tables
         self.params: list[nn.Parameter] = dense + (self.tables.params if self.tables is not None else [])
         self.seed = cfg.seed
         self.has_dropout = any(isinstance(x, nn.Dropout) and x.p > 0 for m in self.shards.values() for x in m.modules())
@@ -183,7 +207,7 @@ class ParameterServer:
         with self.lock:
             return tables.read(local_ids)
 
-    def _tables(self) -> TableServer:
+    def _tables(self) -> TablePart:
         if self.tables is None:
             raise RuntimeError(f"ps{self.rank} holds no embedding tables: the model is not model=dlrm")
         return self.tables
@@ -207,8 +231,7 @@ class ParameterServer:
             with scaled_lr(self.optimizer, lr_factor):
                 self.optimizer.step()
         if self.tables is not None:
-            with scaled_lr(self.tables.optimizer, lr_factor):
-                self.tables.step()
+            self.tables.step(lr_factor)
         for p in self.params:
             p.grad = None
         self.version += 1
@@ -362,9 +385,9 @@ class ParameterServer:
                 self.tables.load_state_dict(state["tables"])
 
 
-def create(cfg: Config, rank: int) -> ParameterServer:
+def create(cfg: Config, rank: int, tables: TablePart | None = None) -> ParameterServer:
     global _server
-    _server = ParameterServer(cfg, rank)
+    _server = ParameterServer(cfg, rank, tables)
     return _server
 
 
