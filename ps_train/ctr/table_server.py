@@ -3,9 +3,10 @@ optimizer that updates them.
 
 ``ps_train.roles.server.ParameterServer`` owns one ``TableServer`` (its ``TablePart``) when
 the model has tables (model=dlrm; the launcher builds it with ``make_table_server``). The
-server's update paths (``apply_sync``, ``apply_async``) treat the table weights like any
-other parameter: they read each trainer's gradients from its autograd context, combine them
-in sync mode (``mode.aggregate``), and set ``.grad``; ``step`` then runs the table optimizer.
+server's updates (``ParameterServer.update``, as its mode applies them) treat the table
+weights like any other parameter: they read each trainer's gradients from its autograd
+context, combine them in sync mode (``mode.aggregate``), and set ``.grad``; ``step`` then
+runs the table optimizer.
 The gradients are sparse (``TableShards.lookup`` embeds with ``sparse=True``), so only the
 rows trainers looked up travel back, and SGD, Adagrad and SparseAdam update only those rows.
 """

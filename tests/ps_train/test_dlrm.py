@@ -47,7 +47,7 @@ def ctr_parts(cfg: Config) -> tuple[CtrDataConfig, DLRMConfig]:
 def reference_run(cfg: Config, steps: int) -> tuple[dict[str, list[float]], DLRM]:
     """Single-process torch: each step sums the trainers' mean-loss gradients in rank order
     (trainer k's batches from the same CtrBatchIterator) and steps each optimizer once --
-    the servers' sync rule (``ParameterServer.apply_sync``: sum of the trainers' gradients;
+    the servers' sync rule (``ps_train.modes.sync``: sum of the trainers' gradients;
     with ``mode.aggregate=mean``, where that option exists, their mean)."""
     data, m = ctr_parts(cfg)
     train, _, _ = load_ctr_data(data)
