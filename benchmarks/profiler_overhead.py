@@ -82,7 +82,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=50)
     args = ap.parse_args()
     sys.path.insert(0, REPO)  # this checkout's packages, as the workers use
-    from ps_train.ports import free_port
+    from ps_train.launch.ports import free_port
 
     port = free_port()
     ctx = mp.get_context("spawn")

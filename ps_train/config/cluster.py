@@ -31,7 +31,7 @@ class ClusterConfig:
     # Local launcher: seconds without a heartbeat after which a role counts as frozen (0: off).
     role_timeout: float = 30.0
     # async/ssp, local launcher, rpc_core: a trainer that dies or freezes is replaced instead of
-    # stopping the run, and trainers may join the running job (docs/training_failures.md, ps_train.membership).
+    # stopping the run, and trainers may join the running job (docs/training_failures.md, ps_train.elastic.membership).
     elastic: bool = False
 
     def problems(self) -> Problems:

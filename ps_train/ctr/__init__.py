@@ -6,7 +6,7 @@
 - ``criteo``: ``read_criteo`` / ``load_criteo`` for the Criteo TSV logs in a local folder;
 - ``batches``: ``CtrBatchIterator`` (per-trainer, resumable) and ``iter_ctr_eval_batches``.
 
-Metrics (AUC, log loss) are in ``ps_train.ctr_metrics``.
+Metrics (AUC, log loss) are in ``ps_train.ctr.metrics``.
 """
 
 from ps_train.ctr.batches import CtrBatch, CtrBatchIterator, iter_ctr_eval_batches

@@ -7,12 +7,12 @@ Layout::
         manifest.json                written last, by the coordinator
 
 A checkpoint exists only once its manifest does. Every file is written to a temporary name
-and moved into place with ``os.replace`` (atomic on POSIX), and the manifest records each
+and moved into place with ``os.replace`` (atomic on POSIX, ``ps_train.files``), and the manifest records each
 shard file's size and SHA-256, so a crash at any point leaves either the previous complete
 checkpoint or a new complete one -- never a half-written one that ``latest_checkpoint``
 would pick up.
 
-Steps of a distributed save (``ps_train.checkpoint_protocol`` runs them between the
+Steps of a distributed save (``ps_train.checkpoint.protocol`` runs them between the
 roles): the coordinator calls ``begin_checkpoint`` (creates the
 folder, invalidates any stale manifest), each server calls ``save_shard_state`` and returns
 the ``ShardFile`` it gets, then the coordinator calls ``write_manifest`` and
@@ -23,25 +23,25 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-import hashlib
 import json
 import os
 import random
 import re
 import shutil
-import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
 import torch
 
+from ps_train.files import atomic_write, atomic_write_text, file_sha256
+
 __all__ = [
     "CheckpointError", "ShardFile", "Manifest", "MANIFEST_NAME", "CHECKPOINTS_DIRNAME",
-    "atomic_write_bytes", "atomic_write_text", "checkpoint_dir", "begin_checkpoint",
+    "checkpoint_dir", "begin_checkpoint",
     "save_shard_state", "load_shard_state", "write_manifest", "read_manifest", "is_complete",
     "list_checkpoints", "latest_checkpoint", "resolve_resume", "prune_checkpoints",
     "save_checkpoint", "load_checkpoint", "capture_rng_state", "restore_rng_state",
@@ -56,49 +56,6 @@ _SHARD_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete or corrupt; the message names the path."""
-
-
-def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
-    """Write ``data`` to ``path`` so readers see the old file or the whole new one."""
-    _atomic_write(Path(path), lambda f: f.write(data))
-
-
-def _atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> tuple[int, str]:
-    """Write ``path`` through ``write(file)`` into a temporary file, fsync it, rename it over
-    ``path`` (readers see the old file or the whole new one); the new file's size and sha256."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())  # contents on disk before the rename makes them visible
-        size, digest = _file_sha256(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(path.parent)
-    return size, digest
-
-
-def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
-    atomic_write_bytes(path, text.encode("utf-8"))
-
-
-def _fsync_dir(directory: Path) -> None:
-    # Makes the rename itself durable; not possible on every platform, hence best effort.
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 @dataclass
@@ -154,18 +111,8 @@ def save_shard_state(ckpt_dir: str | os.PathLike[str], shard_name: str, state: M
     if not _SHARD_NAME.fullmatch(shard_name):
         raise ValueError(f"shard name {shard_name!r} must match [A-Za-z0-9_.-]+ (it becomes a file name)")
     file = f"{shard_name}.pt"
-    size, digest = _atomic_write(Path(ckpt_dir) / file, lambda f: torch.save(dict(state), f))
+    size, digest = atomic_write(Path(ckpt_dir) / file, lambda f: torch.save(dict(state), f))
     return ShardFile(shard_name, file, size, digest)
-
-
-def _file_sha256(path: str | os.PathLike[str]) -> tuple[int, str]:
-    """``(size, SHA-256 hex digest)`` of a file, read in chunks."""
-    h, size = hashlib.sha256(), 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-            size += len(chunk)
-    return size, h.hexdigest()
 
 
 def load_shard_state(ckpt_dir: str | os.PathLike[str], entry: ShardFile, verify: bool = True) -> dict[str, Any]:
@@ -173,7 +120,7 @@ def load_shard_state(ckpt_dir: str | os.PathLike[str], entry: ShardFile, verify:
     path = Path(ckpt_dir) / entry.file
     if not path.is_file():
         raise CheckpointError(f"checkpoint {ckpt_dir}: shard file {entry.file} is missing")
-    if verify and _file_sha256(path)[1] != entry.sha256:
+    if verify and file_sha256(path)[1] != entry.sha256:
         raise CheckpointError(f"checkpoint {ckpt_dir}: {entry.file} does not match the manifest's SHA-256 "
                               "(corrupt or overwritten); resume from an earlier checkpoint")
     # weights_only: a checkpoint is data; loading it must not run code from the file.

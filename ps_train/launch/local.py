@@ -3,9 +3,9 @@
 Ranks 0..S-1 are the parameter servers ``ps0..``, ranks S..S+T-1 the trainers
 ``trainer0..``. ``launch_local`` starts all of them on this machine with a fresh auth
 secret and a free port, watches them, and stops the run as soon as one fails -- exits, or
-stops sending heartbeats for ``cluster.role_timeout`` seconds (``ps_train.heartbeat``) --
+stops sending heartbeats for ``cluster.role_timeout`` seconds (``ps_train.launch.heartbeat``) --
 naming it (and the latest complete checkpoint to resume from). Restarting the run is the
-caller's choice (``ps_train.restarts``). ``run_rank`` is what each process runs
+caller's choice (``ps_train.launch.restarts``). ``run_rank`` is what each process runs
 (and, with ``cluster.launcher=env``, what a torchrun/SLURM-started process runs directly).
 
 Local roles are forked from a ``forkserver`` that has imported torch and ps_train once, so
@@ -36,21 +36,21 @@ import torch
 
 from ps_train import backend
 from ps_train.config import Config, config_to_dict, from_dictconfig
-from ps_train.elastic_files import record_replacement, remove_job_file, write_job_file
-from ps_train.elastic_trainer import join_group, wait_for_servers
+from ps_train.elastic.files import record_replacement, remove_job_file, write_job_file
+from ps_train.elastic.membership import keep_membership, serve_elastic
+from ps_train.elastic.trainer import join_group, wait_for_servers
 from ps_train.faults import ATTEMPT_ENV
-from ps_train.heartbeat import HeartbeatBoard, process_state, start_heartbeat
-from ps_train.membership import keep_membership, serve_elastic
+from ps_train.launch.heartbeat import HeartbeatBoard, process_state, start_heartbeat
+from ps_train.launch.ports import free_port
 from ps_train.metrics import mark_attempt
-from ps_train.ports import free_port  # also re-exported: ps_train.launch.free_port predates ps_train.ports
 from rpc_core import tune_malloc
 
 log = logging.getLogger("ps_train")
 
 # What the forkserver imports once, so forked roles start without importing anything heavy.
-_PRELOAD = ["ps_train.launch", "ps_train.server", "ps_train.trainer", "ps_train.checkpoint_protocol",
+_PRELOAD = ["ps_train.launch.local", "ps_train.roles.server", "ps_train.roles.trainer", "ps_train.checkpoint.protocol",
             "ps_train.data", "ps_train.metrics", "rpc_core", "rpc_core.autograd", "sklearn.datasets",
-            "ps_train.ctr_trainer",
+            "ps_train.ctr.trainer",
             "sklearn.model_selection", "torch.utils.tensorboard",
             "torch._dynamo"]  # the first torch.optim optimizer imports it: ~2.5 s of CPU per server
 
@@ -91,7 +91,7 @@ def run_rank(cfg: Config, rank: int, master_addr: str, master_port: int, secret:
              attempt: int = 0, joiner: bool = False) -> dict[str, Any] | None:
     """Run one role until the whole job is done; returns the metrics on trainer0.
 
-    ``resume``: a complete checkpoint dir (see ``checkpoint_files.resolve_resume``) to start from.
+    ``resume``: a complete checkpoint dir (see ``checkpoint.files.resolve_resume``) to start from.
     ``init_method``: where the ranks meet, if not ``tcp://master_addr:master_port``.
     ``attempt``: how many times the run was restarted before this start (TensorBoard shows it).
     ``joiner``: a trainer joining a running elastic job (``join=``): it takes the first free
@@ -110,24 +110,26 @@ def run_rank(cfg: Config, rank: int, master_addr: str, master_port: int, secret:
              "glibc's defaults or the environment's (RPC_CORE_MALLOC_TUNE=0, MALLOC_*, GLIBC_TUNABLES, or not glibc)")
     backend.select(cfg.backend)
     rpc = backend.rpc()
-    from ps_train import server as server_mod
-    from ps_train.checkpoint_protocol import checkpoint_hook, load_resume_state, load_server_state
-    from ps_train.ctr_trainer import trainer_class
+    from ps_train.checkpoint.protocol import checkpoint_hook, load_resume_state, load_server_state
+    from ps_train.ctr.table_server import make_table_server
+    from ps_train.ctr.trainer import trainer_class
+    from ps_train.roles import server as server_mod
 
     resume_state = load_resume_state(resume, server=name if rank < S else None) if resume else None
     if rank < S:
-        ps = server_mod.create(cfg, rank)  # before init_rpc: trainers may ask for it at once
+        # Before init_rpc: trainers may ask for it at once. The model's tables, if any, are its own part.
+        ps = server_mod.create(cfg, rank, make_table_server(cfg, rank))
         if resume_state is not None:
             load_server_state(ps, resume_state)
         if rank == 0 and cfg.cluster.elastic:
-            keep_membership(ps, cfg, run_dir, resume_state)  # ps_train.membership
+            keep_membership(ps, cfg, run_dir, resume_state)  # ps_train.elastic.membership
     init_method = init_method or f"tcp://{master_addr}:{master_port}"
     opts = backend.make_options(init_method, cfg.cluster.rpc_timeout, cfg.cluster.num_worker_threads, secret,
                                 cfg.cluster.init_timeout)
     log.info("starting %s (rank %d of %d, pid %d) on the %s backend, rendezvous at %s%s", name, rank, S + T,
              os.getpid(), cfg.backend,
              init_method, f", resuming from {resume} (step {resume_state['step']})" if resume_state else "")
-    if cfg.cluster.elastic:  # a dynamic group: trainers can leave and join (ps_train.elastic_trainer)
+    if cfg.cluster.elastic:  # a dynamic group: trainers can leave and join (ps_train.elastic.trainer)
         rank = join_group(lambda r: role_name(r, S), rank, opts, cfg.cluster.init_timeout, next_free=joiner)
         if joiner:
             name = role_name(rank, S)
@@ -146,10 +148,10 @@ def run_rank(cfg: Config, rank: int, master_addr: str, master_port: int, secret:
             if cfg.cluster.elastic:
                 wait_for_servers(S, cfg.cluster.init_timeout)
             t = trainer_class(cfg)(cfg, rank - S, run_dir, start_step=start, data_state=data_state)
-            mark_attempt(t.writer, t.step, attempt if t.index == 0 else None)  # see ps_train.restarts
+            mark_attempt(t.writer, t.step, attempt if t.index == 0 else None)  # see ps_train.launch.restarts
             result = t.run(on_step=checkpoint_hook(cfg, run_dir))
         elif cfg.cluster.elastic:
-            serve_elastic(ps)  # ps_train.membership
+            serve_elastic(ps)  # ps_train.elastic.membership
     except BaseException:
         _abandon(rpc)
         raise
@@ -297,7 +299,7 @@ def _describe(rank: int, exitcode: int, S: int, run_dir: str) -> str:
 
 def _checkpoint_hint(run_dir: str) -> tuple[str, str | None]:
     """The sentence naming the checkpoint to resume from, and that checkpoint."""
-    from ps_train.checkpoint_files import latest_checkpoint
+    from ps_train.checkpoint.files import latest_checkpoint
 
     last = latest_checkpoint(run_dir)
     return ((f"the latest complete checkpoint is {last}; continue with resume={run_dir}", str(last)) if last

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ps_train.row_sharding import INIT_BLOCK, RowSharding, init_rows
+from ps_train.ctr.rows import INIT_BLOCK, RowSharding, init_rows
 
 __all__ = ["TableShards"]
 

@@ -14,8 +14,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ps_train.checkpoint_files import atomic_write_text
 from ps_train.config import ELASTIC_FILE
+from ps_train.files import atomic_write_text
 
 __all__ = ["ELASTIC_FILE", "REPLACEMENTS_FILE", "write_job_file", "read_job_file", "remove_job_file",
            "record_replacement", "read_replacements"]

@@ -1,4 +1,4 @@
-"""A trainer's side of an elastic run (``cluster.elastic=true``; ps0's side is ``ps_train.membership``).
+"""A trainer's side of an elastic run (``cluster.elastic=true``; ps0's side is ``ps_train.elastic.membership``).
 
 - ``join_group``: every role enters the run's dynamic rpc_core group (ps0 founds it). A
   replacement takes its dead predecessor's rank and name, which the group frees as soon as
@@ -19,8 +19,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ps_train import backend, membership
-from ps_train.membership import Assignment
+from ps_train import backend
+from ps_train.elastic import membership
+from ps_train.elastic.membership import Assignment
 from rpc_core.errors import WorkerLeftError
 
 __all__ = ["ElasticBatches", "ElasticRole", "join_group", "wait_for_servers", "JOINER_STEPS"]
@@ -121,7 +122,7 @@ class ElasticBatches:
 
 
 class ElasticRole:
-    """Sets up ``trainer`` (a ``ps_train.trainer.Trainer``) for an elastic run: its first step,
+    """Sets up ``trainer`` (a ``ps_train.roles.trainer.Trainer``) for an elastic run: its first step,
     its batches, and for a joiner its length."""
 
     def __init__(self, trainer: Any) -> None:

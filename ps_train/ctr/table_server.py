@@ -1,10 +1,12 @@
 """A parameter server's part of the embedding tables: its rows of every table and the sparse
 optimizer that updates them.
 
-``ps_train.server.ParameterServer`` owns one ``TableServer`` when the model has tables
-(model=dlrm). The server's update paths (``apply_sync``, ``apply_async``) treat the table
+``ps_train.roles.server.ParameterServer`` owns one ``TableServer`` (its ``TablePart``) when
+the model has tables (model=dlrm; the launcher builds it with ``make_table_server``). The
+server's updates (``ParameterServer.update``, as its mode applies them) treat the table
 weights like any other parameter: they read each trainer's gradients from its autograd
-context, combine them in sync mode (``mode.aggregate``), and set ``.grad``; ``step`` then runs the table optimizer.
+context, combine them in sync mode (``mode.aggregate``), and set ``.grad``; ``step`` then
+runs the table optimizer.
 The gradients are sparse (``TableShards.lookup`` embeds with ``sparse=True``), so only the
 rows trainers looked up travel back, and SGD, Adagrad and SparseAdam update only those rows.
 """
@@ -20,7 +22,8 @@ import torch
 from torch import Tensor, nn
 
 from ps_train.config import Config, CtrDataConfig, DLRMConfig, table_optimizer_spec
-from ps_train.table_shards import TableShards
+from ps_train.ctr.shards import TableShards
+from ps_train.modes.aggregation import scaled_lr
 
 __all__ = ["TableServer", "make_table_server"]
 
@@ -55,19 +58,20 @@ class TableServer:
         with torch.no_grad():
             return self.shards.lookup(local_ids)
 
-    def step(self) -> None:
-        """Apply the optimizer to the rows named by the tables' ``.grad`` (set by the caller,
-        which holds the server's lock)."""
-        for p in self.params:
-            if p.grad is not None:
-                # Duplicate indices (one entry per trainer in sync mode) are one row.
-                p.grad = p.grad.coalesce()
-                self.rows_updated += p.grad._nnz()
-        with warnings.catch_warnings():
-            # Adagrad builds its sparse update from the coalesced gradient's own indices,
-            # which are valid; torch warns that it does not re-check them.
-            warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled")
-            self.optimizer.step()
+    def step(self, lr_factor: float = 1.0) -> None:
+        """Apply the optimizer, at ``lr_factor`` times its rate, to the rows named by the
+        tables' ``.grad`` (set by the caller, which holds the server's lock)."""
+        with scaled_lr(self.optimizer, lr_factor):
+            for p in self.params:
+                if p.grad is not None:
+                    # Duplicate indices (one entry per trainer in sync mode) are one row.
+                    p.grad = p.grad.coalesce()
+                    self.rows_updated += p.grad._nnz()
+            with warnings.catch_warnings():
+                # Adagrad builds its sparse update from the coalesced gradient's own indices,
+                # which are valid; torch warns that it does not re-check them.
+                warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled")
+                self.optimizer.step()
 
     def nbytes(self) -> int:
         return self.shards.nbytes()

@@ -262,7 +262,7 @@ def follow(membership: Membership) -> None:
 
 # -- ps0's role in an elastic run (ps_train.launch.run_rank) ---------------------------------------
 def keep_membership(ps: Any, cfg: Config, run_dir: str, resume_state: dict[str, Any] | None) -> None:
-    """ps0 of an elastic run, before ``init_rpc``: the trainer membership (ps_train.membership),
+    """ps0 of an elastic run, before ``init_rpc``: the trainer membership (ps_train.elastic.membership),
     ready before any trainer can ask for it; it knows where this attempt started."""
     writer = make_writer(cfg.logging.tensorboard, f"{run_dir}/tb/ps0", filename_suffix=".ps0")
     ps.membership = Membership(cfg.cluster.num_trainers, cfg.cluster.num_servers, writer, lambda: ps.version)

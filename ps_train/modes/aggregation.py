@@ -40,9 +40,10 @@ from typing import TypeVar
 
 import torch
 
-from ps_train.config import AGGREGATES, STALENESS_RULES
+__all__ = ["AGGREGATES", "STALENESS_RULES", "combine", "lr_scale", "scaled_lr"]
 
-__all__ = ["combine", "lr_scale", "scaled_lr"]
+AGGREGATES = ("mean", "sum")  # sync: how a step's gradients combine (mode.aggregate)
+STALENESS_RULES = ("scale", "none")  # async/ssp: the learning rate of a stale gradient (mode.staleness_rule)
 
 K = TypeVar("K")  # whatever keys a gradient: a Parameter on the server, a name in tests
 

@@ -1,6 +1,6 @@
 """The checkpoint protocol between roles: saving a running job, and resuming from it.
 
-``ps_train.checkpoint_files`` defines what a checkpoint is on disk; this module decides who
+``ps_train.checkpoint.files`` defines what a checkpoint is on disk; this module decides who
 writes which part, and when. trainer0 coordinates: after step k (every
 ``checkpoint.every`` steps, and at the end) it asks each server, through the server's RRef,
 to write its shards' weights and optimizer state (``ParameterServer.save_state``), then
@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ps_train.checkpoint_files import (
+from ps_train.checkpoint.files import (
     CheckpointError,
     Manifest,
     begin_checkpoint,

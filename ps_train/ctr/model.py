@@ -9,8 +9,9 @@
 No RPC here: ``DLRM`` is the single-process model (each table an
 ``nn.EmbeddingBag(mode="sum", sparse=True)`` with one id per bag, as Criteo's features are
 single-valued), which distributed runs are checked against; the distributed run keeps the
-same ``bottom`` and ``top`` modules and splits each table by rows across servers
-(``ps_train.row_sharding``), initialised to the same values.
+same ``bottom`` and ``top`` modules (``ps_train.models.dense_stages``: the servers build them
+from the config like any model's stages) and splits each table by rows across servers
+(``ps_train.ctr.rows``), initialised to the same values.
 """
 from __future__ import annotations
 
@@ -19,26 +20,10 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from ps_train.row_sharding import init_rows
+from ps_train.ctr.rows import init_rows
+from ps_train.models import interaction_size, mlp
 
-__all__ = ["mlp", "interact", "interaction_size", "dense_stages", "DLRM"]
-
-
-def mlp(sizes: Sequence[int], last_relu: bool) -> nn.Sequential:
-    """Linear layers ``sizes[0] -> sizes[1] -> ...`` with ReLU between them (and after the
-    last one if ``last_relu``)."""
-    layers: list[nn.Module] = []
-    for i, (n_in, n_out) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
-        layers.append(nn.Linear(n_in, n_out))
-        if last_relu or i < len(sizes) - 2:
-            layers.append(nn.ReLU())
-    return nn.Sequential(*layers)
-
-
-def interaction_size(num_tables: int, dim: int) -> int:
-    """Width of ``interact``'s output: the dense vector and one dot product per pair."""
-    f = num_tables + 1
-    return dim + f * (f - 1) // 2
+__all__ = ["interact", "DLRM"]
 
 
 def interact(x: Tensor, emb: Tensor) -> Tensor:
@@ -48,16 +33,6 @@ def interact(x: Tensor, emb: Tensor) -> Tensor:
     f = feats.shape[1]
     rows, cols = torch.tril_indices(f, f, offset=-1)
     return torch.cat([x, dots[:, rows, cols]], dim=1)
-
-
-def dense_stages(num_dense: int, num_tables: int, dim: int, bottom: Sequence[int], top: Sequence[int],
-                 seed: int) -> list[nn.Sequential]:
-    """``[bottom MLP, top MLP]``, initialised exactly as ``DLRM(..., seed)`` initialises them,
-    without touching the caller's RNG: the dense stages a distributed run places on servers."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return [mlp([num_dense, *bottom, dim], last_relu=True),  # [B, num_dense] -> [B, dim]
-                mlp([interaction_size(num_tables, dim), *top, 1], last_relu=False)]  # [B, z] -> [B, 1]
 
 
 class DLRM(nn.Module):

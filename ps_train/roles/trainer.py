@@ -8,8 +8,7 @@ Each trainer owns a partition of the training data. Per step (batch x: [B, *in_s
             h = server[shard].forward(shard, h)     # [B, features_k] over RPC
         loss = cross_entropy(h, y)                  # logits h: [B, num_classes]
         dist_autograd.backward(ctx, [loss])         # gradients land on the servers
-        sync:  every server: apply_sync(ctx, me, step)   (waits for all trainers)
-        async: every server: apply_async(ctx, me, step)
+        every server: update(ctx, me, step)         # sync: its answer waits for all trainers
         x, y = next batch                           # while the servers update
         wait for the updates                        # before the next forward
     ssp: ps0.clock(me, step + 1)                    # wait if too far ahead
@@ -20,18 +19,17 @@ the servers' optimizer step. Nothing else moves: the next forward, a checkpoint,
 evaluation or a log line still starts only once every server has applied this step's
 update, so results are the same as with a blocking update.
 
-Sync mode on rpc_core goes one step further (``pipelined``): the trainer leaves the context
-and sends the next forward without waiting for the update at all; each server runs a
-step-``s`` forward only once its step-``s - 1`` round is applied, and the trainer collects
-the update's answer after that forward. This is safe because rpc_core tells a worker that
-a context was released with the next message it sends there, which the worker reads after
-the update request that came before it; torch's RPC sends its release at once, and it
-could overtake the update, so on ``backend=torch`` the trainer waits as described above.
+A mode may go one step further (``Mode.pipelined``: sync on rpc_core, ``ps_train.modes.sync``):
+the trainer leaves the context and sends the next forward without waiting for the update at
+all; each server runs a step-``s`` forward only once its step-``s - 1`` round is applied, and
+the trainer collects the update's answer after that forward. What the trainer asks for, what
+it learns from the answers (staleness) and whether it waits for the others (ssp's clock) is
+the update mode's (``ps_train.modes``).
 
 trainer0 also evaluates on the test split, prints progress, and writes metrics.json.
 
 What a step computes is in ``load``, ``step_loss`` and ``evaluate``; a model with another
-forward (``ps_train.ctr_trainer.CtrTrainer``, model=dlrm) overrides them and keeps the
+forward (``ps_train.ctr.trainer.CtrTrainer``, model=dlrm) overrides them and keeps the
 loop, the update protocol and checkpoints.
 """
 from __future__ import annotations
@@ -45,12 +43,11 @@ import torch
 import torch.nn.functional as F
 
 from ps_train import backend
-from ps_train.aggregation import lr_scale
 from ps_train.config import Config, config_to_dict
 from ps_train.data import BatchIterator, iter_eval_batches, load_data, total_steps
-from ps_train.elastic_trainer import ElasticRole
+from ps_train.elastic.membership import stop_requested
+from ps_train.elastic.trainer import ElasticRole
 from ps_train.faults import maybe_inject_fault
-from ps_train.membership import stop_requested
 from ps_train.metrics import (
     LatencyStats,
     ThroughputMeter,
@@ -59,6 +56,7 @@ from ps_train.metrics import (
     peak_rss_bytes,
     write_metrics_json,
 )
+from ps_train.modes import make_mode
 from ps_train.stage_sharding import model_shards
 from rpc_core.functions import async_execution
 
@@ -85,7 +83,7 @@ def _publish(stats: dict[str, Any]) -> None:
 
 class Trainer:
     # Set by ``load``; their kinds depend on the model (TensorSplit and BatchIterator here,
-    # CtrSplit and CtrBatchIterator in ps_train.ctr_trainer): the loop needs only len() and next().
+    # CtrSplit and CtrBatchIterator in ps_train.ctr.trainer): the loop needs only len() and next().
     train_set: Any
     test_set: Any
     batches: Any
@@ -109,7 +107,7 @@ class Trainer:
         # The shard layout is computed, not asked for: every process derives the same one.
         self.shard_servers = [(s.index, s.server) for s in model_shards(cfg)]
         self.servers = [self.rpc.rpc_sync(f"ps{r}", _get_server_rref) for r in range(cfg.cluster.num_servers)]
-        # cluster.elastic: start step, batches and length come from ps0 (ps_train.elastic_trainer).
+        # cluster.elastic: start step, batches and length come from ps0 (ps_train.elastic.trainer).
         self.elastic = ElasticRole(self) if cfg.cluster.elastic else None
         self.writer = make_writer(cfg.logging.tensorboard, f"{run_dir}/tb/{self.name}", filename_suffix=f".{self.name}")
         self.latency = {r: LatencyStats() for r in range(cfg.cluster.num_servers)}
@@ -117,7 +115,8 @@ class Trainer:
         self.max_steps_ahead = 0  # ssp: the most steps this trainer ran ahead of the slowest
         # (open context scope or None, update futures, step)
         self._in_flight: tuple[Any, list[torch.futures.Future[Any]], int] | None = None
-        self.pipelined = cfg.mode.name == "sync" and backend.name() == "rpc_core"  # see module docstring
+        self.mode = make_mode(cfg)  # what an update asks for and waits for (ps_train.modes)
+        self.pipelined = self.mode.pipelined  # see module docstring
 
     def load(self) -> None:
         """Set ``train_set``, ``test_set`` and ``batches`` (this trainer's batch iterator)."""
@@ -160,12 +159,9 @@ class Trainer:
             loss, out = self.step_loss(batch)
             self.settle()  # pipelined: the forward ran after the previous update, so this is done
             self.dist_autograd.backward(ctx, [loss])
-            if self.cfg.mode.name == "sync":
-                futs = [s.rpc_async().apply_sync(ctx, self.index, self.step) for s in self.servers]
-            else:  # elastic: ps0 also keeps the data position after this step (for a replacement)
-                pos = self.elastic.position() if self.elastic is not None else None
-                futs = [s.rpc_async().apply_async(ctx, self.index, self.step, pos if r == 0 else None)
-                        for r, s in enumerate(self.servers)]
+            # Elastic: ps0 also keeps the data position after this step (for a replacement).
+            pos = self.elastic.position() if self.elastic is not None else None
+            futs = self.mode.send_update(self, ctx, self.step, pos)
         except BaseException:
             scope.__exit__(*sys.exc_info())
             raise
@@ -190,12 +186,8 @@ class Trainer:
             raise
         if scope is not None:
             scope.__exit__(None, None, None)
-        # Updates by other trainers between this step's forward and its update (async/ssp).
-        out = {"staleness": float(max(results)) if self.cfg.mode.name != "sync" else 0.0}
-        if self.cfg.mode.name == "ssp":
-            # Waits while this trainer is more than mode.staleness steps ahead of the slowest;
-            # returns how far ahead it is when released.
-            out["steps_ahead"] = float(self.servers[0].rpc_sync().clock(self.index, step + 1))
+        out = self.mode.settled(self, results, step)  # staleness; ssp: waits while too far ahead
+        if "steps_ahead" in out:
             self.max_steps_ahead = max(self.max_steps_ahead, int(out["steps_ahead"]))
         return out
 
@@ -227,7 +219,6 @@ class Trainer:
     # -- the loop ---------------------------------------------------------------------------------
     def run(self, on_step: Any = None) -> dict[str, Any] | None:
         """Train to the last step; trainer0 returns the run's final metrics, others None."""
-        cfg = self.cfg
         is_chief = self.index == 0
         t_start = self._t_start = time.perf_counter()
         self._first_step = self.step
@@ -244,8 +235,7 @@ class Trainer:
                 scope.__exit__(*sys.exc_info())
             raise
         wall = time.perf_counter() - t_start
-        if cfg.mode.name == "ssp":
-            self.servers[0].rpc_sync().finish(self.index)
+        self.mode.trainer_done(self)  # ssp: this trainer no longer holds the others back
         mine = {"steps": self.step, "samples": self.meter.total, "wall_time_s": wall,
                 "samples_per_s": self.meter.overall(), "losses": losses,
                 "max_steps_ahead": self.max_steps_ahead, "trainer": self.name, **self.totals()}
@@ -294,15 +284,8 @@ class Trainer:
         w.add_scalar("train/loss", last["loss"], step)
         w.add_scalar("train/accuracy", last["accuracy"], step)
         w.add_scalar("train/samples_per_s", rate, step)
-        lr = self.cfg.optim.lr
-        if self.cfg.mode.name != "sync":  # the rate the last update got on its stalest server
-            lr *= lr_scale(int(last["staleness"]), self.cfg.mode.staleness_rule)
-        w.add_scalar("train/lr", lr, step)
-        if self.cfg.mode.name != "sync":
-            # Updates by other trainers between this step's forward and its update.
-            w.add_scalar("train/staleness", last["staleness"], step)
-        if "steps_ahead" in last:
-            w.add_scalar("train/steps_ahead", last["steps_ahead"], step)
+        for tag, value in self.mode.train_scalars(last, self.cfg.optim.lr).items():  # lr, staleness, ...
+            w.add_scalar(tag, value, step)
         for r, stats in self.latency.items():
             if stats.count:
                 w.add_scalar(f"rpc/forward_latency_ms/ps{r}", stats.mean_s * 1e3, step)
@@ -370,6 +353,6 @@ class Trainer:
 
 
 def _get_server_rref() -> Any:
-    from ps_train.server import get_server_rref
+    from ps_train.roles.server import get_server_rref
 
     return get_server_rref()

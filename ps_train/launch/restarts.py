@@ -1,7 +1,7 @@
 """Restarting a failed run from its latest checkpoint (``cluster.max_restarts``).
 
 Local launcher (``run_local``): when a role dies or stops sending heartbeats, the launcher
-stops the other roles (``ps_train.launch``); then, at most ``cluster.max_restarts`` times,
+stops the other roles (``ps_train.launch.local``); then, at most ``cluster.max_restarts`` times,
 this module starts the whole run again in the same run folder from the latest complete
 checkpoint there (or, if the run wrote none yet, from where it started: the original
 ``resume=`` or step 0). Each restart is logged (console and run log) and recorded as
@@ -28,10 +28,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ps_train.checkpoint_files import atomic_write_text, latest_checkpoint, read_manifest
+from ps_train.checkpoint.files import latest_checkpoint, read_manifest
 from ps_train.config import RESUME_AUTO, Config
-from ps_train.elastic_files import read_replacements
-from ps_train.launch import RoleFailed, launch_local
+from ps_train.elastic.files import read_replacements
+from ps_train.files import atomic_write_text
+from ps_train.launch.local import RoleFailed, launch_local
 from ps_train.metrics import write_metrics_json
 from rpc_core.errors import failed_worker
 
@@ -109,7 +110,7 @@ def run_local(cfg: Config, run_dir: str, resume: str | None, timeout: float | No
             log.warning("restart %d of %d: %s failed (%s); stopped the other roles; restarting the run from %s",
                         len(restarts), cfg.cluster.max_restarts, restart.role, restart.reason, where)
     metrics["restarts"] = [dataclasses.asdict(r) for r in restarts]
-    if cfg.cluster.elastic:  # trainers replaced without a restart (ps_train.elastic_files)
+    if cfg.cluster.elastic:  # trainers replaced without a restart (ps_train.elastic.files)
         metrics["replacements"] = read_replacements(run_dir)
     write_metrics_json(Path(run_dir) / "metrics.json", metrics)  # trainer0 wrote it without the restarts
     return metrics

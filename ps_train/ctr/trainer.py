@@ -27,10 +27,10 @@ from torch import Tensor
 from ps_train.config import Config, CtrDataConfig, DLRMConfig
 from ps_train.ctr.batches import CtrBatch, CtrBatchIterator, iter_ctr_eval_batches
 from ps_train.ctr.loading import load_ctr_data
-from ps_train.ctr_metrics import ctr_metrics, format_ctr_metrics
-from ps_train.dlrm import interact
-from ps_train.row_sharding import RowSharding, TableLookup, assemble, plan_lookup
-from ps_train.trainer import Trainer
+from ps_train.ctr.metrics import ctr_metrics, format_ctr_metrics
+from ps_train.ctr.model import interact
+from ps_train.ctr.rows import RowSharding, TableLookup, assemble, plan_lookup
+from ps_train.roles.trainer import Trainer
 
 __all__ = ["CtrTrainer", "trainer_class"]
 
@@ -142,7 +142,7 @@ def _lookup(local_ids: list[Tensor], trainer: int, step: int) -> list[Tensor]:
     proxy sends that call from a callback thread, outside the caller's distributed-autograd
     context, so on backend=torch the rows would come back without a way to send their
     gradients home."""
-    from ps_train.server import local_server
+    from ps_train.roles.server import local_server
 
     return local_server().lookup(local_ids, trainer, step)
 
