@@ -8,7 +8,7 @@ Port a ``torch.distributed.rpc`` program by changing its imports::
 """
 from typing import Any
 
-from . import autograd, functions, optim, profiler  # autograd installs its middleware at init_rpc
+from . import autograd, constants, functions, optim, profiler  # autograd installs its middleware at init_rpc
 from . import rref as _rref
 
 # imported for its effect: scripted functions and modules travel in messages
@@ -40,6 +40,8 @@ from .errors import (
     RpcError,
     RpcNotInitializedError,
     RpcTimeoutError,
+    RpcTypeError,
+    RpcValueError,
     WorkerLeftError,
     WorkerUnavailableError,
 )
@@ -68,7 +70,7 @@ PyRRef = RRef  # torch's RRef derives from PyRRef; isinstance checks against eit
 # every import, module- or function-level; a new module must be placed here.
 _LAYERS: tuple[tuple[str, ...], ...] = (
     # foundations: no rpc_core imports
-    ("knobs", "polling", "middleware"),
+    ("knobs", "polling", "middleware", "constants"),
     ("errors", "wire", "options", "functions", "memory", "cma", "pool", "serialization"),
     ("handshake", "futures", "torchscript"),
     ("buffers",),
@@ -113,7 +115,8 @@ def _get_debug_info() -> dict[str, Any]:
 __all__ = [
     "AuthenticationError", "BackendType", "DEFAULT_RPC_TIMEOUT_SEC", "DEFAULT_SHUTDOWN_TIMEOUT",
     "ProtocolError", "RRef", "RendezvousError", "RpcBackendOptions", "RpcError", "RpcNotInitializedError",
-    "RpcTimeoutError", "TensorPipeRpcBackendOptions", "UNSET_RPC_TIMEOUT", "WorkerInfo", "WorkerLeftError",
+    "RpcTimeoutError", "RpcTypeError", "RpcValueError", "TensorPipeRpcBackendOptions", "UNSET_RPC_TIMEOUT",
+    "WorkerInfo", "WorkerLeftError",
     "WorkerUnavailableError", "functions", "get_rpc_timeout", "get_worker_info", "init_rpc", "is_available",
-    "remote", "rpc_async", "rpc_sync", "shutdown", "autograd", "optim", "profiler",
+    "remote", "rpc_async", "rpc_sync", "shutdown", "autograd", "constants", "optim", "profiler",
 ]
