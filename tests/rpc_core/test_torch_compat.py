@@ -83,6 +83,7 @@ def test_failed_calls_reach_handlers_as_on_torch(reports: dict[str, dict[str, An
     assert got["then, callback waits"] == "caught RuntimeError"
     assert got["then, callback catches"] == "callback caught ValueError"
     assert got["remote: to_here"] == got["remote: proxy"] == got["remote: proxy async"] == "caught ValueError"
+    assert got["remote: _get_type"] == "caught ValueError"
     assert same(reports, "after_shutdown") == {"rpc_sync": "caught RuntimeError"}
 
 
@@ -145,6 +146,7 @@ def test_rref_proxies_check_the_method_first(reports: dict[str, dict[str, Any]])
     assert {got[k] for k in ("first rpc_async", "rpc_sync", "rpc_async", "remote")} == {"caught AttributeError"}
     assert got["method raises"] == "caught ValueError"
     assert got["calls"] == [1, 3, 6, "Counter"]
+    assert got["_get_type"] == ["Counter", "Counter"]
 
 
 @pytest.mark.timeout(400)

@@ -184,6 +184,7 @@ def failed_futures():
     out["then, callback catches"] = fut.then(handled_in_callback).wait()
     failed = rpc.remote("worker1", raise_now)
     out["remote: to_here"] = attempt(failed.to_here, ValueError, EXPECTED)
+    out["remote: _get_type"] = attempt(failed._get_type, ValueError, EXPECTED)
     out["remote: proxy"] = attempt(lambda: failed.rpc_sync().increment(1), ValueError, EXPECTED)
     out["remote: proxy async"] = attempt(lambda: failed.rpc_async().increment(1).wait(), ValueError, EXPECTED)
     return out
@@ -240,6 +241,10 @@ def rref_proxies():
     out["method raises"] = attempt(lambda: counter.rpc_sync().fails(), ValueError, EXPECTED)
     out["calls"] = [counter.rpc_sync().increment(1), counter.rpc_async().increment(2).wait(),
                     counter.remote().increment(3).to_here(), counter.rpc_sync().describe()]
+    # Each on an RRef of its own: torch's handle keeps what its first _get_type returned
+    # (a Future for blocking=False, which its proxies use) and returns that ever after.
+    out["_get_type"] = [rpc.remote("worker1", Counter)._get_type().__name__,
+                        rpc.remote("worker1", Counter)._get_type(blocking=False).wait().__name__]
     return out
 
 
