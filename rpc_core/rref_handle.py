@@ -16,7 +16,7 @@ from . import agent as _agent_mod
 from . import calls, wire
 from .autograd.engine import backward as _dist_backward
 from .errors import RpcError, RpcTimeoutError
-from .futures import map_result, set_error
+from .futures import RpcFuture, map_result, set_error
 from .options import UNSET_RPC_TIMEOUT
 from .rref_release import collect, delete_after_creation, drop_owner_handle
 from .rref_state import Id, _ctx, _on_create, _on_fetch, _on_invoke, _on_type, fmt, new_id
@@ -259,8 +259,9 @@ def _invoke(rref: RRef[Any], mode: str, timeout: float, name: str, args: tuple[A
 def _invoke_when_typed(rref: RRef[Any], timeout: float, name: str, args: tuple[Any, ...],
                        kwargs: dict[str, Any]) -> torch.futures.Future[Any]:
     """``rref.rpc_async().name(...)`` before the type is known: ask for it, check, call,
-    without blocking; the returned future gets the call's outcome (or the check's error)."""
-    out: torch.futures.Future[Any] = torch.futures.Future()
+    without blocking; the returned future gets the call's outcome (or the check's error).
+    An RpcFuture: a pool thread that waits on it hands its duties over first."""
+    out = RpcFuture()
 
     def typed(f: torch.futures.Future[Any]) -> None:
         try:

@@ -24,7 +24,7 @@ PROGRAM = pathlib.Path(__file__).with_name("torch_compat_program.py")
 SWAPS = {
     "import torch.distributed.autograd as dist_autograd": "import rpc_core.autograd as dist_autograd",
     "import torch.distributed.rpc as rpc": "import rpc_core as rpc",
-    "from torch.distributed.rpc import RRef, WorkerInfo": "from rpc_core import RRef, WorkerInfo",
+    "from torch.distributed.rpc import RRef": "from rpc_core import RRef",
 }
 pytestmark = pytest.mark.skipif(not torch.distributed.rpc.is_available(),
                                 reason="this torch build has no torch.distributed.rpc to compare with")
@@ -163,13 +163,13 @@ def _quiet_callee(ctx: Any) -> Any:
     if ctx.rank == 1:
         sys.stderr = program._Tee(sys.stderr)
         logging.getLogger("rpc_core.user_errors").setLevel(logging.ERROR)  # as docs/torch_compatibility.md says
-    rpc_core._barrier([0, 1])
+    rpc_core._barrier(["worker0", "worker1"])
     out = None
     if ctx.rank == 0:
         with pytest.raises(ValueError, match=program.EXPECTED):
             rpc_core.rpc_sync(1, program.raise_now)
         out = rpc_core.rpc_sync(1, program.captured_stderr)
-    rpc_core._barrier([0, 1])
+    rpc_core._barrier(["worker0", "worker1"])
     return out
 
 

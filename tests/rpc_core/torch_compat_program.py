@@ -18,7 +18,7 @@ import time
 import torch
 import torch.distributed.autograd as dist_autograd
 import torch.distributed.rpc as rpc
-from torch.distributed.rpc import RRef, WorkerInfo
+from torch.distributed.rpc import RRef
 
 EXPECTED = "Expected error"
 CONSTANTS = ["DEFAULT_INIT_METHOD", "DEFAULT_NUM_WORKER_THREADS", "DEFAULT_PROCESS_GROUP_TIMEOUT",
@@ -130,10 +130,10 @@ def before_init():
 def invalid_names(port):
     options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}")
     return {
-        "abc*": attempt(lambda: WorkerInfo("abc*", 0), RuntimeError, "Worker name must match"),
-        "space": attempt(lambda: WorkerInfo(" ", 0), RuntimeError, "Worker name must match"),
-        "empty": attempt(lambda: WorkerInfo("", 0), RuntimeError, "must be non-empty"),
-        "long": attempt(lambda: WorkerInfo("a" * 500, 0), RuntimeError, "shorter than 128"),
+        "abc*": attempt(lambda: rpc.WorkerInfo("abc*", 0), RuntimeError, "Worker name must match"),
+        "space": attempt(lambda: rpc.WorkerInfo(" ", 0), RuntimeError, "Worker name must match"),
+        "empty": attempt(lambda: rpc.WorkerInfo("", 0), RuntimeError, "must be non-empty"),
+        "long": attempt(lambda: rpc.WorkerInfo("a" * 500, 0), RuntimeError, "shorter than 128"),
         "init_rpc": attempt(lambda: rpc.init_rpc("abc*", rank=0, world_size=1, rpc_backend_options=options),
                             RuntimeError, "Worker name must match"),
     }
