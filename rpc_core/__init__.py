@@ -8,7 +8,7 @@ Port a ``torch.distributed.rpc`` program by changing its imports::
 """
 from typing import Any
 
-from . import autograd, functions, optim, profiler  # autograd installs its middleware at init_rpc
+from . import autograd, constants, functions, optim, profiler  # autograd installs its middleware at init_rpc
 from . import rref as _rref
 from .agent.agent import current_agent as _current_agent
 from .agent.worlds import WorkerInfo
@@ -44,6 +44,8 @@ from .errors import (
     RpcError,
     RpcNotInitializedError,
     RpcTimeoutError,
+    RpcTypeError,
+    RpcValueError,
     WorkerLeftError,
     WorkerUnavailableError,
 )
@@ -74,7 +76,7 @@ PyRRef = RRef  # torch's RRef derives from PyRRef; isinstance checks against eit
 # every import, module- or function-level; a new module must be placed here.
 _LAYERS: tuple[tuple[str, ...], ...] = (
     # foundations, at the top level: no other rpc_core imports but knobs
-    ("knobs", "errors", "functions"),
+    ("knobs", "errors", "functions", "constants"),
     ("options", "memory"),
     # protocol/: what travels, independent of how
     ("protocol.wire", "protocol.serialization"),
@@ -140,9 +142,10 @@ def _get_debug_info() -> dict[str, Any]:
 __all__ = [
     "AuthenticationError", "BackendType", "DEFAULT_RPC_TIMEOUT_SEC", "DEFAULT_SHUTDOWN_TIMEOUT",
     "ProtocolError", "RRef", "RendezvousError", "RpcBackendOptions", "RpcError", "RpcNotInitializedError",
-    "RpcTimeoutError", "TensorPipeRpcBackendOptions", "UNSET_RPC_TIMEOUT", "WorkerInfo", "WorkerLeftError",
+    "RpcTimeoutError", "RpcTypeError", "RpcValueError", "TensorPipeRpcBackendOptions", "UNSET_RPC_TIMEOUT",
+    "WorkerInfo", "WorkerLeftError",
     "WorkerUnavailableError", "functions", "get_rpc_timeout", "get_worker_info", "init_rpc", "is_available",
-    "remote", "rpc_async", "rpc_sync", "shutdown", "autograd", "optim", "profiler",
+    "remote", "rpc_async", "rpc_sync", "shutdown", "autograd", "constants", "optim", "profiler",
     # rpc_core's own (docs/torch_compatibility.md, "rpc_core extensions")
     "ConnectionStats", "add_membership_listener", "connection_stats", "remove_membership_listener", "tune_malloc",
     "watch_all_peers",

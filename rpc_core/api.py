@@ -102,11 +102,11 @@ def _is_current_rpc_agent_set() -> bool:
 def _get_current_rpc_agent() -> Agent:
     """This worker's agent (torch's private ``_get_current_rpc_agent``): ``get_worker_info()``
     and ``get_worker_infos()`` list the group's members."""
-    return current_agent()
+    return current_agent(_agent_mod.AGENT_NOT_SET)
 
 
 def get_rpc_timeout() -> float:
-    return current_agent().default_timeout
+    return current_agent(_agent_mod.AGENT_NOT_SET).default_timeout
 
 
 def _set_rpc_timeout(rpc_timeout: float) -> None:

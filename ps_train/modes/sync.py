@@ -36,7 +36,8 @@ class SyncMode(Mode):
     options = ("aggregate",)
     unused_reasons = {"staleness_rule": ", whose gradients are never stale; see mode.aggregate"}
     not_elastic = ("every sync round waits for every trainer's gradient, so a dead trainer stops the round; use "
-                   "cluster.max_restarts to restart a sync run from its latest checkpoint instead (docs/training_failures.md)")
+                   "cluster.max_restarts to restart a sync run from its latest checkpoint instead "
+                   "(docs/training_failures.md)")
 
     def __init__(self, run: RunConfig) -> None:
         super().__init__(run)

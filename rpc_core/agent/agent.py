@@ -49,7 +49,7 @@ from .pool import ElasticPool, ThreadGroup
 from .roster import Roster
 from .worlds import World
 
-__all__ = ["Agent", "Middleware", "current_agent", "set_current_agent"]
+__all__ = ["AGENT_NOT_SET", "Agent", "Middleware", "NOT_INITIALIZED", "current_agent", "set_current_agent"]
 
 log = logging.getLogger("rpc_core")
 
@@ -61,9 +61,17 @@ _BURST_IN_FLIGHT = 16
 _CLOSE_GRACE = 1.0
 
 
-def current_agent() -> Agent:
+# What torch says when there is no agent: its Python API (rpc_sync, remote, shutdown, ...)
+# the first; its C++ core (RRef(), get_rpc_timeout()) the second. Programs match either.
+NOT_INITIALIZED = "RPC has not been initialized. Call rpc_core.init_rpc first."
+AGENT_NOT_SET = ("Current RPC agent is not set! Did you initialize the RPC framework (e.g. by calling "
+                 "`rpc.init_rpc`)? Call rpc_core.init_rpc first.")
+
+
+def current_agent(message: str = NOT_INITIALIZED) -> Agent:
+    """This process's agent; before ``init_rpc`` (or after ``shutdown``) RpcNotInitializedError(message)."""
     if _agent is None:
-        raise RpcNotInitializedError("RPC has not been initialized. Call rpc_core.init_rpc first.")
+        raise RpcNotInitializedError(message)
     return _agent
 
 

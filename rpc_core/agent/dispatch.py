@@ -22,15 +22,28 @@ from typing import Any, NamedTuple
 import torch
 
 from .. import transport
-from ..errors import RpcError, failed_worker
+from ..errors import RpcError, failed_worker, not_a_future
 from ..protocol import wire
 from ..protocol.serialization import decode_head, deserialize_decoded, encode_head, serialize
 from ..transport import Connection
 from .middleware import Middleware, incoming_hook
 from .pool import ElasticPool, init_torch_thread
 from .roster import Roster
+from .worlds import WorkerInfo
 
 log = logging.getLogger("rpc_core")
+# An exception a called function raised, logged on the worker that ran it (as torch prints
+# it on the callee) with its traceback, at WARNING: the caller gets the exception too, so
+# ``logging.getLogger("rpc_core.user_errors").setLevel(logging.ERROR)`` quiets these alone.
+user_errors = logging.getLogger("rpc_core.user_errors")
+
+
+def log_call_error(me: WorkerInfo, func: Any, error: BaseException, caller: str | None = None) -> None:
+    """Log ``error``, raised by ``func`` in a call this worker ran (``caller``: who made it)."""
+    if user_errors.isEnabledFor(logging.WARNING):
+        name = f"{getattr(func, '__module__', None) or '?'}.{getattr(func, '__qualname__', repr(func))}"
+        user_errors.warning("On %s: %s%s raised %r", me, name, f" (called by {caller})" if caller else "", error,
+                            exc_info=error)
 
 # The request-extras key under which a request's reply notes (serialization.note_for_reply)
 # wait for its response.
@@ -157,19 +170,21 @@ class Dispatch:
         tokens = [m.enter_call(src, extras) for m in self.middleware] if self.middleware else ()
         fut = None
         try:
+            try:
+                result = func(*args, **kwargs)
+            except Exception as e:
+                if not h.flags & wire.CONTROL:  # not rpc_core's bookkeeping: a function the user called
+                    log_call_error(self.me, func, e, self.describe(src))
+                raise
             if getattr(func, "_wrapped_async_rpc_function", None) is not None:
-                fut = func(*args, **kwargs)
+                fut = result
                 if not isinstance(fut, torch._C.Future):
-                    raise TypeError(
-                        "Functions decorated with @rpc.async_function must return a torch.futures.Future "
-                        f"object, but got {type(fut)}"
-                    )
+                    raise not_a_future(fut)
                 if fut.done():  # finished already (a value that was ready): answer without a callback
                     self._respond_future(conn, src, h, fut, extras)
                 else:
                     fut.add_done_callback(lambda f: self._respond_future(conn, src, h, f, extras))
             else:
-                result = func(*args, **kwargs)
                 self._respond(conn, src, h, result, extras)
         except BaseException as e:  # noqa: BLE001 - whatever the call raised goes back to its caller
             self._respond_error(conn, h, e, extras)

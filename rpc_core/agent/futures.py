@@ -92,6 +92,25 @@ class RpcFuture(torch.futures.Future[Any]):
 _wait = torch._C.Future.wait
 
 
+def map_result(fut: torch.futures.Future[Any], fn: Callable[[Any], Any]) -> torch.futures.Future[Any]:
+    """A future of ``fn(fut's value)``. Unlike ``fut.then(...)``, an error of ``fut`` or of
+    ``fn`` reaches its waiters as it was raised (its type and message), not as the
+    RuntimeError("Got the following error when running the callback: ...") that ``then``
+    makes of an exception in its callback."""
+    out: torch.futures.Future[Any] = torch.futures.Future()
+
+    def done(f: torch.futures.Future[Any]) -> None:
+        try:
+            result = fn(f.value())
+        except BaseException as e:  # noqa: BLE001 - the error goes to the future's waiters
+            set_error(out, e)
+            return
+        out.set_result(result)
+
+    fut.add_done_callback(done)
+    return out
+
+
 def settle(futures: Iterable[torch.futures.Future[Any]]) -> tuple[list[Any], list[BaseException]]:
     """Wait for every future, even after one failed; return (values of those that
     succeeded, errors of those that failed), each in order."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from ..errors import RpcValueError
 from ..transport import Connection, Listener
 
 MAX_NAME_LEN = 128
@@ -46,14 +47,15 @@ class WorkerInfo:
 
 
 def validate_name(name: str) -> None:
+    """Raise ``RpcValueError`` (a RuntimeError, as torch raises, and a ValueError) for a bad name."""
     if not isinstance(name, str):
         raise TypeError(f"worker name must be a str, got {type(name).__name__}")
     if not name:
-        raise ValueError("Worker name must be non-empty")
+        raise RpcValueError("Worker name must be non-empty")
     if len(name) >= MAX_NAME_LEN:
-        raise ValueError(f"Worker name must be shorter than {MAX_NAME_LEN} chars, got {len(name)}: {name[:40]!r}...")
+        raise RpcValueError(f"Worker name must be shorter than {MAX_NAME_LEN} chars, got {len(name)}: {name[:40]!r}...")
     if not _NAME_RE.match(name):
-        raise ValueError(
+        raise RpcValueError(
             f"Worker name must match ^[A-Za-z0-9_:-]+$ (letters, digits, '_', ':' and '-'), got {name!r}"
         )
 

@@ -14,6 +14,7 @@ import torch
 
 from ..agent import agent as _agent_mod
 from ..agent import calls
+from ..agent.futures import RpcFuture, map_result, set_error
 from ..agent.worlds import WorkerInfo
 from ..autograd.engine import backward as _dist_backward
 from ..errors import RpcError, RpcTimeoutError
@@ -29,7 +30,7 @@ class RRef(Generic[T]):
     """A reference to a value owned by some worker (torch.distributed.rpc.RRef)."""
 
     def __init__(self, value: T, type_hint: type | None = None) -> None:
-        agent = _agent_mod.current_agent()
+        agent = _agent_mod.current_agent(_agent_mod.AGENT_NOT_SET)
         rref_id = new_id()
         e = _ctx.entry(rref_id)
         e.value.set_result(value)
@@ -47,7 +48,8 @@ class RRef(Generic[T]):
         self._confirmed = confirmed
         self._creation = creation
         self._deleted = False
-        self._type: type | None = None
+        self._type: type | None = None  # the value's type, once known (see _get_type)
+        self._type_fetch: torch.futures.Future[Any] | None = None
         if fork_id is None:
             with _ctx.lock:
                 _ctx.entry(rref_id).handles += 1
@@ -103,10 +105,13 @@ class RRef(Generic[T]):
 
     def local_value(self) -> T:
         self._check_alive("local_value")
-        if not self.is_owner():
+        fork_id = self._fork_id
+        if fork_id is not None:  # a user handle
             me = _agent_mod.current_agent().me
+            # torch's words (tests match them), then the way out
             raise RpcError(
-                f"For {self}, can't call localValue() on user {me}. Call it on owner {self.owner()}"
+                f"For UserRRef(rref_id={fmt(self._rref_id)}, fork_id={fmt(fork_id)}), can't call localValue() on "
+                f"user {me}. Call it on owner {self.owner()}; to_here() copies the value here."
             )
         value: T = _ctx.entry(self._rref_id).value.wait()
         return value
@@ -143,16 +148,29 @@ class RRef(Generic[T]):
         return f
 
     def _get_type(self, timeout: float = -1, blocking: bool = True) -> Any:
-        if self._type is None:
+        """The type of the value (``blocking=False``: a Future of it). A user handle asks
+        its owner once (one call); the type is then kept on the handle, as torch keeps it."""
+        if self._type is not None:
+            if blocking:
+                return self._type
+            f: torch.futures.Future[Any] = torch.futures.Future()
+            f.set_result(self._type)
+            return f
+        fut = self._type_future(timeout)
+        return fut.wait() if blocking else fut
+
+    def _type_future(self, timeout: float) -> torch.futures.Future[Any]:
+        """A Future of the value's type, kept on the handle once it succeeded."""
+        fut = self._type_fetch
+        if fut is None or (fut.done() and not _succeeded(fut)):  # none yet, or failed (a timeout): ask again
             if self.is_owner():
-                self._type = type(self.local_value())
+                fut = map_result(_ctx.entry(self._rref_id).value, type)
             else:
-                self._type = calls.invoke(self._owner_id, _on_type, (self._rref_id,), None, timeout, "sync")
-        if blocking:
-            return self._type
-        f: torch.futures.Future[Any] = torch.futures.Future()
-        f.set_result(self._type)
-        return f
+                fut = calls.invoke_async(self._owner_id, _on_type, (self._rref_id,), None, timeout, "async")
+            self._type_fetch = fut
+            ref = weakref.ref(self)
+            torch.futures.Future.add_done_callback(fut, lambda f: _keep_type(ref, f))
+        return fut
 
     def rpc_sync(self, timeout: float = -1) -> _Proxy:
         return _Proxy(self, "sync", timeout)
@@ -179,8 +197,30 @@ class RRef(Generic[T]):
         return cls
 
 
+def _keep_type(ref: weakref.ref[RRef[Any]], f: torch.futures.Future[Any]) -> None:
+    rref = ref()
+    if rref is not None and _succeeded(f):
+        rref._type = f.value()
+
+
+def _check_attribute(rref_type: type, name: str) -> None:
+    """Raise AttributeError, as torch's proxies do, if the value's type has no ``name``:
+    before any call goes out. (A scripted module's methods are not on its type: not checked.)"""
+    if issubclass(rref_type, (torch.jit.ScriptModule, torch._C.ScriptModule)):
+        return
+    try:
+        getattr(rref_type, name)
+    except AttributeError as e:
+        raise AttributeError(
+            f"{e}. The RRef proxies call attributes of the value's type; reach others with a function run on "
+            "the owner: rpc_sync(rref.owner(), f, args=(rref,)) where f uses rref.local_value()") from None
+
+
 class _Proxy:
-    """``rref.rpc_sync().method(*args)`` runs ``method`` on the owner's value."""
+    """``rref.rpc_sync().method(*args)`` runs ``method`` on the owner's value. As torch's,
+    it first checks that the value's type has ``method`` (``_get_type``: one call to the
+    owner per RRef, then kept): a missing one raises AttributeError here, and for
+    ``rpc_async()`` fails the returned future, with no call sent."""
 
     def __init__(self, rref: RRef[Any], mode: str, timeout: float) -> None:
         self._rref, self._mode, self._timeout = rref, mode, timeout
@@ -189,16 +229,61 @@ class _Proxy:
         def call(*args: Any, **kwargs: Any) -> Any:
             rref = self._rref
             rref._check_alive(self._mode)
-            # The call names the RRef by id instead of forking it (no fork/accept messages);
-            # holding the RRef until the answer keeps the owner's value alive meanwhile.
-            call_args = (rref._rref_id, name, args, kwargs)
-            if self._mode == "remote":
-                return remote(rref._owner_id, _on_invoke, args=call_args, timeout=self._timeout, _keepalive=rref)
-            fut = calls.invoke_async(rref._owner_id, _on_invoke, call_args, None, self._timeout, self._mode,
-                                     keepalive=rref)
-            return fut.wait() if self._mode == "sync" else fut
+            if self._mode != "async":
+                _check_attribute(rref._get_type(self._timeout), name)
+                return _invoke(rref, self._mode, self._timeout, name, args, kwargs)
+            known = rref._type
+            if known is None:
+                return _invoke_when_typed(rref, self._timeout, name, args, kwargs)
+            try:
+                _check_attribute(known, name)
+            except AttributeError as e:
+                failed: torch.futures.Future[Any] = torch.futures.Future()
+                set_error(failed, e)
+                return failed
+            return _invoke(rref, "async", self._timeout, name, args, kwargs)
 
         return call
+
+
+def _invoke(rref: RRef[Any], mode: str, timeout: float, name: str, args: tuple[Any, ...],
+            kwargs: dict[str, Any]) -> Any:
+    # The call names the RRef by id instead of forking it (no fork/accept messages); holding
+    # the RRef until the answer keeps the owner's value alive meanwhile.
+    call_args = (rref._rref_id, name, args, kwargs)
+    if mode == "remote":
+        return remote(rref._owner_id, _on_invoke, args=call_args, timeout=timeout, _keepalive=rref)
+    fut = calls.invoke_async(rref._owner_id, _on_invoke, call_args, None, timeout, mode, keepalive=rref)
+    return fut.wait() if mode == "sync" else fut
+
+
+def _invoke_when_typed(rref: RRef[Any], timeout: float, name: str, args: tuple[Any, ...],
+                       kwargs: dict[str, Any]) -> torch.futures.Future[Any]:
+    """``rref.rpc_async().name(...)`` before the type is known: ask for it, check, call,
+    without blocking; the returned future gets the call's outcome (or the check's error).
+    An RpcFuture: a pool thread that waits on it hands its duties over first."""
+    out = RpcFuture()
+
+    def typed(f: torch.futures.Future[Any]) -> None:
+        try:
+            _check_attribute(f.value(), name)
+            fut = _invoke(rref, "async", timeout, name, args, kwargs)
+        except BaseException as e:  # noqa: BLE001 - the error goes to the future's waiters
+            set_error(out, e)
+            return
+        fut.add_done_callback(lambda g: _pass_outcome(out, g))
+
+    rref._type_future(timeout).add_done_callback(typed)
+    return out
+
+
+def _pass_outcome(target: torch.futures.Future[Any], source: torch.futures.Future[Any]) -> None:
+    try:
+        value = source.value()
+    except BaseException as e:  # noqa: BLE001 - the error goes to the future's waiters
+        set_error(target, e)
+        return
+    target.set_result(value)
 
 
 # -- remote(): creating a value on its owner ---------------------------------------------------------

@@ -21,7 +21,8 @@ import torch
 
 from ..agent import agent as _agent_mod
 from ..agent import futures as _futures
-from ..errors import RpcError
+from ..agent.dispatch import log_call_error
+from ..errors import RpcError, not_a_future
 from ..functions import async_execution
 
 Id = tuple[int, int]  # GloballyUniqueId(created_on, local_id)
@@ -187,11 +188,14 @@ def _on_create(rref_id: Id, fork_id: Id | None, func: Any, args: tuple[Any, ...]
         with _ctx.lock:
             e.forks.add(fork_id)
     try:
-        result = func(*args, **(kwargs or {}))
+        try:
+            result = func(*args, **(kwargs or {}))
+        except Exception as exc:  # logged as the function of a call is (dispatch)
+            log_call_error(_agent_mod.current_agent().me, func, exc)
+            raise
         if getattr(func, "_wrapped_async_rpc_function", None) is not None:
             if not isinstance(result, torch._C.Future):
-                raise TypeError("Functions decorated with @rpc.async_function must return a torch.futures.Future "
-                                "object")
+                raise not_a_future(result)
             result.add_done_callback(lambda f: _copy_outcome(e.value, f))
         else:
             e.value.set_result(result)
@@ -227,7 +231,8 @@ def _on_fetch(rref_id: Id) -> torch.futures.Future[Any]:
 
 @async_execution
 def _on_type(rref_id: Id) -> torch.futures.Future[Any]:
-    return _ctx.live_entry(rref_id).value.then(lambda f: type(f.value()))
+    # A creation error reaches the caller as it was raised (torch's _get_type passes it on).
+    return _futures.map_result(_ctx.live_entry(rref_id).value, type)
 
 
 def _on_fork(rref_id: Id, fork_id: Id) -> None:
@@ -261,8 +266,26 @@ def _on_invoke(rref_id: Id, name: str, args: tuple[Any, ...], kwargs: dict[str, 
     obj = value.wait() if value.done() else None
     if obj is None and not value.done():
         # Still being created by remote(): call once it exists, without holding a thread.
-        return value.then(lambda f: _call_method(f.value(), name, args, kwargs)).then(_unwrap)
+        return _call_later(value, name, args, kwargs)
     return _call_method(obj, name, args, kwargs)
+
+
+def _call_later(value: torch.futures.Future[Any], name: str, args: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> torch.futures.Future[Any]:
+    """``_call_method`` on ``value``'s result once it is there; a creation error, or the
+    method's, reaches the caller as it was raised (not wrapped as then() would)."""
+    out: torch.futures.Future[Any] = torch.futures.Future()
+
+    def run(f: torch.futures.Future[Any]) -> None:
+        try:
+            result = _call_method(f.value(), name, args, kwargs)
+        except BaseException as e:  # noqa: BLE001 - the error goes to the future's waiters
+            _futures.set_error(out, e)
+            return
+        result.add_done_callback(lambda r: _copy_outcome(out, r))
+
+    value.add_done_callback(run)
+    return out
 
 
 def _call_method(obj: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.futures.Future[Any]:
@@ -273,7 +296,3 @@ def _call_method(obj: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, A
     f: torch.futures.Future[Any] = torch.futures.Future()
     f.set_result(method(*args, **kwargs))
     return f
-
-
-def _unwrap(f: torch.futures.Future[Any]) -> Any:
-    return f.value().wait()

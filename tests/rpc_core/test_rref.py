@@ -154,8 +154,10 @@ def _body_api(ctx):
         assert torch.equal(rref.to_here(), torch.full((2,), 2.0))
         rref._get_future().wait()
         assert rref.confirmed_by_owner()
-        with pytest.raises(RuntimeError, match=r"can't call localValue\(\) on user WorkerInfo\(id=0, name=worker0\)\. "
-                                               r"Call it on owner WorkerInfo\(id=1, name=worker1\)"):
+        with pytest.raises(RuntimeError, match=r"^For UserRRef\(rref_id=GloballyUniqueId\(created_on=0, local_id=\d+"
+                                               r"\), fork_id=GloballyUniqueId\(created_on=0, local_id=\d+\)\), "
+                                               r"can't call localValue\(\) on user WorkerInfo\(id=0, name=worker0\)\. "
+                                               r"Call it on owner WorkerInfo\(id=1, name=worker1\); to_here\(\)"):
             rref.local_value()
         assert repr(rref).startswith("UserRRef(RRefId = GloballyUniqueId(created_on=0, local_id=")
         # the owner sees its own value through the same RRef
