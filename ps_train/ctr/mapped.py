@@ -109,7 +109,7 @@ def load_prepared(folder: str, table_sizes: list[int], test_fraction: float, *, 
         if not skip_malformed:
             raise PreparedDataError(
                 f"data.prepared={folder!r}: prepare skipped {m.malformed} malformed of {m.lines} lines (first: "
-                f"{first}); training from those files stops at the first unless data.skip_malformed=true, so set "
+                f"{first}); training from those files would stop at the first of them: set "
                 "data.skip_malformed=true to train on the valid lines")
         log.warning("data=criteo: skipped %d malformed of %d lines when %s was prepared; first: %s", m.malformed,
                     m.lines, folder, first)
