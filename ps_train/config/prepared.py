@@ -78,7 +78,8 @@ class CriteoManifest:
     format: str = PREPARED_FORMAT
     version: int = PREPARED_VERSION
     created: str = ""
-    seconds: float = 0.0
+    seconds: float = 0.0  # the conversion's wall time
+    cpu_seconds: float = 0.0  # and its CPU time, all threads
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2) + "\n"
