@@ -23,7 +23,8 @@ What is measured, per run of ``python -m ps_train.prepare criteo SRC DST --quiet
 process: its wall time (interpreter start and imports included), the conversion's own time
 (``seconds`` in the manifest: from reading the first byte to the renamed folder), lines/s of
 both, the conversion's CPU time per line (``cpu_seconds``, all threads; the command's, from
-``os.wait4``, adds ~5 s of imports, torch's mostly), and the child's peak RSS (``ru_maxrss``). The cores may be shared with other work: the load average before and after
+``os.wait4``, adds ~5 s of imports, torch's mostly), and the child's peak RSS
+(``ru_maxrss``). The cores may be shared with other work: the load average before and after
 each run is printed; CPU time per line does not depend on it much, lines/s does.
 Targets: conversion >= 500,000 lines/s, peak RSS <= 2 GB (and not growing with --lines).
 """
@@ -42,7 +43,6 @@ import time
 import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pacsv
-
 from _format import fmt
 
 # Missing-value rates per feature, roughly those of Kaggle's train.txt.
@@ -113,7 +113,8 @@ def run_prepare(src: str, dst: str, workers: int | None) -> dict[str, float]:
     with open(os.path.join(dst, "manifest.json")) as f:
         manifest = json.load(f)
     lines = manifest["lines"]
-    return {"lines": lines, "wall_s": wall, "convert_s": manifest["seconds"], "lines_per_s": lines / manifest["seconds"],
+    return {"lines": lines, "wall_s": wall, "convert_s": manifest["seconds"],
+            "lines_per_s": lines / manifest["seconds"],
             "command_lines_per_s": lines / wall, "cpu_us_per_line": manifest["cpu_seconds"] / lines * 1e6,
             "command_cpu_us_per_line": (usage.ru_utime + usage.ru_stime) / lines * 1e6,
             "peak_rss_mb": usage.ru_maxrss / 1024, "load_before": load0, "load_after": os.getloadavg()[0],

@@ -7,7 +7,8 @@ Memory: ``ids`` are int64 so they index ``nn.Embedding``/``EmbeddingBag`` tables
 without a cast: 8 bytes x ``num_tables`` per sample, e.g. 1M samples x 26 tables = 208 MB,
 plus 4 x ``num_dense`` bytes of dense features (52 MB for 13) and 4 MB of labels. That is
 fine for the synthetic default and for test-size Criteo files; a full Criteo day (~190M
-lines) would need ~40 GB and belongs in a memory-mapped binary format instead.
+lines) would need ~40 GB: it is prepared once into memory-mapped arrays instead
+(``ps_train.ctr.mapped.MappedCtrSplit``, another ``CtrDataset``).
 """
 
 from __future__ import annotations

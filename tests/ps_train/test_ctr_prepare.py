@@ -25,7 +25,7 @@ from ps_train.ctr.criteo_prepare import prepare_criteo
 from ps_train.ctr.loading import load_ctr_data
 from ps_train.ctr.mapped import MappedCtrSplit, PreparedCriteo, load_prepared
 from ps_train.ctr.progress import Progress
-from tests.ps_train._app import read_json, run_app
+from tests.ps_train._app import make_cfg, read_json, run_app
 from tests.ps_train.test_ctr_data import GOOD, _bad, _line, _random_rows, _write
 
 SIZES = [2, 3, 10, 1000] + [10_000_000] * 22
@@ -331,3 +331,12 @@ def test_a_run_from_prepared_arrays_ends_like_a_run_from_the_tsv_files(tmp_path)
     assert tsv["steps"] == mapped["steps"] == 12
     for key in ("test_auc", "test_log_loss", "test_loss", "test_accuracy"):
         assert a[key] == b[key], key
+
+
+def test_config_selects_a_prepared_folder(tmp_path):
+    cfg = make_cfg("model=dlrm", "data=criteo", f"data.prepared={tmp_path}")
+    assert isinstance(cfg.data, CriteoConfig) and cfg.data.prepared == str(tmp_path)
+    assert make_cfg("model=dlrm", "data=criteo").data.prepared is None  # default: the TSV files in data.root
+    assert any("data.prepared: empty" in p for p in CriteoConfig(prepared=" ").problems())
+    with pytest.raises(FileNotFoundError, match="data.prepared=.*is not a folder"):
+        load_ctr_data(CriteoConfig(prepared=str(tmp_path / "missing")))
