@@ -52,6 +52,11 @@ _hi, _lo = _HEX_DIGIT[_pair & 0xFF].astype(np.uint16), _HEX_DIGIT[_pair >> 8].as
 _HEX_PAIR = np.where((_hi == 255) | (_lo == 255), 0xFFFF, (_hi << 4) | _lo).astype(np.uint16)
 del _pair, _hi, _lo
 
+# log1p of 0 .. 65535 as read_criteo computes it: most counts are small, and a lookup is
+# ~10x cheaper than the log.
+_LOG1P_TABLE_SIZE = 1 << 16
+_LOG1P_TABLE = np.log1p(np.arange(_LOG1P_TABLE_SIZE, dtype=np.float64)).astype(np.float32)
+
 _CONVERT = pacsv.ConvertOptions(column_types=dict.fromkeys(_NAMES, pa.string()), strings_can_be_null=False,
                                 check_utf8=False)
 
@@ -103,10 +108,21 @@ class _Rows:
         if not self.keep.all():
             keep = self.keep
             labels, ints, hashes, missing = labels[keep], ints[:, keep], hashes[:, keep], missing[keep]
-        dense = np.log1p(ints).astype(np.float32)  # as read_criteo: float64 log, then float32
+        dense = _log1p(ints)
         self.malformed.sort()
         return CriteoColumns(labels, np.ascontiguousarray(dense.T), np.ascontiguousarray(hashes.T), missing,
                              len(self.labels), self.malformed)
+
+
+def _log1p(ints: np.ndarray) -> np.ndarray:
+    """float32 ``log(x + 1)`` of float64 counts, as ``read_criteo`` computes it (float64 log,
+    then float32): from a table for the small counts most values are, computed for the rest."""
+    small = np.minimum(ints, _LOG1P_TABLE_SIZE - 1).astype(np.int64)
+    out = np.take(_LOG1P_TABLE, small)
+    large = ints >= _LOG1P_TABLE_SIZE
+    if large.any():
+        out[large] = np.log1p(ints[large]).astype(np.float32)
+    return out
 
 
 def _parse_line(line: bytes) -> tuple[float, list[float], list[int], int]:

@@ -160,6 +160,17 @@ def test_odd_lines_take_the_readers_values_or_its_messages(which):
     assert np.array_equal(ids, [r[2] for r in want_rows])
 
 
+@pytest.mark.parametrize("ending", ["\n", "\r\n"])
+def test_empty_lines_and_all_empty_columns_in_a_tokenized_block(ending):
+    good, empty = GOOD.encode(), _line(1, [None] * 13, [None] * 26).encode()
+    cols = parse_block((good + b"\n" + empty * 2 + good).replace(b"\n", ending.encode()))
+    assert cols.lines == 5 and len(cols) == 4
+    assert cols.malformed == [(1, "1 tab-separated fields instead of 40 (an empty line, or not tab-separated)")]
+    assert cols.missing.tolist() == [0, (1 << 26) - 1, (1 << 26) - 1, 0]
+    only_empty = parse_block(empty * 3)  # columns without a single value
+    assert len(only_empty) == 3 and not only_empty.hashes.any() and not only_empty.dense.any()
+
+
 def test_a_hex_value_above_32_bits_is_malformed_in_prepared_data(tmp_path):
     path = tmp_path / "day_0"
     path.write_text(GOOD + _line(1, [1] * 13, ["1" + "0" * 8] + ["0"] * 25))
@@ -340,3 +351,25 @@ def test_config_selects_a_prepared_folder(tmp_path):
     assert any("data.prepared: empty" in p for p in CriteoConfig(prepared=" ").problems())
     with pytest.raises(FileNotFoundError, match="data.prepared=.*is not a folder"):
         load_ctr_data(CriteoConfig(prepared=str(tmp_path / "missing")))
+
+
+def _peak_rss_mb(cmd, env):
+    child = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(child.pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, child.stderr.read().decode() if child.stderr else ""
+    return usage.ru_maxrss / 1024
+
+
+@pytest.mark.timeout(300)
+def test_memory_does_not_grow_with_the_input(tmp_path):
+    # The same command on 20x the lines (80 blocks of 1 MiB instead of 4): the peak RSS is
+    # that of a few blocks in flight, not of the input (~75 MB of text, ~50 MB of arrays here).
+    text = "".join(_line(*r) for r in _random_rows(np.random.default_rng(4), 1000))
+    (tmp_path / "small.tsv").write_text(text * 15)
+    (tmp_path / "large.tsv").write_text(text * 300)
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    rss = {name: _peak_rss_mb([sys.executable, "-m", "ps_train.prepare", "criteo", str(tmp_path / f"{name}.tsv"),
+                               str(tmp_path / f"prep-{name}"), "--quiet", "--block-mb", "1"], env)
+           for name in ("small", "large")}
+    assert read_manifest(str(tmp_path / "prep-large")).rows == 300_000
+    assert rss["large"] - rss["small"] < 30, rss
