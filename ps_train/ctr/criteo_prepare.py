@@ -11,7 +11,6 @@ renamed to ``dst`` only when complete, so ``dst`` is either absent or whole.
 from __future__ import annotations
 
 import collections
-import gzip
 import logging
 import os
 import queue
@@ -107,24 +106,53 @@ class _Piece:
     remedy: str = ""
 
 
-def _open(path: str) -> tuple[BinaryIO, BinaryIO]:
+class _Gunzip:
+    """The text of a gzip file, ``read(size)`` at a time: zlib directly (it checks every
+    member's CRC and length itself; the gzip module would compute the CRC a second time),
+    members one after another, never more than ``size`` bytes out whatever the ratio."""
+
+    def __init__(self, raw: BinaryIO) -> None:
+        self.raw = raw
+        self.z = zlib.decompressobj(31)  # 31: a gzip header and trailer
+        self.input = b""  # compressed bytes not given to self.z yet
+        self.fresh = True  # self.z has decompressed nothing: the file may end here
+
+    def read(self, size: int) -> bytes:
+        parts, n = [], 0
+        while n < size:
+            if not self.input:
+                self.input = self.raw.read(1 << 20)
+                if not self.input:
+                    if not self.fresh:
+                        raise EOFError("the file ends inside a compressed member")
+                    break
+            out = self.z.decompress(self.input, size - n)
+            self.fresh = False
+            if self.z.eof:  # a member ended; another may follow
+                self.input, self.z, self.fresh = self.z.unused_data, zlib.decompressobj(31), True
+            else:
+                self.input = self.z.unconsumed_tail
+            parts.append(out)
+            n += len(out)
+        return b"".join(parts)
+
+
+def _open(path: str) -> tuple[_Gunzip | BinaryIO, BinaryIO]:
     """``(text stream, raw file)``: gzip recognised by its magic bytes, as ``read_criteo`` does."""
     raw = open(path, "rb")
-    if raw.read(2) == b"\x1f\x8b":
-        raw.seek(0)
-        return gzip.GzipFile(fileobj=raw, mode="rb"), raw  # type: ignore[return-value]
+    gz = raw.read(2) == b"\x1f\x8b"
     raw.seek(0)
-    return raw, raw
+    return (_Gunzip(raw) if gz else raw), raw
 
 
 def _pieces(path: str, block_bytes: int) -> Iterator[_Piece]:
     stream, raw = _open(path)
-    with raw, stream:
+    with raw:
         rest = b""  # the start of a line whose end is in the next read
         while True:
             try:
                 data = stream.read(block_bytes)
-            except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+            except (EOFError, zlib.error) as e:
                 yield _Piece(path, raw.tell(), problem=f"the gzip stream is damaged or truncated ({e})",
                              remedy="re-download or re-compress the file")
                 return

@@ -21,7 +21,7 @@ from ps_train.config.prepared import MANIFEST_NAME, PREPARED_VERSION, PreparedDa
 from ps_train.ctr import CriteoFormatError, CtrBatchIterator, iter_ctr_eval_batches, load_criteo, read_criteo
 from ps_train.ctr.criteo import _parse
 from ps_train.ctr.criteo_columns import parse_block
-from ps_train.ctr.criteo_prepare import prepare_criteo
+from ps_train.ctr.criteo_prepare import _open, prepare_criteo
 from ps_train.ctr.loading import load_ctr_data
 from ps_train.ctr.mapped import MappedCtrSplit, PreparedCriteo, load_prepared
 from ps_train.ctr.progress import Progress
@@ -87,6 +87,22 @@ def test_a_list_of_files_keeps_its_order_and_a_gzip_is_known_by_its_content(tmp_
     _prepare(files, tmp_path / "prep")
     split, _ = read_criteo(files, 1000)
     _assert_same(_all(tmp_path / "prep", [1000] * 26), split)
+
+
+def test_a_gzip_of_several_members_reads_whole_and_a_read_is_bounded(tmp_path):
+    rows = _random_rows(np.random.default_rng(5), 300)
+    members = [gzip.compress("".join(_line(*r) for r in part).encode()) for part in (rows[:100], rows[100:])]
+    path = tmp_path / "day_0.gz"
+    path.write_bytes(b"".join(members))  # as `cat a.gz b.gz`
+    _prepare(path, tmp_path / "prep")
+    split, _ = read_criteo(str(path), 1000)
+    _assert_same(_all(tmp_path / "prep", [1000] * 26), split)
+    zeros = tmp_path / "zeros.gz"
+    zeros.write_bytes(gzip.compress(bytes(64 << 20)))  # 64 MiB of text in ~64 KiB
+    stream, raw = _open(str(zeros))
+    with raw:
+        sizes = [len(stream.read(1 << 20)) for _ in range(65)]
+    assert sizes == [1 << 20] * 64 + [0]
 
 
 def test_manifest_records_format_arrays_and_sources(tmp_path):
