@@ -262,10 +262,13 @@ def _integers(column: pa.Array, suspect: np.ndarray) -> np.ndarray:
     suspect |= bad
     # pyarrow parses the checked strings; empty and bad ones are marked null for it.
     _, offsets, data = column.buffers()
-    valid = pa.py_buffer(np.packbits((lens != 0) & ~bad, bitorder="little"))
-    checked = pa.StringArray.from_buffers(len(column), offsets.slice(column.offset * 4), data, valid)
-    values = pc.cast(checked, pa.int64()).fill_null(0).to_numpy()
-    return np.maximum(values, 0).astype(np.float64)  # read_criteo clamps negative counts to 0
+    ok = (lens != 0) & ~bad
+    checked = pa.StringArray.from_buffers(len(column), offsets.slice(column.offset * 4), data,
+                                          pa.py_buffer(np.packbits(ok, bitorder="little")))
+    parsed = pc.cast(checked, pa.int64())
+    values = np.frombuffer(parsed.buffers()[1], np.int64, len(parsed), parsed.offset)  # any value where null
+    # read_criteo clamps negative counts to 0; empty and bad values are 0 here.
+    return np.where(ok, np.maximum(values, 0), 0).astype(np.float64)
 
 
 def _hex(column: pa.Array, suspect: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
