@@ -92,11 +92,11 @@ class CriteoManifest:
         return cls(**d)
 
 
-def read_manifest(folder: str, check_sources: bool = True) -> CriteoManifest:
+def read_manifest(folder: str) -> CriteoManifest:
     """The manifest of prepared folder ``folder``, after checking that the folder is one, in
-    this version of the format, with every array whole; and (``check_sources``) that no
-    source file still present has changed since. Raises ``FileNotFoundError`` /
-    ``PreparedDataError`` saying what is wrong and how to fix it."""
+    this version of the format, with every array whole, and that no source file still
+    present has changed since (one moved away is fine: the arrays are all training needs).
+    Raises ``FileNotFoundError`` / ``PreparedDataError`` saying what is wrong and how to fix it."""
     remedy = _REMEDY.format(folder=folder)
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"data.prepared={folder!r} is not a folder; {remedy}")
@@ -130,15 +130,14 @@ def read_manifest(folder: str, check_sources: bool = True) -> CriteoManifest:
         if array.shape[:1] != [manifest.rows] or have != want:
             raise PreparedDataError(f"{file}: the {name} array is missing, truncated or changed ({have} bytes, the "
                                     f"manifest says {want} for {manifest.rows} rows); {remedy}")
-    if check_sources:
-        for src in manifest.sources:
-            try:
-                st = os.stat(src.path)
-            except FileNotFoundError:
-                continue  # moved or deleted since: the arrays are all training needs
-            if (st.st_size, st.st_mtime_ns) != (src.size, src.mtime_ns):
-                raise PreparedDataError(
-                    f"data.prepared={folder!r} was made from {src.path} ({src.size} bytes, modified at "
-                    f"{src.mtime_ns / 1e9:.0f} s), which has changed since ({st.st_size} bytes, modified at "
-                    f"{st.st_mtime_ns / 1e9:.0f} s); the arrays may not hold its lines: {remedy}")
+    for src in manifest.sources:
+        try:
+            st = os.stat(src.path)
+        except FileNotFoundError:
+            continue
+        if (st.st_size, st.st_mtime_ns) != (src.size, src.mtime_ns):
+            raise PreparedDataError(
+                f"data.prepared={folder!r} was made from {src.path} ({src.size} bytes, modified at "
+                f"{src.mtime_ns / 1e9:.0f} s), which has changed since ({st.st_size} bytes, modified at "
+                f"{st.st_mtime_ns / 1e9:.0f} s); the arrays may not hold its lines: {remedy}")
     return manifest

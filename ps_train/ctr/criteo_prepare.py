@@ -13,16 +13,11 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import queue
 import re
 import shutil
-import threading
 import time
-import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import BinaryIO
 
 import numpy as np
 
@@ -44,14 +39,14 @@ from ps_train.ctr.criteo import (
     find_criteo_files,
 )
 from ps_train.ctr.criteo_columns import CriteoColumns, parse_block, parse_lines
+from ps_train.ctr.line_blocks import LinePiece, PieceReader
 from ps_train.ctr.progress import Progress
 
-__all__ = ["prepare_criteo", "BLOCK_BYTES", "MAX_LINE_BYTES"]
+__all__ = ["prepare_criteo", "BLOCK_BYTES"]
 
 log = logging.getLogger("ps_train.ctr")
 
 BLOCK_BYTES = 4 << 20  # ~17k Criteo lines per block, parsed as one batch (criteo_columns._TOKENIZE_BYTES)
-MAX_LINE_BYTES = 16 << 20  # a Criteo line is a few hundred bytes; no line ending for this long: not Criteo
 _ARRAYS = {  # name: (file, dtype, row shape)
     "labels": ("labels.npy", np.dtype("<f4"), ()),
     "dense": ("dense.npy", np.dtype("<f4"), (NUM_INT_FEATURES,)),
@@ -89,118 +84,6 @@ class _NpyWriter:
         os.fsync(self.f.fileno())
         self.f.close()
         return PreparedArray(os.path.basename(self.path), self.dtype.str, [self.rows, *self.row_shape])
-
-
-@dataclass
-class _Piece:
-    """What the reader thread hands on, in order: a ``block`` of complete lines, or the end
-    of a file (``last``: its last line if it has no line ending), or a ``problem`` that ends
-    the file (damaged gzip, a line too long)."""
-
-    path: str
-    pos: int  # input bytes of this file consumed so far (compressed bytes for gzip)
-    block: bytes = b""
-    end: bool = False
-    last: bytes = b""
-    problem: str = ""
-    remedy: str = ""
-
-
-class _Gunzip:
-    """The text of a gzip file, ``read(size)`` at a time: zlib directly (it checks every
-    member's CRC and length itself; the gzip module would compute the CRC a second time),
-    members one after another, never more than ``size`` bytes out whatever the ratio."""
-
-    def __init__(self, raw: BinaryIO) -> None:
-        self.raw = raw
-        self.z = zlib.decompressobj(31)  # 31: a gzip header and trailer
-        self.input = b""  # compressed bytes not given to self.z yet
-        self.fresh = True  # self.z has decompressed nothing: the file may end here
-
-    def read(self, size: int) -> bytes:
-        parts, n = [], 0
-        while n < size:
-            if not self.input:
-                self.input = self.raw.read(1 << 20)
-                if not self.input:
-                    if not self.fresh:
-                        raise EOFError("the file ends inside a compressed member")
-                    break
-            out = self.z.decompress(self.input, size - n)
-            self.fresh = False
-            if self.z.eof:  # a member ended; another may follow
-                self.input, self.z, self.fresh = self.z.unused_data, zlib.decompressobj(31), True
-            else:
-                self.input = self.z.unconsumed_tail
-            parts.append(out)
-            n += len(out)
-        return b"".join(parts)
-
-
-def _open(path: str) -> tuple[_Gunzip | BinaryIO, BinaryIO]:
-    """``(text stream, raw file)``: gzip recognised by its magic bytes, as ``read_criteo`` does."""
-    raw = open(path, "rb")
-    gz = raw.read(2) == b"\x1f\x8b"
-    raw.seek(0)
-    return (_Gunzip(raw) if gz else raw), raw
-
-
-def _pieces(path: str, block_bytes: int) -> Iterator[_Piece]:
-    stream, raw = _open(path)
-    with raw:
-        rest = b""  # the start of a line whose end is in the next read
-        while True:
-            try:
-                data = stream.read(block_bytes)
-            except (EOFError, zlib.error) as e:
-                yield _Piece(path, raw.tell(), problem=f"the gzip stream is damaged or truncated ({e})",
-                             remedy="re-download or re-compress the file")
-                return
-            if not data:
-                break
-            cut = data.rfind(b"\n") + 1
-            if cut:
-                block = b"".join((rest, memoryview(data)[:cut])) if rest or cut < len(data) else data
-                rest = data[cut:]
-            else:
-                block, rest = b"", rest + data
-            if len(rest) > MAX_LINE_BYTES:
-                yield _Piece(path, raw.tell(), block=block)
-                yield _Piece(path, raw.tell(), problem=f"no line ending in {MAX_LINE_BYTES >> 20} MiB (a Criteo line "
-                             "is a few hundred bytes)", remedy="check that this is a Criteo TSV file")
-                return
-            if block:
-                yield _Piece(path, raw.tell(), block=block)
-        yield _Piece(path, raw.tell(), end=True, last=rest)
-
-
-class _Reader(threading.Thread):
-    """Reads the files' pieces into ``out`` (bounded), then None; an exception is handed on."""
-
-    def __init__(self, files: list[str], block_bytes: int, depth: int) -> None:
-        super().__init__(name="prepare-reader", daemon=True)
-        self.files, self.block_bytes = files, block_bytes
-        self.out: queue.Queue[_Piece | BaseException | None] = queue.Queue(maxsize=depth)
-        self.stop = threading.Event()
-
-    def _put(self, item: _Piece | BaseException | None) -> bool:
-        while not self.stop.is_set():
-            try:
-                self.out.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def run(self) -> None:
-        try:
-            for path in self.files:
-                for piece in _pieces(path, self.block_bytes):
-                    if not self._put(piece):
-                        return
-            self._put(None)
-        except BaseException as e:  # handed to the consuming thread, which raises it
-            self._put(e)
 
 
 def _files(src: PathLike | Sequence[PathLike]) -> list[str]:
@@ -265,7 +148,7 @@ class _Sink:
         self.stats.lines += cols.lines
         self.stats.samples += len(cols)
 
-    def piece_done(self, piece: _Piece) -> None:
+    def piece_done(self, piece: LinePiece) -> None:
         if piece.problem:
             raise CriteoFormatError(piece.path, self.file_lines + 1, piece.problem, piece.remedy)
         if piece.end:
@@ -284,6 +167,10 @@ class _Sink:
 
     def close(self) -> dict[str, PreparedArray]:
         return {name: writer.close() for name, writer in self.writers.items()}
+
+    def discard(self) -> None:
+        for writer in self.writers.values():
+            writer.f.close()
 
 
 def prepare_criteo(src: PathLike | Sequence[PathLike], dst: PathLike, *, skip_malformed: bool = False,
@@ -316,12 +203,13 @@ def prepare_criteo(src: PathLike | Sequence[PathLike], dst: PathLike, *, skip_ma
     bar = (Progress(sum(os.path.getsize(p) for p in files), label="prepare criteo") if progress is True
            else progress or None)
     workers = max(1, workers if workers is not None else (os.cpu_count() or 1))
-    reader = _Reader(files, block_bytes, depth=workers + 1)
+    reader = PieceReader(files, block_bytes, depth=workers + 1)
+    sink: _Sink | None = None
     try:
         sink = _Sink(partial, files, skip_malformed, bar)
         reader.start()
         with ThreadPoolExecutor(workers, thread_name_prefix="prepare-parse") as pool:
-            pending: collections.deque[tuple[_Piece, Future[CriteoColumns] | None]] = collections.deque()
+            pending: collections.deque[tuple[LinePiece, Future[CriteoColumns] | None]] = collections.deque()
             try:
                 while True:
                     item = reader.out.get()
@@ -365,13 +253,15 @@ def prepare_criteo(src: PathLike | Sequence[PathLike], dst: PathLike, *, skip_ma
         return manifest
     except BaseException:
         reader.stop.set()
+        if sink is not None:
+            sink.discard()
         shutil.rmtree(partial, ignore_errors=True)
         raise
     finally:
         reader.stop.set()
 
 
-def _consume(sink: _Sink, piece: _Piece, job: Future[CriteoColumns] | None) -> None:
+def _consume(sink: _Sink, piece: LinePiece, job: Future[CriteoColumns] | None) -> None:
     if job is not None:
         sink.add(piece.path, job.result())
     sink.piece_done(piece)

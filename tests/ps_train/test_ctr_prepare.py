@@ -21,7 +21,8 @@ from ps_train.config.prepared import MANIFEST_NAME, PREPARED_VERSION, PreparedDa
 from ps_train.ctr import CriteoFormatError, CtrBatchIterator, iter_ctr_eval_batches, load_criteo, read_criteo
 from ps_train.ctr.criteo import _parse
 from ps_train.ctr.criteo_columns import parse_block
-from ps_train.ctr.criteo_prepare import _open, prepare_criteo
+from ps_train.ctr.criteo_prepare import prepare_criteo
+from ps_train.ctr.line_blocks import open_text
 from ps_train.ctr.loading import load_ctr_data
 from ps_train.ctr.mapped import MappedCtrSplit, PreparedCriteo, load_prepared
 from ps_train.ctr.progress import Progress
@@ -99,7 +100,7 @@ def test_a_gzip_of_several_members_reads_whole_and_a_read_is_bounded(tmp_path):
     _assert_same(_all(tmp_path / "prep", [1000] * 26), split)
     zeros = tmp_path / "zeros.gz"
     zeros.write_bytes(gzip.compress(bytes(64 << 20)))  # 64 MiB of text in ~64 KiB
-    stream, raw = _open(str(zeros))
+    stream, raw = open_text(str(zeros))
     with raw:
         sizes = [len(stream.read(1 << 20)) for _ in range(65)]
     assert sizes == [1 << 20] * 64 + [0]
