@@ -2,11 +2,13 @@
 number of classes without loading anything (what validation and model building need)."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from omegaconf import MISSING
 
 from ps_train.config.base import Problems
+from ps_train.config.prepared import CriteoManifest, read_manifest
 
 __all__ = [
     "DataConfig", "DigitsConfig", "VisionDataConfig", "SyntheticConfig", "CtrDataConfig", "SyntheticCtrConfig",
@@ -179,13 +181,25 @@ class SyntheticCtrConfig(CtrDataConfig):
 
 @dataclass
 class CriteoConfig(CtrDataConfig):
-    """Criteo TSV day files (``day_0`` .. or ``train.txt``, plain or .gz) from ``root``."""
+    """Criteo TSV day files (``day_0`` .. or ``train.txt``, plain or .gz) from ``root``, or,
+    when ``prepared`` is set, the folder ``python -m ps_train.prepare criteo`` made of them
+    (memory-mapped; ``root`` is then not read)."""
 
     name: str = "criteo"
     root: str = "data/criteo"
+    prepared: str | None = None  # a prepared folder (see ps_train.config.prepared)
     num_tables: int = CRITEO_TABLES
     table_rows: int = 100000  # ids are hashed into this many rows per table
     skip_malformed: bool = False  # true: count and skip malformed lines with a warning
+
+    def prepared_manifest(self) -> CriteoManifest:
+        """The manifest of ``prepared``, checked: the folder exists, is in this version of
+        the format with every array whole, and no source file still present changed since.
+        Read where the data is (a trainer), not in ``problems()``: other roles of a job
+        validate the same config on machines that may not hold the data."""
+        if not self.prepared:
+            raise ValueError("data.prepared: not set")
+        return read_manifest(os.path.expanduser(self.prepared))
 
     def dense_count(self) -> int:
         return CRITEO_DENSE
@@ -195,6 +209,9 @@ class CriteoConfig(CtrDataConfig):
         p.need(len(self.sizes()) == CRITEO_TABLES,
                f"data.num_tables/table_sizes: Criteo has {CRITEO_TABLES} categorical features, got "
                f"{len(self.sizes())} tables; leave data.num_tables={CRITEO_TABLES} or give {CRITEO_TABLES} table_sizes")
+        p.need(self.prepared is None or self.prepared.strip() != "",
+               "data.prepared: empty; give the folder python -m ps_train.prepare criteo wrote, or leave it null "
+               "to read the TSV files in data.root")
         return p
 
 

@@ -4,6 +4,9 @@
 - ``synthetic``: ``synthetic_ctr``, seeded Zipf ids and labels from a hidden model with a
   known best AUC (the offline default);
 - ``criteo``: ``read_criteo`` / ``load_criteo`` for the Criteo TSV logs in a local folder;
+- ``line_blocks``, ``criteo_columns``, ``criteo_prepare``, ``progress``: ``python -m
+  ps_train.prepare criteo``, the files converted once into ``.npy`` arrays; ``mapped``:
+  ``MappedCtrSplit`` over them;
 - ``batches``: ``CtrBatchIterator`` (per-trainer, resumable) and ``iter_ctr_eval_batches``.
 
 Metrics (AUC, log loss) are in ``ps_train.ctr.metrics``.

@@ -1,6 +1,7 @@
-"""Training and evaluation batches of a ``CtrSplit``.
+"""Training and evaluation batches of a CTR split (``CtrDataset``).
 
-Same contract as ``ps_train.data.BatchIterator`` (both are ``ps_train.data.PartitionCursor``s):
+A split is a ``CtrSplit`` in memory or a memory-mapped prepared folder. Same
+contract as ``ps_train.data.BatchIterator`` (both are ``ps_train.data.PartitionCursor``s):
 trainer ``rank`` of ``world`` reads a disjoint slice of a per-epoch seeded permutation, so
 the trainers together cover the split once per epoch; a resumed iterator continues with
 exactly the next batch.
@@ -12,7 +13,7 @@ from collections.abc import Iterator
 
 from torch import Tensor
 
-from ps_train.ctr.split import CtrSplit
+from ps_train.ctr.split import CtrDataset
 from ps_train.data import PartitionCursor, partition, steps_per_epoch
 
 __all__ = ["CtrBatch", "CtrBatchIterator", "iter_ctr_eval_batches"]
@@ -29,7 +30,7 @@ class CtrBatchIterator(PartitionCursor, Iterator[CtrBatch]):
     _valid_for = ("rank", "world", "seed", "batch_size", "n_items")
     _resume_hint = "resume with the same seed, number of trainers, batch size and data"
 
-    def __init__(self, split: CtrSplit, rank: int, world: int, batch_size: int, seed: int) -> None:
+    def __init__(self, split: CtrDataset, rank: int, world: int, batch_size: int, seed: int) -> None:
         self.split, self.rank, self.world, self.seed = split, rank, world, seed
         self.batch_size = batch_size
         self.n_items = len(split)
@@ -46,7 +47,7 @@ class CtrBatchIterator(PartitionCursor, Iterator[CtrBatch]):
         return self.split[self._next_indices()]
 
 
-def iter_ctr_eval_batches(split: CtrSplit, batch_size: int) -> Iterator[CtrBatch]:
+def iter_ctr_eval_batches(split: CtrDataset, batch_size: int) -> Iterator[CtrBatch]:
     """All samples in order as ``CtrBatch``es (views; the last may be short): for evaluation."""
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size}: must be >= 1")

@@ -7,17 +7,37 @@ Memory: ``ids`` are int64 so they index ``nn.Embedding``/``EmbeddingBag`` tables
 without a cast: 8 bytes x ``num_tables`` per sample, e.g. 1M samples x 26 tables = 208 MB,
 plus 4 x ``num_dense`` bytes of dense features (52 MB for 13) and 4 MB of labels. That is
 fine for the synthetic default and for test-size Criteo files; a full Criteo day (~190M
-lines) would need ~40 GB and belongs in a memory-mapped binary format instead.
+lines) would need ~40 GB: it is prepared once into memory-mapped arrays instead
+(``ps_train.ctr.mapped.MappedCtrSplit``, another ``CtrDataset``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
-__all__ = ["CtrSplit", "time_split"]
+__all__ = ["CtrDataset", "CtrSplit", "time_split", "held_out_count"]
+
+
+class CtrDataset(Protocol):
+    """What training and evaluation read from a split: its size, tables and batches.
+    ``CtrSplit`` holds one in memory; ``ps_train.ctr.mapped.MappedCtrSplit`` maps a prepared
+    folder."""
+
+    @property
+    def table_sizes(self) -> list[int]: ...
+
+    @property
+    def num_dense(self) -> int: ...
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: slice | Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``(dense float32 [B, num_dense], ids int64 [B, num_tables], labels float32 [B])``."""
+        ...
 
 
 @dataclass(frozen=True, eq=False)  # == on tensors is elementwise, not a bool
@@ -101,10 +121,17 @@ def time_split(split: CtrSplit, test_fraction: float) -> tuple[CtrSplit, CtrSpli
     and click rates into training and overstate AUC.
     """
     n = len(split)
+    n_test = held_out_count(n, test_fraction)
+    return split.subset(slice(0, n - n_test)), split.subset(slice(n - n_test, n))
+
+
+def held_out_count(n: int, test_fraction: float) -> int:
+    """How many of ``n`` samples ``time_split`` makes the test split: ``round(n * test_fraction)``,
+    neither 0 nor ``n``."""
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction={test_fraction}: must be strictly between 0 and 1")
     n_test = int(round(n * test_fraction))
     if n_test == 0 or n_test == n:
         raise ValueError(f"test_fraction={test_fraction} of {n} samples leaves an empty "
                          f"{'test' if n_test == 0 else 'train'} split; use more data or another fraction")
-    return split.subset(slice(0, n - n_test)), split.subset(slice(n - n_test, n))
+    return n_test

@@ -24,7 +24,7 @@ from ps_train.config import (
     optimizer_spec,
     table_optimizer_spec,
 )
-from ps_train.ctr import CriteoFormatError
+from ps_train.ctr import CriteoFormatError, CtrSplit
 from ps_train.ctr.batches import CtrBatchIterator
 from ps_train.ctr.loading import load_ctr_data
 from ps_train.ctr.metrics import auc
@@ -218,7 +218,7 @@ def test_default_dlrm_run_reaches_the_generators_best_auc_single_process() -> No
     assert cfg.train.steps is not None
     _, model = reference_run(cfg, cfg.train.steps)
     _, test, best = load_ctr_data(ctr_parts(cfg)[0])
-    assert best is not None
+    assert best is not None and isinstance(test, CtrSplit)
     with torch.no_grad():
         z = torch.cat([model(test.dense[i:i + 8192], test.ids[i:i + 8192]) for i in range(0, len(test), 8192)])
     assert best - auc(z, test.labels) < 0.02
