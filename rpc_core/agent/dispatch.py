@@ -174,7 +174,7 @@ class Dispatch:
                 result = func(*args, **kwargs)
             except Exception as e:
                 if not h.flags & wire.CONTROL:  # not rpc_core's bookkeeping: a function the user called
-                    log_call_error(self.me, func, e, self.describe(src))
+                    log_call_error(self.me, func, e, self._roster.describe(src))
                 raise
             if getattr(func, "_wrapped_async_rpc_function", None) is not None:
                 fut = result

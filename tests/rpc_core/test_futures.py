@@ -78,7 +78,7 @@ def _waiters_copy(error: BaseException) -> BaseException:
 def test_map_result_passes_an_error_on_with_its_class_where_then_wraps_it() -> None:
     import torch
 
-    from rpc_core.futures import map_result
+    from rpc_core.agent.futures import map_result
 
     failed = RpcFuture()
     failed.set_exception(ValueError("creation failed"))
