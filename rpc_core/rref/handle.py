@@ -206,11 +206,11 @@ def _keep_type(ref: weakref.ref[RRef[Any]], f: torch.futures.Future[Any]) -> Non
 def _check_attribute(rref_type: type, name: str) -> None:
     """Raise AttributeError, as torch's proxies do, if the value's type has no ``name``:
     before any call goes out. (A scripted module's methods are not on its type: not checked.)"""
-    if issubclass(rref_type, (torch.jit.ScriptModule, torch._C.ScriptModule)):
-        return
     try:
         getattr(rref_type, name)
     except AttributeError as e:
+        if issubclass(rref_type, (torch.jit.ScriptModule, torch._C.ScriptModule)):
+            return
         raise AttributeError(
             f"{e}. The RRef proxies call attributes of the value's type; reach others with a function run on "
             "the owner: rpc_sync(rref.owner(), f, args=(rref,)) where f uses rref.local_value()") from None

@@ -147,6 +147,7 @@ def test_rref_proxies_check_the_method_first(reports: dict[str, dict[str, Any]])
     assert got["method raises"] == "caught ValueError"
     assert got["calls"] == [1, 3, 6, "Counter"]
     assert got["_get_type"] == ["Counter", "Counter"]
+    assert got["scripted"] == [[2.0, 2.0], [3.0, 3.0]]
 
 
 @pytest.mark.timeout(400)

@@ -96,6 +96,19 @@ class Counter:
         return "Counter"
 
 
+class Doubler(torch.nn.Module):
+    def forward(self, x):
+        return x * 2
+
+    @torch.jit.export
+    def triple(self, x):
+        return x * 3
+
+
+def scripted_doubler():
+    return torch.jit.script(Doubler())
+
+
 class SimulateBackwardError(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
@@ -241,6 +254,10 @@ def rref_proxies():
     out["method raises"] = attempt(lambda: counter.rpc_sync().fails(), ValueError, EXPECTED)
     out["calls"] = [counter.rpc_sync().increment(1), counter.rpc_async().increment(2).wait(),
                     counter.remote().increment(3).to_here(), counter.rpc_sync().describe()]
+    # A scripted module's methods are not attributes of its type: not checked, as on torch.
+    scripted = rpc.remote("worker1", scripted_doubler)
+    out["scripted"] = [scripted.rpc_sync().forward(torch.ones(2)).tolist(),
+                       scripted.rpc_async().triple(torch.ones(2)).wait().tolist()]
     # Each on an RRef of its own: torch's handle keeps what its first _get_type returned
     # (a Future for blocking=False, which its proxies use) and returns that ever after.
     out["_get_type"] = [rpc.remote("worker1", Counter)._get_type().__name__,
