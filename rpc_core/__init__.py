@@ -70,8 +70,8 @@ PyRRef = RRef  # torch's RRef derives from PyRRef; isinstance checks against eit
 # every import, module- or function-level; a new module must be placed here.
 _LAYERS: tuple[tuple[str, ...], ...] = (
     # foundations: no rpc_core imports
-    ("knobs", "polling", "middleware", "constants"),
-    ("errors", "wire", "options", "functions", "memory", "cma", "pool", "serialization"),
+    ("knobs", "polling", "middleware", "constants", "errors"),
+    ("wire", "options", "functions", "memory", "cma", "pool", "serialization"),
     ("handshake", "futures", "torchscript"),
     ("buffers",),
     ("sending",),
