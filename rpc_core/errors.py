@@ -58,7 +58,8 @@ class RemoteFunctionError(RpcError):
 # ``except RuntimeError`` (code written for torch) and ``except ValueError``/``TypeError``
 # (code written for rpc_core's earlier releases) both catch them.
 class RpcValueError(RpcError, ValueError):
-    """A bad value where torch raises ``RuntimeError``: an invalid worker name."""
+    """A bad value where torch raises ``RuntimeError``: an invalid worker name, a negative
+    ``rpc_timeout``, ``num_worker_threads`` < 1."""
 
 
 class RpcTypeError(RpcError, TypeError):

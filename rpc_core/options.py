@@ -16,6 +16,7 @@ from .constants import DEFAULT_NUM_WORKER_THREADS as DEFAULT_NUM_WORKER_THREADS
 from .constants import DEFAULT_RPC_TIMEOUT_SEC as DEFAULT_RPC_TIMEOUT_SEC
 from .constants import DEFAULT_SHUTDOWN_TIMEOUT as DEFAULT_SHUTDOWN_TIMEOUT
 from .constants import UNSET_RPC_TIMEOUT as UNSET_RPC_TIMEOUT
+from .errors import RpcValueError
 
 AUTH_SECRET_ENV = knobs.AUTH_SECRET.name
 
@@ -60,10 +61,12 @@ class RpcBackendOptions:
                 f"rpc_timeout must be a number of seconds (float), got {type(rpc_timeout).__name__}; "
                 "pass e.g. rpc_timeout=60.0"
             )
+        # torch's words (and class: RuntimeError) first; RpcValueError is a ValueError as well
         if rpc_timeout < 0:
-            raise ValueError(f"rpc_timeout must be >= 0 seconds (0 = no timeout), got {rpc_timeout}")
+            raise RpcValueError(f"RPC Timeout must be non-negative: rpc_timeout must be >= 0 seconds "
+                                f"(0 = no timeout), got {rpc_timeout}")
         if not isinstance(num_worker_threads, int) or num_worker_threads <= 0:
-            raise ValueError(f"num_worker_threads must be a positive int, got {num_worker_threads!r}")
+            raise RpcValueError(f"num_worker_threads must be positive, got {num_worker_threads!r} (an int >= 1)")
         if not isinstance(init_method, str) or not (
             init_method.startswith("env://") or init_method.startswith("tcp://")
         ):

@@ -409,9 +409,9 @@ def test_after_shutdown_apis_fail_and_the_process_can_init_again():
 def test_options_validate_their_fields():
     with pytest.raises(TypeError, match="seconds"):
         RpcBackendOptions(rpc_timeout="60")
-    with pytest.raises(ValueError, match=">= 0"):
+    with pytest.raises(ValueError, match="^RPC Timeout must be non-negative: .*>= 0"):  # a RuntimeError too
         RpcBackendOptions(rpc_timeout=-1)
-    with pytest.raises(ValueError, match="num_worker_threads"):
+    with pytest.raises(RuntimeError, match="^num_worker_threads must be positive"):  # a ValueError too
         RpcBackendOptions(num_worker_threads=0)
     with pytest.raises(ValueError, match="CPU tensors only"):
         RpcBackendOptions(device_maps={"worker1": {0: 1}})

@@ -101,13 +101,15 @@ def test_wait_all_raises_the_failure_and_waits_for_the_rest(reports: dict[str, d
 
 @pytest.mark.timeout(400)
 def test_errors_torch_raises_as_runtime_error(reports: dict[str, dict[str, Any]], tmp_path: pathlib.Path) -> None:
-    """An @async_execution function that returns no Future, and invalid worker names, raise
-    RuntimeError with torch's message (rpc_core's classes also derive from TypeError/ValueError)."""
+    """An @async_execution function that returns no Future, invalid worker names and options
+    raise RuntimeError with torch's message (rpc_core's classes also derive from
+    TypeError/ValueError)."""
     got = same(reports, "async_execution_wrong_type")
     assert set(got.values()) == {"caught RuntimeError"}, got
-    names = {lib: run(tmp_path / lib, lib, "invalid_names", free_port(), world_size=1) for lib in ("torch", "rpc_core")}
-    assert names["rpc_core"] == names["torch"]
-    assert set(names["rpc_core"].values()) == {"caught RuntimeError"}, names
+    bad = {lib: run(tmp_path / lib, lib, "invalid_arguments", free_port(), world_size=1)
+           for lib in ("torch", "rpc_core")}
+    assert bad["rpc_core"] == bad["torch"]
+    assert set(bad["rpc_core"].values()) == {"caught RuntimeError"}, bad
     import rpc_core
 
     with pytest.raises(ValueError, match="Worker name must match"):  # what rpc_core raised before

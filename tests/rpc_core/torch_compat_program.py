@@ -140,9 +140,13 @@ def before_init():
     }
 
 
-def invalid_names(port):
+def invalid_arguments(port):
     options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}")
     return {
+        "num_worker_threads": attempt(lambda: rpc.TensorPipeRpcBackendOptions(num_worker_threads=0), RuntimeError,
+                                      "num_worker_threads must be positive"),
+        "rpc_timeout": attempt(lambda: rpc.TensorPipeRpcBackendOptions(rpc_timeout=-5), RuntimeError,
+                               "RPC Timeout must be non-negative"),
         "abc*": attempt(lambda: rpc.WorkerInfo("abc*", 0), RuntimeError, "Worker name must match"),
         "space": attempt(lambda: rpc.WorkerInfo(" ", 0), RuntimeError, "Worker name must match"),
         "empty": attempt(lambda: rpc.WorkerInfo("", 0), RuntimeError, "must be non-empty"),
