@@ -77,7 +77,7 @@ def replay_ideal_bytes(cfg, steps: int) -> TrafficReplay:
     sizes = cfg.data.sizes()
     shardings = [RowSharding(cfg.model.table_sharding, n, S) for n in sizes]
     (_, bottom_server), (_, top_server) = [(sh.index, sh.server) for sh in model_shards(cfg)]
-    train, _, _ = load_ctr_data(cfg.data)
+    train = load_ctr_data(cfg.data).train
     totals = [0] * S
     rows = 0
     for k in range(K):

@@ -43,7 +43,7 @@ from ps_train.config.model import (
     ResNetConfig,
 )
 from ps_train.config.optim import OPTIMIZERS, TABLE_OPTIMIZERS, OptimConfig, optimizer_spec, table_optimizer_spec
-from ps_train.config.root import BACKENDS, ELASTIC_FILE, RESUME_AUTO, Config, config_to_dict, validate
+from ps_train.config.root import BACKENDS, ELASTIC_FILE, RESUME_AUTO, Config, batch_problems, config_to_dict, validate
 from ps_train.config.run import (
     AGGREGATES,
     MODE_NAMES,
@@ -63,7 +63,7 @@ __all__ = [
     "MODEL_NAMES", "MODEL_SCHEMAS", "DATA_NAMES", "DATA_SCHEMAS", "VISION_SHAPES", "MODE_NAMES", "AGGREGATES",
     "STALENESS_RULES", "PLACEMENTS", "LAUNCHERS", "BACKENDS", "OPTIMIZERS", "TABLE_OPTIMIZERS", "register_configs",
     "from_dictconfig", "validate", "optimizer_spec", "table_optimizer_spec",
-    "config_to_dict", "RESUME_AUTO", "ELASTIC_FILE",
+    "config_to_dict", "RESUME_AUTO", "ELASTIC_FILE", "batch_problems",
 ]
 
 register_configs()
