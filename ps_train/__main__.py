@@ -32,6 +32,15 @@ def _shown(path: str) -> str:
     return path if rel == os.pardir or rel.startswith(os.pardir + os.sep) else rel
 
 
+def _to_run_log(message: str) -> None:
+    """``message`` as an error into the run's log file (``<run_dir>/__main__.log``) only: the
+    console shows it once, on stderr."""
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, "%s", (message,), None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
+
+
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(dcfg: DictConfig) -> float:
     try:
@@ -52,17 +61,15 @@ def main(dcfg: DictConfig) -> float:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except RoleFailed as e:
-        log.error("%s", e)
+        _to_run_log(str(e))
         print(f"error: {e}", file=sys.stderr)
-        if cfg.cluster.launcher == "env":
-            # One rank of a job whose peers failed: leave at once, so torchrun or SLURM can
-            # restart the job (the interpreter's teardown of torch and of RPC threads left
-            # behind by a failed shutdown takes seconds, or hangs).
-            logging.shutdown()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(1)
-        sys.exit(1)
+        # Leave at once: the interpreter's teardown of torch (and, for one rank of an env job
+        # whose peers failed, of RPC threads left behind by a failed shutdown) takes seconds on
+        # a busy machine, or hangs; torchrun or SLURM restart the job as soon as a rank exits.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     return float(metrics["test_accuracy"]) if metrics else 0.0
 
 

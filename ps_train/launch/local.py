@@ -30,17 +30,20 @@ import sys
 import threading
 import time
 import traceback
+from multiprocessing.connection import Connection
 from typing import Any
 
 from ps_train.config import Config, config_to_dict, from_dictconfig
 from ps_train.elastic.files import record_replacement, remove_job_file, write_job_file
 from ps_train.faults import ATTEMPT_ENV
-from ps_train.launch.failures import RoleFailed, role_name
+from ps_train.launch.failures import FailedRole, RoleError, RoleFailed, failure_report, first_cause, role_name
 from ps_train.launch.heartbeat import HeartbeatBoard, process_state, start_heartbeat
 from ps_train.launch.ports import free_port
-from ps_train.launch.rank import run_rank
+from ps_train.launch.rank import run_rank, setup_role_logging
 
 log = logging.getLogger("ps_train")
+
+BLAME_GRACE = 5.0  # seconds a failed run waits for the role the first failures blame to fail too
 
 # What the forkserver imports once, so forked roles start without importing anything heavy.
 _PRELOAD = ["ps_train.launch.local", "ps_train.launch.rank", "ps_train.roles.server", "ps_train.roles.trainer",
@@ -64,7 +67,7 @@ def _exit_with_parent() -> None:
 
 
 def _child(cfg_dict: dict[str, Any], rank: int, port: int, secret: str, run_dir: str,
-           resume: str | None, results: Any, env: dict[str, str], cwd: str, heartbeats: Any,
+           resume: str | None, results: Connection, errors: Connection, env: dict[str, str], cwd: str, heartbeats: Any,
            beat_every: float, attempt: int) -> None:
     name = role_name(rank, cfg_dict["cluster"]["num_servers"])
     start_heartbeat(heartbeats, rank, beat_every)  # first: the launcher counts silence from its start
@@ -77,15 +80,9 @@ def _child(cfg_dict: dict[str, Any], rank: int, port: int, secret: str, run_dir:
         cfg = from_dictconfig(cfg_dict)
         out = run_rank(cfg, rank, cfg.cluster.master_addr, port, secret, run_dir, resume, attempt=attempt)
         if out is not None:
-            results.put(out)
-            results.close()
-            results.join_thread()  # the result is in the pipe before we exit
-    except BaseException:  # noqa: BLE001 - any failure of a role is reported, then it exits 1
-        msg = traceback.format_exc()
-        logging.getLogger("ps_train").error("%s failed:\n%s", name, msg)
-        sys.stderr.write(f"[{name}] failed:\n{msg}")
-        sys.stderr.flush()
-        logging.shutdown()
+            results.send(out)  # returns once it is all in the pipe (the launcher reads as it comes)
+    except BaseException as e:  # noqa: BLE001 - any failure of a role is reported, then it exits 1
+        _report(name, run_dir, cfg_dict["logging"]["level"], e, errors)
         os._exit(1)
     # Done: skip the interpreter teardown (torch's takes seconds on a busy machine, and
     # rpc threads have nothing left to do).
@@ -93,6 +90,20 @@ def _child(cfg_dict: dict[str, Any], rank: int, port: int, secret: str, run_dir:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _report(name: str, run_dir: str, level: str, error: BaseException, errors: Connection) -> None:
+    """A failed role's traceback goes to its log, and only there; the launcher gets one
+    ``RoleError`` and tells the user, once for the whole run (``failures.failure_report``)."""
+    if not logging.getLogger().handlers:  # it failed before run_rank set up its log
+        setup_role_logging(run_dir, name, level)
+    logging.getLogger("ps_train").error("%s failed:\n%s", name, traceback.format_exc())
+    try:
+        # Sent before the process exits: the launcher finds it in the pipe once it sees the exit.
+        errors.send(RoleError.of(name, error))
+    except OSError:  # the launcher is gone: nobody to tell
+        pass
+    logging.shutdown()
 
 
 def _context() -> Any:
@@ -119,16 +130,19 @@ def launch_local(cfg: Config, run_dir: str, resume: str | None = None,
     log.info("starting %d servers + %d trainers on %s:%d; logs in %s/logs", S, T, cfg.cluster.master_addr, port,
              run_dir)
     ctx = _context()
-    results = ctx.Queue()
+    # Pipes, not queues: a queue's semaphores outlive a launcher that leaves with os._exit
+    # (python -m ps_train after a failure), and the resource tracker warns about them.
+    results_in, results_out = ctx.Pipe(duplex=False)  # trainer0's metrics
     cfg_dict = config_to_dict(cfg)
     env, cwd = dict(os.environ, **{ATTEMPT_ENV: str(attempt)}), os.getcwd()
     board = HeartbeatBoard(ctx, S + T, cfg.cluster.role_timeout)
+    errors_in, errors_out = ctx.Pipe(duplex=False)  # RoleErrors from the roles that fail (see _report)
     procs = {}
     deadline = None if timeout is None else time.monotonic() + timeout
 
     def start(rank: int, resume: str | None = resume) -> Any:
-        p = ctx.Process(target=_child, args=(cfg_dict, rank, port, secret, run_dir, resume, results, env, cwd,
-                                             board.counters, board.interval, attempt),
+        p = ctx.Process(target=_child, args=(cfg_dict, rank, port, secret, run_dir, resume, results_out, errors_out,
+                                             env, cwd, board.counters, board.interval, attempt),
                         name=role_name(rank, S), daemon=False)
         p.start()
         return p
@@ -145,14 +159,21 @@ def launch_local(cfg: Config, run_dir: str, resume: str | None = None,
     # Read trainer0's metrics as they come: a long run's (per-step losses) fill the pipe, and
     # trainer0 cannot exit before they are read.
     got: list[dict[str, Any]] = []
-    collector = threading.Thread(target=lambda: got.append(results.get()), name="metrics-collector", daemon=True)
+
+    def collect() -> None:
+        try:
+            got.append(results_in.recv())
+        except EOFError:  # every role exited, none sent metrics
+            pass
+
+    collector = threading.Thread(target=collect, name="metrics-collector", daemon=True)
     collector.start()
     try:
         if cfg.cluster.elastic:
             write_job_file(run_dir, cfg.cluster.master_addr, port, secret, cfg_dict)
         for rank in range(S + T):
             procs[rank] = start(rank)
-        _watch(procs, S, run_dir, deadline, board, replace if cfg.cluster.elastic else None)
+        _Watch(procs, S, run_dir, deadline, board, errors_in, replace if cfg.cluster.elastic else None).run()
     finally:
         if cfg.cluster.elastic:
             remove_job_file(run_dir)
@@ -161,7 +182,11 @@ def launch_local(cfg: Config, run_dir: str, resume: str | None = None,
                 p.kill()  # a role of a failed run holds nothing worth a graceful stop
         for p in procs.values():
             p.join(5)
-    collector.join(10)
+        results_out.close()  # the roles' copies are closed: the collector reads what is left, then EOF
+        errors_in.close()
+        errors_out.close()
+        collector.join(10)
+        results_in.close()
     if not got:
         raise RoleFailed(f"all roles exited cleanly but trainer0 reported no metrics; see {run_dir}/logs")
     return got[0]
@@ -169,11 +194,6 @@ def launch_local(cfg: Config, run_dir: str, resume: str | None = None,
 
 def _how(exitcode: int) -> str:
     return f"killed by signal {signal.Signals(-exitcode).name}" if exitcode < 0 else f"exit code {exitcode}"
-
-
-def _describe(rank: int, exitcode: int, S: int, run_dir: str) -> str:
-    name = role_name(rank, S)
-    return f"{name} (rank {rank}, {_how(exitcode)}; log: {run_dir}/logs/{name}.log)"
 
 
 def _checkpoint_hint(run_dir: str) -> tuple[str, str | None]:
@@ -201,61 +221,100 @@ def _unresponsive(procs: dict[int, Any], silent: list[tuple[int, float]], S: int
                       f"{also}; {hint}", role=first, reason=reason, checkpoint=last)
 
 
-def _watch(procs: dict[int, Any], S: int, run_dir: str, deadline: float | None, board: HeartbeatBoard,
-           replace: Any = None) -> None:
-    """Wait for all roles; on the first failure (exit or silence) stop and name the role.
+class _Watch:
+    """Waits for all roles; on the first failure (exit or silence) stops the run with one
+    ``RoleFailed`` naming its first cause (``failures.failure_report``).
 
     ``replace(rank, reason) -> process`` (elastic runs): a trainer killed by a signal or gone
     silent is killed and replaced instead, while every server runs. A trainer that exits with
     an error (its own, or a server's it saw) still stops the run.
     """
-    alive = dict(procs)
-    while alive:
-        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-        wait = board.check_every()
-        if remaining is not None:
-            wait = remaining if wait is None else min(wait, remaining)
-        ready = multiprocessing.connection.wait([p.sentinel for p in alive.values()], timeout=wait)
-        if not ready:
-            if deadline is not None and time.monotonic() >= deadline:
-                hint, last = _checkpoint_hint(run_dir)
-                raise RoleFailed(f"the run did not finish within its time limit; roles still running: "
-                                 f"{[role_name(r, S) for r in alive]}; {hint}", checkpoint=last)
-            silent = board.silent(alive)
-            if silent and replace is not None and all(rank >= S for rank, _ in silent):
-                for rank, quiet in silent:
-                    state = process_state(procs[rank].pid)
-                    procs[rank].kill()  # frozen: it must not come back and train a partition twice
-                    procs[rank].join()
-                    reason = f"unresponsive: no heartbeat for {quiet:.1f} s" + (f", the process was {state}"
-                                                                                 if state else "")
-                    procs[rank] = alive[rank] = replace(rank, reason)
+
+    def __init__(self, procs: dict[int, Any], S: int, run_dir: str, deadline: float | None, board: HeartbeatBoard,
+                 errors: Connection, replace: Any = None) -> None:
+        self.procs, self.S, self.run_dir, self.deadline, self.board = procs, S, run_dir, deadline, board
+        self.errors, self.replace = errors, replace
+        self.alive = dict(procs)
+        self.said: dict[str, RoleError] = {}  # what each failed role sent before it exited
+
+    def _wait(self, timeout: float | None) -> list[int]:
+        """Wait for exits (or records) up to ``timeout`` seconds; the ranks that exited, reaped."""
+        ready = multiprocessing.connection.wait([p.sentinel for p in self.alive.values()] + [self.errors],
+                                                timeout=timeout)
+        while self.errors.poll(0):  # a role's record is in the pipe before its exit can be seen
+            record = self.errors.recv()
+            self.said[record.role] = record
+        exited = [rank for rank, p in self.alive.items() if p.sentinel in ready]
+        for rank in exited:
+            self.procs[rank].join()
+            del self.alive[rank]
+        return exited
+
+    def run(self) -> None:
+        while self.alive:
+            remaining = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+            wait = self.board.check_every()
+            if remaining is not None:
+                wait = remaining if wait is None else min(wait, remaining)
+            exited = self._wait(wait)
+            if not exited:
+                self._check_time_and_heartbeats()
                 continue
-            if silent:
-                raise _unresponsive(procs, silent, S, run_dir)
-            continue
-        failed: list[int] = []
-        for rank, p in list(alive.items()):
-            if p.sentinel in ready:
-                p.join()
-                del alive[rank]
-                if p.exitcode != 0:
-                    failed.append(rank)
-        servers_fine = all(procs[r].exitcode is None for r in range(S))
-        if replace is not None and servers_fine:
-            for rank in [r for r in failed if r >= S and procs[r].exitcode < 0]:  # killed, not an error
-                failed.remove(rank)
-                procs[rank] = alive[rank] = replace(rank, _how(procs[rank].exitcode))
-        if failed:
-            # A dead role makes its peers fail too, soon after. Name the cause first: a role
-            # killed by a signal, else the first in rank order; list the others as well.
-            for rank, p in alive.items():
-                if p.exitcode is not None and p.exitcode != 0:
-                    failed.append(rank)
-            failed.sort(key=lambda r: (procs[r].exitcode >= 0, r))
-            first, *others = failed
-            also = f"; also failed: {', '.join(_describe(r, procs[r].exitcode, S, run_dir) for r in others)}" \
-                if others else ""
-            hint, last = _checkpoint_hint(run_dir)
-            raise RoleFailed(f"{_describe(first, procs[first].exitcode, S, run_dir)} failed; stopped the run{also}; "
-                             f"{hint}", role=role_name(first, S), reason=_how(procs[first].exitcode), checkpoint=last)
+            failed = [r for r in exited if self.procs[r].exitcode != 0]
+            servers_fine = all(self.procs[r].exitcode is None for r in range(self.S))
+            if self.replace is not None and servers_fine:
+                for rank in [r for r in failed if r >= self.S and self.procs[r].exitcode < 0]:  # killed, not an error
+                    failed.remove(rank)
+                    self.procs[rank] = self.alive[rank] = self.replace(rank, _how(self.procs[rank].exitcode))
+            if failed:
+                raise self._stop(failed)
+
+    def _check_time_and_heartbeats(self) -> None:
+        procs, S = self.procs, self.S
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            hint, last = _checkpoint_hint(self.run_dir)
+            raise RoleFailed(f"the run did not finish within its time limit; roles still running: "
+                             f"{[role_name(r, S) for r in self.alive]}; {hint}", checkpoint=last)
+        silent = self.board.silent(self.alive)
+        if silent and self.replace is not None and all(rank >= S for rank, _ in silent):
+            for rank, quiet in silent:
+                state = process_state(procs[rank].pid)
+                procs[rank].kill()  # frozen: it must not come back and train a partition twice
+                procs[rank].join()
+                reason = f"unresponsive: no heartbeat for {quiet:.1f} s" + (f", the process was {state}"
+                                                                             if state else "")
+                procs[rank] = self.alive[rank] = self.replace(rank, reason)
+            return
+        if silent:
+            raise _unresponsive(procs, silent, S, self.run_dir)
+
+    def _stop(self, failed: list[int]) -> RoleFailed:
+        """The error for a run whose roles ``failed`` just exited non-zero. A dead role makes its
+        peers fail too, soon after, and their errors name it: if each failed role so far blames
+        another that still runs, wait up to ``BLAME_GRACE`` seconds for that one to fail too."""
+        order = sorted(failed, key=lambda r: (self.procs[r].exitcode >= 0, r))  # killed ones first: no record
+        until = time.monotonic() + BLAME_GRACE
+        if self.deadline is not None:
+            until = min(until, self.deadline)
+        while True:
+            report = [self._failed_role(r) for r in order]
+            cause = first_cause(report)
+            remaining = until - time.monotonic()
+            if cause.blames() is None or remaining <= 0 or not self.alive:
+                break
+            order += sorted((r for r in self._wait(remaining) if self.procs[r].exitcode != 0),
+                            key=lambda r: (self.procs[r].exitcode >= 0, r))
+        # Roles that failed at about the same time (their records are in already) are reported
+        # as failed, not as stopped by the launcher.
+        self._wait(0)
+        order += [r for r, p in self.procs.items() if r not in order
+                  and (p.exitcode not in (None, 0) or role_name(r, self.S) in self.said)]
+        report = [self._failed_role(r) for r in order]
+        hint, last = _checkpoint_hint(self.run_dir)
+        everyone = [role_name(r, self.S) for r, p in self.procs.items() if p.exitcode != 0]  # not finished
+        return failure_report(report, everyone, self.run_dir, hint, last)
+
+    def _failed_role(self, rank: int) -> FailedRole:
+        name = role_name(rank, self.S)
+        code = self.procs[rank].exitcode
+        return FailedRole(name, rank, "failing" if code is None else _how(code), self.said.get(name))

@@ -23,12 +23,13 @@ from ps_train.launch.failures import role_name
 from ps_train.metrics import mark_attempt
 from rpc_core import tune_malloc
 
-__all__ = ["run_rank"]
+__all__ = ["run_rank", "setup_role_logging"]
 
 log = logging.getLogger("ps_train")
 
 
-def _setup_logging(run_dir: str, name: str, level: str) -> None:
+def setup_role_logging(run_dir: str, name: str, level: str) -> None:
+    """This process logs to ``<run_dir>/logs/<name>.log`` only."""
     logs = Path(run_dir) / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(logs / f"{name}.log")
@@ -57,7 +58,7 @@ def run_rank(cfg: Config, rank: int, master_addr: str, master_port: int, secret:
     # torch's init_rpc does not: calling it here gives both backends the same allocator, and
     # before the server builds its model rather than after.
     malloc_tuned = tune_malloc()
-    _setup_logging(run_dir, name, cfg.logging.level)
+    setup_role_logging(run_dir, name, cfg.logging.level)
     log.info("malloc thresholds: %s", "fixed by rpc_core.memory" if malloc_tuned else
              "glibc's defaults or the environment's (RPC_CORE_MALLOC_TUNE=0, MALLOC_*, GLIBC_TUNABLES, or not glibc)")
     backend.select(cfg.backend)
@@ -85,7 +86,7 @@ def run_rank(cfg: Config, rank: int, master_addr: str, master_port: int, secret:
         rank = join_group(lambda r: role_name(r, S), rank, opts, cfg.cluster.init_timeout, next_free=joiner)
         if joiner:
             name = role_name(rank, S)
-            _setup_logging(run_dir, name, cfg.logging.level)
+            setup_role_logging(run_dir, name, cfg.logging.level)
             log.info("joined the running job as %s (rank %d)", name, rank)
     else:
         rpc.init_rpc(name, rank=rank, world_size=S + T, rpc_backend_options=opts)
