@@ -226,6 +226,7 @@ class PartitionCursor:
 
     def _start(self) -> None:
         self.epoch, self.offset = 0, 0
+        self.last_batch: tuple[int, Tensor] | None = None  # (epoch, indices [batch_size]) of the last batch
         self._perm: Tensor | None = None
         self._perm_epoch = -1
 
@@ -241,6 +242,7 @@ class PartitionCursor:
             self.epoch, self.offset = self.epoch + 1, 0
         idx = self._indices()[self.offset:self.offset + self.batch_size]
         self.offset += self.batch_size
+        self.last_batch = (self.epoch, idx)  # for the debug record of trained samples (ps_train.sample_log)
         return idx
 
     def state_dict(self) -> dict[str, int]:

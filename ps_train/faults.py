@@ -9,6 +9,12 @@ comma-separated faults ``<role>@<step>[:<action>][#<attempt>]``:
   replaces a dead one starts at a later step);
 - ``:freeze`` instead SIGSTOPs it: the process stays alive but does nothing, not even its
   heartbeat, as a hung machine or a stopped VM would (``:kill`` is the default);
+- at a point inside a step instead of after it (each SIGKILLs the role there):
+  ``:partial`` (a trainer) sends its step-``<step>`` update to ps0 only, waits until ps0
+  applied it, and dies before the other servers get it: a step that reached some servers and
+  not others; ``:checkpoint`` (trainer0) dies while writing the step's checkpoint, once the
+  servers wrote their files and before the manifest that completes it; ``:eval`` (trainer0)
+  dies in the middle of the step's evaluation, after its first batch;
 - ``#<attempt>`` limits the fault to one attempt of a restarted run (0 = the first; see
   ``cluster.max_restarts``); without it the fault fires in every attempt, so a run that
   restarts from a checkpoint before that step meets it again.
@@ -31,13 +37,18 @@ import signal
 import time
 from typing import NamedTuple
 
-__all__ = ["FAULT_ENV", "ATTEMPT_ENV", "Fault", "current_attempt", "parse_faults", "maybe_inject_fault"]
+__all__ = ["FAULT_ENV", "ATTEMPT_ENV", "Fault", "current_attempt", "parse_faults", "maybe_inject_fault",
+           "fault_at", "die"]
 
 log = logging.getLogger("ps_train")
 
 FAULT_ENV = "PS_TRAIN_FAULT"
 ATTEMPT_ENV = "PS_TRAIN_ATTEMPT"
-_ACTIONS = {"kill": signal.SIGKILL, "freeze": signal.SIGSTOP}
+_ACTIONS = {"kill": signal.SIGKILL, "freeze": signal.SIGSTOP, "partial": signal.SIGKILL,
+            "checkpoint": signal.SIGKILL, "eval": signal.SIGKILL}
+# Where in a step each action fires: "step" after it (maybe_inject_fault), the others where the
+# role asks (fault_at): "partial" in the trainer's update, "checkpoint" and "eval" in trainer0's.
+_POINTS = {"kill": "step", "freeze": "step", "partial": "partial", "checkpoint": "checkpoint", "eval": "eval"}
 _SPEC = re.compile(r"(?P<role>[A-Za-z0-9_]+)@(?P<rel>\+?)(?P<step>\d+)(?::(?P<action>[a-z]+))?"
                    r"(?:#(?P<attempt>\d+))?")
 
@@ -45,7 +56,7 @@ _SPEC = re.compile(r"(?P<role>[A-Za-z0-9_]+)@(?P<rel>\+?)(?P<step>\d+)(?::(?P<ac
 class Fault(NamedTuple):
     role: str
     step: int
-    action: str  # kill | freeze
+    action: str  # kill | freeze | partial | checkpoint | eval
     attempt: int | None  # None: every attempt
     relative: bool = False  # ``step`` counts this process's steps (1 = its first), not the run's
 
@@ -60,8 +71,9 @@ def parse_faults(spec: str) -> list[Fault]:
         m = _SPEC.fullmatch(part)
         action = (m.group("action") or "kill") if m else ""
         if m is None or action not in _ACTIONS:
-            raise ValueError(f"{FAULT_ENV}={spec!r}: {part!r} is not <role>@[+]<step>[:kill|:freeze][#<attempt>] "
-                             "(e.g. ps1@5, trainer0@3:freeze#0 or trainer2@+2:freeze)")
+            raise ValueError(f"{FAULT_ENV}={spec!r}: {part!r} is not "
+                             "<role>@[+]<step>[:kill|:freeze|:partial|:checkpoint|:eval][#<attempt>] "
+                             "(e.g. ps1@5, trainer0@3:freeze#0, trainer2@+2:freeze or trainer1@5:partial)")
         attempt = m.group("attempt")
         faults.append(Fault(m.group("role"), int(m.group("step")), action, None if attempt is None else int(attempt),
                             relative=bool(m.group("rel"))))
@@ -74,21 +86,40 @@ def current_attempt() -> int:
     return int(raw) if raw.isdigit() else 0
 
 
-def maybe_inject_fault(role: str, step: int) -> None:
-    """Kill or stop this process if ``PS_TRAIN_FAULT`` names ``role`` at ``step`` in this
-    attempt; else do nothing."""
+def _armed(role: str, step: int, point: str) -> Fault | None:
+    """The fault ``PS_TRAIN_FAULT`` sets for ``role`` at ``step``'s ``point`` in this attempt, if any."""
     spec = os.environ.get(FAULT_ENV)
     if not spec:
-        return
+        return None
     attempt = current_attempt()
     nth = step - _first_step.setdefault(role, step) + 1  # this process's n-th step of the role
     for fault in parse_faults(spec):
-        if fault.role == role and (nth if fault.relative else step) == fault.step and fault.attempt in (None, attempt):
-            verb = "killing" if fault.action == "kill" else "freezing"
-            log.warning("%s=%s: test fault injection, %s %s (pid %d) at step %d at unix time %.3f",
-                        FAULT_ENV, spec, verb, role, os.getpid(), step, time.time())
-            # Neither signal runs a handler: flush the log first so the test can read the line.
-            for h in logging.getLogger().handlers:
-                h.flush()
-            os.kill(os.getpid(), _ACTIONS[fault.action])
-            return
+        if (fault.role == role and (nth if fault.relative else step) == fault.step
+                and fault.attempt in (None, attempt) and _POINTS[fault.action] == point):
+            return fault
+    return None
+
+
+def maybe_inject_fault(role: str, step: int) -> None:
+    """Kill or stop this process if ``PS_TRAIN_FAULT`` names ``role`` at ``step`` in this
+    attempt (``:kill`` or ``:freeze``, after the step); else do nothing."""
+    fault = _armed(role, step, "step")
+    if fault is not None:
+        die(role, step, "killing" if fault.action == "kill" else "freezing", _ACTIONS[fault.action])
+
+
+def fault_at(role: str, step: int, point: str) -> bool:
+    """Whether ``PS_TRAIN_FAULT`` asks ``role`` to die at ``point`` (``partial``, ``checkpoint``,
+    ``eval``) of step ``step`` in this attempt; the role then does what the point needs and
+    calls ``die``."""
+    return _armed(role, step, point) is not None
+
+
+def die(role: str, step: int, verb: str = "killing", sig: signal.Signals = signal.SIGKILL) -> None:
+    """Log the test fault, then ``sig`` this process."""
+    log.warning("%s=%s: test fault injection, %s %s (pid %d) at step %d at unix time %.3f",
+                FAULT_ENV, os.environ.get(FAULT_ENV), verb, role, os.getpid(), step, time.time())
+    # Neither signal runs a handler: flush the log first so the test can read the line.
+    for h in logging.getLogger().handlers:
+        h.flush()
+    os.kill(os.getpid(), sig)

@@ -30,6 +30,7 @@ from ps_train.checkpoint.files import (
 )
 from ps_train.config import Config, ConfigError, config_to_dict
 from ps_train.data import steps_per_epoch
+from ps_train.faults import die, fault_at
 
 log = logging.getLogger("ps_train.checkpoint")
 
@@ -90,6 +91,8 @@ def save(trainer: CheckpointingTrainer, step: int) -> Path:
     # Every server writes its own file at once; trainer.servers[r] is ps<r>'s RRef.
     futs = [server.rpc_async().save_state(str(ckpt)) for server in trainer.servers]
     shards = [f.wait() for f in futs]
+    if fault_at(f"trainer{trainer.index}", step, "checkpoint"):  # test-only, see ps_train.faults
+        die(f"trainer{trainer.index}", step)
     pos = data_position(cfg, len(trainer.train_set), step)
     positions = {}
     for k in range(cfg.cluster.num_trainers):

@@ -38,6 +38,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -48,7 +49,7 @@ from ps_train.config import Config, config_to_dict
 from ps_train.data import BatchIterator, iter_eval_batches, load_data, total_steps
 from ps_train.elastic.membership import stop_requested
 from ps_train.elastic.trainer import ElasticRole
-from ps_train.faults import maybe_inject_fault
+from ps_train.faults import die, fault_at, maybe_inject_fault
 from ps_train.metrics import (
     LatencyStats,
     ThroughputMeter,
@@ -58,6 +59,7 @@ from ps_train.metrics import (
     write_metrics_json,
 )
 from ps_train.modes import make_mode
+from ps_train.sample_log import SampleLog
 from ps_train.stage_sharding import model_shards
 from rpc_core.functions import async_execution
 
@@ -124,6 +126,7 @@ class Trainer:
         self.writer = make_writer(cfg.logging.tensorboard, f"{run_dir}/tb/{self.name}", filename_suffix=f".{self.name}")
         self.latency = {r: LatencyStats() for r in range(cfg.cluster.num_servers)}
         self.meter = ThroughputMeter()
+        self.sample_log = SampleLog(run_dir, self.name)  # which samples each step trained on: off by default
         self.max_steps_ahead = 0  # ssp: the most steps this trainer ran ahead of the slowest
         self._in_flight: InFlight | None = None
         self.mode = make_mode(cfg)  # what an update asks for and waits for (ps_train.modes)
@@ -171,6 +174,12 @@ class Trainer:
             self.dist_autograd.backward(ctx, [loss])
             # Elastic: ps0 also keeps the data position after this step (for a replacement).
             pos = self.elastic.position() if self.elastic is not None else None
+            if fault_at(self.name, self.step + 1, "partial"):  # test-only, see ps_train.faults
+                [version] = torch.futures.wait_all(self.mode.send_update(_Ps0Only(self.index, self.servers[:1]),
+                                                                         ctx, self.step, pos))
+                log.warning("the step-%d update went to ps0 only, which applied it (version %s)", self.step + 1,
+                            version)
+                die(self.name, self.step + 1)
             futs = self.mode.send_update(self, ctx, self.step, pos)
             # Kept open until settle() (the servers read the gradients from it); pipelined: closed here.
             kept = None if self.pipelined else scope.pop_all()
@@ -195,6 +204,8 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         correct, total, loss_sum = 0, 0, 0.0
         for x, y in iter_eval_batches(self.test_set, self.cfg.train.eval_batch_size):
+            if total and fault_at(self.name, self.step, "eval"):  # test-only, see ps_train.faults
+                die(self.name, self.step)
             h = x
             for shard, server in self.shard_servers:
                 h = self.servers[server].rpc_sync().predict(shard, h)
@@ -226,6 +237,7 @@ class Trainer:
         self.meter.start()
         losses: list[float] = []
         batch = next(self.batches) if self.step < self.steps else None
+        self.sample_log.fetched(self.batches)
         with self._closing_on_failure():
             last = self._loop(batch, losses, on_step)
             self.settle()
@@ -265,10 +277,12 @@ class Trainer:
             last = self.train_step(batch)
             losses.append(last["loss"])
             self.step += 1
+            self.sample_log.trained(self.step)  # debug record, off by default
             self.meter.update(len(batch[-1]))  # every batch ends with its labels [B]
             step = self.step
             if step < self.steps:
                 batch = next(self.batches)  # overlaps the servers' update
+                self.sample_log.fetched(self.batches)
             logs = step % log_every == 0 or step == self.steps
             evaluates = is_chief and cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < self.steps
             if not self.pipelined or logs or evaluates:
@@ -357,6 +371,15 @@ class Trainer:
               f"{metrics['samples_per_s']:,.0f} samples/s over {cfg.cluster.num_trainers} trainer(s), "
               f"{wall:.1f}s", flush=True)
         return metrics
+
+
+@dataclass(frozen=True)
+class _Ps0Only:
+    """A trainer as the update mode sees it, but with ps0 as its only server: a test fault
+    (``:partial``, ``ps_train.faults``) sends a step's update there alone."""
+
+    index: int
+    servers: list[Any]
 
 
 def _get_server_rref() -> Any:

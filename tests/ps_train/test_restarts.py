@@ -95,7 +95,10 @@ def test_fault_specs_parse_and_bad_ones_say_the_format():
     assert parse_faults("ps1@5:freeze#0, trainer1@7") == [Fault("ps1", 5, "freeze", 0),
                                                           Fault("trainer1", 7, "kill", None)]
     assert parse_faults("trainer2@+3:freeze") == [Fault("trainer2", 3, "freeze", None, relative=True)]
-    with pytest.raises(ValueError, match=r"'ps1@x' is not <role>@\[\+\]<step>\[:kill\|:freeze\]\[#<attempt>\]"):
+    assert parse_faults("trainer1@5:partial#0") == [Fault("trainer1", 5, "partial", 0)]
+    with pytest.raises(ValueError,
+                       match=r"'ps1@x' is not <role>@\[\+\]<step>\[:kill\|:freeze\|:partial\|:checkpoint\|:eval\]"
+                             r"\[#<attempt>\]"):
         parse_faults("ps1@x")
     with pytest.raises(ValueError, match="'ps1@2:explode' is not"):
         parse_faults("ps1@2:explode")
