@@ -5,6 +5,7 @@ Ranks 0..S-1 are the parameter servers ``ps0..``, ranks S..S+T-1 the trainers ``
 (``ps_train.launch.local``), a ``cluster=env`` rank when it fails (``ps_train.launch.restarts``);
 ``python -m ps_train`` exits with code 1 on it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,8 +25,7 @@ class RoleFailed(RuntimeError):
     latest complete checkpoint of the run folder, if any.
     """
 
-    def __init__(self, message: str, role: str | None = None, reason: str = "",
-                 checkpoint: str | None = None) -> None:
+    def __init__(self, message: str, role: str | None = None, reason: str = "", checkpoint: str | None = None) -> None:
         super().__init__(message)
         self.role = role
         self.reason = reason
@@ -52,7 +52,7 @@ class RoleError(NamedTuple):
     def of(cls, role: str, e: BaseException) -> RoleError:
         text = f"{type(e).__name__}: {e}".strip()
         if len(text.encode()) > MAX_ERROR_BYTES:
-            text = text.encode()[:MAX_ERROR_BYTES - 3].decode(errors="ignore") + "..."
+            text = text.encode()[: MAX_ERROR_BYTES - 3].decode(errors="ignore") + "..."
         peer = failed_worker(e)
         return cls(role, text, peer if peer != role else None)
 
@@ -89,26 +89,42 @@ def first_cause(failed: list[FailedRole]) -> FailedRole:
     return f
 
 
+_LISTED = 6  # roles named in a line of the report; more are counted
+
+
 def _names(roles: list[str]) -> str:
-    """``a``, ``a and b``, ``a, b and c``."""
+    """``a``, ``a and b``, ``a, b and c``; past ``_LISTED`` roles, ``a, b, ... and 60 others``."""
+    if len(roles) > _LISTED:
+        return f"{', '.join(roles[: _LISTED - 1])} and {len(roles) - _LISTED + 1} others"
     return roles[0] if len(roles) == 1 else f"{', '.join(roles[:-1])} and {roles[-1]}"
 
 
-def failure_report(failed: list[FailedRole], everyone: list[str], run_dir: str, hint: str,
-                   checkpoint: str | None) -> RoleFailed:
+def failure_report(
+    failed: list[FailedRole], everyone: list[str], run_dir: str, hint: str, checkpoint: str | None
+) -> RoleFailed:
     """The one error a failed local run ends with: the first cause, with its own error (no
     traceback: that is in its log), then what the other roles of ``everyone`` (those that had
     not finished) did -- failed the same way, failed otherwise, or stopped because of it --
     and ``hint``, which names ``checkpoint``, the one to resume from."""
     cause = first_cause(failed)
     rank = cause.rank
-    lines = [f"{cause.role} (rank {rank}, {cause.how}; log: {run_dir}/logs/{cause.role}.log) failed"
-             + (f": {cause.error.error}" if cause.error is not None else "")]
-    alike = [f.role for f in failed if f is not cause and f.blames() is None and f.error is not None
-             and cause.error is not None and f.error.error == cause.error.error]
+    lines = [
+        f"{cause.role} (rank {rank}, {cause.how}; log: {run_dir}/logs/{cause.role}.log) failed"
+        + (f": {cause.error.error}" if cause.error is not None else "")
+    ]
+    alike = [
+        f.role
+        for f in failed
+        if f is not cause
+        and f.blames() is None
+        and f.error is not None
+        and cause.error is not None
+        and f.error.error == cause.error.error
+    ]
     other = [f for f in failed if f is not cause and f.blames() is None and f.role not in alike]
-    after = [name for name in everyone if name != cause.role and name not in alike and name not in
-             {f.role for f in other}]
+    after = [
+        name for name in everyone if name != cause.role and name not in alike and name not in {f.role for f in other}
+    ]
     if alike:
         lines.append(f"{_names(alike)} failed the same way")
     for f in other:

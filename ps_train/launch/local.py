@@ -5,7 +5,10 @@ Ranks 0..S-1 are the parameter servers ``ps0..``, ranks S..S+T-1 the trainers
 secret and a free port, watches them, and stops the run as soon as one fails -- exits, or
 stops sending heartbeats for ``cluster.role_timeout`` seconds (``ps_train.launch.heartbeat``) --
 naming it (and the latest complete checkpoint to resume from; ``RoleFailed``,
-``ps_train.launch.failures``). Restarting the run is the caller's choice
+``ps_train.launch.failures``). A role that fails with an error writes the traceback to its own
+log and sends the launcher one ``RoleError`` (its error, and the role the error blames), so
+the run ends with its first cause, once, and what the other roles did because of it, not with
+every role's traceback. Restarting the run is the caller's choice
 (``ps_train.launch.restarts``). Each process runs ``ps_train.launch.rank.run_rank`` (which,
 with ``cluster.launcher=env``, a torchrun/SLURM-started process runs directly).
 
@@ -18,6 +21,7 @@ and exits by itself if the launcher dies.
 Roles inherit the launcher's environment, so a test can set ``PS_TRAIN_FAULT`` here to
 make one of them die at a chosen step (see ``ps_train.faults``).
 """
+
 from __future__ import annotations
 
 import logging
@@ -46,11 +50,23 @@ log = logging.getLogger("ps_train")
 BLAME_GRACE = 5.0  # seconds a failed run waits for the role the first failures blame to fail too
 
 # What the forkserver imports once, so forked roles start without importing anything heavy.
-_PRELOAD = ["ps_train.launch.local", "ps_train.launch.rank", "ps_train.roles.server", "ps_train.roles.trainer",
-            "ps_train.checkpoint.protocol", "ps_train.data", "ps_train.metrics", "rpc_core", "rpc_core.autograd",
-            "sklearn.datasets", "ps_train.ctr.trainer", "ps_train.ctr.table_server",
-            "sklearn.model_selection", "torch.utils.tensorboard",
-            "torch._dynamo"]  # the first torch.optim optimizer imports it: ~2.5 s of CPU per server
+_PRELOAD = [
+    "ps_train.launch.local",
+    "ps_train.launch.rank",
+    "ps_train.roles.server",
+    "ps_train.roles.trainer",
+    "ps_train.checkpoint.protocol",
+    "ps_train.data",
+    "ps_train.metrics",
+    "rpc_core",
+    "rpc_core.autograd",
+    "sklearn.datasets",
+    "ps_train.ctr.trainer",
+    "ps_train.ctr.table_server",
+    "sklearn.model_selection",
+    "torch.utils.tensorboard",
+    "torch._dynamo",
+]  # the first torch.optim optimizer imports it: ~2.5 s of CPU per server
 
 
 def _exit_with_parent() -> None:
@@ -66,9 +82,21 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, name="exit-with-launcher", daemon=True).start()
 
 
-def _child(cfg_dict: dict[str, Any], rank: int, port: int, secret: str, run_dir: str,
-           resume: str | None, results: Connection, errors: Connection, env: dict[str, str], cwd: str, heartbeats: Any,
-           beat_every: float, attempt: int) -> None:
+def _child(
+    cfg_dict: dict[str, Any],
+    rank: int,
+    port: int,
+    secret: str,
+    run_dir: str,
+    resume: str | None,
+    results: Connection,
+    errors: Connection,
+    env: dict[str, str],
+    cwd: str,
+    heartbeats: Any,
+    beat_every: float,
+    attempt: int,
+) -> None:
     name = role_name(rank, cfg_dict["cluster"]["num_servers"])
     start_heartbeat(heartbeats, rank, beat_every)  # first: the launcher counts silence from its start
     try:
@@ -114,8 +142,9 @@ def _context() -> Any:
     return mp.get_context("spawn")
 
 
-def launch_local(cfg: Config, run_dir: str, resume: str | None = None,
-                 timeout: float | None = None, attempt: int = 0) -> dict[str, Any]:
+def launch_local(
+    cfg: Config, run_dir: str, resume: str | None = None, timeout: float | None = None, attempt: int = 0
+) -> dict[str, Any]:
     """Start every role as a process on this machine; return trainer0's metrics.
 
     Raises ``RoleFailed`` naming the first role that failed or went silent for
@@ -127,8 +156,9 @@ def launch_local(cfg: Config, run_dir: str, resume: str | None = None,
     # master_port=0: a free port for this run, so concurrent runs and -m sweep jobs never clash.
     port = cfg.cluster.master_port or free_port(cfg.cluster.master_addr)
     secret = secrets.token_hex(16)  # per run: only this run's processes can talk to each other
-    log.info("starting %d servers + %d trainers on %s:%d; logs in %s/logs", S, T, cfg.cluster.master_addr, port,
-             run_dir)
+    log.info(
+        "starting %d servers + %d trainers on %s:%d; logs in %s/logs", S, T, cfg.cluster.master_addr, port, run_dir
+    )
     ctx = _context()
     # Pipes, not queues: a queue's semaphores outlive a launcher that leaves with os._exit
     # (python -m ps_train after a failure), and the resource tracker warns about them.
@@ -141,18 +171,40 @@ def launch_local(cfg: Config, run_dir: str, resume: str | None = None,
     deadline = None if timeout is None else time.monotonic() + timeout
 
     def start(rank: int, resume: str | None = resume) -> Any:
-        p = ctx.Process(target=_child, args=(cfg_dict, rank, port, secret, run_dir, resume, results_out, errors_out,
-                                             env, cwd, board.counters, board.interval, attempt),
-                        name=role_name(rank, S), daemon=False)
+        p = ctx.Process(
+            target=_child,
+            args=(
+                cfg_dict,
+                rank,
+                port,
+                secret,
+                run_dir,
+                resume,
+                results_out,
+                errors_out,
+                env,
+                cwd,
+                board.counters,
+                board.interval,
+                attempt,
+            ),
+            name=role_name(rank, S),
+            daemon=False,
+        )
         p.start()
         return p
 
     def replace(rank: int, reason: str) -> Any:
         """Elastic: start a trainer in place of a dead one (it continues where ps0 says)."""
         rows = record_replacement(run_dir, role_name(rank, S), reason, attempt)
-        log.warning("replacement %d: %s failed (%s); the other roles go on; starting a new %s that continues "
-                    "its partition after its last step the servers applied", len(rows), role_name(rank, S), reason,
-                    role_name(rank, S))
+        log.warning(
+            "replacement %d: %s failed (%s); the other roles go on; starting a new %s that continues "
+            "its partition after its last step the servers applied",
+            len(rows),
+            role_name(rank, S),
+            reason,
+            role_name(rank, S),
+        )
         board.restart(rank)
         return start(rank, resume=None)  # ps0 says where it starts; the attempt's checkpoint may be pruned by now
 
@@ -201,8 +253,11 @@ def _checkpoint_hint(run_dir: str) -> tuple[str, str | None]:
     from ps_train.checkpoint.files import latest_checkpoint
 
     last = latest_checkpoint(run_dir)
-    return ((f"the latest complete checkpoint is {last}; continue with resume={run_dir}", str(last)) if last
-            else ("no checkpoint was written yet; the run has to start over", None))
+    return (
+        (f"the latest complete checkpoint is {last}; continue with resume={run_dir}", str(last))
+        if last
+        else ("no checkpoint was written yet; the run has to start over", None)
+    )
 
 
 def _unresponsive(procs: dict[int, Any], silent: list[tuple[int, float]], S: int, run_dir: str) -> RoleFailed:
@@ -211,14 +266,22 @@ def _unresponsive(procs: dict[int, Any], silent: list[tuple[int, float]], S: int
     parts = []
     for rank, quiet in silent:
         state = process_state(procs[rank].pid)
-        parts.append((role_name(rank, S), f"unresponsive: no heartbeat for {quiet:.1f} s"
-                      + (f", the process is {state}" if state else "")))
+        parts.append(
+            (
+                role_name(rank, S),
+                f"unresponsive: no heartbeat for {quiet:.1f} s" + (f", the process is {state}" if state else ""),
+            )
+        )
     hint, last = _checkpoint_hint(run_dir)
     (first, reason), others = parts[0], parts[1:]
     also = f"; also unresponsive: {', '.join(name for name, _ in others)}" if others else ""
     rank = silent[0][0]
-    return RoleFailed(f"{first} (rank {rank}, {reason}; log: {run_dir}/logs/{first}.log) failed; stopped the run"
-                      f"{also}; {hint}", role=first, reason=reason, checkpoint=last)
+    return RoleFailed(
+        f"{first} (rank {rank}, {reason}; log: {run_dir}/logs/{first}.log) failed; stopped the run{also}; {hint}",
+        role=first,
+        reason=reason,
+        checkpoint=last,
+    )
 
 
 class _Watch:
@@ -230,8 +293,16 @@ class _Watch:
     an error (its own, or a server's it saw) still stops the run.
     """
 
-    def __init__(self, procs: dict[int, Any], S: int, run_dir: str, deadline: float | None, board: HeartbeatBoard,
-                 errors: Connection, replace: Any = None) -> None:
+    def __init__(
+        self,
+        procs: dict[int, Any],
+        S: int,
+        run_dir: str,
+        deadline: float | None,
+        board: HeartbeatBoard,
+        errors: Connection,
+        replace: Any = None,
+    ) -> None:
         self.procs, self.S, self.run_dir, self.deadline, self.board = procs, S, run_dir, deadline, board
         self.errors, self.replace = errors, replace
         self.alive = dict(procs)
@@ -239,8 +310,9 @@ class _Watch:
 
     def _wait(self, timeout: float | None) -> list[int]:
         """Wait for exits (or records) up to ``timeout`` seconds; the ranks that exited, reaped."""
-        ready = multiprocessing.connection.wait([p.sentinel for p in self.alive.values()] + [self.errors],
-                                                timeout=timeout)
+        ready = multiprocessing.connection.wait(
+            [p.sentinel for p in self.alive.values()] + [self.errors], timeout=timeout
+        )
         while self.errors.poll(0):  # a role's record is in the pipe before its exit can be seen
             record = self.errors.recv()
             self.said[record.role] = record
@@ -273,16 +345,20 @@ class _Watch:
         procs, S = self.procs, self.S
         if self.deadline is not None and time.monotonic() >= self.deadline:
             hint, last = _checkpoint_hint(self.run_dir)
-            raise RoleFailed(f"the run did not finish within its time limit; roles still running: "
-                             f"{[role_name(r, S) for r in self.alive]}; {hint}", checkpoint=last)
+            raise RoleFailed(
+                f"the run did not finish within its time limit; roles still running: "
+                f"{[role_name(r, S) for r in self.alive]}; {hint}",
+                checkpoint=last,
+            )
         silent = self.board.silent(self.alive)
         if silent and self.replace is not None and all(rank >= S for rank, _ in silent):
             for rank, quiet in silent:
                 state = process_state(procs[rank].pid)
                 procs[rank].kill()  # frozen: it must not come back and train a partition twice
                 procs[rank].join()
-                reason = f"unresponsive: no heartbeat for {quiet:.1f} s" + (f", the process was {state}"
-                                                                             if state else "")
+                reason = f"unresponsive: no heartbeat for {quiet:.1f} s" + (
+                    f", the process was {state}" if state else ""
+                )
                 procs[rank] = self.alive[rank] = self.replace(rank, reason)
             return
         if silent:
@@ -302,13 +378,18 @@ class _Watch:
             remaining = until - time.monotonic()
             if cause.blames() is None or remaining <= 0 or not self.alive:
                 break
-            order += sorted((r for r in self._wait(remaining) if self.procs[r].exitcode != 0),
-                            key=lambda r: (self.procs[r].exitcode >= 0, r))
+            order += sorted(
+                (r for r in self._wait(remaining) if self.procs[r].exitcode != 0),
+                key=lambda r: (self.procs[r].exitcode >= 0, r),
+            )
         # Roles that failed at about the same time (their records are in already) are reported
         # as failed, not as stopped by the launcher.
         self._wait(0)
-        order += [r for r, p in self.procs.items() if r not in order
-                  and (p.exitcode not in (None, 0) or role_name(r, self.S) in self.said)]
+        order += [
+            r
+            for r, p in self.procs.items()
+            if r not in order and (p.exitcode not in (None, 0) or role_name(r, self.S) in self.said)
+        ]
         report = [self._failed_role(r) for r in order]
         hint, last = _checkpoint_hint(self.run_dir)
         everyone = [role_name(r, self.S) for r, p in self.procs.items() if p.exitcode != 0]  # not finished
