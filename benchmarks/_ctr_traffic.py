@@ -1,6 +1,6 @@
 """The ideal bytes on the wire per trainer step of ps_train's DLRM scheme, from the exact batches.
 
-The scheme (``ps_train/ctr_trainer.py``): per step a trainer deduplicates each table's ids,
+The scheme (``ps_train/ctr/trainer.py``): per step a trainer deduplicates each table's ids,
 asks every server for the distinct rows it owns, runs the bottom MLP on the server that
 hosts it and the top MLP on the server that hosts it; the backward sends each server the
 gradient of every row it returned and of every activation it produced. Per trainer step and
@@ -69,7 +69,7 @@ def replay_ideal_bytes(cfg, steps: int) -> TrafficReplay:
     ``step_ideal_bytes`` per server."""
     from ps_train.ctr.batches import CtrBatchIterator
     from ps_train.ctr.loading import load_ctr_data
-    from ps_train.row_sharding import RowSharding, plan_lookup
+    from ps_train.ctr.rows import RowSharding, plan_lookup
     from ps_train.stage_sharding import model_shards
 
     S, K = cfg.cluster.num_servers, cfg.cluster.num_trainers

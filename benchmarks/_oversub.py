@@ -49,12 +49,12 @@ def oversub_main(rank, world_size, impl_name, port, plan, options_extra, queue):
                         impl.rpc.rpc_sync(callee, _workloads.noop)
                     samples.append((time.perf_counter() - t) / counts["iters"] * 1e6)
                 queue.put(("result", NAME, statistics.median(samples), samples, None))
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:  # noqa: BLE001 - reported as this workload's error
                 queue.put(("error", NAME, "error", f"{type(e).__name__}: {e}"))
         t0 = time.perf_counter()
         impl.rpc.shutdown()
         if rank == 0:
             queue.put(("shutdown", time.perf_counter() - t0))
-    except BaseException:  # noqa: BLE001
+    except BaseException:  # re-raised: the parent hears of it first
         queue.put(("fatal", rank, traceback.format_exc()))
         raise

@@ -59,7 +59,7 @@ class Impl:
             self.optim = importlib.import_module(optim_name)
             if not hasattr(self.optim, "DistributedOptimizer"):
                 raise ImportError(f"{optim_name} lacks DistributedOptimizer")
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - reported per workload
             self.optim, self.optim_error = None, f"{type(e).__name__}: {e}"
 
     def options(self, init_method: str, num_worker_threads: int, rpc_timeout: float, extra: dict):
@@ -431,6 +431,6 @@ def worker_main(rank, world_size, impl_name, port, plan, options_extra, queue):
         impl.rpc.shutdown()
         if rank == 0:
             queue.put(("shutdown", time.perf_counter() - t0))
-    except BaseException:  # noqa: BLE001
+    except BaseException:  # re-raised: the parent hears of it first
         queue.put(("fatal", rank, traceback.format_exc()))
         raise

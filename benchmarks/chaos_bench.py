@@ -100,7 +100,7 @@ def check_checkpoints(run_dir: Path, steps: int) -> tuple[list[str], list[str]]:
     last at the last step), and the saves that never completed (trainer0 killed while
     writing one: without a manifest nothing ever resumes from it)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from ps_train.checkpoint_files import is_complete, latest_checkpoint, load_checkpoint
+    from ps_train.checkpoint.files import is_complete, latest_checkpoint, load_checkpoint
 
     problems, interrupted = [], []
     root = run_dir / "checkpoints"

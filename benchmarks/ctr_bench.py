@@ -37,7 +37,7 @@ What is measured:
   training, while an earlier trainer's loop also holds its wait for the others' start-up
   (seconds on a loaded machine): ``metrics.json``'s ``samples_per_s`` divides by the longest
   loop, and is kept in --json as ``metrics_samples_per_s``.
-  Single process: ``ps_train.dlrm.DLRM`` (``nn.EmbeddingBag(sparse=True)`` tables with the
+  Single process: ``ps_train.ctr.model.DLRM`` (``nn.EmbeddingBag(sparse=True)`` tables with the
   same initial rows and MLPs), the same optimizers (``optim`` on the MLPs,
   ``model.table_optim`` on the tables), trainer0's batches of a one-trainer run, one
   intra-op thread (what each ps_train process gets), timed the same way. It has no servers
@@ -190,7 +190,7 @@ def run_single(name: str, steps: int, timeout: float) -> dict[str, Any]:
 
 
 def single_worker(name: str, steps: int, out_path: str) -> None:
-    """Child process: train ``ps_train.dlrm.DLRM`` in plain torch; write the figures to ``out_path``."""
+    """Child process: train ``ps_train.ctr.model.DLRM`` in plain torch; write the figures to ``out_path``."""
     import resource
     import warnings
 
@@ -200,7 +200,7 @@ def single_worker(name: str, steps: int, out_path: str) -> None:
     from ps_train.config import optimizer_spec, table_optimizer_spec
     from ps_train.ctr.batches import CtrBatchIterator
     from ps_train.ctr.loading import load_ctr_data
-    from ps_train.dlrm import DLRM
+    from ps_train.ctr.model import DLRM
 
     torch.set_num_threads(1)  # as in every ps_train process
     # Adagrad on sparse gradients warns that it does not re-check their indices (see table_server).

@@ -53,7 +53,7 @@ count (trainer0's per-``log_every`` status RPCs to every server happen only once
    one trainer: the same computation); the largest difference is printed under the table.
 
 samples/s. For ps_train: ``samples_per_s`` from the run's ``metrics.json``, which
-ps_train/trainer.py computes as (samples trained by all trainers) / (the longest trainer's
+ps_train/roles/trainer.py computes as (samples trained by all trainers) / (the longest trainer's
 training-loop wall time). Each trainer's loop clock (``time.perf_counter``) starts right
 before its first batch, after process start, ``init_rpc``, data loading and fetching the
 server RRefs, and stops after its last step, before the final evaluation, gathering the

@@ -31,8 +31,8 @@ def noop() -> None:
 
 
 def _set_profiler_middleware(installed: bool) -> None:
-    from rpc_core import agent as agent_mod
     from rpc_core import profiler
+    from rpc_core.agent import agent as agent_mod
 
     agent = agent_mod.current_agent()
     others = [m for m in agent.middleware if not isinstance(m, profiler._Middleware)]
@@ -82,7 +82,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=50)
     args = ap.parse_args()
     sys.path.insert(0, REPO)  # this checkout's packages, as the workers use
-    from ps_train.ports import free_port
+    from ps_train.launch.ports import free_port
 
     port = free_port()
     ctx = mp.get_context("spawn")

@@ -103,14 +103,14 @@ from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-if REPO not in sys.path:  # this checkout's packages (free_port from ps_train.ports), as the workers use
+if REPO not in sys.path:  # this checkout's packages (free_port from ps_train.launch.ports), as the workers use
     sys.path.insert(0, REPO)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 from _format import fmt  # noqa: E402 (the benchmarks folder is on the path just above)
 
-from ps_train.ports import free_port  # noqa: E402
+from ps_train.launch.ports import free_port  # noqa: E402
 
 IMPLS = ("torch", "rpc_core")
 WORLD_SIZE = 2

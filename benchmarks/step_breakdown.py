@@ -97,8 +97,9 @@ def stop_profile() -> dict:
 SYSCALLS = "system calls (socket, select)"
 # The modules that move bytes (framing, buffers, sockets, waiting, matching answers to calls):
 # what a native transport would replace.
-MESSAGE_PATH = {f"rpc_core/{m}.py" for m in ("transport", "buffers", "sending", "polling", "wire", "outbound",
-                                              "completion", "cma")}
+MESSAGE_PATH = {f"rpc_core/{m}.py" for m in ("transport/stream", "transport/buffers", "transport/sending",
+                                              "transport/polling", "protocol/wire", "agent/outbound",
+                                              "agent/completion", "transport/cma")}
 
 
 def _module_of(filename: str, func: str) -> str:
@@ -212,7 +213,7 @@ def run(impl_name, spin, jobs, profile):
             break
         try:
             msg = queue.get(timeout=1.0)
-        except Exception:  # noqa: BLE001 - queue.Empty: look at the processes again
+        except Exception:  # noqa: BLE001 - Empty, or a message cut by a dying rank: look at the processes
             continue
         if msg[0] == "unavailable":
             print(f"{impl_name}: unavailable: {msg[1]}")

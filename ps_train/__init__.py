@@ -2,7 +2,7 @@
 
 Run ``python -m ps_train`` (the Hydra configs ship inside the package, in ``ps_train/conf/``).
 The modules that do not touch RPC -- ``config``, ``models``, ``stage_sharding``, ``data``,
-``metrics``, ``checkpoint_files`` -- are plain PyTorch and can be used and tested in a
+``metrics``, ``checkpoint.files`` -- are plain PyTorch and can be used and tested in a
 single process; ``app.run(cfg, run_dir)`` is the entry point without Hydra.
 
 What a seed reproduces

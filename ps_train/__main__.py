@@ -16,10 +16,10 @@ from omegaconf import DictConfig
 
 import ps_train.config  # noqa: F401  (registers the config schemas with Hydra)
 from ps_train.app import run
-from ps_train.checkpoint_files import CheckpointError
+from ps_train.checkpoint.files import CheckpointError
 from ps_train.config import ConfigError, from_dictconfig
 from ps_train.data import DatasetNotFoundError
-from ps_train.launch import RoleFailed
+from ps_train.launch.local import RoleFailed
 
 log = logging.getLogger("ps_train")
 

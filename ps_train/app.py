@@ -13,12 +13,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ps_train.checkpoint_files import CheckpointError, atomic_write_text
+from ps_train.checkpoint.files import CheckpointError
 from ps_train.config import Config, ConfigError, config_to_dict
 from ps_train.data import DatasetNotFoundError
-from ps_train.launch import role_name, run_rank
-from ps_train.metrics import write_metrics_json
-from ps_train.restarts import (
+from ps_train.files import atomic_write_text
+from ps_train.launch.local import role_name, run_rank
+from ps_train.launch.restarts import (
     rank_failed,
     read_restarts,
     record_env_restart,
@@ -26,6 +26,7 @@ from ps_train.restarts import (
     run_local,
     start_checkpoint,
 )
+from ps_train.metrics import write_metrics_json
 
 log = logging.getLogger("ps_train")
 
@@ -37,7 +38,7 @@ def run(cfg: Config, run_dir: str, overrides: list[str] | None = None,
     for a trainer that joined a running job with ``join=``).
 
     ``timeout`` (seconds, local launcher only): stop the run and raise ``RoleFailed`` if it
-    has not finished by then (restarts included, see ``ps_train.restarts``).
+    has not finished by then (restarts included, see ``ps_train.launch.restarts``).
     """
     if cfg.join is not None:
         join_job(cfg.join)
@@ -46,7 +47,7 @@ def run(cfg: Config, run_dir: str, overrides: list[str] | None = None,
     attempt = restart_count() if cfg.cluster.launcher == "env" else 0
     resume = start_checkpoint(cfg.resume, run_dir, restarted=attempt > 0)
     if resume:
-        from ps_train.checkpoint_protocol import check_resumable
+        from ps_train.checkpoint.protocol import check_resumable
 
         state = check_resumable(cfg, resume)  # fails here, before any process starts
         resume = state["checkpoint"]
@@ -91,7 +92,7 @@ def join_job(job_dir: str) -> None:
     job's own config, until the job is over (its logs and TensorBoard events go to that run
     folder, under the name it gets: the first free ``trainer<k>``)."""
     from ps_train.config import from_dictconfig
-    from ps_train.elastic_files import read_job_file
+    from ps_train.elastic.files import read_job_file
 
     job = read_job_file(job_dir)
     cfg = from_dictconfig(job["config"])
@@ -126,7 +127,7 @@ def env_init_method(cfg: Config, rank: int) -> str:
 
     from torch.distributed import TCPStore  # type: ignore[attr-defined]  # torch re-exports it implicitly
 
-    from ps_train.ports import free_port
+    from ps_train.launch.ports import free_port
 
     timeout = timedelta(seconds=cfg.cluster.init_timeout)
     store = TCPStore(addr, port, is_master=False, timeout=timeout)
@@ -156,10 +157,10 @@ def write_provenance(run_dir: str, cfg: Config, overrides: list[str]) -> None:
     }
     for name in ("torch", "torchvision", "hydra-core", "omegaconf", "tensorboard", "numpy", "scikit-learn"):
         try:
-            from importlib.metadata import version
+            from importlib.metadata import PackageNotFoundError, version
 
             info["packages"][name] = version(name)
-        except Exception:
+        except PackageNotFoundError:
             info["packages"][name] = None
     repo = Path(__file__).resolve().parent.parent
     try:

@@ -16,7 +16,7 @@ import time
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
-from ps_train.checkpoint_files import atomic_write_text
+from ps_train.files import atomic_write_text
 
 __all__ = [
     "MetricsWriter", "TensorBoardWriter", "NullWriter", "make_writer", "flatten_hparams",

@@ -8,22 +8,26 @@ Port a ``torch.distributed.rpc`` program by changing its imports::
 """
 from typing import Any
 
-from . import autograd, functions, optim, profiler  # autograd installs its middleware at init_rpc
+from . import autograd, constants, functions, optim, profiler  # autograd installs its middleware at init_rpc
 from . import rref as _rref
-
-# imported for its effect: scripted functions and modules travel in messages
-from . import torchscript as _torchscript  # noqa: F401
-from .agent import current_agent as _current_agent
+from .agent.agent import current_agent as _current_agent
+from .agent.worlds import WorkerInfo
 from .api import (
     BackendType,
+    ConnectionStats,
+    add_membership_listener,
+    connection_stats,
     get_rpc_timeout,
     get_worker_info,
     init_rpc,
     is_available,
     remote,
+    remove_membership_listener,
     rpc_async,
     rpc_sync,
     shutdown,
+    tune_malloc,
+    watch_all_peers,
 )
 
 # private helpers torch.distributed.rpc also has (tests use them), re-exported by the `as` form
@@ -40,6 +44,8 @@ from .errors import (
     RpcError,
     RpcNotInitializedError,
     RpcTimeoutError,
+    RpcTypeError,
+    RpcValueError,
     WorkerLeftError,
     WorkerUnavailableError,
 )
@@ -56,8 +62,10 @@ from .options import (
 )
 from .options import DEFAULT_RPC_TIMEOUT_SEC as _DEFAULT_RPC_TIMEOUT_SEC  # noqa: F401
 from .options import UNSET_RPC_TIMEOUT as _UNSET_RPC_TIMEOUT  # noqa: F401
+
+# imported for its effect: scripted functions and modules travel in messages
+from .protocol import torchscript as _torchscript  # noqa: F401
 from .rref import RRef
-from .worlds import WorkerInfo
 
 PyRRef = RRef  # torch's RRef derives from PyRRef; isinstance checks against either name hold
 
@@ -67,31 +75,52 @@ PyRRef = RRef  # torch's RRef derives from PyRRef; isinstance checks against eit
 # replaced knowing only those below it. tests/rpc_core/test_layering.py enforces this on
 # every import, module- or function-level; a new module must be placed here.
 _LAYERS: tuple[tuple[str, ...], ...] = (
-    # foundations: no rpc_core imports
-    ("knobs", "polling", "middleware"),
-    ("errors", "wire", "options", "functions", "memory", "cma", "pool", "serialization"),
-    ("handshake", "futures", "torchscript"),
-    ("buffers",),
-    ("sending",),
-    ("transport",),  # connections: bytes only
-    ("worlds",),  # WorkerInfo, and the World a rendezvous gives
-    ("rendezvous", "outbound"),
-    ("roster",),  # who is in the group (a part of the agent)
-    ("deadlines", "completion", "dispatch"),  # the worker's parts: timer, pending calls, requests
-    ("heartbeats",),  # the worker's liveness watch of the peers it waits on
-    ("connections",),
-    ("agent",),  # the worker
-    ("calls", "lifecycle", "registry"),  # a user call; init/shutdown hooks, barriers; joins and leaves
+    # foundations, at the top level: no other rpc_core imports but knobs
+    ("knobs", "errors", "functions", "constants"),
+    ("options", "memory"),
+    # protocol/: what travels, independent of how
+    ("protocol.wire", "protocol.serialization"),
+    ("protocol.torchscript",),
+    ("protocol",),
+    # transport/: authenticated connections that carry frames; bytes only
+    ("transport.cma", "transport.polling"),
+    ("transport.handshake",),  # every transport's: authentication, the cross-memory-attach probe
+    ("transport.base",),  # the interface: Connection, Transport, Listener
+    ("transport.buffers",),
+    ("transport.sending",),
+    ("transport.stream",),  # Connection over a stream socket
+    ("transport.tcp", "transport.unix"),  # the transports
+    ("transport.registry",),  # the transports in use, and the order they are tried in
+    ("transport",),  # the face the agent and the rendezvous use
+    # agent/: the worker and its parts
+    ("agent.pool", "agent.middleware"),
+    ("agent.futures", "agent.worlds"),  # futures of calls; WorkerInfo and the World a rendezvous gives
+    ("agent.outbound",),
+    # The worker's parts, each an object the agent owns; a part imports those it is given.
+    ("agent.roster",),  # who is in the group
+    ("agent.deadlines", "agent.completion", "agent.dispatch"),  # the timer, calls made, requests served
+    ("agent.connections",),  # dialled and accepted connections; hands frames to dispatch and completion
+    ("agent.heartbeats",),  # the liveness watch of the peers calls wait on
+    ("agent.agent",),  # the worker: makes its parts and wires them
+    ("agent.calls",),  # a user call
+    ("agent",),
+    # group/: finding each other, joining and leaving, starting and ending together
+    ("group.rendezvous",),
+    ("group.lifecycle", "group.registry"),  # init/shutdown hooks, barriers; joins and leaves
+    ("group",),
+    # autograd/: distributed autograd
     ("autograd.context",),
     ("autograd.engine", "autograd.release"),
     ("autograd.recording",),
     ("autograd",),  # the distributed autograd package's face
-    ("rref_state",),  # RRef tables and the owner's handlers
-    ("rref_release",),  # garbage-collected handles -> deletes
-    ("rref_handle",),  # the RRef class, proxies, remote()
-    ("rref_fork",),  # RRefs in messages; the protocol's middleware
+    # rref/: remote references
+    ("rref.state",),  # RRef tables and the owner's handlers
+    ("rref.release",),  # garbage-collected handles -> deletes
+    ("rref.handle",),  # the RRef class, proxies, remote()
+    ("rref.fork",),  # RRefs in messages; the protocol's middleware
     ("rref",),  # the RRef group's face
-    ("optim", "profiler_rpc", "nn.remote_module"),
+    # the upper layers and their faces
+    ("optim", "profiler.rpc_events", "nn.remote_module"),
     ("profiler", "nn"),  # nn: RemoteModule's package face
     ("api",),  # the facade: composes the layers into init_rpc/shutdown/...
     ("",),  # rpc_core itself: the public names
@@ -104,7 +133,7 @@ def _get_debug_info() -> dict[str, Any]:
     agent = _current_agent()
     info.update({
         "agent.thread_pool_size": agent.pool.size,
-        "agent.num_pending_requests": agent.in_flight(),
+        "agent.num_pending_requests": agent.pending.in_flight(),
         "agent.num_idle_threads": agent.pool.idle,
     })
     return info
@@ -113,7 +142,11 @@ def _get_debug_info() -> dict[str, Any]:
 __all__ = [
     "AuthenticationError", "BackendType", "DEFAULT_RPC_TIMEOUT_SEC", "DEFAULT_SHUTDOWN_TIMEOUT",
     "ProtocolError", "RRef", "RendezvousError", "RpcBackendOptions", "RpcError", "RpcNotInitializedError",
-    "RpcTimeoutError", "TensorPipeRpcBackendOptions", "UNSET_RPC_TIMEOUT", "WorkerInfo", "WorkerLeftError",
+    "RpcTimeoutError", "RpcTypeError", "RpcValueError", "TensorPipeRpcBackendOptions", "UNSET_RPC_TIMEOUT",
+    "WorkerInfo", "WorkerLeftError",
     "WorkerUnavailableError", "functions", "get_rpc_timeout", "get_worker_info", "init_rpc", "is_available",
-    "remote", "rpc_async", "rpc_sync", "shutdown", "autograd", "optim", "profiler",
+    "remote", "rpc_async", "rpc_sync", "shutdown", "autograd", "constants", "optim", "profiler",
+    # rpc_core's own (docs/torch_compatibility.md, "rpc_core extensions")
+    "ConnectionStats", "add_membership_listener", "connection_stats", "remove_membership_listener", "tune_malloc",
+    "watch_all_peers",
 ]

@@ -9,26 +9,32 @@ from __future__ import annotations
 import enum
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
-from . import agent as _agent_mod
-from . import lifecycle, memory, registry
+from . import memory
 from . import rref as _rref
-from .agent import Agent, current_agent
-from .calls import call_wrappers, rpc_async, rpc_sync  # noqa: F401 (re-exported: the facade)
-from .calls import invoke_async as _invoke_async  # noqa: F401 (re-exported: its historical home)
+from .agent import agent as _agent_mod
+from .agent.agent import Agent, current_agent
+from .agent.calls import call_wrappers, rpc_async, rpc_sync  # noqa: F401 (re-exported: the facade)
+from .agent.calls import invoke_async as _invoke_async  # noqa: F401 (re-exported: its historical home)
+from .agent.connections import ConnectionStats
+from .agent.worlds import WorkerInfo
 from .errors import RpcError, WorkerUnavailableError
-from .lifecycle import all_gather as _all_gather  # noqa: F401 (re-exported)
-from .lifecycle import barrier as _barrier  # noqa: F401 (re-exported)
-from .lifecycle import wait_all_workers as _wait_all_workers
+from .group import lifecycle, registry
+from .group.lifecycle import all_gather as _all_gather  # noqa: F401 (re-exported)
+from .group.lifecycle import barrier as _barrier  # noqa: F401 (re-exported)
+from .group.lifecycle import wait_all_workers as _wait_all_workers
+from .group.rendezvous import rendezvous
 from .options import DEFAULT_SHUTDOWN_TIMEOUT, RpcBackendOptions
-from .rendezvous import rendezvous
 from .rref import remote  # noqa: F401 (re-exported: the facade)
-from .worlds import WorkerInfo
 
 __all__ = [
     "BackendType", "get_rpc_timeout", "get_worker_info", "init_rpc", "is_available", "remote", "rpc_async", "rpc_sync",
     "shutdown",
+    # rpc_core's own (docs/torch_compatibility.md, "rpc_core extensions")
+    "ConnectionStats", "add_membership_listener", "connection_stats", "remove_membership_listener", "tune_malloc",
+    "watch_all_peers",
     # private helpers torch.distributed.rpc also has; the hooks tests and the profiler benchmark read
     "_all_gather", "_barrier", "_invoke_async", "_set_rpc_timeout", "_wait_all_workers", "call_wrappers",
     "current_agent",
@@ -96,16 +102,58 @@ def _is_current_rpc_agent_set() -> bool:
 def _get_current_rpc_agent() -> Agent:
     """This worker's agent (torch's private ``_get_current_rpc_agent``): ``get_worker_info()``
     and ``get_worker_infos()`` list the group's members."""
-    return current_agent()
+    return current_agent(_agent_mod.AGENT_NOT_SET)
 
 
 def get_rpc_timeout() -> float:
-    return current_agent().default_timeout
+    return current_agent(_agent_mod.AGENT_NOT_SET).default_timeout
 
 
 def _set_rpc_timeout(rpc_timeout: float) -> None:
     """Change the default timeout of calls made from now on (calls in flight keep theirs)."""
     current_agent().default_timeout = float(rpc_timeout)
+
+
+# -- rpc_core's own: for applications built on it (not in torch) ----------------------------------------
+def connection_stats() -> ConnectionStats:
+    """Bytes this worker sent and received so far over its open connections, both ways (calls
+    to itself not included), and how many of them are same-host Unix sockets or may copy by
+    cross-memory attach. Raises RpcNotInitializedError before ``init_rpc``."""
+    return current_agent().connections.connection_stats()
+
+
+def tune_malloc() -> bool:
+    """Fix glibc's malloc thresholds for this process as ``init_rpc`` does (``rpc_core.memory``),
+    for a launcher that wants the allocator settled before it builds its model, or a process
+    that runs another RPC backend. Returns whether they are set: False with
+    ``RPC_CORE_MALLOC_TUNE=0``, the user's own ``MALLOC_*`` / ``GLIBC_TUNABLES``, or no glibc."""
+    return memory.tune()
+
+
+def add_membership_listener(listener: Callable[[WorkerInfo, bool], None]) -> None:
+    """Call ``listener(info, joined)`` each time a member joins (``joined`` True) or leaves a
+    dynamic group (``world_size=None``), as this worker's view of the group changes: after the
+    change, on the thread that applied it (so it must not block on a call to the group). A
+    listener's exception is logged, never raised into the change. A static group never changes."""
+    current_agent().roster.on_membership.append(listener)
+
+
+def remove_membership_listener(listener: Callable[[WorkerInfo, bool], None]) -> None:
+    """Stop calling ``listener``; ValueError if it is not one of this worker's listeners."""
+    listeners = current_agent().roster.on_membership
+    if listener not in listeners:
+        raise ValueError(f"remove_membership_listener: {listener!r} is not a membership listener of this worker "
+                         "(add it with add_membership_listener)")
+    listeners.remove(listener)
+
+
+def watch_all_peers(wanted: Callable[[], bool]) -> None:
+    """While ``wanted()`` returns True (asked at each heartbeat look, a quarter of
+    ``heartbeat_timeout``), this worker's heartbeats watch every member of the group, not only
+    those its calls wait on. A member silent for ``heartbeat_timeout`` is then reported as
+    unreachable; on rank 0 of a dynamic group that removes it (membership listeners hear it
+    leave). Stays in place until ``shutdown``; no effect with ``heartbeat_timeout=0``."""
+    current_agent().heartbeats.liveness_wanted.append(wanted)
 
 
 def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> None:
@@ -115,7 +163,7 @@ def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -
     agent = current_agent()
     error: BaseException | None = None
     try:
-        if graceful and agent.dynamic:
+        if graceful and agent.roster.dynamic:
             _leave(agent, timeout)
         elif graceful:
             _wait_all_workers(timeout)
@@ -126,10 +174,11 @@ def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -
     except RpcError as e:
         error = e
     finally:
-        if graceful and agent.me.id == 0 and (error is None or agent.dead or isinstance(error, WorkerUnavailableError)):
+        if graceful and agent.me.id == 0 and (error is None or agent.roster.dead
+                                              or isinstance(error, WorkerUnavailableError)):
             # Let the peers close first, so they read our last replies before our sockets go
             # away: with a dead or silent worker, those replies tell them which one it was.
-            agent.wait_incoming_closed(5.0)
+            agent.connections.wait_incoming_closed(5.0)
         for hook in lifecycle.shutdown_hooks:
             hook()
         agent.close()
@@ -148,9 +197,9 @@ def _leave(agent: Agent, timeout: float) -> None:
     for hook in lifecycle.pre_shutdown_hooks:
         hook()
     _rref.delete_all_user_rrefs(timeout)
-    agent.wait_idle(deadline)
+    agent.pending.wait_idle(deadline)
     registry.leave(agent, timeout)
-    agent.wait_idle(deadline)
+    agent.pending.wait_idle(deadline)
     end = time.monotonic() + _LEAVE_GRACE if deadline is None else deadline
-    while agent.n_received != agent.n_answered and time.monotonic() < end:
+    while agent.dispatch.n_received != agent.dispatch.n_answered and time.monotonic() < end:
         time.sleep(0.005)  # requests that arrived as we left are still running; let them finish

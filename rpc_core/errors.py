@@ -54,6 +54,29 @@ class RemoteFunctionError(RpcError):
     """A remote exception whose original type could not be rebuilt on the caller."""
 
 
+# Where torch raises RuntimeError for what is a bad value or type, rpc_core raises these:
+# ``except RuntimeError`` (code written for torch) and ``except ValueError``/``TypeError``
+# (code written for rpc_core's earlier releases) both catch them.
+class RpcValueError(RpcError, ValueError):
+    """A bad value where torch raises ``RuntimeError``: an invalid worker name."""
+
+
+class RpcTypeError(RpcError, TypeError):
+    """A value of the wrong type where torch raises ``RuntimeError``: an ``@async_execution``
+    function that returned something other than a Future."""
+
+
+def not_a_future(value: object) -> RpcTypeError:
+    """The error for an ``@async_execution`` function that returned ``value``, not a Future:
+    torch's words first (tests match them), then how to fix it."""
+    t = type(value)
+    name = t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+    return RpcTypeError(
+        f"Functions decorated with @rpc.async_function must return a torch.futures.Future object, but got {name}. "
+        "Return a Future (e.g. rpc_async(...).then(...)), or drop @async_execution to return a value."
+    )
+
+
 # Set on an exception of another type than RpcError rebuilt from another worker's answer:
 # the worker its chain of causes named there (a rebuilt RpcError carries it in ``worker``).
 PEER_ATTRIBUTE = "_rpc_core_peer"

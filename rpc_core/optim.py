@@ -13,9 +13,9 @@ from typing import Any
 import torch
 
 from . import autograd as dist_autograd
-from . import calls
+from .agent import calls
+from .agent.futures import settle
 from .errors import format_many
-from .futures import settle
 from .options import UNSET_RPC_TIMEOUT
 from .rref import RRef, _on_invoke
 

@@ -10,11 +10,13 @@ from typing import Any
 
 from . import knobs
 
-DEFAULT_RPC_TIMEOUT_SEC: float = 60.0
-UNSET_RPC_TIMEOUT: float = -1.0
-DEFAULT_INIT_METHOD: str = "env://"
-DEFAULT_NUM_WORKER_THREADS: int = 16
-DEFAULT_SHUTDOWN_TIMEOUT: float = 0.0
+# re-exported (the `as` form): options was their home before rpc_core.constants
+from .constants import DEFAULT_INIT_METHOD as DEFAULT_INIT_METHOD
+from .constants import DEFAULT_NUM_WORKER_THREADS as DEFAULT_NUM_WORKER_THREADS
+from .constants import DEFAULT_RPC_TIMEOUT_SEC as DEFAULT_RPC_TIMEOUT_SEC
+from .constants import DEFAULT_SHUTDOWN_TIMEOUT as DEFAULT_SHUTDOWN_TIMEOUT
+from .constants import UNSET_RPC_TIMEOUT as UNSET_RPC_TIMEOUT
+
 AUTH_SECRET_ENV = knobs.AUTH_SECRET.name
 
 

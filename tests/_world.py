@@ -21,17 +21,14 @@ import multiprocessing.connection
 import os
 import secrets
 import signal
+import socket
 import sys
 import time
 import traceback
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
-
-# Re-exported for rpc_core's tests. ps_train.ports imports only the standard library, so
-# these tests and their worker processes load nothing of the application.
-from ps_train.heartbeat import process_state
-from ps_train.ports import free_port as free_port  # re-exported: tests import it from here
 
 DEFAULT_TIMEOUT = 90.0
 _EXIT_GRACE = 20.0  # a child that reported must be gone within this
@@ -92,7 +89,7 @@ class WorkerContext:
 
 
 def _is_initialized() -> bool:
-    from rpc_core import agent
+    from rpc_core.agent import agent
 
     return agent._agent is not None
 
@@ -109,20 +106,20 @@ def _child_main(body: Callable[..., Any], ctx: WorkerContext, args: tuple, init:
         if init:
             ctx.init()
         outcome = ("ok", body(ctx, *args))
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - any failure is the rank's outcome
         outcome = ("error", f"rank {ctx.rank} raised:\n{traceback.format_exc()}")
     if outcome[0] == "ok" and _is_initialized():
         import rpc_core
 
         try:
             rpc_core.shutdown()
-        except BaseException:
+        except BaseException:  # noqa: BLE001 - any failure is the rank's outcome
             outcome = ("error", f"rank {ctx.rank}: shutdown() raised:\n{traceback.format_exc()}")
     # A failed rank reports at once and exits without a graceful shutdown (its peers may be
     # waiting for it in a barrier); its closed connections tell them it is gone.
     try:
         conn.send(outcome)
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - the parent must hear of it
         conn.send(("error", f"rank {ctx.rank}: could not send its result back:\n{traceback.format_exc()}"))
     conn.close()
     sys.stdout.flush()
@@ -242,12 +239,30 @@ def results_of(outcomes: dict[int, tuple[Any, ...]], world_size: int, may_die: C
     return results
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that was free a moment ago (bind port 0, read it, release it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def process_state(pid: int) -> str | None:
+    """The kernel's one-letter state of process ``pid`` (``/proc/<pid>/stat``: "T" stopped by
+    a signal, "S" sleeping, "R" running, ...), or None if there is no such process (or no /proc)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # "pid (comm) state ...": comm may hold spaces and parentheses, the state follows the last ')'.
+    return stat.rsplit(")", 1)[-1].split()[0] if ")" in stat else "?"
+
+
 def stop_process(pid: int, timeout: float = 10.0) -> None:
     """SIGSTOP ``pid`` and return once the kernel reports it stopped. The signal arrives
     asynchronously: without the wait the process may still answer a call sent right after."""
     os.kill(pid, signal.SIGSTOP)
     deadline = time.monotonic() + timeout
-    while process_state(pid) != "stopped by a signal (SIGSTOP)":
+    while process_state(pid) != "T":
         if time.monotonic() > deadline:
-            raise TimeoutError(f"process {pid} not stopped {timeout:g} s after SIGSTOP: {process_state(pid)}")
+            raise TimeoutError(f"process {pid} not stopped {timeout:g} s after SIGSTOP: state {process_state(pid)!r}")
         time.sleep(0.001)  # a state poll, bounded by the deadline (not a guess at a delay)

@@ -9,10 +9,11 @@ shaped (delay and jitter, loss, rate) and cut, all made here and removed here.
 Layout: a switch namespace holds a bridge ``br0``; host i is a namespace whose ``eth0`` is one
 end of a veth pair, the other end (``h<i>``) a port of the bridge. The subnet (``SUBNET``)
 exists only inside these namespaces: nothing of the caller's namespace is touched. The
-kernel here has no ``netem`` (see DESIGN.md §9), so delay and jitter come from a user-space
-relay in each host (``netns_relay``), loss from iptables' ``statistic`` match on each host's
-incoming packets, rate from a ``tbf`` qdisc on each host's eth0, cuts from iptables DROP
-rules (silent: no error reaches either side) or from taking a bridge port down.
+kernel here has no ``netem`` (docs/design.md, "Tests on an emulated network"), so delay and
+jitter come from a user-space relay in each host (``netns_relay``), loss from iptables'
+``statistic`` match on each host's incoming packets, rate from a ``tbf`` qdisc on each host's
+eth0, cuts from iptables DROP rules (silent: no error reaches either side) or from taking a
+bridge port down.
 
 Needs root, ``ip`` (iproute2) and ``iptables``; ``unavailable_reason()`` says why not.
 """

@@ -16,7 +16,8 @@ groups have one schema per choice (``MLPConfig``, ``CNNConfig``, ...), all subcl
 while ``model=mlp``) is a Hydra error, not a silently ignored key. Those schemas also answer
 what validation and sharding need to know before anything is built or loaded:
 ``ModelConfig.num_stages()``, ``DataConfig.sample_shape()``, ``DataConfig.class_count()``.
-Nothing here imports the rest of ps_train.
+Nothing here imports the rest of ps_train but the update modes (``ps_train.modes``), which
+check their own options and import nothing else.
 """
 from ps_train.config.base import ConfigError
 from ps_train.config.cluster import LAUNCHERS, PLACEMENTS, ClusterConfig

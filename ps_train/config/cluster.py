@@ -26,12 +26,12 @@ class ClusterConfig:
     num_worker_threads: int = 8
     # Local launcher: restart the whole run from its latest complete checkpoint when a role dies or
     # stops answering, at most this often (0: a failed role stops the run). Under launcher=env
-    # torchrun's --max-restarts restarts the processes instead (see docs/failures.md).
+    # torchrun's --max-restarts restarts the processes instead (see docs/training_failures.md).
     max_restarts: int = 0
     # Local launcher: seconds without a heartbeat after which a role counts as frozen (0: off).
     role_timeout: float = 30.0
     # async/ssp, local launcher, rpc_core: a trainer that dies or freezes is replaced instead of
-    # stopping the run, and trainers may join the running job (docs/failures.md, ps_train.membership).
+    # stopping the run, and trainers may join the running job (docs/training_failures.md, ps_train.elastic.membership).
     elastic: bool = False
 
     def problems(self) -> Problems:

@@ -13,6 +13,7 @@ from ps_train.config.data import DataConfig, DigitsConfig
 from ps_train.config.model import MLPConfig, ModelConfig
 from ps_train.config.optim import OptimConfig
 from ps_train.config.run import CheckpointConfig, LoggingConfig, ModeConfig, TrainConfig
+from ps_train.modes import elastic_problems, run_problems
 
 __all__ = ["Config", "BACKENDS", "ELASTIC_FILE", "RESUME_AUTO", "validate", "config_to_dict"]
 
@@ -70,10 +71,7 @@ class Config:
             p.need(self.resume is None, "join: a joining trainer takes the job's state from its servers; drop resume=")
         if not self.cluster.elastic:
             return p
-        p.need(self.mode.name in ("async", "ssp"),
-               f"cluster.elastic=true needs mode=async or mode=ssp (got mode={self.mode.name}): every sync round "
-               "waits for every trainer's gradient, so a dead trainer stops the round; use cluster.max_restarts "
-               "to restart a sync run from its latest checkpoint instead (docs/failures.md)")
+        p += elastic_problems(self)  # a mode that needs every trainer it started
         p.need(self.backend == "rpc_core",
                "cluster.elastic=true needs backend=rpc_core: torch.distributed.rpc reports no dead or frozen "
                "peers to the servers and reads a dynamic group's members once, at join")
@@ -92,15 +90,7 @@ class Config:
                f"cluster.num_servers: {c.num_servers} servers but model {m.name!r} has only {stages} stages "
                f"(each server needs at least one); use cluster.num_servers<={stages} or a deeper model")
         p += m.input_problems(shape, d.name)
-        if m.has_batch_norm() and self.backend == "torch" and self.mode.name == "sync":
-            # Sync mode runs BatchNorm shards' forwards in trainer order: up to (trainers - 1)
-            # requests per shard wait in server threads, and torch's RPC pool has a fixed size.
-            per_server = 1 if c.placement == "balanced" else -(-stages // max(c.num_servers, 1))
-            least = (c.num_trainers - 1) * per_server + 2
-            p.need(c.num_worker_threads >= least,
-                   f"cluster.num_worker_threads: {c.num_worker_threads} is too few for {m.name} in sync mode on "
-                   f"backend=torch with {c.num_trainers} trainers (forwards wait for their turn in server "
-                   f"threads); use cluster.num_worker_threads>={least}")
+        p += run_problems(self)  # the mode's own, with the other groups
         return p
 
 

@@ -2,48 +2,29 @@
 and batches, ``checkpoint`` cadence and ``logging``."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
 from ps_train.config.base import Problems
+from ps_train.modes import AGGREGATES, MODE_NAMES, STALENESS_RULES, option_problems
 
 __all__ = ["ModeConfig", "TrainConfig", "CheckpointConfig", "LoggingConfig", "MODE_NAMES", "AGGREGATES",
            "STALENESS_RULES"]
 
-MODE_NAMES = ("sync", "async", "ssp")
-AGGREGATES = ("mean", "sum")  # sync: how a step's gradients combine (ps_train.aggregation)
-STALENESS_RULES = ("scale", "none")  # async/ssp: the learning rate of a stale gradient (ps_train.aggregation)
-
 
 @dataclass
 class ModeConfig:
-    name: str = "sync"  # sync | async | ssp
+    name: str = "sync"  # sync | async | ssp (ps_train.modes)
     staleness: int = 0  # ssp only: max steps a trainer may run ahead of the slowest
     aggregate: str = "mean"  # sync only: mean (as DDP) or sum of the trainers' gradients
     staleness_rule: str = "scale"  # async/ssp only: scale (lr / staleness) or none
 
     def problems(self) -> Problems:
+        # Each mode checks the options it reads; one it does not read must keep its default
+        # (set with another mode it would silently do nothing): ps_train.modes.
         p = Problems()
-        p.need(self.name in MODE_NAMES,
-               f"mode.name: unknown mode {self.name!r}; choose one of {list(MODE_NAMES)} (e.g. mode=ssp)")
-        if self.name == "ssp":
-            p.need(self.staleness >= 0, f"mode.staleness: {self.staleness} must be >= 0 in ssp mode")
-        else:
-            p.need(self.staleness == 0,
-                   f"mode.staleness: only used by mode=ssp (got {self.staleness} with mode={self.name})")
-        p.need(self.aggregate in AGGREGATES,
-               f"mode.aggregate: unknown rule {self.aggregate!r}; choose one of {list(AGGREGATES)}")
-        p.need(self.staleness_rule in STALENESS_RULES,
-               f"mode.staleness_rule: unknown rule {self.staleness_rule!r}; choose one of {list(STALENESS_RULES)}")
-        # Each option belongs to one kind of mode; set with another it would silently do nothing.
-        if self.name != "sync":
-            p.need(self.aggregate == "mean",
-                   f"mode.aggregate: only used by mode=sync (got {self.aggregate} with mode={self.name}, which "
-                   "applies each trainer's gradient on its own; see mode.staleness_rule)")
-        else:
-            p.need(self.staleness_rule == "scale",
-                   f"mode.staleness_rule: only used by mode=async and mode=ssp (got {self.staleness_rule} with "
-                   "mode=sync, whose gradients are never stale; see mode.aggregate)")
+        p += option_problems(self, {f.name: f.default for f in dataclasses.fields(self) if f.name != "name"})
         return p
 
 

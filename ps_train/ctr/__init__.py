@@ -9,7 +9,7 @@
   ``MappedCtrSplit`` over them;
 - ``batches``: ``CtrBatchIterator`` (per-trainer, resumable) and ``iter_ctr_eval_batches``.
 
-Metrics (AUC, log loss) are in ``ps_train.ctr_metrics``.
+Metrics (AUC, log loss) are in ``ps_train.ctr.metrics``.
 """
 
 from ps_train.ctr.batches import CtrBatch, CtrBatchIterator, iter_ctr_eval_batches

@@ -128,5 +128,5 @@ class PieceReader(threading.Thread):
                     if not self._put(piece):
                         return
             self._put(None)
-        except BaseException as e:  # handed to the consuming thread, which raises it
+        except BaseException as e:  # noqa: BLE001 - handed to the consuming thread, which raises it
             self._put(e)

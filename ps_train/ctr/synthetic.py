@@ -48,8 +48,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from ps_train.ctr.metrics import auc
 from ps_train.ctr.split import CtrSplit
-from ps_train.ctr_metrics import auc
 
 __all__ = ["SyntheticCtr", "synthetic_ctr", "zipf_ranks", "MAX_TABLE_ROWS", "INTERACTION_DIM"]
 

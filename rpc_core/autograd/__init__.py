@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from .. import agent as _agent_mod
-from .. import lifecycle
+from ..agent import agent as _agent_mod
+from ..group import lifecycle
 from . import context as _context
 from . import release as _release
 from .context import DistAutogradContext
@@ -33,7 +33,7 @@ def is_available() -> bool:
 
 
 def _install(agent: _agent_mod.Agent) -> None:
-    _context.init(agent.me.id, agent.id_base)
+    _context.init(agent.me.id, agent.roster.id_base)
     _release.reset()
     agent.middleware.append(AutogradMiddleware())
 
@@ -41,12 +41,16 @@ def _install(agent: _agent_mod.Agent) -> None:
 lifecycle.init_hooks.append(_install)
 lifecycle.pre_shutdown_hooks.append(_release.flush)
 
+# torch's words when distributed autograd is not initialized; init_rpc does it here.
+_NOT_INITIALIZED = ("Need to initialize distributed autograd using rpc_core.init_rpc (rpc_core.autograd has no "
+                    "init() of its own: init_rpc initializes it).")
+
 
 @contextlib.contextmanager
 def context() -> Iterator[int]:
     """A distributed autograd context; yields its id. Leaving it releases the context here
     and on every worker it touched."""
-    _agent_mod.current_agent()
+    _agent_mod.current_agent(_NOT_INITIALIZED)
     ctx = _context.new_context()
     try:
         yield ctx.context_id
@@ -72,7 +76,7 @@ def _current_context() -> DistAutogradContext:
 
 def _new_context() -> DistAutogradContext:
     """A new context, current on this thread (``context()`` also releases it at the end)."""
-    _agent_mod.current_agent()
+    _agent_mod.current_agent(_NOT_INITIALIZED)
     return _context.new_context()
 
 

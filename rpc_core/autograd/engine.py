@@ -46,11 +46,11 @@ from typing import Any
 
 import torch
 
-from .. import agent as _agent_mod
+from ..agent import agent as _agent_mod
+from ..agent.futures import raised_on, settle
+from ..agent.worlds import WorkerInfo
 from ..errors import RpcError, format_many
 from ..functions import async_execution
-from ..futures import raised_on, settle
-from ..worlds import WorkerInfo
 from . import context as _context
 
 # The backward pass running on this thread (the CPU autograd engine runs a pass on the
@@ -81,9 +81,12 @@ def is_anchor(t: torch.Tensor) -> bool:
     return t is ANCHOR
 
 
-def _prefix(me: WorkerInfo) -> str:
-    """How an error of distributed backward names the worker it happened on."""
-    return f"Error on Node {me.id} ({me.name})"
+def _on_node(me: WorkerInfo, detail: object) -> str:
+    """How an error of distributed backward names the worker it happened on: torch's
+    "Error on Node 1: <what>" (programs match it), then the worker's name after the first
+    line of ``detail`` (a remote traceback may follow it)."""
+    first, nl, rest = str(detail).partition("\n")
+    return f"Error on Node {me.id}: {first} (on {me.name}){nl}{rest}"
 
 
 def _discover(starts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -216,7 +219,7 @@ def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = Fa
     try:
         futures = local_pass(ctx, roots, [torch.ones_like(r) for r in roots], waited=True, root=True)
     except Exception as e:
-        raise RuntimeError(f"{_prefix(me)}: {e}") from e
+        raise RuntimeError(_on_node(me, e)) from e
     while futures:  # the answers may carry gradients for our sends: continue from them here
         values, errors = _wait(futures)
         _raise_all(errors)
@@ -260,13 +263,13 @@ def _pass_from_send(ctx: _context.DistAutogradContext, msg_id: int, grads: list[
     me = _agent_mod.current_agent().me
     sent = ctx.sends.get(msg_id)
     if sent is None:
-        raise RpcError(f"{_prefix(me)}: no send with autograd message id {msg_id} in context {ctx.context_id}")
+        raise RpcError(_on_node(me, f"no send with autograd message id {msg_id} in context {ctx.context_id}"))
     pairs: list[tuple[torch.Tensor, torch.Tensor]] = [
         (t, g) for t, g in zip(sent, grads, strict=False) if g is not None]
     try:
         return local_pass(ctx, [t for t, _ in pairs], [g for _, g in pairs], waited=waited, reply=reply)
     except Exception as e:
-        raise RuntimeError(f"{_prefix(me)}: {e}") from e
+        raise RuntimeError(_on_node(me, e)) from e
 
 
 def _on_this_node(e: BaseException) -> BaseException:
@@ -277,11 +280,11 @@ def _on_this_node(e: BaseException) -> BaseException:
     if raised_on(e) is not None:
         return e
     me = _agent_mod.current_agent().me
-    msg = f"{_prefix(me)}: in distributed backward: {e}"
+    msg = _on_node(me, f"in distributed backward: {e}")
     try:
         wrapped = type(e)(msg)  # keep the type (WorkerUnavailableError, RpcTimeoutError, ...)
-    except Exception:
-        wrapped = RuntimeError(f"{_prefix(me)}: in distributed backward: {type(e).__name__}: {e}")
+    except Exception:  # noqa: BLE001 - a type's constructor may refuse a lone message
+        wrapped = RuntimeError(_on_node(me, f"in distributed backward: {type(e).__name__}: {e}"))
     wrapped.__cause__ = e
     return wrapped
 
@@ -302,7 +305,7 @@ def _on_backward(context_id: int, msg_id: int, grads: list[Any], reply_to: int =
     try:
         ctx = _context.retrieve(context_id)
     except RpcError as e:  # released here meanwhile: named like every error this handler raises
-        raise RpcError(f"{_prefix(me)}: {e}") from e
+        raise RpcError(_on_node(me, e)) from e
     returned: list[tuple[int, list[Any]]] = []
     reply = (reply_to, returned) if reply_to >= 0 else None
     futures = _pass_from_send(ctx, msg_id, grads, False, reply)
@@ -326,7 +329,7 @@ def _finish_when_answered(ctx: _context.DistAutogradContext, futures: list[torch
             values, errors = _wait(futures)  # all done: this does not block
             _raise_all(errors)
             more = _continue(ctx, values, False, reply)
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001 - the backward's waiter gets it
             done.set_exception(e)
             return
         _finish_when_answered(ctx, more, reply, done)

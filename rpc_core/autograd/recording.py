@@ -13,8 +13,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .. import agent as _agent_mod
-from .. import calls, wire
+from ..agent import agent as _agent_mod
+from ..agent import calls
+from ..protocol import wire
 from . import context as _context
 from .engine import ANCHOR, _on_backward, _pass_tls
 from .release import release_on_arrival, released_after_requests

@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from .. import agent as _agent_mod
+from ..agent import agent as _agent_mod
+from ..agent.futures import settle
 from ..functions import async_execution
-from ..futures import settle
 from . import context as _context
 from .context import DistAutogradContext
 
@@ -54,7 +54,7 @@ def release_context(context_id: int, skip: int = -1, defer: bool = False) -> lis
 def _announce(ctx: DistAutogradContext, skip: int, defer: bool) -> list[torch.futures.Future[Any]]:
     """Tell the workers ``ctx`` touched (except ``skip``) that it was released here."""
     agent = _agent_mod._agent
-    if agent is None or agent._closing:
+    if agent is None or agent.closing:
         return []
     context_id = ctx.context_id
     targets = ctx.known_workers - {agent.me.id, skip}
@@ -104,13 +104,13 @@ def _flush_stale() -> None:
 
 def _send_cleanup(per_worker: dict[int, list[int]]) -> list[torch.futures.Future[Any]]:
     agent = _agent_mod._agent
-    if agent is None or agent._closing:
+    if agent is None or agent.closing:
         return []
     futs: list[torch.futures.Future[Any]] = []
     for w, ids in per_worker.items():
         try:
             futs.append(agent.send_request(w, _on_cleanup, (ids, agent.me.id), {}, timeout=0))
-        except Exception:
+        except Exception:  # noqa: BLE001 - best effort: one worker not told must not stop the rest
             pass  # a dead worker has nothing left to clean
     if futs:
         with _cleanups_lock:

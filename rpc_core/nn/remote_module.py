@@ -19,11 +19,11 @@ from typing import Any, NoReturn
 import torch
 from torch import nn
 
-from .. import calls
-from ..agent import current_agent
+from ..agent import calls
+from ..agent.agent import current_agent
 from ..options import UNSET_RPC_TIMEOUT
+from ..protocol.serialization import register_reducer
 from ..rref import RRef, _on_invoke, remote
-from ..serialization import register_reducer
 
 __all__ = ["RemoteModule"]
 

@@ -17,7 +17,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import ps_train
 import ps_train.config  # noqa: F401  (registers the schemas)
 from ps_train.app import run
-from ps_train.checkpoint_files import latest_checkpoint, load_checkpoint
+from ps_train.checkpoint.files import latest_checkpoint, load_checkpoint
 from ps_train.config import Config, from_dictconfig
 from ps_train.faults import FAULT_ENV
 

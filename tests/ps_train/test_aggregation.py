@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ps_train.aggregation import combine, lr_scale, scaled_lr
+from ps_train.modes.aggregation import combine, lr_scale, scaled_lr
 
 
 def _grads(seed: int) -> dict[str, torch.Tensor]:

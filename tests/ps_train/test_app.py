@@ -112,7 +112,7 @@ def test_resnet18_trains_on_tiny_synthetic_cifar_sized_images(tmp_path):
 
 @pytest.mark.timeout(90)
 def test_checkpoint_final_false_skips_only_the_checkpoint_after_the_last_step(tmp_path):
-    from ps_train.checkpoint_files import list_checkpoints
+    from ps_train.checkpoint.files import list_checkpoints
 
     metrics = run_app(tmp_path, "train.steps=5", "checkpoint.every=2", "checkpoint.keep=0", "checkpoint.final=false")
     check_metrics(metrics, steps=5)

@@ -6,11 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from ps_train.checkpoint_files import (
+from ps_train.checkpoint.files import (
     MANIFEST_NAME,
     CheckpointError,
     Manifest,
-    atomic_write_bytes,
     begin_checkpoint,
     capture_rng_state,
     checkpoint_dir,
@@ -29,6 +28,7 @@ from ps_train.checkpoint_files import (
 )
 from ps_train.config import MLPConfig, SyntheticConfig
 from ps_train.data import BatchIterator, load_data
+from ps_train.files import atomic_write_bytes
 from ps_train.stage_sharding import build_model_shards
 
 

@@ -32,7 +32,7 @@ from ps_train.ctr import (
     synthetic_ctr,
     time_split,
 )
-from ps_train.ctr_metrics import auc, ctr_metrics, format_ctr_metrics, log_loss
+from ps_train.ctr.metrics import auc, ctr_metrics, format_ctr_metrics, log_loss
 
 # ---------------------------------------------------------------- synthetic
 

@@ -1,7 +1,7 @@
 """model=dlrm end to end: the distributed run equals single-process torch (the oracle), in
 every mode, with checkpoints and resume, and reports the CTR metrics.
 
-The oracle is ``ps_train.dlrm.DLRM``, whose tables are ``nn.EmbeddingBag(sparse=True)``: one
+The oracle is ``ps_train.ctr.model.DLRM``, whose tables are ``nn.EmbeddingBag(sparse=True)``: one
 process, the same initial values, the same batches in the same order, the same optimizers.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ps_train.checkpoint_files import latest_checkpoint, load_checkpoint
+from ps_train.checkpoint.files import latest_checkpoint, load_checkpoint
 from ps_train.config import (
     Config,
     ConfigError,
@@ -27,9 +27,9 @@ from ps_train.config import (
 from ps_train.ctr import CriteoFormatError, CtrSplit
 from ps_train.ctr.batches import CtrBatchIterator
 from ps_train.ctr.loading import load_ctr_data
-from ps_train.ctr_metrics import auc
-from ps_train.dlrm import DLRM
-from ps_train.row_sharding import RowSharding
+from ps_train.ctr.metrics import auc
+from ps_train.ctr.model import DLRM
+from ps_train.ctr.rows import RowSharding
 from tests.ps_train._app import make_cfg, read_json, run_app, scalars
 
 # Small and quick, with few rows per table so a batch uses rows several times (the
@@ -47,7 +47,7 @@ def ctr_parts(cfg: Config) -> tuple[CtrDataConfig, DLRMConfig]:
 def reference_run(cfg: Config, steps: int) -> tuple[dict[str, list[float]], DLRM]:
     """Single-process torch: each step sums the trainers' mean-loss gradients in rank order
     (trainer k's batches from the same CtrBatchIterator) and steps each optimizer once --
-    the servers' sync rule (``ParameterServer.apply_sync``: sum of the trainers' gradients;
+    the servers' sync rule (``ps_train.modes.sync``: sum of the trainers' gradients;
     with ``mode.aggregate=mean``, where that option exists, their mean)."""
     data, m = ctr_parts(cfg)
     train, _, _ = load_ctr_data(data)

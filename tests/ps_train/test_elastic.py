@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from ps_train.config import ConfigError
-from ps_train.elastic_files import REPLACEMENTS_FILE
-from ps_train.elastic_trainer import ElasticBatches
+from ps_train.elastic.files import REPLACEMENTS_FILE
+from ps_train.elastic.membership import Assignment, Membership
+from ps_train.elastic.trainer import ElasticBatches
 from ps_train.faults import FAULT_ENV
-from ps_train.membership import Assignment, Membership
+from ps_train.launch.restarts import RESTARTS_FILE
 from ps_train.metrics import NullWriter
-from ps_train.restarts import RESTARTS_FILE
 from tests.ps_train._app import BASELINE, cli, make_cfg, read_json, run_app, scalars
 
 STEPS, KILL_AT, BATCH = 16, 6, 32

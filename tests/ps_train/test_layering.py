@@ -1,5 +1,6 @@
-"""Imports point down only: ps_train's modules import each other without cycles, only the
-entry points import the launcher, and the config imports nothing else of ps_train.
+"""Imports point down only: ps_train's modules, and its sub-packages, import each other
+without cycles, only the entry points import the launcher, and the config imports nothing
+else of ps_train but the update modes, which import nothing else.
 
 The import graph is read from the source (``ast``), counting imports inside functions too:
 a deferred import is still a dependency, and deferring one is how cycles used to hide.
@@ -13,9 +14,10 @@ import ps_train
 from tests._graphs import cycles
 
 PACKAGE_DIR = Path(ps_train.__file__).resolve().parent
-# The entry points: what starts a run may import the launcher; nothing the launcher starts may.
-# ps_train.restarts starts it again after a failure.
-ENTRY_POINTS = {"ps_train.app", "ps_train.__main__", "ps_train.restarts"}
+# The entry points: what starts a run may import the launcher (the package ps_train.launch);
+# nothing the launcher starts may.
+LAUNCHER = "ps_train.launch"
+ENTRY_POINTS = {"ps_train.app", "ps_train.__main__"}
 
 
 def _module_name(path: Path) -> str:
@@ -23,6 +25,10 @@ def _module_name(path: Path) -> str:
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
+
+
+def _within(package: str, module: str) -> bool:
+    return module == package or module.startswith(package + ".")
 
 
 def _modules() -> dict[str, Path]:
@@ -63,6 +69,25 @@ def import_graph() -> dict[str, set[str]]:
     return graph
 
 
+def package_of(module: str, modules: dict[str, Path]) -> str:
+    """The unit of the package graph: a sub-package of ps_train (``ps_train.ctr``) for every
+    module inside it, a top-level module (``ps_train.models``) for itself."""
+    parts = module.split(".")
+    if len(parts) > 1 and modules.get(".".join(parts[:2]), Path()).name == "__init__.py":
+        return ".".join(parts[:2])
+    return module
+
+
+def package_graph() -> dict[str, set[str]]:
+    """ps_train's sub-packages and top-level modules -> those they import."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {}
+    for module, targets in import_graph().items():
+        unit = package_of(module, modules)
+        graph.setdefault(unit, set()).update(package_of(t, modules) for t in targets)
+    return {unit: targets - {unit, "ps_train"} for unit, targets in graph.items() if unit != "ps_train"}
+
+
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """Strongly connected components with more than one module, each sorted."""
     return cycles(graph)
@@ -76,8 +101,8 @@ def _describe(graph: dict[str, set[str]], component: list[str]) -> str:
 
 def test_the_graph_sees_ps_train_and_its_imports():
     graph = import_graph()
-    assert {"ps_train.launch", "ps_train.server", "ps_train.trainer", "ps_train.app"} <= set(graph)
-    assert "ps_train.launch" in graph["ps_train.app"]  # a sanity check of the parser itself
+    assert {"ps_train.launch.local", "ps_train.roles.server", "ps_train.roles.trainer", "ps_train.app"} <= set(graph)
+    assert "ps_train.launch.restarts" in graph["ps_train.app"]  # a sanity check of the parser itself
 
 
 def test_no_import_cycles():
@@ -87,19 +112,35 @@ def test_no_import_cycles():
         _describe(graph, c) for c in cycles)
 
 
+def test_no_import_cycles_between_packages():
+    # A package is one concept (modes, checkpoint, elastic, ctr, roles, launch): it sits on
+    # one floor, so no two of them (or a top-level module and a package) import each other.
+    graph = package_graph()
+    assert {"ps_train.roles", "ps_train.ctr", "ps_train.launch", "ps_train.models"} <= set(graph)
+    cycles = _cycles(graph)
+    assert not cycles, "ps_train's packages import each other in cycles: " + "; ".join(
+        _describe(graph, c) for c in cycles)
+
+
 def test_only_the_entry_points_import_the_launcher():
     graph = import_graph()
-    importers = sorted(m for m, targets in graph.items() if "ps_train.launch" in targets and m not in ENTRY_POINTS)
-    assert not importers, (f"{importers} import ps_train.launch; only {sorted(ENTRY_POINTS)} may (what the "
+    importers = sorted(m for m, targets in graph.items() if not _within(LAUNCHER, m) and m not in ENTRY_POINTS
+                       and any(_within(LAUNCHER, t) for t in targets))
+    assert not importers, (f"{importers} import {LAUNCHER}; only {sorted(ENTRY_POINTS)} may (what the "
                            "launcher starts must not depend on it)")
 
 
-def test_the_config_imports_nothing_else_of_ps_train():
+def test_the_config_imports_nothing_else_of_ps_train_but_the_modes():
     # Validation needs shapes and stage counts; the config answers them itself, so data,
-    # models and the rest can import the config and never the other way round.
+    # models and the rest can import the config and never the other way round. A mode checks
+    # its own options (so a new mode is one module), hence the config imports the modes,
+    # which import nothing else of ps_train.
     graph = import_graph()
-    def in_config(module: str) -> bool:
-        return module == "ps_train.config" or module.startswith("ps_train.config.")
-
-    outside = {f"{m} -> {t}" for m, targets in graph.items() if in_config(m) for t in targets if not in_config(t)}
+    below = ("ps_train.config", "ps_train.modes")
+    outside = {f"{m} -> {t}" for m, targets in graph.items() if _within("ps_train.config", m) for t in targets
+               if not any(_within(p, t) for p in below)}
     assert not outside, f"the config imports other ps_train modules: {sorted(outside)}"
+    outside = {f"{m} -> {t}" for m, targets in graph.items() if _within("ps_train.modes", m) for t in targets
+               if not _within("ps_train.modes", t)}
+    assert not outside, f"the modes import other ps_train modules: {sorted(outside)}"
+    assert "ps_train.modes" in graph["ps_train.config.run"]  # the rule above is not empty

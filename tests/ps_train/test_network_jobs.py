@@ -222,7 +222,7 @@ def test_a_server_cut_off_longer_than_the_heartbeat_stops_every_rank_and_a_resta
             assert m is not None, lines[0]
             assert f"step_00000000{RESUMED_FROM}" in lines[0], lines[0]
             named.append((m.group(1), "sent nothing for" in lines[0]))
-        # Each rank names the peer it saw fail first (docs/failures.md): ps1 sees the others go
+        # Each rank names the peer it saw fail first (docs/training_failures.md): ps1 sees the others go
         # silent, and once a rank exits, its peers may see it leave before ps1's silence. The
         # first rank to notice anything beyond ps1 notices ps1's silence, and says so.
         assert any(named[rank] == ("ps1", True) for rank in (0, 2, 3)), named

@@ -4,11 +4,14 @@ not the source tree, so the Hydra configs must come from inside the installed pa
 
 Everything here works offline: the wheel is built with ``--no-build-isolation`` (setuptools
 from this environment, which the ``test`` extra requires) and installed with ``--no-deps
---no-index``; torch, hydra and the other dependencies come from this environment through
-``--system-site-packages``.
+--no-index``; torch, hydra, pip and the other dependencies come from this environment: the
+running interpreter's site directories, added to the new environment by a ``.pth`` file. That
+works whether the tests run on a system Python or inside a virtual environment (whose
+packages ``--system-site-packages`` would not give: it gives the base interpreter's).
 """
 import os
 import shutil
+import site
 import subprocess
 import sys
 from pathlib import Path
@@ -50,13 +53,25 @@ def test_wheel_installs_into_a_fresh_venv_and_runs_from_another_directory(tmp_pa
 
     # A venv without pip of its own (no ensurepip needed) that sees this environment's
     # packages; `python -m pip` inside it is this environment's pip, installing into the venv.
-    # sys.path puts the venv's site-packages before the system one, and the source checkout's
+    # The packages are wherever the running interpreter finds them: its site directories (a
+    # virtual environment's own when the tests run in one; --system-site-packages would give
+    # the base interpreter's instead, which may lack torch). A .pth file in the venv adds them
+    # with site.addsitedir, which also runs their own .pth files, as this interpreter did.
+    # They come after the venv's site-packages on sys.path, and the source checkout's
     # editable install (if any) is a meta-path finder placed after the normal path search, so
     # the venv's copy wins. -s keeps a user site (~/.local) out; cwd is outside the checkout.
     venv = tmp_path / "venv"
-    _run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", venv],
-         cwd=tmp_path, env=env)
+    _run([sys.executable, "-m", "venv", "--without-pip", venv], cwd=tmp_path, env=env)
     py = venv / "bin" / "python"
+    site_dirs = [d for d in site.getsitepackages() if os.path.isdir(d)]
+    if site.ENABLE_USER_SITE and os.path.isdir(site.getusersitepackages()):
+        site_dirs.append(site.getusersitepackages())
+    venv_site = Path(_run([py, "-s", "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                          cwd=tmp_path, env=env).stdout.strip())
+    assert venv_site.resolve().is_relative_to(venv.resolve()), venv_site
+    # a .pth line that starts with "import" is run; one line, so its statements are joined by ";"
+    (venv_site / "_test_environment.pth").write_text(
+        "import site; " + "; ".join(f"site.addsitedir({d!r})" for d in site_dirs) + "\n")
     _run([py, "-s", "-m", "pip", "install", "--no-deps", "--force-reinstall", "--no-index", "-q",
           wheels[0]], cwd=tmp_path, env=env)
 

@@ -11,10 +11,10 @@ import pytest
 
 from ps_train.config import ConfigError
 from ps_train.faults import FAULT_ENV, Fault, parse_faults
-from ps_train.heartbeat import process_state
-from ps_train.launch import RoleFailed
-from ps_train.ports import free_port
-from ps_train.restarts import RESTARTS_FILE, start_checkpoint
+from ps_train.launch.heartbeat import process_state
+from ps_train.launch.local import RoleFailed
+from ps_train.launch.ports import free_port
+from ps_train.launch.restarts import RESTARTS_FILE, start_checkpoint
 from tests.ps_train._app import (
     BASELINE,
     BASELINE_STEPS,
@@ -188,7 +188,7 @@ def test_env_ranks_of_a_job_whose_server_died_exit_promptly_non_zero_with_one_li
 def test_where_an_attempt_starts(tmp_path):
     import torch
 
-    from ps_train.checkpoint_files import save_checkpoint
+    from ps_train.checkpoint.files import save_checkpoint
 
     run_dir, other = tmp_path / "run", str(tmp_path / "other" / "checkpoints" / "step_000000002")
     assert start_checkpoint(None, str(run_dir), restarted=False) is None

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ps_train.dlrm import DLRM, interact
-from ps_train.row_sharding import INIT_BLOCK, RowSharding, assemble, init_rows, plan_lookup
+from ps_train.ctr.model import DLRM, interact
+from ps_train.ctr.rows import INIT_BLOCK, RowSharding, assemble, init_rows, plan_lookup
 
 
 @pytest.mark.parametrize("kind", ["range", "mod"])
@@ -119,7 +119,7 @@ def test_sharded_lookups_train_like_one_embedding_bag(kind: str) -> None:
 
 
 def test_a_servers_table_shards_hold_its_rows_and_train_only_the_touched_ones() -> None:
-    from ps_train.table_shards import TableShards
+    from ps_train.ctr.shards import TableShards
 
     sizes, dim = [INIT_BLOCK + 3, 10], 2
     parts = [TableShards(sizes, dim, "range", s, 2, seed=5) for s in range(2)]
@@ -143,7 +143,7 @@ def test_a_servers_table_shards_hold_its_rows_and_train_only_the_touched_ones() 
 
 @pytest.mark.parametrize("kind", ["range", "mod"])
 def test_servers_build_the_same_tables_for_any_number_of_servers(kind: str) -> None:
-    from ps_train.table_shards import TableShards
+    from ps_train.ctr.shards import TableShards
 
     sizes, dim = [2 * INIT_BLOCK + 7, 5], 3
     one = TableShards(sizes, dim, kind, 0, 1, seed=9)

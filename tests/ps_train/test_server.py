@@ -1,4 +1,5 @@
-"""ParameterServer without RPC: the parts of sync mode that threads could make nondeterministic."""
+"""ParameterServer and its update modes without RPC: the parts of sync mode that threads could make
+nondeterministic, and the async update rule."""
 import copy
 import threading
 
@@ -15,7 +16,7 @@ from ps_train.config import (
     TrainConfig,
     validate,
 )
-from ps_train.server import ParameterServer
+from ps_train.roles.server import ParameterServer
 
 
 @pytest.mark.timeout(60)
@@ -23,7 +24,7 @@ def test_sync_forwards_with_batchnorm_run_in_trainer_order_whatever_order_reques
     cfg = validate(Config(model=ResNetConfig(), data=SyntheticConfig(shape=[3, 8, 8]),
                           cluster=ClusterConfig(num_servers=1, num_trainers=2), train=TrainConfig(steps=1)))
     ps = ParameterServer(cfg, rank=0)
-    assert ps.ordered_forwards
+    assert ps.has_running_stats  # so sync mode runs its forwards in trainer order
     module = ps.shards[0]
     reference = copy.deepcopy(module)
     x0, x1 = torch.randn(4, 3, 8, 8), torch.randn(4, 3, 8, 8)
@@ -39,7 +40,7 @@ def test_sync_forwards_with_batchnorm_run_in_trainer_order_whatever_order_reques
     reference(x0), reference(x1)  # running statistics updated in trainer order
     for (name, a), (_, b) in zip(module.named_buffers(), reference.named_buffers(), strict=True):
         assert torch.equal(a, b), name
-    assert ps._forwards_done == {}  # the step's bookkeeping is dropped once every trainer ran
+    assert ps.mode._forwards_done == {}  # the step's bookkeeping is dropped once every trainer ran
 
 
 @pytest.mark.timeout(60)
@@ -47,7 +48,7 @@ def test_a_sync_forward_runs_only_once_the_previous_steps_update_is_applied(monk
     # A pipelined trainer sends its step-1 forward before it knows its step-0 update landed.
     cfg = validate(Config(cluster=ClusterConfig(num_servers=1, num_trainers=2), train=TrainConfig(steps=2)))
     ps = ParameterServer(cfg, rank=0)
-    monkeypatch.setattr(ps, "_grads", lambda context_id: {})  # no RPC here: an update without gradients
+    monkeypatch.setattr(ps, "gradients", lambda context_id: {})  # no RPC here: an update without gradients
     x = torch.randn(4, *cfg.data.sample_shape())
     first = ps.shards[0]
 
@@ -55,18 +56,18 @@ def test_a_sync_forward_runs_only_once_the_previous_steps_update_is_applied(monk
     early.start()
     early.join(timeout=0.5)
     assert early.is_alive(), "the step-1 forward ran before any step-0 update"
-    pending = ps.apply_sync(0, 0, 0)  # trainer0's half of round 0 waits...
-    assert not pending.done() and ps.rounds == 0
+    pending = ps.update(0, 0, 0)  # trainer0's half of round 0 waits...
+    assert not pending.done() and ps.mode.rounds == 0
     early.join(timeout=0.5)
     assert early.is_alive(), "the step-1 forward ran before trainer1's step-0 update"
-    done = ps.apply_sync(0, 1, 0)  # ...until trainer1's completes it
+    done = ps.update(0, 1, 0)  # ...until trainer1's completes it
     early.join(timeout=30)
-    assert not early.is_alive() and pending.done() and done.done() and ps.rounds == 1
+    assert not early.is_alive() and pending.done() and done.done() and ps.mode.rounds == 1
     torch.testing.assert_close(ps.forward(0, x, 1, 1), first(x))  # step 1 itself does not wait
 
     restored = ParameterServer(cfg, rank=0)
     restored.load_state_dict(ps.state_dict())
-    assert restored.rounds == 1
+    assert restored.mode.rounds == 1
 
 
 @pytest.mark.timeout(60)
@@ -79,18 +80,18 @@ def test_a_failed_sync_update_fails_its_round_and_what_waits_for_it_naming_it(mo
             raise RuntimeError(f"Could not find autograd context with id: {context_id}")
         return {}
 
-    monkeypatch.setattr(ps, "_grads", grads)
-    waiting = ps.apply_sync(1, 1, 0)  # trainer1's half of round 0
+    monkeypatch.setattr(ps, "gradients", grads)
+    waiting = ps.update(1, 1, 0)  # trainer1's half of round 0
     assert not waiting.done()
     with pytest.raises(RuntimeError, match="Could not find autograd context"):
-        ps.apply_sync(7, 0, 0)  # trainer0's half fails
+        ps.update(7, 0, 0)  # trainer0's half fails
     failed = "the step-0 update failed.*autograd context with id: 7"
     with pytest.raises(RuntimeError, match=f"cannot run the step-0 update: {failed}"):
         waiting.wait()  # trainer1 learns it instead of waiting forever
     with pytest.raises(RuntimeError, match=f"cannot run the step-1 forward: {failed}"):
         ps.forward(0, torch.randn(4, *cfg.data.sample_shape()), 0, 1)
     with pytest.raises(RuntimeError, match=f"cannot run the step-1 update: {failed}"):
-        ps.apply_sync(1, 1, 1)
+        ps.update(1, 1, 1)
 
 
 @pytest.mark.timeout(60)
@@ -102,8 +103,9 @@ def test_a_sync_round_steps_once_with_the_mean_or_the_sum_of_the_trainers_gradie
     ps = ParameterServer(cfg, rank=0)
     before = [p.detach().clone() for p in ps.params]
     # Trainer k's gradient (context k) is k + 1 everywhere.
-    monkeypatch.setattr(ps, "_grads", lambda context_id: {p: torch.full_like(p, context_id + 1.0) for p in ps.params})
-    rounds = [ps.apply_sync(k, k, 0) for k in (2, 0, 1)]
+    monkeypatch.setattr(ps, "gradients",
+                        lambda context_id: {p: torch.full_like(p, context_id + 1.0) for p in ps.params})
+    rounds = [ps.update(k, k, 0) for k in (2, 0, 1)]
     assert all(r.done() for r in rounds) and ps.version == 1
     for p, w in zip(ps.params, before, strict=True):
         assert torch.equal(p.detach(), w.add(torch.full_like(w, 1.0 + 2.0 + 3.0) / divisor, alpha=-cfg.optim.lr))
@@ -119,18 +121,18 @@ def test_an_async_update_steps_at_the_learning_rate_its_staleness_gives(monkeypa
     ps = ParameterServer(cfg, rank=0)  # the MLP's shards 0 (input [B, 64]) and 2 (input [B, 64])
     assert sorted(ps.shards) == [0, 2]
     before = [p.detach().clone() for p in ps.params]
-    monkeypatch.setattr(ps, "_grads", lambda context_id: {p: torch.ones_like(p) for p in ps.params})
+    monkeypatch.setattr(ps, "gradients", lambda context_id: {p: torch.ones_like(p) for p in ps.params})
     x = torch.randn(4, *cfg.data.sample_shape())  # [4, 64]
     for t in range(4):
         ps.forward(0, x, t, 0)  # every trainer's step 0 reads version 0
-    staleness = [ps.apply_async(0, 0, 0)]  # nobody overtook trainer0: 0
+    staleness = [ps.update(0, 0, 0).wait()]  # nobody overtook trainer0: 0
     ps.forward(0, x, 0, 1)  # trainer0's step 1 reads version 1
     ps.forward(2, torch.randn(4, 64), 1, 0)  # trainer1's last shard at version 1: its step first read version 0
-    staleness += [ps.apply_async(0, t, 0) for t in (1, 2, 3)]  # 1, 2, 3 updates since version 0
-    staleness.append(ps.apply_async(0, 0, 1))  # trainer0's step 1: versions 2, 3, 4 since its read
+    staleness += [ps.update(0, t, 0).wait() for t in (1, 2, 3)]  # 1, 2, 3 updates since version 0
+    staleness.append(ps.update(0, 0, 1).wait())  # trainer0's step 1: versions 2, 3, 4 since its read
     assert staleness == [0, 1, 2, 3, 3]
-    assert ps.max_staleness_seen == 3 and ps.version == 5
-    assert ps._read_version == {}  # every step's read is forgotten once its update is in
+    assert ps.mode.max_staleness_seen == 3 and ps.version == 5
+    assert ps.mode._read_version == {}  # every step's read is forgotten once its update is in
     assert ps.optimizer.param_groups[0]["lr"] == cfg.optim.lr  # the configured rate is back
     for p, w in zip(ps.params, before, strict=True):
         for f in factors:

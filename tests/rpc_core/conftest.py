@@ -6,7 +6,7 @@ import pytest
 def _no_agent_left_behind():
     """A test that runs rpc_core in this process must leave it uninitialized."""
     yield
-    from rpc_core import agent
+    from rpc_core.agent import agent
 
     if agent._agent is not None:
         import rpc_core

@@ -1,4 +1,4 @@
-"""The worker (rpc_core/agent.py, api.py shutdown): graceful shutdown waits for all work in
+"""The worker (rpc_core/agent/agent.py, api.py shutdown): graceful shutdown waits for all work in
 flight, dead peers are reported quickly and by name, and a worker's port survives wrong
 secrets and malformed bytes. Bodies run on worker processes (tests/_world.py).
 
@@ -17,9 +17,11 @@ import pytest
 import torch
 
 import rpc_core
-from rpc_core import WorkerUnavailableError, handshake, transport, wire
-from rpc_core import agent as agent_mod
+from rpc_core import WorkerUnavailableError, transport
+from rpc_core.agent import agent as agent_mod
 from rpc_core.errors import AuthenticationError
+from rpc_core.protocol import wire
+from rpc_core.transport import unix
 from tests._world import run_world, stop_process
 
 IO_TIMEOUT = 30.0
@@ -297,14 +299,14 @@ def _body_wrong_secret(ctx):
         _wait_signal()
         return None
     rpc_core._barrier(["worker0", "worker1"])
-    address = tuple(rpc_core.api.current_agent().addresses[1])
+    address = tuple(rpc_core.api.current_agent().roster.addresses[1])
     for secret in (b"wrong", b""):
         with pytest.raises(AuthenticationError, match="rejected our authentication.*same secret"):
-            transport.dial(address, secret, timeout=IO_TIMEOUT)
+            transport.TCP.dial(address, secret, timeout=IO_TIMEOUT)
     # the worker logged both and keeps accepting and serving everyone else
     logged = rpc_core.rpc_sync(1, _log_messages, args=(2,))
     assert all("wrong or missing auth secret" in m for m in logged[:2]), logged
-    transport.dial(address, ctx.secret.encode(), timeout=IO_TIMEOUT).close()
+    transport.TCP.dial(address, ctx.secret.encode(), timeout=IO_TIMEOUT).close()
     assert rpc_core.rpc_sync(1, _whoami) == "worker1"
     rpc_core.rpc_sync(1, _set_signal)
     return True
@@ -324,7 +326,7 @@ def _body_garbage(ctx):
     if ctx.rank == 1:
         _wait_signal()
         return None
-    address = tuple(rpc_core.api.current_agent().addresses[1])
+    address = tuple(rpc_core.api.current_agent().roster.addresses[1])
     secret = ctx.secret.encode()
     rss_before = rpc_core.rpc_sync(1, _maxrss_mb)
 
@@ -353,17 +355,16 @@ def _body_garbage(ctx):
         _identity_frame(99),  # identity out of range
     ]
     for raw in bad_frames:
-        s = transport.dial(address, secret, timeout=IO_TIMEOUT)
-        with s:
+        with transport.TCP.dial(address, secret, timeout=IO_TIMEOUT).sock as s:
             _send_ignoring_reset(s, raw)
             s.shutdown(socket.SHUT_WR)
             assert _dropped(s)
 
     # A well-formed request whose body is not a pickle gets an error answer, not a crash.
-    with transport.dial(address, secret, timeout=IO_TIMEOUT) as s:
-        s.sendall(_identity_frame(0) + wire.pack_header(wire.REQUEST, 0, 0, 11, 42, []) + b"not pickled")
-        conn = transport.Connection(s)
-        s.settimeout(IO_TIMEOUT)
+    conn = transport.TCP.dial(address, secret, timeout=IO_TIMEOUT)
+    with conn.sock:
+        conn.sock.sendall(_identity_frame(0) + wire.pack_header(wire.REQUEST, 0, 0, 11, 42, []) + b"not pickled")
+        conn.set_recv_timeout(IO_TIMEOUT)
         h, _, _, _ = conn.recv()
         assert (h.kind, h.msg_id) == (wire.EXCEPTION, 42)
 
@@ -439,7 +440,7 @@ def test_a_long_request_alone_on_its_connection_keeps_the_reader_thread():
 # -- same-host sockets ------------------------------------------------------------------------------
 def _families():
     agent = agent_mod.current_agent()
-    return sorted({str(c.sock.family.name) for k, c in agent._out.items() if k != agent.me.id})
+    return sorted({str(c.sock.family.name) for k, c in agent.connections.out.items() if k != agent.me.id})
 
 
 def _body_families(ctx):
@@ -469,9 +470,9 @@ def _body_impostor(ctx):
     if ctx.rank == 1:
         return None
     # ... and another program holds the name rank 0 would dial for it: it answers garbage.
-    port = agent_mod.current_agent().addresses[1][1]
+    port = agent_mod.current_agent().roster.addresses[1][1]
     impostor = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    impostor.bind(handshake.local_address(port))
+    impostor.bind(unix.address(port))
     impostor.listen(8)
 
     def serve():
@@ -577,11 +578,11 @@ def _body_connection_stats(ctx):
     if ctx.rank != 0:
         return None
     rpc_core.rpc_sync(1, _echo, args=(torch.zeros(1),))  # dials: the counts below are one call's
-    before = agent_mod.connection_stats()
+    before = rpc_core.connection_stats()
     tensor = torch.ones(1 << 18)  # 1 MB of float32, there and back
     assert torch.equal(rpc_core.rpc_sync(1, _echo, args=(tensor,)), tensor)
-    after = agent_mod.connection_stats()
-    assert after == agent_mod.current_agent().connection_stats()
+    after = rpc_core.connection_stats()
+    assert after == agent_mod.current_agent().connections.connection_stats()
     return before, after
 
 
@@ -596,4 +597,4 @@ def test_connection_stats_count_the_bytes_of_a_call_both_ways():
 
 def test_connection_stats_need_an_initialised_worker():
     with pytest.raises(rpc_core.RpcNotInitializedError):
-        agent_mod.connection_stats()
+        rpc_core.connection_stats()

@@ -1,5 +1,5 @@
-"""Large tensor buffers by cross-memory attach (rpc_core/cma.py, the REMOTE frames of
-rpc_core/transport.py): real processes on 127.0.0.1, with RPC_CORE_CMA on and off; a peer
+"""Large tensor buffers by cross-memory attach (rpc_core/transport/cma.py, the REMOTE frames of
+rpc_core/transport/stream.py): real processes on 127.0.0.1, with RPC_CORE_CMA on and off; a peer
 that dies while we wait for its RELEASE; two peers sending large frames to each other at
 once; and descriptors a lying peer could send."""
 import ctypes
@@ -17,14 +17,16 @@ import pytest
 import torch
 
 import rpc_core
-from rpc_core import cma, transport, wire
+from rpc_core import transport
 from rpc_core.errors import ProtocolError
-from rpc_core.serialization import storage_view
+from rpc_core.protocol import wire
+from rpc_core.protocol.serialization import storage_view
+from rpc_core.transport import cma, handshake, sending, stream
 from tests._world import run_world
 
 IO_TIMEOUT = 30.0
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-MIN = transport.CMA_MIN
+MIN = sending.CMA_MIN
 
 pytestmark = pytest.mark.skipif(not cma.enabled(), reason="process_vm_readv unavailable or RPC_CORE_CMA=0")
 
@@ -36,7 +38,7 @@ def _echo(*tensors):
 
 def _cma_counters():
     """(bytes_cma_sent, bytes_cma_received) over this worker's connections."""
-    stats = rpc_core.agent.connection_stats()
+    stats = rpc_core.connection_stats()
     return stats.bytes_cma_sent, stats.bytes_cma_received
 
 
@@ -125,7 +127,7 @@ def _body_both_ways(ctx):
         try:
             for _ in range(5):
                 _check_same((t,), rpc_core.rpc_sync(other, _echo, args=(t,), timeout=60))
-        except BaseException as e:  # reported below
+        except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
     threads = [threading.Thread(target=loop, args=(t,)) for t in tensors]
@@ -149,9 +151,9 @@ def test_two_workers_echo_large_tensors_to_each_other_at_the_same_time():
 _STUCK_PEER = """
 import socket, sys
 sys.path.insert(0, sys.argv[3])
-from rpc_core import transport, wire
-sock = transport.dial(("127.0.0.1", int(sys.argv[1])), sys.argv[2].encode(), timeout=30)
-conn = transport.Connection(sock)
+from rpc_core import transport
+from rpc_core.protocol import wire
+conn = transport.TCP.dial(("127.0.0.1", int(sys.argv[1])), sys.argv[2].encode(), timeout=30)
 assert conn.cma_recv, "the peer cannot read our memory"
 header = wire.FrameHeader(*wire.FRAME_HEADER.unpack(conn._read_small(wire.FRAME_HEADER.size)))
 sys.stdout.write("got %d\\n" % header.nbuf)  # a frame by address arrived; never answer it
@@ -178,8 +180,7 @@ def test_sender_waiting_for_release_fails_promptly_when_the_peer_is_killed(reade
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         sock, _ = listener.accept()
-        transport.accept(sock, b"s3cret", timeout=IO_TIMEOUT)
-        conn = transport.Connection(sock)
+        conn = stream.Connection(sock, handshake.run_acceptor(sock, b"s3cret", timeout=IO_TIMEOUT))
         assert conn.cma_send
         data = torch.ones(4 << 20, dtype=torch.uint8)
         with ThreadPoolExecutor(2) as pool:
@@ -204,7 +205,8 @@ def test_sender_waiting_for_release_fails_promptly_when_the_peer_is_killed(reade
 # -- descriptors from a lying peer ----------------------------------------------------------------------
 @pytest.fixture
 def pair():
-    """Two ends of an authenticated connection in this process (which can read itself)."""
+    """Two ends of an authenticated connection in this process (which can read itself): the
+    dialer's (whose socket the tests also write raw bytes to) and the acceptor's."""
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(1)
@@ -212,11 +214,10 @@ def pair():
     with ThreadPoolExecutor(1) as pool:
         def accept():
             s, _ = listener.accept()
-            transport.accept(s, b"k", timeout=IO_TIMEOUT)
-            return s
+            return stream.Connection(s, handshake.run_acceptor(s, b"k", timeout=IO_TIMEOUT))
         accepted = pool.submit(accept)
-        dialed = transport.dial(listener.getsockname(), b"k", timeout=IO_TIMEOUT)
-        a = transport.Connection(accepted.result(IO_TIMEOUT))
+        dialed = transport.TCP.dial(listener.getsockname(), b"k", timeout=IO_TIMEOUT)
+        a = accepted.result(IO_TIMEOUT)
     listener.close()
     assert a.cma_recv
     yield dialed, a
@@ -261,7 +262,7 @@ _region, _mapped = _guarded(1 << 20)  # 1 MB the "peer" really has, then nothing
 def test_lying_descriptor_is_a_protocol_error_and_allocates_nothing_lasting(pair, lens, addrs, message):
     raw, conn = pair
     before = _maxrss_mb()
-    raw.sendall(_remote_frame(lens, addrs))
+    raw.sock.sendall(_remote_frame(lens, addrs))
     with pytest.raises(ProtocolError, match=message):
         conn.recv()
     assert conn.bytes_cma_received == 0
@@ -273,7 +274,7 @@ def test_lying_descriptor_is_a_protocol_error_and_allocates_nothing_lasting(pair
 
 def test_frame_by_address_on_a_connection_that_cannot_read_the_peer_is_malformed():
     a, b = socket.socketpair()  # no handshake: nothing was proved
-    conn = transport.Connection(b)
+    conn = stream.Connection(b)
     with a:
         a.sendall(_remote_frame([1 << 20], [_mapped]))
         with pytest.raises(ProtocolError, match="cannot read the peer's memory"):
@@ -291,15 +292,14 @@ def test_frame_by_address_on_a_connection_that_cannot_read_the_peer_is_malformed
     ids=["unknown-token", "with-body", "with-buffer"],
 )
 def test_unexpected_release_is_a_protocol_error(pair, raw, message):
-    sock, conn = pair
-    sock.sendall(raw)
+    dialed, conn = pair
+    dialed.sock.sendall(raw)
     with pytest.raises(ProtocolError, match=message):
         conn.recv()
 
 
 def test_release_frames_are_consumed_by_the_transport_and_counters_count(pair):
-    raw, conn = pair
-    sender = transport.Connection(raw)
+    sender, conn = pair
     small = torch.arange(100, dtype=torch.uint8)
     large = _random((MIN + 1) // 4 * 4 + 4, torch.uint8, 5)
     views = [storage_view(t.untyped_storage()) for t in (small, large)]
@@ -327,8 +327,7 @@ def _sender_yields_while_the_peer_copies(pair, monkeypatch, nbytes):
     """(How often the sending thread polled (each poll yields once) while it waited for the
     peer to copy an ``nbytes`` buffer, whether its connection's readers were told not to
     poll); the peer starts reading only once the sender waits."""
-    raw, conn = pair
-    sender = transport.Connection(raw)
+    sender, conn = pair
     tensor = _random(nbytes, torch.uint8, 3)  # keeps the memory the peer reads alive
     buf = storage_view(tensor.untyped_storage())
     yields, waiting, sender_thread, quiet = [], threading.Event(), [], []

@@ -96,9 +96,10 @@ def test_async_functions_answer_with_their_futures_value_in_every_mode():
 
 def _body_errors(ctx):
     if ctx.rank == 0:
-        msg = r"Functions decorated with @rpc\.async_function must return a torch\.futures\.Future"
-        with pytest.raises(TypeError, match=msg):
+        msg = r"^Functions decorated with @rpc\.async_function must return a torch\.futures\.Future object, but got "
+        with pytest.raises(TypeError, match=msg) as info:
             rpc_core.rpc_sync(1, _async_wrong_type)
+        assert isinstance(info.value, RuntimeError)  # as torch raises it
         with pytest.raises(TypeError, match=msg):
             rpc_core.rpc_async(1, _async_wrong_type).wait()
         with pytest.raises(TypeError, match=msg):

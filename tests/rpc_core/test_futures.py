@@ -6,7 +6,7 @@ import pickle
 
 import pytest
 
-from rpc_core import wire
+from rpc_core.agent.futures import RpcFuture, raised_on, rebuild_exception
 from rpc_core.errors import (
     RemoteFunctionError,
     RpcTimeoutError,
@@ -14,7 +14,7 @@ from rpc_core.errors import (
     WorkerUnavailableError,
     failed_worker,
 )
-from rpc_core.futures import RpcFuture, raised_on, rebuild_exception
+from rpc_core.protocol import wire
 
 
 def test_a_rebuilt_exception_has_its_type_and_knows_the_worker_it_was_raised_on() -> None:
@@ -73,3 +73,25 @@ def _waiters_copy(error: BaseException) -> BaseException:
     except BaseException as e:  # noqa: BLE001 - the copy is what this returns
         return e
     raise AssertionError("the future did not fail")
+
+
+def test_map_result_passes_an_error_on_with_its_class_where_then_wraps_it() -> None:
+    import torch
+
+    from rpc_core.agent.futures import map_result
+
+    failed = RpcFuture()
+    failed.set_exception(ValueError("creation failed"))
+    with pytest.raises(RuntimeError, match="^Got the following error when running the callback: ValueError"):
+        failed.then(lambda f: type(f.value())).wait()  # what then() makes of it
+    with pytest.raises(ValueError, match="^creation failed$"):
+        map_result(failed, type).wait()
+    ok: torch.futures.Future[int] = torch.futures.Future()
+    mapped = map_result(ok, lambda v: 10 // v)
+    ok.set_result(0)
+    with pytest.raises(ZeroDivisionError):  # fn's own error, as raised
+        mapped.wait()
+    assert map_result(RpcFuture(), type).done() is False
+    done: torch.futures.Future[int] = torch.futures.Future()
+    done.set_result(3)
+    assert map_result(done, type).wait() is int

@@ -1,4 +1,4 @@
-"""The connection handshake (rpc_core/handshake.py) has one deadline, and a worker holds a
+"""The connection handshake (rpc_core/transport/handshake.py) has one deadline, and a worker holds a
 bounded number of connections that have not authenticated yet: a client that trickles bytes
 or stays silent cannot keep a connection, or a worker's capacity to accept, forever."""
 import logging
@@ -11,7 +11,9 @@ import time
 import pytest
 
 import rpc_core
-from rpc_core import handshake, transport, wire
+from rpc_core import transport
+from rpc_core.protocol import wire
+from rpc_core.transport import handshake
 from tests._world import run_world
 
 IO_TIMEOUT = 30.0
@@ -104,7 +106,7 @@ def _body_trickle(ctx, deadline):
     if ctx.rank == 1:
         _wait_release()
         return None
-    address = tuple(rpc_core.api.current_agent().addresses[1])
+    address = tuple(rpc_core.api.current_agent().roster.addresses[1])
     # A client that never learnt the secret sends a plausible proof, one byte at a time.
     with socket.create_connection(address, timeout=IO_TIMEOUT) as s:
         s.settimeout(IO_TIMEOUT)
@@ -114,7 +116,7 @@ def _body_trickle(ctx, deadline):
         proof = wire.MAGIC + os.urandom(wire.PROOF.size - len(wire.MAGIC))
         unauthenticated = _trickle(s, proof[:-1], 0.3, deadline + 4)
     # A client that knows the secret, but trickles its identity frame.
-    with transport.dial(address, ctx.secret.encode(), timeout=IO_TIMEOUT) as s:
+    with transport.TCP.dial(address, ctx.secret.encode(), timeout=IO_TIMEOUT).sock as s:
         body = pickle.dumps(0)  # the identity of rank 0
         frame = wire.pack_header(wire.REQUEST, wire.CONTROL, 0, len(body), 0, []) + body
         identity = _trickle(s, frame[:-1], 0.3, deadline + 4)
@@ -158,7 +160,7 @@ def test_dial_gives_up_at_its_timeout_even_when_the_peer_trickles_bytes():
             # Before, the 1 s applied to each receive: the dial waited for the whole trickled
             # HELLO (7.6 s), then for a VERDICT that never came, then raised PeerClosed.
             with pytest.raises(socket.timeout):
-                transport.dial(listener.getsockname(), b"secret", timeout=1.0)
+                transport.TCP.dial(listener.getsockname(), b"secret", timeout=1.0)
             assert time.monotonic() - start < 1.0 + 3
         finally:
             stop.set()
@@ -175,7 +177,7 @@ def _body_cap(ctx):
     if ctx.rank == 1:
         _wait_release()
         return None
-    address = tuple(rpc_core.api.current_agent().addresses[1])
+    address = tuple(rpc_core.api.current_agent().roster.addresses[1])
     cap = handshake.MAX_PENDING_HANDSHAKES
     extra = 5
     silent = []

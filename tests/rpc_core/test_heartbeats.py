@@ -1,4 +1,4 @@
-"""Heartbeats (rpc_core/heartbeats.py) on loopback: a stopped peer is reported by name within
+"""Heartbeats (rpc_core/agent/heartbeats.py) on loopback: a stopped peer is reported by name within
 the heartbeat timeout, a live one never, however long its calls run; heartbeats go out on
 idle connections only. The emulated-network cases are in test_network.py."""
 from __future__ import annotations
@@ -11,7 +11,8 @@ import time
 import pytest
 
 import rpc_core
-from rpc_core import RpcBackendOptions, heartbeats
+from rpc_core import RpcBackendOptions
+from rpc_core.agent import heartbeats
 from tests._world import run_world, stop_process
 
 HEARTBEAT = 0.8  # s
@@ -102,7 +103,7 @@ def _count_sends_and_looks():
     that found a connection watched (calls pending on it)."""
     agent = rpc_core._get_current_rpc_agent()
     counts = {"sent": 0, "looks": 0}
-    send, tick = agent._send_beat, agent._heartbeat_tick
+    send, tick = agent.heartbeats._send_beat, agent.heartbeats._heartbeat_tick
 
     def counted_send(*args):
         counts["sent"] += 1
@@ -110,11 +111,11 @@ def _count_sends_and_looks():
 
     def counted_tick():
         tick()
-        if agent._watches:
+        if agent.heartbeats._watches:
             counts["looks"] += 1
 
-    agent._send_beat = counted_send  # the timer submits self._send_beat, looked up each time
-    agent._heartbeat_tick = counted_tick  # the timer re-arms with self._heartbeat_tick
+    agent.heartbeats._send_beat = counted_send  # the timer submits self._send_beat, looked up each time
+    agent.heartbeats._heartbeat_tick = counted_tick  # the timer re-arms with self._heartbeat_tick
     return counts
 
 

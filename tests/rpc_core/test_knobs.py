@@ -5,7 +5,8 @@ import re
 
 import pytest
 
-from rpc_core import cma, handshake, knobs, memory, transport
+from rpc_core import knobs, memory, transport
+from rpc_core.transport import cma, handshake, stream, unix
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BOOLEANS = [knobs.UDS, knobs.CMA, knobs.MALLOC_TUNE]
@@ -48,7 +49,7 @@ def test_knobs_are_read_when_needed_not_at_import(monkeypatch, listener_pair):
     monkeypatch.setenv("RPC_CORE_HANDSHAKE_TIMEOUT", "2.5")
     assert handshake.handshake_timeout() == 2.5
     monkeypatch.setenv("RPC_CORE_UDS", "off")
-    assert not handshake.local_enabled()
+    assert not unix.Unix().enabled()
     monkeypatch.setenv("RPC_CORE_CMA", "no")
     assert not cma.enabled()
     monkeypatch.setenv("RPC_CORE_AUTH_SECRET", "s3cret")
@@ -95,12 +96,11 @@ def listener_pair():
     def make():
         def accept():
             s, _ = srv.accept()
-            transport.accept(s, b"k", timeout=30)
-            return s
+            return stream.Connection(s, handshake.run_acceptor(s, b"k", timeout=30))
 
         got = ex.submit(accept)
-        a = transport.Connection(transport.dial(srv.getsockname(), b"k", timeout=30))
-        b = transport.Connection(got.result(30))
+        a = transport.TCP.dial(srv.getsockname(), b"k", timeout=30)
+        b = got.result(30)
         made.extend((a, b))
         return a, b
 

@@ -1,4 +1,4 @@
-"""rpc_core's imports point down only (DESIGN.md §2).
+"""rpc_core's imports point down only (docs/design.md, "Layout"; the order is ``rpc_core._LAYERS``).
 
 Reads every module of rpc_core with ``ast`` (no import runs) and collects every import of
 an rpc_core module: module-level and function-level, relative and absolute. Checks that
@@ -170,6 +170,29 @@ def test_no_module_imports_its_own_package_init() -> None:
 
 def test_rpc_core_does_not_depend_on_the_application_or_its_libraries() -> None:
     _check("forbidden")
+
+
+TESTS = Path(__file__).resolve().parents[1]
+# rpc_core's tests and the harness their worker processes run (tests/_world.py and the
+# emulated network's helpers): they test rpc_core alone, so they load nothing of the application.
+HARNESS = ("__init__.py", "_graphs.py", "_world.py", "netns.py", "netns_relay.py", "netns_world.py")
+
+
+def _imported_modules(path: Path) -> list[tuple[str, int]]:
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(a.name, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out.append((node.module, node.lineno))
+    return out
+
+
+def test_rpc_core_tests_and_their_harness_do_not_load_the_application() -> None:
+    files = [TESTS / name for name in HARNESS] + sorted((TESTS / "rpc_core").glob("*.py"))
+    found = [f"{path.relative_to(TESTS.parent)} (line {line}) imports {name}" for path in files
+             for name, line in _imported_modules(path) if name == "ps_train" or name.startswith("ps_train.")]
+    assert not found, "\n  ".join(["rpc_core's tests import the application:", *found])
 
 
 # -- the checker itself, on small made-up packages ------------------------------------------------------

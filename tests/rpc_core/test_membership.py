@@ -1,11 +1,14 @@
-"""Dynamic groups (rpc_core/registry.py, roster.py): ``init_rpc(..., world_size=None)`` founds
+"""Dynamic groups (rpc_core/group/registry.py, agent/roster.py): ``init_rpc(..., world_size=None)`` founds
 (rank 0) or joins a running group, ``shutdown()`` leaves it.
 
 Every test runs real worker processes on loopback (tests/_world.py, ``init=False``: each body
 founds or joins itself). Processes order their steps through a small board of named events
 on rank 0 (``_post`` / ``_wait_for``, ordinary RPCs), never by sleeping."""
 import importlib
+import os
+import signal
 import threading
+import time
 
 import pytest
 import torch
@@ -13,8 +16,8 @@ import torch
 import rpc_core
 import rpc_core.autograd as dist_autograd
 from rpc_core import AuthenticationError, RendezvousError, RpcBackendOptions, WorkerInfo, WorkerLeftError
-from rpc_core.rendezvous import rendezvous
-from tests._world import _mp_context, free_port, run_world
+from rpc_core.group.rendezvous import rendezvous
+from tests._world import _mp_context, free_port, run_world, stop_process
 
 STEP = 60.0  # bound of any one wait for another process's step
 
@@ -46,8 +49,8 @@ def _on_leave(name, key):
         if info.name == name and not joined:
             _post(key)
 
-    agent.on_membership.append(seen)
-    if name in agent._departed_names:  # it left before the listener was in place
+    rpc_core.add_membership_listener(seen)
+    if name in agent.roster._departed_names:  # it left before the listener was in place
         _post(key)
 
 
@@ -201,7 +204,7 @@ def _body_leave(ctx):
     if ctx.rank == 0:
         _init(ctx, "worker0", 0)
         # a listener's error is logged: the registry still admits, removes and tells the others
-        rpc_core._get_current_rpc_agent().on_membership.append(_broken_listener)
+        rpc_core.add_membership_listener(_broken_listener)
         _on_leave("worker1", "worker1 left")
         _wait_for("worker2 in")
         _wait_for("worker1 left")
@@ -250,6 +253,59 @@ def test_a_member_that_stops_without_leaving_is_removed_and_named():
     (error, names), _ = run_world(_body_crash, 2, init=False)
     assert "worker 'worker1' (rank 1) left the group without shutting down" in error, error
     assert names == ["worker0"]
+
+
+HEARTBEAT = 0.8  # s
+_watch = threading.Event()  # on rank 0: set once its heartbeats are to watch every member
+
+
+def _pid():
+    return os.getpid()
+
+
+def _body_watch_all_peers(ctx):
+    if ctx.rank == 0:
+        _init(ctx, "worker0", 0, heartbeat_timeout=HEARTBEAT)
+        left = threading.Event()
+
+        def listener(info, joined):
+            if info.name == "worker1" and not joined:
+                left.set()
+
+        rpc_core.add_membership_listener(listener)
+        rpc_core.watch_all_peers(_watch.is_set)
+        _wait_for("worker1 in")
+        pid = rpc_core.rpc_sync("worker1", _pid)
+        stop_process(pid)
+        try:
+            # No call of ours waits on worker1 and nothing asks to watch it: it stays a member.
+            kept = not left.wait(3 * HEARTBEAT)
+            start = time.monotonic()
+            _watch.set()
+            removed = left.wait(STEP)
+            seconds = time.monotonic() - start
+        finally:
+            os.kill(pid, signal.SIGKILL)
+        rpc_core.remove_membership_listener(listener)
+        try:
+            rpc_core.remove_membership_listener(listener)
+            twice = "no error"
+        except ValueError as e:
+            twice = str(e)
+        return kept, removed, seconds, _names(), twice
+    _init(ctx, "worker1", 1, heartbeat_timeout=HEARTBEAT)
+    rpc_core.rpc_sync("worker0", _post, args=("worker1 in",))
+    threading.Event().wait(STEP)  # stopped, then killed by rank 0
+    return None
+
+
+@pytest.mark.timeout(120)
+def test_watch_all_peers_makes_rank_0_remove_a_silent_member_no_call_waits_on():
+    (kept, removed, seconds, names, twice), _ = run_world(_body_watch_all_peers, 2, init=False, may_die=(1,))
+    assert kept and removed
+    assert seconds < 1.5 * HEARTBEAT + 3, seconds
+    assert names == ["worker0"]
+    assert "is not a membership listener of this worker" in twice, twice
 
 
 def _body_registry_first(ctx):

@@ -1,4 +1,4 @@
-"""Nested calls (rpc_core/agent.py, pool.py): a callee may call back into its caller, in cycles
+"""Nested calls (rpc_core/agent/agent.py, agent/pool.py): a callee may call back into its caller, in cycles
 deeper than ``num_worker_threads``, and fan out widely with async execution, without
 deadlocking for want of threads. Worlds run with 1-2 worker threads to make that bite."""
 import torch
@@ -35,7 +35,7 @@ def _fan_out(depth):
         fut = torch.futures.Future()
         fut.set_result(1)
         return fut
-    others = [r for r in range(rpc_core.api.current_agent().workers.__len__()) if r != _me()]
+    others = [r for r in range(rpc_core.api.current_agent().roster.workers.__len__()) if r != _me()]
     futs = [rpc_core.rpc_async(r, _fan_out, args=(depth - 1,)) for r in others]
     return torch.futures.collect_all(futs).then(lambda f: sum(x.value() for x in f.value()))
 

@@ -13,7 +13,7 @@ import torch
 
 import rpc_core
 import rpc_core.autograd as dist_autograd
-from rpc_core.agent import connection_stats
+from rpc_core import connection_stats
 from rpc_core.optim import DistributedOptimizer
 from tests.netns import Network, unavailable_reason
 from tests.netns_world import control, run_hosts
@@ -377,7 +377,7 @@ def _body_idle_client(ctx, deadline):
     if ctx.rank == 1:
         _wait_ready()
         return None
-    address = tuple(rpc_core.api.current_agent().addresses[1])
+    address = tuple(rpc_core.api.current_agent().roster.addresses[1])
     with socket.create_connection(address, timeout=30) as s:  # connects, then says nothing
         start = time.monotonic()
         s.settimeout(deadline + 10)

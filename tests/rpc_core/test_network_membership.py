@@ -16,8 +16,7 @@ import pytest
 import torch
 
 import rpc_core
-from rpc_core import WorkerLeftError
-from rpc_core.agent import connection_stats
+from rpc_core import WorkerLeftError, connection_stats
 from tests._world import _mp_context
 from tests.netns import Network, unavailable_reason
 from tests.netns_world import run_hosts

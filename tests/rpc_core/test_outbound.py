@@ -1,5 +1,5 @@
 """Who reads answers: the caller waiting for one reads it itself; a background thread reads
-only for calls nobody waits on (rpc_core.outbound)."""
+only for calls nobody waits on (rpc_core/agent/outbound.py)."""
 import threading
 import time
 
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import rpc_core
-from rpc_core import agent as agent_mod
-from rpc_core import deadlines
+from rpc_core.agent import agent as agent_mod
+from rpc_core.agent import deadlines
 from tests._world import run_world
 
 _gate = threading.Event()
@@ -45,7 +45,7 @@ class _Collector:
 
 
 def _counters():
-    link = agent_mod.current_agent()._links[1]
+    link = agent_mod.current_agent().connections.links[1]
     return link.read_by_waiters, link.read_in_background
 
 
@@ -169,7 +169,7 @@ def _body_burst(ctx):
     if ctx.rank != 0:
         return None
     rpc_core.rpc_sync(1, _noop)
-    link = agent_mod.current_agent()._links[1]
+    link = agent_mod.current_agent().connections.links[1]
     by_issuers = link.read_by_issuers
     n = 2000
     futs = [rpc_core.rpc_async(1, _double, args=(torch.tensor(float(i)),)) for i in range(n)]

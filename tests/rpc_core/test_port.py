@@ -1,4 +1,4 @@
-"""Porting a torch.distributed.rpc program is a change of imports (DESIGN.md §3).
+"""Porting a torch.distributed.rpc program is a change of imports (docs/torch_compatibility.md).
 
 ``torch_rpc_program.py`` uses torch's RPC API names only. It runs as real scripts, one
 process per rank launched like torchrun would (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT),

@@ -46,7 +46,8 @@ def raise_value_error() -> None:
 
 
 def has_profiler_middleware() -> bool:
-    from rpc_core import agent, profiler
+    from rpc_core import profiler
+    from rpc_core.agent import agent
 
     return any(isinstance(m, profiler._Middleware) for m in agent.current_agent().middleware)
 

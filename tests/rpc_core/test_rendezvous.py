@@ -1,4 +1,4 @@
-"""Rendezvous (rpc_core/rendezvous.py via init_rpc): env:// and tcp://, and one clear error for
+"""Rendezvous (rpc_core/group/rendezvous.py via init_rpc): env:// and tcp://, and one clear error for
 each way it goes wrong.
 
 Failing rendezvous never creates an agent, so most of these run ``init_rpc`` in threads of the
@@ -12,7 +12,7 @@ import pytest
 import rpc_core
 from rpc_core import RendezvousError, RpcBackendOptions, WorkerInfo
 from rpc_core.errors import AuthenticationError
-from rpc_core.rendezvous import rendezvous
+from rpc_core.group.rendezvous import rendezvous
 from tests._world import free_port, run_world
 
 IO_TIMEOUT = 30.0
@@ -188,7 +188,8 @@ def test_joiner_with_the_wrong_secret_is_rejected_and_rank_0_keeps_waiting_for_t
         assert joiner.me == WorkerInfo("b", 1) and world0.me == WorkerInfo("a", 0)
     finally:
         for w in (world0, joiner):
-            w.listener.close()
+            for listener in w.listeners:
+                listener.close()
             for c in w.connections.values():
                 c.close()
 
@@ -224,8 +225,8 @@ def test_tcp_init_method_builds_the_same_table_everywhere():
 def _body_silent_during_rendezvous(ctx, n_silent):
     import time
 
-    from rpc_core import handshake
-    from rpc_core.rendezvous import rendezvous as rdzv
+    from rpc_core.group.rendezvous import rendezvous as rdzv
+    from rpc_core.transport import handshake
 
     silent = []
     if ctx.rank == 1:

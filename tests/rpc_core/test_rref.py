@@ -1,4 +1,4 @@
-"""Remote references (rpc_core/rref.py): the RRef API, proxies, RRefs inside arguments and
+"""Remote references (rpc_core/rref/): the RRef API, proxies, RRefs inside arguments and
 return values, forwarding between users, and owner-side reference counting (tables return
 to empty once users let go). Bodies run on worker processes (tests/_world.py).
 
@@ -27,7 +27,7 @@ EMPTY = {"num_owner_rrefs": 0, "num_forks": 0, "num_user_rrefs": 0, "num_pending
 
 # -- helpers every body can call --------------------------------------------------------------------
 def _names():
-    return [f"worker{r}" for r in range(rpc_core.api.current_agent().workers.__len__())]
+    return [f"worker{r}" for r in range(rpc_core.api.current_agent().roster.workers.__len__())]
 
 
 def _rref_tables():
@@ -154,8 +154,10 @@ def _body_api(ctx):
         assert torch.equal(rref.to_here(), torch.full((2,), 2.0))
         rref._get_future().wait()
         assert rref.confirmed_by_owner()
-        with pytest.raises(RuntimeError, match=r"can't call localValue\(\) on user WorkerInfo\(id=0, name=worker0\)\. "
-                                               r"Call it on owner WorkerInfo\(id=1, name=worker1\)"):
+        with pytest.raises(RuntimeError, match=r"^For UserRRef\(rref_id=GloballyUniqueId\(created_on=0, local_id=\d+"
+                                               r"\), fork_id=GloballyUniqueId\(created_on=0, local_id=\d+\)\), "
+                                               r"can't call localValue\(\) on user WorkerInfo\(id=0, name=worker0\)\. "
+                                               r"Call it on owner WorkerInfo\(id=1, name=worker1\); to_here\(\)"):
             rref.local_value()
         assert repr(rref).startswith("UserRRef(RRefId = GloballyUniqueId(created_on=0, local_id=")
         # the owner sees its own value through the same RRef
@@ -471,13 +473,13 @@ def _body_rref_to_its_owner(ctx):
     assert r.to_here() == 3
     rpc_core.rpc_sync(1, _remember, args=(r._rref_id,))
     rpc_core.rpc_sync(1, _record_releases)
-    agent = rpc_core.agent.current_agent()
-    received_before = agent.n_received
+    agent = rpc_core.api.current_agent()
+    received_before = agent.dispatch.n_received
     pending = []
     for _ in range(5):
         assert rpc_core.rpc_sync(1, _local_value, args=(r,)) == 3
         pending.append(rref_mod.debug_info()["num_pending_children"])  # no flush: the response said so
-    received = agent.n_received - received_before
+    received = agent.dispatch.n_received - received_before
     kinds, handles = rpc_core.rpc_sync(1, _recorded_releases)
     return pending, received, kinds, handles
 

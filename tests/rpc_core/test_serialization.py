@@ -1,4 +1,4 @@
-"""Serialization (rpc_core/serialization.py): tensors keep dtype, shape, strides, views and
+"""Serialization (rpc_core/protocol/serialization.py): tensors keep dtype, shape, strides, views and
 storage sharing, and their bytes travel out of band, received straight into tensor memory.
 
 Every round trip here goes through a real connection (a socket pair), as a message would."""
@@ -8,8 +8,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from rpc_core import serialization as ser
-from rpc_core import transport, wire
+from rpc_core.protocol import serialization as ser
+from rpc_core.protocol import wire
+from rpc_core.transport import stream
 
 IO_TIMEOUT = 30.0
 
@@ -21,7 +22,7 @@ def _send_receive(obj):
 
     a, b = socket.socketpair()
     b.settimeout(IO_TIMEOUT)
-    src, dst = transport.Connection(a), transport.Connection(b)
+    src, dst = stream.Connection(a), stream.Connection(b)
     s = ser.serialize(obj)
     head = ser.encode_head(s.metas, None)
     with ThreadPoolExecutor(1) as ex:

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 
 import rpc_core as rpc
 import rpc_core.autograd as dist_autograd
-from rpc_core import serialization as ser
 from rpc_core.optim import DistributedOptimizer
+from rpc_core.protocol import serialization as ser
 from tests._world import run_world
 
 W1 = "worker1"

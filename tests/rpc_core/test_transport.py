@@ -1,5 +1,6 @@
-"""Connections (rpc_core/transport.py): the authentication handshake, framing, and what a
-connection does with malformed bytes. Real TCP sockets on 127.0.0.1, in this process.
+"""Connections (rpc_core/transport/: handshake.py, stream.py, tcp.py): the authentication
+handshake, framing, and what a connection does with malformed bytes. Real TCP sockets on
+127.0.0.1, in this process.
 
 One module, though past 400 lines: one test module per module under test (here the
 transport), sharing its socket-pair helpers."""
@@ -14,9 +15,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from rpc_core import handshake, polling, transport, wire
+from rpc_core import transport
 from rpc_core.errors import AuthenticationError, ProtocolError
-from rpc_core.serialization import storage_view
+from rpc_core.protocol import wire
+from rpc_core.protocol.serialization import storage_view
+from rpc_core.transport import handshake, polling, stream
 
 IO_TIMEOUT = 30.0  # bounds every blocking step; a hang fails instead of stalling
 
@@ -29,28 +32,26 @@ def pool():
 
 @pytest.fixture
 def listener():
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    s.bind(("127.0.0.1", 0))
-    s.listen(8)
-    s.settimeout(IO_TIMEOUT)
+    s = transport.TCP.listen(("127.0.0.1", 0))
+    s.sock.settimeout(IO_TIMEOUT)
     yield s
     s.close()
 
 
 def _accept(listener, secret):
-    sock, _ = listener.accept()
+    sock, peer = listener.accept()
     try:
-        transport.accept(sock, secret, timeout=IO_TIMEOUT)
+        link = handshake.run_acceptor(sock, secret, timeout=IO_TIMEOUT)
     except BaseException:
         sock.close()
         raise
-    return sock
+    return transport.TCP.connection(sock, link, transport.TCP.describe(peer))
 
 
 def _connected_pair(pool, listener, secret=b"s3cret"):
     accepted = pool.submit(_accept, listener, secret)
-    dialed = transport.dial(listener.getsockname(), secret, timeout=IO_TIMEOUT)
-    return transport.Connection(dialed), transport.Connection(accepted.result(IO_TIMEOUT))
+    dialed = transport.TCP.dial(listener.address, secret, timeout=IO_TIMEOUT)
+    return dialed, accepted.result(IO_TIMEOUT)
 
 
 @pytest.fixture
@@ -65,7 +66,7 @@ def pair(pool, listener):
 def _raw_pair():
     a, b = socket.socketpair()
     b.settimeout(IO_TIMEOUT)
-    return a, transport.Connection(b)
+    return a, stream.Connection(b)
 
 
 # -- handshake -------------------------------------------------------------------------------------
@@ -84,7 +85,7 @@ def test_same_secret_authenticates_both_sides_and_frames_flow_both_ways(pool, li
 def test_wrong_or_missing_secret_is_rejected_with_a_clear_error_on_the_connecting_side(pool, listener, dial_secret):
     accepted = pool.submit(_accept, listener, b"s3cret")
     with pytest.raises(AuthenticationError, match="rejected our authentication.*same secret"):
-        transport.dial(listener.getsockname(), dial_secret, timeout=IO_TIMEOUT)
+        transport.TCP.dial(listener.address, dial_secret, timeout=IO_TIMEOUT)
     with pytest.raises(AuthenticationError, match="failed the shared-secret challenge"):
         accepted.result(IO_TIMEOUT)
 
@@ -100,7 +101,7 @@ def test_acceptor_that_does_not_know_the_secret_cannot_impersonate_a_worker(pool
 
     done = pool.submit(impostor)
     with pytest.raises(AuthenticationError, match="could not prove it knows the shared secret"):
-        transport.dial(listener.getsockname(), b"s3cret", timeout=IO_TIMEOUT)
+        transport.TCP.dial(listener.address, b"s3cret", timeout=IO_TIMEOUT)
     done.result(IO_TIMEOUT)
 
 
@@ -113,13 +114,13 @@ def test_dialing_something_that_is_not_an_rpc_core_worker_is_a_protocol_error(po
 
     done = pool.submit(other_server)
     with pytest.raises(ProtocolError, match="is not an rpc_core worker"):
-        transport.dial(listener.getsockname(), b"s3cret", timeout=IO_TIMEOUT)
+        transport.TCP.dial(listener.address, b"s3cret", timeout=IO_TIMEOUT)
     done.result(IO_TIMEOUT)
 
 
 def test_acceptor_rejects_garbage_in_place_of_a_proof(pool, listener):
     accepted = pool.submit(_accept, listener, b"s3cret")
-    with socket.create_connection(listener.getsockname(), timeout=IO_TIMEOUT) as s:
+    with socket.create_connection(listener.address, timeout=IO_TIMEOUT) as s:
         handshake._recv_exact(s, wire.HELLO.size)
         s.sendall(os.urandom(wire.PROOF.size))
         with pytest.raises(ProtocolError, match="bad handshake magic"):
@@ -128,7 +129,7 @@ def test_acceptor_rejects_garbage_in_place_of_a_proof(pool, listener):
 
 def test_acceptor_rejects_a_forged_proof_and_says_so_to_the_peer(pool, listener):
     accepted = pool.submit(_accept, listener, b"s3cret")
-    with socket.create_connection(listener.getsockname(), timeout=IO_TIMEOUT) as s:
+    with socket.create_connection(listener.address, timeout=IO_TIMEOUT) as s:
         handshake._recv_exact(s, wire.HELLO.size)
         s.sendall(wire.PROOF.pack(wire.MAGIC, os.urandom(wire.MAC_LEN), wire.new_nonce()))
         with pytest.raises(AuthenticationError):
@@ -138,10 +139,65 @@ def test_acceptor_rejects_a_forged_proof_and_says_so_to_the_peer(pool, listener)
 
 
 def test_acceptor_gives_up_on_a_peer_that_never_answers(listener):
-    with socket.create_connection(listener.getsockname(), timeout=IO_TIMEOUT):
+    with socket.create_connection(listener.address, timeout=IO_TIMEOUT):
         sock, _ = listener.accept()
         with sock, pytest.raises(OSError):
-            transport.accept(sock, b"s3cret", timeout=0.2)
+            handshake.run_acceptor(sock, b"s3cret", timeout=0.2)
+
+
+# -- the transports and the registry -----------------------------------------------------------------
+def _intro(conn):
+    conn.send(wire.REQUEST, wire.CONTROL, 0, b"", b"hello")
+
+
+def _accept_on(listener, secret):
+    sock, peer = listener.accept()
+    try:
+        return listener.transport.accept(sock, peer, secret, time.monotonic() + IO_TIMEOUT)
+    except BaseException:
+        sock.close()
+        raise
+
+
+@pytest.mark.parametrize("uds", ["1", "0"])
+def test_a_same_host_worker_is_dialled_over_the_first_transport_that_reaches_it(pool, monkeypatch, uds):
+    monkeypatch.setenv("RPC_CORE_UDS", uds)
+    listeners = transport.listen("127.0.0.1", 0)
+    try:
+        assert [lis.transport.kind for lis in listeners] == (["tcp", "unix"] if uds == "1" else ["tcp"])
+        by_kind = {lis.transport.kind: lis for lis in listeners}
+        want = "unix" if uds == "1" else "tcp"
+        accepted = pool.submit(_accept_on, by_kind[want], b"s3cret")
+        conn = transport.dial(listeners[0].address, b"s3cret", time.monotonic() + IO_TIMEOUT, {"localhost"}, _intro)
+        incoming = accepted.result(IO_TIMEOUT)
+        assert conn.kind == incoming.conn.kind == want
+        assert (incoming.intro.msg_id, incoming.body) == (0, b"hello")
+        assert conn.capabilities.same_host == (want == "unix" or conn.capabilities.cma_send)
+        conn.send(wire.RESPONSE, 0, 1, b"", b"over " + want.encode())
+        assert incoming.conn.recv()[2] == b"over " + want.encode()
+        # Only same-host transports: none left when they are off.
+        second = pool.submit(_accept_on, by_kind["unix"], b"s3cret") if uds == "1" else None
+        only_local = transport.dial(listeners[0].address, b"s3cret", time.monotonic() + IO_TIMEOUT, {"localhost"},
+                                    _intro, same_host_only=True)
+        if second is not None:
+            assert only_local.kind == "unix"
+            only_local.close()
+            second.result(IO_TIMEOUT).conn.close()
+        else:
+            assert only_local is None
+        conn.close()
+        incoming.conn.close()
+    finally:
+        transport.close(listeners)
+
+
+def test_a_peer_on_another_host_is_dialled_over_tcp_only(pool, listener):
+    accepted = pool.submit(_accept_on, listener, b"s3cret")
+    # Advertised under a name that is not this host's: the Unix transport does not try it.
+    conn = transport.dial(listener.address, b"s3cret", time.monotonic() + IO_TIMEOUT, {"some-other-host"}, _intro)
+    assert conn.kind == "tcp" and conn.peer == f"127.0.0.1:{listener.address[1]}"
+    accepted.result(IO_TIMEOUT).conn.close()
+    conn.close()
 
 
 # -- frames --------------------------------------------------------------------------------------

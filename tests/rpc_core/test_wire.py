@@ -1,9 +1,9 @@
-"""The wire protocol's layout and bounds (rpc_core/wire.py), checked without sockets."""
+"""The wire protocol's layout and bounds (rpc_core/protocol/wire.py), checked without sockets."""
 import struct
 
 import pytest
 
-from rpc_core import wire
+from rpc_core.protocol import wire
 
 
 def test_handshake_messages_have_the_documented_fixed_sizes():

@@ -1,0 +1,270 @@
+"""Checkpoints on disk: per-shard state files tied together by a manifest.
+
+Layout::
+
+    <run_dir>/checkpoints/step_000000200/
+        shard0.pt  shard1.pt ...     one per shard, written by the server hosting it
+        manifest.json                written last, by the coordinator
+
+A checkpoint exists only once its manifest does. Every file is written to a temporary name
+and moved into place with ``os.replace`` (atomic on POSIX, ``ps_train.files``), and the manifest records each
+shard file's size and SHA-256, so a crash at any point leaves either the previous complete
+checkpoint or a new complete one -- never a half-written one that ``latest_checkpoint``
+would pick up.
+
+Steps of a distributed save (``ps_train.checkpoint.protocol`` runs them between the
+roles): the coordinator calls ``begin_checkpoint`` (creates the
+folder, invalidates any stale manifest), each server calls ``save_shard_state`` and returns
+the ``ShardFile`` it gets, then the coordinator calls ``write_manifest`` and
+``prune_checkpoints``. ``save_checkpoint`` does all of it in one process.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import os
+import random
+import re
+import shutil
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ps_train.files import atomic_write, atomic_write_text, file_sha256
+
+__all__ = [
+    "CheckpointError", "ShardFile", "Manifest", "MANIFEST_NAME", "CHECKPOINTS_DIRNAME",
+    "checkpoint_dir", "begin_checkpoint",
+    "save_shard_state", "load_shard_state", "write_manifest", "read_manifest", "is_complete",
+    "list_checkpoints", "latest_checkpoint", "resolve_resume", "prune_checkpoints",
+    "save_checkpoint", "load_checkpoint", "capture_rng_state", "restore_rng_state",
+]
+
+MANIFEST_NAME = "manifest.json"
+CHECKPOINTS_DIRNAME = "checkpoints"
+FORMAT_VERSION = 1
+_STEP_DIR = re.compile(r"step_(\d+)")
+_SHARD_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete or corrupt; the message names the path."""
+
+
+@dataclass
+class ShardFile:
+    """One shard's state file, as listed in the manifest (``file`` is relative to the checkpoint)."""
+
+    name: str
+    file: str
+    bytes: int
+    sha256: str
+
+
+@dataclass
+class Manifest:
+    step: int  # global step the checkpoint was taken after
+    shards: list[ShardFile]
+    # trainer name -> BatchIterator.state_dict() ({"epoch", "offset", ...})
+    trainer_positions: dict[str, dict[str, int]] = field(default_factory=dict)
+    # role name -> capture_rng_state()
+    rng_states: dict[str, dict[str, Any]] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)  # e.g. mode, per-shard update counts
+    format_version: int = FORMAT_VERSION
+    created_unix: float = field(default_factory=time.time)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> Manifest:
+        raw = json.loads(text)
+        raw["shards"] = [ShardFile(**s) for s in raw["shards"]]
+        return cls(**raw)
+
+
+def checkpoint_dir(run_dir: str | os.PathLike[str], step: int) -> Path:
+    return Path(run_dir) / CHECKPOINTS_DIRNAME / f"step_{step:09d}"
+
+
+def begin_checkpoint(run_dir: str | os.PathLike[str], step: int) -> Path:
+    """Create the folder for ``step`` and invalidate a manifest left there from before,
+    so that overwriting shard files can never pair them with an old manifest."""
+    ckpt = checkpoint_dir(run_dir, step)
+    ckpt.mkdir(parents=True, exist_ok=True)
+    (ckpt / MANIFEST_NAME).unlink(missing_ok=True)
+    return ckpt
+
+
+def save_shard_state(ckpt_dir: str | os.PathLike[str], shard_name: str, state: Mapping[str, Any]) -> ShardFile:
+    """Save one shard's state (e.g. ``{"model": sd, "optimizer": sd, "rng": ...}``) atomically.
+
+    Streamed to a temporary file and hashed from there: a server holding gigabytes of
+    embedding rows never holds a serialised copy of them in memory as well."""
+    if not _SHARD_NAME.fullmatch(shard_name):
+        raise ValueError(f"shard name {shard_name!r} must match [A-Za-z0-9_.-]+ (it becomes a file name)")
+    file = f"{shard_name}.pt"
+    size, digest = atomic_write(Path(ckpt_dir) / file, lambda f: torch.save(dict(state), f))
+    return ShardFile(shard_name, file, size, digest)
+
+
+def load_shard_state(ckpt_dir: str | os.PathLike[str], entry: ShardFile, verify: bool = True) -> dict[str, Any]:
+    """Load a shard file listed in a manifest, checking its SHA-256 unless ``verify=False``."""
+    path = Path(ckpt_dir) / entry.file
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {ckpt_dir}: shard file {entry.file} is missing")
+    if verify and file_sha256(path)[1] != entry.sha256:
+        raise CheckpointError(f"checkpoint {ckpt_dir}: {entry.file} does not match the manifest's SHA-256 "
+                              "(corrupt or overwritten); resume from an earlier checkpoint")
+    # weights_only: a checkpoint is data; loading it must not run code from the file.
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def write_manifest(ckpt_dir: str | os.PathLike[str], manifest: Manifest) -> Path:
+    """Publish the checkpoint: call only after every shard file is saved."""
+    ckpt = Path(ckpt_dir)
+    names = [s.name for s in manifest.shards]
+    if len(set(names)) != len(names):
+        raise ValueError(f"manifest lists a shard twice: {names}")
+    for s in manifest.shards:
+        if not (ckpt / s.file).is_file():
+            raise CheckpointError(f"cannot write manifest in {ckpt}: shard file {s.file} was not saved")
+    path = ckpt / MANIFEST_NAME
+    atomic_write_text(path, manifest.to_json())
+    return path
+
+
+def read_manifest(ckpt_dir: str | os.PathLike[str]) -> Manifest:
+    path = Path(ckpt_dir) / MANIFEST_NAME
+    try:
+        manifest = Manifest.from_json(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{ckpt_dir} is not a complete checkpoint: no {MANIFEST_NAME}") from None
+    except (ValueError, TypeError, KeyError) as e:
+        raise CheckpointError(f"{path} is not a valid manifest: {e}") from e
+    if manifest.format_version != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: format version {manifest.format_version}, this ps_train reads "
+                              f"{FORMAT_VERSION}")
+    return manifest
+
+
+def is_complete(ckpt_dir: str | os.PathLike[str]) -> bool:
+    """Manifest readable and every shard file present with its recorded size (cheap check;
+    ``load_shard_state`` verifies the hashes)."""
+    try:
+        manifest = read_manifest(ckpt_dir)
+    except CheckpointError:
+        return False
+    for s in manifest.shards:
+        path = Path(ckpt_dir) / s.file
+        if not path.is_file() or path.stat().st_size != s.bytes:
+            return False
+    return True
+
+
+def _step_dirs(run_dir: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+    root = Path(run_dir) / CHECKPOINTS_DIRNAME
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_DIR.fullmatch(p.name))]
+    return sorted(found)
+
+
+def list_checkpoints(run_dir: str | os.PathLike[str]) -> list[Path]:
+    """Complete checkpoints of a run, oldest first."""
+    return [p for _, p in _step_dirs(run_dir) if is_complete(p)]
+
+
+def latest_checkpoint(run_dir: str | os.PathLike[str]) -> Path | None:
+    """The newest complete checkpoint of ``run_dir``, or None if it has none."""
+    complete = list_checkpoints(run_dir)
+    return complete[-1] if complete else None
+
+
+def resolve_resume(path: str | os.PathLike[str]) -> Path:
+    """``resume=`` accepts a checkpoint dir or a run dir (its latest complete checkpoint)."""
+    p = Path(path)
+    if (p / MANIFEST_NAME).exists():
+        if not is_complete(p):
+            raise CheckpointError(f"resume={path}: checkpoint is incomplete (shard files missing or truncated)")
+        return p
+    if not p.is_dir():
+        raise CheckpointError(f"resume={path}: no such directory; pass a run dir or a checkpoint dir")
+    latest = latest_checkpoint(p)
+    if latest is None:
+        raise CheckpointError(f"resume={path}: no complete checkpoint under {p / CHECKPOINTS_DIRNAME}; "
+                              "the run stopped before its first checkpoint (see checkpoint.every)")
+    return latest
+
+
+def prune_checkpoints(run_dir: str | os.PathLike[str], keep: int) -> list[Path]:
+    """Delete all but the ``keep`` newest complete checkpoints (``keep=0``: delete none),
+    plus incomplete leftovers older than the newest complete one. Returns what was deleted."""
+    if keep < 0:
+        raise ValueError(f"checkpoint.keep={keep} must be >= 0")
+    dirs = _step_dirs(run_dir)
+    complete = [(s, p) for s, p in dirs if is_complete(p)]
+    if not complete:
+        return []
+    newest = complete[-1][0]
+    keep_set = {p for _, p in complete[-keep:]} if keep else {p for _, p in complete}
+    removed = []
+    for step, p in dirs:
+        if p in keep_set or step >= newest:
+            continue  # an incomplete newer dir may be a save in progress
+        # Manifest first: if we crash mid-delete, what is left is incomplete and ignored.
+        (p / MANIFEST_NAME).unlink(missing_ok=True)
+        shutil.rmtree(p, ignore_errors=True)
+        removed.append(p)
+    return removed
+
+
+def save_checkpoint(run_dir: str | os.PathLike[str], step: int, shard_states: Mapping[str, Mapping[str, Any]],
+                    trainer_positions: Mapping[str, Mapping[str, int]] | None = None,
+                    rng_states: Mapping[str, Mapping[str, Any]] | None = None,
+                    extra: Mapping[str, Any] | None = None, keep: int = 0) -> Path:
+    """Single-process save: every shard file, then the manifest, then pruning."""
+    ckpt = begin_checkpoint(run_dir, step)
+    files = [save_shard_state(ckpt, name, state) for name, state in shard_states.items()]
+    write_manifest(ckpt, Manifest(step=step, shards=files,
+                                  trainer_positions={k: dict(v) for k, v in (trainer_positions or {}).items()},
+                                  rng_states={k: dict(v) for k, v in (rng_states or {}).items()},
+                                  extra=dict(extra or {})))
+    prune_checkpoints(run_dir, keep)
+    return ckpt
+
+
+def load_checkpoint(ckpt_dir: str | os.PathLike[str]) -> tuple[Manifest, dict[str, dict[str, Any]]]:
+    """The manifest and every shard's state (hash-verified), keyed by shard name."""
+    manifest = read_manifest(ckpt_dir)
+    return manifest, {s.name: load_shard_state(ckpt_dir, s) for s in manifest.shards}
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """This process's torch (CPU), Python and NumPy RNG states, JSON-safe."""
+    np_state = np.random.get_state()
+    if isinstance(np_state, dict):  # numpy's legacy state is the tuple; its stubs allow either
+        raise TypeError("numpy returned its RNG state as a dict; capture_rng_state needs the legacy tuple")
+    version, internal, gauss = random.getstate()
+    return {
+        "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode("ascii"),
+        "python": [version, list(internal), gauss],
+        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+    }
+
+
+def restore_rng_state(state: Mapping[str, Any]) -> None:
+    """Inverse of ``capture_rng_state``: the next random draws repeat those after the capture."""
+    raw = np.frombuffer(base64.b64decode(state["torch"]), dtype=np.uint8).copy()
+    torch.set_rng_state(torch.from_numpy(raw))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))

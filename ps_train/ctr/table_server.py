@@ -1,0 +1,110 @@
+"""A parameter server's part of the embedding tables: its rows of every table and the sparse
+optimizer that updates them.
+
+``ps_train.roles.server.ParameterServer`` owns one ``TableServer`` (its ``TablePart``) when
+the model has tables (model=dlrm; the launcher builds it with ``make_table_server``). The
+server's updates (``ParameterServer.update``, as its mode applies them) treat the table
+weights like any other parameter: they read each trainer's gradients from its autograd
+context, combine them in sync mode (``mode.aggregate``), and set ``.grad``; ``step`` then
+runs the table optimizer.
+The gradients are sparse (``TableShards.lookup`` embeds with ``sparse=True``), so only the
+rows trainers looked up travel back, and SGD, Adagrad and SparseAdam update only those rows.
+"""
+from __future__ import annotations
+
+import copy as copy_module
+import logging
+import time
+import warnings
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ps_train.config import Config, CtrDataConfig, DLRMConfig, table_optimizer_spec
+from ps_train.ctr.shards import TableShards
+from ps_train.modes.aggregation import scaled_lr
+
+__all__ = ["TableServer", "make_table_server"]
+
+log = logging.getLogger("ps_train.server")
+
+
+class TableServer:
+    """Server ``rank``'s rows of every table (``TableShards``) and their optimizer."""
+
+    def __init__(self, model: DLRMConfig, data: CtrDataConfig, cfg: Config, rank: int) -> None:
+        t0 = time.perf_counter()
+        self.shards = TableShards(data.sizes(), model.embedding_dim, model.table_sharding, rank,
+                                  cfg.cluster.num_servers, cfg.seed)
+        log.info("ps%d: built its rows of %d tables (%s sharding): %d rows, %.3f GB, in %.1f s", rank,
+                 len(self.shards.weights), model.table_sharding, sum(w.shape[0] for w in self.shards.weights),
+                 self.nbytes() / 1e9, time.perf_counter() - t0)
+        self.params: list[nn.Parameter] = list(self.shards.weights)
+        cls, kwargs = table_optimizer_spec(model.table_optim, cfg.optim, model.table_lr)
+        self.optimizer = cls(self.params, **kwargs)
+        self.rows_updated = 0  # rows the optimizer changed so far, summed over tables and steps
+        self.rows_read = 0  # rows trainers looked up for training so far
+
+    def lookup(self, local_ids: list[Tensor]) -> list[Tensor]:
+        """Training lookup: rows ``local_ids[t]`` (int64 [U_t]) of each table, [U_t, dim] each,
+        whose backward leaves sparse gradients in the caller's autograd context."""
+        rows = self.shards.lookup(local_ids)
+        self.rows_read += sum(len(r) for r in rows)
+        return rows
+
+    def read(self, local_ids: list[Tensor]) -> list[Tensor]:
+        """Evaluation lookup: the same rows, without autograd."""
+        with torch.no_grad():
+            return self.shards.lookup(local_ids)
+
+    def step(self, lr_factor: float = 1.0) -> None:
+        """Apply the optimizer, at ``lr_factor`` times its rate, to the rows named by the
+        tables' ``.grad`` (set by the caller, which holds the server's lock)."""
+        with scaled_lr(self.optimizer, lr_factor):
+            for p in self.params:
+                if p.grad is not None:
+                    # Duplicate indices (one entry per trainer in sync mode) are one row.
+                    p.grad = p.grad.coalesce()
+                    self.rows_updated += p.grad._nnz()
+            with warnings.catch_warnings():
+                # Adagrad builds its sparse update from the coalesced gradient's own indices,
+                # which are valid; torch warns that it does not re-check them.
+                warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled")
+                self.optimizer.step()
+
+    def nbytes(self) -> int:
+        return self.shards.nbytes()
+
+    def stats(self) -> dict[str, int]:
+        return {"table_bytes": self.nbytes(), "table_rows_updated": self.rows_updated,
+                "table_rows_read": self.rows_read}
+
+    def state_dict(self, copy: bool = True) -> dict[str, Any]:
+        """The rows and optimizer state; ``copy=False``: the live tensors themselves (the
+        caller keeps updates off while it uses them), for tables too large to copy."""
+        weights = [p.detach() for p in self.params]
+        opt = self.optimizer.state_dict()
+        if copy:
+            weights, opt = [w.clone() for w in weights], copy_module.deepcopy(opt)
+        return {"weights": weights, "optimizer": opt, "rows_updated": self.rows_updated}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        weights = state["weights"]
+        shapes = [tuple(w.shape) for w in weights]
+        if shapes != [tuple(p.shape) for p in self.params]:
+            raise ValueError(f"the checkpoint's table shards {shapes} do not match this "
+                             f"server's {[tuple(p.shape) for p in self.params]}; resume with the same tables, "
+                             "model.embedding_dim, model.table_sharding and cluster.num_servers")
+        with torch.no_grad():
+            for p, w in zip(self.params, weights, strict=True):
+                p.copy_(w)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.rows_updated = int(state.get("rows_updated", 0))
+
+
+def make_table_server(cfg: Config, rank: int) -> TableServer | None:
+    """The tables of server ``rank`` if the model has any (model=dlrm), else None."""
+    if isinstance(cfg.model, DLRMConfig) and isinstance(cfg.data, CtrDataConfig):
+        return TableServer(cfg.model, cfg.data, cfg, rank)
+    return None

@@ -1,0 +1,152 @@
+"""The trainer of model=dlrm: a click-through-rate step over row-sharded embedding tables.
+
+Per step (batch: dense [B, num_dense], ids [B, T], labels [B]), inside the step's
+distributed-autograd context::
+
+    plans[t] = plan_lookup(ids[:, t], sharding_t)        # dedupe, split by owning server
+    every server s, at once: rows[s] = ps<s>.lookup([plans[t].local[s] for t])  # [U_st, d]
+    x   = bottom shard's forward(dense)                   # [B, d], on its server
+    emb = stack(assemble(plans[t], rows[:][t]))           # [B, T, d], here
+    z   = interact(x, emb)                                # [B, d + T(T+1)/2], here
+    logit = top shard's forward(z)                        # [B], on its server
+    loss  = binary_cross_entropy_with_logits(logit, labels)
+
+The backward sends each server the gradients of exactly the rows it returned, as sparse
+tensors; the update requests, sync/async/ssp, checkpoints and the loop are the base
+``Trainer``'s. No trainer ever holds a table: only the [U, d] rows of its batch.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ps_train.config import Config, CtrDataConfig, DLRMConfig
+from ps_train.ctr.batches import CtrBatch, CtrBatchIterator, iter_ctr_eval_batches
+from ps_train.ctr.loading import load_ctr_data
+from ps_train.ctr.metrics import ctr_metrics, format_ctr_metrics
+from ps_train.ctr.model import interact
+from ps_train.ctr.rows import RowSharding, TableLookup, assemble, plan_lookup
+from ps_train.roles.trainer import Trainer
+
+__all__ = ["CtrTrainer", "trainer_class"]
+
+
+class CtrTrainer(Trainer):
+    def load(self) -> None:
+        cfg = self.cfg
+        if not isinstance(cfg.data, CtrDataConfig) or not isinstance(cfg.model, DLRMConfig):
+            raise ValueError(f"CtrTrainer needs model=dlrm with CTR data, got model={cfg.model.name} "
+                             f"data={cfg.data.name}")
+        self.train_set, self.test_set, self.best_auc = load_ctr_data(cfg.data)
+        if self.train_set.table_sizes != cfg.data.sizes():
+            raise ValueError(f"data={cfg.data.name}: the data's tables {self.train_set.table_sizes} differ from the "
+                             f"config's {cfg.data.sizes()}")
+        self.batches = CtrBatchIterator(self.train_set, self.data_slot, cfg.cluster.num_trainers, cfg.train.batch_size,
+                                        cfg.seed)
+        S = cfg.cluster.num_servers
+        self.shardings = [RowSharding(cfg.model.table_sharding, n, S) for n in cfg.data.sizes()]
+        self.rows_pulled = 0  # unique rows looked up for training, over all servers and steps
+        self.rows_pushed = 0  # rows whose gradient went back
+
+    # -- one step ---------------------------------------------------------------------------------
+    def _plans(self, ids: Tensor) -> list[TableLookup]:
+        return [plan_lookup(ids[:, t], sh) for t, sh in enumerate(self.shardings)]
+
+    def _embeddings(self, plans: list[TableLookup], rows: list[list[Tensor]]) -> Tensor:
+        """[B, T, d] from ``rows[s][t]`` ([U_st, d], server s's rows of table t)."""
+        S = len(rows)
+        return torch.stack([assemble(p, [rows[s][t] for s in range(S)]) for t, p in enumerate(plans)], dim=1)
+
+    def step_loss(self, batch: CtrBatch) -> tuple[Tensor, dict[str, float]]:
+        dense, ids, labels = batch
+        plans = self._plans(ids)
+        # Every server's lookup leaves at once; the bottom MLP's forward runs meanwhile.
+        t0 = time.perf_counter()
+        futs = [self.rpc.rpc_async(f"ps{s}", _lookup, args=([p.local[s] for p in plans], self.index, self.step))
+                for s in range(len(self.servers))]
+        (bottom, bottom_server), (top, top_server) = self.shard_servers
+        x = self._call(bottom_server, "forward", bottom, dense, self.index, self.step)  # [B, d]
+        rows = [f.wait() for f in futs]
+        for s in range(len(rows)):
+            self.latency[s].record(time.perf_counter() - t0)
+        emb = self._embeddings(plans, rows)  # [B, T, d]
+        logit = self._call(top_server, "forward", top, interact(x, emb), self.index, self.step).squeeze(1)  # [B]
+        pulled = sum(len(loc) for p in plans for loc in p.local)
+        self.rows_pulled += pulled
+        self.rows_pushed += pulled  # every row pulled is used by the loss, so gets a gradient
+        loss = F.binary_cross_entropy_with_logits(logit, labels)
+        acc = ((logit.detach() > 0) == (labels > 0.5)).float().mean().item()
+        return loss, {"accuracy": acc, "rows_pulled": float(pulled), "rows_pushed": float(pulled)}
+
+    # -- evaluation -------------------------------------------------------------------------------
+    def predict(self, dense: Tensor, ids: Tensor) -> Tensor:
+        """Logits [B] of the current model (no autograd): what evaluation scores."""
+        plans = self._plans(ids)
+        futs = [server.rpc_async().read_rows([p.local[s] for p in plans]) for s, server in enumerate(self.servers)]
+        (bottom, bottom_server), (top, top_server) = self.shard_servers
+        x = self.servers[bottom_server].rpc_sync().predict(bottom, dense)
+        emb = self._embeddings(plans, [f.wait() for f in futs])
+        return self.servers[top_server].rpc_sync().predict(top, interact(x, emb)).squeeze(1)
+
+    def evaluate(self) -> dict[str, float]:
+        logits, labels = [], []
+        for dense, ids, y in iter_ctr_eval_batches(self.test_set, self.cfg.train.eval_batch_size):
+            logits.append(self.predict(dense, ids))
+            labels.append(y)
+        z, y = torch.cat(logits), torch.cat(labels)
+        m = ctr_metrics(torch.sigmoid(z.double()), y, self.best_auc)
+        # accuracy and loss as for every model (loss = log loss from the logits, unclamped).
+        m["accuracy"] = ((z > 0) == (y > 0.5)).float().mean().item()
+        m["loss"] = F.binary_cross_entropy_with_logits(z.double(), y.double()).item()
+        return m
+
+    def describe_eval(self, ev: dict[str, float]) -> str:
+        return f"test {format_ctr_metrics(ev)}"
+
+    # -- metrics ----------------------------------------------------------------------------------
+    def _log_train(self, step: int, last: dict[str, float]) -> None:
+        super()._log_train(step, last)
+        self.writer.add_scalar("train/rows_pulled", last["rows_pulled"], step)
+        self.writer.add_scalar("train/rows_pushed", last["rows_pushed"], step)
+
+    def totals(self) -> dict[str, Any]:
+        return {**super().totals(), "rows_pulled": self.rows_pulled, "rows_pushed": self.rows_pushed}
+
+    def extra_metrics(self, all_stats: list[dict[str, Any]], server_stats: list[dict[str, Any]]) -> dict[str, Any]:
+        # Per trainer step: divided by the steps every trainer took (this run's, if resumed).
+        steps = sum(max(s["steps"] - self._first_step, 1) for s in all_stats)
+        out: dict[str, Any] = {
+            "rows_pulled_per_step": sum(s["rows_pulled"] for s in all_stats) / steps,
+            "rows_pushed_per_step": sum(s["rows_pushed"] for s in all_stats) / steps,
+            "table_bytes": {f"ps{r}": s["table_bytes"] for r, s in enumerate(server_stats)},
+            "table_rows_updated": {f"ps{r}": s["table_rows_updated"] for r, s in enumerate(server_stats)},
+            # Each trainer's own loop time: in sync mode the trainer that started last never
+            # waits in its loop for the others' start-up (loading data), the others may.
+            "trainer_wall_time_s": {f"trainer{k}": s["wall_time_s"] for k, s in enumerate(all_stats)},
+        }
+        if all("bytes_sent" in s for s in server_stats):
+            out["server_bytes_per_step"] = {
+                f"ps{r}": {"sent": s["bytes_sent"] / steps, "received": s["bytes_received"] / steps}
+                for r, s in enumerate(server_stats)}
+        return out
+
+
+def _lookup(local_ids: list[Tensor], trainer: int, step: int) -> list[Tensor]:
+    """Runs on a server: its rows ``local_ids[t]`` of every table (``ParameterServer.lookup``).
+
+    Called as a function with ``rpc_async``, not through ``rref.rpc_async()``: torch's RRef
+    proxy sends that call from a callback thread, outside the caller's distributed-autograd
+    context, so on backend=torch the rows would come back without a way to send their
+    gradients home."""
+    from ps_train.roles.server import local_server
+
+    return local_server().lookup(local_ids, trainer, step)
+
+
+def trainer_class(cfg: Config) -> type[Trainer]:
+    """The trainer for the run's model: ``CtrTrainer`` for model=dlrm, else ``Trainer``."""
+    return CtrTrainer if cfg.model.needs_ctr_data() else Trainer

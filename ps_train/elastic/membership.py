@@ -1,0 +1,329 @@
+"""Elastic trainers (``cluster.elastic=true``, async/ssp): ps0's record of who trains.
+
+An elastic run is a dynamic rpc_core group (``init_rpc(..., world_size=None)``) founded by
+ps0, which is also its registry: every join and every leave goes through ps0, and a member
+whose connection drops without a leave (killed, or killed by the launcher after it froze)
+is removed there at once. ``Membership`` hangs on those events (``rpc_core.add_membership_listener``), so the
+servers never wait for a trainer that is gone:
+
+- **staleness accounting** (ssp): ``counted()`` is the trainers that are in the group and
+  not finished; ps0's clock takes the slowest of those only, and a leave releases the
+  trainers it held back at once. ps0 watches every member with rpc_core's heartbeats, so a
+  trainer that freezes or is cut off is removed within ``RPC_CORE_HEARTBEAT_TIMEOUT`` (30 s)
+  to 1.5 times that, as one that dies is at once (a joiner too, which no launcher watches);
+- **where each trainer stands**: with every update ps0 applies, the trainer sends the data
+  position after that step (``completed``); a replacement for a dead trainer (same name,
+  started by the local launcher) asks ``resume_point`` and continues with the next step of
+  the same partition, so every sample of it is trained once;
+- **partitions per epoch**: the first trainer to reach epoch ``e`` fixes its members
+  (``assignment``): the launched trainers not yet finished (a dead one will be replaced)
+  plus the joiners then present, in index order; trainer ``slot`` of ``world`` reads
+  ``ps_train.data.partition(n, slot, world, seed, e)``. A joiner waits for the next epoch
+  that takes it; epoch 0 of a fresh run is the launched trainers alone, as without
+  elasticity;
+- **the end**: the job is over once every launched trainer finished; joiners are then told
+  to stop, and trainer0 collects everyone's final report (``final_reports``).
+
+The events are also the ``train/num_trainers`` curve in ps0's TensorBoard folder (steps:
+ps0's update count) and ``membership`` in metrics.json.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, NamedTuple
+
+import torch
+
+from ps_train import backend
+from ps_train.config import Config
+from ps_train.metrics import MetricsWriter, make_writer
+from rpc_core.functions import async_execution
+
+__all__ = ["Assignment", "Membership", "set_current", "follow", "keep_membership", "serve_elastic", "request_stop",
+           "stop_requested"]
+
+log = logging.getLogger("ps_train.membership")
+
+
+class Assignment(NamedTuple):
+    """Trainer ``slot`` of ``world`` reads ``partition(n, slot, world, seed, epoch)`` in ``epoch``."""
+
+    epoch: int
+    slot: int
+    world: int
+
+
+class Membership:
+    """ps0's side. ``launched``: the trainers the launcher started (indices ``0..T-1``);
+    ``index_of``: a worker name's trainer index, None for a server."""
+
+    def __init__(self, launched: int, num_servers: int, writer: MetricsWriter, version: Any) -> None:
+        self.launched = set(range(launched))
+        self.num_servers = num_servers
+        self.writer = writer
+        self._version = version  # () -> ps0's update count: the step of the membership curve
+        self.cond = threading.Condition()
+        self.present: set[int] = set()
+        self.finished: set[int] = set()
+        self.reports: dict[int, dict[str, Any]] = {}
+        self.positions: dict[int, tuple[int, dict[str, int]]] = {}  # trainer -> (next step, data position)
+        self.epochs: dict[int, list[int]] = {}  # epoch -> its trainers, slot order
+        self.waiting: list[tuple[int, torch.futures.Future[Any]]] = []  # joiners waiting for an epoch
+        self.report_waiters: list[torch.futures.Future[Any]] = []
+        self.events: list[dict[str, Any]] = []
+        self.listeners: list[Any] = []  # called with (trainer, joined) after each change
+        self.done = False
+        self.closed = False  # the writer is: later changes are kept in ``events`` only
+        self._t0 = time.monotonic()
+        # Where this attempt started: the resumed checkpoint's step and trainer data positions.
+        self.start: tuple[int, dict[str, dict[str, int]]] = (0, {})
+
+    def index_of(self, rank: int) -> int | None:
+        return rank - self.num_servers if rank >= self.num_servers else None
+
+    # -- joins and leaves (rpc_core.add_membership_listener, on ps0) -----------------------------------
+    def changed(self, info: Any, joined: bool) -> None:
+        trainer = self.index_of(info.id)
+        if trainer is None:
+            return
+        with self.cond:
+            if joined:
+                self.present.add(trainer)
+            else:
+                self.present.discard(trainer)
+            count = len(self.present)
+            self.events.append({"time_s": round(time.monotonic() - self._t0, 3), "trainer": info.name,
+                                "event": "joined" if joined else "left", "num_trainers": count,
+                                "server_updates": self._version()})
+            if not self.closed:  # trainers leave after the job's end too, until ps0 shuts down
+                self.writer.add_scalar("train/num_trainers", count, self._version())
+                self.writer.flush()
+            ready = self._reports_ready()
+        log.info("%s %s the job; %d trainer(s) now", info.name, "joined" if joined else "left", count)
+        for listener in self.listeners:
+            listener(trainer, joined)
+        self._resolve(ready)
+
+    def close(self) -> None:
+        """Close the TensorBoard writer (once ps0 has left the group: no change comes after)."""
+        with self.cond:
+            if not self.closed:
+                self.closed = True
+                self.writer.close()
+
+    def counted(self) -> set[int]:
+        """The trainers ssp's clock waits for: in the group and not finished."""
+        with self.cond:
+            return self.present - self.finished
+
+    # -- positions -----------------------------------------------------------------------------
+    def completed(self, trainer: int, step: int, position: dict[str, int]) -> None:
+        """ps0 applied ``trainer``'s step ``step``; ``position``: its data position after it."""
+        with self.cond:
+            last = self.positions.get(trainer)
+            if last is None or step + 1 > last[0]:
+                self.positions[trainer] = (step + 1, dict(position))
+
+    def resume_point(self, trainer: int) -> dict[str, Any]:
+        """Where ``trainer`` starts: ``{"step", "position"}``, the step after its last one ps0
+        applied and the data position after it (it is a replacement); else ``{"step",
+        "data_state"}``, where this attempt started (a checkpoint's step and position, or 0)."""
+        with self.cond:
+            if trainer in self.positions:
+                step, position = self.positions[trainer]
+                return {"step": step, "position": position}
+            step, positions = self.start
+            return {"step": step, "data_state": positions.get(f"trainer{trainer}")}
+
+    def join_step(self) -> int:
+        """A joiner's first step number: the slowest counted trainer's, so ssp's clock does not
+        hold the others back until the joiner has caught up with steps it never had."""
+        with self.cond:
+            steps = [self.positions[t][0] for t in self.present - self.finished if t in self.positions]
+            return min(steps, default=0)
+
+    # -- partitions ----------------------------------------------------------------------------
+    def assignment(self, trainer: int, epoch: int) -> torch.futures.Future[Any]:
+        """``trainer``'s ``Assignment`` in ``epoch`` (fixing the epoch's members if it is the
+        first to ask), or in the first later epoch that takes it; None once the job is over.
+        ``epoch=-1``: the next epoch not yet fixed (a joiner's first)."""
+        fut: torch.futures.Future[Any] = torch.futures.Future()
+        with self.cond:
+            answer: Any = None
+            if self.done:
+                pass
+            elif epoch >= 0 and epoch not in self.epochs:
+                answer = self._fix(epoch, trainer)
+            elif epoch >= 0 and trainer in self.epochs[epoch]:
+                answer = self._assignment(epoch, trainer)
+            else:
+                self.waiting.append((trainer, fut))
+                return fut
+        fut.set_result(answer)
+        return fut
+
+    def _fix(self, epoch: int, asking: int) -> Assignment | None:
+        # Caller holds self.cond.
+        members = sorted((self.launched - self.finished) | (self.present - self.finished) | {asking})
+        self.epochs[epoch] = members
+        for old in [e for e in self.epochs if e < epoch - 2]:
+            del self.epochs[old]  # an old epoch can be asked for only by a trainer resuming in it
+        log.info("epoch %d: trainers %s", epoch, members)
+        still = []
+        for trainer, fut in self.waiting:
+            if trainer in members:
+                fut.set_result(self._assignment(epoch, trainer))
+            else:
+                still.append((trainer, fut))
+        self.waiting = still
+        return self._assignment(epoch, asking)
+
+    def _assignment(self, epoch: int, trainer: int) -> Assignment:
+        members = self.epochs[epoch]
+        return Assignment(epoch, members.index(trainer), len(members))
+
+    # -- the end -------------------------------------------------------------------------------
+    def finish(self, trainer: int, stats: dict[str, Any]) -> None:
+        """``trainer`` trained its last step; ``stats``: its totals for metrics.json."""
+        with self.cond:
+            self.finished.add(trainer)
+            self.reports[trainer] = stats
+            ending = not self.done and self.launched <= self.finished
+            if ending:
+                self.done = True
+                waiting, self.waiting = self.waiting, []
+                joiners = sorted(self.present - self.launched - self.finished)
+            ready = self._reports_ready()
+        if ending:
+            for _, fut in waiting:
+                fut.set_result(None)
+            for j in joiners:  # they stop after their current step
+                try:
+                    backend.rpc().rpc_async(f"trainer{j}", request_stop).then(_ignore)
+                except Exception as e:  # noqa: BLE001 - it left already: nothing to stop
+                    log.info("trainer%d did not take the stop request: %s", j, e)
+        self._resolve(ready)
+
+    def final_reports(self) -> torch.futures.Future[Any]:
+        """Resolves to ``{trainer: stats}`` once the job is over and every trainer still in the
+        group has reported."""
+        fut: torch.futures.Future[Any] = torch.futures.Future()
+        with self.cond:
+            self.report_waiters.append(fut)
+            ready = self._reports_ready()
+        self._resolve(ready)
+        return fut
+
+    def _reports_ready(self) -> list[torch.futures.Future[Any]]:
+        # Caller holds self.cond.
+        if not self.done or not self.present <= set(self.reports):
+            return []
+        ready, self.report_waiters = self.report_waiters, []
+        return ready
+
+    def _resolve(self, futs: list[torch.futures.Future[Any]]) -> None:
+        if futs:
+            with self.cond:
+                reports = {t: dict(s) for t, s in sorted(self.reports.items())}
+            for f in futs:
+                f.set_result(reports)
+
+
+def _ignore(fut: torch.futures.Future[Any]) -> None:
+    """A joiner that left before hearing the job is over needs no telling."""
+    try:
+        fut.wait()
+    except Exception as e:  # noqa: BLE001 - it is gone either way
+        log.info("a joiner did not take the stop request: %s", e)
+
+
+_current: Membership | None = None
+
+
+def set_current(membership: Membership) -> None:
+    """On ps0, before ``init_rpc``: the membership the trainers' calls below work on."""
+    global _current
+    _current = membership
+
+
+def follow(membership: Membership) -> None:
+    """On ps0, right after ``init_rpc``: follow the group's joins and leaves."""
+    agent = backend.rpc()._get_current_rpc_agent()
+    backend.rpc().add_membership_listener(membership.changed)
+    # ps0, the group's registry, watches every member with heartbeats: one that freezes or is
+    # cut off (not only one that dies) is removed, so ssp's clock stops waiting for it.
+    backend.rpc().watch_all_peers(lambda: not membership.closed)
+    for info in agent.get_worker_infos():  # members that joined before the hook was in place
+        if info.id != agent.get_worker_info().id and membership.index_of(info.id) not in membership.present:
+            membership.changed(info, True)
+
+
+# -- ps0's role in an elastic run (ps_train.launch.run_rank) ---------------------------------------
+def keep_membership(ps: Any, cfg: Config, run_dir: str, resume_state: dict[str, Any] | None) -> None:
+    """ps0 of an elastic run, before ``init_rpc``: the trainer membership (ps_train.elastic.membership),
+    ready before any trainer can ask for it; it knows where this attempt started."""
+    writer = make_writer(cfg.logging.tensorboard, f"{run_dir}/tb/ps0", filename_suffix=".ps0")
+    ps.membership = Membership(cfg.cluster.num_trainers, cfg.cluster.num_servers, writer, lambda: ps.version)
+    if resume_state is not None:
+        ps.membership.start = (resume_state["step"], dict(resume_state["trainer_positions"]))
+    ps.membership.listeners.append(ps.trainer_changed)
+    set_current(ps.membership)
+
+
+def serve_elastic(ps: Any) -> None:
+    """A server of an elastic run, in the group: ps0 follows its joins and leaves; every server
+    stays until trainer0 has written the results (each member of a dynamic group leaves on
+    its own, so a server's shutdown would not wait for the trainers)."""
+    if ps.membership is not None:
+        follow(ps.membership)
+    ps.wait_released()
+
+
+
+# -- a joiner's stop flag (set by ps0 over RPC once the job is over) ----------------------------------
+_stop = threading.Event()
+
+
+def request_stop() -> None:
+    _stop.set()
+
+
+def stop_requested() -> bool:
+    return _stop.is_set()
+
+
+def membership() -> Membership:
+    """ps0's ``Membership`` (what the functions below, called by trainers, work on)."""
+    if _current is None:
+        raise RuntimeError("this worker keeps no trainer membership: it is not ps0 of a cluster.elastic=true job")
+    return _current
+
+
+# -- what trainers call on ps0 -------------------------------------------------------------------------
+def resume_point(trainer: int) -> dict[str, Any]:
+    return membership().resume_point(trainer)
+
+
+def join_step() -> int:
+    return membership().join_step()
+
+
+@async_execution
+def assignment(trainer: int, epoch: int) -> torch.futures.Future[Any]:
+    return membership().assignment(trainer, epoch)
+
+
+def finish(trainer: int, stats: dict[str, Any]) -> None:
+    membership().finish(trainer, stats)
+
+
+@async_execution
+def final_reports() -> torch.futures.Future[Any]:
+    return membership().final_reports()
+
+
+def events() -> list[dict[str, Any]]:
+    with membership().cond:
+        return list(membership().events)

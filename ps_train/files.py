@@ -1,0 +1,69 @@
+"""Writing files so that a crash leaves the old file or the whole new one, never half of it.
+
+Every file a run writes in its folder (checkpoints, ``metrics.json``, ``provenance.json``,
+``restarts.json``, ...) is written to a temporary name next to it, flushed to disk, and moved
+into place with ``os.replace`` (atomic on POSIX). Standard library only.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import BinaryIO
+
+__all__ = ["atomic_write", "atomic_write_bytes", "atomic_write_text", "file_sha256"]
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write ``data`` to ``path`` so readers see the old file or the whole new one."""
+    atomic_write(Path(path), lambda f: f.write(data))
+
+
+def atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> tuple[int, str]:
+    """Write ``path`` through ``write(file)`` into a temporary file, fsync it, rename it over
+    ``path`` (readers see the old file or the whole new one); the new file's size and sha256."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())  # contents on disk before the rename makes them visible
+        size, digest = file_sha256(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(path.parent)
+    return size, digest
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def _fsync_dir(directory: Path) -> None:
+    # Makes the rename itself durable; not possible on every platform, hence best effort.
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def file_sha256(path: str | os.PathLike[str]) -> tuple[int, str]:
+    """``(size, SHA-256 hex digest)`` of a file, read in chunks."""
+    h, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+            size += len(chunk)
+    return size, h.hexdigest()

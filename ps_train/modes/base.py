@@ -1,0 +1,222 @@
+"""What an update mode is: both sides of the update protocol, and the configs it accepts.
+
+A mode (``mode=sync|async|ssp``) decides
+
+- on a server: when a read of its parameters (a forward, a lookup of table rows) may run
+  and on which copy of them (``forward``, ``lookup``); how a trainer's gradients become
+  optimizer steps (``update``); whether trainers wait for each other between steps
+  (``clock``); what it counts (``stats``) and saves in a checkpoint (``state_dict``);
+- on a trainer: which update it asks every server for (``send_update``), what it learns when
+  the update is in (``settled``: staleness, steps ahead), whether it may send the next
+  forward before that (``pipelined``), and what it logs (``train_scalars``);
+- before anything starts: which options and which setups it accepts (``option_problems``,
+  ``run_problems``, ``not_elastic``).
+
+Every process builds one mode object from the config (``ps_train.modes.make_mode``); a server
+uses its server side, a trainer its trainer side. The mode sees the server, the trainer and
+the config through the small interfaces below, so it imports nothing else of ps_train (the
+config imports the registry, ``ps_train.modes``, to check a mode's options).
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar, Protocol
+
+import torch
+from torch import Tensor
+
+__all__ = ["Mode", "ModeOptions", "RunConfig", "ModeServer", "ModeTrainer", "TrainerMembership", "resolved"]
+
+
+# -- what a mode reads of the config (ps_train.config.Config and its groups) ------------------------
+class ModeOptions(Protocol):
+    """The ``mode`` group (``ps_train.config.ModeConfig``)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def staleness(self) -> int: ...
+    @property
+    def aggregate(self) -> str: ...
+    @property
+    def staleness_rule(self) -> str: ...
+
+
+class ClusterShape(Protocol):
+    """The ``cluster`` group (``ps_train.config.ClusterConfig``)."""
+
+    @property
+    def num_servers(self) -> int: ...
+    @property
+    def num_trainers(self) -> int: ...
+    @property
+    def num_worker_threads(self) -> int: ...
+    @property
+    def placement(self) -> str: ...
+    @property
+    def elastic(self) -> bool: ...
+
+
+class ModelFacts(Protocol):
+    """The ``model`` group (``ps_train.config.ModelConfig``)."""
+
+    @property
+    def name(self) -> str: ...
+    def num_stages(self) -> int: ...
+    def has_batch_norm(self) -> bool: ...
+
+
+class RunConfig(Protocol):
+    """A run's config (``ps_train.config.Config``)."""
+
+    @property
+    def mode(self) -> ModeOptions: ...
+    @property
+    def cluster(self) -> ClusterShape: ...
+    @property
+    def model(self) -> ModelFacts: ...
+    @property
+    def backend(self) -> str: ...
+
+
+# -- what a mode uses of the roles ----------------------------------------------------------------
+class TrainerMembership(Protocol):
+    """ps0's record of who trains in an elastic run (``ps_train.elastic.membership.Membership``)."""
+
+    def counted(self) -> set[int]: ...
+    def completed(self, trainer: int, step: int, position: dict[str, int]) -> None: ...
+
+
+class ModeServer(Protocol):
+    """A parameter server (``ps_train.roles.server.ParameterServer``)."""
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def lock(self) -> threading.Lock:
+        """Held while the parameters change, and to read them whole."""
+    @property
+    def version(self) -> int:
+        """Updates applied so far (every shard here steps with every update)."""
+    @property
+    def has_running_stats(self) -> bool:
+        """Whether a forward here updates BatchNorm running statistics in place."""
+    @property
+    def membership(self) -> TrainerMembership | None:
+        """ps0 of an elastic run: who trains; else None."""
+    def gradients(self, context_id: int) -> dict[Tensor, Tensor]:
+        """This server's parameters' gradients in a trainer's autograd context."""
+    def step(self, grads: Mapping[Tensor, Tensor], lr_factor: float = 1.0) -> None:
+        """One optimizer step with ``grads`` at ``lr_factor`` times the configured rates;
+        the caller holds ``lock``."""
+    def run_shard(self, shard: int, x: Tensor, trainer: int, step: int) -> Tensor:
+        """``shard``'s forward on the live parameters (dropout seeded by trainer and step)."""
+    def shard_copy(self, shard: int) -> dict[str, Tensor]:
+        """Private copies of ``shard``'s parameters (differentiable); the caller holds ``lock``."""
+    def run_shard_with(self, shard: int, params: dict[str, Tensor], x: Tensor) -> Tensor:
+        """``shard``'s forward on ``params`` (from ``shard_copy``)."""
+
+
+class ModeTrainer(Protocol):
+    """A trainer (``ps_train.roles.trainer.Trainer``)."""
+
+    @property
+    def index(self) -> int: ...
+    @property
+    def servers(self) -> Sequence[Any]:
+        """RRefs to the ParameterServers, ps0 first."""
+
+
+def resolved(value: Any) -> torch.futures.Future[Any]:
+    """A future that already holds ``value`` (an answer that did not have to wait)."""
+    fut: torch.futures.Future[Any] = torch.futures.Future()
+    fut.set_result(value)
+    return fut
+
+
+class Mode:
+    """One update mode: subclass, set the class attributes, implement the server side
+    (``forward``, ``lookup``, ``update``) and ``settled``; register it in ``ps_train.modes``
+    and add ``ps_train/conf/mode/<name>.yaml``."""
+
+    name: ClassVar[str]
+    # The mode.* options it reads besides name; every other one must keep its default.
+    options: ClassVar[tuple[str, ...]] = ()
+    # Why an option it does not read would do nothing here (the end of that error), by option.
+    unused_reasons: ClassVar[dict[str, str]] = {}
+    # Why it cannot run with cluster.elastic=true (trainers that come and go); None: it can.
+    not_elastic: ClassVar[str | None] = None
+    # Trainer side: whether a trainer sends its next forward before its update is answered.
+    pipelined = False
+
+    def __init__(self, run: RunConfig) -> None:
+        self.num_trainers = run.cluster.num_trainers
+
+    # -- the configs it accepts -----------------------------------------------------------------
+    @classmethod
+    def option_problems(cls, options: ModeOptions) -> list[str]:
+        """Problems with the values of the options it reads."""
+        return []
+
+    @classmethod
+    def run_problems(cls, run: RunConfig) -> list[str]:
+        """Problems of this mode with the other groups (called once model, data and cluster
+        are known to fit each other)."""
+        return []
+
+    # -- server side ----------------------------------------------------------------------------
+    def forward(self, server: ModeServer, shard: int, x: Tensor, trainer: int, step: int) -> Tensor:
+        """Trainer ``trainer``'s step-``step`` forward of ``shard`` (step -1: outside a step)."""
+        raise NotImplementedError
+
+    def lookup(self, server: ModeServer, rows: Callable[[], list[Tensor]], trainer: int, step: int) -> list[Tensor]:
+        """Trainer ``trainer``'s step-``step`` lookup of table rows: ``rows()`` reads them."""
+        raise NotImplementedError
+
+    def update(self, server: ModeServer, context_id: int, trainer: int, step: int,
+               position: dict[str, int] | None) -> torch.futures.Future[Any]:
+        """Trainer ``trainer``'s step-``step`` gradients (in its autograd context
+        ``context_id``); the future's value goes back to the trainer (``settled``).
+        ``position`` (elastic, to ps0): the trainer's data position after this step."""
+        raise NotImplementedError
+
+    def clock(self, server: ModeServer, trainer: int, completed: int) -> torch.futures.Future[Any]:
+        """Resolves once trainer ``trainer``, having completed ``completed`` steps, may go on."""
+        raise RuntimeError(f"mode={self.name} keeps no clock: its trainers never wait for each other between steps")
+
+    def trainer_finished(self, server: ModeServer, trainer: int) -> None:
+        """Trainer ``trainer`` ran its last step."""
+
+    def trainer_changed(self, server: ModeServer, trainer: int, joined: bool) -> None:
+        """Elastic, on ps0: trainer ``trainer`` joined or left the job."""
+
+    def stats(self) -> dict[str, Any]:
+        """This server's update statistics, for ``ParameterServer.stats``."""
+        return {"updates_by_trainer": {}, "max_staleness": 0}
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of this server's side (merged into the server's state)."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any], version: int) -> None:
+        """Back from ``state`` (a server's saved state; ``version``: its update count)."""
+
+    # -- trainer side ---------------------------------------------------------------------------
+    def send_update(self, trainer: ModeTrainer, context_id: int, step: int,
+                    position: dict[str, int] | None) -> list[torch.futures.Future[Any]]:
+        """Ask every server to apply this step's gradients (``position``: to ps0 only)."""
+        return [server.rpc_async().update(context_id, trainer.index, step, position if r == 0 else None)
+                for r, server in enumerate(trainer.servers)]
+
+    def settled(self, trainer: ModeTrainer, results: list[Any], step: int) -> dict[str, float]:
+        """Every server applied step ``step``'s update (``results``: the answers, in server
+        order); the step's update metrics. May wait (ssp's clock)."""
+        raise NotImplementedError
+
+    def trainer_done(self, trainer: ModeTrainer) -> None:
+        """This trainer ran its last step."""
+
+    def train_scalars(self, last: Mapping[str, float], lr: float) -> dict[str, float]:
+        """TensorBoard scalars of a logged step (``last``: its metrics; ``lr``: optim.lr)."""
+        return {"train/lr": lr}

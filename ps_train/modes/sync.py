@@ -1,0 +1,149 @@
+"""``mode=sync``: every step, all trainers' gradients combined in rank order and applied once.
+
+Server side. A trainer's update (``update``) waits, without holding a thread, until every
+trainer handed in its step-``s`` gradients; the last one's combines them in trainer-rank
+order (``mode.aggregate``: mean or sum, ``ps_train.modes.aggregation.combine``) and steps the
+optimizer once; bit-reproducible. A step-``s`` read (a forward or a lookup) runs only once
+the round of step ``s - 1`` is applied, so a trainer may send it without waiting for its
+update's answer (``pipelined``). A failed update fails its round and everything waiting for
+it, naming the step. Forwards through shards that update BatchNorm statistics run in trainer
+order, so those statistics are the same every run; dropout masks are seeded by (seed, shard,
+trainer, step) (``ParameterServer.run_shard``).
+
+Trainer side. Pipelined on rpc_core: the trainer leaves the step's autograd context and
+sends the next forward at once, collecting the update's answer later. rpc_core tells a
+worker that a context was released with the next message it sends there, which the worker
+reads after the update request that came before it; torch's RPC sends its release at once,
+and it could overtake the update, so on ``backend=torch`` the trainer waits for the update.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ps_train.modes.aggregation import combine
+from ps_train.modes.base import Mode, ModeServer, ModeTrainer, RunConfig
+
+__all__ = ["SyncMode"]
+
+
+class SyncMode(Mode):
+    name = "sync"
+    options = ("aggregate",)
+    unused_reasons = {"staleness_rule": ", whose gradients are never stale; see mode.aggregate"}
+    not_elastic = ("every sync round waits for every trainer's gradient, so a dead trainer stops the round; use "
+                   "cluster.max_restarts to restart a sync run from its latest checkpoint instead "
+                   "(docs/training_failures.md)")
+
+    def __init__(self, run: RunConfig) -> None:
+        super().__init__(run)
+        self.aggregate = run.mode.aggregate
+        self.pipelined = run.backend == "rpc_core"  # see the module docstring
+        self.rounds = 0  # steps whose update is applied (all trainers' gradients)
+        self._rounds: dict[int, dict[str, Any]] = {}
+        self._failed_round: tuple[int, BaseException] | None = None  # (step, error) of an update that failed
+        self._turn = threading.Condition()
+        self._forwards_done: dict[tuple[int, int], int] = {}  # (shard, step) -> trainers whose forward ran
+
+    @classmethod
+    def run_problems(cls, run: RunConfig) -> list[str]:
+        m, c = run.model, run.cluster
+        if not (m.has_batch_norm() and run.backend == "torch"):
+            return []
+        # BatchNorm shards' forwards run in trainer order: up to (trainers - 1) requests per
+        # shard wait in server threads, and torch's RPC pool has a fixed size.
+        stages = m.num_stages()
+        per_server = 1 if c.placement == "balanced" else -(-stages // max(c.num_servers, 1))
+        least = (c.num_trainers - 1) * per_server + 2
+        if c.num_worker_threads >= least:
+            return []
+        return [f"cluster.num_worker_threads: {c.num_worker_threads} is too few for {m.name} in sync mode on "
+                f"backend=torch with {c.num_trainers} trainers (forwards wait for their turn in server "
+                f"threads); use cluster.num_worker_threads>={least}"]
+
+    # -- server side ----------------------------------------------------------------------------
+    def forward(self, server: ModeServer, shard: int, x: Tensor, trainer: int, step: int) -> Tensor:
+        self._await_round(server, step)
+        if not server.has_running_stats or step < 0:
+            return server.run_shard(shard, x, trainer, step)
+        key = (shard, step)
+        with self._turn:
+            self._turn.wait_for(lambda: self._forwards_done.get(key, 0) == trainer)
+        try:
+            return server.run_shard(shard, x, trainer, step)
+        finally:
+            with self._turn:
+                done = self._forwards_done.get(key, 0) + 1
+                if done == self.num_trainers:
+                    self._forwards_done.pop(key, None)
+                else:
+                    self._forwards_done[key] = done
+                self._turn.notify_all()
+
+    def lookup(self, server: ModeServer, rows: Callable[[], list[Tensor]], trainer: int, step: int) -> list[Tensor]:
+        self._await_round(server, step)
+        return rows()
+
+    def _await_round(self, server: ModeServer, step: int) -> None:
+        """Return once the round of step ``step - 1`` is applied (a step-``step`` read must
+        see it); at once if it is."""
+        if step <= self.rounds:
+            return
+        with self._turn:
+            self._turn.wait_for(lambda: self.rounds >= step or self._failed_round is not None)
+            if self.rounds < step:
+                raise self._round_error(server, step, "forward")
+
+    def _round_error(self, server: ModeServer, step: int, what: str = "update") -> RuntimeError:
+        assert self._failed_round is not None  # asked for once an update failed
+        failed, error = self._failed_round
+        e = RuntimeError(f"ps{server.rank} cannot run the step-{step} {what}: the step-{failed} update "
+                         f"failed: {error!r}; sync mode cannot go on without it")
+        e.__cause__ = error
+        return e
+
+    def update(self, server: ModeServer, context_id: int, trainer: int, step: int,
+               position: dict[str, int] | None) -> torch.futures.Future[Any]:
+        if self._failed_round is not None:
+            raise self._round_error(server, step)
+        r = None
+        try:
+            grads = server.gradients(context_id)
+            with server.lock:
+                r = self._rounds.setdefault(step, {"grads": {}, "future": torch.futures.Future()})
+                r["grads"][trainer] = grads
+                complete = len(r["grads"]) == self.num_trainers
+                if complete:
+                    del self._rounds[step]
+                    server.step(combine(r["grads"], self.aggregate))  # rank order: the same floats every run
+        except BaseException as e:
+            # This round can never complete: the trainers waiting for it and forwards waiting
+            # for it fail instead of hanging.
+            with self._turn:
+                self._failed_round = (step, e)
+                self._turn.notify_all()
+            with server.lock:
+                waiting = self._rounds.pop(step, None) or r
+            if waiting is not None and not waiting["future"].done():
+                waiting["future"].set_exception(self._round_error(server, step))
+            raise
+        if complete:
+            with self._turn:
+                self.rounds = max(self.rounds, step + 1)
+                self._turn.notify_all()
+            r["future"].set_result(server.version)
+        return r["future"]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rounds": self.rounds}
+
+    def load_state_dict(self, state: Mapping[str, Any], version: int) -> None:
+        self.rounds = state.get("rounds", version)  # older checkpoints: one update per round
+
+    # -- trainer side ---------------------------------------------------------------------------
+    def settled(self, trainer: ModeTrainer, results: list[Any], step: int) -> dict[str, float]:
+        return {"staleness": 0.0}  # every server applied all trainers' step-``step`` gradients at once

@@ -1,0 +1,288 @@
+"""The parameter server: hosts shards of the model and applies updates to them.
+
+Every server builds the whole seeded model (cheap, and identical everywhere) and keeps the
+shards placed on it. Trainers call it through an RRef:
+
+- ``forward(shard, x, trainer, step)``: the shard's forward; under distributed autograd the
+  parameters' gradients land in the trainer's context on this server.
+- ``update(context_id, trainer, step, position)``: apply this trainer's step-``step``
+  gradients; the answer comes once they are applied (in sync mode: once every trainer's
+  are, combined).
+- ``clock(trainer, completed)`` (on ps0, ssp mode): returns once no trainer is more than
+  ``mode.staleness`` steps behind ``completed``.
+- ``lookup(ids, trainer, step)`` (model=dlrm): this server's rows of every table that a
+  trainer's batch uses (its ``TablePart``, ``ps_train.ctr.table_server``). The updates apply
+  the tables' sparse gradients along with the dense ones.
+
+When a read (a forward, a lookup) may run and on which copy of the parameters, how
+gradients become optimizer steps, and what a trainer waits for between steps is the update
+mode's (``ps_train.modes``: sync, async, ssp), which this server hands every such request;
+the server does the work the mode asks for (``run_shard``, ``shard_copy``, ``step``). Sync
+mode is bit-reproducible; async/ssp are not (see the ``ps_train`` package docstring for
+exactly what they do and do not reproduce).
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from ps_train import backend
+from ps_train.checkpoint.files import ShardFile, save_shard_state
+from ps_train.config import Config, optimizer_spec
+from ps_train.elastic.membership import Membership
+from ps_train.faults import maybe_inject_fault
+from ps_train.metrics import peak_rss_bytes
+from ps_train.modes import make_mode
+from ps_train.modes.aggregation import scaled_lr
+from ps_train.stage_sharding import model_shards, shards_of_server
+from rpc_core.functions import async_execution
+
+log = logging.getLogger("ps_train.server")
+
+_server: ParameterServer | None = None
+
+
+class TablePart(Protocol):
+    """A model's embedding tables on one server, split by rows: its rows of every table and
+    their optimizer (model=dlrm: ``ps_train.ctr.table_server.TableServer``)."""
+
+    @property
+    def params(self) -> list[nn.Parameter]: ...
+
+    def lookup(self, local_ids: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Rows ``local_ids[t]`` (int64 [U_t]) of each table, [U_t, dim] each, for training."""
+
+    def read(self, local_ids: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The same rows without autograd, for evaluation."""
+
+    def step(self, lr_factor: float = 1.0) -> None:
+        """Update the rows named by the tables' ``.grad`` (sparse), at ``lr_factor`` times the rate."""
+
+    def stats(self) -> dict[str, int]: ...
+
+    def state_dict(self, copy: bool = True) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class ParameterServer:
+    """``tables``: the model's embedding tables on this server, if it has any (model=dlrm)."""
+
+    def __init__(self, cfg: Config, rank: int, tables: TablePart | None = None) -> None:
+        self.rank = rank
+        self.mode = make_mode(cfg)  # when reads run, how updates apply (ps_train.modes)
+        # Every server builds the whole seeded model and keeps its own shards (module docstring).
+        shards = shards_of_server(model_shards(cfg), rank)
+        self.shards: dict[int, nn.Module] = {s.index: s.module for s in shards}
+        dense = [p for m in self.shards.values() for p in m.parameters()]
+        self.tables = tables
+        self.params: list[nn.Parameter] = dense + (self.tables.params if self.tables is not None else [])
+        self.seed = cfg.seed
+        self.has_dropout = any(isinstance(x, nn.Dropout) and x.p > 0 for m in self.shards.values() for x in m.modules())
+        # BatchNorm updates its running statistics in place during the forward (sync mode
+        # runs such forwards in trainer order, so the statistics are the same every run).
+        self.has_running_stats = any(isinstance(x, nn.modules.batchnorm._NormBase) and x.track_running_stats
+                                     for m in self.shards.values() for x in m.modules())
+        cls, kwargs = optimizer_spec(cfg.optim)
+        self.optimizer = cls(dense, **kwargs) if dense else None
+        self.lock = threading.Lock()
+        self._eval_copies: dict[int, Any] = {}  # shard -> (version, eval-mode copy)
+        self.forward_lock = threading.Lock()
+        self.version = 0  # updates applied so far: the version of every shard here (they step together)
+        self.updates = {i: 0 for i in self.shards}
+        self.membership: Membership | None = None  # ps0 of a cluster.elastic=true job (ps_train.elastic.membership)
+        self._released = threading.Event()  # elastic: trainer0 is done with the servers
+
+    # -- forward ----------------------------------------------------------------------------------
+    def forward(self, shard: int, x: torch.Tensor, trainer: int = -1, step: int = -1) -> torch.Tensor:
+        return self.mode.forward(self, shard, x, trainer, step)
+
+    def run_shard(self, shard: int, x: torch.Tensor, trainer: int, step: int) -> torch.Tensor:
+        """``shard``'s forward on the live parameters."""
+        module = self.shards[shard]
+        if not self.has_dropout or step < 0:
+            return module(x)
+        # Dropout draws from a generator seeded by (seed, shard, trainer, step), so masks do
+        # not depend on which trainer's request this server happened to serve first.
+        with self.lock, torch.random.fork_rng(devices=[]):
+            torch.manual_seed(hash((self.seed, shard, trainer, step)) & 0x7FFF_FFFF_FFFF_FFFF)
+            return module(x)
+
+    def shard_copy(self, shard: int) -> dict[str, torch.Tensor]:
+        """Private copies of ``shard``'s parameters (``clone`` keeps the gradient path), so an
+        update applied while a backward through them is pending cannot invalidate the
+        tensors it saved. The caller holds ``self.lock``."""
+        return {n: p.clone() for n, p in self.shards[shard].named_parameters()}
+
+    def run_shard_with(self, shard: int, params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """``shard``'s forward on ``params`` (from ``shard_copy``)."""
+        # functional_call swaps the module's parameters while it runs: one at a time.
+        with self.forward_lock:
+            return functional_call(self.shards[shard], params, (x,))
+
+    def predict(self, shard: int, x: torch.Tensor) -> torch.Tensor:
+        with self.lock, self.forward_lock:
+            # An eval-mode copy, so evaluation never disturbs training forwards; reused by
+            # every batch of an evaluation while no update changed the weights.
+            cached = self._eval_copies.get(shard)
+            if cached is None or cached[0] != self.version:
+                module = copy.deepcopy(self.shards[shard]).eval()
+                self._eval_copies[shard] = cached = (self.version, module)
+        with torch.no_grad():
+            return cached[1](x)
+
+    def lookup(self, local_ids: list[torch.Tensor], trainer: int = -1, step: int = -1) -> list[torch.Tensor]:
+        """Rows ``local_ids[t]`` (int64 [U_t]) of every table held here: [U_t, dim] each."""
+        tables = self._tables()
+        return self.mode.lookup(self, lambda: tables.lookup(local_ids), trainer, step)
+
+    def read_rows(self, local_ids: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``lookup`` for evaluation: no autograd, no step bookkeeping."""
+        tables = self._tables()
+        with self.lock:
+            return tables.read(local_ids)
+
+    def _tables(self) -> TablePart:
+        if self.tables is None:
+            raise RuntimeError(f"ps{self.rank} holds no embedding tables: the model is not model=dlrm")
+        return self.tables
+
+    def parameter_rrefs(self) -> list[Any]:
+        rpc = backend.rpc()
+        return [rpc.RRef(p) for p in self.params]
+
+    # -- updates ----------------------------------------------------------------------------------
+    def gradients(self, context_id: int) -> dict[torch.Tensor, torch.Tensor]:
+        """This server's parameters' gradients in autograd context ``context_id``."""
+        grads = backend.dist_autograd().get_gradients(context_id)
+        return {p: grads[p] for p in self.params if p in grads}
+
+    def step(self, grads: Mapping[torch.Tensor, torch.Tensor], lr_factor: float = 1.0) -> None:
+        """One optimizer step with ``grads`` at ``lr_factor`` times the configured rates. The
+        caller (the mode) holds ``self.lock``."""
+        if self.optimizer is None and self.tables is None:
+            return
+        for p in self.params:
+            p.grad = grads.get(p)
+        if self.optimizer is not None:
+            with scaled_lr(self.optimizer, lr_factor):
+                self.optimizer.step()
+        if self.tables is not None:
+            self.tables.step(lr_factor)
+        for p in self.params:
+            p.grad = None
+        self.version += 1
+        for i in self.updates:
+            self.updates[i] += 1
+        maybe_inject_fault(f"ps{self.rank}", self.version)  # test-only, see ps_train.faults
+
+    @async_execution
+    def update(self, context_id: int, trainer: int, step: int,
+               position: dict[str, int] | None = None) -> torch.futures.Future[Any]:
+        """Apply trainer ``trainer``'s step-``step`` gradients (in its context ``context_id``)
+        as the mode does; ``position`` (elastic, on ps0): its data position after this step."""
+        return self.mode.update(self, context_id, trainer, step, position)
+
+    @async_execution
+    def clock(self, trainer: int, completed: int) -> torch.futures.Future[Any]:
+        """SSP barrier: resolves (to how far ``trainer`` is ahead of the slowest) once every
+        trainer completed at least ``completed - mode.staleness`` steps."""
+        return self.mode.clock(self, trainer, completed)
+
+    def trainer_changed(self, trainer: int, joined: bool) -> None:
+        """Elastic, ps0: a trainer left (its clock no longer counts) or joined."""
+        self.mode.trainer_changed(self, trainer, joined)
+
+    def release(self) -> None:
+        """Elastic: trainer0 wrote the run's results; this server may leave the group."""
+        self._released.set()
+
+    def wait_released(self) -> None:
+        self._released.wait()
+
+    def finish(self, trainer: int) -> None:
+        """A trainer is done: it no longer holds back the others in ssp mode."""
+        self.mode.trainer_finished(self, trainer)
+
+    # -- state ------------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"version": self.version, "updates": dict(self.updates), **self.mode.stats(),
+                               "peak_rss_bytes": peak_rss_bytes()}
+        if self.tables is not None:
+            out.update(self.tables.stats())
+        if backend.name() == "rpc_core":
+            from rpc_core import connection_stats
+
+            conns = connection_stats()
+            out["bytes_sent"] = conns.bytes_sent
+            out["bytes_received"] = conns.bytes_received
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        with self.lock:
+            return self._state(copy_tables=True)
+
+    def _state(self, copy_tables: bool) -> dict[str, Any]:
+        # Caller holds self.lock.
+        tables = self.tables.state_dict(copy=copy_tables) if self.tables is not None else None
+        return {
+            "shards": {i: copy.deepcopy(m.state_dict()) for i, m in self.shards.items()},
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()) if self.optimizer else None,
+            "version": self.version,
+            **self.mode.state_dict(),
+            "updates": dict(self.updates),
+            "tables": tables,
+        }
+
+    def save_state(self, ckpt_dir: str) -> ShardFile:
+        """Write this server's shards and optimizer state into the checkpoint folder
+        ``ckpt_dir`` as ``ps<rank>.pt``; returns the file's manifest entry. The checkpoint
+        coordinator (``ps_train.checkpoint.protocol``) calls it through the server's RRef."""
+        if self.tables is None:
+            return save_shard_state(ckpt_dir, f"ps{self.rank}", self.state_dict())
+        # Tables are too large to copy: updates wait while they are written out.
+        with self.lock:
+            return save_shard_state(ckpt_dir, f"ps{self.rank}", self._state(copy_tables=False))
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        with self.lock:
+            for i, sd in state["shards"].items():
+                self.shards[int(i)].load_state_dict(sd)
+            if self.optimizer is not None and state.get("optimizer") is not None:
+                self.optimizer.load_state_dict(state["optimizer"])
+            self.version = state.get("version", 0)
+            self.mode.load_state_dict(state, self.version)
+            self._eval_copies.clear()
+            self.updates = {int(k): v for k, v in state.get("updates", {}).items()} or self.updates
+            if self.tables is not None:
+                if state.get("tables") is None:
+                    raise ValueError(f"ps{self.rank}: the checkpoint holds no embedding tables; resume a "
+                                     "model=dlrm run")
+                self.tables.load_state_dict(state["tables"])
+
+
+def create(cfg: Config, rank: int, tables: TablePart | None = None) -> ParameterServer:
+    global _server
+    _server = ParameterServer(cfg, rank, tables)
+    return _server
+
+
+def local_server() -> ParameterServer:
+    """This process's ParameterServer (for functions that trainers call on a server)."""
+    if _server is None:
+        raise RuntimeError("this worker hosts no ParameterServer (is it a trainer?)")
+    return _server
+
+
+def get_server_rref() -> Any:
+    """Called by trainers over RPC: an RRef to this process's ParameterServer."""
+    if _server is None:
+        raise RuntimeError("this worker hosts no ParameterServer (is it a trainer?)")
+    return backend.rpc().RRef(_server)

@@ -1,0 +1,358 @@
+"""The trainer: data -> forward through the shards over RPC -> distributed backward -> update.
+
+Each trainer owns a partition of the training data. Per step (batch x: [B, *in_shape]):
+
+    with dist_autograd.context() as ctx:
+        h = x
+        for shard in shards:                        # forward order; each on its server
+            h = server[shard].forward(shard, h)     # [B, features_k] over RPC
+        loss = cross_entropy(h, y)                  # logits h: [B, num_classes]
+        dist_autograd.backward(ctx, [loss])         # gradients land on the servers
+        every server: update(ctx, me, step)         # sync: its answer waits for all trainers
+        x, y = next batch                           # while the servers update
+        wait for the updates                        # before the next forward
+    ssp: ps0.clock(me, step + 1)                    # wait if too far ahead
+
+The update requests are sent asynchronously and waited for only after the next batch is
+ready (``settle``), so the trainer's end-of-step work (metrics, the next batch) overlaps
+the servers' optimizer step. Nothing else moves: the next forward, a checkpoint, an
+evaluation or a log line still starts only once every server has applied this step's
+update, so results are the same as with a blocking update.
+
+A mode may go one step further (``Mode.pipelined``: sync on rpc_core, ``ps_train.modes.sync``):
+the trainer leaves the context and sends the next forward without waiting for the update at
+all; each server runs a step-``s`` forward only once its step-``s - 1`` round is applied, and
+the trainer collects the update's answer after that forward. What the trainer asks for, what
+it learns from the answers (staleness) and whether it waits for the others (ssp's clock) is
+the update mode's (``ps_train.modes``).
+
+trainer0 also evaluates on the test split, prints progress, and writes metrics.json.
+
+What a step computes is in ``load``, ``step_loss`` and ``evaluate``; a model with another
+forward (``ps_train.ctr.trainer.CtrTrainer``, model=dlrm) overrides them and keeps the
+loop, the update protocol and checkpoints.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ps_train import backend
+from ps_train.config import Config, config_to_dict
+from ps_train.data import BatchIterator, iter_eval_batches, load_data, total_steps
+from ps_train.elastic.membership import stop_requested
+from ps_train.elastic.trainer import ElasticRole
+from ps_train.faults import maybe_inject_fault
+from ps_train.metrics import (
+    LatencyStats,
+    ThroughputMeter,
+    flatten_hparams,
+    make_writer,
+    peak_rss_bytes,
+    write_metrics_json,
+)
+from ps_train.modes import make_mode
+from ps_train.stage_sharding import model_shards
+from rpc_core.functions import async_execution
+
+log = logging.getLogger("ps_train.trainer")
+
+_done: torch.futures.Future[Any] | None = None
+
+
+@async_execution
+def final_stats() -> torch.futures.Future[Any]:
+    """Called by trainer0 over RPC: this trainer's totals, once it has finished."""
+    global _done
+    if _done is None:
+        _done = torch.futures.Future()
+    return _done
+
+
+def _publish(stats: dict[str, Any]) -> None:
+    global _done
+    if _done is None:
+        _done = torch.futures.Future()
+    _done.set_result(stats)
+
+
+class Trainer:
+    # Set by ``load``; their kinds depend on the model (TensorSplit and BatchIterator here,
+    # CtrSplit and CtrBatchIterator in ps_train.ctr.trainer): the loop needs only len() and next().
+    train_set: Any
+    test_set: Any
+    batches: Any
+
+    def __init__(self, cfg: Config, index: int, run_dir: str, start_step: int = 0,
+                 data_state: dict[str, int] | None = None) -> None:
+        self.cfg = cfg
+        self.index = index
+        self.name = f"trainer{index}"
+        # The partition load() builds: a joiner's (index >= num_trainers) comes per epoch from ps0.
+        self.data_slot = index % cfg.cluster.num_trainers
+        self.run_dir = run_dir
+        self.rpc = backend.rpc()
+        self.dist_autograd = backend.dist_autograd()
+        self.load()
+        if data_state is not None:
+            self.batches.load_state_dict(data_state)
+        self.steps = total_steps(cfg.train.steps, cfg.train.epochs, len(self.train_set),
+                                 cfg.cluster.num_trainers, cfg.train.batch_size)
+        self.step = start_step
+        # The shard layout is computed, not asked for: every process derives the same one.
+        self.shard_servers = [(s.index, s.server) for s in model_shards(cfg)]
+        self.servers = [self.rpc.rpc_sync(f"ps{r}", _get_server_rref) for r in range(cfg.cluster.num_servers)]
+        # cluster.elastic: start step, batches and length come from ps0 (ps_train.elastic.trainer).
+        self.elastic = ElasticRole(self) if cfg.cluster.elastic else None
+        self.writer = make_writer(cfg.logging.tensorboard, f"{run_dir}/tb/{self.name}", filename_suffix=f".{self.name}")
+        self.latency = {r: LatencyStats() for r in range(cfg.cluster.num_servers)}
+        self.meter = ThroughputMeter()
+        self.max_steps_ahead = 0  # ssp: the most steps this trainer ran ahead of the slowest
+        # (open context scope or None, update futures, step)
+        self._in_flight: tuple[Any, list[torch.futures.Future[Any]], int] | None = None
+        self.mode = make_mode(cfg)  # what an update asks for and waits for (ps_train.modes)
+        self.pipelined = self.mode.pipelined  # see module docstring
+
+    def load(self) -> None:
+        """Set ``train_set``, ``test_set`` and ``batches`` (this trainer's batch iterator)."""
+        cfg = self.cfg
+        self.train_set, self.test_set = load_data(cfg.data)
+        self.batches = BatchIterator(self.train_set, self.data_slot, cfg.cluster.num_trainers,
+                                     cfg.train.batch_size, cfg.seed)
+
+    # -- one step ---------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, step: int = -1) -> torch.Tensor:
+        h = x
+        for shard, server in self.shard_servers:
+            h = self._call(server, "forward", shard, h, self.index, step)
+        return h
+
+    def _call(self, server: int, method: str, *args: Any) -> torch.Tensor:
+        """``method(*args)`` of server ``server``'s ParameterServer, timed into its RPC latency."""
+        t0 = time.perf_counter()
+        out: torch.Tensor = getattr(self.servers[server].rpc_sync(), method)(*args)
+        self.latency[server].record(time.perf_counter() - t0)
+        return out
+
+    def step_loss(self, batch: Any) -> tuple[torch.Tensor, dict[str, float]]:
+        """The forward of one step through the servers: the loss to backpropagate, and the
+        step's metrics besides the loss (here the batch accuracy)."""
+        x, y = batch
+        logits = self.forward(x, self.step)  # [B, num_classes]
+        acc = (logits.detach().argmax(1) == y).float().mean().item()
+        return F.cross_entropy(logits, y), {"accuracy": acc}
+
+    def train_step(self, batch: Any) -> dict[str, float]:
+        """Forward, backward, and the update requests of one step; ``settle()`` completes
+        them. Until then this step's autograd context stays open (the servers read their
+        gradients from it), except when ``pipelined``."""
+        if self._in_flight is not None and not self.pipelined:
+            raise RuntimeError("train_step called before the previous step's updates were settled")
+        scope = self.dist_autograd.context()
+        ctx = scope.__enter__()
+        try:
+            loss, out = self.step_loss(batch)
+            self.settle()  # pipelined: the forward ran after the previous update, so this is done
+            self.dist_autograd.backward(ctx, [loss])
+            # Elastic: ps0 also keeps the data position after this step (for a replacement).
+            pos = self.elastic.position() if self.elastic is not None else None
+            futs = self.mode.send_update(self, ctx, self.step, pos)
+        except BaseException:
+            scope.__exit__(*sys.exc_info())
+            raise
+        if self.pipelined:
+            scope.__exit__(None, None, None)
+            scope = None
+        self._in_flight = (scope, futs, self.step)
+        return {"loss": loss.item(), **out}
+
+    def settle(self) -> dict[str, float]:
+        """Wait until every server applied the last step's update (and, in ssp mode, until
+        this trainer may run ahead again); returns that step's update metrics."""
+        if self._in_flight is None:
+            return {}
+        scope, futs, step = self._in_flight
+        self._in_flight = None
+        try:
+            results = torch.futures.wait_all(futs)
+        except BaseException:
+            if scope is not None:
+                scope.__exit__(*sys.exc_info())
+            raise
+        if scope is not None:
+            scope.__exit__(None, None, None)
+        out = self.mode.settled(self, results, step)  # staleness; ssp: waits while too far ahead
+        if "steps_ahead" in out:
+            self.max_steps_ahead = max(self.max_steps_ahead, int(out["steps_ahead"]))
+        return out
+
+    # -- evaluation -------------------------------------------------------------------------------
+    def evaluate(self) -> dict[str, float]:
+        correct, total, loss_sum = 0, 0, 0.0
+        for x, y in iter_eval_batches(self.test_set, self.cfg.train.eval_batch_size):
+            h = x
+            for shard, server in self.shard_servers:
+                h = self.servers[server].rpc_sync().predict(shard, h)
+            loss_sum += F.cross_entropy(h, y, reduction="sum").item()
+            correct += int((h.argmax(1) == y).sum())
+            total += len(y)
+        return {"accuracy": correct / max(total, 1), "loss": loss_sum / max(total, 1)}
+
+    def describe_eval(self, ev: dict[str, float]) -> str:
+        """``evaluate()``'s result for a log line."""
+        return f"test accuracy {ev['accuracy']:.4f}"
+
+    def totals(self) -> dict[str, Any]:
+        """This trainer's own totals for metrics.json (trainer0 gathers every trainer's)."""
+        return {"peak_rss_bytes": peak_rss_bytes()}
+
+    def extra_metrics(self, all_stats: list[dict[str, Any]], server_stats: list[dict[str, Any]]) -> dict[str, Any]:
+        """metrics.json entries beyond the common ones, from every trainer's ``totals()``
+        (``all_stats``, in trainer order) and every server's ``stats()``."""
+        return {}
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def run(self, on_step: Any = None) -> dict[str, Any] | None:
+        """Train to the last step; trainer0 returns the run's final metrics, others None."""
+        is_chief = self.index == 0
+        t_start = self._t_start = time.perf_counter()
+        self._first_step = self.step
+        self.meter.start()
+        losses: list[float] = []
+        batch = next(self.batches) if self.step < self.steps else None
+        try:
+            last = self._loop(batch, losses, on_step)
+            self.settle()
+        except BaseException:
+            scope = self._in_flight[0] if self._in_flight is not None else None
+            self._in_flight = None
+            if scope is not None:  # failed between a step and its settle
+                scope.__exit__(*sys.exc_info())
+            raise
+        wall = time.perf_counter() - t_start
+        self.mode.trainer_done(self)  # ssp: this trainer no longer holds the others back
+        mine = {"steps": self.step, "samples": self.meter.total, "wall_time_s": wall,
+                "samples_per_s": self.meter.overall(), "losses": losses,
+                "max_steps_ahead": self.max_steps_ahead, "trainer": self.name, **self.totals()}
+        if self.elastic is not None:
+            self.elastic.finish(mine)  # to ps0: this trainer may leave the group right after
+        else:
+            _publish(mine)
+        if not is_chief:
+            self.writer.close()
+            return None
+        return self._finish(mine, last)
+
+    def _loop(self, batch: Any, losses: list[float], on_step: Any) -> dict[str, float]:
+        """Steps until the last one; returns the last step's metrics."""
+        cfg = self.cfg
+        log_every = max(1, cfg.train.log_every)
+        is_chief = self.index == 0
+        last: dict[str, float] = {}
+        while self.step < self.steps and batch is not None and not stop_requested():  # None: elastic job over
+            last = self.train_step(batch)
+            losses.append(last["loss"])
+            self.step += 1
+            self.meter.update(len(batch[-1]))  # every batch ends with its labels [B]
+            step = self.step
+            if step < self.steps:
+                batch = next(self.batches)  # overlaps the servers' update
+            logs = step % log_every == 0 or step == self.steps
+            evaluates = is_chief and cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < self.steps
+            if not self.pipelined or logs or evaluates:
+                last.update(self.settle())
+            if logs:
+                self._log_train(step, last)
+            if evaluates:
+                ev = self.evaluate()
+                for key, value in ev.items():
+                    self.writer.add_scalar(f"test/{key}", value, step)
+                log.info("step %d: %s", step, self.describe_eval(ev))
+            if on_step is not None:
+                on_step(self, step)
+            maybe_inject_fault(self.name, step)  # test-only, see ps_train.faults
+        return last
+
+    def _log_train(self, step: int, last: dict[str, float]) -> None:
+        rate = self.meter.rate()
+        w = self.writer
+        w.add_scalar("train/loss", last["loss"], step)
+        w.add_scalar("train/accuracy", last["accuracy"], step)
+        w.add_scalar("train/samples_per_s", rate, step)
+        for tag, value in self.mode.train_scalars(last, self.cfg.optim.lr).items():  # lr, staleness, ...
+            w.add_scalar(tag, value, step)
+        for r, stats in self.latency.items():
+            if stats.count:
+                w.add_scalar(f"rpc/forward_latency_ms/ps{r}", stats.mean_s * 1e3, step)
+            stats.reset()
+        if self.index == 0:
+            for r, s in enumerate(self.servers):
+                st = s.rpc_sync().stats()
+                for shard, n in st["updates"].items():
+                    w.add_scalar(f"server/updates/shard{shard}", n, step)
+                if "bytes_sent" in st:
+                    w.add_scalar(f"rpc/bytes_sent/ps{r}", st["bytes_sent"], step)
+                    w.add_scalar(f"rpc/bytes_received/ps{r}", st["bytes_received"], step)
+            if self.cfg.logging.progress:
+                eta = (self.steps - step) * (time.perf_counter() - self._t_start) / max(step - self._first_step, 1)
+                print(f"[{self.name}] step {step}/{self.steps}  loss {last['loss']:.4f}  "
+                      f"acc {last['accuracy']:.3f}  {rate:,.0f} samples/s  eta {eta:.0f}s", flush=True)
+
+    def _finish(self, mine: dict[str, Any], last: dict[str, float]) -> dict[str, Any]:
+        cfg = self.cfg
+        if self.elastic is not None:
+            all_stats = self.elastic.all_stats()
+        else:
+            others = [self.rpc.rpc_async(f"trainer{k}", final_stats, timeout=0)
+                      for k in range(1, cfg.cluster.num_trainers)]
+            all_stats = [mine] + [f.wait() for f in others]
+        # Before the final evaluation, so the servers' byte counts are the training's.
+        server_stats = [s.rpc_sync().stats() for s in self.servers]
+        ev = self.evaluate()
+        wall = max(s["wall_time_s"] for s in all_stats)
+        samples = sum(s["samples"] for s in all_stats)
+        metrics = {
+            **{f"test_{key}": value for key, value in ev.items()},
+            "final_train_loss": last.get("loss"),
+            "steps": self.step,
+            "samples": samples,
+            "samples_per_s": samples / wall if wall > 0 else 0.0,
+            "wall_time_s": wall,
+            "mode": cfg.mode.name,
+            "backend": backend.name(),
+            "num_servers": cfg.cluster.num_servers,
+            "num_trainers": cfg.cluster.num_trainers,
+            "server_updates": [s["version"] for s in server_stats],
+            "max_staleness": max([s["max_staleness"] for s in server_stats] + [0]),
+            "max_steps_ahead": max(s["max_steps_ahead"] for s in all_stats),
+            "losses": {s["trainer"]: s["losses"] for s in all_stats},
+            "peak_rss_bytes": {**{f"ps{r}": s["peak_rss_bytes"] for r, s in enumerate(server_stats)},
+                               **{s["trainer"]: s["peak_rss_bytes"] for s in all_stats}},
+            **self.extra_metrics(all_stats, server_stats),
+            **(self.elastic.extra_metrics(server_stats) if self.elastic is not None else {}),
+        }
+        w = self.writer
+        for key, value in ev.items():
+            w.add_scalar(f"test/{key}", value, self.step)
+        w.add_hparams(flatten_hparams(config_to_dict(cfg)),
+                      {**{f"hparam/test_{key}": value for key, value in ev.items()},
+                       "hparam/samples_per_s": metrics["samples_per_s"]})
+        w.close()
+        write_metrics_json(f"{self.run_dir}/metrics.json", metrics)
+        if self.elastic is not None:
+            self.elastic.release_servers()
+        print(f"[{self.name}] done: {self.step} steps, {self.describe_eval(ev)}, "
+              f"{metrics['samples_per_s']:,.0f} samples/s over {cfg.cluster.num_trainers} trainer(s), "
+              f"{wall:.1f}s", flush=True)
+        return metrics
+
+
+def _get_server_rref() -> Any:
+    from ps_train.roles.server import get_server_rref
+
+    return get_server_rref()

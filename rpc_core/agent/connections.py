@@ -1,0 +1,391 @@
+"""A worker's connections: dialling peers (over the first transport that reaches them:
+same-host socket first, then TCP), accepting theirs, and what happens when one is lost.
+
+Each peer has at most one outgoing connection (``out``, dialled on first use under a
+per-peer lock; its answers are read by an ``Outbound``) and any number of incoming ones
+(each served by ``Dispatch.read_loop``). A dialler introduces itself with an identity frame
+(``_HELLO_ID``) right after the handshake.
+
+``Connections`` is a part of ``agent.Agent``: it hands what arrives to the agent's
+``Dispatch`` (requests) and ``PendingCalls`` (answers), fails the calls of a peer it lost
+there, and asks the ``Roster`` who a peer is. The agent's ``send_request`` looks up ``out``
+and ``links`` (the very dicts, never replaced) on every call.
+"""
+from __future__ import annotations
+
+import logging
+import pickle
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+from .. import transport
+from ..errors import (
+    AuthenticationError,
+    ProtocolError,
+    RpcError,
+    RpcTimeoutError,
+    WorkerLeftError,
+    WorkerUnavailableError,
+)
+from ..options import RpcBackendOptions
+from ..protocol import wire
+from ..protocol.serialization import loopback
+from ..transport import Connection, Listener
+from .completion import PendingCalls
+from .dispatch import Dispatch
+from .outbound import Outbound
+from .pool import ThreadGroup
+from .roster import Roster
+from .worlds import World
+
+log = logging.getLogger("rpc_core")
+
+_HELLO_ID = 0  # msg_id of the identity frame a dialer sends first
+
+
+class ConnectionStats(NamedTuple):
+    """Byte counts summed over a worker's open connections (calls to self not included)."""
+
+    bytes_sent: int
+    bytes_received: int
+    bytes_cma_sent: int  # the part of bytes_sent that the peer copied by cross-memory attach
+    bytes_cma_received: int  # the part of bytes_received copied from the peer's memory
+    connections: int  # how many connections were summed
+    unix_connections: int = 0  # of those, how many are same-host Unix sockets (the rest TCP)
+    cma_connections: int = 0  # of those, how many may copy tensors by cross-memory attach, either way
+
+
+class _Loss(NamedTuple):
+    """Why a connection ended."""
+
+    reason: str  # for errors and logs: what happened, with whom
+    malformed: bool  # the peer broke the protocol: drop the connection, but it is no news of the peer's death
+
+
+class _Loopback:
+    """A 'connection' to ourselves: calls to self are serialized and dispatched like any other."""
+
+    def __init__(self, me: int, dispatch: Dispatch, pending: PendingCalls) -> None:
+        self._me = me
+        self._on_request = dispatch.on_request
+        self._on_answer = pending.on_answer
+        self.bytes_sent = self.bytes_received = 0
+
+    def send(self, kind: int, flags: int, msg_id: int, head: bytes, body: bytes, buffers: Sequence[memoryview] = (),
+             defer: int = 0) -> None:
+        storages = loopback(buffers)
+        h = wire.FrameHeader(kind, flags, len(buffers), len(head), len(body), msg_id)
+        if kind == wire.REQUEST:
+            self._on_request(self, self._me, h, head, body, storages)
+        else:
+            self._on_answer(self._me, h, head, body, storages)
+
+    def close(self) -> None:
+        pass
+
+
+class Connections:
+    """The connection table of one worker (see the module doc)."""
+
+    def __init__(self, world: World, options: RpcBackendOptions, roster: Roster, pending: PendingCalls,
+                 dispatch: Dispatch, threads: ThreadGroup) -> None:
+        self.me = world.me
+        self._roster = roster
+        self._pending = pending
+        self._dispatch = dispatch
+        self._threads = threads
+        self._secret = options.auth_secret
+        # Read once per worker: every dial and accept of this worker uses the same limit.
+        self._handshake_timeout = transport.handshake_timeout()
+        self._listeners = world.listeners  # one per transport (transport.listen)
+        # Hosts that name this machine: a peer advertised under one of them may be dialled
+        # over a same-host transport.
+        self._local_hosts = {"localhost", "::1", self._listeners[0].address[0]}
+        self._parked: list[Connection] = []  # open but unused (see start)
+        self._lock = threading.Lock()
+        self._incoming_cv = threading.Condition(self._lock)
+        self.out: dict[int, Any] = {self.me.id: _Loopback(self.me.id, dispatch, pending)}
+        self.links: dict[int, Outbound] = {}  # who reads each outgoing connection's answers
+        self._dial_locks: dict[int, threading.Lock] = {w.id: threading.Lock() for w in world.workers}
+        self._admission = transport.Admission(self.me.name)  # incoming connections in their handshake
+        self._incoming: list[Connection] = []
+        self._world_connections = world.connections
+        self.closing = False
+        # Rank 0: takes a connection whose first frame is a join request (set by ``registry``):
+        # handler(conn, msg_id, body) -> the admitted rank, or None (it answered and refused).
+        self.join_handler: Callable[[Connection, int, bytes], int | None] | None = None
+        # Called with (rank, reason) when a peer is lost (its connection ended: see _connection_lost).
+        self.on_peer_lost: list[Callable[[int, str], None]] = []
+
+    def start(self) -> None:
+        """Take over the rendezvous connections and start accepting."""
+        for rank, conn in self._world_connections.items():
+            if self.me.id == 0:
+                self._incoming.append(conn)
+                self._start_reader(conn, rank)
+            else:
+                # The rendezvous connection stays open but idle: rank 0 watches it for our
+                # exit, and only for that (so we may drop the connections our calls use, e.g.
+                # when heartbeats go unanswered, without rank 0 taking us for dead). Calls to
+                # rank 0 go over a same-host socket when there is one, else over a connection
+                # dialled on first use.
+                self._parked.append(conn)
+                try:
+                    local = self._dial(rank, time.monotonic() + self._handshake_timeout, same_host_only=True)
+                except TimeoutError:
+                    local = None  # no answer there in time: the first call dials
+                if local is not None:
+                    self.out[rank] = local
+                    self._start_outbound(local, rank)
+        for listener in self._listeners:
+            self._threads.start(self._accept_loop, f"rpc-accept-{listener.transport.kind}", listener)
+
+    def connection(self, dst: int, call_deadline: float | None = None, timeout: float = 0.0) -> Any:
+        """The connection to ``dst``, dialled if there is none yet. Dialling gives up at the
+        call's deadline (``call_deadline``, for a call of ``timeout`` s; None: no timeout) or
+        after the handshake timeout, whichever comes first, waiting for another caller's dial included."""
+        conn = self.out.get(dst)
+        if conn is not None:
+            return conn
+        roster = self._roster
+        if dst in roster.dead:
+            raise WorkerUnavailableError(roster.dead[dst], worker=roster.name_of(dst))
+        if dst not in roster.workers:
+            roster.worker_info(dst)  # raises: the worker that had this rank left the group
+        limit = time.monotonic() + self._handshake_timeout
+        by_call = call_deadline is not None and call_deadline <= limit  # whose deadline binds
+        deadline = limit if call_deadline is None else min(call_deadline, limit)  # the earlier binds
+        lock = self._dial_locks.setdefault(dst, threading.Lock())  # a member that joined later: made here
+        if not lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise self._dial_timed_out(dst, by_call, timeout, "while another call was connecting to it")
+        try:
+            conn = self.out.get(dst)
+            if conn is not None:
+                return conn
+            try:
+                conn = self._dial(dst, deadline)
+                if conn is None:  # cannot happen: TCP reaches every worker (or raises)
+                    raise OSError("no transport reaches it")
+            except TimeoutError as e:
+                connected = getattr(e, "connected", True)
+                raise self._dial_timed_out(dst, by_call, timeout,
+                                           "" if connected else "(the connection was not even accepted)") from None
+            except OSError as e:  # refused, reset, closed: nobody there any more
+                host, port = roster.addresses[dst]
+                raise WorkerUnavailableError(
+                    f"cannot reach {roster.describe(dst)} at {host}:{port} ({e.__class__.__name__}: {e}); "
+                    "it has probably exited or crashed", worker=roster.name_of(dst)
+                ) from None
+            self._start_outbound(conn, dst)
+            self.out[dst] = conn
+            return conn
+        finally:
+            lock.release()
+
+    def _dial_timed_out(self, dst: int, by_call: bool, timeout: float, detail: str) -> RpcError:
+        """The error of a call whose dial ran out of time: its own timeout (RpcTimeoutError,
+        like any call that ran too long), or the handshake limit (the worker is there but mute)."""
+        roster = self._roster
+        host, port = roster.addresses[dst]
+        what = f"{roster.describe(dst)} at {host}:{port} did not answer the connection handshake"
+        if detail:
+            what += " " + detail
+        if by_call:
+            return RpcTimeoutError(f"{self._pending.timeout_message(timeout, dst)}: {what}; it may be stopped, "
+                                   "frozen or overloaded", worker=roster.name_of(dst))
+        return WorkerUnavailableError(
+            f"cannot reach {what} within {self._handshake_timeout:g} s (RPC_CORE_HANDSHAKE_TIMEOUT); "
+            "it is probably stopped, frozen or overloaded, or its host is unreachable", worker=roster.name_of(dst)
+        )
+
+    def _dial(self, dst: int, deadline: float, same_host_only: bool = False) -> Connection | None:
+        """Dial ``dst`` by ``deadline`` over the first transport that reaches it (see
+        ``transport.dial``); only over a same-host one if ``same_host_only`` (None if none did)."""
+        return transport.dial(self._roster.addresses[dst], self._secret, deadline, self._local_hosts,
+                              self._introduce, same_host_only)
+
+    def _introduce(self, conn: Connection) -> None:
+        conn.send(wire.REQUEST, wire.CONTROL, _HELLO_ID, b"", pickle.dumps(self.me.id))
+
+    def _accept_loop(self, listener: Listener) -> None:
+        while not self.closing:
+            try:
+                sock, peer = listener.accept()
+            except OSError:
+                return
+            deadline = time.monotonic() + self._handshake_timeout
+            if not self._admission.admit(sock, peer):
+                sock.close()  # shutting down
+                return
+            self._threads.start(self._serve_incoming, "rpc-in", listener.transport, sock, peer, deadline)
+
+    def _serve_incoming(self, via: transport.Transport, sock: socket.socket, peer: tuple[str, int],
+                        deadline: float) -> None:
+        """Authenticate an accepted connection and read its identity frame, all by ``deadline``,
+        then serve its requests."""
+        conn = None
+        try:
+            conn, h, body = via.accept(sock, peer, self._secret, deadline, self._admission)
+            if h.msg_id != _HELLO_ID and self.join_handler is not None:
+                # A worker asking to join the group (see registry): admitted, it becomes a member
+                # and this its connection to us, as after a rendezvous; refused, it was told why.
+                src = self.join_handler(conn, h.msg_id, body)
+                if src is None:
+                    conn.close()
+                    return
+                # Its loss is the member's exit, as a rendezvous connection's is (see _connection_lost).
+                self._world_connections[src] = conn
+            else:
+                if h.msg_id != _HELLO_ID:
+                    raise ProtocolError("first frame is not an identity frame")
+                src = pickle.loads(body)
+                if not isinstance(src, int) or src not in self._roster.workers:
+                    raise ProtocolError(f"bad identity {src!r}")
+            self._roster.tag_connection(conn, src)
+        except AuthenticationError:
+            log.warning("rpc_core %s: rejected a connection from %s:%s: wrong or missing auth secret",
+                        self.me.name, peer[0], peer[1])
+            sock.close()
+            return
+        except (ProtocolError, OSError, transport.PeerClosed, pickle.UnpicklingError, ValueError, EOFError) as e:
+            log.warning("rpc_core %s: dropped a connection from %s:%s: %s", self.me.name, peer[0], peer[1], e)
+            if conn is not None:
+                conn.close()
+            else:
+                sock.close()
+            return
+        with self._lock:
+            if self.closing:
+                conn.close()
+                return
+            self._incoming.append(conn)
+        self._dispatch.read_loop(conn, src)
+
+    def _start_reader(self, conn: Connection, peer: int) -> None:
+        """Serve the requests arriving on an incoming connection."""
+        self._threads.start(self._dispatch.read_loop, f"rpc-read-{peer}", conn, peer)
+
+    def _start_outbound(self, conn: Connection, peer: int) -> None:
+        # Only answers come back on a connection we dialled; a request (none is sent so) would be served.
+        on_answer, on_request, request = self._pending.on_answer, self._dispatch.on_request, wire.REQUEST
+
+        def deliver(frame: tuple[Any, ...]) -> None:
+            if frame[0].kind == request:
+                on_request(conn, peer, *frame)
+            else:
+                on_answer(peer, *frame)
+
+        def lost(e: BaseException) -> None:
+            self._connection_lost(conn, peer, True, self._loss(peer, e))
+
+        self.links[peer] = Outbound(conn, deliver, lost, f"rpc-read-{peer}", self._threads)
+
+    def reader_lost(self, conn: Connection, peer: int, e: BaseException) -> None:
+        """The reading loop of an incoming connection from ``peer`` ended with ``e``."""
+        self._connection_lost(conn, peer, False, self._loss(peer, e))
+
+    def _loss(self, peer: int, e: BaseException) -> _Loss:
+        """Why the connection with ``peer`` ended, from the error that ended it."""
+        describe = self._roster.describe
+        if isinstance(e, ProtocolError):
+            reason = f"malformed bytes from {describe(peer)}: {e}"
+            log.warning("rpc_core %s: dropping connection: %s", self.me.name, reason)
+        elif isinstance(e, (OSError, transport.PeerClosed)):
+            reason = f"{describe(peer)} closed the connection ({e}); it has probably exited or crashed"
+        else:
+            reason = f"the connection to {describe(peer)} failed on {self.me.name}: {e!r}"
+            log.error("rpc_core %s: dropping connection: %s", self.me.name, reason, exc_info=e)
+        return _Loss(reason, isinstance(e, ProtocolError))
+
+    def _connection_lost(self, conn: Connection, peer: int, outgoing: bool, loss: _Loss) -> None:
+        """Forget ``conn``. An outgoing connection's loss fails the calls made over it; the
+        loss of a peer's rendezvous connection tells rank 0 that the peer is gone (it closes
+        when the peer exits), unless the peer only sent garbage."""
+        conn.close()
+        with self._lock:
+            if conn in self._incoming:
+                self._incoming.remove(conn)
+                self._incoming_cv.notify_all()
+            if self.out.get(peer) is conn:
+                del self.out[peer]
+            link = self.links.get(peer)
+            if link is not None and link.conn is conn:
+                del self.links[peer]
+                link.close()
+        if self.closing or not self._roster.is_member_connection(conn, peer):
+            return  # ours, or a member's that left the group (see roster)
+        exited = self.me.id == 0 and peer != 0 and not loss.malformed and conn is self._world_connections.get(peer)
+        if outgoing or exited:
+            self._peer_lost(peer, loss.reason, conn if outgoing else None)
+
+    def _peer_lost(self, peer: int, reason: str, conn: Any) -> None:
+        if self.me.id == 0 or peer == 0:
+            self._roster.dead.setdefault(peer, reason)
+        worker = self._roster.name_of(peer)
+        self._pending.fail_to(peer, lambda: WorkerUnavailableError(reason, worker=worker))
+        for cb in self.on_peer_lost:
+            cb(peer, reason)
+
+    def lost_error(self, dst: int, e: BaseException) -> WorkerUnavailableError:
+        """The error of a call whose request could not be written to ``dst`` (``e``)."""
+        return WorkerUnavailableError(f"sending to {self._roster.describe(dst)} failed ({e}); it has probably "
+                                      "exited or crashed", worker=self._roster.name_of(dst))
+
+    def forget(self, rank: int, name: str, reason: str) -> None:
+        """The member of ``rank`` left the group (the roster forgot it). Our connection to it is
+        no member's any more: its end is no news (see ``Roster.is_member_connection``). The
+        leaver closes it: closing it here would look, to a registry that is still telling the
+        others it left, like our own death. Calls still on it fail now: the leaver answered
+        all it had before it left, so these were sent as it was leaving."""
+        with self._lock:
+            conn = self.out.pop(rank, None)
+            self.links.pop(rank, None)
+            if conn is not None:
+                conn.departed = True
+                self._parked.append(conn)  # closed with the agent, if the leaver has not by then
+        self._pending.fail_to(rank, lambda: WorkerLeftError(reason, worker=name))
+
+    def drop(self, peer: int, link: Outbound) -> bool:
+        """Forget the outgoing connection ``link`` reads (heartbeats found ``peer`` silent);
+        False if it was lost or replaced meanwhile. The caller closes it."""
+        with self._lock:
+            if self.links.get(peer) is not link:
+                return False
+            del self.links[peer]
+            if self.out.get(peer) is link.conn:
+                del self.out[peer]
+        return True
+
+    def wait_incoming_closed(self, timeout: float) -> None:
+        """Rank 0, at the end of graceful shutdown: let peers close first, so our last
+        replies are read before our sockets go away."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while self._incoming and time.monotonic() < deadline:
+                self._incoming_cv.wait(max(0.0, deadline - time.monotonic()))
+
+    def connection_stats(self) -> ConnectionStats:
+        """Bytes sent and received so far over this worker's open connections, both ways."""
+        with self._lock:
+            conns = {id(c): c for c in [*self.out.values(), *self._incoming] if not isinstance(c, _Loopback)}
+        cs: list[Connection] = list(conns.values())
+        return ConnectionStats(sum(c.bytes_sent for c in cs), sum(c.bytes_received for c in cs),
+                               sum(c.bytes_cma_sent for c in cs), sum(c.bytes_cma_received for c in cs), len(cs),
+                               sum(c.kind == "unix" for c in cs),
+                               sum(c.capabilities.cma_send or c.capabilities.cma_recv for c in cs))
+
+    def close(self) -> None:
+        """Close every listener and connection (the agent is closing)."""
+        with self._lock:
+            self.closing = True
+            conns = list(self.out.values()) + list(self._incoming)
+            links = list(self.links.values())
+        for link in links:
+            link.close()
+        self._admission.close()  # wakes the threads still in a handshake
+        transport.close(self._listeners)  # wakes the accept loops
+        for c in conns + self._parked:
+            c.close()

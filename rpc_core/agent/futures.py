@@ -1,0 +1,160 @@
+"""Futures of RPC calls, and how a call's error reaches the code waiting for it.
+
+``RpcFuture`` is the ``torch.futures.Future`` every call returns. ``set_error`` completes a
+future with an exception that each waiter gets as a fresh copy, and ``rebuild_exception``
+turns the ``ExceptionInfo`` a callee sent back into an exception of the original type.
+"""
+from __future__ import annotations
+
+import copy
+import importlib
+import traceback
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+import torch
+
+from ..errors import PEER_ATTRIBUTE, RemoteFunctionError, RpcError
+from ..protocol import wire
+from .pool import handoff_current
+
+S = TypeVar("S")
+
+
+def set_error(fut: torch._C.Future[Any], error: BaseException) -> None:
+    """Complete ``fut`` with ``error``; every ``wait()``/``value()`` then raises a fresh copy.
+
+    torch's ``set_exception`` re-raises the stored exception object itself, so each waiter's
+    frames are appended to its traceback and stay reachable from the future: a frame that
+    holds the future (``self`` in ``wait``) or an RRef makes a cycle through C++ that the
+    garbage collector cannot break, and RRefs in those frames are never released. Here the
+    stored exception keeps only the lines of the frames it was raised in (their locals are
+    cleared), and waiters get a copy with the same type and message, chained to it.
+    """
+    if fut.done():  # before touching its unwrap function, which would apply to the old value
+        raise RuntimeError("set_error: this Future is already completed")
+    tb = error.__traceback__
+    if tb is not None:
+        # The first frame is the one that caught it, still running: drop it; clear the rest.
+        traceback.clear_frames(tb.tb_next)
+        error.__traceback__ = tb.tb_next
+    fut._set_unwrap_func(_raise_copy)
+    fut.set_result(error)
+
+
+def _raise_copy(error: BaseException) -> None:
+    try:
+        fresh = copy.copy(error)
+    except Exception:  # noqa: BLE001 - a type whose constructor cannot rebuild it from its args
+        raise error from None  # its constructor cannot rebuild it from its args: raise the original
+    raise fresh from (error if error.__traceback__ is not None else None)
+
+
+class RpcFuture(torch.futures.Future[Any]):
+    """A torch Future that knows whether user callbacks hang on it, so a reader thread
+    completes it inline only when no callback could block that reader. Errors set on it
+    raise fresh copies (see ``set_error``)."""
+
+    _has_callbacks = False
+    _reader: Any = None  # the Outbound of the call's connection: a waiter may read its answer
+    _deadline: float | None = None
+    _answered = False  # the answer (or failure) arrived; completing may still be queued
+
+    def __init__(self) -> None:
+        # Straight to the C++ constructor: torch.futures.Future.__init__ only converts a
+        # device list, which RPC futures never have, and one is built per call.
+        torch._C.Future.__init__(self, [])
+
+    def set_exception(self, result: BaseException) -> None:
+        set_error(self, result)
+
+    def then(self, callback: Callable[[torch.futures.Future[Any]], S]) -> torch.futures.Future[S]:
+        self._has_callbacks = True
+        return super().then(callback)
+
+    def add_done_callback(self, callback: Callable[[torch.futures.Future[Any]], None]) -> None:
+        self._has_callbacks = True
+        return super().add_done_callback(callback)
+
+    # torch.futures.Future's done/value/wait are Python wrappers of these C++ methods; RPC
+    # paths call them several times per call.
+    done = torch._C.Future.done
+    value = torch._C.Future.value
+
+    def wait(self) -> Any:
+        if not self.done():
+            handoff_current()  # a pool or reader thread about to block must not hold up other calls
+            if self._reader is not None:
+                self._reader.read_until(self, self._deadline)  # read our answer ourselves
+        return _wait(self)
+
+
+_wait = torch._C.Future.wait
+
+
+def map_result(fut: torch.futures.Future[Any], fn: Callable[[Any], Any]) -> torch.futures.Future[Any]:
+    """A future of ``fn(fut's value)``. Unlike ``fut.then(...)``, an error of ``fut`` or of
+    ``fn`` reaches its waiters as it was raised (its type and message), not as the
+    RuntimeError("Got the following error when running the callback: ...") that ``then``
+    makes of an exception in its callback."""
+    out: torch.futures.Future[Any] = torch.futures.Future()
+
+    def done(f: torch.futures.Future[Any]) -> None:
+        try:
+            result = fn(f.value())
+        except BaseException as e:  # noqa: BLE001 - the error goes to the future's waiters
+            set_error(out, e)
+            return
+        out.set_result(result)
+
+    fut.add_done_callback(done)
+    return out
+
+
+def settle(futures: Iterable[torch.futures.Future[Any]]) -> tuple[list[Any], list[BaseException]]:
+    """Wait for every future, even after one failed; return (values of those that
+    succeeded, errors of those that failed), each in order."""
+    values: list[Any] = []
+    errors: list[BaseException] = []
+    for f in futures:
+        try:
+            values.append(f.wait())
+        except BaseException as e:  # noqa: BLE001 - collected for the caller
+            errors.append(e)
+    return values, errors
+
+
+# The attribute that marks an exception rebuilt from another worker's answer (see raised_on).
+# In the instance's __dict__, so the copies waiters get (set_error) keep it.
+_RAISED_ON = "_rpc_core_raised_on"
+
+
+def raised_on(error: BaseException) -> str | None:
+    """The name of the worker ``error`` was raised on, if it came back from another worker
+    as a call's exception; None if it arose here (a timeout, a lost peer, ...)."""
+    return getattr(error, _RAISED_ON, None)
+
+
+def rebuild_exception(info: wire.ExceptionInfo) -> BaseException:
+    """The remote exception with its original type, or a RuntimeError saying why not;
+    marked with the worker it was raised on (``raised_on``)."""
+    error: BaseException | None = None
+    try:
+        obj: Any = importlib.import_module(info.type_module)
+        for part in info.type_qualname.split("."):
+            obj = getattr(obj, part)
+        if isinstance(obj, type) and issubclass(obj, BaseException):
+            error = obj(info.message)
+    except Exception:  # noqa: BLE001 - importing or building another worker's type may fail in any way
+        pass
+    if error is None:
+        error = RemoteFunctionError(
+            f"Error on {info.worker}; its type could not be rebuilt here. Original exception on remote side was "
+            f"{info.type_module}.{info.type_qualname}: {info.message}"
+        )
+    setattr(error, _RAISED_ON, info.worker)
+    if info.peer and isinstance(error, RpcError):
+        error.worker = info.peer
+    elif info.peer:
+        setattr(error, PEER_ATTRIBUTE, info.peer)  # another type has no ``worker``
+    return error

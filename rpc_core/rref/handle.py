@@ -1,0 +1,358 @@
+"""The ``RRef`` handle (``torch.distributed.rpc.RRef``), its proxies, and ``remote()``.
+
+An RRef is an owner handle (``_fork_id`` None: the value lives here) or a user handle (a
+fork of the owner's value, named by fork id). Handles register with the per-process state
+(``state``) and, once garbage collected, hand their delete to the release loop
+(``release``). How handles travel inside messages is in ``fork``.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Generic, NoReturn, TypeVar
+
+import torch
+
+from ..agent import agent as _agent_mod
+from ..agent import calls
+from ..agent.futures import RpcFuture, map_result, set_error
+from ..agent.worlds import WorkerInfo
+from ..autograd.engine import backward as _dist_backward
+from ..errors import RpcError, RpcTimeoutError
+from ..options import UNSET_RPC_TIMEOUT
+from ..protocol import wire
+from .release import collect, delete_after_creation, drop_owner_handle
+from .state import Id, _ctx, _on_create, _on_fetch, _on_invoke, _on_type, fmt, new_id
+
+T = TypeVar("T")
+
+
+class RRef(Generic[T]):
+    """A reference to a value owned by some worker (torch.distributed.rpc.RRef)."""
+
+    def __init__(self, value: T, type_hint: type | None = None) -> None:
+        agent = _agent_mod.current_agent(_agent_mod.AGENT_NOT_SET)
+        rref_id = new_id()
+        e = _ctx.entry(rref_id)
+        e.value.set_result(value)
+        self._init(agent.me.id, rref_id, None, True)
+
+    # -- construction of the two flavours --------------------------------------------------------
+    def _init(self, owner: int, rref_id: Id, fork_id: Id | None, confirmed: bool,
+              creation: torch.futures.Future[Any] | None = None) -> None:
+        self._owner_id = owner
+        # Which member held the owner's rank (a dynamic group may give a rank to a newcomer
+        # once its holder left: this RRef is not the newcomer's).
+        self._owner_gen = _agent_mod.current_agent().roster.generation(owner)
+        self._rref_id = rref_id
+        self._fork_id = fork_id
+        self._confirmed = confirmed
+        self._creation = creation
+        self._deleted = False
+        self._type: type | None = None  # the value's type, once known (see _get_type)
+        self._type_fetch: torch.futures.Future[Any] | None = None
+        if fork_id is None:
+            with _ctx.lock:
+                _ctx.entry(rref_id).handles += 1
+        else:
+            _ctx.users[fork_id] = self
+
+    @classmethod
+    def _owner_handle(cls, rref_id: Id) -> RRef[Any]:
+        r = cls.__new__(cls)
+        r._init(_agent_mod.current_agent().me.id, rref_id, None, True)
+        return r
+
+    @classmethod
+    def _user(cls, owner: int, rref_id: Id, fork_id: Id, confirmed: bool,
+              creation: torch.futures.Future[Any] | None = None) -> RRef[Any]:
+        r = cls.__new__(cls)
+        r._init(owner, rref_id, fork_id, confirmed, creation)
+        return r
+
+    def __del__(self) -> None:
+        if getattr(self, "_rref_id", None) is None or self._deleted:
+            return
+        if self._fork_id is not None and (self._creation is None or self._confirmed):
+            collect(self._owner_id, self._rref_id, self._fork_id)  # the common case: wakes no thread
+        elif self._fork_id is None:
+            drop_owner_handle(self._rref_id)
+        else:
+            delete_after_creation(self._owner_id, self._rref_id, self._fork_id, self._creation)  # type: ignore[arg-type]
+
+    # -- public API -------------------------------------------------------------------------------
+    def is_owner(self) -> bool:
+        return self._fork_id is None
+
+    def owner(self) -> WorkerInfo:
+        agent = _agent_mod.current_agent()
+        agent.roster.check_generation(self._owner_id, self._owner_gen, f"the owner of {self}")
+        return agent.roster.workers[self._owner_id]
+
+    def owner_name(self) -> str:
+        return self.owner().name
+
+    def confirmed_by_owner(self) -> bool:
+        c = self._creation
+        if not self._confirmed and c is not None and c.done():
+            self._confirmed = _succeeded(c)  # a waiter on the creation may run before its callbacks
+        return self._confirmed
+
+    def _check_alive(self, what: str) -> None:
+        if self._deleted:
+            raise RpcError(f"{self} has been deleted. Cannot call {what}() on it after deletion.")
+        if self._fork_id is not None:
+            _agent_mod.current_agent().roster.check_generation(self._owner_id, self._owner_gen, f"{what}() on {self}")
+
+    def local_value(self) -> T:
+        self._check_alive("local_value")
+        fork_id = self._fork_id
+        if fork_id is not None:  # a user handle
+            me = _agent_mod.current_agent().me
+            # torch's words (tests match them), then the way out
+            raise RpcError(
+                f"For UserRRef(rref_id={fmt(self._rref_id)}, fork_id={fmt(fork_id)}), can't call localValue() on "
+                f"user {me}. Call it on owner {self.owner()}; to_here() copies the value here."
+            )
+        value: T = _ctx.entry(self._rref_id).value.wait()
+        return value
+
+    def to_here(self, timeout: float = -1) -> T:
+        """Copy the value from the owner (the value itself on the owner); blocks."""
+        self._check_alive("to_here")
+        value: T
+        if self.is_owner():
+            value = _ctx.entry(self._rref_id).value.wait()
+            return value
+        self._raise_creation_error()
+        value = calls.invoke(self._owner_id, _on_fetch, (self._rref_id,), None, timeout, "sync")
+        return value
+
+    def _raise_creation_error(self) -> None:
+        c = self._creation
+        if c is not None and c.done():
+            try:
+                c.wait()
+            except RpcTimeoutError as e:
+                raise RpcError(
+                    "RRef creation via rpc.remote() timed out, and it is possible that the RRef on the "
+                    "owner node does not exist."
+                ) from e
+            except RpcError:
+                pass  # other creation errors surface from the fetch itself
+
+    def _get_future(self) -> torch.futures.Future[Any]:
+        if self._creation is not None:
+            return self._creation
+        f: torch.futures.Future[Any] = torch.futures.Future()
+        f.set_result(None)
+        return f
+
+    def _get_type(self, timeout: float = -1, blocking: bool = True) -> Any:
+        """The type of the value (``blocking=False``: a Future of it). A user handle asks
+        its owner once (one call); the type is then kept on the handle, as torch keeps it."""
+        if self._type is not None:
+            if blocking:
+                return self._type
+            f: torch.futures.Future[Any] = torch.futures.Future()
+            f.set_result(self._type)
+            return f
+        fut = self._type_future(timeout)
+        return fut.wait() if blocking else fut
+
+    def _type_future(self, timeout: float) -> torch.futures.Future[Any]:
+        """A Future of the value's type, kept on the handle once it succeeded."""
+        fut = self._type_fetch
+        if fut is None or (fut.done() and not _succeeded(fut)):  # none yet, or failed (a timeout): ask again
+            if self.is_owner():
+                fut = map_result(_ctx.entry(self._rref_id).value, type)
+            else:
+                fut = calls.invoke_async(self._owner_id, _on_type, (self._rref_id,), None, timeout, "async")
+            self._type_fetch = fut
+            ref = weakref.ref(self)
+            torch.futures.Future.add_done_callback(fut, lambda f: _keep_type(ref, f))
+        return fut
+
+    def rpc_sync(self, timeout: float = -1) -> _Proxy:
+        return _Proxy(self, "sync", timeout)
+
+    def rpc_async(self, timeout: float = -1) -> _Proxy:
+        return _Proxy(self, "async", timeout)
+
+    def remote(self, timeout: float = -1) -> _Proxy:
+        return _Proxy(self, "remote", timeout)
+
+    def backward(self, dist_autograd_ctx_id: int = -1, retain_graph: bool = False) -> None:
+        _backward(self, dist_autograd_ctx_id, retain_graph)
+
+    def __repr__(self) -> str:
+        if self.is_owner():
+            return f"OwnerRRef({fmt(self._rref_id)})"
+        return f"UserRRef(RRefId = {fmt(self._rref_id)}, ForkId = {fmt(self._fork_id)})"  # type: ignore[arg-type]
+
+    def __reduce__(self) -> NoReturn:
+        raise RuntimeError("Can not pickle rref in python pickler, rref can only be pickled when using RPC")
+
+    @classmethod
+    def __class_getitem__(cls, item: Any) -> Any:
+        return cls
+
+
+def _keep_type(ref: weakref.ref[RRef[Any]], f: torch.futures.Future[Any]) -> None:
+    rref = ref()
+    if rref is not None and _succeeded(f):
+        rref._type = f.value()
+
+
+def _check_attribute(rref_type: type, name: str) -> None:
+    """Raise AttributeError, as torch's proxies do, if the value's type has no ``name``:
+    before any call goes out. (A scripted module's methods are not on its type: not checked.)"""
+    try:
+        getattr(rref_type, name)
+    except AttributeError as e:
+        if issubclass(rref_type, (torch.jit.ScriptModule, torch._C.ScriptModule)):
+            return
+        raise AttributeError(
+            f"{e}. The RRef proxies call attributes of the value's type; reach others with a function run on "
+            "the owner: rpc_sync(rref.owner(), f, args=(rref,)) where f uses rref.local_value()") from None
+
+
+class _Proxy:
+    """``rref.rpc_sync().method(*args)`` runs ``method`` on the owner's value. As torch's,
+    it first checks that the value's type has ``method`` (``_get_type``: one call to the
+    owner per RRef, then kept): a missing one raises AttributeError here, and for
+    ``rpc_async()`` fails the returned future, with no call sent."""
+
+    def __init__(self, rref: RRef[Any], mode: str, timeout: float) -> None:
+        self._rref, self._mode, self._timeout = rref, mode, timeout
+
+    def __getattr__(self, name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            rref = self._rref
+            rref._check_alive(self._mode)
+            if self._mode != "async":
+                _check_attribute(rref._get_type(self._timeout), name)
+                return _invoke(rref, self._mode, self._timeout, name, args, kwargs)
+            known = rref._type
+            if known is None:
+                return _invoke_when_typed(rref, self._timeout, name, args, kwargs)
+            try:
+                _check_attribute(known, name)
+            except AttributeError as e:
+                failed: torch.futures.Future[Any] = torch.futures.Future()
+                set_error(failed, e)
+                return failed
+            return _invoke(rref, "async", self._timeout, name, args, kwargs)
+
+        return call
+
+
+def _invoke(rref: RRef[Any], mode: str, timeout: float, name: str, args: tuple[Any, ...],
+            kwargs: dict[str, Any]) -> Any:
+    # The call names the RRef by id instead of forking it (no fork/accept messages); holding
+    # the RRef until the answer keeps the owner's value alive meanwhile.
+    call_args = (rref._rref_id, name, args, kwargs)
+    if mode == "remote":
+        return remote(rref._owner_id, _on_invoke, args=call_args, timeout=timeout, _keepalive=rref)
+    fut = calls.invoke_async(rref._owner_id, _on_invoke, call_args, None, timeout, mode, keepalive=rref)
+    return fut.wait() if mode == "sync" else fut
+
+
+def _invoke_when_typed(rref: RRef[Any], timeout: float, name: str, args: tuple[Any, ...],
+                       kwargs: dict[str, Any]) -> torch.futures.Future[Any]:
+    """``rref.rpc_async().name(...)`` before the type is known: ask for it, check, call,
+    without blocking; the returned future gets the call's outcome (or the check's error).
+    An RpcFuture: a pool thread that waits on it hands its duties over first."""
+    out = RpcFuture()
+
+    def typed(f: torch.futures.Future[Any]) -> None:
+        try:
+            _check_attribute(f.value(), name)
+            fut = _invoke(rref, "async", timeout, name, args, kwargs)
+        except BaseException as e:  # noqa: BLE001 - the error goes to the future's waiters
+            set_error(out, e)
+            return
+        fut.add_done_callback(lambda g: _pass_outcome(out, g))
+
+    rref._type_future(timeout).add_done_callback(typed)
+    return out
+
+
+def _pass_outcome(target: torch.futures.Future[Any], source: torch.futures.Future[Any]) -> None:
+    try:
+        value = source.value()
+    except BaseException as e:  # noqa: BLE001 - the error goes to the future's waiters
+        set_error(target, e)
+        return
+    target.set_result(value)
+
+
+# -- remote(): creating a value on its owner ---------------------------------------------------------
+def remote(to: Any, func: Any, args: tuple[Any, ...] | None = None, kwargs: dict[str, Any] | None = None,
+           timeout: float = UNSET_RPC_TIMEOUT, _keepalive: Any = None) -> RRef[Any]:
+    """Run ``func`` on ``to`` and return an RRef to its result, owned by ``to``, at once.
+    Errors inside ``func`` surface at ``to_here()`` with their type."""
+    agent = _agent_mod.current_agent()
+    if not callable(func):
+        raise TypeError("function should be callable.")
+    dst = agent.worker_info(to).id
+    rref_id = new_id()
+    call_args = (tuple(args) if args is not None else (), kwargs if kwargs is not None else {})
+    # The id also travels in the frame head: if the callee cannot even unpickle the call
+    # (function missing there), it still stores the error for to_here() to raise.
+    extras = {wire.EXTRA_RREF_CREATE: rref_id}
+    if dst == agent.me.id:
+        handle = RRef._owner_handle(rref_id)  # registers the entry; the value follows
+        calls.invoke_async(dst, _on_create, (rref_id, None, func) + call_args, None, timeout, "remote",
+                           user_func=func, keepalive=_keepalive, extras=extras)
+        return handle
+    fork_id = new_id()
+    creation = calls.invoke_async(dst, _on_create, (rref_id, fork_id, func) + call_args, None, timeout, "remote",
+                                  user_func=func, keepalive=_keepalive, extras=extras)
+    return _new_user_for_remote(dst, rref_id, fork_id, creation)
+
+
+def _new_user_for_remote(owner: int, rref_id: Id, fork_id: Id, creation: torch.futures.Future[Any]) -> RRef[Any]:
+    rref = RRef._user(owner, rref_id, fork_id, False, creation)
+    ref = weakref.ref(rref)
+
+    def confirm(f: torch.futures.Future[Any]) -> None:
+        r = ref()
+        if r is not None:
+            r._confirmed = _succeeded(f)
+
+    # Not RpcFuture's add_done_callback: this one is safe to run inline on the thread that
+    # reads the acknowledgement, and so needs no hop through the pool.
+    torch.futures.Future.add_done_callback(creation, confirm)
+    return rref
+
+
+def _succeeded(f: torch.futures.Future[Any]) -> bool:
+    try:
+        f.wait()
+        return True
+    except BaseException:  # noqa: BLE001 - any error means it did not succeed
+        return False
+
+
+# -- RRef.backward ------------------------------------------------------------------------------------
+def _backward(rref: RRef[Any], context_id: int, retain_graph: bool) -> None:
+    """Run backward from the RRef's value (on its owner)."""
+    if context_id == -1:
+        if not rref.is_owner():
+            raise RuntimeError("User RRefs require 'dist_autograd_ctx_id' to be specified")
+        value = rref.local_value()
+        if not isinstance(value, torch.Tensor):
+            raise RuntimeError("RRef should contain a tensor for .backward()")
+        value.backward(retain_graph=retain_graph)
+        return
+    if rref.is_owner():
+        value = rref.local_value()
+        if not isinstance(value, torch.Tensor):
+            raise RuntimeError("RRef should contain a tensor for .backward()")
+        _dist_backward(context_id, [value], retain_graph)
+        return
+    calls.rpc_sync(rref.owner(), _backward_on_owner, args=(rref, context_id, retain_graph))
+
+
+def _backward_on_owner(rref: RRef[Any], context_id: int, retain_graph: bool) -> None:
+    _backward(rref, context_id, retain_graph)
