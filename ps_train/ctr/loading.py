@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 
 from ps_train.config import CriteoConfig, CtrDataConfig, SyntheticCtrConfig
+from ps_train.config.prepared import MANIFEST_NAME
 from ps_train.ctr.criteo import load_criteo
 from ps_train.ctr.mapped import load_prepared
 from ps_train.ctr.split import CtrDataset
@@ -29,6 +30,9 @@ def load_ctr_data(cfg: CtrDataConfig) -> tuple[CtrDataset, CtrDataset, float | N
         if not os.path.exists(root):
             raise FileNotFoundError(f"data=criteo: data.root={cfg.root!r} does not exist; point data.root at the "
                                     "folder holding the Criteo day_* or train.txt files")
+        if os.path.isfile(os.path.join(root, MANIFEST_NAME)):
+            raise ValueError(f"data=criteo: data.root={cfg.root!r} is a prepared folder (it has {MANIFEST_NAME}); "
+                             f"train from it with data.prepared={cfg.root}")
         train, test, _ = load_criteo(root, cfg.sizes(), cfg.test_fraction, skip_malformed=cfg.skip_malformed)
         return train, test, None
     raise ValueError(f"data.name: {cfg.name!r} is not click-through-rate data; use data=synthetic_ctr or "

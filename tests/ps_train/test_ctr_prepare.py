@@ -368,6 +368,9 @@ def test_config_selects_a_prepared_folder(tmp_path):
     assert any("data.prepared: empty" in p for p in CriteoConfig(prepared=" ").problems())
     with pytest.raises(FileNotFoundError, match="data.prepared=.*is not a folder"):
         load_ctr_data(CriteoConfig(prepared=str(tmp_path / "missing")))
+    (tmp_path / MANIFEST_NAME).write_text("{}")
+    with pytest.raises(ValueError, match=f"data.root='{tmp_path}' is a prepared folder.*data.prepared={tmp_path}"):
+        load_ctr_data(CriteoConfig(root=str(tmp_path)))
 
 
 def _peak_rss_mb(cmd, env):
