@@ -17,6 +17,7 @@ from ps_train.checkpoint.files import CheckpointError
 from ps_train.config import Config, ConfigError, config_to_dict
 from ps_train.data import DatasetNotFoundError
 from ps_train.files import atomic_write_text
+from ps_train.launch.environment import EnvRank, env_rank
 from ps_train.launch.failures import role_name
 from ps_train.launch.rank import run_rank
 from ps_train.launch.restarts import (
@@ -57,7 +58,8 @@ def run(cfg: Config, run_dir: str, overrides: list[str] | None = None,
     if cfg.cluster.launcher == "local":
         write_provenance(run_dir, cfg, overrides or [])
         return run_local(cfg, run_dir, resume, timeout=timeout)
-    rank, world = env_rank()
+    place = env_rank(cfg.cluster, os.environ)
+    rank, world = place.rank, place.world_size
     expected = cfg.cluster.num_servers + cfg.cluster.num_trainers
     if world != expected:
         raise ConfigError(f"the launcher started {world} processes but cluster.num_servers + cluster.num_trainers "
@@ -68,12 +70,14 @@ def run(cfg: Config, run_dir: str, overrides: list[str] | None = None,
                          "once, then start the ranks); only processes that know it can join the job")
     if rank == 0:
         write_provenance(run_dir, cfg, overrides or [])
-    init_method = env_init_method(cfg, rank)
+    log.info("rank %d of %d (%s; local rank %s, node %s), rank 0 at %s:%d", rank, world, place.launcher,
+             place.local_rank, place.node_rank, place.master_addr, place.master_port)
+    init_method = env_init_method(cfg, place)
     # The secret comes from RPC_CORE_AUTH_SECRET (the same on every rank); rpc_core reads it.
     if attempt and rank == cfg.cluster.num_servers:  # trainer0 records torchrun's restart
         record_env_restart(run_dir, attempt, resume)
     try:
-        metrics = run_rank(cfg, rank, cfg.cluster.master_addr, cfg.cluster.master_port, None, run_dir, resume,
+        metrics = run_rank(cfg, rank, place.master_addr, place.master_port, None, run_dir, resume,
                            init_method=init_method, attempt=attempt)
     except (ConfigError, CheckpointError, DatasetNotFoundError):
         raise
@@ -102,16 +106,7 @@ def join_job(job_dir: str) -> None:
     run_rank(cfg, S + T, job["master_addr"], int(job["master_port"]), job["secret"], job_dir, joiner=True)
 
 
-def env_rank() -> tuple[int, int]:
-    """This process's rank and the world size from torchrun's or SLURM's environment."""
-    for rank_var, world_var in (("RANK", "WORLD_SIZE"), ("SLURM_PROCID", "SLURM_NTASKS")):
-        if rank_var in os.environ and world_var in os.environ:
-            return int(os.environ[rank_var]), int(os.environ[world_var])
-    raise ConfigError("cluster.launcher=env needs RANK and WORLD_SIZE (torchrun) or SLURM_PROCID and "
-                     "SLURM_NTASKS (srun) in the environment; to run everything here use cluster=local")
-
-
-def env_init_method(cfg: Config, rank: int) -> str:
+def env_init_method(cfg: Config, place: EnvRank) -> str:
     """Where the ranks of a ``launcher=env`` job meet.
 
     Plainly (two terminals, srun): ``tcp://MASTER_ADDR:MASTER_PORT``, rank 0 listens there.
@@ -119,7 +114,7 @@ def env_init_method(cfg: Config, rank: int) -> str:
     joins it (``env://``); for rpc_core, rank 0 picks a free port next to it and hands it
     to the other ranks through torchrun's store.
     """
-    addr, port = cfg.cluster.master_addr, cfg.cluster.master_port
+    addr, port, rank = place.master_addr, place.master_port, place.rank
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
         return f"tcp://{addr}:{port}"
     if cfg.backend == "torch":

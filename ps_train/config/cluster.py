@@ -44,7 +44,9 @@ class ClusterConfig:
                f"cluster.launcher: unknown {self.launcher!r}; choose one of {list(LAUNCHERS)}")
         p.need(0 <= self.master_port <= 65535,
                f"cluster.master_port: {self.master_port} must be in 0..65535 (0 = pick a free port)")
-        p.need(bool(self.master_addr), "cluster.master_addr: must not be empty (e.g. 127.0.0.1)")
+        # Empty under launcher=env: rank 0's host comes from the launcher (ps_train.launch.environment).
+        p.need(bool(self.master_addr) or self.launcher == "env",
+               "cluster.master_addr: must not be empty (e.g. 127.0.0.1)")
         p.need(self.rpc_timeout >= 0, f"cluster.rpc_timeout: {self.rpc_timeout} must be >= 0 (0 = no timeout)")
         p.need(self.init_timeout > 0, f"cluster.init_timeout: {self.init_timeout} must be > 0 seconds")
         p.need(self.num_worker_threads >= 1, f"cluster.num_worker_threads: {self.num_worker_threads} must be >= 1")

@@ -90,6 +90,7 @@ def run_rank(cfg: Config, rank: int, master_addr: str, master_port: int, secret:
     else:
         rpc.init_rpc(name, rank=rank, world_size=S + T, rpc_backend_options=opts)
         backend.restore_rpc_timeout(cfg.cluster.rpc_timeout)
+        log.info("%s joined the job: all %d ranks are up", name, S + T)  # benchmarks/scale_bench.py reads it
     result = None
     try:
         if rank >= S:

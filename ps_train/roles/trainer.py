@@ -35,6 +35,7 @@ loop, the update protocol and checkpoints.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
@@ -63,16 +64,33 @@ from rpc_core.functions import async_execution
 
 log = logging.getLogger("ps_train.trainer")
 
-_done: torch.futures.Future[Any] | None = None
+# On ps0: the final totals of trainer1.. as each finishes, and trainer0's request for them.
+# They meet on ps0, which every trainer calls anyway, so no trainer connects to another.
+_finished: list[dict[str, Any]] = []
+_collect: list[tuple[int, torch.futures.Future[Any]]] = []
+_finish_lock = threading.Lock()
+
+
+def deposit_stats(stats: dict[str, Any]) -> None:
+    """Called by trainer1.. on ps0 when they finish: their totals, for trainer0."""
+    with _finish_lock:
+        _finished.append(stats)
+        ready = [f for n, f in _collect if len(_finished) == n]
+        got = list(_finished)
+    for f in ready:
+        f.set_result(got)
 
 
 @async_execution
-def final_stats() -> torch.futures.Future[Any]:
-    """Called by trainer0 over RPC: this trainer's totals, once it has finished."""
-    global _done
-    if _done is None:
-        _done = torch.futures.Future()
-    return _done
+def collect_stats(others: int) -> torch.futures.Future[Any]:
+    """Called by trainer0 on ps0: the totals of the ``others`` other trainers, once all came."""
+    f: torch.futures.Future[Any] = torch.futures.Future()
+    with _finish_lock:
+        if len(_finished) == others:
+            f.set_result(list(_finished))
+        else:
+            _collect.append((others, f))
+    return f
 
 
 StepHook = Callable[["Trainer", int], None]  # after each step: (trainer, step)
@@ -84,13 +102,6 @@ class InFlight(NamedTuple):
     scope: ExitStack | None  # its autograd context, still open (None: closed already, pipelined)
     futures: list[torch.futures.Future[Any]]  # every server's answer to its update request
     step: int
-
-
-def _publish(stats: dict[str, Any]) -> None:
-    global _done
-    if _done is None:
-        _done = torch.futures.Future()
-    _done.set_result(stats)
 
 
 class Trainer:
@@ -236,8 +247,8 @@ class Trainer:
                 "max_steps_ahead": self.max_steps_ahead, "trainer": self.name, **self.totals()}
         if self.elastic is not None:
             self.elastic.finish(mine)  # to ps0: this trainer may leave the group right after
-        else:
-            _publish(mine)
+        elif not is_chief:
+            self.rpc.rpc_sync("ps0", deposit_stats, args=(mine,), timeout=0)
         if not is_chief:
             self.writer.close()
             return None
@@ -315,9 +326,8 @@ class Trainer:
         if self.elastic is not None:
             all_stats = self.elastic.all_stats()
         else:
-            others = [self.rpc.rpc_async(f"trainer{k}", final_stats, timeout=0)
-                      for k in range(1, cfg.cluster.num_trainers)]
-            all_stats = [mine] + [f.wait() for f in others]
+            others = self.rpc.rpc_sync("ps0", collect_stats, args=(cfg.cluster.num_trainers - 1,), timeout=0)
+            all_stats = [mine] + sorted(others, key=lambda s: int(s["trainer"].removeprefix("trainer")))
         # Before the final evaluation, so the servers' byte counts are the training's.
         server_stats = [s.rpc_sync().stats() for s in self.servers]
         ev = self.evaluate()
