@@ -8,11 +8,15 @@ connections (the leave request to rank 0, rank 0's word to worker2). The race wa
 one leave in four, so each test runs the pattern many times. Real worker processes on
 loopback (tests/_world.py); steps are ordered by events and membership listeners, never by
 sleeping."""
+import os
+import signal
 import threading
+import time
 
 import pytest
 
 import rpc_core
+from rpc_core.agent import departures
 from tests._world import _mp_context, free_port, run_world
 
 STEP = 60.0  # bound of any one wait for another process's step
@@ -101,6 +105,72 @@ def test_a_leaver_delivers_the_answers_it_owes_before_its_leave_fails_calls_to_i
     assert left == "left"
     failed = [f"worker0: {o}" for o in to0 if o != "worker0"] + [f"worker2: {o}" for o in to2 if o != "worker2"]
     assert not failed and len(to0) == len(to2) == LEAVES, failed
+
+
+_released = threading.Event()  # on worker1: never set, so _block runs until its process ends
+
+
+def _block():
+    _released.wait(STEP)
+    return "released"
+
+
+def _pid():
+    return os.getpid()
+
+
+def _body_unanswered(ctx, freeze):
+    """worker0 has a call pending on worker1 that worker1 never answers; worker1 leaves
+    (shutdown(timeout=1) gives up on that call) and, with ``freeze``, is stopped by worker0 as
+    soon as worker0 hears of the leave, so its connection never ends."""
+    if ctx.rank == 1:
+        _init_dynamic(ctx, "worker1", 1)
+        if not _allowance("worker0").wait(STEP):
+            raise TimeoutError("worker0 did not call")
+        rpc_core.shutdown(timeout=1.0)  # _block still runs: it gives up answering it after 1 s
+        return "left"
+    _init_dynamic(ctx, "worker0", 0)
+    departures.GRACE = 1.0 if freeze else 2 * STEP
+    joined, _ = _comings_and_goings("worker1")
+    if not joined.acquire(timeout=STEP):
+        raise TimeoutError("worker1 did not join")
+    pid = rpc_core.rpc_sync("worker1", _pid)
+    fut = rpc_core.rpc_async("worker1", _block)
+    heard, left = {}, threading.Event()
+
+    def on_leave(info, is_join):
+        if info.name == "worker1" and not is_join:
+            heard["pending"], heard["at"] = not fut.done(), time.monotonic()
+            if freeze:
+                os.kill(pid, signal.SIGSTOP)  # before it hears that its leave is done: it never closes
+            left.set()
+
+    rpc_core.add_membership_listener(on_leave)
+    rpc_core.rpc_sync("worker1", _allow_leave, args=("worker0",))
+    try:
+        if not left.wait(STEP):
+            raise TimeoutError("worker1 did not leave")
+        try:
+            outcome = f"returned {fut.wait()!r}"
+        except rpc_core.RpcError as e:
+            outcome = f"{type(e).__name__}: {e}"
+        return heard["pending"], outcome, time.monotonic() - heard["at"]
+    finally:
+        if freeze:
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("freeze", [False, True], ids=["its-connection-ends", "it-froze-as-it-left"])
+def test_a_call_the_leaver_never_answers_fails_once_its_connection_ends_or_after_the_grace(freeze):
+    (pending, outcome, waited), _ = run_world(_body_unanswered, 2, init=False, args=(freeze,),
+                                              may_die=(1,) if freeze else ())
+    assert pending  # the leave was heard with the call still waiting for its answer
+    assert outcome == "WorkerLeftError: worker 'worker1' (rank 1) left the group", outcome
+    if freeze:
+        assert waited >= 0.5, waited  # held for the grace (1 s), not failed when the leave was heard
+    else:
+        assert waited < STEP, waited  # failed when the connection ended, long before the grace (2 min)
 
 
 def _body_static(ctx, ports):
