@@ -17,6 +17,7 @@ import torch
 from ..errors import RpcError, RpcTimeoutError
 from ..protocol import wire
 from ..protocol.serialization import decode_head, deserialize
+from .early_exit import torch_collect_all
 from .futures import RpcFuture, rebuild_exception
 from .middleware import Middleware, incoming_hook
 from .outbound import Outbound
@@ -173,7 +174,7 @@ class PendingCalls:
             if not futs:
                 return
             done = threading.Event()
-            torch.futures.collect_all(futs).add_done_callback(_setter(done))
+            torch_collect_all(futs).add_done_callback(_setter(done))
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0 or not done.wait(remaining):
                 return

@@ -26,6 +26,7 @@ from ..errors import RpcError, failed_worker, not_a_future
 from ..protocol import wire
 from ..protocol.serialization import decode_head, deserialize_decoded, encode_head, serialize
 from ..transport import Connection
+from .early_exit import torch_collect_all
 from .middleware import Middleware, incoming_hook
 from .pool import ElasticPool, init_torch_thread
 from .roster import Roster
@@ -158,7 +159,7 @@ class Dispatch:
                 if notes:  # the response, or the error response, carries them
                     extras[_REPLY_NOTES] = notes
             if waits:  # RRef forks in the arguments must be confirmed by their owners first
-                torch.futures.collect_all(waits).add_done_callback(
+                torch_collect_all(waits).add_done_callback(
                     lambda _: self.pool.submit(self._execute, conn, src, h, func, args, kwargs, extras))
                 return
             self._execute(conn, src, h, func, args, kwargs, extras)
