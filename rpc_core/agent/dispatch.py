@@ -232,8 +232,6 @@ class Dispatch:
                      body: bytes, buffers: list[Any]) -> None:
         for m in self.middleware:
             m.finish(extras)
-        if not h.flags & wire.CONTROL:
-            self.n_answered += 1
         # On the connection's reading loop, with the next request's bytes buffered, the answer
         # waits for the loop's next read of the socket (or the watchdog, if that request runs
         # long): a burst of requests is answered in a few writes. The callee's CPU per no-op
@@ -244,3 +242,8 @@ class Dispatch:
         except OSError as e:
             if not self.closing:
                 log.warning("rpc_core %s: could not send a response: %s", self.me.name, e)
+        finally:
+            if not h.flags & wire.CONTROL:
+                # Once written (or queued: see lifecycle.answer_requests), so a worker that waits
+                # for its answers before it leaves does not close a socket one is being written to.
+                self.n_answered += 1
