@@ -191,15 +191,19 @@ def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -
 
 def _leave(agent: Agent, timeout: float) -> None:
     """Graceful shutdown of a dynamic group's member: finish this worker's own work (its
-    calls, its RRefs' deletes, its autograd releases), leave the group, then answer what
-    the others sent before they heard (bounded by ``timeout``; 0: no limit)."""
+    calls, its RRefs' deletes, its autograd releases), answer the requests it accepted and
+    write the answers out, leave the group, then answer what the others sent before they
+    heard (each step bounded by ``timeout``; 0: no limit, but what arrives after the leave
+    gets ``_LEAVE_GRACE``). The members wait for those answers on their connections to this
+    worker, which close with the agent once they are written (see ``agent.departures``)."""
     deadline = time.monotonic() + timeout if timeout > 0 else None
     for hook in lifecycle.pre_shutdown_hooks:
         hook()
     _rref.delete_all_user_rrefs(timeout)
     agent.pending.wait_idle(deadline)
+    if agent.me.id != 0:  # rank 0 leaves once the others have left (nobody waits on it then)
+        lifecycle.answer_requests(agent, deadline)
     registry.leave(agent, timeout)
     agent.pending.wait_idle(deadline)
     end = time.monotonic() + _LEAVE_GRACE if deadline is None else deadline
-    while agent.dispatch.n_received != agent.dispatch.n_answered and time.monotonic() < end:
-        time.sleep(0.005)  # requests that arrived as we left are still running; let them finish
+    lifecycle.answer_requests(agent, end, arriving=True)  # sent to us before the news reached their callers

@@ -45,11 +45,17 @@ HANDSHAKE_TIMEOUT = Knob("RPC_CORE_HANDSHAKE_TIMEOUT", "10",
 HEARTBEAT_TIMEOUT = Knob("RPC_CORE_HEARTBEAT_TIMEOUT", "30",
                          "seconds a peer with calls pending may send nothing (heartbeats unanswered) before they "
                          "fail; 0 turns heartbeats off (read when a worker starts)")
+WAIT_ALL_EARLY = Knob("RPC_CORE_WAIT_ALL_EARLY", "1",
+                      "0 keeps torch's torch.futures.wait_all/collect_all for rpc_core futures too: a failed call is "
+                      "raised once every future is done, not at once (read by each call)")
+RENDEZVOUS_LOG_INTERVAL = Knob("RPC_CORE_RENDEZVOUS_LOG_INTERVAL", "10",
+                               "seconds between the lines init_rpc logs while it waits in the rendezvous, naming "
+                               "whom it waits for; 0: none (read by init_rpc)")
 AUTH_SECRET = Knob("RPC_CORE_AUTH_SECRET", "",
                    "shared secret when RpcBackendOptions(auth_secret=...) is not given (read by init_rpc)")
 
 KNOBS: dict[str, Knob] = {k.name: k for k in (SPIN_US, UDS, CMA, MALLOC_TUNE, HANDSHAKE_TIMEOUT, HEARTBEAT_TIMEOUT,
-                                               AUTH_SECRET)}
+                                               RENDEZVOUS_LOG_INTERVAL, WAIT_ALL_EARLY, AUTH_SECRET)}
 
 
 def _raw(knob: Knob) -> str:
@@ -111,6 +117,18 @@ def heartbeat_timeout() -> float:
     return number(HEARTBEAT_TIMEOUT, lambda v: 0 <= v < float("inf"), "a number of seconds >= 0 (0: off)")
 
 
+def rendezvous_log_interval() -> float:
+    """Seconds between a rendezvous's "still waiting" log lines; 0: none
+    (``RPC_CORE_RENDEZVOUS_LOG_INTERVAL``)."""
+    return number(RENDEZVOUS_LOG_INTERVAL, lambda v: 0 <= v < float("inf"), "a number of seconds >= 0 (0: none)")
+
+
+def wait_all_early() -> bool:
+    """Whether ``torch.futures.wait_all``/``collect_all`` return at the first failed rpc_core
+    future (``RPC_CORE_WAIT_ALL_EARLY``; see ``agent.early_exit``)."""
+    return flag(WAIT_ALL_EARLY)
+
+
 def auth_secret() -> str:
     """The shared secret from the environment (``RPC_CORE_AUTH_SECRET``); empty: none."""
     return os.environ.get(AUTH_SECRET.name, "")
@@ -126,3 +144,5 @@ def check() -> None:
     malloc_tune()
     handshake_timeout()
     heartbeat_timeout()
+    rendezvous_log_interval()
+    wait_all_early()

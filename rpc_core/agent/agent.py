@@ -3,7 +3,8 @@
     roster.py       who is in the group (and, in a dynamic group, who joined and left)
     completion.py   calls this worker made, until each is answered, fails or times out
     dispatch.py     running the requests that arrive, and answering them
-    connections.py  dialling and accepting connections, and losing them
+    connections.py  dialling and accepting connections, and losing them (departures.py: a
+                    member's that left, read until its last answers arrived)
     heartbeats.py   noticing peers that went silent while calls wait on them
     deadlines.py    the timer thread: call deadlines, lazy-answer kicks, call_later
     middleware.py   the hooks of higher layers (RRefs, distributed autograd, the profiler)
@@ -38,6 +39,7 @@ from ..errors import RpcError, RpcNotInitializedError
 from ..options import RpcBackendOptions
 from ..protocol import wire
 from ..protocol.serialization import encode_head, serialize
+from . import departures
 from .completion import Pending, PendingCalls, new_pending
 from .connections import Connections
 from .deadlines import Deadlines
@@ -118,8 +120,11 @@ class Agent:
         self.get_worker_infos = self.roster.get_worker_infos
 
     # -- what a part reaches in a part made after it -------------------------------------------------
-    def _forget(self, rank: int, name: str, reason: str) -> None:
-        self.connections.forget(rank, name, reason)
+    def _forget(self, rank: int, name: str, reason: str, graceful: bool) -> None:
+        held = self.connections.forget(rank, name, reason, graceful)
+        if held is not None:  # its answers may still be on their way: wait for them, for a while
+            give_up = functools.partial(self.connections.departures.give_up, held)
+            self._deadlines.call_later(time.monotonic() + departures.GRACE, give_up)
 
     def _reader_lost(self, conn: transport.Connection, peer: int, e: BaseException) -> None:
         self.connections.reader_lost(conn, peer, e)

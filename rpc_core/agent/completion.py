@@ -17,6 +17,7 @@ import torch
 from ..errors import RpcError, RpcTimeoutError
 from ..protocol import wire
 from ..protocol.serialization import decode_head, deserialize
+from .early_exit import torch_collect_all
 from .futures import RpcFuture, rebuild_exception
 from .middleware import Middleware, incoming_hook
 from .outbound import Outbound
@@ -143,11 +144,17 @@ class PendingCalls:
             if unsent and user_call:
                 self.n_sent -= 1
 
-    def fail_to(self, dst: int, error: Callable[[], BaseException]) -> None:
+    def fail_to(self, dst: int, error: Callable[[], BaseException], keep: Outbound | None = None) -> None:
         """Fail every call pending to rank ``dst`` with a fresh ``error()``, off this thread
-        where they have callbacks."""
+        where they have callbacks; but those on the connection ``keep`` reads."""
         for msg_id, rec in list(self.pending.items()):
-            if rec.dst == dst:
+            if rec.dst == dst and (keep is None or rec.link is not keep):
+                self.fail(msg_id, error(), inline=False)
+
+    def fail_on(self, link: Outbound, error: Callable[[], BaseException]) -> None:
+        """Fail every call pending on the connection ``link`` reads with a fresh ``error()``."""
+        for msg_id, rec in list(self.pending.items()):
+            if rec.link is link:
                 self.fail(msg_id, error(), inline=False)
 
     def fail_all(self, error: Callable[[], BaseException]) -> None:
@@ -167,7 +174,7 @@ class PendingCalls:
             if not futs:
                 return
             done = threading.Event()
-            torch.futures.collect_all(futs).add_done_callback(_setter(done))
+            torch_collect_all(futs).add_done_callback(_setter(done))
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0 or not done.wait(remaining):
                 return

@@ -9,7 +9,9 @@ per-peer lock; its answers are read by an ``Outbound``) and any number of incomi
 ``Connections`` is a part of ``agent.Agent``: it hands what arrives to the agent's
 ``Dispatch`` (requests) and ``PendingCalls`` (answers), fails the calls of a peer it lost
 there, and asks the ``Roster`` who a peer is. The agent's ``send_request`` looks up ``out``
-and ``links`` (the very dicts, never replaced) on every call.
+and ``links`` (the very dicts, never replaced) on every call. The connection to a member
+that left gracefully is read until it ends, so the answers it sent before it left are not
+lost (``departures``).
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ from ..protocol import wire
 from ..protocol.serialization import loopback
 from ..transport import Connection, Listener
 from .completion import PendingCalls
+from .departures import Departures
 from .dispatch import Dispatch
 from .outbound import Outbound
 from .pool import ThreadGroup
@@ -105,6 +108,7 @@ class Connections:
         # over a same-host transport.
         self._local_hosts = {"localhost", "::1", self._listeners[0].address[0]}
         self._parked: list[Connection] = []  # open but unused (see start)
+        self.departures = Departures(pending)  # connections to departed members, read until they end
         self._lock = threading.Lock()
         self._incoming_cv = threading.Condition(self._lock)
         self.out: dict[int, Any] = {self.me.id: _Loopback(self.me.id, dispatch, pending)}
@@ -305,6 +309,8 @@ class Connections:
         loss of a peer's rendezvous connection tells rank 0 that the peer is gone (it closes
         when the peer exits), unless the peer only sent garbage."""
         conn.close()
+        if self.departures.ended(conn):
+            return  # a departed member's, read to its end: what still waited on it failed
         with self._lock:
             if conn in self._incoming:
                 self._incoming.remove(conn)
@@ -334,19 +340,26 @@ class Connections:
         return WorkerUnavailableError(f"sending to {self._roster.describe(dst)} failed ({e}); it has probably "
                                       "exited or crashed", worker=self._roster.name_of(dst))
 
-    def forget(self, rank: int, name: str, reason: str) -> None:
+    def forget(self, rank: int, name: str, reason: str, graceful: bool) -> Connection | None:
         """The member of ``rank`` left the group (the roster forgot it). Our connection to it is
         no member's any more: its end is no news (see ``Roster.is_member_connection``). The
         leaver closes it: closing it here would look, to a registry that is still telling the
-        others it left, like our own death. Calls still on it fail now: the leaver answered
-        all it had before it left, so these were sent as it was leaving."""
+        others it left, like our own death. After a ``graceful`` leave, the calls pending on it
+        wait for the answers still on their way, until it ends (``departures``): the connection
+        returned is held so, for the caller to give up on after ``departures.GRACE``. Other
+        calls to it fail now."""
+        held = None
         with self._lock:
             conn = self.out.pop(rank, None)
-            self.links.pop(rank, None)
+            link = self.links.pop(rank, None)
             if conn is not None:
                 conn.departed = True
                 self._parked.append(conn)  # closed with the agent, if the leaver has not by then
-        self._pending.fail_to(rank, lambda: WorkerLeftError(reason, worker=name))
+                if graceful and link is not None and link.conn is conn and self.departures.hold(conn, link, name,
+                                                                                                 reason):
+                    held = conn
+        self._pending.fail_to(rank, lambda: WorkerLeftError(reason, worker=name), keep=link if held else None)
+        return held
 
     def drop(self, peer: int, link: Outbound) -> bool:
         """Forget the outgoing connection ``link`` reads (heartbeats found ``peer`` silent);
@@ -358,6 +371,17 @@ class Connections:
             if self.out.get(peer) is link.conn:
                 del self.out[peer]
         return True
+
+    def flush_queued(self) -> None:
+        """Write the frames (answers, mostly) queued on every connection: before this worker
+        leaves the group or closes, what it owes must be on the wire."""
+        with self._lock:
+            conns = [c for c in [*self.out.values(), *self._incoming, *self._parked] if not isinstance(c, _Loopback)]
+        for c in conns:
+            try:
+                c.flush_queued()
+            except OSError:
+                pass  # lost: its reader reports it
 
     def wait_incoming_closed(self, timeout: float) -> None:
         """Rank 0, at the end of graceful shutdown: let peers close first, so our last

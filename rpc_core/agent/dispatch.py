@@ -26,6 +26,7 @@ from ..errors import RpcError, failed_worker, not_a_future
 from ..protocol import wire
 from ..protocol.serialization import decode_head, deserialize_decoded, encode_head, serialize
 from ..transport import Connection
+from .early_exit import torch_collect_all
 from .middleware import Middleware, incoming_hook
 from .pool import ElasticPool, init_torch_thread
 from .roster import Roster
@@ -158,7 +159,7 @@ class Dispatch:
                 if notes:  # the response, or the error response, carries them
                     extras[_REPLY_NOTES] = notes
             if waits:  # RRef forks in the arguments must be confirmed by their owners first
-                torch.futures.collect_all(waits).add_done_callback(
+                torch_collect_all(waits).add_done_callback(
                     lambda _: self.pool.submit(self._execute, conn, src, h, func, args, kwargs, extras))
                 return
             self._execute(conn, src, h, func, args, kwargs, extras)
@@ -231,8 +232,6 @@ class Dispatch:
                      body: bytes, buffers: list[Any]) -> None:
         for m in self.middleware:
             m.finish(extras)
-        if not h.flags & wire.CONTROL:
-            self.n_answered += 1
         # On the connection's reading loop, with the next request's bytes buffered, the answer
         # waits for the loop's next read of the socket (or the watchdog, if that request runs
         # long): a burst of requests is answered in a few writes. The callee's CPU per no-op
@@ -243,3 +242,8 @@ class Dispatch:
         except OSError as e:
             if not self.closing:
                 log.warning("rpc_core %s: could not send a response: %s", self.me.name, e)
+        finally:
+            if not h.flags & wire.CONTROL:
+                # Once written (or queued: see lifecycle.answer_requests), so a worker that waits
+                # for its answers before it leaves does not close a socket one is being written to.
+                self.n_answered += 1

@@ -34,11 +34,12 @@ _MAX_DEPARTED = 1 << 12
 class Roster:
     """The members of the group and the departed, for one worker (part of the Agent).
 
-    ``forget(rank, name, reason)`` is called when a member other than this worker leaves
-    (or is replaced): the agent drops its connection to it and fails the calls still on
-    their way to it with ``reason``."""
+    ``forget(rank, name, reason, graceful)`` is called when a member other than this worker
+    leaves (``graceful``: by its shutdown) or is replaced: the agent drops its connection to
+    it and fails the calls still on their way to it with ``reason`` (after a graceful leave,
+    once the answers the leaver sent before it left have arrived)."""
 
-    def __init__(self, world: World, forget: Callable[[int, str, str], None]) -> None:
+    def __init__(self, world: World, forget: Callable[[int, str, str, bool], None]) -> None:
         self.me = world.me
         self._on_forget = forget
         self.workers: dict[int, WorkerInfo] = {w.id: w for w in world.workers}
@@ -155,14 +156,16 @@ class Roster:
             self.dead.pop(info.id, None)
         self._tell_listeners(info, True)
 
-    def remove_member(self, rank: int, generation: int | None, reason: str) -> WorkerInfo | None:
-        """The member of ``rank`` (if it is still the one of ``generation``; None: any) left:
-        forget it, and make calls to it fail with ``reason``. Returns who left, or None."""
+    def remove_member(self, rank: int, generation: int | None, reason: str,
+                      graceful: bool = False) -> WorkerInfo | None:
+        """The member of ``rank`` (if it is still the one of ``generation``; None: any) left
+        (``graceful``: by its shutdown, not lost): forget it, and make calls to it fail with
+        ``reason``. Returns who left, or None."""
         with self._roster_lock:
             info = self.workers.get(rank)
             if info is None or generation is not None and self.generations.get(rank, 0) != generation:
                 return None
-            self._forget(rank, reason)
+            self._forget(rank, reason, graceful)
         self._tell_listeners(info, False)
         return info
 
@@ -176,7 +179,7 @@ class Roster:
                 log.exception("rpc_core %s: a membership listener failed on %s %s", self.me.name, info.name,
                               "joining" if joined else "leaving")
 
-    def _forget(self, rank: int, reason: str) -> None:
+    def _forget(self, rank: int, reason: str, graceful: bool = False) -> None:
         info = self.workers[rank]
         workers = dict(self.workers)
         del workers[rank]
@@ -189,7 +192,7 @@ class Roster:
         self._departed_ranks[rank] = reason
         self._departed_members[(rank, self.generations.get(rank, 0))] = reason
         if rank != self.me.id:
-            self._on_forget(rank, info.name, reason)
+            self._on_forget(rank, info.name, reason, graceful)
 
 
 def _trim(table: dict[Any, str]) -> None:

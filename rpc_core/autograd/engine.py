@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from ..agent import agent as _agent_mod
+from ..agent.early_exit import torch_collect_all
 from ..agent.futures import raised_on, settle
 from ..agent.worlds import WorkerInfo
 from ..errors import RpcError, format_many
@@ -334,4 +335,4 @@ def _finish_when_answered(ctx: _context.DistAutogradContext, futures: list[torch
             return
         _finish_when_answered(ctx, more, reply, done)
 
-    torch.futures.collect_all(futures).add_done_callback(finish)
+    torch_collect_all(futures).add_done_callback(finish)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ..agent import agent as _agent_mod
+from ..agent.early_exit import torch_collect_all
 from ..agent.futures import settle
 from ..functions import async_execution
 from . import context as _context
@@ -171,7 +172,7 @@ def _announce_later(ctxs: list[DistAutogradContext], skip: int) -> None:
                 futs += _announce(c, skip, False)
         finally:
             if futs:
-                torch.futures.collect_all(futs).add_done_callback(lambda _: done.set_result(None))
+                torch_collect_all(futs).add_done_callback(lambda _: done.set_result(None))
             else:
                 done.set_result(None)
 
@@ -186,7 +187,7 @@ def _on_cleanup(context_ids: list[int], sender: int) -> torch.futures.Future[Any
         done.set_result(None)
         return done
     # Errors (a dead worker) do not matter: there is nothing left to clean there.
-    torch.futures.collect_all(futs).add_done_callback(lambda _: done.set_result(None))
+    torch_collect_all(futs).add_done_callback(lambda _: done.set_result(None))
     return done
 
 

@@ -138,6 +138,20 @@ def wait_all_workers(timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> None:
     gather_round("shutdown", None, timeout)
 
 
+def answer_requests(agent: Agent, deadline: float | None, arriving: bool = False) -> None:
+    """Wait (until ``deadline``; None: no limit) until this worker has answered as many
+    requests as it had accepted when this began (``arriving``: as it has accepted, those
+    arriving meanwhile included), then write every answer still queued: a worker that
+    leaves the group or closes first delivers what it owes. Requests that keep arriving
+    never hold up the first kind."""
+    dispatch = agent.dispatch
+    accepted = dispatch.n_received
+    while (dispatch.n_answered < (dispatch.n_received if arriving else accepted)
+           and (deadline is None or time.monotonic() < deadline)):
+        time.sleep(0.005)  # the requests are running on other threads; let them finish
+    agent.connections.flush_queued()
+
+
 class _CallCounts(NamedTuple):
     """One worker's call counters, as a quiescence round compares them."""
 

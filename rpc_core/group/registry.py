@@ -7,9 +7,10 @@ too. The registry makes one membership change at a time (torch's store token): i
 the newcomer's name and rank are free, tells every member (``_member_joined``, each one
 answers once its roster has the newcomer), and only then answers the newcomer with the
 roster, so when ``init_rpc`` returns on the newcomer, everyone can call it by name and it
-can call everyone. A member's graceful ``shutdown`` asks the registry to remove it, which
-tells the others (``_member_left``); calls to it then fail with ``WorkerLeftError``
-("worker X left the group"). A member whose connection to rank 0 drops without a leave
+can call everyone. A member's graceful ``shutdown`` answers what it accepted, then asks the
+registry to remove it, which tells the others (``_member_left``); calls to it then fail with
+``WorkerLeftError`` ("worker X left the group"), those already pending once the answers it
+sent have arrived (``agent.departures``). A member whose connection to rank 0 drops without a leave
 (it crashed, or ``shutdown(graceful=False)``) is removed the same way, with the reason, and
 so is one that rank 0's heartbeats find silent (frozen, stopped, cut off: see ``heartbeats``;
 rank 0 watches a member while calls to it are pending, or every member while a higher layer
@@ -85,7 +86,7 @@ class _Registry:
             try:
                 conn.send(wire.RESPONSE, 0, msg_id, b"", dumps(table))
             except OSError as e:  # it gave up waiting: undo
-                self._remove(info.id, generation, _left(info, f" as it joined ({e})"))
+                self._remove(info.id, generation, _left(info, f" as it joined ({e})"), graceful=False)
                 return None
         log.info("rpc_core %s: %s joined the group", agent.me.name, agent.roster.describe(info.id))
         return info.id
@@ -123,7 +124,7 @@ class _Registry:
         """A member asks to leave (its graceful shutdown)."""
         info = self.agent.roster.workers.get(rank)
         if info is not None:
-            self._remove(rank, generation, _left(info))
+            self._remove(rank, generation, _left(info), graceful=True)
 
     def lost(self, rank: int, reason: str) -> None:
         """A member's connection to us dropped without a leave (it crashed or stopped), or
@@ -134,15 +135,18 @@ class _Registry:
         generation = self.agent.roster.generation(rank)
         how = f" without shutting down: {reason}"
         # Off the reader that saw the loss: telling the others waits for their answers.
-        self.agent.threads.start(self._remove, "rpc-registry", rank, generation, _left(info, how))
+        self.agent.threads.start(self._remove, "rpc-registry", rank, generation, _left(info, how), False)
 
-    def _remove(self, rank: int, generation: int | None, reason: str) -> None:
+    def _remove(self, rank: int, generation: int | None, reason: str, graceful: bool) -> None:
+        """Remove a member, here and on every other. ``graceful``: it left by its shutdown, so
+        the answers it sent before are still awaited where calls to it are pending (see
+        ``agent.departures``); otherwise it is gone, and those calls fail at once."""
         agent = self.agent
         with self.lock:
-            info = agent.roster.remove_member(rank, generation, reason)
+            info = agent.roster.remove_member(rank, generation, reason, graceful)
             if info is not None:
                 others = [r for r in agent.roster.workers if r != agent.me.id]
-                _tell(agent, others, _member_left, (rank, generation, reason))
+                _tell(agent, others, _member_left, (rank, generation, reason, graceful))
             self.changed.notify_all()
         if info is not None:
             log.info("rpc_core %s: %s", agent.me.name, reason)
@@ -164,7 +168,7 @@ class _Registry:
             reason = _left(agent.me, f" before {[w.name for w in stayed]}: it was the group's registry, "
                                      "so no worker can join the group any more")
             me = agent.me
-            _tell(agent, [w.id for w in stayed], _member_left, (me.id, agent.roster.generation(me.id), reason))
+            _tell(agent, [w.id for w in stayed], _member_left, (me.id, agent.roster.generation(me.id), reason, True))
         return stayed
 
 
@@ -201,7 +205,7 @@ def leave(agent: Agent, timeout: float) -> None:
         fut.wait()
     else:  # the registry left before us: tell the others ourselves
         others = [r for r in agent.roster.workers if r != me.id]
-        _tell(agent, others, _member_left, (me.id, generation, _left(me)), timeout)
+        _tell(agent, others, _member_left, (me.id, generation, _left(me), True), timeout)
 
 
 def _tell(agent: Agent, ranks: list[int], func: Any, args: tuple[Any, ...], timeout: float = -1) -> None:
@@ -221,8 +225,8 @@ def _member_joined(name: str, rank: int, address: tuple[str, int], generation: i
     current_agent().roster.add_member(WorkerInfo(name, rank), tuple(address), generation)  # type: ignore[arg-type]
 
 
-def _member_left(rank: int, generation: int | None, reason: str) -> None:
-    current_agent().roster.remove_member(rank, generation, reason)
+def _member_left(rank: int, generation: int | None, reason: str, graceful: bool) -> None:
+    current_agent().roster.remove_member(rank, generation, reason, graceful)
 
 
 def _leave_request(rank: int, generation: int) -> None:

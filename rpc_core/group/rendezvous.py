@@ -14,6 +14,11 @@ thread that called ``init_rpc``.
 A dynamic group (``world_size=None``) has no table to wait for: rank 0 returns at once, as a
 world of one, and a joiner's request (the same, with world_size None) is answered later by
 the registry on rank 0's running agent (``registry``) with the roster and generations.
+
+While it waits, every worker logs whom it waits for, every ``RPC_CORE_RENDEZVOUS_LOG_INTERVAL``
+seconds (``_Waiting``): rank 0 the ranks that have not arrived, the others rank 0 (not
+reachable yet, or reached and answering once the world is complete or the group admitted
+them). So a rank cut off from the others says so long before ``init_timeout`` ends its wait.
 """
 from __future__ import annotations
 
@@ -42,8 +47,35 @@ _MIN_ATTEMPT = 0.1
 # Rank 0 answers a join once the world is complete: a joiner waits for that until its
 # deadline, plus this for the answer of a world that filled just in time to travel.
 _ANSWER_SLACK = 5.0
+# A waiting line is logged at INFO, and at WARNING once this share of init_timeout is gone.
+_WARN_AFTER = 0.5
 # torch's words for a join that mixes world_size=None with a static group, or the reverse.
 MIXED_GROUP = "RPC group mixes statically and dynamically initialized members which is not supported."
+
+
+class _Waiting:
+    """The lines a rendezvous logs while it waits (one per interval: at most init_timeout /
+    RPC_CORE_RENDEZVOUS_LOG_INTERVAL of them)."""
+
+    def __init__(self, timeout: float) -> None:
+        self._interval = knobs.rendezvous_log_interval()
+        self._start = time.monotonic()
+        self._timeout = timeout
+        self._next = self._start + self._interval if self._interval > 0 else float("inf")
+
+    def bound(self, seconds: float) -> float:
+        """``seconds`` to wait, cut so that the wait ends when the next line is due."""
+        return max(0.0, min(seconds, self._next - time.monotonic()))
+
+    def log(self, what: str) -> None:
+        """Log ``what`` (whom this worker waits for) if a line is due."""
+        now = time.monotonic()
+        if now < self._next:
+            return
+        self._next = now + self._interval
+        waited = now - self._start
+        level = logging.WARNING if waited >= _WARN_AFTER * self._timeout else logging.INFO
+        log.log(level, "rpc_core rendezvous: %s, %.1f s of %g s (init_timeout)", what, waited, self._timeout)
 
 
 def resolve_init_method(init_method: str) -> tuple[str, int]:
@@ -116,9 +148,13 @@ def _host(name: str, world_size: int, host: str, port: int, secret: bytes, timeo
     joined: dict[int, tuple[WorkerInfo, tuple[str, int], Connection, int]] = {}
     deadline = time.monotonic() + timeout
     joiners = _Joiners(listeners[0], world_size, secret, f"rendezvous at {host}:{port}")
+    waiting = _Waiting(timeout)
     try:
         while len(joined) < world_size - 1:
             remaining = deadline - time.monotonic()
+            waiting.log(f"rank 0 ({name!r}) at {host}:{port} is waiting for ranks "
+                        f"{sorted(set(range(1, world_size)) - set(joined))} ({len(joined) + 1} of {world_size} "
+                        "arrived)")
             if remaining <= 0:
                 missing = sorted(set(range(1, world_size)) - set(joined))
                 raise RendezvousError(
@@ -126,7 +162,7 @@ def _host(name: str, world_size: int, host: str, port: int, secret: bytes, timeo
                     f"{host}:{port} within {timeout:g} s (missing ranks {missing}); start the missing "
                     "workers, check their MASTER_ADDR/MASTER_PORT and world_size, or raise init_timeout"
                 )
-            for c, info, address, msg_id in joiners.collect(remaining):
+            for c, info, address, msg_id in joiners.collect(waiting.bound(remaining)):
                 err = _check_joiner(info, me, joined)
                 if err and len(joined) == world_size - 1:
                     _reply(c, msg_id, err)  # one too many, after the world was complete: only it fails
@@ -311,6 +347,8 @@ def _join(name: str, rank: int, world_size: int | None, host: str, port: int, se
 
     deadline = time.monotonic() + timeout
     delay = _RETRY_FIRST
+    waiting = _Waiting(timeout)
+    who = f"worker {name!r} (rank {rank})"
     while True:
         try:
             c = transport.TCP.dial((host, port), secret,
@@ -324,6 +362,7 @@ def _join(name: str, rank: int, world_size: int | None, host: str, port: int, se
                     f"within {timeout:g} s ({e}); is rank 0 running, and are MASTER_ADDR/MASTER_PORT "
                     "(or the tcp:// init_method) right?"
                 ) from None
+            waiting.log(f"{who} is waiting for rank 0 at {host}:{port}, which it cannot reach yet ({e})")
             time.sleep(delay)  # retry backoff while rank 0 starts; not a test wait
             delay = min(delay * 2, _RETRY_MAX)
     local_ip = c.local_host
@@ -334,7 +373,13 @@ def _join(name: str, rank: int, world_size: int | None, host: str, port: int, se
         raise RendezvousError(f"worker {name!r} cannot open a listening socket on {local_ip}: {e}") from None
     try:
         c.send(wire.REQUEST, 0, 1, b"", _dumps((name, rank, world_size, listeners[0].address)))
-        c.set_recv_timeout(max(_MIN_ATTEMPT, deadline - time.monotonic()) + _ANSWER_SLACK)
+        end = deadline + _ANSWER_SLACK
+        what = (f"{who} is waiting for rank 0 at {host}:{port} to admit it to the group (once every member knows it)"
+                if world_size is None else f"{who} has reached rank 0 at {host}:{port} and is waiting for the "
+                f"roster, which rank 0 sends once all {world_size} workers have arrived")
+        while time.monotonic() < end and not c.poll(waiting.bound(end - time.monotonic())):
+            waiting.log(what)
+        c.set_recv_timeout(max(_MIN_ATTEMPT, end - time.monotonic()))
         h, _, body, _ = c.recv()
         c.set_recv_timeout(None)
     except (OSError, transport.PeerClosed) as e:

@@ -173,6 +173,54 @@ def test_worker_that_cannot_reach_rank_0_times_out_saying_where_it_looked():
         _init("b", 1, 2, _opts(port, init_timeout=0.5))
 
 
+# -- while it waits, each worker says whom it waits for ------------------------------------------------------
+def _waiting_lines(caplog, who):
+    return [r for r in caplog.records if r.name == "rpc_core" and r.getMessage().startswith(
+        f"rpc_core rendezvous: {who}")]
+
+
+def test_a_rank_that_never_starts_is_named_in_the_log_while_the_others_wait(monkeypatch, caplog):
+    monkeypatch.setenv("RPC_CORE_RENDEZVOUS_LOG_INTERVAL", "0.3")
+    caplog.set_level("INFO", logger="rpc_core")
+    port = free_port()
+    # rank 2 of 3 never starts
+    errors = _run_threads((_init, "a", 0, 3, _opts(port, init_timeout=2.0)),
+                          (_init, "b", 1, 3, _opts(port, init_timeout=2.0)))
+    assert all(isinstance(e, RendezvousError) for e in errors), errors
+    on0 = _waiting_lines(caplog, "rank 0 ('a')")
+    on1 = _waiting_lines(caplog, "worker 'b' (rank 1)")
+    assert on0 and on1, [r.getMessage() for r in caplog.records]
+    # rank 1 arrives at once: from then on, rank 0's lines name the rank that never came
+    last = on0[-1].getMessage()
+    assert f"at 127.0.0.1:{port} is waiting for ranks [2] (2 of 3 arrived)" in last, last
+    assert "s of 2 s (init_timeout)" in last, last
+    assert all(f"has reached rank 0 at 127.0.0.1:{port} and is waiting for the roster, which rank 0 sends once "
+               "all 3 workers have arrived" in r.getMessage() for r in on1), on1[0].getMessage()
+    # one line per interval at most, INFO at first, WARNING once half of init_timeout is gone
+    for lines in (on0, on1):
+        assert len(lines) <= 2.0 / 0.3 + 1, [r.getMessage() for r in lines]
+        assert lines[0].levelname == "INFO" and lines[-1].levelname == "WARNING"
+
+
+def test_a_joiner_that_cannot_reach_rank_0_says_so_while_it_waits(monkeypatch, caplog):
+    monkeypatch.setenv("RPC_CORE_RENDEZVOUS_LOG_INTERVAL", "0.2")
+    caplog.set_level("INFO", logger="rpc_core")
+    port = free_port()
+    with pytest.raises(RendezvousError, match="could not reach the rendezvous"):
+        rendezvous("d1", 1, None, f"tcp://127.0.0.1:{port}", b"s", 1.0)  # joins a dynamic group nobody founded
+    lines = _waiting_lines(caplog, "worker 'd1' (rank 1)")
+    assert lines and all(f"is waiting for rank 0 at 127.0.0.1:{port}, which it cannot reach yet" in r.getMessage()
+                         for r in lines), [r.getMessage() for r in caplog.records]
+
+
+def test_no_waiting_lines_with_the_interval_at_0(monkeypatch, caplog):
+    monkeypatch.setenv("RPC_CORE_RENDEZVOUS_LOG_INTERVAL", "0")
+    caplog.set_level("INFO", logger="rpc_core")
+    with pytest.raises(RendezvousError, match="missing ranks"):
+        _init("a", 0, 2, _opts(free_port(), init_timeout=0.5))
+    assert not _waiting_lines(caplog, "")
+
+
 # -- authentication at rendezvous -----------------------------------------------------------------------
 def test_joiner_with_the_wrong_secret_is_rejected_and_rank_0_keeps_waiting_for_the_right_one():
     port = free_port()
