@@ -173,12 +173,12 @@ def _world(ctx: Any) -> dict[str, str | None] | None:
 @pytest.fixture(scope="module")
 def world() -> Any:
     try:
-        return run_world(_world, 3, timeout=120)[0]
+        return run_world(_world, 3, timeout=300)[0]
     except WorldError as e:
         return e
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(360)
 @pytest.mark.parametrize("case", [f"{c[0]}-{m}" for c in CONFIGS for m in ("step", "in_backward")]
                          + ["results_and_errors"])
 def test_backward_hooks(world: Any, case: str) -> None:
