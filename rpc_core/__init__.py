@@ -116,6 +116,7 @@ _LAYERS: tuple[tuple[str, ...], ...] = (
     ("group",),
     # autograd/: distributed autograd
     ("autograd.context",),
+    ("autograd.hooks",),
     ("autograd.engine", "autograd.release"),
     ("autograd.recording",),
     ("autograd",),  # the distributed autograd package's face

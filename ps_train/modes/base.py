@@ -22,12 +22,24 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
 
-__all__ = ["Mode", "ModeOptions", "RunConfig", "ModeServer", "ModeTrainer", "TrainerMembership", "resolved"]
+__all__ = ["Mode", "ModeOptions", "RunConfig", "ModeServer", "ModeTrainer", "TrainerMembership", "UpdateRequest",
+           "UPDATE_IN_BACKWARD", "resolved"]
+
+# The key of the update that rides on the backward (rpc_core.autograd.hooks, backend=rpc_core).
+UPDATE_IN_BACKWARD = "ps_train.update"
+
+
+class UpdateRequest(NamedTuple):
+    """What a trainer's backward tells every server about the update it carries."""
+
+    trainer: int
+    step: int
+    position: dict[str, int] | None  # elastic: the trainer's data position after this step (ps0 keeps it)
 
 
 # -- what a mode reads of the config (ps_train.config.Config and its groups) ------------------------
@@ -204,6 +216,14 @@ class Mode(ABC):
     def lookup(self, server: ModeServer, rows: Callable[[], list[Tensor]], trainer: int, step: int) -> list[Tensor]:
         """Trainer ``trainer``'s step-``step`` lookup of table rows: ``rows()`` reads them."""
         raise NotImplementedError
+
+    def in_backward(self, server: ModeServer, context_id: int, request: UpdateRequest) -> torch.futures.Future[Any]:
+        """The update that rides on the trainer's distributed backward (backend=rpc_core): run
+        on the server once the context's gradients are all there; the future's value comes
+        back with the backward (``settled`` gets it). Every mode's ``update`` already takes the
+        gradients by context; sync's answers once the round is applied."""
+        return self.update(server, context_id, request.trainer, request.step,
+                           request.position if server.rank == 0 else None)
 
     @abstractmethod
     def update(self, server: ModeServer, context_id: int, trainer: int, step: int,

@@ -41,6 +41,7 @@ from ps_train.faults import maybe_inject_fault
 from ps_train.metrics import peak_rss_bytes
 from ps_train.modes import make_mode
 from ps_train.modes.aggregation import scaled_lr
+from ps_train.modes.base import UPDATE_IN_BACKWARD, UpdateRequest
 from ps_train.stage_sharding import model_shards, shards_of_server
 from rpc_core.functions import async_execution
 
@@ -269,10 +270,25 @@ class ParameterServer:
                 self.tables.load_state_dict(state["tables"])
 
 
+_remove_hook: Any = None
+
+
 def create(cfg: Config, rank: int, tables: TablePart | None = None) -> ParameterServer:
-    global _server
+    """This process's server. On rpc_core its updates ride on the trainers' backward:
+    a hook runs the mode's ``in_backward`` once a context's gradients are all here."""
+    global _server, _remove_hook
     _server = ParameterServer(cfg, rank, tables)
+    if _remove_hook is not None:
+        _remove_hook()
+        _remove_hook = None
+    if backend.name() == "rpc_core":
+        _remove_hook = backend.dist_autograd().on_backward_done(UPDATE_IN_BACKWARD, _update_in_backward)
     return _server
+
+
+def _update_in_backward(context_id: int, request: UpdateRequest) -> torch.futures.Future[Any]:
+    server = local_server()
+    return server.mode.in_backward(server, context_id, request)
 
 
 def local_server() -> ParameterServer:

@@ -59,6 +59,7 @@ from ps_train.metrics import (
     write_metrics_json,
 )
 from ps_train.modes import make_mode
+from ps_train.modes.base import UPDATE_IN_BACKWARD, UpdateRequest, resolved
 from ps_train.stage_sharding import model_shards
 from rpc_core.functions import async_execution
 
@@ -139,6 +140,9 @@ class Trainer:
         self._in_flight: InFlight | None = None
         self.mode = make_mode(cfg)  # what an update asks for and waits for (ps_train.modes)
         self.pipelined = self.mode.pipelined  # see module docstring
+        # rpc_core: the update rides on the backward (rpc_core.autograd.hooks); torch's RPC has
+        # no such extension, so there the trainer sends its update requests after the backward.
+        self.in_backward = backend.name() == "rpc_core"
 
     def load(self) -> None:
         """Set ``train_set``, ``test_set`` and ``batches`` (this trainer's batch iterator)."""
@@ -179,14 +183,33 @@ class Trainer:
             ctx = scope.enter_context(self.dist_autograd.context())
             loss, out = self.step_loss(batch)
             self.settle()  # pipelined: the forward ran after the previous update, so this is done
-            self.dist_autograd.backward(ctx, [loss])
             # Elastic: ps0 also keeps the data position after this step (for a replacement).
             pos = self.elastic.position() if self.elastic is not None else None
-            futs = self.mode.send_update(self, ctx, self.step, pos)
+            if self.in_backward:  # the update rides on the backward: done when it returns
+                self.dist_autograd.set_backward_info(ctx, UPDATE_IN_BACKWARD, UpdateRequest(self.index, self.step, pos))
+                self.dist_autograd.backward(ctx, [loss])
+                futs = self._updates_in_backward(ctx, pos)
+            else:
+                self.dist_autograd.backward(ctx, [loss])
+                futs = self.mode.send_update(self, ctx, self.step, pos)
             # Kept open until settle() (the servers read the gradients from it); pipelined: closed here.
             kept = None if self.pipelined else scope.pop_all()
         self._in_flight = InFlight(kept, futs, self.step)
         return {"loss": loss.item(), **out}
+
+    def _updates_in_backward(self, ctx: int, pos: dict[str, int] | None) -> list[torch.futures.Future[Any]]:
+        """The servers' answers to the update that rode on the backward, in server order; a
+        server the backward did not reach (no gradient of its parameters) gets the update
+        request of its own."""
+        results = self.dist_autograd.backward_results(ctx)
+        futs = []
+        for r, server in enumerate(self.servers):
+            got = results.get(f"ps{r}", {})
+            if UPDATE_IN_BACKWARD in got:
+                futs.append(resolved(got[UPDATE_IN_BACKWARD]))
+            else:
+                futs.append(server.rpc_async().update(ctx, self.index, self.step, pos if r == 0 else None))
+        return futs
 
     def settle(self) -> dict[str, float]:
         """Wait until every server applied the last step's update (and, in ssp mode, until

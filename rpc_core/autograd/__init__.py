@@ -5,6 +5,11 @@
         loss = rpc.rpc_sync("ps", forward, args=(x,)).sum()
         dist_autograd.backward(context_id, [loss])
         grads = dist_autograd.get_gradients(context_id)   # {tensor: grad} on this worker
+
+An rpc_core extension beyond torch (``rpc_core.autograd.hooks``): an owner's hook run as soon
+as a context's backward is done on it, answered with the backward itself --
+``on_backward_done(key, fn)`` on the owner, ``set_backward_info(context_id, key, payload)``
+before ``backward`` and ``backward_results(context_id)`` after it on the caller.
 """
 from __future__ import annotations
 
@@ -20,10 +25,12 @@ from . import context as _context
 from . import release as _release
 from .context import DistAutogradContext
 from .engine import backward
+from .hooks import backward_results, on_backward_done, set_backward_info
 from .recording import AutogradMiddleware
 from .release import release_context as _release_context
 
-__all__ = ["backward", "context", "get_gradients", "is_available", "DistAutogradContext"]
+__all__ = ["backward", "context", "get_gradients", "is_available", "DistAutogradContext", "on_backward_done",
+           "set_backward_info", "backward_results"]
 
 _wait_cleanups = _release.wait_cleanups  # private API: tests wait with it
 

@@ -460,12 +460,12 @@ def case_gradients_for_the_caller_ride_on_answers() -> None:
         here, there = requests_received(), rpc.rpc_sync(W1, requests_received)
         dist_autograd.backward(cid, [loss])
         assert requests_received() == here, "backward sent the trainer a gradient call"
-        # worker1 got the root pass's two gradient calls (x and y came in two answers), one more
-        # for x once y's answer brought back x's part through the nested call (x was an
-        # argument there; its two parts there are added up first), and the call that reads
-        # its count: none from worker2
+        # worker1 got the root pass's one gradient call (x and y came in two answers; a pass
+        # sends one call per worker), one more for x once y's answer brought back x's part
+        # through the nested call (x was an argument there; its two parts there are added up
+        # first), and the call that reads its count: none from worker2
         got = rpc.rpc_sync(W1, requests_received) - there
-        assert got == 4, f"worker1 received {got} requests, expected 4"
+        assert got == 3, f"worker1 received {got} requests, expected 3"
         assert set(dist_autograd.get_gradients(cid)) == {a, b}
 
 
