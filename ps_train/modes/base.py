@@ -170,8 +170,8 @@ class Mode:
         """Trainer ``trainer``'s step-``step`` forward of ``shard`` (step -1: outside a step)."""
         raise NotImplementedError
 
-    def lookup(self, server: ModeServer, rows: Callable[[], list[Tensor]], trainer: int, step: int) -> list[Tensor]:
-        """Trainer ``trainer``'s step-``step`` lookup of table rows: ``rows()`` reads them."""
+    def lookup(self, server: ModeServer, rows: Callable[[], Tensor], trainer: int, step: int) -> Tensor:
+        """Trainer ``trainer``'s step-``step`` lookup of table rows: ``rows()`` reads them ([P, dim])."""
         raise NotImplementedError
 
     def update(self, server: ModeServer, context_id: int, trainer: int, step: int,
