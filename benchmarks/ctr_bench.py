@@ -197,10 +197,11 @@ def single_worker(name: str, steps: int, out_path: str) -> None:
     import torch
     import torch.nn.functional as F
 
-    from ps_train.config import optimizer_spec, table_optimizer_spec
+    from ps_train.config import optimizer_spec
     from ps_train.ctr.batches import CtrBatchIterator
     from ps_train.ctr.loading import load_ctr_data
     from ps_train.ctr.model import DLRM
+    from ps_train.ctr.optimizers import table_optimizer_spec
 
     torch.set_num_threads(1)  # as in every ps_train process
     # Adagrad on sparse gradients warns that it does not re-check their indices (see table_server).

@@ -19,7 +19,7 @@ from ps_train.app import run
 from ps_train.checkpoint.files import CheckpointError
 from ps_train.config import ConfigError, from_dictconfig
 from ps_train.data import DatasetNotFoundError
-from ps_train.launch.local import RoleFailed
+from ps_train.launch.failures import RoleFailed
 
 log = logging.getLogger("ps_train")
 

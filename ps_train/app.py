@@ -17,7 +17,8 @@ from ps_train.checkpoint.files import CheckpointError
 from ps_train.config import Config, ConfigError, config_to_dict
 from ps_train.data import DatasetNotFoundError
 from ps_train.files import atomic_write_text
-from ps_train.launch.local import role_name, run_rank
+from ps_train.launch.failures import role_name
+from ps_train.launch.rank import run_rank
 from ps_train.launch.restarts import (
     rank_failed,
     read_restarts,

@@ -13,9 +13,9 @@ trainer0's step.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence, Sized
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from ps_train.checkpoint.files import (
     CheckpointError,
@@ -34,8 +34,45 @@ from ps_train.data import steps_per_epoch
 log = logging.getLogger("ps_train.checkpoint")
 
 
-def load_server_state(ps: Any, resume_state: dict[str, Any]) -> None:
-    """Before the job starts: give server ``ps`` (a ``ParameterServer``) its saved state."""
+class RestoredServer(Protocol):
+    """What resuming uses of a server (``ps_train.roles.server.ParameterServer``)."""
+
+    @property
+    def rank(self) -> int: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class CheckpointingTrainer(Protocol):
+    """What the coordinator uses of trainer0 (``ps_train.roles.trainer.Trainer``)."""
+
+    @property
+    def cfg(self) -> Config: ...
+
+    @property
+    def index(self) -> int: ...
+
+    @property
+    def steps(self) -> int:
+        """The step it trains to."""
+
+    @property
+    def run_dir(self) -> str: ...
+
+    @property
+    def servers(self) -> Sequence[Any]:
+        """RRefs to the ParameterServers: ``servers[r]`` is ps<r>'s."""
+
+    @property
+    def train_set(self) -> Sized:
+        """Its training split (its length places every trainer's data after a step)."""
+
+    def settle(self) -> dict[str, float]:
+        """Wait until the servers applied its last step's update."""
+
+
+def load_server_state(ps: RestoredServer, resume_state: dict[str, Any]) -> None:
+    """Before the job starts: give server ``ps`` its saved state."""
     ps.load_state_dict(resume_state["servers"][f"ps{ps.rank}"])
 
 
@@ -45,9 +82,9 @@ def data_position(cfg: Config, n_items: int, step: int) -> dict[str, int]:
     return {"epoch": step // spe, "offset": (step % spe) * cfg.train.batch_size}
 
 
-def save(trainer: Any, step: int) -> Path:
+def save(trainer: CheckpointingTrainer, step: int) -> Path:
     """trainer0: write a complete checkpoint of the job after ``step``."""
-    cfg: Config = trainer.cfg
+    cfg = trainer.cfg
     trainer.settle()  # the servers have applied step ``step``'s update
     ckpt = begin_checkpoint(trainer.run_dir, step)
     # Every server writes its own file at once; trainer.servers[r] is ps<r>'s RRef.
@@ -66,11 +103,11 @@ def save(trainer: Any, step: int) -> Path:
     return ckpt
 
 
-def checkpoint_hook(cfg: Config, run_dir: str) -> Callable[[Any, int], None] | None:
+def checkpoint_hook(cfg: Config, run_dir: str) -> Callable[[CheckpointingTrainer, int], None]:
     """The per-step callback trainer0 runs: checkpoint every ``checkpoint.every`` steps and
     after the last step (unless ``checkpoint.final`` is false)."""
 
-    def hook(trainer: Any, step: int) -> None:
+    def hook(trainer: CheckpointingTrainer, step: int) -> None:
         if trainer.index != 0:
             return
         every = cfg.checkpoint.every

@@ -44,7 +44,7 @@ from ps_train.config.model import (
     ModelConfig,
     ResNetConfig,
 )
-from ps_train.config.optim import OPTIMIZERS, TABLE_OPTIMIZERS, OptimConfig, optimizer_spec, table_optimizer_spec
+from ps_train.config.optim import OPTIMIZERS, TABLE_OPTIMIZER_NAMES, OptimConfig, optimizer_spec
 from ps_train.config.root import BACKENDS, ELASTIC_FILE, RESUME_AUTO, Config, config_to_dict, validate
 from ps_train.config.run import (
     AGGREGATES,
@@ -63,9 +63,9 @@ __all__ = [
     "ClusterConfig", "OptimConfig", "ModeConfig", "TrainConfig", "CheckpointConfig",
     "LoggingConfig", "Config", "ConfigError",
     "MODEL_NAMES", "MODEL_SCHEMAS", "DATA_NAMES", "DATA_SCHEMAS", "VISION_SHAPES", "MODE_NAMES", "AGGREGATES",
-    "STALENESS_RULES", "PLACEMENTS", "LAUNCHERS", "BACKENDS", "OPTIMIZERS", "TABLE_OPTIMIZERS",
+    "STALENESS_RULES", "PLACEMENTS", "LAUNCHERS", "BACKENDS", "OPTIMIZERS", "TABLE_OPTIMIZER_NAMES",
     "BAG_SIZE_DISTS", "POOLINGS", "register_configs",
-    "from_dictconfig", "validate", "optimizer_spec", "table_optimizer_spec",
+    "from_dictconfig", "validate", "optimizer_spec",
     "config_to_dict", "RESUME_AUTO", "ELASTIC_FILE",
 ]
 

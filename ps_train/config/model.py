@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from omegaconf import MISSING
 
 from ps_train.config.base import Problems
-from ps_train.config.optim import TABLE_OPTIMIZERS
+from ps_train.config.optim import TABLE_OPTIMIZER_NAMES
 
 __all__ = [
     "ModelConfig", "MLPConfig", "CNNConfig", "ResNetConfig", "DLRMConfig", "MODEL_SCHEMAS", "MODEL_NAMES",
@@ -143,7 +143,7 @@ class DLRMConfig(ModelConfig):
     bottom_mlp: list[int] = field(default_factory=lambda: [64, 32])  # hidden sizes; its output is embedding_dim
     top_mlp: list[int] = field(default_factory=lambda: [64, 32])  # hidden sizes; its output is 1 logit
     table_sharding: str = "range"  # range (contiguous rows per server) | mod (id % num_servers)
-    table_optim: str = "adagrad"  # sgd | adagrad | sparse_adam: touched rows only
+    table_optim: str = "adagrad"  # sgd | adagrad | sparse_adam: touched rows only (ps_train.ctr.optimizers)
     table_lr: float | None = None  # null: optim.lr
     pooling: list[str] = field(default_factory=list)  # per table sum | mean; []: sum; one value: every table
 
@@ -180,8 +180,8 @@ class DLRMConfig(ModelConfig):
         p.need(all(h > 0 for h in self.top_mlp), f"model.top_mlp: {self.top_mlp} must all be > 0")
         p.need(self.table_sharding in TABLE_SHARDINGS,
                f"model.table_sharding: unknown {self.table_sharding!r}; choose one of {list(TABLE_SHARDINGS)}")
-        p.need(self.table_optim in TABLE_OPTIMIZERS,
-               f"model.table_optim: unknown {self.table_optim!r}; choose one of {list(TABLE_OPTIMIZERS)} "
+        p.need(self.table_optim in TABLE_OPTIMIZER_NAMES,
+               f"model.table_optim: unknown {self.table_optim!r}; choose one of {list(TABLE_OPTIMIZER_NAMES)} "
                "(optimizers that update only the rows a batch touched)")
         p.need(all(x in POOLINGS for x in self.pooling),
                f"model.pooling: {self.pooling}: each must be one of {list(POOLINGS)}")

@@ -8,7 +8,7 @@ import torch
 
 from ps_train.config.base import ConfigError, Problems
 
-__all__ = ["OptimConfig", "OPTIMIZERS", "optimizer_spec", "TABLE_OPTIMIZERS", "table_optimizer_spec"]
+__all__ = ["OptimConfig", "OPTIMIZERS", "optimizer_spec", "TABLE_OPTIMIZER_NAMES"]
 
 # name -> (optimizer class, OptimConfig fields it takes)
 OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], tuple[str, ...]]] = {
@@ -19,14 +19,9 @@ OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], tuple[str, ...]]] = {
     "adagrad": (torch.optim.Adagrad, ("weight_decay",)),
 }
 
-# model.table_optim -> (class, OptimConfig fields it takes): optimizers that take sparse
-# gradients and update only the rows they name (no momentum or weight decay, which would
-# touch every row of a table each step).
-TABLE_OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], tuple[str, ...]]] = {
-    "sgd": (torch.optim.SGD, ()),
-    "adagrad": (torch.optim.Adagrad, ()),
-    "sparse_adam": (torch.optim.SparseAdam, ("betas",)),
-}
+# model.table_optim: the embedding-table optimizers (ps_train.ctr.optimizers, which holds them;
+# the config, below ctr/, knows their names only).
+TABLE_OPTIMIZER_NAMES = ("sgd", "adagrad", "sparse_adam")
 
 
 @dataclass
@@ -65,17 +60,4 @@ def optimizer_spec(cfg: OptimConfig) -> tuple[type[torch.optim.Optimizer], dict[
     for name in takes:
         value = getattr(cfg, name)
         kwargs[name] = tuple(value) if name == "betas" else value
-    return cls, kwargs
-
-
-def table_optimizer_spec(name: str, cfg: OptimConfig,
-                         lr: float | None = None) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
-    """The class and kwargs of embedding-table optimizer ``name`` (``model.table_optim``);
-    ``lr`` (``model.table_lr``) or else ``cfg.lr``, and ``cfg.betas`` for sparse_adam."""
-    if name not in TABLE_OPTIMIZERS:
-        raise ConfigError(f"model.table_optim: unknown optimizer {name!r}; choose one of {list(TABLE_OPTIMIZERS)}")
-    cls, takes = TABLE_OPTIMIZERS[name]
-    kwargs: dict[str, Any] = {"lr": cfg.lr if lr is None else lr}
-    if "betas" in takes:
-        kwargs["betas"] = tuple(cfg.betas)
     return cls, kwargs

@@ -5,26 +5,26 @@
 the model has tables (model=dlrm; the launcher builds it with ``make_table_server``). The
 server's updates (``ParameterServer.update``, as its mode applies them) treat the table
 weights like any other parameter: they read each trainer's gradients from its autograd
-context, combine them in sync mode (``mode.aggregate``), and set ``.grad``; ``step`` then
-runs the table optimizer.
-The gradient is sparse (``TableShards.lookup``'s backward: the touched rows of the storage,
-each once), so a step is one coalesce and one optimizer step over the rows trainers used,
-whatever the number of tables, and SGD, Adagrad and SparseAdam update only those rows.
+context and combine them in sync mode (``mode.aggregate``); ``step`` then hands them to the
+table optimizer (``model.table_optim``, ``ps_train.ctr.optimizers``). The gradient is sparse
+(``TableShards.lookup``'s backward: the touched rows of the storage, each once), so a step
+is one coalesce and one optimizer step over the rows trainers used, whatever the number of
+tables, and the optimizer updates only those rows.
 """
 from __future__ import annotations
 
 import copy as copy_module
 import logging
 import time
-import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from ps_train.config import Config, CtrDataConfig, DLRMConfig, table_optimizer_spec
+from ps_train.config import Config, CtrDataConfig, DLRMConfig
+from ps_train.ctr.optimizers import make_table_optimizer
 from ps_train.ctr.shards import TableShards
-from ps_train.modes.aggregation import scaled_lr
 
 __all__ = ["TableServer", "make_table_server"]
 
@@ -42,8 +42,7 @@ class TableServer:
                  self.shards.num_tables, model.table_sharding, self.shards.weight.shape[0],
                  self.nbytes() / 1e9, time.perf_counter() - t0)
         self.params: list[nn.Parameter] = [self.shards.weight]
-        cls, kwargs = table_optimizer_spec(model.table_optim, cfg.optim, model.table_lr)
-        self.optimizer = cls(self.params, **kwargs)
+        self.optimizer = make_table_optimizer(model.table_optim, self.params, cfg.optim, model.table_lr)
         self.rows_updated = 0  # rows the optimizer changed so far, summed over tables and steps
         self.rows_read = 0  # rows trainers looked up for training so far
 
@@ -58,20 +57,18 @@ class TableServer:
         """Evaluation lookup: the same vectors, without autograd."""
         return self.shards.read(rows, offsets, weights)
 
-    def step(self, lr_factor: float = 1.0) -> None:
-        """Apply the optimizer, at ``lr_factor`` times its rate, to the rows named by the
-        tables' ``.grad`` (set by the caller, which holds the server's lock)."""
-        with scaled_lr(self.optimizer, lr_factor):
-            for p in self.params:
-                if p.grad is not None:
-                    # Duplicate indices (one entry per trainer in sync mode) are one row.
-                    p.grad = p.grad.coalesce()
-                    self.rows_updated += p.grad._nnz()
-            with warnings.catch_warnings():
-                # Adagrad builds its sparse update from the coalesced gradient's own indices,
-                # which are valid; torch warns that it does not re-check them.
-                warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled")
-                self.optimizer.step()
+    def step(self, grads: Mapping[Tensor, Tensor], lr_factor: float = 1.0) -> None:
+        """Apply the optimizer, at ``lr_factor`` times its rate, to the rows ``grads`` (the
+        trainers' sparse gradients, by table weight) name; the caller holds the server's lock."""
+        coalesced: list[Tensor | None] = []
+        for p in self.params:
+            grad = grads.get(p)
+            if grad is not None:
+                # Duplicate indices (one entry per trainer in sync mode) are one row.
+                grad = grad.coalesce()
+                self.rows_updated += grad._nnz()
+            coalesced.append(grad)
+        self.optimizer.step(coalesced, lr_factor)
 
     def nbytes(self) -> int:
         return self.shards.nbytes()

@@ -16,10 +16,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 from ps_train import backend
+from ps_train.config import Config
 from ps_train.elastic import membership
 from ps_train.elastic.membership import Assignment
 from rpc_core.errors import WorkerLeftError
@@ -121,11 +122,35 @@ class ElasticBatches:
         return {"epoch": a.epoch, "slot": a.slot, "world": a.world, "offset": self.inner.offset}
 
 
-class ElasticRole:
-    """Sets up ``trainer`` (a ``ps_train.roles.trainer.Trainer``) for an elastic run: its first step,
-    its batches, and for a joiner its length."""
+class ElasticTrainer(Protocol):
+    """What an elastic run sets up and uses of a trainer (``ps_train.roles.trainer.Trainer``)."""
 
-    def __init__(self, trainer: Any) -> None:
+    step: int  # the step it trains next
+    steps: int  # the step it trains to
+    batches: Any  # its batch iterator (replaced by ElasticBatches)
+
+    @property
+    def cfg(self) -> Config: ...
+
+    @property
+    def index(self) -> int: ...
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def train_set(self) -> Any: ...
+
+    @property
+    def servers(self) -> Sequence[Any]:
+        """RRefs to the ParameterServers."""
+
+
+class ElasticRole:
+    """Sets up ``trainer`` for an elastic run: its first step, its batches, and for a joiner
+    its length."""
+
+    def __init__(self, trainer: ElasticTrainer) -> None:
         self.trainer = trainer
         cfg = trainer.cfg
         self.rpc = backend.rpc()

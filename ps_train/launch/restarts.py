@@ -32,7 +32,8 @@ from ps_train.checkpoint.files import latest_checkpoint, read_manifest
 from ps_train.config import RESUME_AUTO, Config
 from ps_train.elastic.files import read_replacements
 from ps_train.files import atomic_write_text
-from ps_train.launch.local import RoleFailed, launch_local
+from ps_train.launch.failures import RoleFailed
+from ps_train.launch.local import launch_local
 from ps_train.metrics import write_metrics_json
 from rpc_core.errors import failed_worker
 

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -28,7 +29,23 @@ from torch import Tensor
 from ps_train.modes.aggregation import combine
 from ps_train.modes.base import Mode, ModeServer, ModeTrainer, RunConfig
 
-__all__ = ["SyncMode"]
+__all__ = ["SyncMode", "Round", "FailedRound"]
+
+
+@dataclass
+class Round:
+    """One step's update on a server while trainers hand in their gradients."""
+
+    grads: dict[int, dict[Tensor, Tensor]] = field(default_factory=dict)  # trainer -> its gradients
+    # What every trainer of the step waits on: the server's version once the step is applied.
+    done: torch.futures.Future[Any] = field(default_factory=torch.futures.Future)
+
+
+class FailedRound(NamedTuple):
+    """A step whose update failed, so no later step can run."""
+
+    step: int
+    error: BaseException
 
 
 class SyncMode(Mode):
@@ -44,8 +61,8 @@ class SyncMode(Mode):
         self.aggregate = run.mode.aggregate
         self.pipelined = run.backend == "rpc_core"  # see the module docstring
         self.rounds = 0  # steps whose update is applied (all trainers' gradients)
-        self._rounds: dict[int, dict[str, Any]] = {}
-        self._failed_round: tuple[int, BaseException] | None = None  # (step, error) of an update that failed
+        self._rounds: dict[int, Round] = {}  # step -> its round, until every trainer handed in
+        self._failed_round: FailedRound | None = None
         self._turn = threading.Condition()
         self._forwards_done: dict[tuple[int, int], int] = {}  # (shard, step) -> trainers whose forward ran
 
@@ -114,29 +131,29 @@ class SyncMode(Mode):
         try:
             grads = server.gradients(context_id)
             with server.lock:
-                r = self._rounds.setdefault(step, {"grads": {}, "future": torch.futures.Future()})
-                r["grads"][trainer] = grads
-                complete = len(r["grads"]) == self.num_trainers
+                r = self._rounds.setdefault(step, Round())
+                r.grads[trainer] = grads
+                complete = len(r.grads) == self.num_trainers
                 if complete:
                     del self._rounds[step]
-                    server.step(combine(r["grads"], self.aggregate))  # rank order: the same floats every run
+                    server.step(combine(r.grads, self.aggregate))  # rank order: the same floats every run
         except BaseException as e:
             # This round can never complete: the trainers waiting for it and forwards waiting
             # for it fail instead of hanging.
             with self._turn:
-                self._failed_round = (step, e)
+                self._failed_round = FailedRound(step, e)
                 self._turn.notify_all()
             with server.lock:
                 waiting = self._rounds.pop(step, None) or r
-            if waiting is not None and not waiting["future"].done():
-                waiting["future"].set_exception(self._round_error(server, step))
+            if waiting is not None and not waiting.done.done():
+                waiting.done.set_exception(self._round_error(server, step))
             raise
         if complete:
             with self._turn:
                 self.rounds = max(self.rounds, step + 1)
                 self._turn.notify_all()
-            r["future"].set_result(server.version)
-        return r["future"]
+            r.done.set_result(server.version)
+        return r.done
 
     def state_dict(self) -> dict[str, Any]:
         return {"rounds": self.rounds}

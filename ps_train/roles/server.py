@@ -64,8 +64,9 @@ class TablePart(Protocol):
     def read(self, rows: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
         """The same vectors without autograd, for evaluation."""
 
-    def step(self, lr_factor: float = 1.0) -> None:
-        """Update the rows named by the tables' ``.grad`` (sparse), at ``lr_factor`` times the rate."""
+    def step(self, grads: Mapping[torch.Tensor, torch.Tensor], lr_factor: float = 1.0) -> None:
+        """Update the rows ``grads`` (sparse, by table weight) name, at ``lr_factor`` times the
+        rate; the caller holds the server's lock."""
 
     def stats(self) -> dict[str, int]: ...
 
@@ -83,9 +84,9 @@ class ParameterServer:
         # Every server builds the whole seeded model and keeps its own shards (module docstring).
         shards = shards_of_server(model_shards(cfg), rank)
         self.shards: dict[int, nn.Module] = {s.index: s.module for s in shards}
-        dense = [p for m in self.shards.values() for p in m.parameters()]
+        self.dense_params = [p for m in self.shards.values() for p in m.parameters()]
         self.tables = tables
-        self.params: list[nn.Parameter] = dense + (self.tables.params if self.tables is not None else [])
+        self.params: list[nn.Parameter] = self.dense_params + (self.tables.params if self.tables is not None else [])
         self.seed = cfg.seed
         self.has_dropout = any(isinstance(x, nn.Dropout) and x.p > 0 for m in self.shards.values() for x in m.modules())
         # BatchNorm updates its running statistics in place during the forward (sync mode
@@ -93,7 +94,7 @@ class ParameterServer:
         self.has_running_stats = any(isinstance(x, nn.modules.batchnorm._NormBase) and x.track_running_stats
                                      for m in self.shards.values() for x in m.modules())
         cls, kwargs = optimizer_spec(cfg.optim)
-        self.optimizer = cls(dense, **kwargs) if dense else None
+        self.optimizer = cls(self.dense_params, **kwargs) if self.dense_params else None
         self.lock = threading.Lock()
         self._eval_copies: dict[int, Any] = {}  # shard -> (version, eval-mode copy)
         self.forward_lock = threading.Lock()
@@ -172,14 +173,14 @@ class ParameterServer:
         caller (the mode) holds ``self.lock``."""
         if self.optimizer is None and self.tables is None:
             return
-        for p in self.params:
+        for p in self.dense_params:
             p.grad = grads.get(p)
         if self.optimizer is not None:
             with scaled_lr(self.optimizer, lr_factor):
                 self.optimizer.step()
         if self.tables is not None:
-            self.tables.step(lr_factor)
-        for p in self.params:
+            self.tables.step(grads, lr_factor)
+        for p in self.dense_params:
             p.grad = None
         self.version += 1
         for i in self.updates:

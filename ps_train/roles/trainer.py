@@ -35,9 +35,10 @@ loop, the update protocol and checkpoints.
 from __future__ import annotations
 
 import logging
-import sys
 import time
-from typing import Any
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager, nullcontext
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -72,6 +73,17 @@ def final_stats() -> torch.futures.Future[Any]:
     if _done is None:
         _done = torch.futures.Future()
     return _done
+
+
+StepHook = Callable[["Trainer", int], None]  # after each step: (trainer, step)
+
+
+class InFlight(NamedTuple):
+    """A step whose update requests are sent but not yet settled."""
+
+    scope: ExitStack | None  # its autograd context, still open (None: closed already, pipelined)
+    futures: list[torch.futures.Future[Any]]  # every server's answer to its update request
+    step: int
 
 
 def _publish(stats: dict[str, Any]) -> None:
@@ -113,8 +125,7 @@ class Trainer:
         self.latency = {r: LatencyStats() for r in range(cfg.cluster.num_servers)}
         self.meter = ThroughputMeter()
         self.max_steps_ahead = 0  # ssp: the most steps this trainer ran ahead of the slowest
-        # (open context scope or None, update futures, step)
-        self._in_flight: tuple[Any, list[torch.futures.Future[Any]], int] | None = None
+        self._in_flight: InFlight | None = None
         self.mode = make_mode(cfg)  # what an update asks for and waits for (ps_train.modes)
         self.pipelined = self.mode.pipelined  # see module docstring
 
@@ -153,22 +164,17 @@ class Trainer:
         gradients from it), except when ``pipelined``."""
         if self._in_flight is not None and not self.pipelined:
             raise RuntimeError("train_step called before the previous step's updates were settled")
-        scope = self.dist_autograd.context()
-        ctx = scope.__enter__()
-        try:
+        with ExitStack() as scope:  # a failure closes the context, seeing the error
+            ctx = scope.enter_context(self.dist_autograd.context())
             loss, out = self.step_loss(batch)
             self.settle()  # pipelined: the forward ran after the previous update, so this is done
             self.dist_autograd.backward(ctx, [loss])
             # Elastic: ps0 also keeps the data position after this step (for a replacement).
             pos = self.elastic.position() if self.elastic is not None else None
             futs = self.mode.send_update(self, ctx, self.step, pos)
-        except BaseException:
-            scope.__exit__(*sys.exc_info())
-            raise
-        if self.pipelined:
-            scope.__exit__(None, None, None)
-            scope = None
-        self._in_flight = (scope, futs, self.step)
+            # Kept open until settle() (the servers read the gradients from it); pipelined: closed here.
+            kept = None if self.pipelined else scope.pop_all()
+        self._in_flight = InFlight(kept, futs, self.step)
         return {"loss": loss.item(), **out}
 
     def settle(self) -> dict[str, float]:
@@ -178,14 +184,8 @@ class Trainer:
             return {}
         scope, futs, step = self._in_flight
         self._in_flight = None
-        try:
+        with scope if scope is not None else nullcontext():  # then the step's context is closed
             results = torch.futures.wait_all(futs)
-        except BaseException:
-            if scope is not None:
-                scope.__exit__(*sys.exc_info())
-            raise
-        if scope is not None:
-            scope.__exit__(None, None, None)
         out = self.mode.settled(self, results, step)  # staleness; ssp: waits while too far ahead
         if "steps_ahead" in out:
             self.max_steps_ahead = max(self.max_steps_ahead, int(out["steps_ahead"]))
@@ -217,23 +217,18 @@ class Trainer:
         return {}
 
     # -- the loop ---------------------------------------------------------------------------------
-    def run(self, on_step: Any = None) -> dict[str, Any] | None:
-        """Train to the last step; trainer0 returns the run's final metrics, others None."""
+    def run(self, on_step: StepHook | None = None) -> dict[str, Any] | None:
+        """Train to the last step; trainer0 returns the run's final metrics, others None.
+        ``on_step(trainer, step)`` runs after each step (trainer0 checkpoints there)."""
         is_chief = self.index == 0
         t_start = self._t_start = time.perf_counter()
         self._first_step = self.step
         self.meter.start()
         losses: list[float] = []
         batch = next(self.batches) if self.step < self.steps else None
-        try:
+        with self._closing_on_failure():
             last = self._loop(batch, losses, on_step)
             self.settle()
-        except BaseException:
-            scope = self._in_flight[0] if self._in_flight is not None else None
-            self._in_flight = None
-            if scope is not None:  # failed between a step and its settle
-                scope.__exit__(*sys.exc_info())
-            raise
         wall = time.perf_counter() - t_start
         self.mode.trainer_done(self)  # ssp: this trainer no longer holds the others back
         mine = {"steps": self.step, "samples": self.meter.total, "wall_time_s": wall,
@@ -248,7 +243,19 @@ class Trainer:
             return None
         return self._finish(mine, last)
 
-    def _loop(self, batch: Any, losses: list[float], on_step: Any) -> dict[str, float]:
+    @contextmanager
+    def _closing_on_failure(self) -> Iterator[None]:
+        """A failure between a step's update requests and its ``settle`` leaves the step's
+        autograd context open: close it (seeing the error) and let the error go on."""
+        try:
+            yield
+        except BaseException:
+            in_flight, self._in_flight = self._in_flight, None
+            scope = in_flight.scope if in_flight is not None else None
+            with scope if scope is not None else nullcontext():
+                raise
+
+    def _loop(self, batch: Any, losses: list[float], on_step: StepHook | None) -> dict[str, float]:
         """Steps until the last one; returns the last step's metrics."""
         cfg = self.cfg
         log_every = max(1, cfg.train.log_every)

@@ -22,13 +22,13 @@ from ps_train.config import (
     CtrDataConfig,
     DLRMConfig,
     optimizer_spec,
-    table_optimizer_spec,
 )
 from ps_train.ctr import CriteoFormatError, CtrSplit
 from ps_train.ctr.batches import CtrBatchIterator
 from ps_train.ctr.loading import load_ctr_data
 from ps_train.ctr.metrics import auc
 from ps_train.ctr.model import DLRM
+from ps_train.ctr.optimizers import table_optimizer_spec
 from ps_train.ctr.rows import RowSharding
 from tests.ps_train._app import make_cfg, read_json, run_app, scalars
 

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from ps_train.faults import FAULT_ENV
-from ps_train.launch.local import RoleFailed
+from ps_train.launch.failures import RoleFailed
 from ps_train.launch.ports import free_port
 from tests.ps_train._app import (
     BASELINE,

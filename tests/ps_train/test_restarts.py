@@ -11,8 +11,8 @@ import pytest
 
 from ps_train.config import ConfigError
 from ps_train.faults import FAULT_ENV, Fault, parse_faults
+from ps_train.launch.failures import RoleFailed
 from ps_train.launch.heartbeat import process_state
-from ps_train.launch.local import RoleFailed
 from ps_train.launch.ports import free_port
 from ps_train.launch.restarts import RESTARTS_FILE, start_checkpoint
 from tests.ps_train._app import (
