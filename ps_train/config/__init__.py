@@ -22,6 +22,7 @@ check their own options and import nothing else.
 from ps_train.config.base import ConfigError
 from ps_train.config.cluster import LAUNCHERS, PLACEMENTS, ClusterConfig
 from ps_train.config.data import (
+    BAG_SIZE_DISTS,
     DATA_NAMES,
     DATA_SCHEMAS,
     VISION_SHAPES,
@@ -37,6 +38,7 @@ from ps_train.config.loading import from_dictconfig, register_configs
 from ps_train.config.model import (
     MODEL_NAMES,
     MODEL_SCHEMAS,
+    POOLINGS,
     CNNConfig,
     DLRMConfig,
     MLPConfig,
@@ -62,7 +64,8 @@ __all__ = [
     "ClusterConfig", "OptimConfig", "ModeConfig", "TrainConfig", "CheckpointConfig",
     "LoggingConfig", "Config", "ConfigError",
     "MODEL_NAMES", "MODEL_SCHEMAS", "DATA_NAMES", "DATA_SCHEMAS", "VISION_SHAPES", "MODE_NAMES", "AGGREGATES",
-    "STALENESS_RULES", "PLACEMENTS", "LAUNCHERS", "BACKENDS", "OPTIMIZERS", "TABLE_OPTIMIZER_NAMES", "register_configs",
+    "STALENESS_RULES", "PLACEMENTS", "LAUNCHERS", "BACKENDS", "OPTIMIZERS", "TABLE_OPTIMIZER_NAMES",
+    "BAG_SIZE_DISTS", "POOLINGS", "register_configs",
     "from_dictconfig", "validate", "optimizer_spec",
     "config_to_dict", "RESUME_AUTO", "ELASTIC_FILE",
 ]

@@ -13,9 +13,11 @@ from ps_train.config.prepared import CriteoManifest, read_manifest
 __all__ = [
     "DataConfig", "DigitsConfig", "VisionDataConfig", "SyntheticConfig", "CtrDataConfig", "SyntheticCtrConfig",
     "CriteoConfig", "DATA_SCHEMAS", "DATA_NAMES", "VISION_SHAPES", "CRITEO_TABLES", "CRITEO_DENSE",
+    "BAG_SIZE_DISTS",
 ]
 
 CRITEO_TABLES, CRITEO_DENSE = 26, 13  # Criteo's categorical and integer features
+BAG_SIZE_DISTS = ("fixed", "uniform")  # synthetic_ctr's bag lengths (ps_train.ctr.synthetic_bags)
 
 # Sample shape [C, H, W] of each dataset torchvision reads; ps_train.data checks the files
 # it loads against it.
@@ -135,6 +137,10 @@ class CtrDataConfig(DataConfig):
     def dense_count(self) -> int:
         raise NotImplementedError
 
+    def has_id_weights(self) -> bool:
+        """Whether samples carry a weight per id (multi-hot synthetic data only)."""
+        return False
+
     def sample_shape(self) -> tuple[int, ...]:
         return (self.dense_count(),)
 
@@ -162,9 +168,22 @@ class SyntheticCtrConfig(CtrDataConfig):
     signal_std: float = 1.4  # std of the hidden model's logit: higher = easier (best AUC up)
     interaction: float = 0.0  # share of the logit's variance from pairwise table interactions
     data_seed: int = 0
+    # Multi-hot bags: ids per bag, [] (one id per table), one size for every table, or one per table.
+    bag_sizes: list[int] = field(default_factory=list)
+    bag_size_dist: str = "fixed"  # fixed: exactly bag_sizes[t] ids | uniform: 1..bag_sizes[t]
+    id_weights: bool = False  # a weight in (0, 1] per id (pooled as nn.EmbeddingBag's per_sample_weights)
 
     def dense_count(self) -> int:
         return self.num_dense
+
+    def has_id_weights(self) -> bool:
+        return self.id_weights
+
+    def bag_size_list(self) -> list[int]:
+        """Ids per bag of every table (the most, for ``uniform``): one per table."""
+        n = len(self.sizes())
+        return [1] * n if not self.bag_sizes else [self.bag_sizes[0]] * n if len(self.bag_sizes) == 1 \
+            else list(self.bag_sizes)
 
     def problems(self) -> Problems:
         p = super().problems()
@@ -176,6 +195,12 @@ class SyntheticCtrConfig(CtrDataConfig):
         p.need(0.0 <= self.interaction < 1.0, f"data.interaction: {self.interaction} must be in [0, 1)")
         p.need(self.interaction == 0 or len(self.sizes()) >= 2,
                "data.interaction: pairwise interactions need at least 2 tables")
+        p.need(len(self.bag_sizes) in (0, 1, len(self.sizes())),
+               f"data.bag_sizes: {self.bag_sizes} lists {len(self.bag_sizes)} sizes for {len(self.sizes())} tables; "
+               "give [] (one id per table), one size for every table, or one per table")
+        p.need(all(b >= 1 for b in self.bag_sizes), f"data.bag_sizes: {self.bag_sizes} must all be >= 1")
+        p.need(self.bag_size_dist in BAG_SIZE_DISTS,
+               f"data.bag_size_dist: unknown {self.bag_size_dist!r}; choose one of {list(BAG_SIZE_DISTS)}")
         return p
 
 

@@ -14,10 +14,11 @@ from ps_train.config.optim import TABLE_OPTIMIZER_NAMES
 
 __all__ = [
     "ModelConfig", "MLPConfig", "CNNConfig", "ResNetConfig", "DLRMConfig", "MODEL_SCHEMAS", "MODEL_NAMES",
-    "TABLE_SHARDINGS",
+    "TABLE_SHARDINGS", "POOLINGS",
 ]
 
 TABLE_SHARDINGS = ("range", "mod")
+POOLINGS = ("sum", "mean")  # how a table's bag of rows becomes one vector (nn.EmbeddingBag's modes)
 
 
 @dataclass
@@ -144,9 +145,27 @@ class DLRMConfig(ModelConfig):
     table_sharding: str = "range"  # range (contiguous rows per server) | mod (id % num_servers)
     table_optim: str = "adagrad"  # sgd | adagrad | sparse_adam: touched rows only (ps_train.ctr.optimizers)
     table_lr: float | None = None  # null: optim.lr
+    pooling: list[str] = field(default_factory=list)  # per table sum | mean; []: sum; one value: every table
 
     def num_stages(self) -> int:
         return 2  # bottom MLP, top MLP
+
+    def pooling_list(self, num_tables: int) -> list[str]:
+        """Every table's pooling (``model.pooling`` spread over ``num_tables`` tables)."""
+        if not self.pooling:
+            return ["sum"] * num_tables
+        return [self.pooling[0]] * num_tables if len(self.pooling) == 1 else list(self.pooling)
+
+    def table_problems(self, num_tables: int, id_weights: bool) -> Problems:
+        """Problems of these settings with the data's ``num_tables`` tables."""
+        p = Problems()
+        p.need(len(self.pooling) in (0, 1, num_tables),
+               f"model.pooling: {self.pooling} lists {len(self.pooling)} values for {num_tables} tables; give [] "
+               "(sum everywhere), one for every table, or one per table")
+        p.need(not id_weights or "mean" not in self.pooling,
+               "model.pooling: mean pooling takes no per-id weights (as nn.EmbeddingBag); use sum pooling or "
+               "data.id_weights=false")
+        return p
 
     def needs_ctr_data(self) -> bool:
         return True
@@ -164,6 +183,8 @@ class DLRMConfig(ModelConfig):
         p.need(self.table_optim in TABLE_OPTIMIZER_NAMES,
                f"model.table_optim: unknown {self.table_optim!r}; choose one of {list(TABLE_OPTIMIZER_NAMES)} "
                "(optimizers that update only the rows a batch touched)")
+        p.need(all(x in POOLINGS for x in self.pooling),
+               f"model.pooling: {self.pooling}: each must be one of {list(POOLINGS)}")
         p.need(self.table_lr is None or self.table_lr > 0,
                f"model.table_lr: {self.table_lr} must be > 0 (or null for optim.lr)")
         return p

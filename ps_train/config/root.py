@@ -9,8 +9,8 @@ from typing import Any
 
 from ps_train.config.base import ConfigError, Problems, format_problems
 from ps_train.config.cluster import ClusterConfig
-from ps_train.config.data import DataConfig, DigitsConfig
-from ps_train.config.model import MLPConfig, ModelConfig
+from ps_train.config.data import CtrDataConfig, DataConfig, DigitsConfig
+from ps_train.config.model import DLRMConfig, MLPConfig, ModelConfig
 from ps_train.config.optim import OptimConfig
 from ps_train.config.run import CheckpointConfig, LoggingConfig, ModeConfig, TrainConfig
 from ps_train.modes import elastic_problems, run_problems
@@ -90,6 +90,8 @@ class Config:
                f"cluster.num_servers: {c.num_servers} servers but model {m.name!r} has only {stages} stages "
                f"(each server needs at least one); use cluster.num_servers<={stages} or a deeper model")
         p += m.input_problems(shape, d.name)
+        if isinstance(m, DLRMConfig) and isinstance(d, CtrDataConfig):
+            p += m.table_problems(len(d.sizes()), d.has_id_weights())
         p += run_problems(self)  # the mode's own, with the other groups
         return p
 

@@ -13,13 +13,15 @@ from collections.abc import Iterator
 
 from torch import Tensor
 
+from ps_train.ctr.bags import Bags
 from ps_train.ctr.split import CtrDataset
 from ps_train.data import PartitionCursor, partition, steps_per_epoch
 
 __all__ = ["CtrBatch", "CtrBatchIterator", "iter_ctr_eval_batches"]
 
-CtrBatch = tuple[Tensor, Tensor, Tensor]
-"""``(dense float32 [B, num_dense], ids int64 [B, num_tables], labels float32 [B])``."""
+CtrBatch = tuple[Tensor, Tensor | Bags, Tensor]
+"""``(dense float32 [B, num_dense], ids, labels float32 [B])``; ``ids``: int64 [B, num_tables]
+(one-hot data) or ``Bags`` (multi-hot: a bag of ids per table, ``ps_train.ctr.bags``)."""
 
 
 class CtrBatchIterator(PartitionCursor, Iterator[CtrBatch]):

@@ -9,6 +9,7 @@ from ps_train.ctr.criteo import load_criteo
 from ps_train.ctr.mapped import load_prepared
 from ps_train.ctr.split import CtrDataset
 from ps_train.ctr.synthetic import synthetic_ctr
+from ps_train.ctr.synthetic_bags import BagShape
 
 __all__ = ["load_ctr_data"]
 
@@ -20,7 +21,8 @@ def load_ctr_data(cfg: CtrDataConfig) -> tuple[CtrDataset, CtrDataset, float | N
     if isinstance(cfg, SyntheticCtrConfig):
         return synthetic_ctr(cfg.num_samples, cfg.num_dense, cfg.sizes(), cfg.zipf_alpha, cfg.data_seed,
                              cfg.test_fraction, positive_rate=cfg.positive_rate, signal_std=cfg.signal_std,
-                             interaction=cfg.interaction)
+                             interaction=cfg.interaction,
+                             bag_shape=BagShape(tuple(cfg.bag_size_list()), cfg.bag_size_dist, cfg.id_weights))
     if isinstance(cfg, CriteoConfig) and cfg.prepared:
         mapped = load_prepared(os.path.expanduser(cfg.prepared), cfg.sizes(), cfg.test_fraction,
                                skip_malformed=cfg.skip_malformed, manifest=cfg.prepared_manifest())

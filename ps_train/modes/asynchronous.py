@@ -47,7 +47,7 @@ class AsyncMode(Mode):
             self._read_version.setdefault((trainer, step), server.version)
         return server.run_shard_with(shard, params, x)
 
-    def lookup(self, server: ModeServer, rows: Callable[[], list[Tensor]], trainer: int, step: int) -> list[Tensor]:
+    def lookup(self, server: ModeServer, rows: Callable[[], Tensor], trainer: int, step: int) -> Tensor:
         with server.lock:  # rows read whole, never half updated
             self._read_version.setdefault((trainer, step), server.version)
             return rows()

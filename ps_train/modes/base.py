@@ -213,8 +213,8 @@ class Mode(ABC):
         raise NotImplementedError
 
     @abstractmethod
-    def lookup(self, server: ModeServer, rows: Callable[[], list[Tensor]], trainer: int, step: int) -> list[Tensor]:
-        """Trainer ``trainer``'s step-``step`` lookup of table rows: ``rows()`` reads them."""
+    def lookup(self, server: ModeServer, rows: Callable[[], Tensor], trainer: int, step: int) -> Tensor:
+        """Trainer ``trainer``'s step-``step`` lookup of table rows: ``rows()`` reads them ([P, dim])."""
         raise NotImplementedError
 
     def in_backward(self, server: ModeServer, context_id: int, request: UpdateRequest) -> torch.futures.Future[Any]:

@@ -101,7 +101,7 @@ class SyncMode(Mode):
                     self._forwards_done[key] = done
                 self._turn.notify_all()
 
-    def lookup(self, server: ModeServer, rows: Callable[[], list[Tensor]], trainer: int, step: int) -> list[Tensor]:
+    def lookup(self, server: ModeServer, rows: Callable[[], Tensor], trainer: int, step: int) -> Tensor:
         self._await_round(server, step)
         return rows()
 

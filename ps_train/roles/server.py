@@ -10,9 +10,10 @@ shards placed on it. Trainers call it through an RRef:
   are, combined).
 - ``clock(trainer, completed)`` (on ps0, ssp mode): returns once no trainer is more than
   ``mode.staleness`` steps behind ``completed``.
-- ``lookup(ids, trainer, step)`` (model=dlrm): this server's rows of every table that a
-  trainer's batch uses (its ``TablePart``, ``ps_train.ctr.table_server``). The updates apply
-  the tables' sparse gradients along with the dense ones.
+- ``lookup(rows, offsets, weights, trainer, step)`` (model=dlrm): the rows of this server's
+  tables that a trainer's batch uses, single or pooled into bags (its ``TablePart``,
+  ``ps_train.ctr.table_server``). The updates apply the tables' sparse gradients along with
+  the dense ones.
 
 When a read (a forward, a lookup) may run and on which copy of the parameters, how
 gradients become optimizer steps, and what a trainer waits for between steps is the update
@@ -57,11 +58,12 @@ class TablePart(Protocol):
     @property
     def params(self) -> list[nn.Parameter]: ...
 
-    def lookup(self, local_ids: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Rows ``local_ids[t]`` (int64 [U_t]) of each table, [U_t, dim] each, for training."""
+    def lookup(self, rows: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+        """For training: one vector per row, or per bag of rows (summed, times ``weights``),
+        of the request (``ps_train.ctr.plan.ServerRequest``): [P, dim]."""
 
-    def read(self, local_ids: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The same rows without autograd, for evaluation."""
+    def read(self, rows: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+        """The same vectors without autograd, for evaluation."""
 
     def step(self, grads: Mapping[torch.Tensor, torch.Tensor], lr_factor: float = 1.0) -> None:
         """Update the rows ``grads`` (sparse, by table weight) name, at ``lr_factor`` times the
@@ -140,16 +142,17 @@ class ParameterServer:
         with torch.no_grad():
             return cached[1](x)
 
-    def lookup(self, local_ids: list[torch.Tensor], trainer: int = -1, step: int = -1) -> list[torch.Tensor]:
-        """Rows ``local_ids[t]`` (int64 [U_t]) of every table held here: [U_t, dim] each."""
+    def lookup(self, rows: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None,
+               trainer: int = -1, step: int = -1) -> torch.Tensor:
+        """The vectors of a trainer's request to the tables held here (``TablePart.lookup``)."""
         tables = self._tables()
-        return self.mode.lookup(self, lambda: tables.lookup(local_ids), trainer, step)
+        return self.mode.lookup(self, lambda: tables.lookup(rows, offsets, weights), trainer, step)
 
-    def read_rows(self, local_ids: list[torch.Tensor]) -> list[torch.Tensor]:
+    def read_rows(self, rows: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
         """``lookup`` for evaluation: no autograd, no step bookkeeping."""
         tables = self._tables()
         with self.lock:
-            return tables.read(local_ids)
+            return tables.read(rows, offsets, weights)
 
     def _tables(self) -> TablePart:
         if self.tables is None:

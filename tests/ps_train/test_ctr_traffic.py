@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from benchmarks._ctr_traffic import replay_ideal_bytes, step_ideal_bytes
 from ps_train.config import CtrDataConfig, DLRMConfig
@@ -45,6 +46,7 @@ def test_replay_counts_each_servers_distinct_rows_of_every_batch() -> None:
         batches = CtrBatchIterator(train, k, 2, B, cfg.seed)
         for _ in range(steps):
             ids = next(batches)[1]
+            assert isinstance(ids, torch.Tensor)  # one-hot data
             for t, n in enumerate(sizes):
                 for i in set(ids[:, t].tolist()):
                     rows[i // math.ceil(n / 2)] += 1
