@@ -89,7 +89,7 @@ def replay_ideal_bytes(cfg, steps: int) -> TrafficReplay:
     planner = BagPlanner(FusedLayout(cfg.model.table_sharding, tuple(sizes), S), d,
                          cfg.model.pooling_list(len(sizes)))
     (_, bottom_server), (_, top_server) = [(sh.index, sh.server) for sh in model_shards(cfg)]
-    train, _, _ = load_ctr_data(cfg.data)
+    train = load_ctr_data(cfg.data).train
     totals = [0] * S
     vectors = 0
     for k in range(K):

@@ -208,7 +208,7 @@ def single_worker(name: str, steps: int, out_path: str) -> None:
     warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled")
     cfg = compose(overrides_for(name, 1, 1, "rpc_core", steps))
     data, m = cfg.data, cfg.model
-    train, _, _ = load_ctr_data(data)
+    train = load_ctr_data(data).train
     model = DLRM(data.dense_count(), data.sizes(), m.embedding_dim, m.bottom_mlp, m.top_mlp, cfg.seed)
     cls, kwargs = optimizer_spec(cfg.optim)
     dense_opt = cls([*model.bottom.parameters(), *model.top.parameters()], **kwargs)

@@ -2,7 +2,7 @@
 
 Exit codes: 0 done; 1 a role failed (the message names it and the checkpoint to resume
 from; with ``cluster.max_restarts`` only once the restarts are used up); 2 invalid
-configuration or setup (nothing was started).
+configuration, setup or data (nothing was started).
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from ps_train.checkpoint.files import CheckpointError
 from ps_train.config import ConfigError, from_dictconfig
 from ps_train.data import DatasetNotFoundError
 from ps_train.launch.failures import RoleFailed
+from ps_train.launch.prechecks import DataCheckError
 
 log = logging.getLogger("ps_train")
 
@@ -47,7 +48,7 @@ def main(dcfg: DictConfig) -> float:
     print(f"[ps_train] run dir: {_shown(run_dir)}", flush=True)
     try:
         metrics = run(cfg, run_dir, overrides=list(hc.overrides.task))
-    except (ConfigError, CheckpointError, DatasetNotFoundError) as e:
+    except (ConfigError, CheckpointError, DatasetNotFoundError, DataCheckError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except RoleFailed as e:

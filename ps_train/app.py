@@ -19,6 +19,7 @@ from ps_train.data import DatasetNotFoundError
 from ps_train.files import atomic_write_text
 from ps_train.launch.environment import EnvRank, env_rank
 from ps_train.launch.failures import role_name
+from ps_train.launch.prechecks import check_data
 from ps_train.launch.rank import run_rank
 from ps_train.launch.restarts import (
     rank_failed,
@@ -56,6 +57,7 @@ def run(cfg: Config, run_dir: str, overrides: list[str] | None = None,
         (log.warning if attempt else log.info)("resuming from %s (step %d)%s", resume, state["step"],
                  f"; torchrun restarted the job {attempt} time(s)" if attempt else "")
     if cfg.cluster.launcher == "local":
+        check_data(cfg)  # before any role starts (DataCheckError)
         write_provenance(run_dir, cfg, overrides or [])
         return run_local(cfg, run_dir, resume, timeout=timeout)
     place = env_rank(cfg.cluster, os.environ)

@@ -21,7 +21,7 @@ from torch.utils.data import Dataset, default_collate
 from ps_train.config import DataConfig, DigitsConfig, SyntheticConfig, VisionDataConfig
 
 __all__ = [
-    "TensorSplit", "DatasetNotFoundError", "load_data",
+    "TensorSplit", "DatasetNotFoundError", "load_data", "check_vision_files",
     "partition", "steps_per_epoch", "total_steps", "PartitionCursor", "BatchIterator", "iter_eval_batches",
 ]
 
@@ -131,6 +131,25 @@ def _expected_files(cls: Any, root: str) -> tuple[str, list[str]]:
     return os.path.join(root, cls.__name__, "raw"), names
 
 
+def check_vision_files(cfg: VisionDataConfig) -> str:
+    """The folder torchvision reads ``cfg``'s files from; raises ``DatasetNotFoundError`` if
+    any is missing and ``data.download`` is off (a stat per file: the launcher checks this
+    before any role starts)."""
+    import torchvision.datasets as tvd
+
+    if cfg.name not in _VISION:
+        raise ValueError(f"data.name: {cfg.name!r} is not a torchvision dataset")
+    cls_name = _VISION[cfg.name][0]
+    folder, names = _expected_files(getattr(tvd, cls_name), os.path.abspath(os.path.expanduser(cfg.root)))
+    missing = [n for n in names if not os.path.isfile(os.path.join(folder, n))]
+    if missing and not cfg.download:
+        raise DatasetNotFoundError(
+            f"data={cfg.name}: dataset files not found in {folder} (data.root={cfg.root!r}); missing: "
+            f"{', '.join(missing)}. Download them with data.download=true (needs internet), or copy the "
+            f"{cls_name} files torchvision uses there, or point data.root at a folder that has them.")
+    return folder
+
+
 def _vision(cfg: VisionDataConfig) -> tuple[TensorSplit, TensorSplit]:
     import torchvision.datasets as tvd
 
@@ -138,13 +157,7 @@ def _vision(cfg: VisionDataConfig) -> tuple[TensorSplit, TensorSplit]:
     shape = cfg.sample_shape()
     cls = getattr(tvd, cls_name)
     root = os.path.abspath(os.path.expanduser(cfg.root))
-    folder, names = _expected_files(cls, root)
-    missing = [n for n in names if not os.path.isfile(os.path.join(folder, n))]
-    if missing and not cfg.download:
-        raise DatasetNotFoundError(
-            f"data={cfg.name}: dataset files not found in {folder} (data.root={cfg.root!r}); missing: "
-            f"{', '.join(missing)}. Download them with data.download=true (needs internet), or copy the "
-            f"{cls_name} files torchvision uses there, or point data.root at a folder that has them.")
+    folder = check_vision_files(cfg)
     splits = []
     for train in (True, False):
         try:

@@ -46,7 +46,7 @@ from ps_train.config.model import (
     ResNetConfig,
 )
 from ps_train.config.optim import OPTIMIZERS, TABLE_OPTIMIZER_NAMES, OptimConfig, optimizer_spec
-from ps_train.config.root import BACKENDS, ELASTIC_FILE, RESUME_AUTO, Config, config_to_dict, validate
+from ps_train.config.root import BACKENDS, ELASTIC_FILE, RESUME_AUTO, Config, batch_problems, config_to_dict, validate
 from ps_train.config.run import (
     AGGREGATES,
     MODE_NAMES,
@@ -67,7 +67,7 @@ __all__ = [
     "STALENESS_RULES", "PLACEMENTS", "LAUNCHERS", "BACKENDS", "OPTIMIZERS", "TABLE_OPTIMIZER_NAMES",
     "BAG_SIZE_DISTS", "POOLINGS", "register_configs",
     "from_dictconfig", "validate", "optimizer_spec",
-    "config_to_dict", "RESUME_AUTO", "ELASTIC_FILE",
+    "config_to_dict", "RESUME_AUTO", "ELASTIC_FILE", "batch_problems",
 ]
 
 register_configs()

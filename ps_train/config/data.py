@@ -2,6 +2,7 @@
 number of classes without loading anything (what validation and model building need)."""
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -12,8 +13,8 @@ from ps_train.config.prepared import CriteoManifest, read_manifest
 
 __all__ = [
     "DataConfig", "DigitsConfig", "VisionDataConfig", "SyntheticConfig", "CtrDataConfig", "SyntheticCtrConfig",
-    "CriteoConfig", "DATA_SCHEMAS", "DATA_NAMES", "VISION_SHAPES", "CRITEO_TABLES", "CRITEO_DENSE",
-    "BAG_SIZE_DISTS",
+    "CriteoConfig", "DATA_SCHEMAS", "DATA_NAMES", "VISION_SHAPES", "VISION_TRAIN_SIZES", "CRITEO_TABLES",
+    "CRITEO_DENSE", "BAG_SIZE_DISTS",
 ]
 
 CRITEO_TABLES, CRITEO_DENSE = 26, 13  # Criteo's categorical and integer features
@@ -24,6 +25,8 @@ BAG_SIZE_DISTS = ("fixed", "uniform")  # synthetic_ctr's bag lengths (ps_train.c
 VISION_SHAPES: dict[str, tuple[int, ...]] = {
     "mnist": (1, 28, 28), "fashion_mnist": (1, 28, 28), "cifar10": (3, 32, 32),
 }
+VISION_TRAIN_SIZES: dict[str, int] = {"mnist": 60000, "fashion_mnist": 60000, "cifar10": 50000}
+DIGITS_SAMPLES = 1797  # scikit-learn's load_digits
 
 
 @dataclass
@@ -40,6 +43,10 @@ class DataConfig:
     def class_count(self) -> int:
         """Number of classes (the model's output width)."""
         return 10
+
+    def train_samples(self) -> int | None:
+        """Samples in the training split, if the config alone says (None: only the files know)."""
+        return None
 
     def is_ctr(self) -> bool:
         """Click-through-rate data (dense features, one id per table, 0/1 labels)."""
@@ -71,6 +78,10 @@ class DigitsConfig(DataConfig):
     def sample_shape(self) -> tuple[int, ...]:
         return (1, 8, 8)  # scikit-learn's 8x8 grey images
 
+    def train_samples(self) -> int:
+        # scikit-learn's train_test_split: the test split takes ceil(n * fraction) of the n samples.
+        return DIGITS_SAMPLES - math.ceil(self.test_fraction * DIGITS_SAMPLES)
+
     def problems(self) -> Problems:
         p = super().problems()
         p.need(0.0 < self.test_fraction < 1.0, f"data.test_fraction: {self.test_fraction} must be in (0, 1)")
@@ -89,6 +100,9 @@ class VisionDataConfig(DataConfig):
             return VISION_SHAPES[self.name]
         return super().sample_shape()
 
+    def train_samples(self) -> int | None:
+        return VISION_TRAIN_SIZES.get(self.name)
+
 
 @dataclass
 class SyntheticConfig(DataConfig):
@@ -105,6 +119,9 @@ class SyntheticConfig(DataConfig):
 
     def class_count(self) -> int:
         return self.num_classes
+
+    def train_samples(self) -> int:
+        return self.train_size
 
     def problems(self) -> Problems:
         p = super().problems()
@@ -184,6 +201,10 @@ class SyntheticCtrConfig(CtrDataConfig):
         n = len(self.sizes())
         return [1] * n if not self.bag_sizes else [self.bag_sizes[0]] * n if len(self.bag_sizes) == 1 \
             else list(self.bag_sizes)
+
+    def train_samples(self) -> int:
+        # What ps_train.ctr.split.time_split keeps: the last round(n * test_fraction) samples are the test split.
+        return self.num_samples - int(round(self.num_samples * self.test_fraction))
 
     def problems(self) -> Problems:
         p = super().problems()

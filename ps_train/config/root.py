@@ -15,7 +15,7 @@ from ps_train.config.optim import OptimConfig
 from ps_train.config.run import CheckpointConfig, LoggingConfig, ModeConfig, TrainConfig
 from ps_train.modes import elastic_problems, run_problems
 
-__all__ = ["Config", "BACKENDS", "ELASTIC_FILE", "RESUME_AUTO", "validate", "config_to_dict"]
+__all__ = ["Config", "BACKENDS", "ELASTIC_FILE", "RESUME_AUTO", "validate", "config_to_dict", "batch_problems"]
 
 BACKENDS = ("rpc_core", "torch")
 # A running elastic job's rendezvous (address, port, auth secret) in its run folder, for join=.
@@ -92,8 +92,21 @@ class Config:
         p += m.input_problems(shape, d.name)
         if isinstance(m, DLRMConfig) and isinstance(d, CtrDataConfig):
             p += m.table_problems(len(d.sizes()), d.has_id_weights())
+        p += batch_problems(d.train_samples(), c.num_trainers, self.train.batch_size)
         p += run_problems(self)  # the mode's own, with the other groups
         return p
+
+
+def batch_problems(samples: int | None, trainers: int, batch_size: int) -> Problems:
+    """Each trainer's share of ``samples`` training samples must hold a full batch: the data
+    iterators take full batches only (every trainer the same number of steps). ``samples``:
+    None when only the data files know (the launcher checks it once it has read them)."""
+    p = Problems()
+    if samples is not None and trainers >= 1 and batch_size >= 1:
+        p.need(samples // trainers >= batch_size,
+               f"train.batch_size={batch_size}: {trainers} trainers get only {samples // trainers} of {samples} "
+               "training samples each, not a full batch; lower train.batch_size or cluster.num_trainers")
+    return p
 
 
 def validate(cfg: Config) -> Config:

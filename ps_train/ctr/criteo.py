@@ -47,7 +47,7 @@ import torch
 from ps_train.ctr.split import CtrSplit, time_split
 
 __all__ = [
-    "CriteoFormatError", "CriteoStats", "read_criteo", "load_criteo", "find_criteo_files",
+    "CriteoFormatError", "CriteoStats", "read_criteo", "load_criteo", "find_criteo_files", "check_criteo_files",
     "criteo_row", "NUM_INT_FEATURES", "NUM_CAT_FEATURES", "EMPTY_ROW",
 ]
 
@@ -59,6 +59,7 @@ _NUM_FIELDS = 1 + NUM_INT_FEATURES + NUM_CAT_FEATURES
 EMPTY_ROW = 0  # the row of an empty categorical field, in every table
 _HEX_DIGITS = b"0123456789abcdefABCDEF"
 _MAX_EXAMPLES = 5  # malformed-line messages kept in CriteoStats
+CHECKED_LINES = 1000  # lines of each file check_criteo_files parses: milliseconds, before any role starts
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -89,6 +90,14 @@ class CriteoStats:
     malformed: int = 0
     malformed_per_file: dict[str, int] = field(default_factory=dict)
     examples: list[str] = field(default_factory=list)
+
+    def skipped_note(self) -> str | None:
+        """One line saying how many malformed lines were skipped, where, and the first; None if none."""
+        if not self.malformed:
+            return None
+        per_file = ", ".join(f"{os.path.basename(p)}: {c}" for p, c in self.malformed_per_file.items())
+        return (f"data=criteo: skipped {self.malformed} malformed of {self.lines} lines ({per_file}); "
+                f"first: {self.examples[0]}")
 
 
 class _Malformed(Exception):
@@ -235,14 +244,8 @@ def find_criteo_files(folder: PathLike) -> list[str]:
     return [os.path.join(folder, days[d][0]) for d in sorted(days)]
 
 
-def read_criteo(paths: PathLike | Sequence[PathLike], table_sizes: int | Sequence[int], *,
-                skip_malformed: bool = False) -> tuple[CtrSplit, CriteoStats]:
-    """Read Criteo files into one ``CtrSplit`` (dense [N, 13], ids [N, 26], labels [N]).
-
-    ``paths``: a file, a folder (see ``find_criteo_files``) or a list of files, read and
-    concatenated in the given order. ``table_sizes``: rows per categorical table, 26 of them
-    or one for all, each >= 2 (see the module docstring for the hashing).
-    """
+def _resolve(paths: PathLike | Sequence[PathLike]) -> list[str]:
+    """The files ``paths`` names (a file, a folder of day files, or a list), each checked to exist."""
     if isinstance(paths, (str, os.PathLike)):
         p = os.fspath(paths)
         files = find_criteo_files(p) if os.path.isdir(p) else [p]
@@ -253,6 +256,40 @@ def read_criteo(paths: PathLike | Sequence[PathLike], table_sizes: int | Sequenc
     for p in files:
         if not os.path.isfile(p):
             raise FileNotFoundError(f"data=criteo: file not found: {p}")
+    return files
+
+
+def check_criteo_files(paths: PathLike | Sequence[PathLike], table_sizes: int | Sequence[int], *,
+                       head: int = CHECKED_LINES, skip_malformed: bool = False) -> list[str]:
+    """Before a run reads them: the files ``read_criteo(paths, ...)`` would read exist and open,
+    and the first ``head`` lines of each parse (with ``skip_malformed``, only that they can
+    be read). Returns the files. Raises what ``read_criteo`` would for those lines
+    (``CriteoFormatError`` naming the file and line, ``FileNotFoundError``); a problem
+    further into a file is found only by reading it all."""
+    files = _resolve(paths)
+    mods = [s - 1 for s in _table_sizes(table_sizes)]
+    for path in files:
+        for n, line in _lines(path):
+            if n > head:
+                break
+            if skip_malformed:
+                continue
+            try:
+                _parse(line, mods)
+            except _Malformed as e:
+                raise CriteoFormatError(path, n, str(e)) from None
+    return files
+
+
+def read_criteo(paths: PathLike | Sequence[PathLike], table_sizes: int | Sequence[int], *,
+                skip_malformed: bool = False) -> tuple[CtrSplit, CriteoStats]:
+    """Read Criteo files into one ``CtrSplit`` (dense [N, 13], ids [N, 26], labels [N]).
+
+    ``paths``: a file, a folder (see ``find_criteo_files``) or a list of files, read and
+    concatenated in the given order. ``table_sizes``: rows per categorical table, 26 of them
+    or one for all, each >= 2 (see the module docstring for the hashing).
+    """
+    files = _resolve(paths)
     sizes = _table_sizes(table_sizes)
     mods = [s - 1 for s in sizes]
     # Compact typed buffers: a Python list would cost ~8x the memory per value.
@@ -276,10 +313,9 @@ def read_criteo(paths: PathLike | Sequence[PathLike], table_sizes: int | Sequenc
             dense.extend(x)
             ids.extend(r)
     stats.samples = len(labels)
-    if stats.malformed:
-        log.warning("data=criteo: skipped %d malformed of %d lines (%s); first: %s", stats.malformed,
-                    stats.lines, ", ".join(f"{os.path.basename(p)}: {c}" for p, c in stats.malformed_per_file.items()),
-                    stats.examples[0])
+    note = stats.skipped_note()
+    if note:
+        log.warning("%s", note)
     if stats.samples == 0:
         raise ValueError(f"data=criteo: no valid samples in {', '.join(files)} "
                          f"({stats.lines} lines, {stats.malformed} malformed)")

@@ -21,7 +21,7 @@ from ps_train.config.prepared import CriteoManifest, PreparedDataError, read_man
 from ps_train.ctr.criteo import EMPTY_ROW, NUM_CAT_FEATURES, NUM_INT_FEATURES, _table_sizes
 from ps_train.ctr.split import held_out_count
 
-__all__ = ["PreparedCriteo", "MappedCtrSplit", "load_prepared"]
+__all__ = ["PreparedCriteo", "MappedCtrSplit", "load_prepared", "skipped_note"]
 
 log = logging.getLogger("ps_train.ctr")
 
@@ -93,6 +93,21 @@ class MappedCtrSplit:
         return float(np.asarray(self.data.labels[self.start:self.stop], np.float64).mean())
 
 
+def skipped_note(m: CriteoManifest, folder: str, skip_malformed: bool) -> str | None:
+    """One line on the malformed lines ``prepare`` skipped in ``folder`` (None: it skipped
+    none); raises ``PreparedDataError`` if it skipped some and ``skip_malformed`` is off:
+    training from those files would have stopped at the first of them."""
+    if not m.malformed:
+        return None
+    first = m.malformed_examples[0] if m.malformed_examples else "?"
+    if not skip_malformed:
+        raise PreparedDataError(
+            f"data.prepared={folder!r}: prepare skipped {m.malformed} malformed of {m.lines} lines (first: "
+            f"{first}); training from those files would stop at the first of them: set "
+            "data.skip_malformed=true to train on the valid lines")
+    return f"data=criteo: skipped {m.malformed} malformed of {m.lines} lines when {folder} was prepared; first: {first}"
+
+
 def load_prepared(folder: str, table_sizes: list[int], test_fraction: float, *, skip_malformed: bool = False,
                   manifest: CriteoManifest | None = None) -> tuple[MappedCtrSplit, MappedCtrSplit]:
     """``(train, test)`` of prepared folder ``folder`` (``manifest``: its checked manifest, or
@@ -103,16 +118,9 @@ def load_prepared(folder: str, table_sizes: list[int], test_fraction: float, *, 
     training from its TSV files would have stopped at the first of them.
     """
     data = PreparedCriteo(folder, manifest)
-    m = data.manifest
-    if m.malformed:
-        first = m.malformed_examples[0] if m.malformed_examples else "?"
-        if not skip_malformed:
-            raise PreparedDataError(
-                f"data.prepared={folder!r}: prepare skipped {m.malformed} malformed of {m.lines} lines (first: "
-                f"{first}); training from those files would stop at the first of them: set "
-                "data.skip_malformed=true to train on the valid lines")
-        log.warning("data=criteo: skipped %d malformed of %d lines when %s was prepared; first: %s", m.malformed,
-                    m.lines, folder, first)
+    note = skipped_note(data.manifest, folder, skip_malformed)
+    if note:
+        log.warning("%s", note)
     n = len(data)
     n_test = held_out_count(n, test_fraction)
     return (MappedCtrSplit(data, 0, n - n_test, table_sizes), MappedCtrSplit(data, n - n_test, n, table_sizes))

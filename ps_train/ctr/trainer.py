@@ -43,7 +43,10 @@ class CtrTrainer(Trainer):
         if not isinstance(cfg.data, CtrDataConfig) or not isinstance(cfg.model, DLRMConfig):
             raise ValueError(f"CtrTrainer needs model=dlrm with CTR data, got model={cfg.model.name} "
                              f"data={cfg.data.name}")
-        self.train_set, self.test_set, self.best_auc = load_ctr_data(cfg.data)
+        data = load_ctr_data(cfg.data)
+        self.train_set, self.test_set, self.best_auc = data.train, data.test, data.best_auc
+        if data.skipped and self.index == 0:  # every trainer reads the same files: one says it on the console
+            print(f"[{self.name}] {data.skipped}", flush=True)
         if self.train_set.table_sizes != cfg.data.sizes():
             raise ValueError(f"data={cfg.data.name}: the data's tables {self.train_set.table_sizes} differ from the "
                              f"config's {cfg.data.sizes()}")

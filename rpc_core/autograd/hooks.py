@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..agent import agent as _agent_mod
+from ..agent.early_exit import torch_collect_all
 from ..agent.futures import set_error
 from . import context as _context
 
@@ -174,5 +175,5 @@ def run_hooks(ctx: _context.DistAutogradContext) -> torch.futures.Future[dict[st
             return
         out.set_result(values)
 
-    torch.futures.collect_all([f for _, f in pending]).add_done_callback(done)
+    torch_collect_all([f for _, f in pending]).add_done_callback(done)
     return out

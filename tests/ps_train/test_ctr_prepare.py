@@ -279,7 +279,7 @@ def test_read_manifest_names_what_is_wrong(tmp_path):
     with pytest.raises(PreparedDataError, match=r"was made from .*day_0 .*which has changed since"):
         load_ctr_data(CriteoConfig(prepared=str(dst), table_rows=100))
     (folder / "day_0").unlink()  # a source gone (e.g. the folder copied elsewhere) is fine
-    train, test, best = load_ctr_data(CriteoConfig(prepared=str(dst), table_rows=100))
+    train, test, best, _ = load_ctr_data(CriteoConfig(prepared=str(dst), table_rows=100))
     assert (len(train) + len(test), best) == (500, None)
 
 
@@ -287,8 +287,8 @@ def test_prepared_splits_batches_equal_those_of_the_tsv_files(tmp_path):
     folder = _day_files(tmp_path)
     _prepare(folder, tmp_path / "prep")
     cfg = dict(table_sizes=SIZES, test_fraction=0.3)
-    train, test, _ = load_ctr_data(CriteoConfig(root=str(folder), **cfg))
-    mtrain, mtest, _ = load_ctr_data(CriteoConfig(prepared=str(tmp_path / "prep"), **cfg))
+    train, test, _, _ = load_ctr_data(CriteoConfig(root=str(folder), **cfg))
+    mtrain, mtest, _, _ = load_ctr_data(CriteoConfig(prepared=str(tmp_path / "prep"), **cfg))
     ftrain, ftest, _ = load_criteo(str(folder), SIZES, 0.3)
     assert (len(mtrain), len(mtest)) == (len(train), len(test)) == (len(ftrain), len(ftest)) == (350, 150)
     assert mtrain.table_sizes == SIZES and mtrain.num_dense == 13

@@ -39,7 +39,7 @@ def test_replay_counts_each_servers_distinct_rows_of_every_batch() -> None:
 
     # Independently: distinct ids per table and owner (range sharding: the first ceil(n / 2)
     # rows on ps0), from the batches each trainer takes; bottom MLP on ps0, top MLP on ps1.
-    train, _, _ = load_ctr_data(cfg.data)
+    train = load_ctr_data(cfg.data).train
     sizes, d, B = cfg.data.sizes(), 4, 8
     rows = [0, 0]
     for k in range(2):

@@ -50,7 +50,7 @@ def reference_run(cfg: Config, steps: int) -> tuple[dict[str, list[float]], DLRM
     the servers' sync rule (``ps_train.modes.sync``: sum of the trainers' gradients;
     with ``mode.aggregate=mean``, where that option exists, their mean)."""
     data, m = ctr_parts(cfg)
-    train, _, _ = load_ctr_data(data)
+    train = load_ctr_data(data).train
     model = DLRM(data.dense_count(), data.sizes(), m.embedding_dim, m.bottom_mlp, m.top_mlp, cfg.seed)
     cls, kwargs = optimizer_spec(cfg.optim)
     dense_opt = cls([*model.bottom.parameters(), *model.top.parameters()], **kwargs)
@@ -197,8 +197,11 @@ def test_criteo_malformed_line_fails_naming_file_line_and_flag_or_is_skipped(tmp
     cfg = CriteoConfig(root=str(tmp_path), table_rows=20)
     with pytest.raises(CriteoFormatError, match=r"day_0, line 7: the label is 'x'.*data.skip_malformed=true"):
         load_ctr_data(cfg)
-    train, test, best = load_ctr_data(CriteoConfig(root=str(tmp_path), table_rows=20, skip_malformed=True))
+    train, test, best, skipped = load_ctr_data(CriteoConfig(root=str(tmp_path), table_rows=20, skip_malformed=True))
     assert (len(train) + len(test), best) == (49, None)
+    assert skipped == (f"data=criteo: skipped 1 malformed of 50 lines (day_0: 1); first: {tmp_path / 'day_0'}, "
+                       "line 7: the label is 'x', not 0 or 1")
+    assert load_ctr_data(CriteoConfig(root=str(tmp_path), table_rows=20, skip_malformed=True)).skipped == skipped
 
 
 @pytest.mark.timeout(180)
@@ -217,7 +220,7 @@ def test_default_dlrm_run_reaches_the_generators_best_auc_single_process() -> No
     cfg = make_cfg("model=dlrm", "data=synthetic_ctr")
     assert cfg.train.steps is not None
     _, model = reference_run(cfg, cfg.train.steps)
-    _, test, best = load_ctr_data(ctr_parts(cfg)[0])
+    _, test, best, _ = load_ctr_data(ctr_parts(cfg)[0])
     assert best is not None and isinstance(test, CtrSplit)
     with torch.no_grad():
         z = torch.cat([model(test.dense[i:i + 8192], test.ids[i:i + 8192]) for i in range(0, len(test), 8192)])
