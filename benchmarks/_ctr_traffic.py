@@ -28,6 +28,7 @@ activations. Framing, pickled call metadata, the update requests and the periodi
 calls are the overhead a measured figure has over this one. One-hot data has no pooled
 bags: the formula is then the rows term alone.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -39,15 +40,26 @@ INDEX_BYTES = 8  # an int64 row id
 FLOAT_BYTES = 4  # a float32 value
 
 
-def step_ideal_bytes(unique_rows: Sequence[int], dim: int, batch: int, num_dense: int, num_tables: int,
-                     hosts_bottom: bool, hosts_top: bool, pooled_ids: int = 0, pooled_bags: int = 0,
-                     id_weights: bool = False) -> int:
+def step_ideal_bytes(
+    unique_rows: Sequence[int],
+    dim: int,
+    batch: int,
+    num_dense: int,
+    num_tables: int,
+    hosts_bottom: bool,
+    hosts_top: bool,
+    pooled_ids: int = 0,
+    pooled_bags: int = 0,
+    id_weights: bool = False,
+) -> int:
     """``ideal_s`` of the module docstring for one server and one trainer step;
     ``unique_rows[t]``: the distinct rows of table t this server sends for the batch (its
     share of ``U_s``); ``pooled_ids`` = M_s, ``pooled_bags`` = P_s."""
     if dim < 1 or batch < 1 or num_dense < 0 or num_tables < 1:
-        raise ValueError(f"need dim >= 1, batch >= 1, num_dense >= 0, num_tables >= 1; got dim={dim}, "
-                         f"batch={batch}, num_dense={num_dense}, num_tables={num_tables}")
+        raise ValueError(
+            f"need dim >= 1, batch >= 1, num_dense >= 0, num_tables >= 1; got dim={dim}, "
+            f"batch={batch}, num_dense={num_dense}, num_tables={num_tables}"
+        )
     if len(unique_rows) != num_tables:
         raise ValueError(f"unique_rows lists {len(unique_rows)} tables, expected num_tables={num_tables}")
     per_row = INDEX_BYTES + 2 * dim * FLOAT_BYTES
@@ -86,8 +98,7 @@ def replay_ideal_bytes(cfg, steps: int) -> TrafficReplay:
     S, K = cfg.cluster.num_servers, cfg.cluster.num_trainers
     d, B = cfg.model.embedding_dim, cfg.train.batch_size
     sizes = cfg.data.sizes()
-    planner = BagPlanner(FusedLayout(cfg.model.table_sharding, tuple(sizes), S), d,
-                         cfg.model.pooling_list(len(sizes)))
+    planner = BagPlanner(FusedLayout(cfg.model.table_sharding, tuple(sizes), S), d, cfg.model.pooling_list(len(sizes)))
     (_, bottom_server), (_, top_server) = [(sh.index, sh.server) for sh in model_shards(cfg)]
     train = load_ctr_data(cfg.data).train
     totals = [0] * S
@@ -102,9 +113,17 @@ def replay_ideal_bytes(cfg, steps: int) -> TrafficReplay:
             for s, req in enumerate(plan.requests):
                 pooled_bags = len(req.offsets)
                 singles = plan.answers[s] - pooled_bags
-                totals[s] += step_ideal_bytes([singles] + [0] * (len(sizes) - 1), d, B, cfg.data.dense_count(),
-                                              len(sizes), s == bottom_server, s == top_server,
-                                              pooled_ids=plan.pooled_rows[s], pooled_bags=pooled_bags,
-                                              id_weights=bags.weights is not None)
+                totals[s] += step_ideal_bytes(
+                    [singles] + [0] * (len(sizes) - 1),
+                    d,
+                    B,
+                    cfg.data.dense_count(),
+                    len(sizes),
+                    s == bottom_server,
+                    s == top_server,
+                    pooled_ids=plan.pooled_rows[s],
+                    pooled_bags=pooled_bags,
+                    id_weights=bags.weights is not None,
+                )
     n = K * steps
     return TrafficReplay({f"ps{s}": totals[s] / n for s in range(S)}, vectors / n, n)

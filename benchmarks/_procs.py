@@ -7,6 +7,7 @@ socket's peer: for TCP the process that holds the socket with the swapped ports
 processes that are not roles (the launcher's pipes are not sockets; nothing else is
 expected) count under ``"other"``.
 """
+
 from __future__ import annotations
 
 import os

@@ -12,6 +12,7 @@ the last role's ``joined the job`` line in the logs (torch is already imported t
 are forked from a preloaded forkserver). The machine's load average is recorded with each
 run: on a shared machine timings are only as good as the load they ran under.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,13 @@ from _procs import role_kind, sample_roles  # noqa: E402
 
 _PID = re.compile(r"starting (\S+) \(rank \d+ of \d+, pid (\d+)\)")
 _STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
-_CONFIG = ["mode=async", "train.eval_every=0", "logging.progress=false", "logging.tensorboard=false",
-           "checkpoint.every=0"]
+_CONFIG = [
+    "mode=async",
+    "train.eval_every=0",
+    "logging.progress=false",
+    "logging.tensorboard=false",
+    "checkpoint.every=0",
+]
 
 
 def _load() -> float:
@@ -76,8 +82,17 @@ def _startup(logs: Path) -> float | None:
 
 def run_job(trainers: int, servers: int, steps: int, timeout: float, extra: list[str]) -> dict[str, Any]:
     run_dir = Path(tempfile.mkdtemp(prefix=f"scale_t{trainers}_s{servers}_"))
-    cmd = [sys.executable, "-m", "ps_train", *_CONFIG, f"cluster.num_trainers={trainers}",
-           f"cluster.num_servers={servers}", f"train.steps={steps}", f"hydra.run.dir={run_dir}", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ps_train",
+        *_CONFIG,
+        f"cluster.num_trainers={trainers}",
+        f"cluster.num_servers={servers}",
+        f"train.steps={steps}",
+        f"hydra.run.dir={run_dir}",
+        *extra,
+    ]
     load_before, t0 = _load(), time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     worst: dict[str, dict[str, int]] = {}
@@ -103,10 +118,18 @@ def run_job(trainers: int, servers: int, steps: int, timeout: float, extra: list
         proc.kill()
     out = proc.communicate()[0]
     return {
-        "trainers": trainers, "servers": servers, "steps": steps, "exit_code": proc.returncode,
-        "wall_s": round(time.monotonic() - t0, 2), "startup_s": _startup(run_dir / "logs"),
-        "roles_seen": len(pids), "per_kind": worst, "trainer_connections_to": dict(trainer_peers),
-        "load_before": load_before, "load_after": _load(), "run_dir": str(run_dir),
+        "trainers": trainers,
+        "servers": servers,
+        "steps": steps,
+        "exit_code": proc.returncode,
+        "wall_s": round(time.monotonic() - t0, 2),
+        "startup_s": _startup(run_dir / "logs"),
+        "roles_seen": len(pids),
+        "per_kind": worst,
+        "trainer_connections_to": dict(trainer_peers),
+        "load_before": load_before,
+        "load_after": _load(),
+        "run_dir": str(run_dir),
         "tail": out.strip().splitlines()[-2:] if proc.returncode else [],
     }
 
@@ -126,9 +149,12 @@ def main() -> None:
             print(f"[scale] {trainers} trainers + {servers} servers ...", flush=True)
             r = run_job(trainers, servers, args.steps, args.timeout, args.extra)
             results.append(r)
-            print(f"[scale]   exit {r['exit_code']}, wall {r['wall_s']} s, start-up {r['startup_s']} s, "
-                  f"load {r['load_before']:.1f}->{r['load_after']:.1f}; per kind {r['per_kind']}; "
-                  f"a trainer's connections to {r['trainer_connections_to']}", flush=True)
+            print(
+                f"[scale]   exit {r['exit_code']}, wall {r['wall_s']} s, start-up {r['startup_s']} s, "
+                f"load {r['load_before']:.1f}->{r['load_after']:.1f}; per kind {r['per_kind']}; "
+                f"a trainer's connections to {r['trainer_connections_to']}",
+                flush=True,
+            )
             if args.json:
                 args.json.write_text(json.dumps(results, indent=2))
 

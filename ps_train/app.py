@@ -2,6 +2,7 @@
 
 Tests call it directly with a ``Config``; nothing here knows about Hydra.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,8 +35,9 @@ from ps_train.metrics import write_metrics_json
 log = logging.getLogger("ps_train")
 
 
-def run(cfg: Config, run_dir: str, overrides: list[str] | None = None,
-        timeout: float | None = None) -> dict[str, Any] | None:
+def run(
+    cfg: Config, run_dir: str, overrides: list[str] | None = None, timeout: float | None = None
+) -> dict[str, Any] | None:
     """Train ``cfg``; outputs go to ``run_dir``. Returns the final metrics (on the process
     that has them: always with the local launcher, trainer0's rank with ``launcher=env``; None
     for a trainer that joined a running job with ``join=``).
@@ -54,8 +56,12 @@ def run(cfg: Config, run_dir: str, overrides: list[str] | None = None,
 
         state = check_resumable(cfg, resume)  # fails here, before any process starts
         resume = state["checkpoint"]
-        (log.warning if attempt else log.info)("resuming from %s (step %d)%s", resume, state["step"],
-                 f"; torchrun restarted the job {attempt} time(s)" if attempt else "")
+        (log.warning if attempt else log.info)(
+            "resuming from %s (step %d)%s",
+            resume,
+            state["step"],
+            f"; torchrun restarted the job {attempt} time(s)" if attempt else "",
+        )
     if cfg.cluster.launcher == "local":
         check_data(cfg)  # before any role starts (DataCheckError)
         write_provenance(run_dir, cfg, overrides or [])
@@ -64,23 +70,44 @@ def run(cfg: Config, run_dir: str, overrides: list[str] | None = None,
     rank, world = place.rank, place.world_size
     expected = cfg.cluster.num_servers + cfg.cluster.num_trainers
     if world != expected:
-        raise ConfigError(f"the launcher started {world} processes but cluster.num_servers + cluster.num_trainers "
-                         f"= {expected}; start exactly {expected} (e.g. torchrun --nproc-per-node ...)")
+        raise ConfigError(
+            f"the launcher started {world} processes but cluster.num_servers + cluster.num_trainers "
+            f"= {expected}; start exactly {expected} (e.g. torchrun --nproc-per-node ...)"
+        )
     if cfg.backend == "rpc_core" and not os.environ.get("RPC_CORE_AUTH_SECRET"):
-        raise ConfigError("cluster.launcher=env: set RPC_CORE_AUTH_SECRET to the same secret on every rank (e.g. "
-                         "export RPC_CORE_AUTH_SECRET=$(python -c 'import secrets; print(secrets.token_hex(16))') "
-                         "once, then start the ranks); only processes that know it can join the job")
+        raise ConfigError(
+            "cluster.launcher=env: set RPC_CORE_AUTH_SECRET to the same secret on every rank (e.g. "
+            "export RPC_CORE_AUTH_SECRET=$(python -c 'import secrets; print(secrets.token_hex(16))') "
+            "once, then start the ranks); only processes that know it can join the job"
+        )
     if rank == 0:
         write_provenance(run_dir, cfg, overrides or [])
-    log.info("rank %d of %d (%s; local rank %s, node %s), rank 0 at %s:%d", rank, world, place.launcher,
-             place.local_rank, place.node_rank, place.master_addr, place.master_port)
+    log.info(
+        "rank %d of %d (%s; local rank %s, node %s), rank 0 at %s:%d",
+        rank,
+        world,
+        place.launcher,
+        place.local_rank,
+        place.node_rank,
+        place.master_addr,
+        place.master_port,
+    )
     init_method = env_init_method(cfg, place)
     # The secret comes from RPC_CORE_AUTH_SECRET (the same on every rank); rpc_core reads it.
     if attempt and rank == cfg.cluster.num_servers:  # trainer0 records torchrun's restart
         record_env_restart(run_dir, attempt, resume)
     try:
-        metrics = run_rank(cfg, rank, place.master_addr, place.master_port, None, run_dir, resume,
-                           init_method=init_method, attempt=attempt)
+        metrics = run_rank(
+            cfg,
+            rank,
+            place.master_addr,
+            place.master_port,
+            None,
+            run_dir,
+            resume,
+            init_method=init_method,
+            attempt=attempt,
+        )
     except (ConfigError, CheckpointError, DatasetNotFoundError):
         raise
     except Exception as e:
@@ -129,8 +156,10 @@ def env_init_method(cfg: Config, place: EnvRank) -> str:
 
     timeout = timedelta(seconds=cfg.cluster.init_timeout)
     store = TCPStore(addr, port, is_master=False, timeout=timeout)
-    key = (f"ps_train/rpc_core_port/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
-           f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
+    key = (
+        f"ps_train/rpc_core_port/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
+        f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    )
     if rank == 0:
         chosen = free_port(addr)
         store.set(key, str(chosen))

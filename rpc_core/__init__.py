@@ -6,6 +6,7 @@ Port a ``torch.distributed.rpc`` program by changing its imports::
     import rpc_core.autograd as dist_autograd   # was: torch.distributed.autograd
     from rpc_core.optim import DistributedOptimizer
 """
+
 from typing import Any
 
 from . import autograd, constants, functions, optim, profiler  # autograd installs its middleware at init_rpc
@@ -138,22 +139,53 @@ def _get_debug_info() -> dict[str, Any]:
     """Counters for tests and debugging: RRef tables, agent state."""
     info = dict(_rref.debug_info())
     agent = _current_agent()
-    info.update({
-        "agent.thread_pool_size": agent.pool.size,
-        "agent.num_pending_requests": agent.pending.in_flight(),
-        "agent.num_idle_threads": agent.pool.idle,
-    })
+    info.update(
+        {
+            "agent.thread_pool_size": agent.pool.size,
+            "agent.num_pending_requests": agent.pending.in_flight(),
+            "agent.num_idle_threads": agent.pool.idle,
+        }
+    )
     return info
 
 
 __all__ = [
-    "AuthenticationError", "BackendType", "DEFAULT_RPC_TIMEOUT_SEC", "DEFAULT_SHUTDOWN_TIMEOUT",
-    "ProtocolError", "RRef", "RendezvousError", "RpcBackendOptions", "RpcError", "RpcNotInitializedError",
-    "RpcTimeoutError", "RpcTypeError", "RpcValueError", "TensorPipeRpcBackendOptions", "UNSET_RPC_TIMEOUT",
-    "WorkerInfo", "WorkerLeftError",
-    "WorkerUnavailableError", "functions", "get_rpc_timeout", "get_worker_info", "init_rpc", "is_available",
-    "remote", "rpc_async", "rpc_sync", "shutdown", "autograd", "constants", "optim", "profiler",
+    "AuthenticationError",
+    "BackendType",
+    "DEFAULT_RPC_TIMEOUT_SEC",
+    "DEFAULT_SHUTDOWN_TIMEOUT",
+    "ProtocolError",
+    "RRef",
+    "RendezvousError",
+    "RpcBackendOptions",
+    "RpcError",
+    "RpcNotInitializedError",
+    "RpcTimeoutError",
+    "RpcTypeError",
+    "RpcValueError",
+    "TensorPipeRpcBackendOptions",
+    "UNSET_RPC_TIMEOUT",
+    "WorkerInfo",
+    "WorkerLeftError",
+    "WorkerUnavailableError",
+    "functions",
+    "get_rpc_timeout",
+    "get_worker_info",
+    "init_rpc",
+    "is_available",
+    "remote",
+    "rpc_async",
+    "rpc_sync",
+    "shutdown",
+    "autograd",
+    "constants",
+    "optim",
+    "profiler",
     # rpc_core's own (docs/torch_compatibility.md, "rpc_core extensions")
-    "ConnectionStats", "add_membership_listener", "connection_stats", "remove_membership_listener", "tune_malloc",
+    "ConnectionStats",
+    "add_membership_listener",
+    "connection_stats",
+    "remove_membership_listener",
+    "tune_malloc",
     "watch_all_peers",
 ]

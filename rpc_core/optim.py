@@ -10,6 +10,7 @@ that backward is done (``rpc_core.autograd.hooks``), so ``backward`` returns wit
 applied everywhere and no ``step`` round trip follows. The same local optimizers step with
 the same gradients: the results are ``step``'s.
 """
+
 from __future__ import annotations
 
 import threading
@@ -36,8 +37,9 @@ class _LocalOptimizer:
     # the same parameters) are serialized, as in torch.
     global_lock = threading.Lock()
 
-    def __init__(self, optim_cls: type[torch.optim.Optimizer], local_params_rref: list[RRef[Any]], *args: Any,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, optim_cls: type[torch.optim.Optimizer], local_params_rref: list[RRef[Any]], *args: Any, **kwargs: Any
+    ) -> None:
         self._params = [rref.local_value() for rref in local_params_rref]
         self.optim = optim_cls(self._params, *args, **kwargs)
 
@@ -68,8 +70,9 @@ def _step_in_backward(context_id: int, per_owner: dict[int, list[Any]]) -> None:
 hooks.on_backward_done(_IN_BACKWARD, _step_in_backward)
 
 
-def _new_local_optimizer(optim_cls: type[torch.optim.Optimizer], local_params_rref: list[RRef[Any]], *args: Any,
-                         **kwargs: Any) -> RRef[Any]:
+def _new_local_optimizer(
+    optim_cls: type[torch.optim.Optimizer], local_params_rref: list[RRef[Any]], *args: Any, **kwargs: Any
+) -> RRef[Any]:
     return RRef(_LocalOptimizer(optim_cls, local_params_rref, *args, **kwargs))
 
 
@@ -98,8 +101,9 @@ class DistributedOptimizer:
         args, kwargs: passed to ``optimizer_class`` on each owner.
     """
 
-    def __init__(self, optimizer_class: type[torch.optim.Optimizer], params_rref: list[RRef[Any]], *args: Any,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, optimizer_class: type[torch.optim.Optimizer], params_rref: list[RRef[Any]], *args: Any, **kwargs: Any
+    ) -> None:
         per_owner: dict[Any, list[RRef[Any]]] = defaultdict(list)
         for p in params_rref:
             per_owner[p.owner()].append(p)
@@ -117,8 +121,16 @@ class DistributedOptimizer:
         # is ``waited``: this thread waits for every answer right away and reads them
         # itself, so no background reader needs waking for them.
         futures = [
-            calls.invoke_async(opt._owner_id, _on_invoke, (opt._rref_id, "step", (context_id,), {}), None,
-                               UNSET_RPC_TIMEOUT, "async", keepalive=opt, waited=True)
+            calls.invoke_async(
+                opt._owner_id,
+                _on_invoke,
+                (opt._rref_id, "step", (context_id,), {}),
+                None,
+                UNSET_RPC_TIMEOUT,
+                "async",
+                keepalive=opt,
+                waited=True,
+            )
             for opt in self.remote_optimizers
         ]
         _wait_all(futures, "Error running optimizer.")

@@ -23,6 +23,7 @@ queue (longer waits are dropped). The only true delay here is the relay's (``sha
 
 Needs root, ``ip`` (iproute2) and ``iptables``; ``unavailable_reason()`` says why not.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -95,8 +96,24 @@ def unavailable_reason() -> str | None:
     try:
         _run("ip", "netns", "add", probe)
         try:
-            _run("ip", "netns", "exec", probe, "iptables", "-w", "-A", "INPUT", "-m", "statistic",
-                 "--mode", "random", "--probability", "0.5", "-j", "DROP")
+            _run(
+                "ip",
+                "netns",
+                "exec",
+                probe,
+                "iptables",
+                "-w",
+                "-A",
+                "INPUT",
+                "-m",
+                "statistic",
+                "--mode",
+                "random",
+                "--probability",
+                "0.5",
+                "-j",
+                "DROP",
+            )
         finally:
             _run("ip", "netns", "del", probe, check=False)
     except NetnsError as e:
@@ -175,8 +192,14 @@ class Network:
         return _run("ip", "netns", "exec", self.hosts[host], *cmd, check=check)
 
     # -- shaping ---------------------------------------------------------------------------------
-    def shape(self, loss: float = 0.0, delay: float = 0.0, jitter: float = 0.0, rate: str | None = None,
-              hosts: Sequence[int] | None = None) -> None:
+    def shape(
+        self,
+        loss: float = 0.0,
+        delay: float = 0.0,
+        jitter: float = 0.0,
+        rate: str | None = None,
+        hosts: Sequence[int] | None = None,
+    ) -> None:
         """Every packet a host receives is lost with probability ``loss``; every TCP connection a
         host opens to the subnet passes its relay, which holds each byte ``delay`` +- ``jitter``
         seconds in each direction; each host sends at most ``rate`` (tc syntax, e.g. "100mbit")."""
@@ -184,18 +207,67 @@ class Network:
             raise ValueError(f"need 0 <= loss < 1 and 0 <= jitter <= delay, got {loss}, {delay}, {jitter}")
         for h in range(len(self.hosts)) if hosts is None else hosts:
             if loss:
-                self._in(h, "iptables", "-w", "-A", "INPUT", "-i", "eth0", "-m", "statistic", "--mode", "random",
-                         "--probability", f"{loss:.6f}", "-j", "DROP")
+                self._in(
+                    h,
+                    "iptables",
+                    "-w",
+                    "-A",
+                    "INPUT",
+                    "-i",
+                    "eth0",
+                    "-m",
+                    "statistic",
+                    "--mode",
+                    "random",
+                    "--probability",
+                    f"{loss:.6f}",
+                    "-j",
+                    "DROP",
+                )
             if rate:
-                self._in(h, "tc", "qdisc", "replace", "dev", "eth0", "root", "tbf", "rate", rate,
-                         "burst", "256kb", "latency", "200ms")
+                self._in(
+                    h,
+                    "tc",
+                    "qdisc",
+                    "replace",
+                    "dev",
+                    "eth0",
+                    "root",
+                    "tbf",
+                    "rate",
+                    rate,
+                    "burst",
+                    "256kb",
+                    "latency",
+                    "200ms",
+                )
             if delay:
                 relay = Relay(self.path(h), RELAY_PORT, delay, jitter)
                 self._relays.append(relay)
                 # The host's own connections into the subnet go to its relay (which finds their
                 # real destination with SO_ORIGINAL_DST); the relay's own, marked, do not.
-                self._in(h, "iptables", "-w", "-t", "nat", "-A", "OUTPUT", "-p", "tcp", "-d", f"{SUBNET}.0/24",
-                         "-m", "mark", "!", "--mark", str(MARK), "-j", "REDIRECT", "--to-ports", str(RELAY_PORT))
+                self._in(
+                    h,
+                    "iptables",
+                    "-w",
+                    "-t",
+                    "nat",
+                    "-A",
+                    "OUTPUT",
+                    "-p",
+                    "tcp",
+                    "-d",
+                    f"{SUBNET}.0/24",
+                    "-m",
+                    "mark",
+                    "!",
+                    "--mark",
+                    str(MARK),
+                    "-j",
+                    "REDIRECT",
+                    "--to-ports",
+                    str(RELAY_PORT),
+                )
 
     # -- cuts ----------------------------------------------------------------------------------
     def cut(self, a: int, b: int | None = None) -> None:

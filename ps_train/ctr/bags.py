@@ -11,6 +11,7 @@ pools each bag into one vector (``sum`` or ``mean``, as ``nn.EmbeddingBag``).
 
 A one-hot batch is an ``ids [B, T]`` tensor; ``as_bags`` turns it into ``Bags``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -53,13 +54,17 @@ class Bags:
         if self.values.dtype != torch.int64 or self.values.dim() != 1:
             raise ValueError(f"Bags.values: need int64 [N], got {self.values.dtype} {tuple(self.values.shape)}")
         if self.offsets.dtype != torch.int64 or self.offsets.dim() != 1 or self.num_tables < 1:
-            raise ValueError(f"Bags.offsets: need int64 [T * B + 1] with T >= 1, got {self.offsets.dtype} "
-                             f"{tuple(self.offsets.shape)}, T={self.num_tables}")
+            raise ValueError(
+                f"Bags.offsets: need int64 [T * B + 1] with T >= 1, got {self.offsets.dtype} "
+                f"{tuple(self.offsets.shape)}, T={self.num_tables}"
+            )
         if (len(self.offsets) - 1) % self.num_tables:
             raise ValueError(f"Bags.offsets: {len(self.offsets) - 1} bags do not split into {self.num_tables} tables")
         if int(self.offsets[0]) != 0 or int(self.offsets[-1]) != len(self.values):
-            raise ValueError(f"Bags.offsets: must run from 0 to len(values)={len(self.values)}, got "
-                             f"{int(self.offsets[0])}..{int(self.offsets[-1])}")
+            raise ValueError(
+                f"Bags.offsets: must run from 0 to len(values)={len(self.values)}, got "
+                f"{int(self.offsets[0])}..{int(self.offsets[-1])}"
+            )
         w = self.weights
         if w is not None and (w.dtype != torch.float32 or w.shape != self.values.shape):
             raise ValueError(f"Bags.weights: need float32 [{len(self.values)}], got {w.dtype} {tuple(w.shape)}")
@@ -86,7 +91,7 @@ class Bags:
         B = self.batch_size
         lo, hi = int(self.offsets[t * B]), int(self.offsets[(t + 1) * B])
         w = self.weights[lo:hi] if self.weights is not None else None
-        return self.values[lo:hi], self.offsets[t * B:(t + 1) * B] - lo, w
+        return self.values[lo:hi], self.offsets[t * B : (t + 1) * B] - lo, w
 
 
 def as_bags(ids: Tensor | Bags) -> Bags:
@@ -111,11 +116,14 @@ class BagColumns:
 
     def __post_init__(self) -> None:
         if self.values.dtype not in (torch.int32, torch.int64) or self.values.dim() != 1:
-            raise ValueError(f"BagColumns.values: need int32/int64 [M], got {self.values.dtype} "
-                             f"{tuple(self.values.shape)}")
+            raise ValueError(
+                f"BagColumns.values: need int32/int64 [M], got {self.values.dtype} {tuple(self.values.shape)}"
+            )
         if self.offsets.dtype != torch.int64 or (len(self.offsets) - 1) % max(self.num_tables, 1):
-            raise ValueError(f"BagColumns.offsets: need int64 [N * {self.num_tables} + 1], got {self.offsets.dtype} "
-                             f"{tuple(self.offsets.shape)}")
+            raise ValueError(
+                f"BagColumns.offsets: need int64 [N * {self.num_tables} + 1], got {self.offsets.dtype} "
+                f"{tuple(self.offsets.shape)}"
+            )
         if self.weights is not None and self.weights.shape != self.values.shape:
             raise ValueError(f"BagColumns.weights: need [{len(self.values)}], got {tuple(self.weights.shape)}")
 

@@ -42,7 +42,8 @@ class CtrBatchIterator(PartitionCursor, Iterator[CtrBatch]):
             raise ValueError(
                 f"batch_size={batch_size}: each of the {world} trainers gets {self.n_items // world} of "
                 f"{self.n_items} training samples, not a full batch; lower the batch size or the number "
-                "of trainers, or use more data")
+                "of trainers, or use more data"
+            )
         self._start()
 
     def __next__(self) -> CtrBatch:
@@ -54,4 +55,4 @@ def iter_ctr_eval_batches(split: CtrDataset, batch_size: int) -> Iterator[CtrBat
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size}: must be >= 1")
     for start in range(0, len(split), batch_size):
-        yield split[start:start + batch_size]
+        yield split[start : start + batch_size]

@@ -14,6 +14,7 @@ same ``bottom`` and ``top`` modules (``ps_train.models.dense_stages``: the serve
 from the config like any model's stages) and splits each table by rows across servers
 (``ps_train.ctr.rows``), initialised to the same values.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -42,8 +43,16 @@ class DLRM(nn.Module):
     default initialisation); table ``t`` holds ``init_rows(seed, t, ...)`` and pools its bags
     by ``pooling[t]`` (``sum`` if not given)."""
 
-    def __init__(self, num_dense: int, table_sizes: Sequence[int], dim: int, bottom: Sequence[int],
-                 top: Sequence[int], seed: int, pooling: Sequence[str] | None = None) -> None:
+    def __init__(
+        self,
+        num_dense: int,
+        table_sizes: Sequence[int],
+        dim: int,
+        bottom: Sequence[int],
+        top: Sequence[int],
+        seed: int,
+        pooling: Sequence[str] | None = None,
+    ) -> None:
         super().__init__()
         torch.manual_seed(seed)
         self.bottom = mlp([num_dense, *bottom, dim], last_relu=True)

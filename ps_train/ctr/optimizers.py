@@ -15,6 +15,7 @@ A custom optimizer (row-wise Adagrad, FTRL) is a ``TableOptimizer`` subclass her
 in ``TABLE_OPTIMIZERS``, and its name in ``ps_train.config.TABLE_OPTIMIZER_NAMES`` (what
 ``model.table_optim`` accepts; the config imports nothing of ctr/).
 """
+
 from __future__ import annotations
 
 import functools
@@ -29,8 +30,14 @@ from torch import Tensor, nn
 from ps_train.config import ConfigError, OptimConfig
 from ps_train.modes.aggregation import scaled_lr
 
-__all__ = ["TableOptimizer", "TorchTableOptimizer", "TORCH_TABLE_OPTIMIZERS", "TABLE_OPTIMIZERS",
-           "table_optimizer_spec", "make_table_optimizer"]
+__all__ = [
+    "TableOptimizer",
+    "TorchTableOptimizer",
+    "TORCH_TABLE_OPTIMIZERS",
+    "TABLE_OPTIMIZERS",
+    "table_optimizer_spec",
+    "make_table_optimizer",
+]
 
 
 class TableOptimizer(ABC):
@@ -91,14 +98,16 @@ TORCH_TABLE_OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], tuple[str, 
 }
 
 
-def table_optimizer_spec(name: str, cfg: OptimConfig,
-                         lr: float | None = None) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+def table_optimizer_spec(
+    name: str, cfg: OptimConfig, lr: float | None = None
+) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
     """The class and kwargs of torch's table optimizer ``name`` (``model.table_optim``);
     ``lr`` (``model.table_lr``) or else ``cfg.lr``, and ``cfg.betas`` for sparse_adam. Also
     what the single-process references (tests, ``benchmarks/ctr_bench.py``) train with."""
     if name not in TORCH_TABLE_OPTIMIZERS:
-        raise ConfigError(f"model.table_optim: unknown optimizer {name!r}; choose one of "
-                          f"{list(TORCH_TABLE_OPTIMIZERS)}")
+        raise ConfigError(
+            f"model.table_optim: unknown optimizer {name!r}; choose one of {list(TORCH_TABLE_OPTIMIZERS)}"
+        )
     cls, takes = TORCH_TABLE_OPTIMIZERS[name]
     kwargs: dict[str, Any] = {"lr": cfg.lr if lr is None else lr}
     if "betas" in takes:
@@ -120,8 +129,9 @@ TABLE_OPTIMIZERS: dict[str, TableOptimizerFactory] = {
 }
 
 
-def make_table_optimizer(name: str, tables: Sequence[nn.Parameter], cfg: OptimConfig,
-                         lr: float | None = None) -> TableOptimizer:
+def make_table_optimizer(
+    name: str, tables: Sequence[nn.Parameter], cfg: OptimConfig, lr: float | None = None
+) -> TableOptimizer:
     """Table optimizer ``name`` (``model.table_optim``) over ``tables``, at ``lr``
     (``model.table_lr``) or else ``cfg.lr``."""
     if name not in TABLE_OPTIMIZERS:

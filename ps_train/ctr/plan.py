@@ -21,6 +21,7 @@ one ``embedding_bag`` over its whole storage), and ``combine`` turns the answers
 length once. Differentiable: the backward hands each server the gradient of each vector it
 returned, which the server expands to its rows.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -147,8 +148,9 @@ class BagPlanner:
                 plan.entry_weights.append(torch.cat([s_weight[s_mine], torch.ones(len(pbags))])[order])
         return plan
 
-    def _pooled_tables(self, bags: Bags, lengths: Tensor, bag_of: Tensor, table: Tensor, owner: Tensor,
-                       key: Tensor) -> Tensor:
+    def _pooled_tables(
+        self, bags: Bags, lengths: Tensor, bag_of: Tensor, table: Tensor, owner: Tensor, key: Tensor
+    ) -> Tensor:
         """Which tables the servers pool (bool [T]): those where sending one partial per bag
         and server costs fewer bytes than sending each distinct row once."""
         T, B, S = bags.num_tables, bags.batch_size, self.num_servers
@@ -161,8 +163,9 @@ class BagPlanner:
         pairs = torch.unique(bag_of * S + owner)  # (bag, server) pairs with at least one id
         ptable = torch.div(pairs, S * B, rounding_mode="floor")
         per_id = INDEX_BYTES + (FLOAT_BYTES if bags.weights is not None else 0)
-        pooled_bytes = torch.bincount(table, minlength=T) * per_id + \
-            torch.bincount(ptable, minlength=T) * (INDEX_BYTES + vec)
+        pooled_bytes = torch.bincount(table, minlength=T) * per_id + torch.bincount(ptable, minlength=T) * (
+            INDEX_BYTES + vec
+        )
         return pooled_bytes < rows_bytes
 
     def _divisor(self, lengths: Tensor) -> Tensor | None:
@@ -183,8 +186,9 @@ def combine(plan: BagPlan, answers: Sequence[Tensor]) -> Tensor:
     for s, out in enumerate(answers):
         if len(plan.entries[s]) == 0:
             continue
-        part = F.embedding_bag(plan.entries[s], out, plan.entry_offsets[s], mode="sum",
-                               per_sample_weights=plan.entry_weights[s])  # [T * B, d]
+        part = F.embedding_bag(
+            plan.entries[s], out, plan.entry_offsets[s], mode="sum", per_sample_weights=plan.entry_weights[s]
+        )  # [T * B, d]
         total = part if total is None else total + part
     if total is None:
         total = answers[0].new_zeros(T * B, answers[0].shape[1])

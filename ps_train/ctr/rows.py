@@ -16,6 +16,7 @@ number of servers.
 A server keeps its rows of every table in one storage (``FusedLayout``), so one gather
 serves a step's lookup of all tables; ``ps_train.ctr.plan`` is how a trainer asks for them.
 """
+
 from __future__ import annotations
 
 import math
@@ -44,8 +45,9 @@ class RowSharding:
         if self.kind not in SHARDING_KINDS:
             raise ValueError(f"table sharding must be one of {SHARDING_KINDS}, got {self.kind!r}")
         if self.num_rows < 1 or self.num_servers < 1:
-            raise ValueError(f"a table needs >= 1 row and >= 1 server, got {self.num_rows} rows, "
-                             f"{self.num_servers} servers")
+            raise ValueError(
+                f"a table needs >= 1 row and >= 1 server, got {self.num_rows} rows, {self.num_servers} servers"
+            )
 
     @property
     def _per(self) -> int:

@@ -9,6 +9,7 @@ gives it, one table after another in one float32 parameter ``[sum_t rows_of(s), 
 sparse gradient of the storage with every touched row once (``rows_gradient``), so the
 update is one optimizer step over those rows, whatever the number of tables.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -52,8 +53,9 @@ def rows_gradient(rows: Tensor, offsets: Tensor, weights: Tensor | None, grad: T
         torch.cumsum(counts[:-1], 0, out=starts[1:])
     w = weights[order] if weights is not None else None
     values = F.embedding_bag(bag_of[order], grad, starts, mode="sum", per_sample_weights=w)  # [U, d]
-    return torch.sparse_coo_tensor(unique.unsqueeze(0), values, (num_rows, grad.shape[1]), is_coalesced=True,
-                                   check_invariants=False)
+    return torch.sparse_coo_tensor(
+        unique.unsqueeze(0), values, (num_rows, grad.shape[1]), is_coalesced=True, check_invariants=False
+    )
 
 
 class _PooledLookup(torch.autograd.Function):
@@ -74,8 +76,9 @@ class _PooledLookup(torch.autograd.Function):
 class TableShards(nn.Module):
     """Server ``server``'s rows of every table, in one parameter ``weight`` [rows, dim]."""
 
-    def __init__(self, table_sizes: Sequence[int], dim: int, kind: str, server: int, num_servers: int,
-                 seed: int) -> None:
+    def __init__(
+        self, table_sizes: Sequence[int], dim: int, kind: str, server: int, num_servers: int, seed: int
+    ) -> None:
         super().__init__()
         self.dim = dim
         self.server = server
@@ -87,7 +90,7 @@ class TableShards(nn.Module):
             first = self.row_offsets[t]
             for start in range(0, sh.rows_of(server), INIT_BLOCK):
                 stop = min(sh.rows_of(server), start + INIT_BLOCK)
-                weight[first + start:first + stop] = init_rows(seed, t, n, dim, sh.global_ids(server, start, stop))
+                weight[first + start : first + stop] = init_rows(seed, t, n, dim, sh.global_ids(server, start, stop))
         self.weight = nn.Parameter(weight)
 
     @property
@@ -96,16 +99,20 @@ class TableShards(nn.Module):
 
     def table(self, t: int) -> Tensor:
         """Table ``t``'s rows here, [rows_of(server), dim]: a view of the storage."""
-        return self.weight.detach()[self.row_offsets[t]:self.row_offsets[t + 1]]
+        return self.weight.detach()[self.row_offsets[t] : self.row_offsets[t + 1]]
 
     def _checked(self, rows: Tensor, offsets: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor | None]:
         n = len(rows)
         if rows.dtype != torch.int64 or rows.dim() != 1 or offsets.dtype != torch.int64 or offsets.dim() != 1:
-            raise ValueError(f"a lookup needs int64 rows [N] and offsets [P], got {rows.dtype} "
-                             f"{tuple(rows.shape)} and {offsets.dtype} {tuple(offsets.shape)}")
+            raise ValueError(
+                f"a lookup needs int64 rows [N] and offsets [P], got {rows.dtype} "
+                f"{tuple(rows.shape)} and {offsets.dtype} {tuple(offsets.shape)}"
+            )
         if n and (int(rows.min()) < 0 or int(rows.max()) >= self.weight.shape[0]):
-            raise IndexError(f"ps{self.server}: rows outside this server's {self.weight.shape[0]} rows of "
-                             f"{self.num_tables} tables (range {int(rows.min())}..{int(rows.max())})")
+            raise IndexError(
+                f"ps{self.server}: rows outside this server's {self.weight.shape[0]} rows of "
+                f"{self.num_tables} tables (range {int(rows.min())}..{int(rows.max())})"
+            )
         if len(offsets) and (int(offsets[0]) < 0 or int(offsets[-1]) > n or bool((offsets[1:] < offsets[:-1]).any())):
             raise ValueError(f"ps{self.server}: pooled bag offsets must be nondecreasing within 0..{n}")
         singles = int(offsets[0]) if len(offsets) else n

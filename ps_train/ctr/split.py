@@ -70,14 +70,17 @@ class CtrSplit:
         if self.labels.dim() != 1 or self.labels.dtype != torch.float32:
             raise ValueError(f"CtrSplit.labels: need float32 [N], got {self.labels.dtype} {tuple(self.labels.shape)}")
         if self.dense.dim() != 2 or self.dense.dtype != torch.float32 or self.dense.shape[0] != n:
-            raise ValueError(f"CtrSplit.dense: need float32 [N={n}, num_dense], got "
-                             f"{self.dense.dtype} {tuple(self.dense.shape)}")
+            raise ValueError(
+                f"CtrSplit.dense: need float32 [N={n}, num_dense], got {self.dense.dtype} {tuple(self.dense.shape)}"
+            )
         if self.ids.dim() != 2 or self.ids.dtype != torch.int64 or self.ids.shape[0] != n:
-            raise ValueError(f"CtrSplit.ids: need int64 [N={n}, num_tables], got "
-                             f"{self.ids.dtype} {tuple(self.ids.shape)}")
+            raise ValueError(
+                f"CtrSplit.ids: need int64 [N={n}, num_tables], got {self.ids.dtype} {tuple(self.ids.shape)}"
+            )
         if self.ids.shape[1] != len(self.table_sizes):
-            raise ValueError(f"CtrSplit: ids have {self.ids.shape[1]} columns but there are "
-                             f"{len(self.table_sizes)} table sizes")
+            raise ValueError(
+                f"CtrSplit: ids have {self.ids.shape[1]} columns but there are {len(self.table_sizes)} table sizes"
+            )
         if any(int(s) < 1 for s in self.table_sizes):
             raise ValueError(f"CtrSplit.table_sizes: every table needs at least one row, got {self.table_sizes}")
         object.__setattr__(self, "table_sizes", [int(s) for s in self.table_sizes])
@@ -86,8 +89,10 @@ class CtrSplit:
             bad = ((lo < 0) | (hi >= torch.tensor(self.table_sizes))).nonzero().flatten().tolist()
             if bad:
                 t = bad[0]
-                raise ValueError(f"CtrSplit.ids: table {t} has ids in [{int(lo[t])}, {int(hi[t])}] outside "
-                                 f"[0, {self.table_sizes[t]})")
+                raise ValueError(
+                    f"CtrSplit.ids: table {t} has ids in [{int(lo[t])}, {int(hi[t])}] outside "
+                    f"[0, {self.table_sizes[t]})"
+                )
         if self.bags is not None:
             self._check_bags(self.bags, n)
         if n > 0 and not bool(((self.labels == 0) | (self.labels == 1)).all()):
@@ -95,15 +100,17 @@ class CtrSplit:
 
     def _check_bags(self, bags: BagColumns, n: int) -> None:
         if len(bags) != n or bags.num_tables != len(self.table_sizes):
-            raise ValueError(f"CtrSplit.bags: {len(bags)} samples x {bags.num_tables} tables, expected {n} x "
-                             f"{len(self.table_sizes)}")
+            raise ValueError(
+                f"CtrSplit.bags: {len(bags)} samples x {bags.num_tables} tables, expected {n} x {len(self.table_sizes)}"
+            )
         if len(bags.values) and int(bags.values.min()) < 0:
             raise ValueError("CtrSplit.bags: negative ids")
         top = bags.max_per_table()
         bad = (top >= torch.tensor(self.table_sizes)).nonzero().flatten().tolist()
         if bad:
-            raise ValueError(f"CtrSplit.bags: table {bad[0]} has id {int(top[bad[0]])} outside "
-                             f"[0, {self.table_sizes[bad[0]]})")
+            raise ValueError(
+                f"CtrSplit.bags: table {bad[0]} has id {int(top[bad[0]])} outside [0, {self.table_sizes[bad[0]]})"
+            )
 
     def __len__(self) -> int:
         return self.labels.shape[0]
@@ -158,6 +165,8 @@ def held_out_count(n: int, test_fraction: float) -> int:
         raise ValueError(f"test_fraction={test_fraction}: must be strictly between 0 and 1")
     n_test = int(round(n * test_fraction))
     if n_test == 0 or n_test == n:
-        raise ValueError(f"test_fraction={test_fraction} of {n} samples leaves an empty "
-                         f"{'test' if n_test == 0 else 'train'} split; use more data or another fraction")
+        raise ValueError(
+            f"test_fraction={test_fraction} of {n} samples leaves an empty "
+            f"{'test' if n_test == 0 else 'train'} split; use more data or another fraction"
+        )
     return n_test

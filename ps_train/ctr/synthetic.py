@@ -131,9 +131,18 @@ class SyntheticCtr:
     multi-hot bags (None: one id per table).
     """
 
-    def __init__(self, num_dense: int, table_sizes: Sequence[int], zipf_alpha: float, seed: int, *,
-                 positive_rate: float = 0.25, signal_std: float = 1.4, interaction: float = 0.0,
-                 bag_shape: BagShape | None = None) -> None:
+    def __init__(
+        self,
+        num_dense: int,
+        table_sizes: Sequence[int],
+        zipf_alpha: float,
+        seed: int,
+        *,
+        positive_rate: float = 0.25,
+        signal_std: float = 1.4,
+        interaction: float = 0.0,
+        bag_shape: BagShape | None = None,
+    ) -> None:
         self.table_sizes = [int(s) for s in table_sizes]
         if bag_shape is not None and len(bag_shape.sizes) != len(self.table_sizes):
             raise ValueError(f"bag sizes {list(bag_shape.sizes)}: need one per table ({len(self.table_sizes)})")
@@ -166,8 +175,7 @@ class SyntheticCtr:
         norm = float(np.linalg.norm(w))
         # Dense features are i.i.d. N(0, 1), so Var(dense @ w) = |w|^2.
         self.dense_weight = w * (math.sqrt(dense_share) * signal_std * additive / norm) if norm > 0 else w
-        self._stride = [_coprime_stride(n, _GOLDEN if rng.random() < 0.5 else 1.0 - _GOLDEN)
-                        for n in self.table_sizes]
+        self._stride = [_coprime_stride(n, _GOLDEN if rng.random() < 0.5 else 1.0 - _GOLDEN) for n in self.table_sizes]
         self._offset = [int(rng.integers(n)) for n in self.table_sizes]
         self._keys = [int(k) for k in rng.integers(0, 2**63, size=n_tables, dtype=np.int64)]
 
@@ -184,8 +192,7 @@ class SyntheticCtr:
         self._pair_keys = np.zeros((n_tables, 0), dtype=np.int64)
         self._pair_mean, self._pair_coef = 0.0, 0.0
         if self.interaction > 0:
-            self._pair_keys = _rng(seed, _S_PAIRS).integers(0, 2**63, size=(n_tables, INTERACTION_DIM),
-                                                            dtype=np.int64)
+            self._pair_keys = _rng(seed, _S_PAIRS).integers(0, 2**63, size=(n_tables, INTERACTION_DIM), dtype=np.int64)
             pairs = self._raw_pairs(ids_c, bags_c)
             self._pair_mean, pair_std = float(pairs.mean()), float(pairs.std())
             if pair_std > 1e-9:
@@ -237,8 +244,12 @@ class SyntheticCtr:
         # |sum_t v_t|^2 = sum_t |v_t|^2 + 2 sum_{t<u} <v_t, v_u>
         return 0.5 * ((total * total).sum(axis=1) - (v * v).sum(axis=(1, 2)))
 
-    def logits(self, dense: np.ndarray | torch.Tensor, ids: np.ndarray | torch.Tensor,
-               bags: NumpyBags | BagColumns | None = None) -> np.ndarray:
+    def logits(
+        self,
+        dense: np.ndarray | torch.Tensor,
+        ids: np.ndarray | torch.Tensor,
+        bags: NumpyBags | BagColumns | None = None,
+    ) -> np.ndarray:
         """The hidden model's logits, float64 [N], for ``dense [N, num_dense]``, ``ids [N, num_tables]``
         and, for multi-hot data, the samples' ``bags``."""
         dense = np.asarray(dense, dtype=np.float64)
@@ -254,8 +265,12 @@ class SyntheticCtr:
             z = z + (self._raw_pairs(ids, bags) - self._pair_mean) * self._pair_coef
         return z
 
-    def probabilities(self, dense: np.ndarray | torch.Tensor, ids: np.ndarray | torch.Tensor,
-                      bags: NumpyBags | BagColumns | None = None) -> np.ndarray:
+    def probabilities(
+        self,
+        dense: np.ndarray | torch.Tensor,
+        ids: np.ndarray | torch.Tensor,
+        bags: NumpyBags | BagColumns | None = None,
+    ) -> np.ndarray:
         """True click probabilities, float64 [N]: ``sigmoid(logits(dense, ids, bags))``."""
         return 1.0 / (1.0 + np.exp(-self.logits(dense, ids, bags)))
 
@@ -274,8 +289,9 @@ class SyntheticCtr:
         dense, ids, labels, probs, _ = self.generate_with_bags(num_samples)
         return dense, ids, labels, probs
 
-    def generate_with_bags(self, num_samples: int
-                           ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, BagColumns | None]:
+    def generate_with_bags(
+        self, num_samples: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, BagColumns | None]:
         """``generate``'s arrays and, for multi-hot data, every sample's bags (else None)."""
         if num_samples < 0:
             raise ValueError(f"num_samples={num_samples}: must be >= 0")
@@ -304,8 +320,9 @@ def _concat_columns(parts: list[BagColumns], num_tables: int) -> BagColumns:
     offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
     torch.cumsum(lengths, 0, out=offsets[1:])
     weights = [p.weights for p in parts if p.weights is not None]
-    return BagColumns(torch.cat([p.values for p in parts]), offsets, torch.cat(weights) if weights else None,
-                      num_tables)
+    return BagColumns(
+        torch.cat([p.values for p in parts]), offsets, torch.cat(weights) if weights else None, num_tables
+    )
 
 
 def _solve_bias(logits: np.ndarray, rate: float) -> float:
@@ -320,10 +337,19 @@ def _solve_bias(logits: np.ndarray, rate: float) -> float:
     return (lo + hi) / 2.0
 
 
-def synthetic_ctr(num_samples: int, num_dense: int, table_sizes: Sequence[int], zipf_alpha: float,
-                  seed: int, test_fraction: float, *, positive_rate: float = 0.25,
-                  signal_std: float = 1.4, interaction: float = 0.0,
-                  bag_shape: BagShape | None = None) -> tuple[CtrSplit, CtrSplit, float]:
+def synthetic_ctr(
+    num_samples: int,
+    num_dense: int,
+    table_sizes: Sequence[int],
+    zipf_alpha: float,
+    seed: int,
+    test_fraction: float,
+    *,
+    positive_rate: float = 0.25,
+    signal_std: float = 1.4,
+    interaction: float = 0.0,
+    bag_shape: BagShape | None = None,
+) -> tuple[CtrSplit, CtrSplit, float]:
     """``(train, test, best_auc)``: ``num_samples`` synthetic samples, the last
     ``round(num_samples * test_fraction)`` of them as test.
 
@@ -336,14 +362,31 @@ def synthetic_ctr(num_samples: int, num_dense: int, table_sizes: Sequence[int], 
         raise ValueError(f"test_fraction={test_fraction}: must be strictly between 0 and 1")
     n_test = int(round(num_samples * test_fraction))
     if n_test < 2 or n_test == num_samples:
-        raise ValueError(f"num_samples={num_samples} with test_fraction={test_fraction} leaves "
-                         f"{n_test} test and {num_samples - n_test} train samples; need at least 2 "
-                         "test samples and 1 train sample")
-    gen = SyntheticCtr(num_dense, table_sizes, zipf_alpha, seed, positive_rate=positive_rate,
-                       signal_std=signal_std, interaction=interaction, bag_shape=bag_shape)
+        raise ValueError(
+            f"num_samples={num_samples} with test_fraction={test_fraction} leaves "
+            f"{n_test} test and {num_samples - n_test} train samples; need at least 2 "
+            "test samples and 1 train sample"
+        )
+    gen = SyntheticCtr(
+        num_dense,
+        table_sizes,
+        zipf_alpha,
+        seed,
+        positive_rate=positive_rate,
+        signal_std=signal_std,
+        interaction=interaction,
+        bag_shape=bag_shape,
+    )
     dense, ids, labels, probs, bags = gen.generate_with_bags(num_samples)
     n_train = num_samples - n_test
-    split = [CtrSplit(torch.from_numpy(dense[s]), torch.from_numpy(ids[s]), torch.from_numpy(labels[s]),
-                      list(gen.table_sizes), bags.subset(s) if bags is not None else None)
-             for s in (slice(0, n_train), slice(n_train, num_samples))]
+    split = [
+        CtrSplit(
+            torch.from_numpy(dense[s]),
+            torch.from_numpy(ids[s]),
+            torch.from_numpy(labels[s]),
+            list(gen.table_sizes),
+            bags.subset(s) if bags is not None else None,
+        )
+        for s in (slice(0, n_train), slice(n_train, num_samples))
+    ]
     return split[0], split[1], auc(probs[n_train:], labels[n_train:])

@@ -8,6 +8,7 @@ bags on only adds ids; the rest come from a stream of their own. The hidden mode
 bag through the weighted mean of its ids' effects (``NumpyBags.pool``), so a bag's signal
 does not grow with its length.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -41,8 +42,9 @@ class BagShape:
     def of(sizes: Sequence[int], num_tables: int, dist: str = "fixed", weighted: bool = False) -> BagShape:
         """``sizes``: [] (one id per table), one size for every table, or one per table."""
         if len(sizes) not in (0, 1, num_tables):
-            raise ValueError(f"bag sizes {list(sizes)}: give none (one-hot), one for every table, or one per "
-                             f"table ({num_tables})")
+            raise ValueError(
+                f"bag sizes {list(sizes)}: give none (one-hot), one for every table, or one per table ({num_tables})"
+            )
         full = [1] * num_tables if not sizes else [int(sizes[0])] * num_tables if len(sizes) == 1 else list(sizes)
         return BagShape(tuple(full), dist, weighted)
 
@@ -76,8 +78,11 @@ class NumpyBags:
 
     def take(self, m: int) -> NumpyBags:
         """The first ``m`` samples."""
-        return NumpyBags([a[:m] for a in self.ids], [a[:m] for a in self.lengths],
-                         [a[:m] for a in self.weights] if self.weights is not None else None)
+        return NumpyBags(
+            [a[:m] for a in self.ids],
+            [a[:m] for a in self.lengths],
+            [a[:m] for a in self.weights] if self.weights is not None else None,
+        )
 
     def to_columns(self) -> BagColumns:
         """Sample-major ``BagColumns`` (int32 ids)."""
@@ -87,10 +92,10 @@ class NumpyBags:
         valid = np.zeros((n, T, width), dtype=bool)
         weights = np.zeros((n, T, width), dtype=np.float32) if self.weights is not None else None
         for t, a in enumerate(self.ids):
-            padded[:, t, :a.shape[1]] = a
-            valid[:, t, :a.shape[1]] = self._valid(t)
+            padded[:, t, : a.shape[1]] = a
+            valid[:, t, : a.shape[1]] = self._valid(t)
             if weights is not None and self.weights is not None:
-                weights[:, t, :a.shape[1]] = self.weights[t]
+                weights[:, t, : a.shape[1]] = self.weights[t]
         lengths = np.stack(self.lengths, axis=1).reshape(-1)  # [n * T], sample-major
         offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
@@ -118,8 +123,9 @@ class NumpyBags:
         return NumpyBags(ids, lengths, ws if weights is not None else None)
 
 
-def draw_bags(first: np.ndarray, shape: BagShape, rng: np.random.Generator,
-              draw_ids: Callable[[int, np.ndarray], np.ndarray]) -> NumpyBags:
+def draw_bags(
+    first: np.ndarray, shape: BagShape, rng: np.random.Generator, draw_ids: Callable[[int, np.ndarray], np.ndarray]
+) -> NumpyBags:
     """Bags for ``n`` samples whose first ids are ``first`` (int64 [n, T]); the rest from
     ``rng``: ``draw_ids(t, u)`` maps uniforms ``u`` to table ``t``'s ids (its power law)."""
     n, T = first.shape

@@ -11,6 +11,7 @@ table optimizer (``model.table_optim``, ``ps_train.ctr.optimizers``). The gradie
 is one coalesce and one optimizer step over the rows trainers used, whatever the number of
 tables, and the optimizer updates only those rows.
 """
+
 from __future__ import annotations
 
 import copy as copy_module
@@ -36,11 +37,18 @@ class TableServer:
 
     def __init__(self, model: DLRMConfig, data: CtrDataConfig, cfg: Config, rank: int) -> None:
         t0 = time.perf_counter()
-        self.shards = TableShards(data.sizes(), model.embedding_dim, model.table_sharding, rank,
-                                  cfg.cluster.num_servers, cfg.seed)
-        log.info("ps%d: built its rows of %d tables (%s sharding): %d rows, %.3f GB, in %.1f s", rank,
-                 self.shards.num_tables, model.table_sharding, self.shards.weight.shape[0],
-                 self.nbytes() / 1e9, time.perf_counter() - t0)
+        self.shards = TableShards(
+            data.sizes(), model.embedding_dim, model.table_sharding, rank, cfg.cluster.num_servers, cfg.seed
+        )
+        log.info(
+            "ps%d: built its rows of %d tables (%s sharding): %d rows, %.3f GB, in %.1f s",
+            rank,
+            self.shards.num_tables,
+            model.table_sharding,
+            self.shards.weight.shape[0],
+            self.nbytes() / 1e9,
+            time.perf_counter() - t0,
+        )
         self.params: list[nn.Parameter] = [self.shards.weight]
         self.optimizer = make_table_optimizer(model.table_optim, self.params, cfg.optim, model.table_lr)
         self.rows_updated = 0  # rows the optimizer changed so far, summed over tables and steps
@@ -74,8 +82,11 @@ class TableServer:
         return self.shards.nbytes()
 
     def stats(self) -> dict[str, int]:
-        return {"table_bytes": self.nbytes(), "table_rows_updated": self.rows_updated,
-                "table_rows_read": self.rows_read}
+        return {
+            "table_bytes": self.nbytes(),
+            "table_rows_updated": self.rows_updated,
+            "table_rows_read": self.rows_read,
+        }
 
     def state_dict(self, copy: bool = True) -> dict[str, Any]:
         """The rows (``weights``: each table's, views of the one storage) and optimizer state;
@@ -92,9 +103,11 @@ class TableServer:
         shapes = [tuple(w.shape) for w in weights]
         mine = [tuple(self.shards.table(t).shape) for t in range(self.shards.num_tables)]
         if shapes != mine:
-            raise ValueError(f"the checkpoint's table shards {shapes} do not match this "
-                             f"server's {mine}; resume with the same tables, "
-                             "model.embedding_dim, model.table_sharding and cluster.num_servers")
+            raise ValueError(
+                f"the checkpoint's table shards {shapes} do not match this "
+                f"server's {mine}; resume with the same tables, "
+                "model.embedding_dim, model.table_sharding and cluster.num_servers"
+            )
         with torch.no_grad():
             for t, w in enumerate(weights):
                 self.shards.table(t).copy_(w)

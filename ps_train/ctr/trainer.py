@@ -15,6 +15,7 @@ The backward sends each server the gradient of each vector it returned, which th
 expands to its rows; the update requests, sync/async/ssp, checkpoints and the loop are the
 base ``Trainer``'s. No trainer ever holds a table: only the vectors of its batch.
 """
+
 from __future__ import annotations
 
 import time
@@ -41,17 +42,21 @@ class CtrTrainer(Trainer):
     def load(self) -> None:
         cfg = self.cfg
         if not isinstance(cfg.data, CtrDataConfig) or not isinstance(cfg.model, DLRMConfig):
-            raise ValueError(f"CtrTrainer needs model=dlrm with CTR data, got model={cfg.model.name} "
-                             f"data={cfg.data.name}")
+            raise ValueError(
+                f"CtrTrainer needs model=dlrm with CTR data, got model={cfg.model.name} data={cfg.data.name}"
+            )
         data = load_ctr_data(cfg.data)
         self.train_set, self.test_set, self.best_auc = data.train, data.test, data.best_auc
         if data.skipped and self.index == 0:  # every trainer reads the same files: one says it on the console
             print(f"[{self.name}] {data.skipped}", flush=True)
         if self.train_set.table_sizes != cfg.data.sizes():
-            raise ValueError(f"data={cfg.data.name}: the data's tables {self.train_set.table_sizes} differ from the "
-                             f"config's {cfg.data.sizes()}")
-        self.batches = CtrBatchIterator(self.train_set, self.data_slot, cfg.cluster.num_trainers, cfg.train.batch_size,
-                                        cfg.seed)
+            raise ValueError(
+                f"data={cfg.data.name}: the data's tables {self.train_set.table_sizes} differ from the "
+                f"config's {cfg.data.sizes()}"
+            )
+        self.batches = CtrBatchIterator(
+            self.train_set, self.data_slot, cfg.cluster.num_trainers, cfg.train.batch_size, cfg.seed
+        )
         sizes = cfg.data.sizes()
         layout = FusedLayout(cfg.model.table_sharding, tuple(sizes), cfg.cluster.num_servers)
         self.planner = BagPlanner(layout, cfg.model.embedding_dim, cfg.model.pooling_list(len(sizes)))
@@ -64,8 +69,10 @@ class CtrTrainer(Trainer):
         plan = self.planner.plan(as_bags(ids))
         # Every server's lookup leaves at once; the bottom MLP's forward runs meanwhile.
         t0 = time.perf_counter()
-        futs = [self.rpc.rpc_async(f"ps{s}", _lookup, args=(*plan.requests[s], self.index, self.step))
-                for s in range(len(self.servers))]
+        futs = [
+            self.rpc.rpc_async(f"ps{s}", _lookup, args=(*plan.requests[s], self.index, self.step))
+            for s in range(len(self.servers))
+        ]
         (bottom, bottom_server), (top, top_server) = self.shard_servers
         x = self._call(bottom_server, "forward", bottom, dense, self.index, self.step)  # [B, d]
         rows = [f.wait() for f in futs]
@@ -129,7 +136,8 @@ class CtrTrainer(Trainer):
         if all("bytes_sent" in s for s in server_stats):
             out["server_bytes_per_step"] = {
                 f"ps{r}": {"sent": s["bytes_sent"] / steps, "received": s["bytes_received"] / steps}
-                for r, s in enumerate(server_stats)}
+                for r, s in enumerate(server_stats)
+            }
         return out
 
 

@@ -14,6 +14,7 @@ variables; these are the ones ps_train reads (docs/deploy.md shows each launcher
 ``LOCAL_RANK``/``GROUP_RANK`` (``SLURM_LOCALID``/``SLURM_NODEID``) are only reported: a
 rank's role follows from its global rank alone (ranks 0..S-1 are the servers).
 """
+
 from __future__ import annotations
 
 import re
@@ -55,20 +56,26 @@ def env_rank(cluster: ClusterConfig, environ: Mapping[str, str]) -> EnvRank:
         rank, world = _int(environ, "SLURM_PROCID"), _int(environ, "SLURM_NTASKS")
         local, node = _opt_int(environ, "SLURM_LOCALID"), _opt_int(environ, "SLURM_NODEID")
     else:
-        raise ConfigError("cluster.launcher=env needs RANK and WORLD_SIZE (torchrun, a PyTorchJob) or SLURM_PROCID "
-                         "and SLURM_NTASKS (srun) in the environment; to run everything here use cluster=local")
+        raise ConfigError(
+            "cluster.launcher=env needs RANK and WORLD_SIZE (torchrun, a PyTorchJob) or SLURM_PROCID "
+            "and SLURM_NTASKS (srun) in the environment; to run everything here use cluster=local"
+        )
     if world < 1 or not 0 <= rank < world:
-        raise ConfigError(f"the launcher gave rank {rank} of a world of {world} ({launcher}); a rank must be in "
-                         f"0..world_size-1: check how the job starts its processes")
+        raise ConfigError(
+            f"the launcher gave rank {rank} of a world of {world} ({launcher}); a rank must be in "
+            f"0..world_size-1: check how the job starts its processes"
+        )
     addr = cluster.master_addr
     if not addr:
         nodes = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
         if launcher == "srun" and nodes:
             addr = first_slurm_host(nodes)
         elif launcher == "srun":
-            raise ConfigError("cluster.launcher=env under srun: no MASTER_ADDR and no SLURM_JOB_NODELIST to find "
-                             "rank 0's host; export MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" "
-                             "| head -n1) before srun, or pass cluster.master_addr=<rank 0's host>")
+            raise ConfigError(
+                "cluster.launcher=env under srun: no MASTER_ADDR and no SLURM_JOB_NODELIST to find "
+                'rank 0\'s host; export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" '
+                "| head -n1) before srun, or pass cluster.master_addr=<rank 0's host>"
+            )
         else:
             addr = _LOCAL_HOST
     return EnvRank(rank, world, addr, cluster.master_port, launcher, local, node)
@@ -90,8 +97,10 @@ def first_slurm_host(nodelist: str) -> str:
     first = nodelist[:end].strip()
     host = re.sub(r"\[([^\],-]+)[^\]]*\]", lambda m: m.group(1), first)
     if not first or "[" in host or "]" in host:
-        raise ConfigError(f"cannot read the first host of the SLURM node list {nodelist!r}; export MASTER_ADDR="
-                         "<rank 0's host> (e.g. $(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n1))")
+        raise ConfigError(
+            f"cannot read the first host of the SLURM node list {nodelist!r}; export MASTER_ADDR="
+            '<rank 0\'s host> (e.g. $(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1))'
+        )
     return host
 
 
@@ -99,8 +108,10 @@ def _int(environ: Mapping[str, str], name: str) -> int:
     try:
         return int(environ[name])
     except ValueError:
-        raise ConfigError(f"the launcher's {name}={environ[name]!r} is not a whole number; "
-                         "cluster.launcher=env reads it as this process's place in the job") from None
+        raise ConfigError(
+            f"the launcher's {name}={environ[name]!r} is not a whole number; "
+            "cluster.launcher=env reads it as this process's place in the job"
+        ) from None
 
 
 def _opt_int(environ: Mapping[str, str], *names: str) -> int | None:

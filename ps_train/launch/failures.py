@@ -5,6 +5,7 @@ Ranks 0..S-1 are the parameter servers ``ps0..``, ranks S..S+T-1 the trainers ``
 (``ps_train.launch.local``), a ``cluster=env`` rank when it fails (``ps_train.launch.restarts``);
 ``python -m ps_train`` exits with code 1 on it.
 """
+
 from __future__ import annotations
 
 __all__ = ["RoleFailed", "role_name"]
@@ -19,8 +20,7 @@ class RoleFailed(RuntimeError):
     latest complete checkpoint of the run folder, if any.
     """
 
-    def __init__(self, message: str, role: str | None = None, reason: str = "",
-                 checkpoint: str | None = None) -> None:
+    def __init__(self, message: str, role: str | None = None, reason: str = "", checkpoint: str | None = None) -> None:
         super().__init__(message)
         self.role = role
         self.reason = reason

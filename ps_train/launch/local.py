@@ -18,6 +18,7 @@ and exits by itself if the launcher dies.
 Roles inherit the launcher's environment, so a test can set ``PS_TRAIN_FAULT`` here to
 make one of them die at a chosen step (see ``ps_train.faults``).
 """
+
 from __future__ import annotations
 
 import logging
@@ -43,11 +44,23 @@ from ps_train.launch.rank import run_rank
 log = logging.getLogger("ps_train")
 
 # What the forkserver imports once, so forked roles start without importing anything heavy.
-_PRELOAD = ["ps_train.launch.local", "ps_train.launch.rank", "ps_train.roles.server", "ps_train.roles.trainer",
-            "ps_train.checkpoint.protocol", "ps_train.data", "ps_train.metrics", "rpc_core", "rpc_core.autograd",
-            "sklearn.datasets", "ps_train.ctr.trainer", "ps_train.ctr.table_server",
-            "sklearn.model_selection", "torch.utils.tensorboard",
-            "torch._dynamo"]  # the first torch.optim optimizer imports it: ~2.5 s of CPU per server
+_PRELOAD = [
+    "ps_train.launch.local",
+    "ps_train.launch.rank",
+    "ps_train.roles.server",
+    "ps_train.roles.trainer",
+    "ps_train.checkpoint.protocol",
+    "ps_train.data",
+    "ps_train.metrics",
+    "rpc_core",
+    "rpc_core.autograd",
+    "sklearn.datasets",
+    "ps_train.ctr.trainer",
+    "ps_train.ctr.table_server",
+    "sklearn.model_selection",
+    "torch.utils.tensorboard",
+    "torch._dynamo",
+]  # the first torch.optim optimizer imports it: ~2.5 s of CPU per server
 
 
 def _exit_with_parent() -> None:
@@ -63,9 +76,20 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, name="exit-with-launcher", daemon=True).start()
 
 
-def _child(cfg_dict: dict[str, Any], rank: int, port: int, secret: str, run_dir: str,
-           resume: str | None, results: Any, env: dict[str, str], cwd: str, heartbeats: Any,
-           beat_every: float, attempt: int) -> None:
+def _child(
+    cfg_dict: dict[str, Any],
+    rank: int,
+    port: int,
+    secret: str,
+    run_dir: str,
+    resume: str | None,
+    results: Any,
+    env: dict[str, str],
+    cwd: str,
+    heartbeats: Any,
+    beat_every: float,
+    attempt: int,
+) -> None:
     name = role_name(rank, cfg_dict["cluster"]["num_servers"])
     start_heartbeat(heartbeats, rank, beat_every)  # first: the launcher counts silence from its start
     try:
@@ -103,8 +127,9 @@ def _context() -> Any:
     return mp.get_context("spawn")
 
 
-def launch_local(cfg: Config, run_dir: str, resume: str | None = None,
-                 timeout: float | None = None, attempt: int = 0) -> dict[str, Any]:
+def launch_local(
+    cfg: Config, run_dir: str, resume: str | None = None, timeout: float | None = None, attempt: int = 0
+) -> dict[str, Any]:
     """Start every role as a process on this machine; return trainer0's metrics.
 
     Raises ``RoleFailed`` naming the first role that failed or went silent for
@@ -116,8 +141,9 @@ def launch_local(cfg: Config, run_dir: str, resume: str | None = None,
     # master_port=0: a free port for this run, so concurrent runs and -m sweep jobs never clash.
     port = cfg.cluster.master_port or free_port(cfg.cluster.master_addr)
     secret = secrets.token_hex(16)  # per run: only this run's processes can talk to each other
-    log.info("starting %d servers + %d trainers on %s:%d; logs in %s/logs", S, T, cfg.cluster.master_addr, port,
-             run_dir)
+    log.info(
+        "starting %d servers + %d trainers on %s:%d; logs in %s/logs", S, T, cfg.cluster.master_addr, port, run_dir
+    )
     ctx = _context()
     results = ctx.Queue()
     cfg_dict = config_to_dict(cfg)
@@ -127,18 +153,39 @@ def launch_local(cfg: Config, run_dir: str, resume: str | None = None,
     deadline = None if timeout is None else time.monotonic() + timeout
 
     def start(rank: int, resume: str | None = resume) -> Any:
-        p = ctx.Process(target=_child, args=(cfg_dict, rank, port, secret, run_dir, resume, results, env, cwd,
-                                             board.counters, board.interval, attempt),
-                        name=role_name(rank, S), daemon=False)
+        p = ctx.Process(
+            target=_child,
+            args=(
+                cfg_dict,
+                rank,
+                port,
+                secret,
+                run_dir,
+                resume,
+                results,
+                env,
+                cwd,
+                board.counters,
+                board.interval,
+                attempt,
+            ),
+            name=role_name(rank, S),
+            daemon=False,
+        )
         p.start()
         return p
 
     def replace(rank: int, reason: str) -> Any:
         """Elastic: start a trainer in place of a dead one (it continues where ps0 says)."""
         rows = record_replacement(run_dir, role_name(rank, S), reason, attempt)
-        log.warning("replacement %d: %s failed (%s); the other roles go on; starting a new %s that continues "
-                    "its partition after its last step the servers applied", len(rows), role_name(rank, S), reason,
-                    role_name(rank, S))
+        log.warning(
+            "replacement %d: %s failed (%s); the other roles go on; starting a new %s that continues "
+            "its partition after its last step the servers applied",
+            len(rows),
+            role_name(rank, S),
+            reason,
+            role_name(rank, S),
+        )
         board.restart(rank)
         return start(rank, resume=None)  # ps0 says where it starts; the attempt's checkpoint may be pruned by now
 
@@ -181,8 +228,11 @@ def _checkpoint_hint(run_dir: str) -> tuple[str, str | None]:
     from ps_train.checkpoint.files import latest_checkpoint
 
     last = latest_checkpoint(run_dir)
-    return ((f"the latest complete checkpoint is {last}; continue with resume={run_dir}", str(last)) if last
-            else ("no checkpoint was written yet; the run has to start over", None))
+    return (
+        (f"the latest complete checkpoint is {last}; continue with resume={run_dir}", str(last))
+        if last
+        else ("no checkpoint was written yet; the run has to start over", None)
+    )
 
 
 def _unresponsive(procs: dict[int, Any], silent: list[tuple[int, float]], S: int, run_dir: str) -> RoleFailed:
@@ -191,18 +241,27 @@ def _unresponsive(procs: dict[int, Any], silent: list[tuple[int, float]], S: int
     parts = []
     for rank, quiet in silent:
         state = process_state(procs[rank].pid)
-        parts.append((role_name(rank, S), f"unresponsive: no heartbeat for {quiet:.1f} s"
-                      + (f", the process is {state}" if state else "")))
+        parts.append(
+            (
+                role_name(rank, S),
+                f"unresponsive: no heartbeat for {quiet:.1f} s" + (f", the process is {state}" if state else ""),
+            )
+        )
     hint, last = _checkpoint_hint(run_dir)
     (first, reason), others = parts[0], parts[1:]
     also = f"; also unresponsive: {', '.join(name for name, _ in others)}" if others else ""
     rank = silent[0][0]
-    return RoleFailed(f"{first} (rank {rank}, {reason}; log: {run_dir}/logs/{first}.log) failed; stopped the run"
-                      f"{also}; {hint}", role=first, reason=reason, checkpoint=last)
+    return RoleFailed(
+        f"{first} (rank {rank}, {reason}; log: {run_dir}/logs/{first}.log) failed; stopped the run{also}; {hint}",
+        role=first,
+        reason=reason,
+        checkpoint=last,
+    )
 
 
-def _watch(procs: dict[int, Any], S: int, run_dir: str, deadline: float | None, board: HeartbeatBoard,
-           replace: Any = None) -> None:
+def _watch(
+    procs: dict[int, Any], S: int, run_dir: str, deadline: float | None, board: HeartbeatBoard, replace: Any = None
+) -> None:
     """Wait for all roles; on the first failure (exit or silence) stop and name the role.
 
     ``replace(rank, reason) -> process`` (elastic runs): a trainer killed by a signal or gone
@@ -219,16 +278,20 @@ def _watch(procs: dict[int, Any], S: int, run_dir: str, deadline: float | None, 
         if not ready:
             if deadline is not None and time.monotonic() >= deadline:
                 hint, last = _checkpoint_hint(run_dir)
-                raise RoleFailed(f"the run did not finish within its time limit; roles still running: "
-                                 f"{[role_name(r, S) for r in alive]}; {hint}", checkpoint=last)
+                raise RoleFailed(
+                    f"the run did not finish within its time limit; roles still running: "
+                    f"{[role_name(r, S) for r in alive]}; {hint}",
+                    checkpoint=last,
+                )
             silent = board.silent(alive)
             if silent and replace is not None and all(rank >= S for rank, _ in silent):
                 for rank, quiet in silent:
                     state = process_state(procs[rank].pid)
                     procs[rank].kill()  # frozen: it must not come back and train a partition twice
                     procs[rank].join()
-                    reason = f"unresponsive: no heartbeat for {quiet:.1f} s" + (f", the process was {state}"
-                                                                                 if state else "")
+                    reason = f"unresponsive: no heartbeat for {quiet:.1f} s" + (
+                        f", the process was {state}" if state else ""
+                    )
                     procs[rank] = alive[rank] = replace(rank, reason)
                 continue
             if silent:
@@ -254,8 +317,15 @@ def _watch(procs: dict[int, Any], S: int, run_dir: str, deadline: float | None, 
                     failed.append(rank)
             failed.sort(key=lambda r: (procs[r].exitcode >= 0, r))
             first, *others = failed
-            also = f"; also failed: {', '.join(_describe(r, procs[r].exitcode, S, run_dir) for r in others)}" \
-                if others else ""
+            also = (
+                f"; also failed: {', '.join(_describe(r, procs[r].exitcode, S, run_dir) for r in others)}"
+                if others
+                else ""
+            )
             hint, last = _checkpoint_hint(run_dir)
-            raise RoleFailed(f"{_describe(first, procs[first].exitcode, S, run_dir)} failed; stopped the run{also}; "
-                             f"{hint}", role=role_name(first, S), reason=_how(procs[first].exitcode), checkpoint=last)
+            raise RoleFailed(
+                f"{_describe(first, procs[first].exitcode, S, run_dir)} failed; stopped the run{also}; {hint}",
+                role=role_name(first, S),
+                reason=_how(procs[first].exitcode),
+                checkpoint=last,
+            )

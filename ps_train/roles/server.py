@@ -22,6 +22,7 @@ the server does the work the mode asks for (``run_shard``, ``shard_copy``, ``ste
 mode is bit-reproducible; async/ssp are not (see the ``ps_train`` package docstring for
 exactly what they do and do not reproduce).
 """
+
 from __future__ import annotations
 
 import copy
@@ -92,8 +93,11 @@ class ParameterServer:
         self.has_dropout = any(isinstance(x, nn.Dropout) and x.p > 0 for m in self.shards.values() for x in m.modules())
         # BatchNorm updates its running statistics in place during the forward (sync mode
         # runs such forwards in trainer order, so the statistics are the same every run).
-        self.has_running_stats = any(isinstance(x, nn.modules.batchnorm._NormBase) and x.track_running_stats
-                                     for m in self.shards.values() for x in m.modules())
+        self.has_running_stats = any(
+            isinstance(x, nn.modules.batchnorm._NormBase) and x.track_running_stats
+            for m in self.shards.values()
+            for x in m.modules()
+        )
         cls, kwargs = optimizer_spec(cfg.optim)
         self.optimizer = cls(self.dense_params, **kwargs) if self.dense_params else None
         self.lock = threading.Lock()
@@ -142,8 +146,9 @@ class ParameterServer:
         with torch.no_grad():
             return cached[1](x)
 
-    def lookup(self, rows: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None,
-               trainer: int = -1, step: int = -1) -> torch.Tensor:
+    def lookup(
+        self, rows: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None, trainer: int = -1, step: int = -1
+    ) -> torch.Tensor:
         """The vectors of a trainer's request to the tables held here (``TablePart.lookup``)."""
         tables = self._tables()
         return self.mode.lookup(self, lambda: tables.lookup(rows, offsets, weights), trainer, step)
@@ -189,8 +194,9 @@ class ParameterServer:
         maybe_inject_fault(f"ps{self.rank}", self.version)  # test-only, see ps_train.faults
 
     @async_execution
-    def update(self, context_id: int, trainer: int, step: int,
-               position: dict[str, int] | None = None) -> torch.futures.Future[Any]:
+    def update(
+        self, context_id: int, trainer: int, step: int, position: dict[str, int] | None = None
+    ) -> torch.futures.Future[Any]:
         """Apply trainer ``trainer``'s step-``step`` gradients (in its context ``context_id``)
         as the mode does; ``position`` (elastic, on ps0): its data position after this step."""
         return self.mode.update(self, context_id, trainer, step, position)
@@ -218,8 +224,12 @@ class ParameterServer:
 
     # -- state ------------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"version": self.version, "updates": dict(self.updates), **self.mode.stats(),
-                               "peak_rss_bytes": peak_rss_bytes()}
+        out: dict[str, Any] = {
+            "version": self.version,
+            "updates": dict(self.updates),
+            **self.mode.stats(),
+            "peak_rss_bytes": peak_rss_bytes(),
+        }
         if self.tables is not None:
             out.update(self.tables.stats())
         if backend.name() == "rpc_core":
@@ -268,8 +278,9 @@ class ParameterServer:
             self.updates = {int(k): v for k, v in state.get("updates", {}).items()} or self.updates
             if self.tables is not None:
                 if state.get("tables") is None:
-                    raise ValueError(f"ps{self.rank}: the checkpoint holds no embedding tables; resume a "
-                                     "model=dlrm run")
+                    raise ValueError(
+                        f"ps{self.rank}: the checkpoint holds no embedding tables; resume a model=dlrm run"
+                    )
                 self.tables.load_state_dict(state["tables"])
 
 

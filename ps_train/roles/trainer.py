@@ -32,6 +32,7 @@ What a step computes is in ``load``, ``step_loss`` and ``evaluate``; a model wit
 forward (``ps_train.ctr.trainer.CtrTrainer``, model=dlrm) overrides them and keeps the
 loop, the update protocol and checkpoints.
 """
+
 from __future__ import annotations
 
 import logging
@@ -112,8 +113,9 @@ class Trainer:
     test_set: Any
     batches: Any
 
-    def __init__(self, cfg: Config, index: int, run_dir: str, start_step: int = 0,
-                 data_state: dict[str, int] | None = None) -> None:
+    def __init__(
+        self, cfg: Config, index: int, run_dir: str, start_step: int = 0, data_state: dict[str, int] | None = None
+    ) -> None:
         self.cfg = cfg
         self.index = index
         self.name = f"trainer{index}"
@@ -125,8 +127,9 @@ class Trainer:
         self.load()
         if data_state is not None:
             self.batches.load_state_dict(data_state)
-        self.steps = total_steps(cfg.train.steps, cfg.train.epochs, len(self.train_set),
-                                 cfg.cluster.num_trainers, cfg.train.batch_size)
+        self.steps = total_steps(
+            cfg.train.steps, cfg.train.epochs, len(self.train_set), cfg.cluster.num_trainers, cfg.train.batch_size
+        )
         self.step = start_step
         # The shard layout is computed, not asked for: every process derives the same one.
         self.shard_servers = [(s.index, s.server) for s in model_shards(cfg)]
@@ -148,8 +151,9 @@ class Trainer:
         """Set ``train_set``, ``test_set`` and ``batches`` (this trainer's batch iterator)."""
         cfg = self.cfg
         self.train_set, self.test_set = load_data(cfg.data)
-        self.batches = BatchIterator(self.train_set, self.data_slot, cfg.cluster.num_trainers,
-                                     cfg.train.batch_size, cfg.seed)
+        self.batches = BatchIterator(
+            self.train_set, self.data_slot, cfg.cluster.num_trainers, cfg.train.batch_size, cfg.seed
+        )
 
     # -- one step ---------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, step: int = -1) -> torch.Tensor:
@@ -265,9 +269,16 @@ class Trainer:
             self.settle()
         wall = time.perf_counter() - t_start
         self.mode.trainer_done(self)  # ssp: this trainer no longer holds the others back
-        mine = {"steps": self.step, "samples": self.meter.total, "wall_time_s": wall,
-                "samples_per_s": self.meter.overall(), "losses": losses,
-                "max_steps_ahead": self.max_steps_ahead, "trainer": self.name, **self.totals()}
+        mine = {
+            "steps": self.step,
+            "samples": self.meter.total,
+            "wall_time_s": wall,
+            "samples_per_s": self.meter.overall(),
+            "losses": losses,
+            "max_steps_ahead": self.max_steps_ahead,
+            "trainer": self.name,
+            **self.totals(),
+        }
         if self.elastic is not None:
             self.elastic.finish(mine)  # to ps0: this trainer may leave the group right after
         elif not is_chief:
@@ -341,8 +352,11 @@ class Trainer:
                     w.add_scalar(f"rpc/bytes_received/ps{r}", st["bytes_received"], step)
             if self.cfg.logging.progress:
                 eta = (self.steps - step) * (time.perf_counter() - self._t_start) / max(step - self._first_step, 1)
-                print(f"[{self.name}] step {step}/{self.steps}  loss {last['loss']:.4f}  "
-                      f"acc {last['accuracy']:.3f}  {rate:,.0f} samples/s  eta {eta:.0f}s", flush=True)
+                print(
+                    f"[{self.name}] step {step}/{self.steps}  loss {last['loss']:.4f}  "
+                    f"acc {last['accuracy']:.3f}  {rate:,.0f} samples/s  eta {eta:.0f}s",
+                    flush=True,
+                )
 
     def _finish(self, mine: dict[str, Any], last: dict[str, float]) -> dict[str, Any]:
         cfg = self.cfg
@@ -371,24 +385,33 @@ class Trainer:
             "max_staleness": max([s["max_staleness"] for s in server_stats] + [0]),
             "max_steps_ahead": max(s["max_steps_ahead"] for s in all_stats),
             "losses": {s["trainer"]: s["losses"] for s in all_stats},
-            "peak_rss_bytes": {**{f"ps{r}": s["peak_rss_bytes"] for r, s in enumerate(server_stats)},
-                               **{s["trainer"]: s["peak_rss_bytes"] for s in all_stats}},
+            "peak_rss_bytes": {
+                **{f"ps{r}": s["peak_rss_bytes"] for r, s in enumerate(server_stats)},
+                **{s["trainer"]: s["peak_rss_bytes"] for s in all_stats},
+            },
             **self.extra_metrics(all_stats, server_stats),
             **(self.elastic.extra_metrics(server_stats) if self.elastic is not None else {}),
         }
         w = self.writer
         for key, value in ev.items():
             w.add_scalar(f"test/{key}", value, self.step)
-        w.add_hparams(flatten_hparams(config_to_dict(cfg)),
-                      {**{f"hparam/test_{key}": value for key, value in ev.items()},
-                       "hparam/samples_per_s": metrics["samples_per_s"]})
+        w.add_hparams(
+            flatten_hparams(config_to_dict(cfg)),
+            {
+                **{f"hparam/test_{key}": value for key, value in ev.items()},
+                "hparam/samples_per_s": metrics["samples_per_s"],
+            },
+        )
         w.close()
         write_metrics_json(f"{self.run_dir}/metrics.json", metrics)
         if self.elastic is not None:
             self.elastic.release_servers()
-        print(f"[{self.name}] done: {self.step} steps, {self.describe_eval(ev)}, "
-              f"{metrics['samples_per_s']:,.0f} samples/s over {cfg.cluster.num_trainers} trainer(s), "
-              f"{wall:.1f}s", flush=True)
+        print(
+            f"[{self.name}] done: {self.step} steps, {self.describe_eval(ev)}, "
+            f"{metrics['samples_per_s']:,.0f} samples/s over {cfg.cluster.num_trainers} trainer(s), "
+            f"{wall:.1f}s",
+            flush=True,
+        )
         return metrics
 
 

@@ -5,6 +5,7 @@ failed, timed out).
 table (``pending``, shared with the timer) and counts it (``n_sent``); answers come to
 ``on_answer`` straight from the connection that read them.
 """
+
 from __future__ import annotations
 
 import threading
@@ -60,8 +61,9 @@ class PendingCalls:
         self.n_sent = 0
         self.n_done = 0
 
-    def on_answer(self, src: int, h: wire.FrameHeader, head: bytes, body: bytes,
-                  storages: list[torch.UntypedStorage]) -> None:
+    def on_answer(
+        self, src: int, h: wire.FrameHeader, head: bytes, body: bytes, storages: list[torch.UntypedStorage]
+    ) -> None:
         """An answer (RESPONSE or EXCEPTION) from ``src``: it completes its call."""
         rec = self.pending.pop(h.msg_id, None)
         if rec is None:  # timed out or failed already: the late answer is dropped, but not its news
@@ -87,8 +89,12 @@ class PendingCalls:
                 self._response_extras(extras, call_extras)
                 self._complete(fut, error=rebuild_exception(info), inline=False, counted=counted)
         except BaseException as e:  # noqa: BLE001 - a response we cannot decode fails its call, not the reader
-            self._complete(fut, error=RpcError(f"could not decode the response from {self._roster.describe(src)}: "
-                                               f"{e!r}"), inline=False, counted=counted)
+            self._complete(
+                fut,
+                error=RpcError(f"could not decode the response from {self._roster.describe(src)}: {e!r}"),
+                inline=False,
+                counted=counted,
+            )
 
     def _response_extras(self, extras: dict[str, Any] | None, call_extras: dict[str, Any]) -> None:
         if extras:
@@ -101,17 +107,29 @@ class PendingCalls:
         # without pinning the call's record (and the RRef a proxy call keeps alive in it).
         rec = self.pending.get(msg_id)
         if rec is not None:
-            self.fail(msg_id, RpcTimeoutError(
-                f"{self.timeout_message(rec.timeout, rec.dst)}; raise the timeout per call "
-                "(timeout=...) or in RpcBackendOptions(rpc_timeout=...), 0 means none",
-                worker=self._roster.name_of(rec.dst)))
+            self.fail(
+                msg_id,
+                RpcTimeoutError(
+                    f"{self.timeout_message(rec.timeout, rec.dst)}; raise the timeout per call "
+                    "(timeout=...) or in RpcBackendOptions(rpc_timeout=...), 0 means none",
+                    worker=self._roster.name_of(rec.dst),
+                ),
+            )
 
     def timeout_message(self, timeout: float, dst: int) -> str:
-        return (f"RPC ran for more than set timeout ({int(timeout * 1000)} ms) and will now be marked "
-                f"with an error (call to {self._roster.describe(dst)})")
+        return (
+            f"RPC ran for more than set timeout ({int(timeout * 1000)} ms) and will now be marked "
+            f"with an error (call to {self._roster.describe(dst)})"
+        )
 
-    def _complete(self, fut: RpcFuture, value: Any = None, error: BaseException | None = None, inline: bool = True,
-                  counted: bool = False) -> None:
+    def _complete(
+        self,
+        fut: RpcFuture,
+        value: Any = None,
+        error: BaseException | None = None,
+        inline: bool = True,
+        counted: bool = False,
+    ) -> None:
         if fut._has_callbacks and not inline:
             self._pool.submit(self._settle, fut, value, error, counted)
         else:
@@ -170,7 +188,8 @@ class PendingCalls:
         """Wait until no user call made by this worker is pending (or the deadline passes)."""
         while True:
             futs: list[torch.futures.Future[Any]] = [
-                rec.future for rec in list(self.pending.values()) if not rec.flags & wire.CONTROL]
+                rec.future for rec in list(self.pending.values()) if not rec.flags & wire.CONTROL
+            ]
             if not futs:
                 return
             done = threading.Event()

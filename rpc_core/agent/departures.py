@@ -16,6 +16,7 @@ silent) has its calls failed at once too: nothing more will come from it.
 ``Departures`` is a part of ``connections.Connections`` (which holds, ends and gives up on the
 connections it lists), made with the agent's ``PendingCalls``.
 """
+
 from __future__ import annotations
 
 import threading

@@ -18,6 +18,7 @@ with that future's own error (its ``wait()``'s: the class and message the call r
 ``RPC_CORE_WAIT_ALL_EARLY=0`` (read by each call) keeps torch's functions for every future.
 A name bound before ``import rpc_core`` (``from torch.futures import wait_all``) keeps torch's.
 """
+
 from __future__ import annotations
 
 import threading

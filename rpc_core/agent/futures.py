@@ -9,6 +9,7 @@ with its original exception), so ``set_error`` also tells those who asked to hea
 (``watch_failures``): ``early_exit``'s ``torch.futures.wait_all``, which must return at the
 first failure as torch's does for its own RPC futures.
 """
+
 from __future__ import annotations
 
 import copy

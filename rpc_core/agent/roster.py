@@ -11,6 +11,7 @@ lowest of them: it knows nothing of connections or calls, and tells the agent of
 forgets through the ``forget`` callable it was made with. The tables are replaced, never
 changed in place, so a reader needs no lock and never sees a table half updated.
 """
+
 from __future__ import annotations
 
 import logging
@@ -73,21 +74,27 @@ class Roster:
             if info is None:
                 raise self._unknown(None, to)
             return info
-        raise ValueError(f"Cannot get WorkerInfo from name {to!r} (type {type(to).__name__}); "
-                         "pass a name, WorkerInfo or rank")
+        raise ValueError(
+            f"Cannot get WorkerInfo from name {to!r} (type {type(to).__name__}); pass a name, WorkerInfo or rank"
+        )
 
     def _unknown(self, name: str | None, rank: int | None) -> RpcError:
         gone = (self._departed_names.get(name) if name is not None else None) or (
-            self._departed_ranks.get(rank) if rank is not None and name is None else None)
+            self._departed_ranks.get(rank) if rank is not None and name is None else None
+        )
         if gone is not None:  # torch's words first (its tests match them), then ours
-            return WorkerLeftError(f"could not find destination {name if name is not None else rank!r}: {gone}",
-                                   worker=name)
+            return WorkerLeftError(
+                f"could not find destination {name if name is not None else rank!r}: {gone}", worker=name
+            )
         if name is not None and rank is not None:
             if rank in self.workers:
-                return RpcError(f"could not find destination {WorkerInfo(name, rank)}: rank {rank} is "
-                                f"{self.workers[rank].name!r} in this group")
-            return RpcError(f"could not find destination worker {name!r} (rank {rank}); known workers: "
-                            f"{sorted(self.by_name)}")
+                return RpcError(
+                    f"could not find destination {WorkerInfo(name, rank)}: rank {rank} is "
+                    f"{self.workers[rank].name!r} in this group"
+                )
+            return RpcError(
+                f"could not find destination worker {name!r} (rank {rank}); known workers: {sorted(self.by_name)}"
+            )
         if name is not None:
             return RpcError(f"could not find destination worker {name!r}; known workers: {sorted(self.by_name)}")
         if self.dynamic:
@@ -156,8 +163,9 @@ class Roster:
             self.dead.pop(info.id, None)
         self._tell_listeners(info, True)
 
-    def remove_member(self, rank: int, generation: int | None, reason: str,
-                      graceful: bool = False) -> WorkerInfo | None:
+    def remove_member(
+        self, rank: int, generation: int | None, reason: str, graceful: bool = False
+    ) -> WorkerInfo | None:
         """The member of ``rank`` (if it is still the one of ``generation``; None: any) left
         (``graceful``: by its shutdown, not lost): forget it, and make calls to it fail with
         ``reason``. Returns who left, or None."""
@@ -176,8 +184,12 @@ class Roster:
             try:
                 cb(info, joined)
             except Exception:
-                log.exception("rpc_core %s: a membership listener failed on %s %s", self.me.name, info.name,
-                              "joining" if joined else "leaving")
+                log.exception(
+                    "rpc_core %s: a membership listener failed on %s %s",
+                    self.me.name,
+                    info.name,
+                    "joining" if joined else "leaving",
+                )
 
     def _forget(self, rank: int, reason: str, graceful: bool = False) -> None:
         info = self.workers[rank]

@@ -20,6 +20,7 @@ for, or a request overtaken by the cleanup) must not bring it back, or it would 
 released again. Such messages are treated as outside any context (``is_released``), so
 they do not pass the dead id on to workers that never heard of it either.
 """
+
 from __future__ import annotations
 
 import itertools

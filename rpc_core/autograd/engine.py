@@ -38,6 +38,7 @@ another thread at the same time would mix with it. Passes started by gradients a
 from other workers only capture (their leaves, often a parameter server's, are shared by
 many concurrent passes), so DDP modules belong on the worker that calls ``backward``.
 """
+
 from __future__ import annotations
 
 import threading
@@ -77,7 +78,8 @@ _accumulating = threading.Lock()  # root passes that run AccumulateGrad take tur
 # What torch.autograd.grad and .backward call once they have checked their arguments (None
 # in a torch without it: then the public functions).
 _engine_run_backward: Callable[..., tuple[torch.Tensor | None, ...]] | None = getattr(
-    torch.autograd.graph, "_engine_run_backward", None)
+    torch.autograd.graph, "_engine_run_backward", None
+)
 
 
 def is_anchor(t: torch.Tensor) -> bool:
@@ -120,8 +122,9 @@ def _discover(starts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return leaves
 
 
-def _accumulate_pass(starts: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
-                     inputs: list[torch.Tensor]) -> list[torch.Tensor | None]:
+def _accumulate_pass(
+    starts: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], inputs: list[torch.Tensor]
+) -> list[torch.Tensor | None]:
     """The leaves' gradients, through their AccumulateGrad nodes (so the hooks after those
     run: DDP's), read back from ``.grad``, which is then restored."""
     with _accumulating:
@@ -132,15 +135,15 @@ def _accumulate_pass(starts: Sequence[torch.Tensor], grads: Sequence[torch.Tenso
             _run_pass(starts, grads, inputs, accumulate=True)
             # A DDP gradient may be a view of its bucket (gradient_as_bucket_view=True),
             # which the next backward overwrites: the context keeps its own copy.
-            return [None if t.grad is None else t.grad.clone() if t.grad._base is not None else t.grad
-                    for t in inputs]
+            return [None if t.grad is None else t.grad.clone() if t.grad._base is not None else t.grad for t in inputs]
         finally:
             for t, g in zip(inputs, saved, strict=True):
                 t.grad = g
 
 
-def _run_pass(starts: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], inputs: list[torch.Tensor],
-              accumulate: bool) -> tuple[torch.Tensor | None, ...]:
+def _run_pass(
+    starts: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], inputs: list[torch.Tensor], accumulate: bool
+) -> tuple[torch.Tensor | None, ...]:
     """``torch.autograd.grad`` (``accumulate``: ``.backward``, into the inputs' ``.grad``)
     from ``starts`` with ``grads``, keeping the graph. Straight into torch's engine: every
     gradient here is a tensor, one per start (roots' are ones, the others come from
@@ -154,14 +157,19 @@ def _run_pass(starts: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], inp
             return ()
         return torch.autograd.grad(list(starts), inputs, list(grads), retain_graph=True, allow_unused=True)
     out: tuple[torch.Tensor | None, ...] = _engine_run_backward(
-        tuple(starts), tuple(grads), True, False, tuple(inputs), True, accumulate)
+        tuple(starts), tuple(grads), True, False, tuple(inputs), True, accumulate
+    )
     return out
 
 
-def local_pass(ctx: _context.DistAutogradContext, starts: Sequence[torch.Tensor],
-               grads: Sequence[torch.Tensor], waited: bool = False,
-               root: bool = False, reply: tuple[int, list[tuple[int, list[Any]]]] | None = None,
-               ) -> list[torch.futures.Future[Any]]:
+def local_pass(
+    ctx: _context.DistAutogradContext,
+    starts: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    waited: bool = False,
+    root: bool = False,
+    reply: tuple[int, list[tuple[int, list[Any]]]] | None = None,
+) -> list[torch.futures.Future[Any]]:
     """Backward from ``starts`` with ``grads`` on this worker; returns the futures of the
     gradient RPCs it started. ``waited``: this thread waits on them itself afterwards (so
     it reads their answers; see outbound). ``root``: the pass ``backward()`` started here,
@@ -190,8 +198,9 @@ def local_pass(ctx: _context.DistAutogradContext, starts: Sequence[torch.Tensor]
     return _send_gradients(ctx, outgoing, waited)
 
 
-def _send_gradients(ctx: _context.DistAutogradContext, outgoing: list[tuple[int, int, list[Any]]],
-                    waited: bool) -> list[torch.futures.Future[Any]]:
+def _send_gradients(
+    ctx: _context.DistAutogradContext, outgoing: list[tuple[int, int, list[Any]]], waited: bool
+) -> list[torch.futures.Future[Any]]:
     """One gradient call per worker for what a pass reached of the tensors received from it.
     Through the user-call path, so the profiler sees these RPCs (no cost otherwise).
     ``waited``: this thread waits on them itself (so it reads their answers; see outbound).
@@ -205,11 +214,18 @@ def _send_gradients(ctx: _context.DistAutogradContext, outgoing: list[tuple[int,
     me = _agent_mod.current_agent().me.id
     info = ctx.info
     last = hooks.call_flags(ctx, per_worker) if info is not None else {}
-    return [calls.invoke_async(rank, _on_backward,
-                               (ctx.context_id, entries, me) if info is None else
-                               (ctx.context_id, entries, me, info, last[rank]),
-                               None, 0, "async", waited=waited)
-            for rank, entries in per_worker.items()]
+    return [
+        calls.invoke_async(
+            rank,
+            _on_backward,
+            (ctx.context_id, entries, me) if info is None else (ctx.context_id, entries, me, info, last[rank]),
+            None,
+            0,
+            "async",
+            waited=waited,
+        )
+        for rank, entries in per_worker.items()
+    ]
 
 
 def _check_roots(roots: Any) -> list[torch.Tensor]:
@@ -226,8 +242,10 @@ def _check_roots(roots: Any) -> list[torch.Tensor]:
             raise RpcError(f"roots[{i}] of shape {tuple(r.shape)} is not a scalar, all roots need to be scalar")
         if r.grad_fn is None:
             # As in torch: a leaf root has nothing to differentiate through.
-            raise RpcError(f"roots[{i}] does not have a valid gradient function: it is a leaf tensor, "
-                           "not the result of a computation")
+            raise RpcError(
+                f"roots[{i}] does not have a valid gradient function: it is a leaf tensor, "
+                "not the result of a computation"
+            )
     return list(roots)
 
 
@@ -263,8 +281,12 @@ def _wait(futures: list[torch.futures.Future[Any]]) -> tuple[list[Any], list[Bas
     return values, [_on_this_node(e) for e in errors]
 
 
-def _continue(ctx: _context.DistAutogradContext, answers: list[Any], waited: bool,
-              reply: tuple[int, list[tuple[int, list[Any]]]] | None) -> list[torch.futures.Future[Any]]:
+def _continue(
+    ctx: _context.DistAutogradContext,
+    answers: list[Any],
+    waited: bool,
+    reply: tuple[int, list[tuple[int, list[Any]]]] | None,
+) -> list[torch.futures.Future[Any]]:
     """Continue backward from this worker's sends whose gradients came back in gradient
     calls' ``answers`` (see the module docstring); the futures of the calls that started."""
     entries: list[tuple[int, list[Any]]] = []
@@ -291,8 +313,12 @@ def _merge(entries: list[tuple[int, list[Any]]]) -> list[tuple[int, list[Any]]]:
     return list(merged.items())
 
 
-def _pass_from_sends(ctx: _context.DistAutogradContext, entries: list[tuple[int, list[Any]]], waited: bool,
-                     reply: tuple[int, list[tuple[int, list[Any]]]] | None) -> list[torch.futures.Future[Any]]:
+def _pass_from_sends(
+    ctx: _context.DistAutogradContext,
+    entries: list[tuple[int, list[Any]]],
+    waited: bool,
+    reply: tuple[int, list[tuple[int, list[Any]]]] | None,
+) -> list[torch.futures.Future[Any]]:
     """One pass backward from the tensors of our sends, (message id, their gradients (None:
     no gradient)) each."""
     me = _agent_mod.current_agent().me
@@ -337,8 +363,13 @@ def _one_error(errors: list[BaseException]) -> BaseException:
 
 
 @async_execution
-def _on_backward(context_id: int, entries: list[tuple[int, list[Any]]], reply_to: int = -1,
-                 info: dict[str, Any] | None = None, last: bool = False) -> torch.futures.Future[Any]:
+def _on_backward(
+    context_id: int,
+    entries: list[tuple[int, list[Any]]],
+    reply_to: int = -1,
+    info: dict[str, Any] | None = None,
+    last: bool = False,
+) -> torch.futures.Future[Any]:
     """On the worker that sent the tensors of ``entries`` ((message id, gradients) each):
     continue backward from them. The answer carries the gradients for ``reply_to``'s (the
     caller's) sends that the pass reached (``Returned``); the caller continues from them.
@@ -351,10 +382,15 @@ def _on_backward(context_id: int, entries: list[tuple[int, list[Any]]], reply_to
     if info is not None:
         with ctx.lock:
             if ctx.hooks_ran:
-                raise RpcError(_on_node(me, f"gradients of context {context_id} arrived after this worker's "
-                                            "backward hooks ran (a worker it got no gradient call from before "
-                                            "sent them); hooks need the backward's gradients to come through the "
-                                            "workers that called this one"))
+                raise RpcError(
+                    _on_node(
+                        me,
+                        f"gradients of context {context_id} arrived after this worker's "
+                        "backward hooks ran (a worker it got no gradient call from before "
+                        "sent them); hooks need the backward's gradients to come through the "
+                        "workers that called this one",
+                    )
+                )
             ctx.info = info
             ctx.grad_calls += 1
             ctx.final_seen = ctx.final_seen or last
@@ -372,9 +408,13 @@ def _on_backward(context_id: int, entries: list[tuple[int, list[Any]]], reply_to
     return done
 
 
-def _finish_when_answered(ctx: _context.DistAutogradContext, futures: list[torch.futures.Future[Any]],
-                          reply: tuple[int, list[tuple[int, list[Any]]]] | None,
-                          done: torch.futures.Future[Any], hooked: bool) -> None:
+def _finish_when_answered(
+    ctx: _context.DistAutogradContext,
+    futures: list[torch.futures.Future[Any]],
+    reply: tuple[int, list[tuple[int, list[Any]]]] | None,
+    done: torch.futures.Future[Any],
+    hooked: bool,
+) -> None:
     """Complete ``done`` with the gradients for the caller once every gradient call of this
     pass was answered, continuing from the gradients those answers brought back (which
     may start more calls); never blocks (it runs in the callbacks of those calls).
@@ -434,8 +474,10 @@ def _finish(ctx: _context.DistAutogradContext, waited: bool) -> torch.futures.Fu
     ``ctx.results``. Never blocks."""
     me = _agent_mod.current_agent().me
     out: torch.futures.Future[None] = torch.futures.Future()
-    futs = [calls.invoke_async(w, _on_finish, (ctx.context_id,), None, 0, "async", waited=waited)
-            for w in hooks.unfinished(ctx)]
+    futs = [
+        calls.invoke_async(w, _on_finish, (ctx.context_id,), None, 0, "async", waited=waited)
+        for w in hooks.unfinished(ctx)
+    ]
 
     def own_done(f: torch.futures.Future[dict[str, Any]]) -> None:
         try:

@@ -24,6 +24,7 @@ call once the caller's backward is done (an extra message only in graphs where t
 back and forth between the same two workers). Calls that arrive after a worker's hooks ran
 (a third worker calling it, which the caller could not see) fail the backward.
 """
+
 from __future__ import annotations
 
 import threading
@@ -61,14 +62,17 @@ def on_backward_done(key: str, fn: Hook) -> Callable[[], None]:
         raise TypeError(f"on_backward_done({key!r}, fn): fn must be callable, got {type(fn).__name__}")
     with _hooks_lock:
         if key in _hooks:
-            raise ValueError(f"a backward hook is already registered under {key!r} on this worker; "
-                             "remove it first (call the function on_backward_done returned)")
+            raise ValueError(
+                f"a backward hook is already registered under {key!r} on this worker; "
+                "remove it first (call the function on_backward_done returned)"
+            )
         _hooks[key] = fn
 
     def remove() -> None:
         with _hooks_lock:
             if _hooks.get(key) is fn:
                 del _hooks[key]
+
     return remove
 
 
@@ -108,8 +112,13 @@ def take_results(ctx: _context.DistAutogradContext) -> dict[int, dict[str, Any]]
 def reach(ctx: _context.DistAutogradContext, dsts: set[int]) -> set[int]:
     """The workers whose received tensors a pass from this worker's sends to ``dsts`` may
     reach (in this worker's graph): those it may call again."""
-    stack = [t.grad_fn for mid, sent in list(ctx.sends.items()) if ctx.send_dst.get(mid) in dsts
-             for t in sent if t.grad_fn is not None]
+    stack = [
+        t.grad_fn
+        for mid, sent in list(ctx.sends.items())
+        if ctx.send_dst.get(mid) in dsts
+        for t in sent
+        if t.grad_fn is not None
+    ]
     found: set[int] = set()
     seen: set[Any] = set()
     while stack:

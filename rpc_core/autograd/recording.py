@@ -7,6 +7,7 @@ its backward ships the gradients to the sender under that message id. Requests a
 responses are recorded alike, and the context id travels with every call made inside a
 context, so nested calls join the same context.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -47,8 +48,9 @@ class _Recv(torch.autograd.Function):
             # A local .backward() through received tensors: nobody waits for this call.
             # Through the user-call path, so the profiler sees this RPC (no cost otherwise).
             me = _agent_mod.current_agent().me.id
-            calls.invoke_async(info.sender, _on_backward,
-                               (info.context_id, [(info.msg_id, list(grads))], me), None, 0, "async")
+            calls.invoke_async(
+                info.sender, _on_backward, (info.context_id, [(info.msg_id, list(grads))], me), None, 0, "async"
+            )
         return (None, None) + (None,) * len(grads)
 
 
@@ -107,8 +109,9 @@ class AutogradMiddleware(_agent_mod.Middleware):
         if ctx is not None and _context.leave(ctx):
             released_after_requests(ctx)
 
-    def outgoing(self, dst: int, tensors: list[torch.Tensor], extras: dict[str, Any],
-                 request_extras: dict[str, Any] | None) -> None:
+    def outgoing(
+        self, dst: int, tensors: list[torch.Tensor], extras: dict[str, Any], request_extras: dict[str, Any] | None
+    ) -> None:
         ctx: _context.DistAutogradContext | None
         if request_extras is None:
             if _context.deferred:
@@ -138,8 +141,9 @@ class AutogradMiddleware(_agent_mod.Middleware):
         else:
             extras[wire.EXTRA_AUTOGRAD] = (context_id, -1)
 
-    def incoming(self, src: int, tensors: list[torch.Tensor], extras: dict[str, Any],
-                 is_response: bool) -> list[torch.Tensor]:
+    def incoming(
+        self, src: int, tensors: list[torch.Tensor], extras: dict[str, Any], is_response: bool
+    ) -> list[torch.Tensor]:
         ag = extras.get(wire.EXTRA_AUTOGRAD)
         if not ag:
             return tensors

@@ -8,6 +8,7 @@ many pile up, when no request came for it within ``_FLUSH_AFTER``, from ``wait_c
 and before shutdown. A receiver passes the release on to the workers *it* touched, and
 answers a cleanup only once they have answered.
 """
+
 from __future__ import annotations
 
 import threading
@@ -89,8 +90,11 @@ def _flush_stale() -> None:
     agent = _agent_mod._agent
     now = time.monotonic()
     with _context.deferred_lock:
-        stale = {w: _context.deferred.pop(w) for w, since in list(_context.deferred_since.items())
-                 if now - since >= _FLUSH_AFTER and w in _context.deferred}
+        stale = {
+            w: _context.deferred.pop(w)
+            for w, since in list(_context.deferred_since.items())
+            if now - since >= _FLUSH_AFTER and w in _context.deferred
+        }
         for w in stale:
             del _context.deferred_since[w]
         nxt = min(_context.deferred_since.values(), default=None)

@@ -22,6 +22,7 @@ calling each other, but nobody can join any more (no worker listens at the rende
 address) and each later leave is told to the members directly (so too after rank 0's
 ``shutdown(graceful=False)``, which tells nobody: the members find it gone).
 """
+
 from __future__ import annotations
 
 import logging
@@ -94,14 +95,20 @@ class _Registry:
     def _refusal(self, info: WorkerInfo, world_size: Any) -> str | None:
         agent = self.agent
         if not agent.roster.dynamic and world_size is not None:
-            return (f"the static group of {agent.me.name!r} (world_size={len(agent.roster.workers)}) has completed its "
-                    f"rendezvous: worker {info.name!r} (rank {info.id}) cannot join it any more")
+            return (
+                f"the static group of {agent.me.name!r} (world_size={len(agent.roster.workers)}) has completed its "
+                f"rendezvous: worker {info.name!r} (rank {info.id}) cannot join it any more"
+            )
         if not agent.roster.dynamic:
-            return (f"{MIXED_GROUP} The group of {agent.me.name!r} is static (world_size={len(agent.roster.workers)}); "
-                    f"worker {info.name!r} cannot join it with world_size=None")
+            return (
+                f"{MIXED_GROUP} The group of {agent.me.name!r} is static (world_size={len(agent.roster.workers)}); "
+                f"worker {info.name!r} cannot join it with world_size=None"
+            )
         if world_size is not None:
-            return (f"{MIXED_GROUP} The group of {agent.me.name!r} is dynamic: worker {info.name!r} must join it with "
-                    f"world_size=None, not {world_size!r}")
+            return (
+                f"{MIXED_GROUP} The group of {agent.me.name!r} is dynamic: worker {info.name!r} must join it with "
+                f"world_size=None, not {world_size!r}"
+            )
         if isinstance(info.id, bool) or info.id < 1:
             return f"worker {info.name!r} asks to join with rank {info.id}: ranks are ints >= 0, and 0 is the founder"
         return None
@@ -109,15 +116,21 @@ class _Registry:
     def _taken(self, info: WorkerInfo) -> str | None:
         agent = self.agent
         if self.closing:
-            return (f"worker {info.name!r} cannot join: rank 0 ({agent.me.name!r}), the group's registry, is "
-                    "leaving the group")
+            return (
+                f"worker {info.name!r} cannot join: rank 0 ({agent.me.name!r}), the group's registry, is "
+                "leaving the group"
+            )
         workers, by_name = agent.roster.workers, agent.roster.by_name
         if info.id in workers:
-            return (f"rank {info.id} is not unique: worker {workers[info.id].name!r} holds it in the group, "
-                    f"so {info.name!r} cannot join with it; choose a free rank (members: {sorted(workers)})")
+            return (
+                f"rank {info.id} is not unique: worker {workers[info.id].name!r} holds it in the group, "
+                f"so {info.name!r} cannot join with it; choose a free rank (members: {sorted(workers)})"
+            )
         if info.name in by_name:
-            return (f"worker name {info.name!r} is not unique: rank {by_name[info.name].id} uses it in the "
-                    f"group, so rank {info.id} cannot join with it; choose another name")
+            return (
+                f"worker name {info.name!r} is not unique: rank {by_name[info.name].id} uses it in the "
+                f"group, so rank {info.id} cannot join with it; choose another name"
+            )
         return None
 
     def leave(self, rank: int, generation: int) -> None:
@@ -165,8 +178,11 @@ class _Registry:
             self.closing = True
             stayed = [w for w in agent.get_worker_infos() if w.id != agent.me.id]
         if stayed:
-            reason = _left(agent.me, f" before {[w.name for w in stayed]}: it was the group's registry, "
-                                     "so no worker can join the group any more")
+            reason = _left(
+                agent.me,
+                f" before {[w.name for w in stayed]}: it was the group's registry, "
+                "so no worker can join the group any more",
+            )
             me = agent.me
             _tell(agent, [w.id for w in stayed], _member_left, (me.id, agent.roster.generation(me.id), reason, True))
         return stayed
@@ -195,9 +211,11 @@ def leave(agent: Agent, timeout: float) -> None:
     if me.id == 0 and _registry is not None:
         stayed = _registry.close(timeout)
         if stayed:
-            raise RpcError(f"rank 0 ({me.name!r}) timed out after {timeout:g} s waiting for the other members "
-                           f"to leave the group first: {[w.name for w in stayed]} are still in it (they were "
-                           "told it left; nobody can join the group any more)")
+            raise RpcError(
+                f"rank 0 ({me.name!r}) timed out after {timeout:g} s waiting for the other members "
+                f"to leave the group first: {[w.name for w in stayed]} are still in it (they were "
+                "told it left; nobody can join the group any more)"
+            )
         return
     generation = agent.roster.generation(me.id)
     if 0 in agent.roster.workers and 0 not in agent.roster.dead:
@@ -216,8 +234,14 @@ def _tell(agent: Agent, ranks: list[int], func: Any, args: tuple[Any, ...], time
         try:
             fut.wait()
         except Exception as e:  # noqa: BLE001 - any failure means the same: it did not hear it
-            log.warning("rpc_core %s: %s did not take the membership change %s%r: %s", agent.me.name,
-                        agent.roster.describe(r), func.__name__, args[:2], e)
+            log.warning(
+                "rpc_core %s: %s did not take the membership change %s%r: %s",
+                agent.me.name,
+                agent.roster.describe(r),
+                func.__name__,
+                args[:2],
+                e,
+            )
 
 
 # -- the members' side (ordinary CONTROL calls, reached by reference) ----------------------------------

@@ -20,6 +20,7 @@ seconds (``_Waiting``): rank 0 the ranks that have not arrived, the others rank 
 reachable yet, or reached and answering once the world is complete or the group admitted
 them). So a rank cut off from the others says so long before ``init_timeout`` ends its wait.
 """
+
 from __future__ import annotations
 
 import logging
@@ -90,7 +91,7 @@ def resolve_init_method(init_method: str) -> tuple[str, int]:
             )
         where = "MASTER_PORT"
     else:
-        rest = init_method[len("tcp://"):].rstrip("/")
+        rest = init_method[len("tcp://") :].rstrip("/")
         addr, sep, port = rest.rpartition(":")
         addr = addr.strip("[]")
         where = f"init_method {init_method!r}"
@@ -114,8 +115,10 @@ def rendezvous(name: str, rank: int, world_size: int | None, init_method: str, s
     validate_name(name)
     if world_size is None:
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-            raise ValueError(f"rank parameter missing or invalid: a worker of a dynamic group (world_size=None) "
-                             f"needs its rank, an int >= 0 (0 founds the group), got {rank!r}")
+            raise ValueError(
+                f"rank parameter missing or invalid: a worker of a dynamic group (world_size=None) "
+                f"needs its rank, an int >= 0 (0 founds the group), got {rank!r}"
+            )
         host, port = resolve_init_method(init_method)
         if rank == 0:
             world = _host(name, 1, host, port, secret, timeout)
@@ -152,9 +155,11 @@ def _host(name: str, world_size: int, host: str, port: int, secret: bytes, timeo
     try:
         while len(joined) < world_size - 1:
             remaining = deadline - time.monotonic()
-            waiting.log(f"rank 0 ({name!r}) at {host}:{port} is waiting for ranks "
-                        f"{sorted(set(range(1, world_size)) - set(joined))} ({len(joined) + 1} of {world_size} "
-                        "arrived)")
+            waiting.log(
+                f"rank 0 ({name!r}) at {host}:{port} is waiting for ranks "
+                f"{sorted(set(range(1, world_size)) - set(joined))} ({len(joined) + 1} of {world_size} "
+                "arrived)"
+            )
             if remaining <= 0:
                 missing = sorted(set(range(1, world_size)) - set(joined))
                 raise RendezvousError(
@@ -181,8 +186,10 @@ def _host(name: str, world_size: int, host: str, port: int, secret: bytes, timeo
             c.close()
         transport.close(listeners)
         raise
-    joiners.close(f"rank 0 completed the rendezvous at {host}:{port} without this worker: the world of "
-                  f"{world_size} was full. Check the ranks and world_size given to each worker.")
+    joiners.close(
+        f"rank 0 completed the rendezvous at {host}:{port} without this worker: the world of "
+        f"{world_size} was full. Check the ranks and world_size given to each worker."
+    )
     listeners[0].setblocking(True)
     workers = [me] + [joined[r][0] for r in range(1, world_size)]
     addresses = {0: (host, port)}
@@ -239,16 +246,21 @@ class _Joiners:
         with self._lock:
             self._socks.add(sock)
         self._threads = [t for t in self._threads if t.is_alive()]
-        t = threading.Thread(target=self._run, args=(sock, peer, time.monotonic() + transport.handshake_timeout()),
-                             name="rpc-rendezvous-join", daemon=True)
+        t = threading.Thread(
+            target=self._run,
+            args=(sock, peer, time.monotonic() + transport.handshake_timeout()),
+            name="rpc-rendezvous-join",
+            daemon=True,
+        )
         self._threads.append(t)
         t.start()
 
     def _run(self, sock: socket.socket, peer: tuple[str, int], deadline: float) -> None:
         joiner = None
         try:
-            joiner = _accept_joiner(self._listener.transport, sock, peer, self._world_size, self._secret, deadline,
-                                    self._admission)
+            joiner = _accept_joiner(
+                self._listener.transport, sock, peer, self._world_size, self._secret, deadline, self._admission
+            )
         finally:
             with self._lock:
                 self._socks.discard(sock)  # before it may be closed (see close)
@@ -306,9 +318,15 @@ def _reply(c: Connection, msg_id: int, err: str) -> None:
         pass
 
 
-def _accept_joiner(via: transport.Transport, sock: socket.socket, peer: tuple[str, int], world_size: int,
-                   secret: bytes, deadline: float, admission: transport.Admission
-                   ) -> tuple[Connection, WorkerInfo, tuple[str, int], int] | None:
+def _accept_joiner(
+    via: transport.Transport,
+    sock: socket.socket,
+    peer: tuple[str, int],
+    world_size: int,
+    secret: bytes,
+    deadline: float,
+    admission: transport.Admission,
+) -> tuple[Connection, WorkerInfo, tuple[str, int], int] | None:
     """Authenticate a joiner and read its join request, all by ``deadline``; None if it is
     turned away (the caller closes ``sock`` then)."""
     import pickle
@@ -320,8 +338,9 @@ def _accept_joiner(via: transport.Transport, sock: socket.socket, peer: tuple[st
             _reply(c, h.msg_id, MIXED_GROUP)
             return None
         if ws != world_size:
-            _reply(c, h.msg_id, f"world_size mismatch: worker {name!r} (rank {rank}) says {ws}, rank 0 says "
-                                f"{world_size}")
+            _reply(
+                c, h.msg_id, f"world_size mismatch: worker {name!r} (rank {rank}) says {ws}, rank 0 says {world_size}"
+            )
             return None
         return c, WorkerInfo(name, rank), tuple(address), h.msg_id
     except AuthenticationError:
@@ -331,8 +350,9 @@ def _accept_joiner(via: transport.Transport, sock: socket.socket, peer: tuple[st
     return None
 
 
-def _check_joiner(info: WorkerInfo, me: WorkerInfo,
-                  joined: dict[int, tuple[WorkerInfo, tuple[str, int], Connection, int]]) -> str | None:
+def _check_joiner(
+    info: WorkerInfo, me: WorkerInfo, joined: dict[int, tuple[WorkerInfo, tuple[str, int], Connection, int]]
+) -> str | None:
     if info.id in joined or info.id == 0:
         other = me if info.id == 0 else joined[info.id][0]
         return f"rank {info.id} is not unique: both {other.name!r} and {info.name!r} claim it"
@@ -351,9 +371,11 @@ def _join(name: str, rank: int, world_size: int | None, host: str, port: int, se
     who = f"worker {name!r} (rank {rank})"
     while True:
         try:
-            c = transport.TCP.dial((host, port), secret,
-                                   timeout=max(_MIN_ATTEMPT, min(transport.handshake_timeout(),
-                                                                 deadline - time.monotonic())))
+            c = transport.TCP.dial(
+                (host, port),
+                secret,
+                timeout=max(_MIN_ATTEMPT, min(transport.handshake_timeout(), deadline - time.monotonic())),
+            )
             break
         except (TimeoutError, ConnectionRefusedError, transport.PeerClosed, ConnectionResetError, socket.gaierror) as e:
             if time.monotonic() + delay > deadline:
@@ -374,9 +396,12 @@ def _join(name: str, rank: int, world_size: int | None, host: str, port: int, se
     try:
         c.send(wire.REQUEST, 0, 1, b"", _dumps((name, rank, world_size, listeners[0].address)))
         end = deadline + _ANSWER_SLACK
-        what = (f"{who} is waiting for rank 0 at {host}:{port} to admit it to the group (once every member knows it)"
-                if world_size is None else f"{who} has reached rank 0 at {host}:{port} and is waiting for the "
-                f"roster, which rank 0 sends once all {world_size} workers have arrived")
+        what = (
+            f"{who} is waiting for rank 0 at {host}:{port} to admit it to the group (once every member knows it)"
+            if world_size is None
+            else f"{who} has reached rank 0 at {host}:{port} and is waiting for the "
+            f"roster, which rank 0 sends once all {world_size} workers have arrived"
+        )
         while time.monotonic() < end and not c.poll(waiting.bound(end - time.monotonic())):
             waiting.log(what)
         c.set_recv_timeout(max(_MIN_ATTEMPT, end - time.monotonic()))
@@ -385,8 +410,9 @@ def _join(name: str, rank: int, world_size: int | None, host: str, port: int, se
     except (OSError, transport.PeerClosed) as e:
         transport.close(listeners)
         c.close()
-        raise RendezvousError(f"worker {name!r} (rank {rank}): rendezvous with rank 0 at {host}:{port} "
-                              f"failed: {e}") from None
+        raise RendezvousError(
+            f"worker {name!r} (rank {rank}): rendezvous with rank 0 at {host}:{port} failed: {e}"
+        ) from None
     if h.kind == wire.EXCEPTION:
         transport.close(listeners)
         c.close()

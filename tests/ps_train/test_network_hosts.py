@@ -2,6 +2,7 @@
 host's link limited to 20 Mbit/s both ways, another host held to a tenth of a core by its cgroup.
 The job must complete, the limited link must never have carried more than its rate allows,
 and the CPU budget must have held its host back."""
+
 from __future__ import annotations
 
 import os
@@ -22,8 +23,17 @@ LIMITED, SLOW = 2, 3  # trainer0's link is shaped; trainer1 gets a tenth of a co
 CORES = 0.1
 RATE_BITS, BURST = 20e6, 32 * 1024
 # A model whose pushes and pulls (~0.5 MB a step for a trainer) outrun 20 Mbit/s.
-JOB = ("mode=async", "model=mlp", "model.hidden_sizes=[256,256]", "data=digits", "cluster.num_servers=2",
-       "cluster.num_trainers=2", "train.steps=30", "checkpoint.every=0", "logging.tensorboard=false")
+JOB = (
+    "mode=async",
+    "model=mlp",
+    "model.hidden_sizes=[256,256]",
+    "data=digits",
+    "cluster.num_servers=2",
+    "cluster.num_trainers=2",
+    "train.steps=30",
+    "checkpoint.every=0",
+    "logging.tensorboard=false",
+)
 TIMEOUT = 400.0  # each rank imports torch itself; trainer1 does so on half a core, on a shared machine
 
 
@@ -45,7 +55,7 @@ def highest_rate(samples: list[tuple[float, int]], window: float = 1.0) -> float
     """The most bytes per second over any ``window`` s between two samples (time, bytes)."""
     best = 0.0
     for i, (t0, b0) in enumerate(samples):
-        for t1, b1 in samples[i + 1:]:
+        for t1, b1 in samples[i + 1 :]:
             if t1 - t0 >= window:
                 best = max(best, (b1 - b0) / (t1 - t0))
                 break
@@ -58,15 +68,25 @@ def test_a_job_on_hosts_with_a_slow_link_and_a_tenth_of_a_core_completes_within_
     net.limit_cpu(SLOW, CORES)
     run_dir = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k != "PS_TRAIN_FAULT"}
-    env.update(WORLD_SIZE=str(len(ROLES)), MASTER_ADDR=net.address(0), MASTER_PORT="29500",
-               RPC_CORE_AUTH_SECRET=os.urandom(16).hex())
+    env.update(
+        WORLD_SIZE=str(len(ROLES)),
+        MASTER_ADDR=net.address(0),
+        MASTER_PORT="29500",
+        RPC_CORE_AUTH_SECRET=os.urandom(16).hex(),
+    )
     args = [sys.executable, "-m", "ps_train", "cluster=env", *QUICK, *JOB, f"hydra.run.dir={run_dir}"]
     procs = []
     for rank in range(len(ROLES)):
         with open(tmp_path / f"{ROLES[rank]}.out", "wb") as out:
-            procs.append(subprocess.Popen(net.command(rank, "unshare", "--pid", "--kill-child", *args),
-                                          cwd=tmp_path, env=dict(env, RANK=str(rank)), stdout=out,
-                                          stderr=subprocess.STDOUT))
+            procs.append(
+                subprocess.Popen(
+                    net.command(rank, "unshare", "--pid", "--kill-child", *args),
+                    cwd=tmp_path,
+                    env=dict(env, RANK=str(rank)),
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                )
+            )
     sent: list[tuple[float, int]] = []
     received: list[tuple[float, int]] = []
     deadline = time.monotonic() + TIMEOUT

@@ -1,6 +1,7 @@
 """Row-sharded tables: ownership, seeded block initialisation, each server's fused storage,
 and the trainer's one-hot lookup (deduplicate, split by server, reassemble) against one
 ``nn.EmbeddingBag(sparse=True)``. Multi-hot bags: ``test_fused_tables.py``."""
+
 from __future__ import annotations
 
 import copy
@@ -119,8 +120,9 @@ def test_sharded_lookups_train_like_one_embedding_bag(kind: str) -> None:
         opt.step()
     for t, sh in enumerate(shardings):
         for s in range(servers):
-            torch.testing.assert_close(shards[s].table(t), ref_bags[t].weight.detach()[sh.global_ids(s)],
-                                       rtol=0, atol=1e-7)
+            torch.testing.assert_close(
+                shards[s].table(t), ref_bags[t].weight.detach()[sh.global_ids(s)], rtol=0, atol=1e-7
+            )
 
 
 def test_a_servers_table_shards_hold_its_rows_and_train_only_the_touched_ones() -> None:

@@ -1,4 +1,5 @@
 """Embedding-table optimizers (``ps_train.ctr.optimizers``): the registry and torch's, row by row."""
+
 from __future__ import annotations
 
 import copy
@@ -33,8 +34,10 @@ def test_a_torch_table_optimizer_steps_the_named_rows_as_torch_does(name):
     opt = make_table_optimizer(name, tables, cfg, lr=0.05)
     assert isinstance(opt, TorchTableOptimizer)
     for step in range(3):
-        grads = [_sparse([1, 4], torch.randn(2, 3, generator=g), 6), None if step == 1 else
-                 _sparse([0], torch.randn(1, 3, generator=g), 4)]
+        grads = [
+            _sparse([1, 4], torch.randn(2, 3, generator=g), 6),
+            None if step == 1 else _sparse([0], torch.randn(1, 3, generator=g), 4),
+        ]
         opt.step(grads)
         for p, grad in zip(reference, grads, strict=True):
             p.grad = grad

@@ -11,6 +11,7 @@ give the weights (and losses) of the same optimizer in one process, bit for bit 
 ``DistributedOptimizer.step`` does; a hook's result comes back to the trainer by worker
 name; a hook that raises makes the trainer's backward raise, naming the worker.
 """
+
 from __future__ import annotations
 
 import traceback
@@ -103,7 +104,8 @@ def run_config(name: str, optim_cls: type, kwargs: dict[str, Any], in_backward: 
                 dist_autograd.backward(cid, [loss])
                 # DistributedOptimizer's hook returns nothing; every owner reports it ran.
                 assert dist_autograd.backward_results(cid) == {
-                    w: {"rpc_core.optim": None} for w in ("worker0", "worker1", "worker2")}
+                    w: {"rpc_core.optim": None} for w in ("worker0", "worker1", "worker2")
+                }
             else:
                 dist_autograd.backward(cid, [loss])
                 dopt.step(cid)
@@ -141,8 +143,11 @@ def check_results_and_errors() -> None:
     with dist_autograd.context() as cid:
         loss = r2.rpc_sync().forward(r1.rpc_sync().forward(x)).sum()
         dist_autograd.set_backward_info(cid, "test", {"step": 8})
-        with pytest.raises(ValueError, match=r"Error on Node 2: in a backward hook: ValueError: no update for "
-                                             r"payload \{'step': 8\} \(on worker2\)"):
+        with pytest.raises(
+            ValueError,
+            match=r"Error on Node 2: in a backward hook: ValueError: no update for "
+            r"payload \{'step': 8\} \(on worker2\)",
+        ):
             dist_autograd.backward(cid, [loss])
     with dist_autograd.context() as cid:  # without a payload no hook runs
         loss = r2.rpc_sync().forward(r1.rpc_sync().forward(x)).sum()
@@ -179,8 +184,9 @@ def world() -> Any:
 
 
 @pytest.mark.timeout(360)
-@pytest.mark.parametrize("case", [f"{c[0]}-{m}" for c in CONFIGS for m in ("step", "in_backward")]
-                         + ["results_and_errors"])
+@pytest.mark.parametrize(
+    "case", [f"{c[0]}-{m}" for c in CONFIGS for m in ("step", "in_backward")] + ["results_and_errors"]
+)
 def test_backward_hooks(world: Any, case: str) -> None:
     if isinstance(world, WorldError):
         pytest.fail(f"the world failed:\n{world}")

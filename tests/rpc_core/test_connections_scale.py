@@ -2,6 +2,7 @@
 shutdown: in a parameter-server group (rank 0 the server, the others trainers calling only
 it) no trainer ever holds a connection to another trainer, and the server's connections grow
 with the trainers while a trainer's stay constant."""
+
 from __future__ import annotations
 
 import os
@@ -36,8 +37,9 @@ def _trainers_call_the_server(ctx):
     seen = {"init": _connections()}
     if ctx.rank > 0:
         for _ in range(5):
-            assert torch.equal(rpc_core.rpc_sync("worker0", torch.add, args=(torch.ones(2), ctx.rank)),
-                               torch.ones(2) + ctx.rank)
+            assert torch.equal(
+                rpc_core.rpc_sync("worker0", torch.add, args=(torch.ones(2), ctx.rank)), torch.ones(2) + ctx.rank
+            )
         rpc_core.rpc_async("worker0", torch.mul, args=(torch.ones(2), 2)).wait()
         rref = rpc_core.remote("worker0", torch.add, args=(torch.ones(2), 1))
         assert torch.equal(rref.to_here(), torch.full((2,), 2.0))

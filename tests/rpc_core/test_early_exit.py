@@ -2,6 +2,7 @@
 (rpc_core/agent/early_exit.py), as torch's do for its own RPC futures, and are torch's own
 for every other future. In one process: the futures are completed by the test's own threads.
 The same program on torch.distributed.rpc and on rpc_core: test_torch_compat.py."""
+
 from __future__ import annotations
 
 import threading

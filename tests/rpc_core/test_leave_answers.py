@@ -8,6 +8,7 @@ connections (the leave request to rank 0, rank 0's word to worker2). The race wa
 one leave in four, so each test runs the pattern many times. Real worker processes on
 loopback (tests/_world.py); steps are ordered by events and membership listeners, never by
 sleeping."""
+
 import os
 import signal
 import threading
@@ -163,8 +164,9 @@ def _body_unanswered(ctx, freeze):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("freeze", [False, True], ids=["its-connection-ends", "it-froze-as-it-left"])
 def test_a_call_the_leaver_never_answers_fails_once_its_connection_ends_or_after_the_grace(freeze):
-    (pending, outcome, waited), _ = run_world(_body_unanswered, 2, init=False, args=(freeze,),
-                                              may_die=(1,) if freeze else ())
+    (pending, outcome, waited), _ = run_world(
+        _body_unanswered, 2, init=False, args=(freeze,), may_die=(1,) if freeze else ()
+    )
     assert pending  # the leave was heard with the call still waiting for its answer
     assert outcome == "WorkerLeftError: worker 'worker1' (rank 1) left the group", outcome
     if freeze:
