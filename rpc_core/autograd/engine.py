@@ -272,7 +272,7 @@ def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = Fa
         _raise_all(errors)
         futures = _continue(ctx, values, True, None)
     if ctx.info is not None:  # the workers not told their last call came, and this one's hooks
-        _finish(ctx, waited=True).wait()
+        _finish(ctx).wait()
 
 
 def _wait(futures: list[torch.futures.Future[Any]]) -> tuple[list[Any], list[BaseException]]:
@@ -463,21 +463,19 @@ def _end_call(ctx: _context.DistAutogradContext, returned: Returned, done: torch
         done.set_result(hooks.Answer(returned, results) if results else returned)
 
     if go:
-        _finish(ctx, waited=False).add_done_callback(answer)
+        _finish(ctx).add_done_callback(answer)
     else:
         answer(None)
 
 
-def _finish(ctx: _context.DistAutogradContext, waited: bool) -> torch.futures.Future[None]:
+def _finish(ctx: _context.DistAutogradContext) -> torch.futures.Future[None]:
     """This worker's part of the backward is done: tell the workers it called whose last call
     was not flagged so (``_on_finish``), then run its own hooks; their results go into
-    ``ctx.results``. Never blocks."""
+    ``ctx.results``. Never blocks. The finish calls are not ``waited``: their answers
+    complete the returned future through callbacks, which a background reader runs."""
     me = _agent_mod.current_agent().me
     out: torch.futures.Future[None] = torch.futures.Future()
-    futs = [
-        calls.invoke_async(w, _on_finish, (ctx.context_id,), None, 0, "async", waited=waited)
-        for w in hooks.unfinished(ctx)
-    ]
+    futs = [calls.invoke_async(w, _on_finish, (ctx.context_id,), None, 0, "async") for w in hooks.unfinished(ctx)]
 
     def own_done(f: torch.futures.Future[dict[str, Any]]) -> None:
         try:
@@ -545,5 +543,5 @@ def _on_finish(context_id: int) -> torch.futures.Future[Any]:
             return
         done.set_result(hooks.take_results(ctx) or None)
 
-    _finish(ctx, waited=False).add_done_callback(answer)
+    _finish(ctx).add_done_callback(answer)
     return done
