@@ -34,6 +34,9 @@ class ClusterConfig:
     # async/ssp, local launcher, rpc_core: a trainer that dies or freezes is replaced instead of
     # stopping the run, and trainers may join the running job (docs/training_failures.md, ps_train.elastic.membership).
     elastic: bool = False
+    # rpc_core only: each server applies a trainer's update when its part of the distributed
+    # backward is done (rpc_core.autograd hooks), instead of on a separate update call.
+    update_in_backward: bool = False
 
     def problems(self) -> Problems:
         p = Problems()

@@ -143,9 +143,10 @@ class Trainer:
         self._in_flight: InFlight | None = None
         self.mode = make_mode(cfg)  # what an update asks for and waits for (ps_train.modes)
         self.pipelined = self.mode.pipelined  # see module docstring
-        # rpc_core: the update rides on the backward (rpc_core.autograd.hooks); torch's RPC has
-        # no such extension, so there the trainer sends its update requests after the backward.
-        self.in_backward = backend.name() == "rpc_core"
+        # cluster.update_in_backward (rpc_core): the update rides on the backward
+        # (rpc_core.autograd.hooks); torch's RPC has no such extension, so there, and by default,
+        # the trainer sends its update requests after the backward.
+        self.in_backward = cfg.cluster.update_in_backward and backend.name() == "rpc_core"
 
     def load(self) -> None:
         """Set ``train_set``, ``test_set`` and ``batches`` (this trainer's batch iterator)."""
