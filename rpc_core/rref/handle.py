@@ -15,14 +15,14 @@ import torch
 
 from ..agent import agent as _agent_mod
 from ..agent import calls
-from ..agent.futures import RpcFuture, map_result, set_error
+from ..agent.futures import map_result, set_error
 from ..agent.worlds import WorkerInfo
 from ..autograd.engine import backward as _dist_backward
 from ..errors import RpcError, RpcTimeoutError
 from ..options import UNSET_RPC_TIMEOUT
 from ..protocol import wire
 from .release import collect, delete_after_creation, drop_owner_handle
-from .state import Id, _ctx, _on_create, _on_fetch, _on_invoke, _on_type, fmt, new_id
+from .state import Id, _ctx, _on_create, _on_fetch, _on_invoke, _on_type, check_attribute, fmt, new_id
 
 T = TypeVar("T")
 
@@ -211,25 +211,15 @@ def _keep_type(ref: weakref.ref[RRef[Any]], f: torch.futures.Future[Any]) -> Non
         rref._type = f.value()
 
 
-def _check_attribute(rref_type: type, name: str) -> None:
-    """Raise AttributeError, as torch's proxies do, if the value's type has no ``name``:
-    before any call goes out. (A scripted module's methods are not on its type: not checked.)"""
-    try:
-        getattr(rref_type, name)
-    except AttributeError as e:
-        if issubclass(rref_type, (torch.jit.ScriptModule, torch._C.ScriptModule)):
-            return
-        raise AttributeError(
-            f"{e}. The RRef proxies call attributes of the value's type; reach others with a function run on "
-            "the owner: rpc_sync(rref.owner(), f, args=(rref,)) where f uses rref.local_value()"
-        ) from None
-
-
 class _Proxy:
     """``rref.rpc_sync().method(*args)`` runs ``method`` on the owner's value. As torch's,
     it first checks that the value's type has ``method`` (``_get_type``: one call to the
     owner per RRef, then kept): a missing one raises AttributeError here, and for
-    ``rpc_async()`` fails the returned future, with no call sent."""
+    ``rpc_async()`` fails the returned future, with no call sent. An ``rpc_async()`` on an
+    RRef whose type is not known yet sends its call at once and the owner makes the same
+    check before running anything (``state.check_attribute``): the call stays in order
+    with the thread's other calls to that owner and inside its autograd context, which a
+    call sent later from a callback would leave."""
 
     def __init__(self, rref: RRef[Any], mode: str, timeout: float) -> None:
         self._rref, self._mode, self._timeout = rref, mode, timeout
@@ -239,17 +229,16 @@ class _Proxy:
             rref = self._rref
             rref._check_alive(self._mode)
             if self._mode != "async":
-                _check_attribute(rref._get_type(self._timeout), name)
+                check_attribute(rref._get_type(self._timeout), name)
                 return _invoke(rref, self._mode, self._timeout, name, args, kwargs)
             known = rref._type
-            if known is None:
-                return _invoke_when_typed(rref, self._timeout, name, args, kwargs)
-            try:
-                _check_attribute(known, name)
-            except AttributeError as e:
-                failed: torch.futures.Future[Any] = torch.futures.Future()
-                set_error(failed, e)
-                return failed
+            if known is not None:
+                try:
+                    check_attribute(known, name)
+                except AttributeError as e:
+                    failed: torch.futures.Future[Any] = torch.futures.Future()
+                    set_error(failed, e)
+                    return failed
             return _invoke(rref, "async", self._timeout, name, args, kwargs)
 
         return call
@@ -265,36 +254,6 @@ def _invoke(
         return remote(rref._owner_id, _on_invoke, args=call_args, timeout=timeout, _keepalive=rref)
     fut = calls.invoke_async(rref._owner_id, _on_invoke, call_args, None, timeout, mode, keepalive=rref)
     return fut.wait() if mode == "sync" else fut
-
-
-def _invoke_when_typed(
-    rref: RRef[Any], timeout: float, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> torch.futures.Future[Any]:
-    """``rref.rpc_async().name(...)`` before the type is known: ask for it, check, call,
-    without blocking; the returned future gets the call's outcome (or the check's error).
-    An RpcFuture: a pool thread that waits on it hands its duties over first."""
-    out = RpcFuture()
-
-    def typed(f: torch.futures.Future[Any]) -> None:
-        try:
-            _check_attribute(f.value(), name)
-            fut = _invoke(rref, "async", timeout, name, args, kwargs)
-        except BaseException as e:  # noqa: BLE001 - the error goes to the future's waiters
-            set_error(out, e)
-            return
-        fut.add_done_callback(lambda g: _pass_outcome(out, g))
-
-    rref._type_future(timeout).add_done_callback(typed)
-    return out
-
-
-def _pass_outcome(target: torch.futures.Future[Any], source: torch.futures.Future[Any]) -> None:
-    try:
-        value = source.value()
-    except BaseException as e:  # noqa: BLE001 - the error goes to the future's waiters
-        set_error(target, e)
-        return
-    target.set_result(value)
 
 
 # -- remote(): creating a value on its owner ---------------------------------------------------------

@@ -291,7 +291,22 @@ def _call_later(
     return out
 
 
+def check_attribute(rref_type: type, name: str) -> None:
+    """Raise AttributeError, as torch's proxies do, if the value's type has no ``name``.
+    (A scripted module's methods are not on its type: not checked.)"""
+    try:
+        getattr(rref_type, name)
+    except AttributeError as e:
+        if issubclass(rref_type, (torch.jit.ScriptModule, torch._C.ScriptModule)):
+            return
+        raise AttributeError(
+            f"{e}. The RRef proxies call attributes of the value's type; reach others with a function run on "
+            "the owner: rpc_sync(rref.owner(), f, args=(rref,)) where f uses rref.local_value()"
+        ) from None
+
+
 def _call_method(obj: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.futures.Future[Any]:
+    check_attribute(type(obj), name)  # the caller checked too if it knew the type
     method = getattr(obj, name)
     if getattr(method, "_wrapped_async_rpc_function", None) is not None:
         fut: torch.futures.Future[Any] = method(*args, **kwargs)

@@ -222,6 +222,53 @@ def test_proxies_call_instance_static_and_class_methods_on_the_owner():
     assert run_world(_body_proxies, 2) == [EMPTY, EMPTY]
 
 
+class Scaler:
+    """Records the order its calls arrive in; ``scale`` is differentiable."""
+
+    def __init__(self, tag):
+        self.tag = tag
+
+    def scale(self, t):
+        _ARRIVALS.append(self.tag)
+        return t * 3
+
+
+_ARRIVALS: list[str] = []  # on the owner: the tags of the Scalers called, in arrival order
+
+
+def _arrivals():
+    return list(_ARRIVALS)
+
+
+def _body_first_async_call(ctx):
+    import rpc_core.autograd as dist_autograd
+
+    if ctx.rank == 0:
+        known = rpc_core.remote(1, Scaler, args=("known",))
+        known.rpc_sync().scale(torch.ones(1))  # this RRef's type is known from here on
+        fresh = rpc_core.remote(1, Scaler, args=("fresh",))
+        x = torch.ones(2, requires_grad=True)
+        with dist_autograd.context() as cid:
+            # The first proxy call of ``fresh`` (type not known yet) goes out at once, in
+            # this thread's order and inside its autograd context.
+            first = fresh.rpc_async().scale(x)
+            second = known.rpc_async().scale(x)
+            loss = (first.wait() + second.wait()).sum()
+            dist_autograd.backward(cid, [loss])
+            grad = dist_autograd.get_gradients(cid)[x]
+        assert grad.tolist() == [6.0, 6.0]
+        assert rpc_core.rpc_sync(1, _arrivals) == ["known", "fresh", "known"]
+        # The owner checks the type for a call whose caller did not know it.
+        with pytest.raises(AttributeError, match="no_such_method"):
+            rpc_core.remote(1, Scaler, args=("other",)).rpc_async().no_such_method().wait()
+        del known, fresh, first, second
+    return _settle_and_count()
+
+
+def test_a_first_async_proxy_call_keeps_its_order_and_autograd_context():
+    assert run_world(_body_first_async_call, 2) == [EMPTY, EMPTY]
+
+
 # -- RRefs inside arguments and return values -------------------------------------------------------
 def _body_args_and_returns(ctx):
     if ctx.rank == 0:
