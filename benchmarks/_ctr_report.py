@@ -12,6 +12,7 @@ from _format import fmt
 __all__ = ["render", "BYTES_LIMIT", "TRAINER_RSS_LIMIT"]
 
 BYTES_LIMIT = 1.25  # measured bytes per step / ideal, on every server
+MULTIHOT_BYTES_LIMIT = 1.1  # multihot (bags of 20, pooled on the servers): measured / pooled ideal
 TRAINER_RSS_LIMIT = 1.5e9  # bytes (1.5 GB), every trainer of the large configuration
 LARGE_SPEEDUP = 2.0  # large: rpc_core / torch samples/s
 SMALL_VS_SINGLE = 0.6  # small 1 + 1: rpc_core / single-process samples/s
@@ -106,11 +107,12 @@ def render(
                 )
             row["bytes"] = _bytes_rows(label, raw[(n, s, t, "rpc_core")], ideal[(n, s, t)], bytes_body, notes)
             worst = max((v["ratio"] for v in row["bytes"].values() if v["ratio"] is not None), default=None)
+            limit = MULTIHOT_BYTES_LIMIT if n == "multihot" else BYTES_LIMIT
             targets.append(
                 (
-                    f"{label}: bytes/step <= {BYTES_LIMIT}x ideal on every server (rpc_core)",
+                    f"{label}: bytes/step <= {limit}x ideal on every server (rpc_core)",
                     worst,
-                    None if worst is None else worst <= BYTES_LIMIT,
+                    None if worst is None else worst <= limit,
                     _x(worst),
                 )
             )

@@ -160,7 +160,7 @@ class DLRMConfig(ModelConfig):
     bottom_mlp: list[int] = field(default_factory=lambda: [64, 32])  # hidden sizes; its output is embedding_dim
     top_mlp: list[int] = field(default_factory=lambda: [64, 32])  # hidden sizes; its output is 1 logit
     table_sharding: str = "range"  # range (contiguous rows per server) | mod (id % num_servers)
-    table_optim: str = "adagrad"  # sgd | adagrad | sparse_adam: touched rows only (ps_train.ctr.optimizers)
+    table_optim: str = "adagrad"  # sgd | adagrad | sparse_adam | rowwise_adagrad: touched rows only (ctr.optimizers)
     table_lr: float | None = None  # null: optim.lr
     pooling: list[str] = field(default_factory=list)  # per table sum | mean; []: sum; one value: every table
 

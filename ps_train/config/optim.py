@@ -22,7 +22,7 @@ OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], tuple[str, ...]]] = {
 
 # model.table_optim: the embedding-table optimizers (ps_train.ctr.optimizers, which holds them;
 # the config, below ctr/, knows their names only).
-TABLE_OPTIMIZER_NAMES = ("sgd", "adagrad", "sparse_adam")
+TABLE_OPTIMIZER_NAMES = ("sgd", "adagrad", "sparse_adam", "rowwise_adagrad")
 
 
 @dataclass

@@ -65,9 +65,13 @@ class DLRM(nn.Module):
                 bag.weight.copy_(init_rows(seed, t, rows, dim, torch.arange(rows)))
             self.tables.append(bag)
 
-    def table_weights(self) -> list[Tensor]:
+    def table_weights(self) -> list[nn.Parameter]:
         """Each table's rows, [rows_t, dim], in table order."""
-        return [bag.weight for bag in self.tables if isinstance(bag, nn.EmbeddingBag)]
+        return [
+            bag.weight
+            for bag in self.tables
+            if isinstance(bag, nn.EmbeddingBag) and isinstance(bag.weight, nn.Parameter)
+        ]
 
     def forward(self, dense: Tensor, ids: Tensor | Bags) -> Tensor:
         """dense [B, num_dense] float, ids [B, T] int64 or ``Bags`` -> logits [B]."""
