@@ -4,6 +4,8 @@ Usage (from the repo root)::
 
     python benchmarks/ctr_bench.py --quick          # everything once, few steps (~4-6 min)
     python benchmarks/ctr_bench.py --rounds 2 --json benchmarks/results/ctr.json
+    python benchmarks/ctr_bench.py --tables         # the tables alone (benchmarks/_table_step.py)
+    python benchmarks/ctr_bench.py --tables --tables-bag 20
 
 Options:
     --quick               fewer steps (small 150, large 40 instead of 600 and 200)
@@ -15,6 +17,13 @@ Options:
     --timeout SECONDS     hard limit per run (default 900, quick 600)
     --run-root DIR        where run folders go (default: a temporary folder, deleted at the
                           end unless a run failed or --keep-runs)
+    --tables              instead of the runs: the tables' lookup + backward + update alone,
+                          side by side in one invocation (one-process nn.EmbeddingBag, FBGEMM's
+                          CPU TBE with fused row-wise Adagrad when fbgemm_gpu imports, ps_train
+                          before and after fused storage, 1+1 and 2+2), against this run's
+                          memcpy floor (``_table_step.py`` says what each measures)
+    --tables-bag N        ids per bag for --tables (default 1: one-hot)
+    --table-steps N       timed steps per --tables variant (default 30, quick 12)
 
 Configurations (``model=dlrm``, ``data=synthetic_ctr``, ``mode=sync``, ``seed=0``):
 
@@ -23,6 +32,8 @@ Configurations (``model=dlrm``, ``data=synthetic_ctr``, ``mode=sync``, ``seed=0`
 - large: ``preset=dlrm_large`` (26 tables x 384,616 rows, dim 64: 2.56 GB of rows, batch
   512), 2 servers + 2 trainers. The single process holds all 2.56 GB of rows plus as much
   Adagrad state (~5.5 GB resident; fine on a 24 GiB machine).
+- multihot: 8 tables x 100,000 rows, dim 32, bags of 20 ids (``data.bag_sizes=[20]``), batch
+  256, 2 servers + 2 trainers: the servers pool their rows of each bag (``ps_train.ctr.plan``).
 
 Every run: ``train.eval_every=0``, ``checkpoint.every=0``, ``checkpoint.final=false`` (the
 large run's final checkpoint writes 5 GB inside trainer0's timed loop), no TensorBoard, one
@@ -53,12 +64,14 @@ What is measured:
 - peak RSS per role (``peak_rss_bytes`` of ``metrics.json``) for the large configuration.
 
 Targets (PASS/FAIL under the tables): bytes per step within 1.25x of the ideal on every
-server (rpc_core); large: rpc_core >= 2x backend=torch samples/s, every trainer's peak RSS
-< 1.5 GB; small 1 + 1: rpc_core >= 0.6x single-process samples/s.
+server (rpc_core; multihot: within 1.1x of the pooled ideal); large: rpc_core >= 2x
+backend=torch samples/s, every trainer's peak RSS < 1.5 GB; small 1 + 1: rpc_core >= 0.6x
+single-process samples/s.
 
 The cores may be shared: compare ratios from one invocation. A failed run shows "error" and
 its reason under the table; the others go on; the exit status is then 1.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -81,22 +94,49 @@ for _p in (REPO, HERE):
 from _ctr_report import render  # noqa: E402 (the benchmarks folder is on the path just above)
 from _ctr_traffic import replay_ideal_bytes  # noqa: E402
 
-COMMON = ["mode=sync", "seed=0", "train.eval_every=0", "checkpoint.every=0", "checkpoint.final=false",
-          "logging.tensorboard=false", "logging.progress=false", "logging.level=WARNING"]
+COMMON = [
+    "mode=sync",
+    "seed=0",
+    "train.eval_every=0",
+    "checkpoint.every=0",
+    "checkpoint.final=false",
+    "logging.tensorboard=false",
+    "logging.progress=false",
+    "logging.level=WARNING",
+]
 # name -> (overrides, (servers, trainers) clusters, steps {full, quick})
 CONFIGS: dict[str, tuple[list[str], list[tuple[int, int]], dict[str, int]]] = {
     "small": (["model=dlrm", "data=synthetic_ctr"], [(1, 1), (2, 2)], {"full": 600, "quick": 150}),
     # Servers build their 1.28 GB of rows before init_rpc; the trainers' rendezvous waits for
     # them within cluster.init_timeout (300 s by default).
     "large": (["preset=dlrm_large"], [(2, 2)], {"full": 200, "quick": 40}),
+    "multihot": (
+        [
+            "model=dlrm",
+            "data=synthetic_ctr",
+            "data.bag_sizes=[20]",
+            "data.table_rows=100000",
+            "data.num_samples=120000",
+            "model.embedding_dim=32",
+        ],
+        [(2, 2)],
+        {"full": 200, "quick": 40},
+    ),
 }
 BACKENDS = ("torch", "rpc_core")
 
 
 def overrides_for(name: str, servers: int, trainers: int, backend: str, steps: int) -> list[str]:
     base, _, _ = CONFIGS[name]
-    return [*base, *COMMON, f"cluster.num_servers={servers}", f"cluster.num_trainers={trainers}",
-            f"backend={backend}", f"train.steps={steps}", f"train.log_every={steps}"]
+    return [
+        *base,
+        *COMMON,
+        f"cluster.num_servers={servers}",
+        f"cluster.num_trainers={trainers}",
+        f"backend={backend}",
+        f"train.steps={steps}",
+        f"train.log_every={steps}",
+    ]
 
 
 def compose(overrides: list[str]) -> Any:
@@ -157,20 +197,28 @@ def run_ps_train(overrides: list[str], run_dir: str, timeout: float) -> dict[str
             m = json.load(f)
         expected = cfg.train.steps * cfg.train.batch_size * cfg.cluster.num_trainers
         if m.get("samples") != expected or m.get("backend") != cfg.backend:
-            raise RuntimeError(f"metrics.json: {m.get('samples')} samples on backend {m.get('backend')}, expected "
-                               f"{expected} on {cfg.backend}")
+            raise RuntimeError(
+                f"metrics.json: {m.get('samples')} samples on backend {m.get('backend')}, expected "
+                f"{expected} on {cfg.backend}"
+            )
         # Sync mode: every step needs every trainer, so the trainer whose loop started last
         # times all the training without waiting for another's start-up; the others' loops
         # may include that wait (metrics.json's samples_per_s uses the longest loop).
         loop = min(m["trainer_wall_time_s"].values())
-        res.update(samples_per_s=m["samples"] / loop, loop_time_s=loop, metrics_samples_per_s=m["samples_per_s"],
-                   wall_time_s=m["wall_time_s"],
-                   losses=m["losses"]["trainer0"], peak_rss_bytes=m["peak_rss_bytes"],
-                   rows_pulled_per_step=m["rows_pulled_per_step"],
-                   server_bytes_per_step=m.get("server_bytes_per_step"))
+        res.update(
+            samples_per_s=m["samples"] / loop,
+            loop_time_s=loop,
+            metrics_samples_per_s=m["samples_per_s"],
+            wall_time_s=m["wall_time_s"],
+            losses=m["losses"]["trainer0"],
+            peak_rss_bytes=m["peak_rss_bytes"],
+            rows_pulled_per_step=m["rows_pulled_per_step"],
+            server_bytes_per_step=m.get("server_bytes_per_step"),
+        )
     except Exception as e:  # noqa: BLE001 - one failing run must not stop the others
-        res.update(status="error", error=str(e) if isinstance(e, RuntimeError) else _failure(e, run_dir),
-                   samples_per_s=None)
+        res.update(
+            status="error", error=str(e) if isinstance(e, RuntimeError) else _failure(e, run_dir), samples_per_s=None
+        )
     return res
 
 
@@ -184,8 +232,11 @@ def run_single(name: str, steps: int, timeout: float) -> dict[str, Any]:
             return {"status": "error", "error": f"timeout after {timeout:.0f} s; killed", "samples_per_s": None}
         if proc.returncode != 0:
             lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
-            return {"status": "error", "samples_per_s": None,
-                    "error": f"exit code {proc.returncode}: {lines[-1] if lines else 'no output'}"}
+            return {
+                "status": "error",
+                "samples_per_s": None,
+                "error": f"exit code {proc.returncode}: {lines[-1] if lines else 'no output'}",
+            }
         return {"status": "ok", **json.load(out)}
 
 
@@ -201,7 +252,7 @@ def single_worker(name: str, steps: int, out_path: str) -> None:
     from ps_train.ctr.batches import CtrBatchIterator
     from ps_train.ctr.loading import load_ctr_data
     from ps_train.ctr.model import DLRM
-    from ps_train.ctr.optimizers import table_optimizer_spec
+    from ps_train.ctr.optimizers import TORCH_TABLE_OPTIMIZERS, make_table_optimizer, table_optimizer_spec
 
     torch.set_num_threads(1)  # as in every ps_train process
     # Adagrad on sparse gradients warns that it does not re-check their indices (see table_server).
@@ -209,35 +260,113 @@ def single_worker(name: str, steps: int, out_path: str) -> None:
     cfg = compose(overrides_for(name, 1, 1, "rpc_core", steps))
     data, m = cfg.data, cfg.model
     train = load_ctr_data(data).train
-    model = DLRM(data.dense_count(), data.sizes(), m.embedding_dim, m.bottom_mlp, m.top_mlp, cfg.seed)
+    model = DLRM(
+        data.dense_count(),
+        data.sizes(),
+        m.embedding_dim,
+        m.bottom_mlp,
+        m.top_mlp,
+        cfg.seed,
+        m.pooling_list(len(data.sizes())),
+    )
     cls, kwargs = optimizer_spec(cfg.optim)
     dense_opt = cls([*model.bottom.parameters(), *model.top.parameters()], **kwargs)
-    tcls, tkwargs = table_optimizer_spec(m.table_optim, cfg.optim, m.table_lr)
-    table_opt = tcls(model.table_weights(), **tkwargs)
+    # torch's own sparse optimizer as the reference; row-wise Adagrad (not in torch) as ps_train runs it
+    table_opt: Any = (
+        make_table_optimizer(m.table_optim, model.table_weights(), cfg.optim, m.table_lr)
+        if m.table_optim not in TORCH_TABLE_OPTIMIZERS
+        else None
+    )
+    if table_opt is None:
+        tcls, tkwargs = table_optimizer_spec(m.table_optim, cfg.optim, m.table_lr)
+        table_opt = tcls(model.table_weights(), **tkwargs)
     batches = CtrBatchIterator(train, 0, 1, cfg.train.batch_size, cfg.seed)
     losses: list[float] = []
     samples = 0
     t0 = time.perf_counter()
     for _ in range(steps):
-        dense, ids, labels = next(batches)  # [B, num_dense], [B, T], [B]
+        dense, ids, labels = next(batches)  # [B, num_dense], [B, T] or Bags, [B]
         dense_opt.zero_grad(set_to_none=True)
-        table_opt.zero_grad(set_to_none=True)
+        for w in model.table_weights():
+            w.grad = None
         logit = model(dense, ids)  # [B]
         loss = F.binary_cross_entropy_with_logits(logit, labels)
         loss.backward()
         dense_opt.step()
-        table_opt.step()
+        if isinstance(table_opt, torch.optim.Optimizer):
+            table_opt.step()
+        else:
+            table_opt.step([w.grad for w in model.table_weights()])
         ((logit.detach() > 0) == (labels > 0.5)).float().mean().item()  # as ps_train's trainer does
         losses.append(loss.item())
         samples += len(labels)
     wall = time.perf_counter() - t0
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     with open(out_path, "w") as f:
-        json.dump({"samples_per_s": samples / wall, "wall_time_s": wall, "losses": losses,
-                   "peak_rss_bytes": rss}, f)
+        json.dump({"samples_per_s": samples / wall, "wall_time_s": wall, "losses": losses, "peak_rss_bytes": rss}, f)
 
 
 # ---------------------------------------------------------------------------- the report
+
+
+def run_tables(args: argparse.Namespace) -> int:
+    """``--tables``: every ``_table_step`` variant in a child process, one after another,
+    then the table of figures against the memcpy floor measured here."""
+    import statistics
+
+    from _floor import _memcpy_gbs
+    from _table_step import VARIANTS, fbgemm_missing, render_tables
+
+    steps = args.table_steps or (12 if args.quick else 30)
+    timeout = args.timeout or 1800.0
+    info = {
+        **machine(),
+        "loadavg_start": os.getloadavg()[0],
+        "steps": steps,
+        "bag": args.tables_bag,
+        "command": " ".join(["python", os.path.relpath(__file__, REPO), *sys.argv[1:]]),
+        "time": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+    memcpy = [statistics.median(_memcpy_gbs())]
+    results: dict[str, dict[str, Any]] = {}
+    for v in VARIANTS:
+        if v == "fbgemm" and fbgemm_missing():
+            results[v] = {"skipped": fbgemm_missing()}
+            continue
+        print(f"[tables] {v}, {steps} steps", file=sys.stderr, flush=True)
+        with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
+            cmd = [
+                sys.executable,
+                os.path.abspath(__file__),
+                "--table-worker",
+                v,
+                str(steps),
+                str(args.tables_bag),
+                out.name,
+            ]
+            try:
+                proc = subprocess.run(cmd, timeout=timeout, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
+            except subprocess.TimeoutExpired:
+                results[v] = {"error": f"timeout after {timeout:.0f} s"}
+                continue
+            if proc.returncode != 0:
+                last = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+                results[v] = {"error": f"exit code {proc.returncode}: {last[-1] if last else 'no output'}"}
+                continue
+            results[v] = json.load(out)
+        memcpy.append(statistics.median(_memcpy_gbs()))  # the floor between variants: the load drifts
+    info["loadavg_end"] = os.getloadavg()[0]
+    text, doc = render_tables(results, statistics.median(memcpy), args.tables_bag)
+    print(
+        f"{info['cpu']}, {info['cores']} cores, load average {info['loadavg_start']:.1f} -> "
+        f"{info['loadavg_end']:.1f}; memcpy GB/s over the run: {', '.join(f'{m:.2f}' for m in memcpy)}"
+    )
+    print(text)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({**doc, "info": info, "memcpy_samples": memcpy}, f, indent=2)
+    return 1 if any("error" in r for r in results.values()) else 0
 
 
 def machine() -> dict[str, Any]:
@@ -250,15 +379,34 @@ def machine() -> dict[str, Any]:
     except OSError:
         pass
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                                timeout=5).stdout.strip() or None
-        if commit and subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                                     capture_output=True, text=True, timeout=5).stdout.strip():
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=5
+            ).stdout.strip()
+            or None
+        )
+        if (
+            commit
+            and subprocess.run(
+                ["git", "status", "--porcelain", "--untracked-files=no"],
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+                timeout=5,
+            ).stdout.strip()
+        ):
             commit += " (with uncommitted changes)"
     except (OSError, subprocess.SubprocessError):
         commit = None
-    return {"cpu": cpu, "cores": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version(),
-            "torch": torch.__version__, "commit": commit, "memory_gib": _mem_gib()}
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "commit": commit,
+        "memory_gib": _mem_gib(),
+    }
 
 
 def _mem_gib() -> float | None:
@@ -271,9 +419,11 @@ def _mem_gib() -> float | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="DLRM: ps_train on rpc_core vs backend=torch vs one process",
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=__doc__.split("Configurations")[0] if __doc__ else None)
+    ap = argparse.ArgumentParser(
+        description="DLRM: ps_train on rpc_core vs backend=torch vs one process",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("Configurations")[0] if __doc__ else None,
+    )
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", choices=tuple(CONFIGS), default=None)
     ap.add_argument("--rounds", type=int, default=1)
@@ -281,8 +431,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=None)
     ap.add_argument("--run-root", default=None, metavar="DIR")
     ap.add_argument("--keep-runs", action="store_true")
+    ap.add_argument("--tables", action="store_true")
+    ap.add_argument("--tables-bag", type=int, default=1)
+    ap.add_argument("--table-steps", type=int, default=None)
     ap.add_argument("--single-worker", nargs=3, metavar=("CONFIG", "STEPS", "OUT"), help=argparse.SUPPRESS)
+    ap.add_argument("--table-worker", nargs=4, metavar=("VARIANT", "STEPS", "BAG", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.table_worker:
+        from _table_step import worker
+
+        variant, steps_, bag, out = args.table_worker
+        worker(variant, int(steps_), int(bag), out)
+        return 0
+    if args.tables:
+        return run_tables(args)
     if args.single_worker:
         name, steps, out = args.single_worker
         single_worker(name, int(steps), out)
@@ -298,9 +460,15 @@ def main(argv: list[str] | None = None) -> int:
     steps = {n: CONFIGS[n][2]["quick" if args.quick else "full"] for n in names}
     timeout = args.timeout or (600.0 if args.quick else 900.0)
     run_root = tempfile.mkdtemp(prefix="ctr_bench_", dir=args.run_root)
-    info = {**machine(), "loadavg_start": os.getloadavg()[0], "rounds": args.rounds, "quick": args.quick,
-            "steps": steps, "command": " ".join(["python", os.path.relpath(__file__, REPO), *(argv or sys.argv[1:])]),
-            "time": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    info = {
+        **machine(),
+        "loadavg_start": os.getloadavg()[0],
+        "rounds": args.rounds,
+        "quick": args.quick,
+        "steps": steps,
+        "command": " ".join(["python", os.path.relpath(__file__, REPO), *(argv or sys.argv[1:])]),
+        "time": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
     log(f"{info['cpu']}, {info['cores']} cores, kernel {info['kernel']}, torch {info['torch']}; runs in {run_root}")
 
     # The ideal bytes depend only on the batches: replayed once per configuration and cluster.
@@ -341,9 +509,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({**doc, "info": info,
-                       "runs": {" ".join(map(str, k)): [{x: y for x, y in r.items() if x != "losses"} for r in v]
-                                for k, v in raw.items()}}, f, indent=2)
+            json.dump(
+                {
+                    **doc,
+                    "info": info,
+                    "runs": {
+                        " ".join(map(str, k)): [{x: y for x, y in r.items() if x != "losses"} for r in v]
+                        for k, v in raw.items()
+                    },
+                },
+                f,
+                indent=2,
+            )
         log(f"wrote {args.json}")
     return 1 if failed else 0
 

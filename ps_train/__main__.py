@@ -4,6 +4,7 @@ Exit codes: 0 done; 1 a role failed (the message names it and the checkpoint to 
 from; with ``cluster.max_restarts`` only once the restarts are used up); 2 invalid
 configuration, setup or data (nothing was started).
 """
+
 from __future__ import annotations
 
 import logging
@@ -51,9 +52,11 @@ def main(dcfg: DictConfig) -> float:
     hc = HydraConfig.get()
     run_dir = hc.runtime.output_dir
     if cfg.cluster.launcher == "env" and not any(o.startswith("hydra.run.dir=") for o in hc.overrides.hydra):
-        log.warning("cluster.launcher=env without hydra.run.dir=...: each rank names its run folder by its own "
-                    "start time, so logs may be split over several folders; pass the same "
-                    "hydra.run.dir=<folder> to every rank")
+        log.warning(
+            "cluster.launcher=env without hydra.run.dir=...: each rank names its run folder by its own "
+            "start time, so logs may be split over several folders; pass the same "
+            "hydra.run.dir=<folder> to every rank"
+        )
     print(f"[ps_train] run dir: {_shown(run_dir)}", flush=True)
     try:
         metrics = run(cfg, run_dir, overrides=list(hc.overrides.task))

@@ -28,6 +28,7 @@ The attempt a process belongs to is ``PS_TRAIN_ATTEMPT`` (set by the local launc
 torchrun's ``TORCHELASTIC_RESTART_COUNT``. This module lives apart from the launcher so
 that the server and trainer, which call the hook, do not import the launcher that starts them.
 """
+
 from __future__ import annotations
 
 import logging
@@ -37,20 +38,35 @@ import signal
 import time
 from typing import NamedTuple
 
-__all__ = ["FAULT_ENV", "ATTEMPT_ENV", "Fault", "current_attempt", "parse_faults", "maybe_inject_fault",
-           "fault_at", "die"]
+__all__ = [
+    "FAULT_ENV",
+    "ATTEMPT_ENV",
+    "Fault",
+    "current_attempt",
+    "parse_faults",
+    "maybe_inject_fault",
+    "fault_at",
+    "die",
+]
 
 log = logging.getLogger("ps_train")
 
 FAULT_ENV = "PS_TRAIN_FAULT"
 ATTEMPT_ENV = "PS_TRAIN_ATTEMPT"
-_ACTIONS = {"kill": signal.SIGKILL, "freeze": signal.SIGSTOP, "partial": signal.SIGKILL,
-            "checkpoint": signal.SIGKILL, "eval": signal.SIGKILL}
+_ACTIONS = {
+    "kill": signal.SIGKILL,
+    "freeze": signal.SIGSTOP,
+    "partial": signal.SIGKILL,
+    "checkpoint": signal.SIGKILL,
+    "eval": signal.SIGKILL,
+}
 # Where in a step each action fires: "step" after it (maybe_inject_fault), the others where the
 # role asks (fault_at): "partial" in the trainer's update, "checkpoint" and "eval" in trainer0's.
 _POINTS = {"kill": "step", "freeze": "step", "partial": "partial", "checkpoint": "checkpoint", "eval": "eval"}
-_SPEC = re.compile(r"(?P<role>[A-Za-z0-9_]+)@(?P<rel>\+?)(?P<step>\d+)(?::(?P<action>[a-z]+))?"
-                   r"(?:#(?P<attempt>\d+))?")
+_SPEC = re.compile(
+    r"(?P<role>[A-Za-z0-9_]+)@(?P<rel>\+?)(?P<step>\d+)(?::(?P<action>[a-z]+))?"
+    r"(?:#(?P<attempt>\d+))?"
+)
 
 
 class Fault(NamedTuple):
@@ -71,12 +87,21 @@ def parse_faults(spec: str) -> list[Fault]:
         m = _SPEC.fullmatch(part)
         action = (m.group("action") or "kill") if m else ""
         if m is None or action not in _ACTIONS:
-            raise ValueError(f"{FAULT_ENV}={spec!r}: {part!r} is not "
-                             "<role>@[+]<step>[:kill|:freeze|:partial|:checkpoint|:eval][#<attempt>] "
-                             "(e.g. ps1@5, trainer0@3:freeze#0, trainer2@+2:freeze or trainer1@5:partial)")
+            raise ValueError(
+                f"{FAULT_ENV}={spec!r}: {part!r} is not "
+                "<role>@[+]<step>[:kill|:freeze|:partial|:checkpoint|:eval][#<attempt>] "
+                "(e.g. ps1@5, trainer0@3:freeze#0, trainer2@+2:freeze or trainer1@5:partial)"
+            )
         attempt = m.group("attempt")
-        faults.append(Fault(m.group("role"), int(m.group("step")), action, None if attempt is None else int(attempt),
-                            relative=bool(m.group("rel"))))
+        faults.append(
+            Fault(
+                m.group("role"),
+                int(m.group("step")),
+                action,
+                None if attempt is None else int(attempt),
+                relative=bool(m.group("rel")),
+            )
+        )
     return faults
 
 
@@ -94,8 +119,12 @@ def _armed(role: str, step: int, point: str) -> Fault | None:
     attempt = current_attempt()
     nth = step - _first_step.setdefault(role, step) + 1  # this process's n-th step of the role
     for fault in parse_faults(spec):
-        if (fault.role == role and (nth if fault.relative else step) == fault.step
-                and fault.attempt in (None, attempt) and _POINTS[fault.action] == point):
+        if (
+            fault.role == role
+            and (nth if fault.relative else step) == fault.step
+            and fault.attempt in (None, attempt)
+            and _POINTS[fault.action] == point
+        ):
             return fault
     return None
 
@@ -117,8 +146,16 @@ def fault_at(role: str, step: int, point: str) -> bool:
 
 def die(role: str, step: int, verb: str = "killing", sig: signal.Signals = signal.SIGKILL) -> None:
     """Log the test fault, then ``sig`` this process."""
-    log.warning("%s=%s: test fault injection, %s %s (pid %d) at step %d at unix time %.3f",
-                FAULT_ENV, os.environ.get(FAULT_ENV), verb, role, os.getpid(), step, time.time())
+    log.warning(
+        "%s=%s: test fault injection, %s %s (pid %d) at step %d at unix time %.3f",
+        FAULT_ENV,
+        os.environ.get(FAULT_ENV),
+        verb,
+        role,
+        os.getpid(),
+        step,
+        time.time(),
+    )
     # Neither signal runs a handler: flush the log first so the test can read the line.
     for h in logging.getLogger().handlers:
         h.flush()

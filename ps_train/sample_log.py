@@ -12,6 +12,7 @@ run restarted after a failure trains every sample of an epoch exactly once.
 Off, it costs one attribute test per step: the batch iterators note their last batch
 (``PartitionCursor.last_batch``) anyway.
 """
+
 from __future__ import annotations
 
 import json

@@ -4,6 +4,7 @@ Every error derives from ``RpcError``, itself a ``RuntimeError`` so that code wr
 ``torch.distributed.rpc`` (which raises ``RuntimeError``) keeps catching what it caught.
 Messages say what happened, where (which worker) and how to fix it.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence

@@ -10,6 +10,7 @@ k+1 needs trainer0's gradients), so the checkpoint is exactly the state after st
 async/ssp modes each shard is saved as it is at that moment and every trainer resumes from
 trainer0's step.
 """
+
 from __future__ import annotations
 
 import logging
@@ -97,10 +98,16 @@ def save(trainer: CheckpointingTrainer, step: int) -> Path:
     positions = {}
     for k in range(cfg.cluster.num_trainers):
         positions[f"trainer{k}"] = dict(pos, rank=k, world=cfg.cluster.num_trainers, seed=cfg.seed)
-    write_manifest(ckpt, Manifest(step=step, shards=shards, trainer_positions=positions,
-                                  rng_states={"trainer0": capture_rng_state()},
-                                  extra={"mode": cfg.mode.name, "backend": cfg.backend,
-                                         "config": config_to_dict(cfg)}))
+    write_manifest(
+        ckpt,
+        Manifest(
+            step=step,
+            shards=shards,
+            trainer_positions=positions,
+            rng_states={"trainer0": capture_rng_state()},
+            extra={"mode": cfg.mode.name, "backend": cfg.backend, "config": config_to_dict(cfg)},
+        ),
+    )
     prune_checkpoints(trainer.run_dir, cfg.checkpoint.keep)
     log.info("checkpoint after step %d: %s", step, ckpt)
     return ckpt
@@ -132,9 +139,11 @@ def load_resume_state(path: str, server: str | None = None) -> dict[str, Any]:
     if server is not None:
         entry = {s.name: s for s in manifest.shards}.get(server)
         if entry is None:
-            raise CheckpointError(f"resume={path}: checkpoint {ckpt} has no state for {server} (it has "
-                                  f"{sorted(s.name for s in manifest.shards)}); resume with the same "
-                                  "cluster.num_servers")
+            raise CheckpointError(
+                f"resume={path}: checkpoint {ckpt} has no state for {server} (it has "
+                f"{sorted(s.name for s in manifest.shards)}); resume with the same "
+                "cluster.num_servers"
+            )
         servers[server] = load_shard_state(ckpt, entry)
     return {
         "checkpoint": str(ckpt),
@@ -152,10 +161,18 @@ def check_resumable(cfg: Config, path: str) -> dict[str, Any]:
     saved = state["extra"].get("config")
     if saved:
         now = config_to_dict(cfg)
-        problems = [f"{key}: the checkpoint has {saved.get(key)!r}, this run {now.get(key)!r}"
-                    for key in _RESUME_MUST_MATCH if key in saved and saved.get(key) != now.get(key)]
-        for group, key in (("cluster", "num_servers"), ("cluster", "num_trainers"), ("cluster", "placement"),
-                           ("optim", "name"), ("data", "name")):
+        problems = [
+            f"{key}: the checkpoint has {saved.get(key)!r}, this run {now.get(key)!r}"
+            for key in _RESUME_MUST_MATCH
+            if key in saved and saved.get(key) != now.get(key)
+        ]
+        for group, key in (
+            ("cluster", "num_servers"),
+            ("cluster", "num_trainers"),
+            ("cluster", "placement"),
+            ("optim", "name"),
+            ("data", "name"),
+        ):
             old, new = saved.get(group, {}).get(key), now[group][key]
             if old is not None and old != new:
                 problems.append(f"{group}.{key}: the checkpoint has {old!r}, this run {new!r}")
@@ -164,8 +181,10 @@ def check_resumable(cfg: Config, path: str) -> dict[str, Any]:
             if old is not None and new is not None and old != new:
                 problems.append(f"data.{key}: the checkpoint has {old!r}, this run {new!r}")
         if problems:
-            raise ConfigError(f"resume={path}: {state['checkpoint']} was written by a different setup; pass the "
-                              "original run's overrides again:\n  - " + "\n  - ".join(problems))
+            raise ConfigError(
+                f"resume={path}: {state['checkpoint']} was written by a different setup; pass the "
+                "original run's overrides again:\n  - " + "\n  - ".join(problems)
+            )
     return state
 
 

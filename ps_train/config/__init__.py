@@ -9,7 +9,8 @@ model stages, negative staleness, ...), naming the offending field and how to fi
 
 One module per config group, each schema checking itself (``problems()``): ``model``,
 ``data``, ``cluster``, ``optim``, and ``run`` (mode, train, checkpoint, logging); ``root``
-holds ``Config`` and the rules that span groups, ``loading`` the Hydra side. Model and data
+holds ``Config`` and the rules that span groups, ``loading`` the Hydra side; ``prepared``
+the manifest of a prepared Criteo folder (``data.prepared``) and its checks. Model and data
 groups have one schema per choice (``MLPConfig``, ``CNNConfig``, ...), all subclasses of
 ``ModelConfig`` / ``DataConfig``: a field that belongs to another model (``model.channels``
 while ``model=mlp``) is a Hydra error, not a silently ignored key. Those schemas also answer
@@ -18,9 +19,11 @@ what validation and sharding need to know before anything is built or loaded:
 Nothing here imports the rest of ps_train but the update modes (``ps_train.modes``), which
 check their own options and import nothing else.
 """
+
 from ps_train.config.base import ConfigError
 from ps_train.config.cluster import LAUNCHERS, PLACEMENTS, ClusterConfig
 from ps_train.config.data import (
+    BAG_SIZE_DISTS,
     DATA_NAMES,
     DATA_SCHEMAS,
     VISION_SHAPES,
@@ -36,6 +39,7 @@ from ps_train.config.loading import from_dictconfig, register_configs
 from ps_train.config.model import (
     MODEL_NAMES,
     MODEL_SCHEMAS,
+    POOLINGS,
     CNNConfig,
     DLRMConfig,
     MLPConfig,
@@ -55,15 +59,49 @@ from ps_train.config.run import (
 )
 
 __all__ = [
-    "ModelConfig", "MLPConfig", "CNNConfig", "ResNetConfig", "DLRMConfig",
-    "DataConfig", "DigitsConfig", "VisionDataConfig", "SyntheticConfig", "CtrDataConfig", "SyntheticCtrConfig",
+    "ModelConfig",
+    "MLPConfig",
+    "CNNConfig",
+    "ResNetConfig",
+    "DLRMConfig",
+    "DataConfig",
+    "DigitsConfig",
+    "VisionDataConfig",
+    "SyntheticConfig",
+    "CtrDataConfig",
+    "SyntheticCtrConfig",
     "CriteoConfig",
-    "ClusterConfig", "OptimConfig", "ModeConfig", "TrainConfig", "CheckpointConfig",
-    "LoggingConfig", "Config", "ConfigError",
-    "MODEL_NAMES", "MODEL_SCHEMAS", "DATA_NAMES", "DATA_SCHEMAS", "VISION_SHAPES", "MODE_NAMES", "AGGREGATES",
-    "STALENESS_RULES", "PLACEMENTS", "LAUNCHERS", "BACKENDS", "OPTIMIZERS", "TABLE_OPTIMIZER_NAMES", "register_configs",
-    "from_dictconfig", "validate", "optimizer_spec",
-    "config_to_dict", "RESUME_AUTO", "ELASTIC_FILE", "batch_problems",
+    "ClusterConfig",
+    "OptimConfig",
+    "ModeConfig",
+    "TrainConfig",
+    "CheckpointConfig",
+    "LoggingConfig",
+    "Config",
+    "ConfigError",
+    "MODEL_NAMES",
+    "MODEL_SCHEMAS",
+    "DATA_NAMES",
+    "DATA_SCHEMAS",
+    "VISION_SHAPES",
+    "MODE_NAMES",
+    "AGGREGATES",
+    "STALENESS_RULES",
+    "PLACEMENTS",
+    "LAUNCHERS",
+    "BACKENDS",
+    "OPTIMIZERS",
+    "TABLE_OPTIMIZER_NAMES",
+    "BAG_SIZE_DISTS",
+    "POOLINGS",
+    "register_configs",
+    "from_dictconfig",
+    "validate",
+    "optimizer_spec",
+    "config_to_dict",
+    "RESUME_AUTO",
+    "ELASTIC_FILE",
+    "batch_problems",
 ]
 
 register_configs()

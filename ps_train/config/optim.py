@@ -1,4 +1,5 @@
 """The ``optim`` group: which torch optimizer the servers run, and its settings."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], tuple[str, ...]]] = {
 
 # model.table_optim: the embedding-table optimizers (ps_train.ctr.optimizers, which holds them;
 # the config, below ctr/, knows their names only).
-TABLE_OPTIMIZER_NAMES = ("sgd", "adagrad", "sparse_adam")
+TABLE_OPTIMIZER_NAMES = ("sgd", "adagrad", "sparse_adam", "rowwise_adagrad")
 
 
 @dataclass
@@ -39,15 +40,19 @@ class OptimConfig:
             p.append(f"optim.name: unknown optimizer {self.name!r}; choose one of {list(OPTIMIZERS)}")
         else:
             takes = OPTIMIZERS[self.name][1]
-            p.need("momentum" in takes or self.momentum == 0,
-                   f"optim.momentum: {self.name} has no momentum; remove the override or use optim=sgd")
+            p.need(
+                "momentum" in takes or self.momentum == 0,
+                f"optim.momentum: {self.name} has no momentum; remove the override or use optim=sgd",
+            )
             p.need("nesterov" in takes or not self.nesterov, "optim.nesterov: only sgd supports nesterov")
         p.need(self.lr > 0, f"optim.lr: {self.lr} must be > 0")
         p.need(self.momentum >= 0, f"optim.momentum: {self.momentum} must be >= 0")
         p.need(not self.nesterov or self.momentum > 0, "optim.nesterov: needs optim.momentum > 0")
         p.need(self.weight_decay >= 0, f"optim.weight_decay: {self.weight_decay} must be >= 0")
-        p.need(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
-               f"optim.betas: {self.betas} must be two values in [0, 1)")
+        p.need(
+            len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+            f"optim.betas: {self.betas} must be two values in [0, 1)",
+        )
         return p
 
 

@@ -23,7 +23,16 @@ from ps_train.ctr.split import CtrSplit, time_split
 from ps_train.ctr.synthetic import SyntheticCtr, synthetic_ctr
 
 __all__ = [
-    "CtrSplit", "time_split", "SyntheticCtr", "synthetic_ctr", "CriteoFormatError", "CriteoStats",
-    "read_criteo", "load_criteo", "find_criteo_files", "CtrBatch", "CtrBatchIterator",
+    "CtrSplit",
+    "time_split",
+    "SyntheticCtr",
+    "synthetic_ctr",
+    "CriteoFormatError",
+    "CriteoStats",
+    "read_criteo",
+    "load_criteo",
+    "find_criteo_files",
+    "CtrBatch",
+    "CtrBatchIterator",
     "iter_ctr_eval_batches",
 ]

@@ -8,6 +8,7 @@ same lines give the same batches, bit for bit, as training from the TSV files. A
 touches only the pages of the rows its batches hold; the operating system shares and evicts
 those pages, so a process's own memory stays that of a batch whatever the dataset's size.
 """
+
 from __future__ import annotations
 
 import logging
@@ -39,8 +40,10 @@ class PreparedCriteo:
         for name, spec in self.manifest.arrays.items():
             a = np.load(os.path.join(folder, spec.file), mmap_mode="r")
             if a.dtype.str != spec.dtype or list(a.shape) != spec.shape:
-                raise PreparedDataError(f"{os.path.join(folder, spec.file)}: {a.dtype.str} {list(a.shape)}, but the "
-                                        f"manifest says {spec.dtype} {spec.shape}; prepare the folder again")
+                raise PreparedDataError(
+                    f"{os.path.join(folder, spec.file)}: {a.dtype.str} {list(a.shape)}, but the "
+                    f"manifest says {spec.dtype} {spec.shape}; prepare the folder again"
+                )
             arrays[name] = a
         self.labels, self.dense = arrays["labels"], arrays["dense"]  # float32 [N], [N, 13]
         self.hashes, self.missing = arrays["hashes"], arrays["missing"]  # uint32 [N, 26], [N]
@@ -83,14 +86,17 @@ class MappedCtrSplit:
         ids = d.hashes[rows].astype(np.int64) % self._mods + 1  # [B, 26]
         empty = (d.missing[rows][:, None] >> _BITS) & 1  # [B, 26]
         ids[empty.astype(bool)] = EMPTY_ROW
-        return (torch.from_numpy(np.array(d.dense[rows])), torch.from_numpy(ids),
-                torch.from_numpy(np.array(d.labels[rows])))
+        return (
+            torch.from_numpy(np.array(d.dense[rows])),
+            torch.from_numpy(ids),
+            torch.from_numpy(np.array(d.labels[rows])),
+        )
 
     def positive_rate(self) -> float:
         """Fraction of label-1 samples (reads every label of the split)."""
         if not len(self):
             return float("nan")
-        return float(np.asarray(self.data.labels[self.start:self.stop], np.float64).mean())
+        return float(np.asarray(self.data.labels[self.start : self.stop], np.float64).mean())
 
 
 def skipped_note(m: CriteoManifest, folder: str, skip_malformed: bool) -> str | None:
@@ -104,12 +110,19 @@ def skipped_note(m: CriteoManifest, folder: str, skip_malformed: bool) -> str | 
         raise PreparedDataError(
             f"data.prepared={folder!r}: prepare skipped {m.malformed} malformed of {m.lines} lines (first: "
             f"{first}); training from those files would stop at the first of them: set "
-            "data.skip_malformed=true to train on the valid lines")
+            "data.skip_malformed=true to train on the valid lines"
+        )
     return f"data=criteo: skipped {m.malformed} malformed of {m.lines} lines when {folder} was prepared; first: {first}"
 
 
-def load_prepared(folder: str, table_sizes: list[int], test_fraction: float, *, skip_malformed: bool = False,
-                  manifest: CriteoManifest | None = None) -> tuple[MappedCtrSplit, MappedCtrSplit]:
+def load_prepared(
+    folder: str,
+    table_sizes: list[int],
+    test_fraction: float,
+    *,
+    skip_malformed: bool = False,
+    manifest: CriteoManifest | None = None,
+) -> tuple[MappedCtrSplit, MappedCtrSplit]:
     """``(train, test)`` of prepared folder ``folder`` (``manifest``: its checked manifest, or
     None to read it): the last ``test_fraction`` of the rows are the test split, as
     ``load_criteo``'s ``time_split`` makes them.

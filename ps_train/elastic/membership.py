@@ -27,6 +27,7 @@ servers never wait for a trainer that is gone:
 The events are also the ``train/num_trainers`` curve in ps0's TensorBoard folder (steps:
 ps0's update count) and ``membership`` in metrics.json.
 """
+
 from __future__ import annotations
 
 import logging
@@ -42,8 +43,16 @@ from ps_train.config import Config
 from ps_train.metrics import MetricsWriter, make_writer
 from rpc_core.functions import async_execution
 
-__all__ = ["Assignment", "Membership", "set_current", "follow", "keep_membership", "serve_elastic", "request_stop",
-           "stop_requested"]
+__all__ = [
+    "Assignment",
+    "Membership",
+    "set_current",
+    "follow",
+    "keep_membership",
+    "serve_elastic",
+    "request_stop",
+    "stop_requested",
+]
 
 log = logging.getLogger("ps_train.membership")
 
@@ -95,9 +104,15 @@ class Membership:
             else:
                 self.present.discard(trainer)
             count = len(self.present)
-            self.events.append({"time_s": round(time.monotonic() - self._t0, 3), "trainer": info.name,
-                                "event": "joined" if joined else "left", "num_trainers": count,
-                                "server_updates": self._version()})
+            self.events.append(
+                {
+                    "time_s": round(time.monotonic() - self._t0, 3),
+                    "trainer": info.name,
+                    "event": "joined" if joined else "left",
+                    "num_trainers": count,
+                    "server_updates": self._version(),
+                }
+            )
             if not self.closed:  # trainers leave after the job's end too, until ps0 shuts down
                 self.writer.add_scalar("train/num_trainers", count, self._version())
                 self.writer.flush()
@@ -296,7 +311,6 @@ def serve_elastic(ps: ElasticServer) -> None:
     if ps.membership is not None:
         follow(ps.membership)
     ps.wait_released()
-
 
 
 # -- a joiner's stop flag (set by ps0 over RPC once the job is over) ----------------------------------

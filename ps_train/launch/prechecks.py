@@ -13,6 +13,7 @@ then reports it once).
 Only the local launcher runs these: under ``cluster=env`` the data may live only where the
 trainers run.
 """
+
 from __future__ import annotations
 
 from ps_train.config import Config, CtrDataConfig, VisionDataConfig, batch_problems

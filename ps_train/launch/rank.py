@@ -6,6 +6,7 @@
 tables, ``ps_train.ctr.table_server``), or the model's trainer (``ps_train.ctr.trainer``) --
 joins the group, runs it, and shuts down.
 """
+
 from __future__ import annotations
 
 import logging
@@ -39,9 +40,18 @@ def setup_role_logging(run_dir: str, name: str, level: str) -> None:
     root.setLevel(level)
 
 
-def run_rank(cfg: Config, rank: int, master_addr: str, master_port: int, secret: str | None, run_dir: str,
-             resume: str | None = None, init_method: str | None = None,
-             attempt: int = 0, joiner: bool = False) -> dict[str, Any] | None:
+def run_rank(
+    cfg: Config,
+    rank: int,
+    master_addr: str,
+    master_port: int,
+    secret: str | None,
+    run_dir: str,
+    resume: str | None = None,
+    init_method: str | None = None,
+    attempt: int = 0,
+    joiner: bool = False,
+) -> dict[str, Any] | None:
     """Run one role until the whole job is done; returns the metrics on trainer0.
 
     ``resume``: a complete checkpoint dir (see ``checkpoint.files.resolve_resume``) to start from.
@@ -59,8 +69,12 @@ def run_rank(cfg: Config, rank: int, master_addr: str, master_port: int, secret:
     # before the server builds its model rather than after.
     malloc_tuned = tune_malloc()
     setup_role_logging(run_dir, name, cfg.logging.level)
-    log.info("malloc thresholds: %s", "fixed by rpc_core.memory" if malloc_tuned else
-             "glibc's defaults or the environment's (RPC_CORE_MALLOC_TUNE=0, MALLOC_*, GLIBC_TUNABLES, or not glibc)")
+    log.info(
+        "malloc thresholds: %s",
+        "fixed by rpc_core.memory"
+        if malloc_tuned
+        else "glibc's defaults or the environment's (RPC_CORE_MALLOC_TUNE=0, MALLOC_*, GLIBC_TUNABLES, or not glibc)",
+    )
     backend.select(cfg.backend)
     rpc = backend.rpc()
     from ps_train.checkpoint.protocol import checkpoint_hook, load_resume_state, load_server_state
@@ -77,11 +91,19 @@ def run_rank(cfg: Config, rank: int, master_addr: str, master_port: int, secret:
         if rank == 0 and cfg.cluster.elastic:
             keep_membership(ps, cfg, run_dir, resume_state)  # ps_train.elastic.membership
     init_method = init_method or f"tcp://{master_addr}:{master_port}"
-    opts = backend.make_options(init_method, cfg.cluster.rpc_timeout, cfg.cluster.num_worker_threads, secret,
-                                cfg.cluster.init_timeout)
-    log.info("starting %s (rank %d of %d, pid %d) on the %s backend, rendezvous at %s%s", name, rank, S + T,
-             os.getpid(), cfg.backend,
-             init_method, f", resuming from {resume} (step {resume_state['step']})" if resume_state else "")
+    opts = backend.make_options(
+        init_method, cfg.cluster.rpc_timeout, cfg.cluster.num_worker_threads, secret, cfg.cluster.init_timeout
+    )
+    log.info(
+        "starting %s (rank %d of %d, pid %d) on the %s backend, rendezvous at %s%s",
+        name,
+        rank,
+        S + T,
+        os.getpid(),
+        cfg.backend,
+        init_method,
+        f", resuming from {resume} (step {resume_state['step']})" if resume_state else "",
+    )
     if cfg.cluster.elastic:  # a dynamic group: trainers can leave and join (ps_train.elastic.trainer)
         rank = join_group(lambda r: role_name(r, S), rank, opts, cfg.cluster.init_timeout, next_free=joiner)
         if joiner:
@@ -91,6 +113,7 @@ def run_rank(cfg: Config, rank: int, master_addr: str, master_port: int, secret:
     else:
         rpc.init_rpc(name, rank=rank, world_size=S + T, rpc_backend_options=opts)
         backend.restore_rpc_timeout(cfg.cluster.rpc_timeout)
+        log.info("%s joined the job: all %d ranks are up", name, S + T)  # benchmarks/scale_bench.py reads it
     result = None
     try:
         if rank >= S:

@@ -17,17 +17,39 @@ uses its server side, a trainer its trainer side. The mode sees the server, the 
 the config through the small interfaces below, so it imports nothing else of ps_train (the
 config imports the registry, ``ps_train.modes``, to check a mode's options).
 """
+
 from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
 
-__all__ = ["Mode", "ModeOptions", "RunConfig", "ModeServer", "ModeTrainer", "TrainerMembership", "resolved"]
+__all__ = [
+    "Mode",
+    "ModeOptions",
+    "RunConfig",
+    "ModeServer",
+    "ModeTrainer",
+    "TrainerMembership",
+    "UpdateRequest",
+    "UPDATE_IN_BACKWARD",
+    "resolved",
+]
+
+# The key of the update that rides on the backward (rpc_core.autograd.hooks, backend=rpc_core).
+UPDATE_IN_BACKWARD = "ps_train.update"
+
+
+class UpdateRequest(NamedTuple):
+    """What a trainer's backward tells every server about the update it carries."""
+
+    trainer: int
+    step: int
+    position: dict[str, int] | None  # elastic: the trainer's data position after this step (ps0 keeps it)
 
 
 # -- what a mode reads of the config (ps_train.config.Config and its groups) ------------------------
@@ -201,13 +223,23 @@ class Mode(ABC):
         raise NotImplementedError
 
     @abstractmethod
-    def lookup(self, server: ModeServer, rows: Callable[[], list[Tensor]], trainer: int, step: int) -> list[Tensor]:
-        """Trainer ``trainer``'s step-``step`` lookup of table rows: ``rows()`` reads them."""
+    def lookup(self, server: ModeServer, rows: Callable[[], Tensor], trainer: int, step: int) -> Tensor:
+        """Trainer ``trainer``'s step-``step`` lookup of table rows: ``rows()`` reads them ([P, dim])."""
         raise NotImplementedError
 
+    def in_backward(self, server: ModeServer, context_id: int, request: UpdateRequest) -> torch.futures.Future[Any]:
+        """The update that rides on the trainer's distributed backward (backend=rpc_core): run
+        on the server once the context's gradients are all there; the future's value comes
+        back with the backward (``settled`` gets it). Every mode's ``update`` already takes the
+        gradients by context; sync's answers once the round is applied."""
+        return self.update(
+            server, context_id, request.trainer, request.step, request.position if server.rank == 0 else None
+        )
+
     @abstractmethod
-    def update(self, server: ModeServer, context_id: int, trainer: int, step: int,
-               position: dict[str, int] | None) -> torch.futures.Future[Any]:
+    def update(
+        self, server: ModeServer, context_id: int, trainer: int, step: int, position: dict[str, int] | None
+    ) -> torch.futures.Future[Any]:
         """Trainer ``trainer``'s step-``step`` gradients (in its autograd context
         ``context_id``); the future's value goes back to the trainer (``settled``).
         ``position`` (elastic, to ps0): the trainer's data position after this step."""
@@ -238,11 +270,14 @@ class Mode(ABC):
         return  # by default nothing to do
 
     # -- trainer side ---------------------------------------------------------------------------
-    def send_update(self, trainer: ModeTrainer, context_id: int, step: int,
-                    position: dict[str, int] | None) -> list[torch.futures.Future[Any]]:
+    def send_update(
+        self, trainer: ModeTrainer, context_id: int, step: int, position: dict[str, int] | None
+    ) -> list[torch.futures.Future[Any]]:
         """Ask every server to apply this step's gradients (``position``: to ps0 only)."""
-        return [server.rpc_async().update(context_id, trainer.index, step, position if r == 0 else None)
-                for r, server in enumerate(trainer.servers)]
+        return [
+            server.rpc_async().update(context_id, trainer.index, step, position if r == 0 else None)
+            for r, server in enumerate(trainer.servers)
+        ]
 
     @abstractmethod
     def settled(self, trainer: ModeTrainer, results: list[Any], step: int) -> dict[str, float]:

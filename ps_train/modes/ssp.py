@@ -8,6 +8,7 @@ no longer holds the others back; in an elastic run only the trainers in the job 
 (``Membership.counted``), and one that leaves releases those it held back at once. Updates
 are async's.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping

@@ -16,6 +16,7 @@ worker that a context was released with the next message it sends there, which t
 reads after the update request that came before it; torch's RPC sends its release at once,
 and it could overtake the update, so on ``backend=torch`` the trainer waits for the update.
 """
+
 from __future__ import annotations
 
 import threading
@@ -52,9 +53,11 @@ class SyncMode(Mode):
     name = "sync"
     options = ("aggregate",)
     unused_reasons = {"staleness_rule": ", whose gradients are never stale; see mode.aggregate"}
-    not_elastic = ("every sync round waits for every trainer's gradient, so a dead trainer stops the round; use "
-                   "cluster.max_restarts to restart a sync run from its latest checkpoint instead "
-                   "(docs/training_failures.md)")
+    not_elastic = (
+        "every sync round waits for every trainer's gradient, so a dead trainer stops the round; use "
+        "cluster.max_restarts to restart a sync run from its latest checkpoint instead "
+        "(docs/training_failures.md)"
+    )
 
     def __init__(self, run: RunConfig) -> None:
         super().__init__(run)
@@ -78,9 +81,11 @@ class SyncMode(Mode):
         least = (c.num_trainers - 1) * per_server + 2
         if c.num_worker_threads >= least:
             return []
-        return [f"cluster.num_worker_threads: {c.num_worker_threads} is too few for {m.name} in sync mode on "
-                f"backend=torch with {c.num_trainers} trainers (forwards wait for their turn in server "
-                f"threads); use cluster.num_worker_threads>={least}"]
+        return [
+            f"cluster.num_worker_threads: {c.num_worker_threads} is too few for {m.name} in sync mode on "
+            f"backend=torch with {c.num_trainers} trainers (forwards wait for their turn in server "
+            f"threads); use cluster.num_worker_threads>={least}"
+        ]
 
     # -- server side ----------------------------------------------------------------------------
     def forward(self, server: ModeServer, shard: int, x: Tensor, trainer: int, step: int) -> Tensor:
@@ -101,7 +106,7 @@ class SyncMode(Mode):
                     self._forwards_done[key] = done
                 self._turn.notify_all()
 
-    def lookup(self, server: ModeServer, rows: Callable[[], list[Tensor]], trainer: int, step: int) -> list[Tensor]:
+    def lookup(self, server: ModeServer, rows: Callable[[], Tensor], trainer: int, step: int) -> Tensor:
         self._await_round(server, step)
         return rows()
 
@@ -118,13 +123,16 @@ class SyncMode(Mode):
     def _round_error(self, server: ModeServer, step: int, what: str = "update") -> RuntimeError:
         assert self._failed_round is not None  # asked for once an update failed
         failed, error = self._failed_round
-        e = RuntimeError(f"ps{server.rank} cannot run the step-{step} {what}: the step-{failed} update "
-                         f"failed: {error!r}; sync mode cannot go on without it")
+        e = RuntimeError(
+            f"ps{server.rank} cannot run the step-{step} {what}: the step-{failed} update "
+            f"failed: {error!r}; sync mode cannot go on without it"
+        )
         e.__cause__ = error
         return e
 
-    def update(self, server: ModeServer, context_id: int, trainer: int, step: int,
-               position: dict[str, int] | None) -> torch.futures.Future[Any]:
+    def update(
+        self, server: ModeServer, context_id: int, trainer: int, step: int, position: dict[str, int] | None
+    ) -> torch.futures.Future[Any]:
         if self._failed_round is not None:
             raise self._round_error(server, step)
         r = None

@@ -5,6 +5,7 @@ fork of the owner's value, named by fork id). Handles register with the per-proc
 (``state``) and, once garbage collected, hand their delete to the release loop
 (``release``). How handles travel inside messages is in ``fork``.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -14,14 +15,14 @@ import torch
 
 from ..agent import agent as _agent_mod
 from ..agent import calls
-from ..agent.futures import RpcFuture, map_result, set_error
+from ..agent.futures import map_result, set_error
 from ..agent.worlds import WorkerInfo
 from ..autograd.engine import backward as _dist_backward
 from ..errors import RpcError, RpcTimeoutError
 from ..options import UNSET_RPC_TIMEOUT
 from ..protocol import wire
 from .release import collect, delete_after_creation, drop_owner_handle
-from .state import Id, _ctx, _on_create, _on_fetch, _on_invoke, _on_type, fmt, new_id
+from .state import Id, _ctx, _on_create, _on_fetch, _on_invoke, _on_type, check_attribute, fmt, new_id
 
 T = TypeVar("T")
 
@@ -37,8 +38,14 @@ class RRef(Generic[T]):
         self._init(agent.me.id, rref_id, None, True)
 
     # -- construction of the two flavours --------------------------------------------------------
-    def _init(self, owner: int, rref_id: Id, fork_id: Id | None, confirmed: bool,
-              creation: torch.futures.Future[Any] | None = None) -> None:
+    def _init(
+        self,
+        owner: int,
+        rref_id: Id,
+        fork_id: Id | None,
+        confirmed: bool,
+        creation: torch.futures.Future[Any] | None = None,
+    ) -> None:
         self._owner_id = owner
         # Which member held the owner's rank (a dynamic group may give a rank to a newcomer
         # once its holder left: this RRef is not the newcomer's).
@@ -63,8 +70,9 @@ class RRef(Generic[T]):
         return r
 
     @classmethod
-    def _user(cls, owner: int, rref_id: Id, fork_id: Id, confirmed: bool,
-              creation: torch.futures.Future[Any] | None = None) -> RRef[Any]:
+    def _user(
+        cls, owner: int, rref_id: Id, fork_id: Id, confirmed: bool, creation: torch.futures.Future[Any] | None = None
+    ) -> RRef[Any]:
         r = cls.__new__(cls)
         r._init(owner, rref_id, fork_id, confirmed, creation)
         return r
@@ -203,24 +211,15 @@ def _keep_type(ref: weakref.ref[RRef[Any]], f: torch.futures.Future[Any]) -> Non
         rref._type = f.value()
 
 
-def _check_attribute(rref_type: type, name: str) -> None:
-    """Raise AttributeError, as torch's proxies do, if the value's type has no ``name``:
-    before any call goes out. (A scripted module's methods are not on its type: not checked.)"""
-    try:
-        getattr(rref_type, name)
-    except AttributeError as e:
-        if issubclass(rref_type, (torch.jit.ScriptModule, torch._C.ScriptModule)):
-            return
-        raise AttributeError(
-            f"{e}. The RRef proxies call attributes of the value's type; reach others with a function run on "
-            "the owner: rpc_sync(rref.owner(), f, args=(rref,)) where f uses rref.local_value()") from None
-
-
 class _Proxy:
     """``rref.rpc_sync().method(*args)`` runs ``method`` on the owner's value. As torch's,
     it first checks that the value's type has ``method`` (``_get_type``: one call to the
     owner per RRef, then kept): a missing one raises AttributeError here, and for
-    ``rpc_async()`` fails the returned future, with no call sent."""
+    ``rpc_async()`` fails the returned future, with no call sent. An ``rpc_async()`` on an
+    RRef whose type is not known yet sends its call at once and the owner makes the same
+    check before running anything (``state.check_attribute``): the call stays in order
+    with the thread's other calls to that owner and inside its autograd context, which a
+    call sent later from a callback would leave."""
 
     def __init__(self, rref: RRef[Any], mode: str, timeout: float) -> None:
         self._rref, self._mode, self._timeout = rref, mode, timeout
@@ -230,24 +229,24 @@ class _Proxy:
             rref = self._rref
             rref._check_alive(self._mode)
             if self._mode != "async":
-                _check_attribute(rref._get_type(self._timeout), name)
+                check_attribute(rref._get_type(self._timeout), name)
                 return _invoke(rref, self._mode, self._timeout, name, args, kwargs)
             known = rref._type
-            if known is None:
-                return _invoke_when_typed(rref, self._timeout, name, args, kwargs)
-            try:
-                _check_attribute(known, name)
-            except AttributeError as e:
-                failed: torch.futures.Future[Any] = torch.futures.Future()
-                set_error(failed, e)
-                return failed
+            if known is not None:
+                try:
+                    check_attribute(known, name)
+                except AttributeError as e:
+                    failed: torch.futures.Future[Any] = torch.futures.Future()
+                    set_error(failed, e)
+                    return failed
             return _invoke(rref, "async", self._timeout, name, args, kwargs)
 
         return call
 
 
-def _invoke(rref: RRef[Any], mode: str, timeout: float, name: str, args: tuple[Any, ...],
-            kwargs: dict[str, Any]) -> Any:
+def _invoke(
+    rref: RRef[Any], mode: str, timeout: float, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
     # The call names the RRef by id instead of forking it (no fork/accept messages); holding
     # the RRef until the answer keeps the owner's value alive meanwhile.
     call_args = (rref._rref_id, name, args, kwargs)
@@ -257,38 +256,15 @@ def _invoke(rref: RRef[Any], mode: str, timeout: float, name: str, args: tuple[A
     return fut.wait() if mode == "sync" else fut
 
 
-def _invoke_when_typed(rref: RRef[Any], timeout: float, name: str, args: tuple[Any, ...],
-                       kwargs: dict[str, Any]) -> torch.futures.Future[Any]:
-    """``rref.rpc_async().name(...)`` before the type is known: ask for it, check, call,
-    without blocking; the returned future gets the call's outcome (or the check's error).
-    An RpcFuture: a pool thread that waits on it hands its duties over first."""
-    out = RpcFuture()
-
-    def typed(f: torch.futures.Future[Any]) -> None:
-        try:
-            _check_attribute(f.value(), name)
-            fut = _invoke(rref, "async", timeout, name, args, kwargs)
-        except BaseException as e:  # noqa: BLE001 - the error goes to the future's waiters
-            set_error(out, e)
-            return
-        fut.add_done_callback(lambda g: _pass_outcome(out, g))
-
-    rref._type_future(timeout).add_done_callback(typed)
-    return out
-
-
-def _pass_outcome(target: torch.futures.Future[Any], source: torch.futures.Future[Any]) -> None:
-    try:
-        value = source.value()
-    except BaseException as e:  # noqa: BLE001 - the error goes to the future's waiters
-        set_error(target, e)
-        return
-    target.set_result(value)
-
-
 # -- remote(): creating a value on its owner ---------------------------------------------------------
-def remote(to: Any, func: Any, args: tuple[Any, ...] | None = None, kwargs: dict[str, Any] | None = None,
-           timeout: float = UNSET_RPC_TIMEOUT, _keepalive: Any = None) -> RRef[Any]:
+def remote(
+    to: Any,
+    func: Any,
+    args: tuple[Any, ...] | None = None,
+    kwargs: dict[str, Any] | None = None,
+    timeout: float = UNSET_RPC_TIMEOUT,
+    _keepalive: Any = None,
+) -> RRef[Any]:
     """Run ``func`` on ``to`` and return an RRef to its result, owned by ``to``, at once.
     Errors inside ``func`` surface at ``to_here()`` with their type."""
     agent = _agent_mod.current_agent()
@@ -302,12 +278,30 @@ def remote(to: Any, func: Any, args: tuple[Any, ...] | None = None, kwargs: dict
     extras = {wire.EXTRA_RREF_CREATE: rref_id}
     if dst == agent.me.id:
         handle = RRef._owner_handle(rref_id)  # registers the entry; the value follows
-        calls.invoke_async(dst, _on_create, (rref_id, None, func) + call_args, None, timeout, "remote",
-                           user_func=func, keepalive=_keepalive, extras=extras)
+        calls.invoke_async(
+            dst,
+            _on_create,
+            (rref_id, None, func) + call_args,
+            None,
+            timeout,
+            "remote",
+            user_func=func,
+            keepalive=_keepalive,
+            extras=extras,
+        )
         return handle
     fork_id = new_id()
-    creation = calls.invoke_async(dst, _on_create, (rref_id, fork_id, func) + call_args, None, timeout, "remote",
-                                  user_func=func, keepalive=_keepalive, extras=extras)
+    creation = calls.invoke_async(
+        dst,
+        _on_create,
+        (rref_id, fork_id, func) + call_args,
+        None,
+        timeout,
+        "remote",
+        user_func=func,
+        keepalive=_keepalive,
+        extras=extras,
+    )
     return _new_user_for_remote(dst, rref_id, fork_id, creation)
 
 

@@ -8,6 +8,7 @@ live handles, forks waiting for confirmation, and deletes waiting to be sent.
 The ``_on_*`` functions are the owner's side of the protocol (see ``rref``): each runs as an
 ordinary RPC on the owner, reached by reference.
 """
+
 from __future__ import annotations
 
 import collections
@@ -181,8 +182,9 @@ def reset() -> None:
 
 # -- the owner's handlers (run as RPCs) ------------------------------------------------------------
 @async_execution
-def _on_create(rref_id: Id, fork_id: Id | None, func: Any, args: tuple[Any, ...],
-               kwargs: dict[str, Any]) -> torch.futures.Future[Any]:
+def _on_create(
+    rref_id: Id, fork_id: Id | None, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> torch.futures.Future[Any]:
     e = _ctx.entry(rref_id)
     if fork_id is not None:
         with _ctx.lock:
@@ -270,8 +272,9 @@ def _on_invoke(rref_id: Id, name: str, args: tuple[Any, ...], kwargs: dict[str, 
     return _call_method(obj, name, args, kwargs)
 
 
-def _call_later(value: torch.futures.Future[Any], name: str, args: tuple[Any, ...],
-                kwargs: dict[str, Any]) -> torch.futures.Future[Any]:
+def _call_later(
+    value: torch.futures.Future[Any], name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> torch.futures.Future[Any]:
     """``_call_method`` on ``value``'s result once it is there; a creation error, or the
     method's, reaches the caller as it was raised (not wrapped as then() would)."""
     out: torch.futures.Future[Any] = torch.futures.Future()
@@ -288,7 +291,22 @@ def _call_later(value: torch.futures.Future[Any], name: str, args: tuple[Any, ..
     return out
 
 
+def check_attribute(rref_type: type, name: str) -> None:
+    """Raise AttributeError, as torch's proxies do, if the value's type has no ``name``.
+    (A scripted module's methods are not on its type: not checked.)"""
+    try:
+        getattr(rref_type, name)
+    except AttributeError as e:
+        if issubclass(rref_type, (torch.jit.ScriptModule, torch._C.ScriptModule)):
+            return
+        raise AttributeError(
+            f"{e}. The RRef proxies call attributes of the value's type; reach others with a function run on "
+            "the owner: rpc_sync(rref.owner(), f, args=(rref,)) where f uses rref.local_value()"
+        ) from None
+
+
 def _call_method(obj: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.futures.Future[Any]:
+    check_attribute(type(obj), name)  # the caller checked too if it knew the type
     method = getattr(obj, name)
     if getattr(method, "_wrapped_async_rpc_function", None) is not None:
         fut: torch.futures.Future[Any] = method(*args, **kwargs)

@@ -4,6 +4,7 @@ epoch once.
 
 The run is ``_app.BASELINE``: 2 servers, 2 trainers, 8 steps, a checkpoint every 4 steps.
 """
+
 import pytest
 
 from ps_train.config import DigitsConfig
@@ -40,7 +41,7 @@ def assert_ends_like_the_baseline(run_dir, metrics, sync_baseline, resumed_from)
     assert read_json(run_dir / RESTARTS_FILE) == metrics["restarts"]
     assert metrics["steps"] == BASELINE_STEPS
     for trainer, losses in base["losses"].items():
-        assert metrics["losses"][trainer] == losses[resumed_from[-1]:]
+        assert metrics["losses"][trainer] == losses[resumed_from[-1] :]
         curve = scalars(run_dir / "tb" / trainer)["train/loss"]  # every attempt's event file
         assert [step for step, _ in curve] == list(range(1, BASELINE_STEPS + 1))
         assert [value for _, value in curve] == pytest.approx(losses, rel=1e-6)
@@ -49,7 +50,8 @@ def assert_ends_like_the_baseline(run_dir, metrics, sync_baseline, resumed_from)
 
 @pytest.mark.timeout(180)
 def test_a_trainer_dead_after_ps0_applied_its_step_and_before_ps1_got_it_leaves_no_server_ahead(
-        tmp_path, monkeypatch, sync_baseline):
+    tmp_path, monkeypatch, sync_baseline
+):
     # trainer1's step-5 update reaches ps0, which applies the step-5 round (trainer0's is in
     # too), then trainer1 dies: ps0 is a step ahead of ps1 until the run stops. No checkpoint
     # is written in between (trainer0 waits for ps1's round first), and the restart puts both
@@ -69,7 +71,7 @@ def expected_ids(trainer: int, step: int) -> list[int]:
     n, T, B = DigitsConfig().train_samples(), 2, 32
     spe = steps_per_epoch(n, T, B)
     epoch, k = divmod(step - 1, spe)
-    return partition(n, trainer, T, 0, epoch)[k * B:(k + 1) * B].tolist()
+    return partition(n, trainer, T, 0, epoch)[k * B : (k + 1) * B].tolist()
 
 
 @pytest.mark.timeout(180)
@@ -94,7 +96,8 @@ def test_a_restarted_sync_run_trains_every_sample_of_an_epoch_exactly_once(tmp_p
 
 @pytest.mark.timeout(180)
 def test_trainer0_dead_while_writing_a_checkpoint_leaves_it_incomplete_and_resumes_from_the_one_before(
-        tmp_path, monkeypatch, sync_baseline):
+    tmp_path, monkeypatch, sync_baseline
+):
     # The step-8 checkpoint: the servers wrote their files, the manifest is missing.
     run_dir, metrics = restarted_run(tmp_path, monkeypatch, "trainer0@8:checkpoint#0")
     assert "killing trainer0" in (run_dir / "logs" / "trainer0.log").read_text()
@@ -106,8 +109,9 @@ def test_trainer0_dead_while_writing_a_checkpoint_leaves_it_incomplete_and_resum
 @pytest.mark.timeout(180)
 def test_trainer0_dead_during_an_evaluation_resumes_from_the_checkpoint_before(tmp_path, monkeypatch, sync_baseline):
     # 360 test samples in batches of 100: killed after the first batch of the step-6 evaluation.
-    run_dir, metrics = restarted_run(tmp_path, monkeypatch, "trainer0@6:eval#0", "train.eval_every=3",
-                                     "train.eval_batch_size=100")
+    run_dir, metrics = restarted_run(
+        tmp_path, monkeypatch, "trainer0@6:eval#0", "train.eval_every=3", "train.eval_batch_size=100"
+    )
     assert "killing trainer0 (pid" in (run_dir / "logs" / "trainer0.log").read_text()
     assert metrics["restarts"][0]["role"] == "trainer0"
     assert_ends_like_the_baseline(run_dir, metrics, sync_baseline, [4])

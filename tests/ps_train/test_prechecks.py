@@ -1,5 +1,6 @@
 """What the launcher checks of the data before any role starts: a mistake there is one
 traceback-free error (exit 2), before a single process is started."""
+
 from pathlib import Path
 
 import numpy as np
@@ -43,8 +44,11 @@ def test_the_config_knows_the_training_samples_of_synthetic_ctr(n, fraction):
 
 
 def test_too_many_trainers_for_the_batch_size_is_a_config_error_naming_the_fix():
-    with pytest.raises(ConfigError, match=r"train\.batch_size=32: 64 trainers get only 22 of 1437 training samples "
-                                          r"each, not a full batch; lower train\.batch_size or cluster\.num_trainers"):
+    with pytest.raises(
+        ConfigError,
+        match=r"train\.batch_size=32: 64 trainers get only 22 of 1437 training samples "
+        r"each, not a full batch; lower train\.batch_size or cluster\.num_trainers",
+    ):
         make_cfg("cluster.num_trainers=64", "cluster.num_servers=3", "mode=async")
     make_cfg("cluster.num_trainers=44", "cluster.num_servers=3", "mode=async")  # 1437 // 44 = 32: one full batch
 
@@ -53,9 +57,11 @@ def test_too_many_trainers_for_the_batch_size_is_a_config_error_naming_the_fix()
 def test_too_many_trainers_fails_before_any_role_starts_with_one_line(tmp_path):
     r = cli("cluster.num_trainers=64", "cluster.num_servers=3", "mode=async", cwd=tmp_path)
     assert r.returncode == 2, r.stderr[-3000:]
-    assert r.stderr.strip() == ("error: invalid ps_train config:\n  - train.batch_size=32: 64 trainers get only 22 "
-                                "of 1437 training samples each, not a full batch; lower train.batch_size or "
-                                "cluster.num_trainers")
+    assert r.stderr.strip() == (
+        "error: invalid ps_train config:\n  - train.batch_size=32: 64 trainers get only 22 "
+        "of 1437 training samples each, not a full batch; lower train.batch_size or "
+        "cluster.num_trainers"
+    )
     assert_nothing_started(tmp_path, r)
 
 
@@ -69,20 +75,24 @@ def test_check_criteo_files_parses_the_first_lines_of_every_file(tmp_path):
     check_criteo_files(str(tmp_path), 100, skip_malformed=True)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["data.root={root}/missing"], r"data\.root='.*/missing' does not exist"),
-    (["data.root={root}/empty"], r"no Criteo files in .*/empty; expected day_0"),
-    (["data.root={root}/bad"], r"^.*/bad/day_0, line 3: categorical feature C7 \(field 21\) is '68fd1eXY'"),
-    (["data.prepared={root}/missing"], r"missing"),
-    (["data.root={root}/good", "cluster.num_trainers=4"],
-     None),  # 40 lines: only the files know, and the trainers read them all
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["data.root={root}/missing"], r"data\.root='.*/missing' does not exist"),
+        (["data.root={root}/empty"], r"no Criteo files in .*/empty; expected day_0"),
+        (["data.root={root}/bad"], r"^.*/bad/day_0, line 3: categorical feature C7 \(field 21\) is '68fd1eXY'"),
+        (["data.prepared={root}/missing"], r"missing"),
+        (
+            ["data.root={root}/good", "cluster.num_trainers=4"],
+            None,
+        ),  # 40 lines: only the files know, and the trainers read them all
+    ],
+)
 def test_check_data_names_what_the_trainers_would_fail_on(tmp_path, overrides, message):
     criteo_day(tmp_path / "bad" / "day_0", 20, bad_line=3)
     criteo_day(tmp_path / "good" / "day_0", 40)
     (tmp_path / "empty").mkdir()
-    cfg = make_cfg("model=dlrm", "data=criteo", "data.table_rows=50",
-                   *(o.format(root=tmp_path) for o in overrides))
+    cfg = make_cfg("model=dlrm", "data=criteo", "data.table_rows=50", *(o.format(root=tmp_path) for o in overrides))
     if message is None:
         check_data(cfg)
         return
@@ -100,8 +110,17 @@ def test_a_malformed_line_among_the_first_fails_before_any_role_starts_with_one_
     root = tmp_path / "criteo"
     criteo_day(root / "day_0", 50)
     criteo_day(root / "day_1", 50, bad_line=10)
-    r = cli("model=dlrm", "data=criteo", f"data.root={root}", "data.table_rows=50", "train.steps=4",
-            "train.batch_size=8", "cluster.num_trainers=2", "cluster.num_servers=2", cwd=tmp_path)
+    r = cli(
+        "model=dlrm",
+        "data=criteo",
+        f"data.root={root}",
+        "data.table_rows=50",
+        "train.steps=4",
+        "train.batch_size=8",
+        "cluster.num_trainers=2",
+        "cluster.num_servers=2",
+        cwd=tmp_path,
+    )
     assert r.returncode == 2, r.stderr[-3000:]
     assert "Traceback" not in r.stderr
     errors = [x for x in r.stderr.splitlines() if x.startswith("error: ")]

@@ -4,6 +4,7 @@ to empty once users let go). Bodies run on worker processes (tests/_world.py).
 
 One module, though past 400 lines: one test module for the RRef group, whose bodies share
 the helpers at the top (table checks, flushes)."""
+
 import gc
 import io
 import os
@@ -21,8 +22,7 @@ from rpc_core import RpcTimeoutError, RRef, WorkerInfo
 from rpc_core import rref as rref_mod
 from tests._world import run_world
 
-EMPTY = {"num_owner_rrefs": 0, "num_forks": 0, "num_user_rrefs": 0, "num_pending_users": 0,
-         "num_pending_children": 0}
+EMPTY = {"num_owner_rrefs": 0, "num_forks": 0, "num_user_rrefs": 0, "num_pending_users": 0, "num_pending_children": 0}
 
 
 # -- helpers every body can call --------------------------------------------------------------------
@@ -154,10 +154,13 @@ def _body_api(ctx):
         assert torch.equal(rref.to_here(), torch.full((2,), 2.0))
         rref._get_future().wait()
         assert rref.confirmed_by_owner()
-        with pytest.raises(RuntimeError, match=r"^For UserRRef\(rref_id=GloballyUniqueId\(created_on=0, local_id=\d+"
-                                               r"\), fork_id=GloballyUniqueId\(created_on=0, local_id=\d+\)\), "
-                                               r"can't call localValue\(\) on user WorkerInfo\(id=0, name=worker0\)\. "
-                                               r"Call it on owner WorkerInfo\(id=1, name=worker1\); to_here\(\)"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"^For UserRRef\(rref_id=GloballyUniqueId\(created_on=0, local_id=\d+"
+            r"\), fork_id=GloballyUniqueId\(created_on=0, local_id=\d+\)\), "
+            r"can't call localValue\(\) on user WorkerInfo\(id=0, name=worker0\)\. "
+            r"Call it on owner WorkerInfo\(id=1, name=worker1\); to_here\(\)",
+        ):
             rref.local_value()
         assert repr(rref).startswith("UserRRef(RRefId = GloballyUniqueId(created_on=0, local_id=")
         # the owner sees its own value through the same RRef
@@ -175,8 +178,9 @@ def _body_api(ctx):
         assert to_self.is_owner() and to_self.to_here() == 5 and to_self.local_value() == 5
 
         for r in (rref, own):
-            with pytest.raises(RuntimeError, match="Can not pickle rref in python pickler, rref can only be pickled "
-                                                   "when using RPC"):
+            with pytest.raises(
+                RuntimeError, match="Can not pickle rref in python pickler, rref can only be pickled when using RPC"
+            ):
                 pickle.dumps(r)
             with pytest.raises(RuntimeError, match="Can not pickle rref"):
                 torch.save(r, io.BytesIO())
@@ -216,6 +220,53 @@ def _body_proxies(ctx):
 
 def test_proxies_call_instance_static_and_class_methods_on_the_owner():
     assert run_world(_body_proxies, 2) == [EMPTY, EMPTY]
+
+
+class Scaler:
+    """Records the order its calls arrive in; ``scale`` is differentiable."""
+
+    def __init__(self, tag):
+        self.tag = tag
+
+    def scale(self, t):
+        _ARRIVALS.append(self.tag)
+        return t * 3
+
+
+_ARRIVALS: list[str] = []  # on the owner: the tags of the Scalers called, in arrival order
+
+
+def _arrivals():
+    return list(_ARRIVALS)
+
+
+def _body_first_async_call(ctx):
+    import rpc_core.autograd as dist_autograd
+
+    if ctx.rank == 0:
+        known = rpc_core.remote(1, Scaler, args=("known",))
+        known.rpc_sync().scale(torch.ones(1))  # this RRef's type is known from here on
+        fresh = rpc_core.remote(1, Scaler, args=("fresh",))
+        x = torch.ones(2, requires_grad=True)
+        with dist_autograd.context() as cid:
+            # The first proxy call of ``fresh`` (type not known yet) goes out at once, in
+            # this thread's order and inside its autograd context.
+            first = fresh.rpc_async().scale(x)
+            second = known.rpc_async().scale(x)
+            loss = (first.wait() + second.wait()).sum()
+            dist_autograd.backward(cid, [loss])
+            grad = dist_autograd.get_gradients(cid)[x]
+        assert grad.tolist() == [6.0, 6.0]
+        assert rpc_core.rpc_sync(1, _arrivals) == ["known", "fresh", "known"]
+        # The owner checks the type for a call whose caller did not know it.
+        with pytest.raises(AttributeError, match="no_such_method"):
+            rpc_core.remote(1, Scaler, args=("other",)).rpc_async().no_such_method().wait()
+        del known, fresh, first, second
+    return _settle_and_count()
+
+
+def test_a_first_async_proxy_call_keeps_its_order_and_autograd_context():
+    assert run_world(_body_first_async_call, 2) == [EMPTY, EMPTY]
 
 
 # -- RRefs inside arguments and return values -------------------------------------------------------
