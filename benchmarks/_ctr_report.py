@@ -1,5 +1,6 @@
 """ctr_bench's report: the tables (samples/s, bytes per step against the ideal, peak RSS)
 and the targets, PASS or FAIL, from every round's figures."""
+
 from __future__ import annotations
 
 import statistics
@@ -26,8 +27,13 @@ def _table(head: list[str], body: list[list[str]]) -> list[str]:
     widths = [max(len(r[i]) for r in [head, *body]) for i in range(len(head))]
 
     def line(cols: list[str]) -> str:
-        return "| " + " | ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                                 for i, (c, w) in enumerate(zip(cols, widths, strict=True))) + " |"
+        return (
+            "| "
+            + " | ".join(
+                c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cols, widths, strict=True))
+            )
+            + " |"
+        )
 
     rule = "|" + "|".join("-" * (w + 2) if i == 0 else "-" * (w + 1) + ":" for i, w in enumerate(widths)) + "|"
     return [line(head), rule, *[line(b) for b in body]]
@@ -46,14 +52,22 @@ def _cell(runs: list[dict[str, Any]]) -> tuple[float | None, str]:
     return v, (fmt(v) if v is not None else "error")
 
 
-def render(names: Sequence[str], configs: dict[str, Any], backends: Sequence[str],
-           raw: dict[tuple[Any, ...], list[dict[str, Any]]], ideal: dict[tuple[str, int, int], Any],
-           info: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+def render(
+    names: Sequence[str],
+    configs: dict[str, Any],
+    backends: Sequence[str],
+    raw: dict[tuple[Any, ...], list[dict[str, Any]]],
+    ideal: dict[tuple[str, int, int], Any],
+    info: dict[str, Any],
+) -> tuple[str, dict[str, Any]]:
     """The report's text and its figures (for --json)."""
-    out = [f"{info['time']}, commit {info['commit']}; {info['cpu']}, {info['cores']} cores, "
-           f"{info['memory_gib']} GiB, kernel {info['kernel']}, torch {info['torch']}; load average "
-           f"{info['loadavg_start']:.2f} at start, {info['loadavg_end']:.2f} at end",
-           f"command: {info['command']}", ""]
+    out = [
+        f"{info['time']}, commit {info['commit']}; {info['cpu']}, {info['cores']} cores, "
+        f"{info['memory_gib']} GiB, kernel {info['kernel']}, torch {info['torch']}; load average "
+        f"{info['loadavg_start']:.2f} at start, {info['loadavg_end']:.2f} at end",
+        f"command: {info['command']}",
+        "",
+    ]
     rows: list[dict[str, Any]] = []
     targets: list[tuple[str, float | None, bool | None, str]] = []
     notes: list[str] = []
@@ -66,49 +80,96 @@ def render(names: Sequence[str], configs: dict[str, Any], backends: Sequence[str
             label = f"{n} {s}+{t}"
             cells = {b: _cell(raw[(n, s, t, b)]) for b in backends}
             core, torch_ = cells["rpc_core"][0], cells["torch"][0]
-            row: dict[str, Any] = {"config": label, "single": single, "torch": torch_, "rpc_core": core,
-                                   "rpc_core/torch": _ratio(core, torch_), "rpc_core/single": _ratio(core, single)}
-            speed_body.append([label, single_txt, cells["torch"][1], cells["rpc_core"][1],
-                               _x(row["rpc_core/torch"]), _x(row["rpc_core/single"])])
+            row: dict[str, Any] = {
+                "config": label,
+                "single": single,
+                "torch": torch_,
+                "rpc_core": core,
+                "rpc_core/torch": _ratio(core, torch_),
+                "rpc_core/single": _ratio(core, single),
+            }
+            speed_body.append(
+                [
+                    label,
+                    single_txt,
+                    cells["torch"][1],
+                    cells["rpc_core"][1],
+                    _x(row["rpc_core/torch"]),
+                    _x(row["rpc_core/single"]),
+                ]
+            )
             if (s, t) == (1, 1):
                 row["max_loss_diff"] = _loss_diff(raw[(n, "single")], raw[(n, s, t, "rpc_core")])
-                notes.append(f"{label}: largest per-step loss difference, rpc_core vs single process: "
-                             + ("-" if row["max_loss_diff"] is None else f"{row['max_loss_diff']:.2g}"))
+                notes.append(
+                    f"{label}: largest per-step loss difference, rpc_core vs single process: "
+                    + ("-" if row["max_loss_diff"] is None else f"{row['max_loss_diff']:.2g}")
+                )
             row["bytes"] = _bytes_rows(label, raw[(n, s, t, "rpc_core")], ideal[(n, s, t)], bytes_body, notes)
             worst = max((v["ratio"] for v in row["bytes"].values() if v["ratio"] is not None), default=None)
-            targets.append((f"{label}: bytes/step <= {BYTES_LIMIT}x ideal on every server (rpc_core)", worst,
-                            None if worst is None else worst <= BYTES_LIMIT, _x(worst)))
+            targets.append(
+                (
+                    f"{label}: bytes/step <= {BYTES_LIMIT}x ideal on every server (rpc_core)",
+                    worst,
+                    None if worst is None else worst <= BYTES_LIMIT,
+                    _x(worst),
+                )
+            )
             if n == "large":
-                targets.append((f"{label}: rpc_core >= {LARGE_SPEEDUP:g}x backend=torch samples/s",
-                                row["rpc_core/torch"], _ge(row["rpc_core/torch"], LARGE_SPEEDUP),
-                                _x(row["rpc_core/torch"])))
+                targets.append(
+                    (
+                        f"{label}: rpc_core >= {LARGE_SPEEDUP:g}x backend=torch samples/s",
+                        row["rpc_core/torch"],
+                        _ge(row["rpc_core/torch"], LARGE_SPEEDUP),
+                        _x(row["rpc_core/torch"]),
+                    )
+                )
                 row["peak_rss_bytes"] = _rss_rows(label, {b: raw[(n, s, t, b)] for b in backends}, rss_body)
                 for b in backends:
-                    worst_rss = max((v for role, v in row["peak_rss_bytes"][b].items() if role.startswith("trainer")),
-                                    default=None)
-                    targets.append((f"{label}: every trainer's peak RSS < {TRAINER_RSS_LIMIT / 1e9:g} GB ({b})",
-                                    worst_rss, None if worst_rss is None else worst_rss < TRAINER_RSS_LIMIT,
-                                    "-" if worst_rss is None else f"{worst_rss / 1e9:.2f} GB"))
+                    worst_rss = max(
+                        (v for role, v in row["peak_rss_bytes"][b].items() if role.startswith("trainer")), default=None
+                    )
+                    targets.append(
+                        (
+                            f"{label}: every trainer's peak RSS < {TRAINER_RSS_LIMIT / 1e9:g} GB ({b})",
+                            worst_rss,
+                            None if worst_rss is None else worst_rss < TRAINER_RSS_LIMIT,
+                            "-" if worst_rss is None else f"{worst_rss / 1e9:.2f} GB",
+                        )
+                    )
             if n == "small" and (s, t) == (1, 1):
-                targets.append((f"{label}: rpc_core >= {SMALL_VS_SINGLE:g}x single-process samples/s",
-                                row["rpc_core/single"], _ge(row["rpc_core/single"], SMALL_VS_SINGLE),
-                                _x(row["rpc_core/single"])))
+                targets.append(
+                    (
+                        f"{label}: rpc_core >= {SMALL_VS_SINGLE:g}x single-process samples/s",
+                        row["rpc_core/single"],
+                        _ge(row["rpc_core/single"], SMALL_VS_SINGLE),
+                        _x(row["rpc_core/single"]),
+                    )
+                )
             if info["rounds"] > 1:
-                per = [_ratio(a["samples_per_s"], b["samples_per_s"])
-                       for a, b in zip(raw[(n, s, t, "rpc_core")], raw[(n, s, t, "torch")], strict=True)]
+                per = [
+                    _ratio(a["samples_per_s"], b["samples_per_s"])
+                    for a, b in zip(raw[(n, s, t, "rpc_core")], raw[(n, s, t, "torch")], strict=True)
+                ]
                 notes.append(f"{label}: rpc_core/torch per round: " + ", ".join(_x(v) for v in per))
             rows.append(row)
         if n == "large":
             rss = max((r.get("peak_rss_bytes") or 0 for r in raw[(n, "single")]), default=0)
             notes.append(f"{n} single process: peak RSS {rss / 1e9:.2f} GB")
-    out += _table(["config", "single process", "ps_train torch", "ps_train rpc_core", "rpc_core/torch",
-                   "rpc_core/single"], speed_body)
-    out += ["samples/s (median over rounds); ps_train: all trainers' samples over the loop of the trainer that "
-            "started last; single process: one trainer's batches, 1 thread", ""]
-    out += _table(["config", "server", "ideal B/step", "rpc_core B/step", "rpc_core/ideal", "torch B/step"],
-                  bytes_body)
-    out += ["bytes sent + received per trainer step by each server; ideal: benchmarks/_ctr_traffic.py "
-            "(backend=torch records no byte counts)", ""]
+    out += _table(
+        ["config", "single process", "ps_train torch", "ps_train rpc_core", "rpc_core/torch", "rpc_core/single"],
+        speed_body,
+    )
+    out += [
+        "samples/s (median over rounds); ps_train: all trainers' samples over the loop of the trainer that "
+        "started last; single process: one trainer's batches, 1 thread",
+        "",
+    ]
+    out += _table(["config", "server", "ideal B/step", "rpc_core B/step", "rpc_core/ideal", "torch B/step"], bytes_body)
+    out += [
+        "bytes sent + received per trainer step by each server; ideal: benchmarks/_ctr_traffic.py "
+        "(backend=torch records no byte counts)",
+        "",
+    ]
     if rss_body:
         out += _table(["config", "role", *[f"peak RSS {b}" for b in backends]], rss_body)
         out.append("")
@@ -117,12 +178,20 @@ def render(names: Sequence[str], configs: dict[str, Any], backends: Sequence[str
     width = max((len(t[0]) for t in targets), default=0)
     for label, _, met, shown in targets:
         out.append(f"  {label.ljust(width)}  {shown:>9}  {'PASS' if met else 'FAIL' if met is False else 'n/a'}")
-    errors = [(" ".join(map(str, k)), i + 1, r["error"]) for k, v in raw.items() for i, r in enumerate(v)
-              if r["status"] != "ok"]
+    errors = [
+        (" ".join(map(str, k)), i + 1, r["error"])
+        for k, v in raw.items()
+        for i, r in enumerate(v)
+        if r["status"] != "ok"
+    ]
     if errors:
         out += ["", "errors:"] + [f"  {k} (round {i}): {e}" for k, i, e in errors]
-    warnings = [(" ".join(map(str, k)), i + 1, r["warning"]) for k, v in raw.items() for i, r in enumerate(v)
-                if r.get("warning")]
+    warnings = [
+        (" ".join(map(str, k)), i + 1, r["warning"])
+        for k, v in raw.items()
+        for i, r in enumerate(v)
+        if r.get("warning")
+    ]
     if warnings:
         out += ["", "failed after writing metrics.json (figures kept):"]
         out += [f"  {k} (round {i}): {w}" for k, i, w in warnings]
@@ -136,24 +205,31 @@ def _ge(v: float | None, limit: float) -> bool | None:
 
 def _loss_diff(single: list[dict[str, Any]], core: list[dict[str, Any]]) -> float | None:
     ref = next((r["losses"] for r in single if r["status"] == "ok"), None)
-    diffs = [max(abs(a - b) for a, b in zip(ref, r["losses"], strict=True))
-             for r in core if ref is not None and r["status"] == "ok" and len(r["losses"]) == len(ref)]
+    diffs = [
+        max(abs(a - b) for a, b in zip(ref, r["losses"], strict=True))
+        for r in core
+        if ref is not None and r["status"] == "ok" and len(r["losses"]) == len(ref)
+    ]
     return max(diffs) if diffs else None
 
 
-def _bytes_rows(label: str, runs: list[dict[str, Any]], replay: Any, body: list[list[str]],
-                notes: list[str]) -> dict[str, dict[str, float | None]]:
+def _bytes_rows(
+    label: str, runs: list[dict[str, Any]], replay: Any, body: list[list[str]], notes: list[str]
+) -> dict[str, dict[str, float | None]]:
     """Per server: the ideal, the measured median and their ratio; a note if the replayed
     batches are not the run's (their distinct rows per step differ)."""
     ok = [r for r in runs if r["status"] == "ok" and r.get("server_bytes_per_step")]
     for r in ok:
         if abs(r["rows_pulled_per_step"] - replay.rows_per_step) > 1e-6 * replay.rows_per_step:
-            notes.append(f"{label}: WARNING the run pulled {r['rows_pulled_per_step']:.1f} rows per step, the "
-                         f"replayed batches {replay.rows_per_step:.1f}: the ideal is not this run's")
+            notes.append(
+                f"{label}: WARNING the run pulled {r['rows_pulled_per_step']:.1f} rows per step, the "
+                f"replayed batches {replay.rows_per_step:.1f}: the ideal is not this run's"
+            )
     out: dict[str, dict[str, float | None]] = {}
     for server, want in replay.ideal_per_step.items():
-        got = _median([r["server_bytes_per_step"][server]["sent"] + r["server_bytes_per_step"][server]["received"]
-                       for r in ok])
+        got = _median(
+            [r["server_bytes_per_step"][server]["sent"] + r["server_bytes_per_step"][server]["received"] for r in ok]
+        )
         out[server] = {"ideal": want, "rpc_core": got, "ratio": _ratio(got, want)}
         body.append([label, server, fmt(want), fmt(got), _x(out[server]["ratio"]), "n/a"])
     return out

@@ -1,27 +1,34 @@
 """The ideal bytes on the wire per trainer step of ps_train's DLRM scheme, from the exact batches.
 
-The scheme (``ps_train/ctr/trainer.py``): per step a trainer deduplicates each table's ids,
-asks every server for the distinct rows it owns, runs the bottom MLP on the server that
-hosts it and the top MLP on the server that hosts it; the backward sends each server the
-gradient of every row it returned and of every activation it produced. Per trainer step and
-server ``s``, with ``U_st`` the distinct ids of table ``t`` in the batch that ``s`` owns,
-``B`` the batch size, ``d`` the embedding width, ``T`` the number of tables and
-``Z = d + T (T + 1) / 2`` the interaction's width, the payload that must cross the wire is::
+The scheme (``ps_train/ctr/plan.py``): per step a trainer asks every server, for all tables
+at once, either for each distinct row of a table the batch uses (one-hot tables: a row is
+fetched once however many samples use it) or, where that costs fewer bytes (multi-hot bags),
+for one partial pooled vector per bag and server (the server sums its rows of the bag); it
+runs the bottom MLP on the server that hosts it and the top MLP on the server that hosts it;
+the backward sends each server the gradient of every vector it returned and of every
+activation it produced. Per trainer step and server ``s``, with ``U_s`` the distinct rows it
+returns, ``M_s`` the ids of the bags it pools and ``P_s`` those bags, ``B`` the batch size,
+``d`` the embedding width, ``T`` the number of tables and ``Z = d + T (T + 1) / 2`` the
+interaction's width, the payload that must cross the wire is::
 
-    ideal_s = sum_t U_st * (8 + 4 d + 4 d)          ids (int64) out, rows (float32) back,
-                                                     the rows' gradients in the backward
+    ideal_s = U_s * (8 + 4 d + 4 d)                  a row's id (int64) out, the row (float32)
+                                                     back, its gradient in the backward
+            + M_s * (8 [+ 4 with id weights])        a pooled id out (and its weight)
+            + P_s * (8 + 4 d + 4 d)                  where the bag starts out, its partial
+                                                     vector back, the vector's gradient in
             + [s hosts the bottom MLP] * B * (4 n_dense + 4 d + 4 d)   dense in, x out, dx in
             + [s hosts the top MLP]    * B * (4 Z + 4 + 4 + 4 Z)       z in, logit out,
                                                                        dlogit in, dz out
 
-Sent plus received, as ps_train's ``server_bytes_per_step`` counts them. The rows'
-gradients travel as their values only: the server kept the ids in its autograd graph (the
-lookup's ``F.embedding(..., sparse=True)``), so it builds the sparse gradient (values +
-indices) itself; a scheme that sends the indices back would add 8 bytes per row. The dense
-MLPs' parameters never travel (they live on their servers), only their activations.
-Framing, pickled call metadata, the update requests and the periodic status calls are the
-overhead a measured figure has over this one.
+Sent plus received, as ps_train's ``server_bytes_per_step`` counts them. Gradients travel as
+the vectors' values only: the server kept the ids in its autograd graph, so it builds the
+sparse gradient of its rows itself; a scheme that sends the indices back would add 8 bytes
+per row. The dense MLPs' parameters never travel (they live on their servers), only their
+activations. Framing, pickled call metadata, the update requests and the periodic status
+calls are the overhead a measured figure has over this one. One-hot data has no pooled
+bags: the formula is then the rows term alone.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -33,17 +40,31 @@ INDEX_BYTES = 8  # an int64 row id
 FLOAT_BYTES = 4  # a float32 value
 
 
-def step_ideal_bytes(unique_rows: Sequence[int], dim: int, batch: int, num_dense: int, num_tables: int,
-                     hosts_bottom: bool, hosts_top: bool) -> int:
+def step_ideal_bytes(
+    unique_rows: Sequence[int],
+    dim: int,
+    batch: int,
+    num_dense: int,
+    num_tables: int,
+    hosts_bottom: bool,
+    hosts_top: bool,
+    pooled_ids: int = 0,
+    pooled_bags: int = 0,
+    id_weights: bool = False,
+) -> int:
     """``ideal_s`` of the module docstring for one server and one trainer step;
-    ``unique_rows[t]`` = U_st, the distinct rows of table t this server sends for the batch."""
+    ``unique_rows[t]``: the distinct rows of table t this server sends for the batch (its
+    share of ``U_s``); ``pooled_ids`` = M_s, ``pooled_bags`` = P_s."""
     if dim < 1 or batch < 1 or num_dense < 0 or num_tables < 1:
-        raise ValueError(f"need dim >= 1, batch >= 1, num_dense >= 0, num_tables >= 1; got dim={dim}, "
-                         f"batch={batch}, num_dense={num_dense}, num_tables={num_tables}")
+        raise ValueError(
+            f"need dim >= 1, batch >= 1, num_dense >= 0, num_tables >= 1; got dim={dim}, "
+            f"batch={batch}, num_dense={num_dense}, num_tables={num_tables}"
+        )
     if len(unique_rows) != num_tables:
         raise ValueError(f"unique_rows lists {len(unique_rows)} tables, expected num_tables={num_tables}")
     per_row = INDEX_BYTES + 2 * dim * FLOAT_BYTES
-    total = sum(unique_rows) * per_row
+    total = (sum(unique_rows) + pooled_bags) * per_row
+    total += pooled_ids * (INDEX_BYTES + (FLOAT_BYTES if id_weights else 0))
     if hosts_bottom:
         total += batch * FLOAT_BYTES * (num_dense + 2 * dim)
     if hosts_top:
@@ -55,8 +76,8 @@ def step_ideal_bytes(unique_rows: Sequence[int], dim: int, batch: int, num_dense
 @dataclass
 class TrafficReplay:
     """The ideal over a run's exact batches: per server, bytes per trainer step (averaged over
-    every trainer's steps), and the distinct rows pulled per trainer step over all servers
-    (what the run's ``rows_pulled_per_step`` must equal)."""
+    every trainer's steps), and the vectors (distinct rows and partial bags) pulled per
+    trainer step over all servers (what the run's ``rows_pulled_per_step`` must equal)."""
 
     ideal_per_step: dict[str, float]
     rows_per_step: float
@@ -65,30 +86,44 @@ class TrafficReplay:
 
 def replay_ideal_bytes(cfg, steps: int) -> TrafficReplay:
     """Replay the batches every trainer of the run ``cfg`` (a ps_train ``Config`` with
-    model=dlrm) takes in ``steps`` steps, split each table's ids as the trainers do, and sum
+    model=dlrm) takes in ``steps`` steps, plan each as the trainers do, and sum
     ``step_ideal_bytes`` per server."""
+    from ps_train.ctr.bags import as_bags
     from ps_train.ctr.batches import CtrBatchIterator
     from ps_train.ctr.loading import load_ctr_data
-    from ps_train.ctr.rows import RowSharding, plan_lookup
+    from ps_train.ctr.plan import BagPlanner
+    from ps_train.ctr.rows import FusedLayout
     from ps_train.stage_sharding import model_shards
 
     S, K = cfg.cluster.num_servers, cfg.cluster.num_trainers
     d, B = cfg.model.embedding_dim, cfg.train.batch_size
     sizes = cfg.data.sizes()
-    shardings = [RowSharding(cfg.model.table_sharding, n, S) for n in sizes]
+    planner = BagPlanner(FusedLayout(cfg.model.table_sharding, tuple(sizes), S), d, cfg.model.pooling_list(len(sizes)))
     (_, bottom_server), (_, top_server) = [(sh.index, sh.server) for sh in model_shards(cfg)]
-    train, _, _ = load_ctr_data(cfg.data)
+    train = load_ctr_data(cfg.data).train
     totals = [0] * S
-    rows = 0
+    vectors = 0
     for k in range(K):
         batches = CtrBatchIterator(train, k, K, B, cfg.seed)
         for _ in range(steps):
-            _, ids, _ = next(batches)  # ids: int64 [B, T]
-            plans = [plan_lookup(ids[:, t], sh) for t, sh in enumerate(shardings)]
-            for s in range(S):
-                unique = [len(p.local[s]) for p in plans]  # U_st per table
-                rows += sum(unique)
-                totals[s] += step_ideal_bytes(unique, d, B, cfg.data.dense_count(), len(sizes),
-                                              s == bottom_server, s == top_server)
+            _, ids, _ = next(batches)
+            bags = as_bags(ids)
+            plan = planner.plan(bags)
+            vectors += sum(plan.answers)
+            for s, req in enumerate(plan.requests):
+                pooled_bags = len(req.offsets)
+                singles = plan.answers[s] - pooled_bags
+                totals[s] += step_ideal_bytes(
+                    [singles] + [0] * (len(sizes) - 1),
+                    d,
+                    B,
+                    cfg.data.dense_count(),
+                    len(sizes),
+                    s == bottom_server,
+                    s == top_server,
+                    pooled_ids=plan.pooled_rows[s],
+                    pooled_bags=pooled_bags,
+                    id_weights=bags.weights is not None,
+                )
     n = K * steps
-    return TrafficReplay({f"ps{s}": totals[s] / n for s in range(S)}, rows / n, n)
+    return TrafficReplay({f"ps{s}": totals[s] / n for s in range(S)}, vectors / n, n)

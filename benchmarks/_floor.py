@@ -150,8 +150,15 @@ def _hypervisor() -> str:
                 text = f.read().strip()
             if text and path.endswith("type"):
                 return text
-            if text and text.lower() in ("qemu", "kvm", "xen", "microsoft corporation", "vmware, inc.",
-                                         "amazon ec2", "google"):
+            if text and text.lower() in (
+                "qemu",
+                "kvm",
+                "xen",
+                "microsoft corporation",
+                "vmware, inc.",
+                "amazon ec2",
+                "google",
+            ):
                 return text
         except OSError:
             pass
@@ -177,5 +184,7 @@ def machine() -> dict[str, Any]:
 
 
 def describe_machine(m: dict[str, Any]) -> str:
-    return (f"machine: {m['cpu']}, {m['usable_cores']} of {m['cores']} cores usable, kernel {m['kernel']}, "
-            f"hypervisor {m['hypervisor']}, Python {m['python']}, load average {m['load_avg_1m']:.2f} at start")
+    return (
+        f"machine: {m['cpu']}, {m['usable_cores']} of {m['cores']} cores usable, kernel {m['kernel']}, "
+        f"hypervisor {m['hypervisor']}, Python {m['python']}, load average {m['load_avg_1m']:.2f} at start"
+    )

@@ -243,9 +243,7 @@ def _echo(nbytes):
         if got.shape != t.shape or got.dtype != t.dtype or not torch.equal(got, t):
             raise AssertionError("echo returned a different tensor")
         del got
-        samples = _time_calls(
-            lambda: rpc.rpc_sync(CALLEE, echo, args=(t,)), c["warmup"], c["iters"], c["reps"], impl
-        )
+        samples = _time_calls(lambda: rpc.rpc_sync(CALLEE, echo, args=(t,)), c["warmup"], c["iters"], c["reps"], impl)
         vals = [2 * nbytes / s / 1e9 for s in samples]  # bytes sent + received, GB = 1e9 B
         return statistics.median(vals), vals
 
@@ -257,9 +255,7 @@ def w_remote_to_here(impl, c):
     got = rpc.remote(CALLEE, small_tensor).to_here()
     if not torch.equal(got, torch.ones(10, 10)):
         raise AssertionError("remote(...).to_here() returned a wrong result")
-    samples = _time_calls(
-        lambda: rpc.remote(CALLEE, small_tensor).to_here(), c["warmup"], c["iters"], c["reps"], impl
-    )
+    samples = _time_calls(lambda: rpc.remote(CALLEE, small_tensor).to_here(), c["warmup"], c["iters"], c["reps"], impl)
     return _per_call(samples, 1e6)
 
 

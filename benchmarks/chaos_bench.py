@@ -16,6 +16,7 @@
 Every run has a hard time limit (a few times ``--minutes``). Exits 1 if a check fails.
 Roles are found by the pid each one logs when it starts (``logs/<role>.log``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,14 @@ from pathlib import Path
 from typing import Any
 
 _PID = re.compile(r"starting (\S+) \(rank \d+ of \d+, pid (\d+)\)")
-CONFIG = ["mode=async", "cluster.num_servers=2", "train.eval_every=0", "logging.progress=false",
-          "logging.tensorboard=false", "checkpoint.keep=3"]
+CONFIG = [
+    "mode=async",
+    "cluster.num_servers=2",
+    "train.eval_every=0",
+    "logging.progress=false",
+    "logging.tensorboard=false",
+    "checkpoint.keep=3",
+]
 
 
 def _run(run_dir: Path, overrides: list[str], timeout: float) -> tuple[int, float, str]:
@@ -131,8 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     limit = max(120.0, 4 * 60 * args.minutes)
 
     cal_steps = 200
-    rc, wall, tail = _run(out / "calibrate", [f"cluster.num_trainers={args.trainers}", f"train.steps={cal_steps}"],
-                          limit)
+    rc, wall, tail = _run(
+        out / "calibrate", [f"cluster.num_trainers={args.trainers}", f"train.steps={cal_steps}"], limit
+    )
     if rc != 0:
         print(f"calibration run failed ({rc}):\n{tail}")
         return 1
@@ -168,16 +176,24 @@ def main(argv: list[str] | None = None) -> int:
     bad, interrupted = check_checkpoints(chaos_dir, steps)
     problems += bad
 
-    rows = [("steps per trainer", f"{steps}", ""),
-            ("wall time (s)", f"{ref_wall:.1f}", f"{wall:.1f}"),
-            ("test accuracy", f"{ref_acc:.4f}", f"{acc:.4f}"),
-            ("kills (trainers / servers)", "0 / 0",
-             f"{sum(r != 'ps1' for _, r in killer.kills)} / {sum(r == 'ps1' for _, r in killer.kills)}"),
-            ("trainer replacements", "0", f"{len(metrics.get('replacements', []))}"),
-            ("run restarts (from checkpoint)", "0", f"{len(metrics.get('restarts', []))}"),
-            ("complete / interrupted checkpoints", "",
-             f"{len(list((chaos_dir / 'checkpoints').glob('step_*'))) - len(interrupted)} / {len(interrupted)}"),
-            ("wall-time overhead", "", f"{(wall / ref_wall - 1) * 100:+.0f} %")]
+    rows = [
+        ("steps per trainer", f"{steps}", ""),
+        ("wall time (s)", f"{ref_wall:.1f}", f"{wall:.1f}"),
+        ("test accuracy", f"{ref_acc:.4f}", f"{acc:.4f}"),
+        (
+            "kills (trainers / servers)",
+            "0 / 0",
+            f"{sum(r != 'ps1' for _, r in killer.kills)} / {sum(r == 'ps1' for _, r in killer.kills)}",
+        ),
+        ("trainer replacements", "0", f"{len(metrics.get('replacements', []))}"),
+        ("run restarts (from checkpoint)", "0", f"{len(metrics.get('restarts', []))}"),
+        (
+            "complete / interrupted checkpoints",
+            "",
+            f"{len(list((chaos_dir / 'checkpoints').glob('step_*'))) - len(interrupted)} / {len(interrupted)}",
+        ),
+        ("wall-time overhead", "", f"{(wall / ref_wall - 1) * 100:+.0f} %"),
+    ]
     print(f"\n| {'':34} | {'fault-free':>10} | {'chaos':>10} |\n|{'-' * 36}|{'-' * 12}|{'-' * 12}|")
     for name, a, b in rows:
         print(f"| {name:34} | {a:>10} | {b:>10} |")
@@ -185,8 +201,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"restart: {r['role']} ({r['reason']}), resumed after step {r['from_step']}")
     for r in metrics.get("replacements", []):
         print(f"replacement: {r['role']} ({r['reason']}), attempt {r['attempt']}")
-    print("\n" + ("OK: the run finished, accuracy within 1 point, checkpoints intact" if not problems
-                  else "FAILED:\n  - " + "\n  - ".join(problems)))
+    print(
+        "\n"
+        + (
+            "OK: the run finished, accuracy within 1 point, checkpoints intact"
+            if not problems
+            else "FAILED:\n  - " + "\n  - ".join(problems)
+        )
+    )
     return 1 if problems else 0
 
 

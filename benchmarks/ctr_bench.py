@@ -59,6 +59,7 @@ server (rpc_core); large: rpc_core >= 2x backend=torch samples/s, every trainer'
 The cores may be shared: compare ratios from one invocation. A failed run shows "error" and
 its reason under the table; the others go on; the exit status is then 1.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -81,8 +82,16 @@ for _p in (REPO, HERE):
 from _ctr_report import render  # noqa: E402 (the benchmarks folder is on the path just above)
 from _ctr_traffic import replay_ideal_bytes  # noqa: E402
 
-COMMON = ["mode=sync", "seed=0", "train.eval_every=0", "checkpoint.every=0", "checkpoint.final=false",
-          "logging.tensorboard=false", "logging.progress=false", "logging.level=WARNING"]
+COMMON = [
+    "mode=sync",
+    "seed=0",
+    "train.eval_every=0",
+    "checkpoint.every=0",
+    "checkpoint.final=false",
+    "logging.tensorboard=false",
+    "logging.progress=false",
+    "logging.level=WARNING",
+]
 # name -> (overrides, (servers, trainers) clusters, steps {full, quick})
 CONFIGS: dict[str, tuple[list[str], list[tuple[int, int]], dict[str, int]]] = {
     "small": (["model=dlrm", "data=synthetic_ctr"], [(1, 1), (2, 2)], {"full": 600, "quick": 150}),
@@ -95,8 +104,15 @@ BACKENDS = ("torch", "rpc_core")
 
 def overrides_for(name: str, servers: int, trainers: int, backend: str, steps: int) -> list[str]:
     base, _, _ = CONFIGS[name]
-    return [*base, *COMMON, f"cluster.num_servers={servers}", f"cluster.num_trainers={trainers}",
-            f"backend={backend}", f"train.steps={steps}", f"train.log_every={steps}"]
+    return [
+        *base,
+        *COMMON,
+        f"cluster.num_servers={servers}",
+        f"cluster.num_trainers={trainers}",
+        f"backend={backend}",
+        f"train.steps={steps}",
+        f"train.log_every={steps}",
+    ]
 
 
 def compose(overrides: list[str]) -> Any:
@@ -157,20 +173,28 @@ def run_ps_train(overrides: list[str], run_dir: str, timeout: float) -> dict[str
             m = json.load(f)
         expected = cfg.train.steps * cfg.train.batch_size * cfg.cluster.num_trainers
         if m.get("samples") != expected or m.get("backend") != cfg.backend:
-            raise RuntimeError(f"metrics.json: {m.get('samples')} samples on backend {m.get('backend')}, expected "
-                               f"{expected} on {cfg.backend}")
+            raise RuntimeError(
+                f"metrics.json: {m.get('samples')} samples on backend {m.get('backend')}, expected "
+                f"{expected} on {cfg.backend}"
+            )
         # Sync mode: every step needs every trainer, so the trainer whose loop started last
         # times all the training without waiting for another's start-up; the others' loops
         # may include that wait (metrics.json's samples_per_s uses the longest loop).
         loop = min(m["trainer_wall_time_s"].values())
-        res.update(samples_per_s=m["samples"] / loop, loop_time_s=loop, metrics_samples_per_s=m["samples_per_s"],
-                   wall_time_s=m["wall_time_s"],
-                   losses=m["losses"]["trainer0"], peak_rss_bytes=m["peak_rss_bytes"],
-                   rows_pulled_per_step=m["rows_pulled_per_step"],
-                   server_bytes_per_step=m.get("server_bytes_per_step"))
+        res.update(
+            samples_per_s=m["samples"] / loop,
+            loop_time_s=loop,
+            metrics_samples_per_s=m["samples_per_s"],
+            wall_time_s=m["wall_time_s"],
+            losses=m["losses"]["trainer0"],
+            peak_rss_bytes=m["peak_rss_bytes"],
+            rows_pulled_per_step=m["rows_pulled_per_step"],
+            server_bytes_per_step=m.get("server_bytes_per_step"),
+        )
     except Exception as e:  # noqa: BLE001 - one failing run must not stop the others
-        res.update(status="error", error=str(e) if isinstance(e, RuntimeError) else _failure(e, run_dir),
-                   samples_per_s=None)
+        res.update(
+            status="error", error=str(e) if isinstance(e, RuntimeError) else _failure(e, run_dir), samples_per_s=None
+        )
     return res
 
 
@@ -184,8 +208,11 @@ def run_single(name: str, steps: int, timeout: float) -> dict[str, Any]:
             return {"status": "error", "error": f"timeout after {timeout:.0f} s; killed", "samples_per_s": None}
         if proc.returncode != 0:
             lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
-            return {"status": "error", "samples_per_s": None,
-                    "error": f"exit code {proc.returncode}: {lines[-1] if lines else 'no output'}"}
+            return {
+                "status": "error",
+                "samples_per_s": None,
+                "error": f"exit code {proc.returncode}: {lines[-1] if lines else 'no output'}",
+            }
         return {"status": "ok", **json.load(out)}
 
 
@@ -197,17 +224,18 @@ def single_worker(name: str, steps: int, out_path: str) -> None:
     import torch
     import torch.nn.functional as F
 
-    from ps_train.config import optimizer_spec, table_optimizer_spec
+    from ps_train.config import optimizer_spec
     from ps_train.ctr.batches import CtrBatchIterator
     from ps_train.ctr.loading import load_ctr_data
     from ps_train.ctr.model import DLRM
+    from ps_train.ctr.optimizers import table_optimizer_spec
 
     torch.set_num_threads(1)  # as in every ps_train process
     # Adagrad on sparse gradients warns that it does not re-check their indices (see table_server).
     warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled")
     cfg = compose(overrides_for(name, 1, 1, "rpc_core", steps))
     data, m = cfg.data, cfg.model
-    train, _, _ = load_ctr_data(data)
+    train = load_ctr_data(data).train
     model = DLRM(data.dense_count(), data.sizes(), m.embedding_dim, m.bottom_mlp, m.top_mlp, cfg.seed)
     cls, kwargs = optimizer_spec(cfg.optim)
     dense_opt = cls([*model.bottom.parameters(), *model.top.parameters()], **kwargs)
@@ -232,8 +260,7 @@ def single_worker(name: str, steps: int, out_path: str) -> None:
     wall = time.perf_counter() - t0
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     with open(out_path, "w") as f:
-        json.dump({"samples_per_s": samples / wall, "wall_time_s": wall, "losses": losses,
-                   "peak_rss_bytes": rss}, f)
+        json.dump({"samples_per_s": samples / wall, "wall_time_s": wall, "losses": losses, "peak_rss_bytes": rss}, f)
 
 
 # ---------------------------------------------------------------------------- the report
@@ -249,15 +276,34 @@ def machine() -> dict[str, Any]:
     except OSError:
         pass
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                                timeout=5).stdout.strip() or None
-        if commit and subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                                     capture_output=True, text=True, timeout=5).stdout.strip():
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=5
+            ).stdout.strip()
+            or None
+        )
+        if (
+            commit
+            and subprocess.run(
+                ["git", "status", "--porcelain", "--untracked-files=no"],
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+                timeout=5,
+            ).stdout.strip()
+        ):
             commit += " (with uncommitted changes)"
     except (OSError, subprocess.SubprocessError):
         commit = None
-    return {"cpu": cpu, "cores": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version(),
-            "torch": torch.__version__, "commit": commit, "memory_gib": _mem_gib()}
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "commit": commit,
+        "memory_gib": _mem_gib(),
+    }
 
 
 def _mem_gib() -> float | None:
@@ -270,9 +316,11 @@ def _mem_gib() -> float | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="DLRM: ps_train on rpc_core vs backend=torch vs one process",
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=__doc__.split("Configurations")[0] if __doc__ else None)
+    ap = argparse.ArgumentParser(
+        description="DLRM: ps_train on rpc_core vs backend=torch vs one process",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("Configurations")[0] if __doc__ else None,
+    )
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", choices=tuple(CONFIGS), default=None)
     ap.add_argument("--rounds", type=int, default=1)
@@ -297,9 +345,15 @@ def main(argv: list[str] | None = None) -> int:
     steps = {n: CONFIGS[n][2]["quick" if args.quick else "full"] for n in names}
     timeout = args.timeout or (600.0 if args.quick else 900.0)
     run_root = tempfile.mkdtemp(prefix="ctr_bench_", dir=args.run_root)
-    info = {**machine(), "loadavg_start": os.getloadavg()[0], "rounds": args.rounds, "quick": args.quick,
-            "steps": steps, "command": " ".join(["python", os.path.relpath(__file__, REPO), *(argv or sys.argv[1:])]),
-            "time": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    info = {
+        **machine(),
+        "loadavg_start": os.getloadavg()[0],
+        "rounds": args.rounds,
+        "quick": args.quick,
+        "steps": steps,
+        "command": " ".join(["python", os.path.relpath(__file__, REPO), *(argv or sys.argv[1:])]),
+        "time": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
     log(f"{info['cpu']}, {info['cores']} cores, kernel {info['kernel']}, torch {info['torch']}; runs in {run_root}")
 
     # The ideal bytes depend only on the batches: replayed once per configuration and cluster.
@@ -340,9 +394,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump({**doc, "info": info,
-                       "runs": {" ".join(map(str, k)): [{x: y for x, y in r.items() if x != "losses"} for r in v]
-                                for k, v in raw.items()}}, f, indent=2)
+            json.dump(
+                {
+                    **doc,
+                    "info": info,
+                    "runs": {
+                        " ".join(map(str, k)): [{x: y for x, y in r.items() if x != "losses"} for r in v]
+                        for k, v in raw.items()
+                    },
+                },
+                f,
+                indent=2,
+            )
         log(f"wrote {args.json}")
     return 1 if failed else 0
 

@@ -130,8 +130,7 @@ TARGETS = [
 # ------------------------------------------------------------------------------ configs
 
 
-def make_config(model: str, servers: int, trainers: int, backend: str, steps: int,
-                batch_size: int = BATCH_SIZE):
+def make_config(model: str, servers: int, trainers: int, backend: str, steps: int, batch_size: int = BATCH_SIZE):
     """The validated ps_train ``Config`` every implementation trains (see module docstring)."""
     from ps_train.config import (
         CheckpointConfig,
@@ -151,8 +150,7 @@ def make_config(model: str, servers: int, trainers: int, backend: str, steps: in
         model=MLPConfig() if model == "mlp" else CNNConfig(),
         data=SyntheticConfig(shape=[1, 28, 28], num_classes=10),
         cluster=ClusterConfig(num_servers=servers, num_trainers=trainers, launcher="local"),
-        train=TrainConfig(steps=steps, epochs=None, batch_size=batch_size, eval_every=0,
-                          log_every=steps),
+        train=TrainConfig(steps=steps, epochs=None, batch_size=batch_size, eval_every=0, log_every=steps),
         checkpoint=CheckpointConfig(every=0),
         logging=LoggingConfig(tensorboard=False, progress=False, level="WARNING"),
     )
@@ -182,8 +180,9 @@ def _failure_reason(exc: BaseException, run_dir: str) -> str:
     return reason
 
 
-def run_ps_train(model: str, servers: int, trainers: int, backend: str, steps: int,
-                 run_root: str, timeout: float, log) -> dict:
+def run_ps_train(
+    model: str, servers: int, trainers: int, backend: str, steps: int, run_root: str, timeout: float, log
+) -> dict:
     """One ``ps_train.app.run``; returns ``{"status", "samples_per_s", ...}``, never raises."""
     res: dict[str, Any] = {"status": "ok", "samples_per_s": None, "error": None, "run_dir": None}
     t0 = time.monotonic()
@@ -222,8 +221,10 @@ def run_ps_train(model: str, servers: int, trainers: int, backend: str, steps: i
             raise RuntimeError(f"asked for backend={backend} but metrics.json says {metrics.get('backend')}")
         expected = steps * BATCH_SIZE * trainers
         if metrics.get("samples") != expected:
-            raise RuntimeError(f"metrics.json counts {metrics.get('samples')} samples, expected "
-                               f"{steps} steps x {BATCH_SIZE} x {trainers} trainers = {expected}")
+            raise RuntimeError(
+                f"metrics.json counts {metrics.get('samples')} samples, expected "
+                f"{steps} steps x {BATCH_SIZE} x {trainers} trainers = {expected}"
+            )
     except Exception as e:  # noqa: BLE001 - a failing configuration must not stop the others
         res.update(status="error", error=_failure_reason(e, run_dir), samples_per_s=None)
         log(f"    error: {res['error']}")
@@ -247,8 +248,7 @@ def single_main(model: str, steps: int, threads: int, out) -> None:
 
         cfg = make_config(model, 1, 1, "rpc_core", steps)
         train_set, _ = load_data(cfg.data)
-        net = reference_model(build_stages(cfg.model, cfg.data.sample_shape(), cfg.data.class_count(),
-                                           seed=cfg.seed))
+        net = reference_model(build_stages(cfg.model, cfg.data.sample_shape(), cfg.data.class_count(), seed=cfg.seed))
         net.train()
         cls, kwargs = optimizer_spec(cfg.optim)
         opt = cls(net.parameters(), **kwargs)
@@ -267,8 +267,19 @@ def single_main(model: str, steps: int, threads: int, out) -> None:
             losses.append(loss.item())
             samples += len(y)
         wall = time.perf_counter() - t_start
-        out.put(("ok", {"samples_per_s": samples / wall, "wall_time_s": wall, "samples": samples,
-                        "steps": steps, "losses": losses, "threads": torch.get_num_threads()}))
+        out.put(
+            (
+                "ok",
+                {
+                    "samples_per_s": samples / wall,
+                    "wall_time_s": wall,
+                    "samples": samples,
+                    "steps": steps,
+                    "losses": losses,
+                    "threads": torch.get_num_threads(),
+                },
+            )
+        )
     except BaseException:  # noqa: BLE001 - reported by the parent
         out.put(("error", traceback.format_exc()))
 
@@ -278,8 +289,7 @@ def run_single(model: str, steps: int, threads: int, timeout: float, log) -> dic
     t0 = time.monotonic()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=single_main, args=(model, steps, threads, q), name=f"e2e-single-{model}",
-                    daemon=True)
+    p = ctx.Process(target=single_main, args=(model, steps, threads, q), name=f"e2e-single-{model}", daemon=True)
     p.start()
     msg = None
     deadline = t0 + timeout
@@ -291,8 +301,7 @@ def run_single(model: str, steps: int, threads: int, timeout: float, log) -> dic
                 try:
                     msg = q.get(timeout=1.0)
                 except queue_mod.Empty:
-                    msg = ("error", f"the single-process run died (exit code {p.exitcode}) "
-                                    "without a result")
+                    msg = ("error", f"the single-process run died (exit code {p.exitcode}) without a result")
             elif time.monotonic() > deadline:
                 msg = ("error", f"timeout after {timeout:.0f} s; process killed")
     if p.is_alive():
@@ -330,8 +339,11 @@ def loss_check(single: list[dict], core: list[dict]) -> float | None:
     ref = next((r["losses"] for r in single if r["status"] == "ok" and r.get("losses")), None)
     if ref is None:
         return None
-    diffs = [max(abs(a - b) for a, b in zip(ref, r["losses"], strict=True))
-             for r in core if r["status"] == "ok" and r.get("losses") and len(r["losses"]) == len(ref)]
+    diffs = [
+        max(abs(a - b) for a, b in zip(ref, r["losses"], strict=True))
+        for r in core
+        if r["status"] == "ok" and r.get("losses") and len(r["losses"]) == len(ref)
+    ]
     return max(diffs) if diffs else None
 
 
@@ -344,19 +356,26 @@ def build_rows(models, raw) -> list[dict]:
             core = merge(raw[(model, servers, trainers, "rpc_core")])
             s, t, c = single["samples_per_s"], torch_["samples_per_s"], core["samples_per_s"]
             row = {
-                "model": model, "servers": servers, "trainers": trainers,
+                "model": model,
+                "servers": servers,
+                "trainers": trainers,
                 "config": f"{model} {servers}+{trainers}",
-                "single": s, "torch": t, "rpc_core": c,
+                "single": s,
+                "torch": t,
+                "rpc_core": c,
                 "rpc_core/torch": c / t if c and t else None,
                 "rpc_core/single": c / s if c and s else None,
-                "per_round": {"single": single["per_round"], "torch": torch_["per_round"],
-                              "rpc_core": core["per_round"]},
-                "errors": {"single": single["errors"], "torch": torch_["errors"],
-                           "rpc_core": core["errors"]},
+                "per_round": {
+                    "single": single["per_round"],
+                    "torch": torch_["per_round"],
+                    "rpc_core": core["per_round"],
+                },
+                "errors": {"single": single["errors"], "torch": torch_["errors"], "rpc_core": core["errors"]},
             }
             if (servers, trainers) == (1, 1):
                 row["max_loss_diff_vs_single"] = {
-                    b: loss_check(raw[(model, "single")], raw[(model, 1, 1, b)]) for b in BACKENDS}
+                    b: loss_check(raw[(model, "single")], raw[(model, 1, 1, b)]) for b in BACKENDS
+                }
             rows.append(row)
     return rows
 
@@ -370,55 +389,72 @@ def evaluate_targets(rows) -> list[dict]:
             continue
         v = row[ratio]
         met = None if v is None else (v > threshold if strict else v >= threshold)
-        out.append({"target": label, "ratio": ratio, "threshold": threshold, "strict": strict,
-                    "value": v, "met": met})
+        out.append({"target": label, "ratio": ratio, "threshold": threshold, "strict": strict, "value": v, "met": met})
     return out
 
 
 def render(rows, targets, info) -> str:
-    head = ["config", "single-process", "ps_train torch", "ps_train rpc_core", "rpc_core/torch",
-            "rpc_core/single"]
+    head = ["config", "single-process", "ps_train torch", "ps_train rpc_core", "rpc_core/torch", "rpc_core/single"]
     body = []
     for r in rows:
+
         def cell(impl, r=r):
             if r[impl] is not None:
                 return fmt(r[impl]) + (" *" if impl == "single" and r["servers"] > 1 else "")
             return "error" if r["errors"][impl] else "-"
 
-        body.append([
-            f"{r['config']} ({r['servers']} server{'s' * (r['servers'] > 1)}, "
-            f"{r['trainers']} trainer{'s' * (r['trainers'] > 1)})",
-            cell("single"), cell("torch"), cell("rpc_core"),
-            f"{r['rpc_core/torch']:.2f}x" if r["rpc_core/torch"] is not None else "-",
-            f"{r['rpc_core/single']:.2f}x" if r["rpc_core/single"] is not None else "-",
-        ])
+        body.append(
+            [
+                f"{r['config']} ({r['servers']} server{'s' * (r['servers'] > 1)}, "
+                f"{r['trainers']} trainer{'s' * (r['trainers'] > 1)})",
+                cell("single"),
+                cell("torch"),
+                cell("rpc_core"),
+                f"{r['rpc_core/torch']:.2f}x" if r["rpc_core/torch"] is not None else "-",
+                f"{r['rpc_core/single']:.2f}x" if r["rpc_core/single"] is not None else "-",
+            ]
+        )
     widths = [max(len(str(x[i])) for x in [head] + body) for i in range(len(head))]
 
     def line(cols):
-        return "| " + " | ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w)
-                                 for i, (c, w) in enumerate(zip(cols, widths, strict=True))) + " |"
+        return (
+            "| "
+            + " | ".join(
+                str(c).ljust(w) if i == 0 else str(c).rjust(w)
+                for i, (c, w) in enumerate(zip(cols, widths, strict=True))
+            )
+            + " |"
+        )
 
-    out = [line(head), "|" + "|".join("-" * (w + 2) if i == 0 else "-" * (w + 1) + ":"
-                                       for i, w in enumerate(widths)) + "|"]
+    out = [
+        line(head),
+        "|" + "|".join("-" * (w + 2) if i == 0 else "-" * (w + 1) + ":" for i, w in enumerate(widths)) + "|",
+    ]
     out += [line(b) for b in body]
     out.append("")
     steps = ", ".join(f"{m} {n}" for m, n in info["steps"].items())
-    out.append(f"samples/s (higher is better), batch {BATCH_SIZE} per trainer, steps per trainer: "
-               f"{steps}; mode=sync; "
-               + (f"median of {info['rounds']} rounds." if info["rounds"] > 1 else "1 round."))
-    out.append("ps_train: metrics.json samples_per_s = samples of all trainers / longest trainer "
-               "training-loop wall time (process startup, init_rpc, final eval, shutdown excluded).")
-    out.append(f"single-process: plain torch loop in one process, {info['single_threads']} "
-               "intra-op thread(s), same model init, data order, SGD and batch size; it has no "
-               "servers/trainers,")
-    out.append("  so * marks the same single-process figure repeated in the 2+2 row "
-               "(rpc_core/single there = 2 trainers' total vs one process).")
+    out.append(
+        f"samples/s (higher is better), batch {BATCH_SIZE} per trainer, steps per trainer: "
+        f"{steps}; mode=sync; " + (f"median of {info['rounds']} rounds." if info["rounds"] > 1 else "1 round.")
+    )
+    out.append(
+        "ps_train: metrics.json samples_per_s = samples of all trainers / longest trainer "
+        "training-loop wall time (process startup, init_rpc, final eval, shutdown excluded)."
+    )
+    out.append(
+        f"single-process: plain torch loop in one process, {info['single_threads']} "
+        "intra-op thread(s), same model init, data order, SGD and batch size; it has no "
+        "servers/trainers,"
+    )
+    out.append(
+        "  so * marks the same single-process figure repeated in the 2+2 row "
+        "(rpc_core/single there = 2 trainers' total vs one process)."
+    )
     for r in rows:
         d = r.get("max_loss_diff_vs_single")
         if d:
             parts = [f"{b} {d[b]:.2g}" if d[b] is not None else f"{b} -" for b in BACKENDS]
-            out.append(f"loss check {r['model']} 1+1 vs single-process, max |per-step loss diff|: "
-                       + ", ".join(parts))
+            out.append(f"loss check {r['model']} 1+1 vs single-process, max |per-step loss diff|: " + ", ".join(parts))
     if info["rounds"] > 1:
         out.append("per round (spread of the noise), rpc_core/torch and rpc_core/single:")
         for r in rows:
@@ -428,12 +464,15 @@ def render(rows, targets, info) -> str:
                 # one value per round in each
                 return ", ".join(f"{a / b:.2f}" if a and b else "-" for a, b in zip(num, den, strict=True))
 
-            out.append(f"  {r['config']}: {ratios(pr['rpc_core'], pr['torch'])} | "
-                       f"{ratios(pr['rpc_core'], pr['single'])}")
+            out.append(
+                f"  {r['config']}: {ratios(pr['rpc_core'], pr['torch'])} | {ratios(pr['rpc_core'], pr['single'])}"
+            )
     la = info.get("loadavg")
     if la:
-        out.append(f"machine: {info['cpus']} CPUs, load average {la[0]} at start, {la[1]} at end "
-                   "(shared cores: compare ratios within one run).")
+        out.append(
+            f"machine: {info['cpus']} CPUs, load average {la[0]} at start, {la[1]} at end "
+            "(shared cores: compare ratios within one run)."
+        )
     if targets:
         out.append("")
         out.append("targets, ps_train on rpc_core:")
@@ -442,8 +481,7 @@ def render(rows, targets, info) -> str:
             v = f"{t['value']:.2f}x" if t["value"] is not None else "-"
             verdict = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
             out.append(f"  {t['target'].ljust(w)}  {t['ratio']} = {v:>7}  {verdict}")
-    errors = [(r["config"], impl, rnd, err) for r in rows for impl in IMPLS
-              for rnd, err in r["errors"][impl]]
+    errors = [(r["config"], impl, rnd, err) for r in rows for impl in IMPLS for rnd, err in r["errors"][impl]]
     seen = set()
     if errors:
         out.append("")
@@ -464,9 +502,11 @@ def render(rows, targets, info) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description="ps_train end to end: rpc_core vs torch backend vs one process",
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=__doc__.split("Options:")[0])
+    ap = argparse.ArgumentParser(
+        description="ps_train end to end: rpc_core vs torch backend vs one process",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("Options:")[0],
+    )
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", choices=MODELS, default=None)
     ap.add_argument("--rounds", type=int, default=1)
@@ -536,8 +576,10 @@ def main(argv=None) -> int:
                 elif res.get("run_dir"):
                     shutil.rmtree(res["run_dir"], ignore_errors=True)
             if res["samples_per_s"] is not None:
-                log(f"    {res['samples_per_s']:,.0f} samples/s (loop {res['wall_time_s']:.2f} s, "
-                    f"run {res['elapsed_s']:.1f} s)")
+                log(
+                    f"    {res['samples_per_s']:,.0f} samples/s (loop {res['wall_time_s']:.2f} s, "
+                    f"run {res['elapsed_s']:.1f} s)"
+                )
     loadavg_end = os.getloadavg() if hasattr(os, "getloadavg") else None
     if not keep_dirs:
         shutil.rmtree(run_root, ignore_errors=True)
@@ -547,10 +589,11 @@ def main(argv=None) -> int:
     rows = build_rows(models, raw)
     targets = evaluate_targets(rows)
     info = {
-        "steps": steps, "rounds": args.rounds, "single_threads": args.single_threads,
+        "steps": steps,
+        "rounds": args.rounds,
+        "single_threads": args.single_threads,
         "cpus": os.cpu_count(),
-        "loadavg": ([f"{loadavg_start[0]:.2f}", f"{loadavg_end[0]:.2f}"]
-                    if loadavg_start and loadavg_end else None),
+        "loadavg": ([f"{loadavg_start[0]:.2f}", f"{loadavg_end[0]:.2f}"] if loadavg_start and loadavg_end else None),
     }
     print(render(rows, targets, info))
     log(f"total {time.monotonic() - t_all:.0f} s")

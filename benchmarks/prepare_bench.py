@@ -29,6 +29,7 @@ each run is printed; CPU time per line depends on it less than lines/s does ("co
 the conversion's CPU time over its wall time: what it got of the machine).
 Targets: conversion >= 500,000 lines/s, peak RSS <= 2 GB (and not growing with --lines).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,8 +49,34 @@ from _format import fmt
 
 # Missing-value rates per feature, roughly those of Kaggle's train.txt.
 INT_MISSING = [0.45, 0.0, 0.22, 0.22, 0.03, 0.22, 0.04, 0.0, 0.04, 0.45, 0.04, 0.77, 0.22]
-CAT_MISSING = [0.0, 0.0, 0.03, 0.03, 0.0, 0.12, 0.0, 0.0, 0.0, 0.03, 0.0, 0.03, 0.0, 0.0, 0.0, 0.03, 0.0,
-               0.0, 0.44, 0.44, 0.03, 0.76, 0.0, 0.03, 0.44, 0.44]
+CAT_MISSING = [
+    0.0,
+    0.0,
+    0.03,
+    0.03,
+    0.0,
+    0.12,
+    0.0,
+    0.0,
+    0.0,
+    0.03,
+    0.0,
+    0.03,
+    0.0,
+    0.0,
+    0.0,
+    0.03,
+    0.0,
+    0.0,
+    0.44,
+    0.44,
+    0.03,
+    0.76,
+    0.0,
+    0.03,
+    0.44,
+    0.44,
+]
 _HEX = np.frombuffer(b"0123456789abcdef", np.uint8)
 CHUNK = 250_000
 
@@ -94,8 +121,15 @@ def machine() -> dict[str, object]:
     except (OSError, StopIteration):
         pass
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return {"cpu": cpu, "cores": os.cpu_count(), "ram_gib": round(mem, 1), "python": platform.python_version(),
-            "numpy": np.__version__, "pyarrow": pa.__version__, "os": platform.platform()}
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "ram_gib": round(mem, 1),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "pyarrow": pa.__version__,
+        "os": platform.platform(),
+    }
 
 
 def run_prepare(src: str, dst: str, workers: int | None) -> dict[str, float]:
@@ -114,12 +148,19 @@ def run_prepare(src: str, dst: str, workers: int | None) -> dict[str, float]:
     with open(os.path.join(dst, "manifest.json")) as f:
         manifest = json.load(f)
     lines = manifest["lines"]
-    return {"lines": lines, "wall_s": wall, "convert_s": manifest["seconds"],
-            "lines_per_s": lines / manifest["seconds"],
-            "command_lines_per_s": lines / wall, "cpu_us_per_line": manifest["cpu_seconds"] / lines * 1e6,
-            "command_cpu_us_per_line": (usage.ru_utime + usage.ru_stime) / lines * 1e6,
-            "peak_rss_mb": usage.ru_maxrss / 1024, "load_before": load0, "load_after": os.getloadavg()[0],
-            "input_mb": os.path.getsize(src) / 2**20}
+    return {
+        "lines": lines,
+        "wall_s": wall,
+        "convert_s": manifest["seconds"],
+        "lines_per_s": lines / manifest["seconds"],
+        "command_lines_per_s": lines / wall,
+        "cpu_us_per_line": manifest["cpu_seconds"] / lines * 1e6,
+        "command_cpu_us_per_line": (usage.ru_utime + usage.ru_stime) / lines * 1e6,
+        "peak_rss_mb": usage.ru_maxrss / 1024,
+        "load_before": load0,
+        "load_after": os.getloadavg()[0],
+        "input_mb": os.path.getsize(src) / 2**20,
+    }
 
 
 def main() -> int:
@@ -142,12 +183,16 @@ def main() -> int:
     if args.only != "plain" and not os.path.exists(inputs["gz"]):
         t = time.perf_counter()
         gzip_file(plain, inputs["gz"])
-        print(f"compressed {inputs['gz']} ({os.path.getsize(inputs['gz']) / 2**20:.0f} MiB) "
-              f"in {time.perf_counter() - t:.0f} s")
+        print(
+            f"compressed {inputs['gz']} ({os.path.getsize(inputs['gz']) / 2**20:.0f} MiB) "
+            f"in {time.perf_counter() - t:.0f} s"
+        )
     info = machine()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    print(f"machine: {info['cpu']}, {info['cores']} cores, {info['ram_gib']} GiB; python {info['python']}, "
-          f"numpy {info['numpy']}, pyarrow {info['pyarrow']}; commit {commit or '?'}")
+    print(
+        f"machine: {info['cpu']}, {info['cores']} cores, {info['ram_gib']} GiB; python {info['python']}, "
+        f"numpy {info['numpy']}, pyarrow {info['pyarrow']}; commit {commit or '?'}"
+    )
     results: dict[str, list[dict[str, float]]] = {}
     for kind, src in inputs.items():
         if args.only and kind != args.only:
@@ -155,24 +200,47 @@ def main() -> int:
         dst = os.path.join(args.work, f"prepared_{kind}")
         results[kind] = [run_prepare(src, dst, args.workers) for _ in range(args.repeat)]
         shutil.rmtree(dst, ignore_errors=True)
-    head = ["input", "lines", "MiB", "lines/s", "command lines/s", "CPU us/line", "cores busy", "peak RSS MB",
-            "load before/after"]
+    head = [
+        "input",
+        "lines",
+        "MiB",
+        "lines/s",
+        "command lines/s",
+        "CPU us/line",
+        "cores busy",
+        "peak RSS MB",
+        "load before/after",
+    ]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for kind, runs in results.items():
         r = max(runs, key=lambda x: x["lines_per_s"])
-        print(f"| {kind} | {r['lines']:,} | {fmt(r['input_mb'])} | {fmt(r['lines_per_s'])} | "
-              f"{fmt(r['command_lines_per_s'])} | {fmt(r['cpu_us_per_line'])} | "
-              f"{r['cpu_us_per_line'] * r['lines_per_s'] / 1e6:.2f} | {fmt(r['peak_rss_mb'])} | "
-              f"{r['load_before']:.1f} / {r['load_after']:.1f} |")
+        print(
+            f"| {kind} | {r['lines']:,} | {fmt(r['input_mb'])} | {fmt(r['lines_per_s'])} | "
+            f"{fmt(r['command_lines_per_s'])} | {fmt(r['cpu_us_per_line'])} | "
+            f"{r['cpu_us_per_line'] * r['lines_per_s'] / 1e6:.2f} | {fmt(r['peak_rss_mb'])} | "
+            f"{r['load_before']:.1f} / {r['load_after']:.1f} |"
+        )
     ok = all(max(r["lines_per_s"] for r in runs) >= 500_000 for runs in results.values())
     rss_ok = all(max(r["peak_rss_mb"] for r in runs) <= 2048 for runs in results.values())
-    print(f"target conversion >= 500,000 lines/s: {'PASS' if ok else 'FAIL'}; "
-          f"peak RSS <= 2 GB: {'PASS' if rss_ok else 'FAIL'}")
+    print(
+        f"target conversion >= 500,000 lines/s: {'PASS' if ok else 'FAIL'}; "
+        f"peak RSS <= 2 GB: {'PASS' if rss_ok else 'FAIL'}"
+    )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"machine": info, "commit": commit, "lines": args.lines, "seed": args.seed,
-                       "workers": args.workers, "runs": results}, f, indent=2)
+            json.dump(
+                {
+                    "machine": info,
+                    "commit": commit,
+                    "lines": args.lines,
+                    "seed": args.seed,
+                    "workers": args.workers,
+                    "runs": results,
+                },
+                f,
+                indent=2,
+            )
     return 0
 
 

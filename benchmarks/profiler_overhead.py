@@ -14,6 +14,7 @@ repetitions of ``--calls`` calls, alternating, in the same processes:
 Interleaving the modes in the same processes cancels most of the drift that a busy machine
 adds between separate runs. Prints the median us/call of each mode and the relative cost.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,8 +48,12 @@ def _worker(rank: int, port: int, reps: int, calls: int, out: mp.Queue) -> None:
     import rpc_core
     from rpc_core import profiler
 
-    rpc_core.init_rpc(f"worker{rank}", rank=rank, world_size=2,
-                      rpc_backend_options=rpc_core.RpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}"))
+    rpc_core.init_rpc(
+        f"worker{rank}",
+        rank=rank,
+        world_size=2,
+        rpc_backend_options=rpc_core.RpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}"),
+    )
     if rank == 0:
         from benchmarks.profiler_overhead import _set_profiler_middleware as toggle
         from benchmarks.profiler_overhead import noop as fn
@@ -97,10 +102,14 @@ def main() -> None:
     paired = statistics.median(w / wo for w, wo in zip(samples["with"], samples["without"], strict=True))
     print(f"rpc_sync no-op, median of {args.reps} repetitions x {args.calls} calls (us/call):")
     print(f"  never profiled (= before):         {med['without']:8.1f}")
-    print(f"  after a profile (idle middleware): {med['with']:8.1f}   "
-          f"({(med['with'] / med['without'] - 1) * 100:+.1f}%; median paired ratio {(paired - 1) * 100:+.1f}%)")
-    print(f"  inside profiler.profile():         {med['profiling']:8.1f}   "
-          f"({(med['profiling'] / med['without'] - 1) * 100:+.1f}%, {len(samples['profiling'])} repetitions)")
+    print(
+        f"  after a profile (idle middleware): {med['with']:8.1f}   "
+        f"({(med['with'] / med['without'] - 1) * 100:+.1f}%; median paired ratio {(paired - 1) * 100:+.1f}%)"
+    )
+    print(
+        f"  inside profiler.profile():         {med['profiling']:8.1f}   "
+        f"({(med['profiling'] / med['without'] - 1) * 100:+.1f}%, {len(samples['profiling'])} repetitions)"
+    )
 
 
 if __name__ == "__main__":

@@ -120,24 +120,25 @@ WORLD_SIZE = 2
 WORKLOADS = [
     ("sync_noop", "rpc_sync no-op", "us/call", "lower", 0.2, (300, 500, 9), (50, 200, 3)),
     ("sync_add", "rpc_sync torch.add 10x10", "us/call", "lower", None, (200, 500, 9), (50, 200, 3)),
-    ("async_noop", "rpc_async no-op, 5000 in flight", "calls/s", "higher", 5.0,
-     (2, 5000, 7), (1, 5000, 2)),
+    ("async_noop", "rpc_async no-op, 5000 in flight", "calls/s", "higher", 5.0, (2, 5000, 7), (1, 5000, 2)),
     ("echo_1KB", "echo round trip 1 KB", "GB/s", "higher", None, (100, 300, 7), (20, 100, 3)),
     ("echo_1MB", "echo round trip 1 MB", "GB/s", "higher", None, (20, 60, 7), (5, 20, 3)),
     ("echo_16MB", "echo round trip 16 MB", "GB/s", "higher", 2.0, (10, 10, 9), (2, 4, 3)),
     ("echo_64MB", "echo round trip 64 MB", "GB/s", "higher", 2.0, (3, 4, 9), (1, 2, 3)),
-    ("remote_to_here", "remote(...).to_here() small tensor", "us/call", "lower", 0.3,
-     (200, 300, 7), (30, 100, 3)),
-    ("rref_arg_to_owner", "rpc_sync(owner, f, args=(rref,))", "us/call", "lower", None,
-     (200, 500, 7), (30, 100, 3)),
-    ("remote_linear_step", "remote Linear(256) fwd+dist bwd", "ms/step", "lower", 0.25,
-     (20, 100, 7), (5, 30, 3)),
-    ("grad_to_caller_step", "rpc_sync(owner, f, (rref, x)) fwd+bwd, grad to x", "ms/step", "lower", 0.5,
-     (20, 100, 7), (5, 30, 3)),
-    ("mlp3_distopt_step", "3-shard MLP + DistributedOptimizer", "ms/step", "lower", None,
-     (10, 40, 7), (3, 15, 3)),
-    ("sync_noop_4x4", "rpc_sync no-op, 4 callers + 4 callees", "us/call", "lower", 1.0,
-     (100, 300, 5), (30, 100, 3)),
+    ("remote_to_here", "remote(...).to_here() small tensor", "us/call", "lower", 0.3, (200, 300, 7), (30, 100, 3)),
+    ("rref_arg_to_owner", "rpc_sync(owner, f, args=(rref,))", "us/call", "lower", None, (200, 500, 7), (30, 100, 3)),
+    ("remote_linear_step", "remote Linear(256) fwd+dist bwd", "ms/step", "lower", 0.25, (20, 100, 7), (5, 30, 3)),
+    (
+        "grad_to_caller_step",
+        "rpc_sync(owner, f, (rref, x)) fwd+bwd, grad to x",
+        "ms/step",
+        "lower",
+        0.5,
+        (20, 100, 7),
+        (5, 30, 3),
+    ),
+    ("mlp3_distopt_step", "3-shard MLP + DistributedOptimizer", "ms/step", "lower", None, (10, 40, 7), (3, 15, 3)),
+    ("sync_noop_4x4", "rpc_sync no-op, 4 callers + 4 callees", "us/call", "lower", 1.0, (100, 300, 5), (30, 100, 3)),
 ]
 # Workloads run in their own world (more processes than the two of the others).
 SEPARATE = {"sync_noop_4x4"}
@@ -180,8 +181,9 @@ def run_impl(impl: str, plan, options_extra: dict, timeout: float, log) -> dict:
     return run
 
 
-def _run_world(impl: str, plan, options_extra: dict, timeout: float, log, target=None,
-               world_size: int = WORLD_SIZE) -> dict:
+def _run_world(
+    impl: str, plan, options_extra: dict, timeout: float, log, target=None, world_size: int = WORLD_SIZE
+) -> dict:
     """Run one implementation's world of ``world_size``; never hangs longer than ``timeout``."""
     import _workloads  # imported here so the spawned children re-import it by name
 
@@ -197,8 +199,15 @@ def _run_world(impl: str, plan, options_extra: dict, timeout: float, log, target
         )
         for rank in range(world_size)
     ]
-    run: dict[str, Any] = {"status": "ok", "notes": [], "results": {}, "errors": {}, "init_s": None,
-           "shutdown_s": None, "wall_s": None}
+    run: dict[str, Any] = {
+        "status": "ok",
+        "notes": [],
+        "results": {},
+        "errors": {},
+        "init_s": None,
+        "shutdown_s": None,
+        "wall_s": None,
+    }
     t_start = time.monotonic()
     deadline = t_start + timeout
     for p in procs:
@@ -273,10 +282,14 @@ def _run_world(impl: str, plan, options_extra: dict, timeout: float, log, target
         run["status"] = "timeout"
         done = set(run["results"]) | set(run["errors"])
         pending = [name for name, _ in plan if name not in done]
-        stage = ("init_rpc" if run["init_s"] is None and run["status"] == "ok"
-                 else f"workload {pending[0]}" if pending else "shutdown")
-        run["notes"].append(f"{impl}: hard timeout after {timeout:.0f} s (during {stage}); "
-                            f"workers killed")
+        stage = (
+            "init_rpc"
+            if run["init_s"] is None and run["status"] == "ok"
+            else f"workload {pending[0]}"
+            if pending
+            else "shutdown"
+        )
+        run["notes"].append(f"{impl}: hard timeout after {timeout:.0f} s (during {stage}); workers killed")
     else:
         for rank, p in enumerate(procs):
             if p.exitcode not in (0, None):
@@ -296,11 +309,10 @@ def merge_rounds(rounds: list[dict]) -> dict:
     merged = {
         "status": next((s for s in order if s in statuses), "ok"),
         "notes": [f"round {i + 1}: {n}" for i, r in enumerate(rounds) for n in r["notes"]],
-        "results": {}, "errors": {},
-        "init_s": statistics.median([r["init_s"] for r in rounds if r["init_s"] is not None]
-                                    or [None]),
-        "shutdown_s": max((r["shutdown_s"] for r in rounds if r["shutdown_s"] is not None),
-                          default=None),
+        "results": {},
+        "errors": {},
+        "init_s": statistics.median([r["init_s"] for r in rounds if r["init_s"] is not None] or [None]),
+        "shutdown_s": max((r["shutdown_s"] for r in rounds if r["shutdown_s"] is not None), default=None),
         "wall_s": sum(r["wall_s"] or 0 for r in rounds),
         "rounds": rounds,
     }
@@ -345,13 +357,22 @@ def build_rows(selected, runs, floor=None):
         met = None
         if ratio is not None and target is not None:
             met = ratio <= target if better == "lower" else ratio >= target
-        rows.append({
-            "name": name, "workload": label, "unit": unit, "better": better,
-            "torch": tv, "rpc_core": cv, "ratio": ratio, "target": target, "target_met": met,
-            "torch_cell": cell(runs.get("torch"), name),
-            "rpc_core_cell": cell(runs.get("rpc_core"), name),
-            "floor_x": floor_multiple(unit, cv, floor),
-        })
+        rows.append(
+            {
+                "name": name,
+                "workload": label,
+                "unit": unit,
+                "better": better,
+                "torch": tv,
+                "rpc_core": cv,
+                "ratio": ratio,
+                "target": target,
+                "target_met": met,
+                "torch_cell": cell(runs.get("torch"), name),
+                "rpc_core_cell": cell(runs.get("rpc_core"), name),
+                "floor_x": floor_multiple(unit, cv, floor),
+            }
+        )
     return rows
 
 
@@ -375,13 +396,19 @@ def _table(head: list[str], body: list[list[str]], right: set[int]) -> list[str]
     widths = [max(len(str(x[i])) for x in [head] + body) for i in range(len(head))]
 
     def line(cols):
-        return "| " + " | ".join(
-            str(c).rjust(w) if i in right else str(c).ljust(w)
-            for i, (c, w) in enumerate(zip(cols, widths, strict=True))
-        ) + " |"
+        return (
+            "| "
+            + " | ".join(
+                str(c).rjust(w) if i in right else str(c).ljust(w)
+                for i, (c, w) in enumerate(zip(cols, widths, strict=True))
+            )
+            + " |"
+        )
 
-    out = [line(head), "|" + "|".join(("-" * (w + 1) + ":") if i in right else "-" * (w + 2)
-                                       for i, w in enumerate(widths)) + "|"]
+    out = [
+        line(head),
+        "|" + "|".join(("-" * (w + 1) + ":") if i in right else "-" * (w + 2) for i, w in enumerate(widths)) + "|",
+    ]
     return out + [line(b) for b in body]
 
 
@@ -389,8 +416,7 @@ def render_floor(floor: dict, machine: dict) -> str:
     import _floor
 
     out = [_floor.describe_machine(machine), ""]
-    out += _table(["floor", "unit", "value"],
-                  [[f["label"], f["unit"], fmt(f["value"])] for f in floor.values()], {2})
+    out += _table(["floor", "unit", "value"], [[f["label"], f["unit"], fmt(f["value"])] for f in floor.values()], {2})
     return "\n".join(out)
 
 
@@ -408,8 +434,10 @@ def render_cpu(rows, runs) -> str:
     if not body:
         return ""
     head = ["CPU per call/step", "torch caller", "torch callee", "rpc_core caller", "rpc_core callee"]
-    return "\n".join(_table(head, body, {1, 2, 3, 4}) + [
-        "process CPU time (all threads) of each side over the timed calls, divided by the calls."])
+    return "\n".join(
+        _table(head, body, {1, 2, 3, 4})
+        + ["process CPU time (all threads) of each side over the timed calls, divided by the calls."]
+    )
 
 
 def render(rows, runs, rounds=1, floor=None) -> str:
@@ -422,20 +450,30 @@ def render(rows, runs, rounds=1, floor=None) -> str:
             tgt = ("<=" if r["better"] == "lower" else ">=") + f"{r['target']:g}x"
             if r["target_met"] is not None:
                 tgt += " met" if r["target_met"] else " MISSED"
-        body.append([
-            r["workload"], r["unit"], r["torch_cell"], r["rpc_core_cell"],
-            f"{r['ratio']:.2f}x" if r["ratio"] is not None else "-",
-            r["better"], tgt,
-            f"{fmt(r['floor_x'])}x" if r.get("floor_x") is not None else "-",
-        ])
+        body.append(
+            [
+                r["workload"],
+                r["unit"],
+                r["torch_cell"],
+                r["rpc_core_cell"],
+                f"{r['ratio']:.2f}x" if r["ratio"] is not None else "-",
+                r["better"],
+                tgt,
+                f"{fmt(r['floor_x'])}x" if r.get("floor_x") is not None else "-",
+            ]
+        )
     out = _table(head, body, {2, 3, 4, 7})
     out.append("")
-    out.append("ratio = rpc_core / torch; 'better' is the direction of improvement. "
-               "echo GB/s = 2 x payload bytes / round trip (GB = 1e9 B). Median of repetitions"
-               + (f", pooled over {rounds} rounds." if rounds > 1 else "."))
+    out.append(
+        "ratio = rpc_core / torch; 'better' is the direction of improvement. "
+        "echo GB/s = 2 x payload bytes / round trip (GB = 1e9 B). Median of repetitions"
+        + (f", pooled over {rounds} rounds." if rounds > 1 else ".")
+    )
     if floor:
-        out.append("x floor: time per call / blocking Unix socket round trip (calls/s: the time per call "
-                   "it implies); GB/s: fraction of memcpy's bandwidth.")
+        out.append(
+            "x floor: time per call / blocking Unix socket round trip (calls/s: the time per call "
+            "it implies); GB/s: fraction of memcpy's bandwidth."
+        )
     for impl in IMPLS:
         run = runs.get(impl)
         if not run:
@@ -485,9 +523,11 @@ def parse_core_options(items):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description="rpc_core vs torch.distributed.rpc benchmark",
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=__doc__.split("Options:")[0])
+    ap = argparse.ArgumentParser(
+        description="rpc_core vs torch.distributed.rpc benchmark",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("Options:")[0],
+    )
     ap.add_argument("--impl", choices=("both",) + IMPLS, default="both")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", default=None)
@@ -508,8 +548,11 @@ def main(argv=None) -> int:
     selected = select(args.only)
     timeout = args.timeout or (120.0 if args.quick else 300.0)
     impls = IMPLS if args.impl == "both" else (args.impl,)
-    plan = [(w[0], dict(zip(("warmup", "iters", "reps"), w[6] if args.quick else w[5], strict=True)))
-            for w in WORKLOADS if w[0] in selected]
+    plan = [
+        (w[0], dict(zip(("warmup", "iters", "reps"), w[6] if args.quick else w[5], strict=True)))
+        for w in WORKLOADS
+        if w[0] in selected
+    ]
     core_extra = parse_core_options(args.core_option)
 
     def log(msg):
@@ -531,15 +574,19 @@ def main(argv=None) -> int:
             for impl in impls if rnd % 2 == 0 else tuple(reversed(impls)):
                 if per_round[impl] and per_round[impl][-1]["status"] == "unavailable":
                     continue
-                log(f"running {impl} ({'quick' if args.quick else 'full'}, {len(plan)} workloads, "
-                    f"round {rnd + 1}/{args.rounds}, timeout {timeout:.0f} s)")
-                per_round[impl].append(
-                    run_impl(impl, plan, core_extra if impl == "rpc_core" else {}, timeout, log))
+                log(
+                    f"running {impl} ({'quick' if args.quick else 'full'}, {len(plan)} workloads, "
+                    f"round {rnd + 1}/{args.rounds}, timeout {timeout:.0f} s)"
+                )
+                per_round[impl].append(run_impl(impl, plan, core_extra if impl == "rpc_core" else {}, timeout, log))
     finally:
         stop_hogs(hogs)
     runs = {impl: merge_rounds(lst) for impl, lst in per_round.items()}
-    floor = {k: dict(v, value=statistics.median(f[k]["value"] for f in floors)) for k, v in floors[0].items()} \
-        if floors else None
+    floor = (
+        {k: dict(v, value=statistics.median(f[k]["value"] for f in floors)) for k, v in floors[0].items()}
+        if floors
+        else None
+    )
 
     rows = build_rows(selected, runs, floor)
     settings = [f"{k}={os.environ[k]}" for k in sorted(os.environ) if k.startswith("RPC_CORE_")]
@@ -584,8 +631,7 @@ def main(argv=None) -> int:
         log(f"wrote {args.json}")
     # Non-zero when a run failed (timeout, crash, a workload error); an implementation that
     # is simply not available yet is not a failure.
-    failed = any(r["status"] in ("timeout", "crashed") or "error" in r["errors"].values()
-                 for r in runs.values())
+    failed = any(r["status"] in ("timeout", "crashed") or "error" in r["errors"].values() for r in runs.values())
     return 1 if failed else 0
 
 

@@ -97,9 +97,19 @@ def stop_profile() -> dict:
 SYSCALLS = "system calls (socket, select)"
 # The modules that move bytes (framing, buffers, sockets, waiting, matching answers to calls):
 # what a native transport would replace.
-MESSAGE_PATH = {f"rpc_core/{m}.py" for m in ("transport/stream", "transport/buffers", "transport/sending",
-                                              "transport/polling", "protocol/wire", "agent/outbound",
-                                              "agent/completion", "transport/cma")}
+MESSAGE_PATH = {
+    f"rpc_core/{m}.py"
+    for m in (
+        "transport/stream",
+        "transport/buffers",
+        "transport/sending",
+        "transport/polling",
+        "protocol/wire",
+        "agent/outbound",
+        "agent/completion",
+        "transport/cma",
+    )
+}
 
 
 def _module_of(filename: str, func: str) -> str:
@@ -157,8 +167,11 @@ def _per_call(fn, n):
 
 
 def _cpu_delta(before, after, n):
-    return {k: ((u - before.get(k, (0, 0))[0]) / n, (s - before.get(k, (0, 0))[1]) / n)
-            for k, (u, s) in after.items() if (u, s) != before.get(k, (0.0, 0.0))}
+    return {
+        k: ((u - before.get(k, (0, 0))[0]) / n, (s - before.get(k, (0, 0))[1]) / n)
+        for k, (u, s) in after.items()
+        if (u, s) != before.get(k, (0.0, 0.0))
+    }
 
 
 def measure(impl, name, n, profile):
@@ -202,8 +215,9 @@ def run(impl_name, spin, jobs, profile):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     secret = secrets.token_hex(16)
-    procs = [ctx.Process(target=worker, args=(r, impl_name, port, spin, jobs, profile, queue, secret))
-             for r in range(2)]
+    procs = [
+        ctx.Process(target=worker, args=(r, impl_name, port, spin, jobs, profile, queue, secret)) for r in range(2)
+    ]
     for p in procs:
         p.start()
     results = {}
@@ -240,31 +254,39 @@ def report(impl_name, spin, results):
     for name, r in results.items():
         cpu = {side: sum(u + s for u, s in r[side].values()) for side in ("caller", "callee")}
         local = f", local compute {fmt(r['local'] * 1e6)} us" if r["local"] else ""
-        print(f"{label} {name}: wall {fmt(r['wall'] * 1e6)} us per call{local}; CPU per call caller "
-              f"{fmt(cpu['caller'] * 1e6)} us, callee {fmt(cpu['callee'] * 1e6)} us "
-              f"(sum {cpu['caller'] / r['wall'] + cpu['callee'] / r['wall']:.2f}x the wall time)")
+        print(
+            f"{label} {name}: wall {fmt(r['wall'] * 1e6)} us per call{local}; CPU per call caller "
+            f"{fmt(cpu['caller'] * 1e6)} us, callee {fmt(cpu['callee'] * 1e6)} us "
+            f"(sum {cpu['caller'] / r['wall'] + cpu['callee'] / r['wall']:.2f}x the wall time)"
+        )
         for side in ("caller", "callee"):
             print(f"    {side} threads, user+kernel us per call: {_threads(r[side])}")
         prof = r.get("profile")
         if prof:
             served = prof["callee"]["ran"].get("noop" if name == "noop" else "linear_owned", 0)
             if served < 0.9 * prof["n"]:
-                print(f"    the callee's profiled thread ran {served} of the {prof['n']} calls (its reading loop "
-                      "moved to another thread): its profile below is not the calls'")
+                print(
+                    f"    the callee's profiled thread ran {served} of the {prof['n']} calls (its reading loop "
+                    "moved to another thread): its profile below is not the calls'"
+                )
             for side in ("caller", "callee"):
                 p = prof[side]
                 total = sum(p["self_time"].values())
-                print(f"    {side} profile (the serving thread; cProfile slows Python ~2x): "
-                      f"{p['py_calls'] / prof['n']:.0f} Python calls per call, self time by module:")
+                print(
+                    f"    {side} profile (the serving thread; cProfile slows Python ~2x): "
+                    f"{p['py_calls'] / prof['n']:.0f} Python calls per call, self time by module:"
+                )
                 for mod, t in sorted(p["self_time"].items(), key=lambda kv: -kv[1])[:12]:
                     print(f"        {100 * t / total:5.1f}%  {fmt(t / prof['n'] * 1e6):>7} us  {mod}")
                 working = total - p["self_time"].get(SYSCALLS, 0.0)
                 ours = sum(t for m, t in p["self_time"].items() if m.startswith("rpc_core/"))
                 path = sum(t for m, t in p["self_time"].items() if m in MESSAGE_PATH)
-                names = ", ".join(sorted(m[len("rpc_core/"):-len(".py")] for m in MESSAGE_PATH))
-                print(f"        outside system calls: {fmt(working / prof['n'] * 1e6)} us per call; rpc_core's "
-                      f"modules {100 * ours / working:.0f}% of it, their message path ({names}) "
-                      f"{100 * path / working:.0f}%")
+                names = ", ".join(sorted(m[len("rpc_core/") : -len(".py")] for m in MESSAGE_PATH))
+                print(
+                    f"        outside system calls: {fmt(working / prof['n'] * 1e6)} us per call; rpc_core's "
+                    f"modules {100 * ours / working:.0f}% of it, their message path ({names}) "
+                    f"{100 * path / working:.0f}%"
+                )
 
 
 def main(argv=None) -> int:
@@ -276,8 +298,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     print(_floor.describe_machine(_floor.machine()))
     floor = {polling: statistics.median(_floor._pingpong(_floor._unix_pair, polling)) for polling in (False, True)}
-    print(f"floor: bare ping-pong over a Unix socketpair {fmt(floor[False])} us per round trip blocking, "
-          f"{fmt(floor[True])} us polling")
+    print(
+        f"floor: bare ping-pong over a Unix socketpair {fmt(floor[False])} us per round trip blocking, "
+        f"{fmt(floor[True])} us polling"
+    )
     jobs = [("grad_step", args.steps), ("noop", args.steps * 2)]
     impls = ["torch", "rpc_core"] if args.impl == "both" else [args.impl]
     for impl_name in impls:

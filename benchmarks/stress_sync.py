@@ -9,6 +9,7 @@ beside it, and checks that every run finishes and that all runs give the same fi
 Prints one line per run and a summary; exits 1 if any run failed or differed.
 The test suite runs a short version of this (tests/ps_train/test_reproducibility.py).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,9 +22,19 @@ from pathlib import Path
 
 
 def _run(run_dir: Path, trainers: int, steps: int, timeout: float) -> tuple:
-    cmd = [sys.executable, "-m", "ps_train", "mode=sync", "cluster.num_servers=2",
-           f"cluster.num_trainers={trainers}", f"train.steps={steps}", f"train.log_every={steps}",
-           "train.eval_every=0", "logging.progress=false", f"hydra.run.dir={run_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ps_train",
+        "mode=sync",
+        "cluster.num_servers=2",
+        f"cluster.num_trainers={trainers}",
+        f"train.steps={steps}",
+        f"train.log_every={steps}",
+        "train.eval_every=0",
+        "logging.progress=false",
+        f"hydra.run.dir={run_dir}",
+    ]
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -45,8 +56,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hogs", type=int, default=2, help="processes spinning on a core each meanwhile")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds one run may take")
     args = ap.parse_args(argv)
-    hogs = [subprocess.Popen([sys.executable, "-c", "import time\nend = time.monotonic() + 3600\n"
-                              "while time.monotonic() < end: pass"]) for _ in range(args.hogs)]
+    hogs = [
+        subprocess.Popen(
+            [sys.executable, "-c", "import time\nend = time.monotonic() + 3600\nwhile time.monotonic() < end: pass"]
+        )
+        for _ in range(args.hogs)
+    ]
     failures, losses = 0, set()
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -55,15 +70,20 @@ def main(argv: list[str] | None = None) -> int:
                 failures += not ok
                 if ok:
                     losses.add(loss)
-                print(f"run {i + 1}/{args.runs}: {'ok' if ok else 'FAILED'} in {wall:.1f} s"
-                      + (f" (final loss {loss:.6f})" if ok else f": {why}"), flush=True)
+                print(
+                    f"run {i + 1}/{args.runs}: {'ok' if ok else 'FAILED'} in {wall:.1f} s"
+                    + (f" (final loss {loss:.6f})" if ok else f": {why}"),
+                    flush=True,
+                )
     finally:
         for h in hogs:
             h.kill()
             h.wait()
     same = len(losses) <= 1
-    print(f"{args.runs - failures} of {args.runs} runs finished ({args.trainers} trainers, 2 servers, "
-          f"{args.steps} steps, {args.hogs} hogs); final losses {'identical' if same else 'DIFFER: ' + str(losses)}")
+    print(
+        f"{args.runs - failures} of {args.runs} runs finished ({args.trainers} trainers, 2 servers, "
+        f"{args.steps} steps, {args.hogs} hogs); final losses {'identical' if same else 'DIFFER: ' + str(losses)}"
+    )
     return 0 if failures == 0 and same else 1
 
 

@@ -22,6 +22,7 @@ seeded batches, and a ``dist.barrier()`` after each step so that both trainers' 
 the shared embedding are applied before either reads it again (the result is then
 deterministic, up to the order of two additions).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -121,12 +122,16 @@ def run_worker(rank: int, world_size: int, rpc_port: int, pg_port: int, steps: i
     if rank == 2:
         rpc.init_rpc("master", rank=rank, world_size=world_size, rpc_backend_options=rpc_backend_options)
         remote_emb_module = RemoteModule(
-            "ps", torch.nn.EmbeddingBag, args=(NUM_EMBEDDINGS, EMBEDDING_DIM), kwargs={"mode": "sum"})
+            "ps", torch.nn.EmbeddingBag, args=(NUM_EMBEDDINGS, EMBEDDING_DIM), kwargs={"mode": "sum"}
+        )
         initial_emb = _state(remote_emb_module.get_module_rref().to_here())
         futs = [rpc.rpc_async(f"trainer{r}", _run_trainer, args=(remote_emb_module, r, steps)) for r in (0, 1)]
         trainers = [fut.wait() for fut in futs]
-        result = {"initial_emb": initial_emb, "emb": _state(remote_emb_module.get_module_rref().to_here()),
-                  "trainers": trainers}
+        result = {
+            "initial_emb": initial_emb,
+            "emb": _state(remote_emb_module.get_module_rref().to_here()),
+            "trainers": trainers,
+        }
     elif rank <= 1:
         dist.init_process_group(backend="gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{pg_port}")
         rpc.init_rpc(f"trainer{rank}", rank=rank, world_size=world_size, rpc_backend_options=rpc_backend_options)

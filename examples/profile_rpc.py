@@ -14,6 +14,7 @@ for them. worker0 then prints ``prof.key_averages().table()``: one row per RPC
 one per op worker1 ran for it (``...#remote_op: aten::add``, Node ID 1). It writes a chrome
 trace with one process row per node; open it at https://ui.perfetto.dev or chrome://tracing.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,8 +47,12 @@ def worker(rank: int, port: int, trace_path: str) -> None:
     from examples import profile_rpc as this  # a module name both workers import the UDF from
     from rpc_core import profiler
 
-    rpc.init_rpc(f"worker{rank}", rank=rank, world_size=2,
-                 rpc_backend_options=rpc.RpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}"))
+    rpc.init_rpc(
+        f"worker{rank}",
+        rank=rank,
+        world_size=2,
+        rpc_backend_options=rpc.RpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}"),
+    )
     if rank == 0:
         t1, t2 = torch.rand((3, 3)), torch.rand((3, 3))
         prof = profiler.profile()
@@ -71,8 +76,10 @@ def main() -> int:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=worker, args=(rank, port, os.path.abspath(args.trace)), name=f"worker{rank}")
-             for rank in range(2)]
+    procs = [
+        ctx.Process(target=worker, args=(rank, port, os.path.abspath(args.trace)), name=f"worker{rank}")
+        for rank in range(2)
+    ]
     for p in procs:
         p.start()
     deadline = time.monotonic() + args.timeout

@@ -3,7 +3,9 @@
 Run ``python -m ps_train`` (the Hydra configs ship inside the package, in ``ps_train/conf/``).
 The modules that do not touch RPC -- ``config``, ``models``, ``stage_sharding``, ``data``,
 ``metrics``, ``checkpoint.files`` -- are plain PyTorch and can be used and tested in a
-single process; ``app.run(cfg, run_dir)`` is the entry point without Hydra.
+single process; ``app.run(cfg, run_dir)`` is the entry point without Hydra. Which package
+holds what, and where a new mode, table optimizer or part of a role goes: docs/design.md
+("ps_train: layout, and where a change goes").
 
 What a seed reproduces
 ----------------------

@@ -2,8 +2,9 @@
 
 Exit codes: 0 done; 1 a role failed (the message names it and the checkpoint to resume
 from; with ``cluster.max_restarts`` only once the restarts are used up); 2 invalid
-configuration or setup (nothing was started).
+configuration, setup or data (nothing was started).
 """
+
 from __future__ import annotations
 
 import logging
@@ -19,7 +20,8 @@ from ps_train.app import run
 from ps_train.checkpoint.files import CheckpointError
 from ps_train.config import ConfigError, from_dictconfig
 from ps_train.data import DatasetNotFoundError
-from ps_train.launch.local import RoleFailed
+from ps_train.launch.failures import RoleFailed
+from ps_train.launch.prechecks import DataCheckError
 
 log = logging.getLogger("ps_train")
 
@@ -41,13 +43,15 @@ def main(dcfg: DictConfig) -> float:
     hc = HydraConfig.get()
     run_dir = hc.runtime.output_dir
     if cfg.cluster.launcher == "env" and not any(o.startswith("hydra.run.dir=") for o in hc.overrides.hydra):
-        log.warning("cluster.launcher=env without hydra.run.dir=...: each rank names its run folder by its own "
-                    "start time, so logs may be split over several folders; pass the same "
-                    "hydra.run.dir=<folder> to every rank")
+        log.warning(
+            "cluster.launcher=env without hydra.run.dir=...: each rank names its run folder by its own "
+            "start time, so logs may be split over several folders; pass the same "
+            "hydra.run.dir=<folder> to every rank"
+        )
     print(f"[ps_train] run dir: {_shown(run_dir)}", flush=True)
     try:
         metrics = run(cfg, run_dir, overrides=list(hc.overrides.task))
-    except (ConfigError, CheckpointError, DatasetNotFoundError) as e:
+    except (ConfigError, CheckpointError, DatasetNotFoundError, DataCheckError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except RoleFailed as e:

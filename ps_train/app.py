@@ -2,6 +2,7 @@
 
 Tests call it directly with a ``Config``; nothing here knows about Hydra.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,7 +18,10 @@ from ps_train.checkpoint.files import CheckpointError
 from ps_train.config import Config, ConfigError, config_to_dict
 from ps_train.data import DatasetNotFoundError
 from ps_train.files import atomic_write_text
-from ps_train.launch.local import role_name, run_rank
+from ps_train.launch.environment import EnvRank, env_rank
+from ps_train.launch.failures import role_name
+from ps_train.launch.prechecks import check_data
+from ps_train.launch.rank import run_rank
 from ps_train.launch.restarts import (
     rank_failed,
     read_restarts,
@@ -31,8 +35,9 @@ from ps_train.metrics import write_metrics_json
 log = logging.getLogger("ps_train")
 
 
-def run(cfg: Config, run_dir: str, overrides: list[str] | None = None,
-        timeout: float | None = None) -> dict[str, Any] | None:
+def run(
+    cfg: Config, run_dir: str, overrides: list[str] | None = None, timeout: float | None = None
+) -> dict[str, Any] | None:
     """Train ``cfg``; outputs go to ``run_dir``. Returns the final metrics (on the process
     that has them: always with the local launcher, trainer0's rank with ``launcher=env``; None
     for a trainer that joined a running job with ``join=``).
@@ -51,29 +56,58 @@ def run(cfg: Config, run_dir: str, overrides: list[str] | None = None,
 
         state = check_resumable(cfg, resume)  # fails here, before any process starts
         resume = state["checkpoint"]
-        (log.warning if attempt else log.info)("resuming from %s (step %d)%s", resume, state["step"],
-                 f"; torchrun restarted the job {attempt} time(s)" if attempt else "")
+        (log.warning if attempt else log.info)(
+            "resuming from %s (step %d)%s",
+            resume,
+            state["step"],
+            f"; torchrun restarted the job {attempt} time(s)" if attempt else "",
+        )
     if cfg.cluster.launcher == "local":
+        check_data(cfg)  # before any role starts (DataCheckError)
         write_provenance(run_dir, cfg, overrides or [])
         return run_local(cfg, run_dir, resume, timeout=timeout)
-    rank, world = env_rank()
+    place = env_rank(cfg.cluster, os.environ)
+    rank, world = place.rank, place.world_size
     expected = cfg.cluster.num_servers + cfg.cluster.num_trainers
     if world != expected:
-        raise ConfigError(f"the launcher started {world} processes but cluster.num_servers + cluster.num_trainers "
-                         f"= {expected}; start exactly {expected} (e.g. torchrun --nproc-per-node ...)")
+        raise ConfigError(
+            f"the launcher started {world} processes but cluster.num_servers + cluster.num_trainers "
+            f"= {expected}; start exactly {expected} (e.g. torchrun --nproc-per-node ...)"
+        )
     if cfg.backend == "rpc_core" and not os.environ.get("RPC_CORE_AUTH_SECRET"):
-        raise ConfigError("cluster.launcher=env: set RPC_CORE_AUTH_SECRET to the same secret on every rank (e.g. "
-                         "export RPC_CORE_AUTH_SECRET=$(python -c 'import secrets; print(secrets.token_hex(16))') "
-                         "once, then start the ranks); only processes that know it can join the job")
+        raise ConfigError(
+            "cluster.launcher=env: set RPC_CORE_AUTH_SECRET to the same secret on every rank (e.g. "
+            "export RPC_CORE_AUTH_SECRET=$(python -c 'import secrets; print(secrets.token_hex(16))') "
+            "once, then start the ranks); only processes that know it can join the job"
+        )
     if rank == 0:
         write_provenance(run_dir, cfg, overrides or [])
-    init_method = env_init_method(cfg, rank)
+    log.info(
+        "rank %d of %d (%s; local rank %s, node %s), rank 0 at %s:%d",
+        rank,
+        world,
+        place.launcher,
+        place.local_rank,
+        place.node_rank,
+        place.master_addr,
+        place.master_port,
+    )
+    init_method = env_init_method(cfg, place)
     # The secret comes from RPC_CORE_AUTH_SECRET (the same on every rank); rpc_core reads it.
     if attempt and rank == cfg.cluster.num_servers:  # trainer0 records torchrun's restart
         record_env_restart(run_dir, attempt, resume)
     try:
-        metrics = run_rank(cfg, rank, cfg.cluster.master_addr, cfg.cluster.master_port, None, run_dir, resume,
-                           init_method=init_method, attempt=attempt)
+        metrics = run_rank(
+            cfg,
+            rank,
+            place.master_addr,
+            place.master_port,
+            None,
+            run_dir,
+            resume,
+            init_method=init_method,
+            attempt=attempt,
+        )
     except (ConfigError, CheckpointError, DatasetNotFoundError):
         raise
     except Exception as e:
@@ -101,16 +135,7 @@ def join_job(job_dir: str) -> None:
     run_rank(cfg, S + T, job["master_addr"], int(job["master_port"]), job["secret"], job_dir, joiner=True)
 
 
-def env_rank() -> tuple[int, int]:
-    """This process's rank and the world size from torchrun's or SLURM's environment."""
-    for rank_var, world_var in (("RANK", "WORLD_SIZE"), ("SLURM_PROCID", "SLURM_NTASKS")):
-        if rank_var in os.environ and world_var in os.environ:
-            return int(os.environ[rank_var]), int(os.environ[world_var])
-    raise ConfigError("cluster.launcher=env needs RANK and WORLD_SIZE (torchrun) or SLURM_PROCID and "
-                     "SLURM_NTASKS (srun) in the environment; to run everything here use cluster=local")
-
-
-def env_init_method(cfg: Config, rank: int) -> str:
+def env_init_method(cfg: Config, place: EnvRank) -> str:
     """Where the ranks of a ``launcher=env`` job meet.
 
     Plainly (two terminals, srun): ``tcp://MASTER_ADDR:MASTER_PORT``, rank 0 listens there.
@@ -118,7 +143,7 @@ def env_init_method(cfg: Config, rank: int) -> str:
     joins it (``env://``); for rpc_core, rank 0 picks a free port next to it and hands it
     to the other ranks through torchrun's store.
     """
-    addr, port = cfg.cluster.master_addr, cfg.cluster.master_port
+    addr, port, rank = place.master_addr, place.master_port, place.rank
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
         return f"tcp://{addr}:{port}"
     if cfg.backend == "torch":
@@ -131,8 +156,10 @@ def env_init_method(cfg: Config, rank: int) -> str:
 
     timeout = timedelta(seconds=cfg.cluster.init_timeout)
     store = TCPStore(addr, port, is_master=False, timeout=timeout)
-    key = (f"ps_train/rpc_core_port/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
-           f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
+    key = (
+        f"ps_train/rpc_core_port/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
+        f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    )
     if rank == 0:
         chosen = free_port(addr)
         store.set(key, str(chosen))

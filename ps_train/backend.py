@@ -3,6 +3,7 @@
 Both expose the same names (that is rpc_core's contract), so the rest of ps_train only
 asks for ``rpc()``, ``dist_autograd()`` and builds options through ``make_options``.
 """
+
 from __future__ import annotations
 
 from types import ModuleType
@@ -38,8 +39,9 @@ def dist_autograd() -> ModuleType:
     return m
 
 
-def make_options(init_method: str, rpc_timeout: float, num_worker_threads: int, secret: str | None,
-                 init_timeout: float) -> Any:
+def make_options(
+    init_method: str, rpc_timeout: float, num_worker_threads: int, secret: str | None, init_timeout: float
+) -> Any:
     """Backend options: calls time out after ``rpc_timeout`` s (0: never), the rendezvous
     after ``init_timeout`` s. torch's rendezvous waits ``rpc_timeout``, so its options carry
     the longer of the two until ``init_rpc`` returns (then ``restore_rpc_timeout``)."""
@@ -49,12 +51,17 @@ def make_options(init_method: str, rpc_timeout: float, num_worker_threads: int, 
         # torch RPC has no authentication: anyone reaching its ports can run code in it.
         wait = max(rpc_timeout, init_timeout) if rpc_timeout > 0 else rpc_timeout
         return trpc.TensorPipeRpcBackendOptions(
-            num_worker_threads=num_worker_threads, rpc_timeout=wait, init_method=init_method)
+            num_worker_threads=num_worker_threads, rpc_timeout=wait, init_method=init_method
+        )
     import rpc_core
 
     return rpc_core.RpcBackendOptions(
-        num_worker_threads=num_worker_threads, rpc_timeout=rpc_timeout, init_method=init_method,
-        auth_secret=secret, init_timeout=init_timeout)
+        num_worker_threads=num_worker_threads,
+        rpc_timeout=rpc_timeout,
+        init_method=init_method,
+        auth_secret=secret,
+        init_timeout=init_timeout,
+    )
 
 
 def restore_rpc_timeout(rpc_timeout: float) -> None:

@@ -21,8 +21,16 @@ from torch.utils.data import Dataset, default_collate
 from ps_train.config import DataConfig, DigitsConfig, SyntheticConfig, VisionDataConfig
 
 __all__ = [
-    "TensorSplit", "DatasetNotFoundError", "load_data",
-    "partition", "steps_per_epoch", "total_steps", "PartitionCursor", "BatchIterator", "iter_eval_batches",
+    "TensorSplit",
+    "DatasetNotFoundError",
+    "load_data",
+    "check_vision_files",
+    "partition",
+    "steps_per_epoch",
+    "total_steps",
+    "PartitionCursor",
+    "BatchIterator",
+    "iter_eval_batches",
 ]
 
 # name -> (torchvision class name, per-channel mean, std) of the 0..1 pixels; the sample
@@ -49,8 +57,15 @@ class TensorSplit(Dataset[tuple[Tensor, Tensor]]):
     (mean/std per channel for ``[C, H, W]`` samples).
     """
 
-    def __init__(self, images: Tensor, labels: Tensor, n_classes: int, scale: float = 1.0,
-                 mean: Sequence[float] = (0.0,), std: Sequence[float] = (1.0,)) -> None:
+    def __init__(
+        self,
+        images: Tensor,
+        labels: Tensor,
+        n_classes: int,
+        scale: float = 1.0,
+        mean: Sequence[float] = (0.0,),
+        std: Sequence[float] = (1.0,),
+    ) -> None:
         if images.shape[0] != labels.shape[0]:
             raise ValueError(f"images ({images.shape[0]}) and labels ({labels.shape[0]}) differ in length")
         self.images = images
@@ -59,8 +74,9 @@ class TensorSplit(Dataset[tuple[Tensor, Tensor]]):
         self.scale = float(scale)
         # Shape [C, 1, 1] broadcasts over [B, C, H, W]; a scalar for other sample shapes.
         view = (-1, 1, 1) if images.dim() == 4 else (-1,)
-        self._mean = (torch.tensor(mean, dtype=torch.float32).view(view) if len(mean) > 1
-                      else torch.tensor(float(mean[0])))
+        self._mean = (
+            torch.tensor(mean, dtype=torch.float32).view(view) if len(mean) > 1 else torch.tensor(float(mean[0]))
+        )
         self._std = torch.tensor(std, dtype=torch.float32).view(view) if len(std) > 1 else torch.tensor(float(std[0]))
 
     @property
@@ -85,8 +101,10 @@ def load_data(cfg: DataConfig) -> tuple[TensorSplit, TensorSplit]:
         return _synthetic(cfg)
     if isinstance(cfg, VisionDataConfig) and cfg.name in _VISION:
         return _vision(cfg)
-    raise ValueError(f"data.name: unknown dataset {cfg.name!r} for {type(cfg).__name__}; "
-                     "use data=digits, data=mnist, data=fashion_mnist, data=cifar10 or data=synthetic")
+    raise ValueError(
+        f"data.name: unknown dataset {cfg.name!r} for {type(cfg).__name__}; "
+        "use data=digits, data=mnist, data=fashion_mnist, data=cifar10 or data=synthetic"
+    )
 
 
 def _digits(cfg: DigitsConfig) -> tuple[TensorSplit, TensorSplit]:
@@ -97,13 +115,16 @@ def _digits(cfg: DigitsConfig) -> tuple[TensorSplit, TensorSplit]:
     x = torch.tensor(bunch.data, dtype=torch.float32).view(-1, 1, 8, 8) / 16.0
     y = torch.tensor(bunch.target, dtype=torch.int64)
     # Stratified so both splits keep the class balance; fixed by split_seed alone.
-    train_idx, test_idx = train_test_split(torch.arange(len(y)).numpy(), test_size=cfg.test_fraction,
-                                           random_state=cfg.split_seed, stratify=y.numpy())
+    train_idx, test_idx = train_test_split(
+        torch.arange(len(y)).numpy(), test_size=cfg.test_fraction, random_state=cfg.split_seed, stratify=y.numpy()
+    )
     train_idx, test_idx = torch.from_numpy(train_idx), torch.from_numpy(test_idx)
     # Standardise with train statistics only (no test leakage).
     mean, std = x[train_idx].mean().item(), x[train_idx].std().item()
-    return (TensorSplit(x[train_idx], y[train_idx], 10, mean=(mean,), std=(std,)),
-            TensorSplit(x[test_idx], y[test_idx], 10, mean=(mean,), std=(std,)))
+    return (
+        TensorSplit(x[train_idx], y[train_idx], 10, mean=(mean,), std=(std,)),
+        TensorSplit(x[test_idx], y[test_idx], 10, mean=(mean,), std=(std,)),
+    )
 
 
 def _synthetic(cfg: SyntheticConfig) -> tuple[TensorSplit, TensorSplit]:
@@ -131,6 +152,26 @@ def _expected_files(cls: Any, root: str) -> tuple[str, list[str]]:
     return os.path.join(root, cls.__name__, "raw"), names
 
 
+def check_vision_files(cfg: VisionDataConfig) -> str:
+    """The folder torchvision reads ``cfg``'s files from; raises ``DatasetNotFoundError`` if
+    any is missing and ``data.download`` is off (a stat per file: the launcher checks this
+    before any role starts)."""
+    import torchvision.datasets as tvd
+
+    if cfg.name not in _VISION:
+        raise ValueError(f"data.name: {cfg.name!r} is not a torchvision dataset")
+    cls_name = _VISION[cfg.name][0]
+    folder, names = _expected_files(getattr(tvd, cls_name), os.path.abspath(os.path.expanduser(cfg.root)))
+    missing = [n for n in names if not os.path.isfile(os.path.join(folder, n))]
+    if missing and not cfg.download:
+        raise DatasetNotFoundError(
+            f"data={cfg.name}: dataset files not found in {folder} (data.root={cfg.root!r}); missing: "
+            f"{', '.join(missing)}. Download them with data.download=true (needs internet), or copy the "
+            f"{cls_name} files torchvision uses there, or point data.root at a folder that has them."
+        )
+    return folder
+
+
 def _vision(cfg: VisionDataConfig) -> tuple[TensorSplit, TensorSplit]:
     import torchvision.datasets as tvd
 
@@ -138,13 +179,7 @@ def _vision(cfg: VisionDataConfig) -> tuple[TensorSplit, TensorSplit]:
     shape = cfg.sample_shape()
     cls = getattr(tvd, cls_name)
     root = os.path.abspath(os.path.expanduser(cfg.root))
-    folder, names = _expected_files(cls, root)
-    missing = [n for n in names if not os.path.isfile(os.path.join(folder, n))]
-    if missing and not cfg.download:
-        raise DatasetNotFoundError(
-            f"data={cfg.name}: dataset files not found in {folder} (data.root={cfg.root!r}); missing: "
-            f"{', '.join(missing)}. Download them with data.download=true (needs internet), or copy the "
-            f"{cls_name} files torchvision uses there, or point data.root at a folder that has them.")
+    folder = check_vision_files(cfg)
     splits = []
     for train in (True, False):
         try:
@@ -152,13 +187,15 @@ def _vision(cfg: VisionDataConfig) -> tuple[TensorSplit, TensorSplit]:
         except RuntimeError as e:  # torchvision: not found / md5 mismatch / download failure
             raise DatasetNotFoundError(
                 f"data={cfg.name}: torchvision could not load the files in {folder}: {e}. If they are "
-                "corrupt or incomplete, delete them and re-download with data.download=true.") from e
+                "corrupt or incomplete, delete them and re-download with data.download=true."
+            ) from e
         images = torch.as_tensor(ds.data)
         # MNIST stores [N, H, W]; CIFAR stores HWC numpy [N, H, W, C]; both become [N, C, H, W].
         images = images.unsqueeze(1) if images.dim() == 3 else images.permute(0, 3, 1, 2).contiguous()
         if tuple(images.shape[1:]) != shape:
-            raise DatasetNotFoundError(f"data={cfg.name}: files in {folder} hold samples of shape "
-                                       f"{tuple(images.shape[1:])}, expected {shape}")
+            raise DatasetNotFoundError(
+                f"data={cfg.name}: files in {folder} hold samples of shape {tuple(images.shape[1:])}, expected {shape}"
+            )
         splits.append(TensorSplit(images, torch.as_tensor(ds.targets), 10, scale=255.0, mean=mean, std=std))
     return splits[0], splits[1]
 
@@ -226,7 +263,7 @@ class PartitionCursor:
         """The next batch's sample indices [batch_size] (a new epoch once this one's are used)."""
         if self.offset + self.batch_size > self.n_items // self.world:
             self.epoch, self.offset = self.epoch + 1, 0
-        idx = self._indices()[self.offset:self.offset + self.batch_size]
+        idx = self._indices()[self.offset : self.offset + self.batch_size]
         self.offset += self.batch_size
         return idx
 
@@ -239,7 +276,8 @@ class PartitionCursor:
             if key in state and state[key] != getattr(self, key):
                 raise ValueError(
                     f"cannot restore a data position saved with {key}={state[key]} into a trainer with "
-                    f"{key}={getattr(self, key)}; {self._resume_hint}")
+                    f"{key}={getattr(self, key)}; {self._resume_hint}"
+                )
         if state["epoch"] < 0 or not 0 <= state["offset"] <= self.n_items // self.world:
             raise ValueError(f"invalid data position {state}")
         self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
@@ -257,7 +295,8 @@ class BatchIterator(PartitionCursor, Iterator[tuple[Tensor, Tensor]]):
             raise ValueError(
                 f"train.batch_size={batch_size}: each of the {world} trainers gets only "
                 f"{self.n_items // world} of {self.n_items} training samples, not a full batch; "
-                "lower train.batch_size or cluster.num_trainers")
+                "lower train.batch_size or cluster.num_trainers"
+            )
         partition(self.n_items, rank, world, seed, 0)  # validates rank/world early
         self._start()
 
@@ -271,4 +310,4 @@ class BatchIterator(PartitionCursor, Iterator[tuple[Tensor, Tensor]]):
 def iter_eval_batches(dataset: TensorSplit, batch_size: int) -> Iterator[tuple[Tensor, Tensor]]:
     """All samples in order, in batches (the last may be short): for evaluation."""
     for start in range(0, len(dataset), batch_size):
-        yield dataset[start:start + batch_size]
+        yield dataset[start : start + batch_size]

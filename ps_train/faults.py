@@ -22,6 +22,7 @@ The attempt a process belongs to is ``PS_TRAIN_ATTEMPT`` (set by the local launc
 torchrun's ``TORCHELASTIC_RESTART_COUNT``. This module lives apart from the launcher so
 that the server and trainer, which call the hook, do not import the launcher that starts them.
 """
+
 from __future__ import annotations
 
 import logging
@@ -38,8 +39,10 @@ log = logging.getLogger("ps_train")
 FAULT_ENV = "PS_TRAIN_FAULT"
 ATTEMPT_ENV = "PS_TRAIN_ATTEMPT"
 _ACTIONS = {"kill": signal.SIGKILL, "freeze": signal.SIGSTOP}
-_SPEC = re.compile(r"(?P<role>[A-Za-z0-9_]+)@(?P<rel>\+?)(?P<step>\d+)(?::(?P<action>[a-z]+))?"
-                   r"(?:#(?P<attempt>\d+))?")
+_SPEC = re.compile(
+    r"(?P<role>[A-Za-z0-9_]+)@(?P<rel>\+?)(?P<step>\d+)(?::(?P<action>[a-z]+))?"
+    r"(?:#(?P<attempt>\d+))?"
+)
 
 
 class Fault(NamedTuple):
@@ -60,11 +63,20 @@ def parse_faults(spec: str) -> list[Fault]:
         m = _SPEC.fullmatch(part)
         action = (m.group("action") or "kill") if m else ""
         if m is None or action not in _ACTIONS:
-            raise ValueError(f"{FAULT_ENV}={spec!r}: {part!r} is not <role>@[+]<step>[:kill|:freeze][#<attempt>] "
-                             "(e.g. ps1@5, trainer0@3:freeze#0 or trainer2@+2:freeze)")
+            raise ValueError(
+                f"{FAULT_ENV}={spec!r}: {part!r} is not <role>@[+]<step>[:kill|:freeze][#<attempt>] "
+                "(e.g. ps1@5, trainer0@3:freeze#0 or trainer2@+2:freeze)"
+            )
         attempt = m.group("attempt")
-        faults.append(Fault(m.group("role"), int(m.group("step")), action, None if attempt is None else int(attempt),
-                            relative=bool(m.group("rel"))))
+        faults.append(
+            Fault(
+                m.group("role"),
+                int(m.group("step")),
+                action,
+                None if attempt is None else int(attempt),
+                relative=bool(m.group("rel")),
+            )
+        )
     return faults
 
 
@@ -85,8 +97,16 @@ def maybe_inject_fault(role: str, step: int) -> None:
     for fault in parse_faults(spec):
         if fault.role == role and (nth if fault.relative else step) == fault.step and fault.attempt in (None, attempt):
             verb = "killing" if fault.action == "kill" else "freezing"
-            log.warning("%s=%s: test fault injection, %s %s (pid %d) at step %d at unix time %.3f",
-                        FAULT_ENV, spec, verb, role, os.getpid(), step, time.time())
+            log.warning(
+                "%s=%s: test fault injection, %s %s (pid %d) at step %d at unix time %.3f",
+                FAULT_ENV,
+                spec,
+                verb,
+                role,
+                os.getpid(),
+                step,
+                time.time(),
+            )
             # Neither signal runs a handler: flush the log first so the test can read the line.
             for h in logging.getLogger().handlers:
                 h.flush()

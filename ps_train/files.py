@@ -4,6 +4,7 @@ Every file a run writes in its folder (checkpoints, ``metrics.json``, ``provenan
 ``restarts.json``, ...) is written to a temporary name next to it, flushed to disk, and moved
 into place with ``os.replace`` (atomic on POSIX). Standard library only.
 """
+
 from __future__ import annotations
 
 import hashlib

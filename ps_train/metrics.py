@@ -19,8 +19,16 @@ from typing import Any, Protocol, runtime_checkable
 from ps_train.files import atomic_write_text
 
 __all__ = [
-    "MetricsWriter", "TensorBoardWriter", "NullWriter", "make_writer", "flatten_hparams",
-    "ThroughputMeter", "LatencyStats", "write_metrics_json", "peak_rss_bytes", "mark_session_start",
+    "MetricsWriter",
+    "TensorBoardWriter",
+    "NullWriter",
+    "make_writer",
+    "flatten_hparams",
+    "ThroughputMeter",
+    "LatencyStats",
+    "write_metrics_json",
+    "peak_rss_bytes",
+    "mark_session_start",
     "mark_attempt",
 ]
 
@@ -250,8 +258,12 @@ class LatencyStats:
 
     def summary(self, prefix: str = "") -> dict[str, float]:
         """E.g. ``{"<prefix>latency_ms": ..., "<prefix>max_latency_ms": ..., ...}`` for add_scalars."""
-        return {f"{prefix}latency_ms": self.mean_s * 1e3, f"{prefix}max_latency_ms": self.max_s * 1e3,
-                f"{prefix}calls": float(self.count), f"{prefix}bytes": float(self.bytes)}
+        return {
+            f"{prefix}latency_ms": self.mean_s * 1e3,
+            f"{prefix}max_latency_ms": self.max_s * 1e3,
+            f"{prefix}calls": float(self.count),
+            f"{prefix}bytes": float(self.bytes),
+        }
 
 
 def write_metrics_json(path: str | os.PathLike[str], metrics: Mapping[str, Any]) -> None:
@@ -259,6 +271,7 @@ def write_metrics_json(path: str | os.PathLike[str], metrics: Mapping[str, Any])
 
     Non-finite floats are written as null, so the file stays strict JSON.
     """
+
     def clean(v: Any) -> Any:
         if isinstance(v, float) and not math.isfinite(v):
             return None

@@ -20,8 +20,9 @@ from ps_train.config import CNNConfig, MLPConfig, ModelConfig, ResNetConfig
 __all__ = ["build_stages", "reference_model", "mlp", "interaction_size", "dense_stages"]
 
 
-def build_stages(cfg: ModelConfig, in_shape: tuple[int, ...], num_classes: int,
-                 seed: int | None = None) -> list[nn.Module]:
+def build_stages(
+    cfg: ModelConfig, in_shape: tuple[int, ...], num_classes: int, seed: int | None = None
+) -> list[nn.Module]:
     """Build the model's stages for samples of shape ``in_shape`` (no batch dim).
 
     Stage i maps the output of stage i-1 to its own output; the first takes ``[B, *in_shape]``
@@ -70,10 +71,11 @@ def _mlp(cfg: MLPConfig, in_shape: tuple[int, ...], num_classes: int) -> list[nn
 
 def _cnn(cfg: CNNConfig, in_shape: tuple[int, ...], num_classes: int) -> list[nn.Module]:
     blocks = len(cfg.channels)
-    if len(in_shape) != 3 or min(in_shape[1:]) < 2 ** blocks:
+    if len(in_shape) != 3 or min(in_shape[1:]) < 2**blocks:
         raise ValueError(
-            f"model=cnn with {blocks} conv blocks needs image samples [C, H, W] with H, W >= {2 ** blocks} "
-            f"(each block halves them); got in_shape {in_shape}. Use fewer model.channels or model=mlp")
+            f"model=cnn with {blocks} conv blocks needs image samples [C, H, W] with H, W >= {2**blocks} "
+            f"(each block halves them); got in_shape {in_shape}. Use fewer model.channels or model=mlp"
+        )
     c, h, w = in_shape
     stages: list[nn.Module] = []
     for out in cfg.channels:
@@ -134,11 +136,14 @@ def interaction_size(num_tables: int, dim: int) -> int:
     return dim + f * (f - 1) // 2
 
 
-def dense_stages(num_dense: int, num_tables: int, dim: int, bottom: Sequence[int], top: Sequence[int],
-                 seed: int) -> list[nn.Sequential]:
+def dense_stages(
+    num_dense: int, num_tables: int, dim: int, bottom: Sequence[int], top: Sequence[int], seed: int
+) -> list[nn.Sequential]:
     """``[bottom MLP, top MLP]``, initialised exactly as ``DLRM(..., seed)`` initialises them,
     without touching the caller's RNG: the dense stages a distributed run places on servers."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return [mlp([num_dense, *bottom, dim], last_relu=True),  # [B, num_dense] -> [B, dim]
-                mlp([interaction_size(num_tables, dim), *top, 1], last_relu=False)]  # [B, z] -> [B, 1]
+        return [
+            mlp([num_dense, *bottom, dim], last_relu=True),  # [B, num_dense] -> [B, dim]
+            mlp([interaction_size(num_tables, dim), *top, 1], last_relu=False),
+        ]  # [B, z] -> [B, 1]

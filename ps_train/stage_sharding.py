@@ -18,7 +18,12 @@ from ps_train.config import Config, CtrDataConfig, DLRMConfig, ModelConfig
 from ps_train.models import build_stages, dense_stages
 
 __all__ = [
-    "stage_param_bytes", "place_stages", "Shard", "build_shards", "shards_of_server", "build_model_shards",
+    "stage_param_bytes",
+    "place_stages",
+    "Shard",
+    "build_shards",
+    "shards_of_server",
+    "build_model_shards",
     "model_shards",
 ]
 
@@ -44,7 +49,8 @@ def place_stages(stages: Sequence[nn.Module], num_servers: int, strategy: str = 
     if num_servers > n:
         raise ValueError(
             f"cluster.num_servers={num_servers} exceeds the model's {n} stages (each server needs at "
-            f"least one); set cluster.num_servers<={n} or use a deeper model")
+            f"least one); set cluster.num_servers<={n} or use a deeper model"
+        )
     if strategy == "round_robin":
         return [list(range(s, n, num_servers)) for s in range(num_servers)]
     if strategy == "balanced":
@@ -119,8 +125,7 @@ def build_shards(stages: Sequence[nn.Module], placement: list[list[int]], merge:
             groups[-1][1].append(i)
         else:
             groups.append((owner[i], [i]))
-    return [Shard(k, server, idx, nn.Sequential(*(stages[i] for i in idx)))
-            for k, (server, idx) in enumerate(groups)]
+    return [Shard(k, server, idx, nn.Sequential(*(stages[i] for i in idx))) for k, (server, idx) in enumerate(groups)]
 
 
 def shards_of_server(shards: Sequence[Shard], server: int) -> list[Shard]:
@@ -128,8 +133,9 @@ def shards_of_server(shards: Sequence[Shard], server: int) -> list[Shard]:
     return [s for s in shards if s.server == server]
 
 
-def build_model_shards(cfg: ModelConfig, in_shape: tuple[int, ...], num_classes: int,
-                       num_servers: int, strategy: str, seed: int) -> list[Shard]:
+def build_model_shards(
+    cfg: ModelConfig, in_shape: tuple[int, ...], num_classes: int, num_servers: int, strategy: str, seed: int
+) -> list[Shard]:
     """Build the seeded model and split it: what every server computes identically,
     keeping only ``shards_of_server(result, rank)``."""
     stages = build_stages(cfg, in_shape, num_classes, seed=seed)
@@ -143,9 +149,18 @@ def model_shards(cfg: Config) -> list[Shard]:
     servers (its tables live on all of them, see ``ps_train.ctr.table_server``)."""
     if isinstance(cfg.model, DLRMConfig) and isinstance(cfg.data, CtrDataConfig):
         m = cfg.model
-        stages: list[nn.Module] = list(dense_stages(cfg.data.dense_count(), len(cfg.data.sizes()), m.embedding_dim,
-                                                    m.bottom_mlp, m.top_mlp, cfg.seed))
+        stages: list[nn.Module] = list(
+            dense_stages(
+                cfg.data.dense_count(), len(cfg.data.sizes()), m.embedding_dim, m.bottom_mlp, m.top_mlp, cfg.seed
+            )
+        )
         servers = min(cfg.cluster.num_servers, len(stages))
         return build_shards(stages, place_stages(stages, servers, cfg.cluster.placement), merge=False)
-    return build_model_shards(cfg.model, cfg.data.sample_shape(), cfg.data.class_count(), cfg.cluster.num_servers,
-                              cfg.cluster.placement, cfg.seed)
+    return build_model_shards(
+        cfg.model,
+        cfg.data.sample_shape(),
+        cfg.data.class_count(),
+        cfg.cluster.num_servers,
+        cfg.cluster.placement,
+        cfg.seed,
+    )

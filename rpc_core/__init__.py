@@ -6,10 +6,12 @@ Port a ``torch.distributed.rpc`` program by changing its imports::
     import rpc_core.autograd as dist_autograd   # was: torch.distributed.autograd
     from rpc_core.optim import DistributedOptimizer
 """
+
 from typing import Any
 
 from . import autograd, constants, functions, optim, profiler  # autograd installs its middleware at init_rpc
 from . import rref as _rref
+from .agent import early_exit as _early_exit
 from .agent.agent import current_agent as _current_agent
 from .agent.worlds import WorkerInfo
 from .api import (
@@ -67,6 +69,10 @@ from .options import UNSET_RPC_TIMEOUT as _UNSET_RPC_TIMEOUT  # noqa: F401
 from .protocol import torchscript as _torchscript  # noqa: F401
 from .rref import RRef
 
+# torch.futures.wait_all / collect_all return at the first failed rpc_core call, as torch's do
+# for its own RPC futures (see agent.early_exit)
+_early_exit.install()
+
 PyRRef = RRef  # torch's RRef derives from PyRRef; isinstance checks against either name hold
 
 # The layers of rpc_core, bottom-up: a module imports only modules of lower layers (never
@@ -95,10 +101,11 @@ _LAYERS: tuple[tuple[str, ...], ...] = (
     # agent/: the worker and its parts
     ("agent.pool", "agent.middleware"),
     ("agent.futures", "agent.worlds"),  # futures of calls; WorkerInfo and the World a rendezvous gives
-    ("agent.outbound",),
+    ("agent.outbound", "agent.early_exit"),  # early_exit: torch.futures.wait_all that exits at a failure
     # The worker's parts, each an object the agent owns; a part imports those it is given.
     ("agent.roster",),  # who is in the group
     ("agent.deadlines", "agent.completion", "agent.dispatch"),  # the timer, calls made, requests served
+    ("agent.departures",),  # calls to a member that left, until its last answers arrive
     ("agent.connections",),  # dialled and accepted connections; hands frames to dispatch and completion
     ("agent.heartbeats",),  # the liveness watch of the peers calls wait on
     ("agent.agent",),  # the worker: makes its parts and wires them
@@ -110,6 +117,7 @@ _LAYERS: tuple[tuple[str, ...], ...] = (
     ("group",),
     # autograd/: distributed autograd
     ("autograd.context",),
+    ("autograd.hooks",),
     ("autograd.engine", "autograd.release"),
     ("autograd.recording",),
     ("autograd",),  # the distributed autograd package's face
@@ -131,22 +139,53 @@ def _get_debug_info() -> dict[str, Any]:
     """Counters for tests and debugging: RRef tables, agent state."""
     info = dict(_rref.debug_info())
     agent = _current_agent()
-    info.update({
-        "agent.thread_pool_size": agent.pool.size,
-        "agent.num_pending_requests": agent.pending.in_flight(),
-        "agent.num_idle_threads": agent.pool.idle,
-    })
+    info.update(
+        {
+            "agent.thread_pool_size": agent.pool.size,
+            "agent.num_pending_requests": agent.pending.in_flight(),
+            "agent.num_idle_threads": agent.pool.idle,
+        }
+    )
     return info
 
 
 __all__ = [
-    "AuthenticationError", "BackendType", "DEFAULT_RPC_TIMEOUT_SEC", "DEFAULT_SHUTDOWN_TIMEOUT",
-    "ProtocolError", "RRef", "RendezvousError", "RpcBackendOptions", "RpcError", "RpcNotInitializedError",
-    "RpcTimeoutError", "RpcTypeError", "RpcValueError", "TensorPipeRpcBackendOptions", "UNSET_RPC_TIMEOUT",
-    "WorkerInfo", "WorkerLeftError",
-    "WorkerUnavailableError", "functions", "get_rpc_timeout", "get_worker_info", "init_rpc", "is_available",
-    "remote", "rpc_async", "rpc_sync", "shutdown", "autograd", "constants", "optim", "profiler",
+    "AuthenticationError",
+    "BackendType",
+    "DEFAULT_RPC_TIMEOUT_SEC",
+    "DEFAULT_SHUTDOWN_TIMEOUT",
+    "ProtocolError",
+    "RRef",
+    "RendezvousError",
+    "RpcBackendOptions",
+    "RpcError",
+    "RpcNotInitializedError",
+    "RpcTimeoutError",
+    "RpcTypeError",
+    "RpcValueError",
+    "TensorPipeRpcBackendOptions",
+    "UNSET_RPC_TIMEOUT",
+    "WorkerInfo",
+    "WorkerLeftError",
+    "WorkerUnavailableError",
+    "functions",
+    "get_rpc_timeout",
+    "get_worker_info",
+    "init_rpc",
+    "is_available",
+    "remote",
+    "rpc_async",
+    "rpc_sync",
+    "shutdown",
+    "autograd",
+    "constants",
+    "optim",
+    "profiler",
     # rpc_core's own (docs/torch_compatibility.md, "rpc_core extensions")
-    "ConnectionStats", "add_membership_listener", "connection_stats", "remove_membership_listener", "tune_malloc",
+    "ConnectionStats",
+    "add_membership_listener",
+    "connection_stats",
+    "remove_membership_listener",
+    "tune_malloc",
     "watch_all_peers",
 ]

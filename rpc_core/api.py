@@ -4,6 +4,7 @@ Same names, arguments and semantics as ``torch.distributed.rpc``. This module on
 the layers below it: a worker's start and end (agent, RRef protocol, ``lifecycle`` hooks and
 coordinator) and the calls (``calls``, ``rref.remote``).
 """
+
 from __future__ import annotations
 
 import enum
@@ -30,13 +31,29 @@ from .options import DEFAULT_SHUTDOWN_TIMEOUT, RpcBackendOptions
 from .rref import remote  # noqa: F401 (re-exported: the facade)
 
 __all__ = [
-    "BackendType", "get_rpc_timeout", "get_worker_info", "init_rpc", "is_available", "remote", "rpc_async", "rpc_sync",
+    "BackendType",
+    "get_rpc_timeout",
+    "get_worker_info",
+    "init_rpc",
+    "is_available",
+    "remote",
+    "rpc_async",
+    "rpc_sync",
     "shutdown",
     # rpc_core's own (docs/torch_compatibility.md, "rpc_core extensions")
-    "ConnectionStats", "add_membership_listener", "connection_stats", "remove_membership_listener", "tune_malloc",
+    "ConnectionStats",
+    "add_membership_listener",
+    "connection_stats",
+    "remove_membership_listener",
+    "tune_malloc",
     "watch_all_peers",
     # private helpers torch.distributed.rpc also has; the hooks tests and the profiler benchmark read
-    "_all_gather", "_barrier", "_invoke_async", "_set_rpc_timeout", "_wait_all_workers", "call_wrappers",
+    "_all_gather",
+    "_barrier",
+    "_invoke_async",
+    "_set_rpc_timeout",
+    "_wait_all_workers",
+    "call_wrappers",
     "current_agent",
 ]
 
@@ -56,8 +73,13 @@ def is_available() -> bool:
     return True
 
 
-def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | None = None,
-             rpc_backend_options: RpcBackendOptions | None = None) -> None:
+def init_rpc(
+    name: str,
+    backend: Any = None,
+    rank: int = -1,
+    world_size: int | None = None,
+    rpc_backend_options: RpcBackendOptions | None = None,
+) -> None:
     """Join the group: rendezvous, authenticate, start this worker's agent. ``world_size=None``
     makes the group dynamic (every member passes None): rank 0 founds it, other ranks join it
     while it runs, and ``shutdown`` leaves it (see ``registry``)."""
@@ -72,9 +94,11 @@ def init_rpc(name: str, backend: Any = None, rank: int = -1, world_size: int | N
         logging.getLogger("rpc_core").warning(
             "rpc_core worker %r runs without an auth secret: any process that can reach its port can make it "
             "run functions. Set RpcBackendOptions(auth_secret=...) or RPC_CORE_AUTH_SECRET, the same on every worker.",
-            name)
-    world = rendezvous(name, rank, world_size, options.init_method, options.auth_secret,
-                       options.effective_init_timeout())
+            name,
+        )
+    world = rendezvous(
+        name, rank, world_size, options.init_method, options.auth_secret, options.effective_init_timeout()
+    )
     memory.tune()  # keep freed tensor memory in the process (see rpc_core.memory)
     agent = Agent(world, options)
     _rref.install(agent)
@@ -142,8 +166,10 @@ def remove_membership_listener(listener: Callable[[WorkerInfo, bool], None]) -> 
     """Stop calling ``listener``; ValueError if it is not one of this worker's listeners."""
     listeners = current_agent().roster.on_membership
     if listener not in listeners:
-        raise ValueError(f"remove_membership_listener: {listener!r} is not a membership listener of this worker "
-                         "(add it with add_membership_listener)")
+        raise ValueError(
+            f"remove_membership_listener: {listener!r} is not a membership listener of this worker "
+            "(add it with add_membership_listener)"
+        )
     listeners.remove(listener)
 
 
@@ -174,8 +200,11 @@ def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -
     except RpcError as e:
         error = e
     finally:
-        if graceful and agent.me.id == 0 and (error is None or agent.roster.dead
-                                              or isinstance(error, WorkerUnavailableError)):
+        if (
+            graceful
+            and agent.me.id == 0
+            and (error is None or agent.roster.dead or isinstance(error, WorkerUnavailableError))
+        ):
             # Let the peers close first, so they read our last replies before our sockets go
             # away: with a dead or silent worker, those replies tell them which one it was.
             agent.connections.wait_incoming_closed(5.0)
@@ -191,15 +220,19 @@ def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -
 
 def _leave(agent: Agent, timeout: float) -> None:
     """Graceful shutdown of a dynamic group's member: finish this worker's own work (its
-    calls, its RRefs' deletes, its autograd releases), leave the group, then answer what
-    the others sent before they heard (bounded by ``timeout``; 0: no limit)."""
+    calls, its RRefs' deletes, its autograd releases), answer the requests it accepted and
+    write the answers out, leave the group, then answer what the others sent before they
+    heard (each step bounded by ``timeout``; 0: no limit, but what arrives after the leave
+    gets ``_LEAVE_GRACE``). The members wait for those answers on their connections to this
+    worker, which close with the agent once they are written (see ``agent.departures``)."""
     deadline = time.monotonic() + timeout if timeout > 0 else None
     for hook in lifecycle.pre_shutdown_hooks:
         hook()
     _rref.delete_all_user_rrefs(timeout)
     agent.pending.wait_idle(deadline)
+    if agent.me.id != 0:  # rank 0 leaves once the others have left (nobody waits on it then)
+        lifecycle.answer_requests(agent, deadline)
     registry.leave(agent, timeout)
     agent.pending.wait_idle(deadline)
     end = time.monotonic() + _LEAVE_GRACE if deadline is None else deadline
-    while agent.dispatch.n_received != agent.dispatch.n_answered and time.monotonic() < end:
-        time.sleep(0.005)  # requests that arrived as we left are still running; let them finish
+    lifecycle.answer_requests(agent, end, arriving=True)  # sent to us before the news reached their callers

@@ -4,6 +4,7 @@ Importable as ``rpc_core.constants`` and reached as ``rpc.constants`` after
 ``import rpc_core as rpc``, as torch's module is. ``rpc_core.options`` builds its defaults
 from these.
 """
+
 from __future__ import annotations
 
 from datetime import timedelta

@@ -4,6 +4,7 @@ Every error derives from ``RpcError``, itself a ``RuntimeError`` so that code wr
 ``torch.distributed.rpc`` (which raises ``RuntimeError``) keeps catching what it caught.
 Messages say what happened, where (which worker) and how to fix it.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -58,7 +59,8 @@ class RemoteFunctionError(RpcError):
 # ``except RuntimeError`` (code written for torch) and ``except ValueError``/``TypeError``
 # (code written for rpc_core's earlier releases) both catch them.
 class RpcValueError(RpcError, ValueError):
-    """A bad value where torch raises ``RuntimeError``: an invalid worker name."""
+    """A bad value where torch raises ``RuntimeError``: an invalid worker name, a negative
+    ``rpc_timeout``, ``num_worker_threads`` < 1."""
 
 
 class RpcTypeError(RpcError, TypeError):

@@ -4,6 +4,7 @@ The callee runs the function, gets a ``torch.futures.Future`` back, and answers 
 from that future's callback, so no server thread sits waiting (e.g. while the function
 waits for other workers, or batches requests from several callers).
 """
+
 from __future__ import annotations
 
 import functools

@@ -21,6 +21,7 @@ would override what they set and ``RPC_CORE_MALLOC_TUNE`` would then switch noth
 change the thresholds, set glibc's own variables (which make ``tune`` step aside) or turn
 this off with ``RPC_CORE_MALLOC_TUNE=0``.
 """
+
 from __future__ import annotations
 
 import ctypes

@@ -3,7 +3,14 @@
 One local optimizer per owner of the parameters, built on that owner over RPC; ``step``
 applies one context's gradients on every owner at once. Any ``torch.optim`` class works,
 with its arguments; results equal the same optimizer run locally.
+
+An rpc_core extension beyond torch: ``step_in_backward(context_id)``, called before
+``dist_autograd.backward``, has each owner step its local optimizer as soon as its part of
+that backward is done (``rpc_core.autograd.hooks``), so ``backward`` returns with the step
+applied everywhere and no ``step`` round trip follows. The same local optimizers step with
+the same gradients: the results are ``step``'s.
 """
+
 from __future__ import annotations
 
 import threading
@@ -13,11 +20,14 @@ from typing import Any
 import torch
 
 from . import autograd as dist_autograd
+from .agent import agent as _agent_mod
 from .agent import calls
 from .agent.futures import settle
+from .autograd import hooks
 from .errors import format_many
 from .options import UNSET_RPC_TIMEOUT
 from .rref import RRef, _on_invoke
+from .rref.state import _ctx as _rref_owners
 
 __all__ = ["DistributedOptimizer"]
 
@@ -27,8 +37,9 @@ class _LocalOptimizer:
     # the same parameters) are serialized, as in torch.
     global_lock = threading.Lock()
 
-    def __init__(self, optim_cls: type[torch.optim.Optimizer], local_params_rref: list[RRef[Any]], *args: Any,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, optim_cls: type[torch.optim.Optimizer], local_params_rref: list[RRef[Any]], *args: Any, **kwargs: Any
+    ) -> None:
         self._params = [rref.local_value() for rref in local_params_rref]
         self.optim = optim_cls(self._params, *args, **kwargs)
 
@@ -46,8 +57,22 @@ class _LocalOptimizer:
                     p.grad = g  # .grad is the owner's business: leave it as it was
 
 
-def _new_local_optimizer(optim_cls: type[torch.optim.Optimizer], local_params_rref: list[RRef[Any]], *args: Any,
-                         **kwargs: Any) -> RRef[Any]:
+_IN_BACKWARD = "rpc_core.optim"  # the hook key of step_in_backward
+
+
+def _step_in_backward(context_id: int, per_owner: dict[int, list[Any]]) -> None:
+    """On an owner, once its part of a backward is done: step its local optimizers that
+    ``per_owner`` (rank -> their RRef ids) names here."""
+    for rref_id in per_owner.get(_agent_mod.current_agent().me.id, ()):
+        _rref_owners.live_entry(tuple(rref_id)).value.wait().step(context_id)
+
+
+hooks.on_backward_done(_IN_BACKWARD, _step_in_backward)
+
+
+def _new_local_optimizer(
+    optim_cls: type[torch.optim.Optimizer], local_params_rref: list[RRef[Any]], *args: Any, **kwargs: Any
+) -> RRef[Any]:
     return RRef(_LocalOptimizer(optim_cls, local_params_rref, *args, **kwargs))
 
 
@@ -76,8 +101,9 @@ class DistributedOptimizer:
         args, kwargs: passed to ``optimizer_class`` on each owner.
     """
 
-    def __init__(self, optimizer_class: type[torch.optim.Optimizer], params_rref: list[RRef[Any]], *args: Any,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, optimizer_class: type[torch.optim.Optimizer], params_rref: list[RRef[Any]], *args: Any, **kwargs: Any
+    ) -> None:
         per_owner: dict[Any, list[RRef[Any]]] = defaultdict(list)
         for p in params_rref:
             per_owner[p.owner()].append(p)
@@ -95,8 +121,26 @@ class DistributedOptimizer:
         # is ``waited``: this thread waits for every answer right away and reads them
         # itself, so no background reader needs waking for them.
         futures = [
-            calls.invoke_async(opt._owner_id, _on_invoke, (opt._rref_id, "step", (context_id,), {}), None,
-                               UNSET_RPC_TIMEOUT, "async", keepalive=opt, waited=True)
+            calls.invoke_async(
+                opt._owner_id,
+                _on_invoke,
+                (opt._rref_id, "step", (context_id,), {}),
+                None,
+                UNSET_RPC_TIMEOUT,
+                "async",
+                keepalive=opt,
+                waited=True,
+            )
             for opt in self.remote_optimizers
         ]
         _wait_all(futures, "Error running optimizer.")
+
+    def step_in_backward(self, context_id: int) -> None:
+        """Have every owner apply the gradients of ``context_id`` as soon as its part of the
+        distributed backward is done (an rpc_core extension; call it before
+        ``dist_autograd.backward``, which then returns with the step applied and raises an
+        owner's optimizer error, naming the owner). Results equal ``step``'s."""
+        per_owner: dict[int, list[Any]] = defaultdict(list)
+        for opt in self.remote_optimizers:
+            per_owner[opt._owner_id].append(opt._rref_id)
+        hooks.set_backward_info(context_id, _IN_BACKWARD, dict(per_owner))

@@ -3,6 +3,7 @@
 Field names follow ``torch.distributed.rpc.TensorPipeRpcBackendOptions`` so that programs
 that build options port unchanged; ``TensorPipeRpcBackendOptions`` is an alias of this class.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -16,6 +17,7 @@ from .constants import DEFAULT_NUM_WORKER_THREADS as DEFAULT_NUM_WORKER_THREADS
 from .constants import DEFAULT_RPC_TIMEOUT_SEC as DEFAULT_RPC_TIMEOUT_SEC
 from .constants import DEFAULT_SHUTDOWN_TIMEOUT as DEFAULT_SHUTDOWN_TIMEOUT
 from .constants import UNSET_RPC_TIMEOUT as UNSET_RPC_TIMEOUT
+from .errors import RpcValueError
 
 AUTH_SECRET_ENV = knobs.AUTH_SECRET.name
 
@@ -60,10 +62,14 @@ class RpcBackendOptions:
                 f"rpc_timeout must be a number of seconds (float), got {type(rpc_timeout).__name__}; "
                 "pass e.g. rpc_timeout=60.0"
             )
+        # torch's words (and class: RuntimeError) first; RpcValueError is a ValueError as well
         if rpc_timeout < 0:
-            raise ValueError(f"rpc_timeout must be >= 0 seconds (0 = no timeout), got {rpc_timeout}")
+            raise RpcValueError(
+                f"RPC Timeout must be non-negative: rpc_timeout must be >= 0 seconds "
+                f"(0 = no timeout), got {rpc_timeout}"
+            )
         if not isinstance(num_worker_threads, int) or num_worker_threads <= 0:
-            raise ValueError(f"num_worker_threads must be a positive int, got {num_worker_threads!r}")
+            raise RpcValueError(f"num_worker_threads must be positive, got {num_worker_threads!r} (an int >= 1)")
         if not isinstance(init_method, str) or not (
             init_method.startswith("env://") or init_method.startswith("tcp://")
         ):
@@ -79,10 +85,14 @@ class RpcBackendOptions:
         if init_timeout is not None and init_timeout <= 0:
             raise ValueError(f"init_timeout must be > 0 seconds, got {init_timeout}")
         if heartbeat_timeout is not None and (
-                isinstance(heartbeat_timeout, bool) or not isinstance(heartbeat_timeout, (int, float))
-                or not 0 <= heartbeat_timeout < float("inf")):
-            raise ValueError(f"heartbeat_timeout must be a number of seconds >= 0 (0: off) or None (read "
-                             f"{knobs.HEARTBEAT_TIMEOUT.name}), got {heartbeat_timeout!r}")
+            isinstance(heartbeat_timeout, bool)
+            or not isinstance(heartbeat_timeout, (int, float))
+            or not 0 <= heartbeat_timeout < float("inf")
+        ):
+            raise ValueError(
+                f"heartbeat_timeout must be a number of seconds >= 0 (0: off) or None (read "
+                f"{knobs.HEARTBEAT_TIMEOUT.name}), got {heartbeat_timeout!r}"
+            )
         self.num_worker_threads = num_worker_threads
         self.rpc_timeout = float(rpc_timeout)
         self.init_method = init_method
@@ -119,8 +129,7 @@ class RpcBackendOptions:
 
     def set_device_map(self, to: str, device_map: dict[Any, Any]) -> None:
         raise ValueError(
-            f"set_device_map({to!r}, ...): rpc_core moves CPU tensors only; move tensors to the CPU "
-            "before sending them"
+            f"set_device_map({to!r}, ...): rpc_core moves CPU tensors only; move tensors to the CPU before sending them"
         )
 
     def set_devices(self, devices: list[Any]) -> None:

@@ -1,4 +1,5 @@
 """Graph helpers for the tests that check how modules import each other."""
+
 from __future__ import annotations
 
 from collections.abc import Iterable

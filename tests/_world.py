@@ -13,6 +13,7 @@ them, so a hung world fails with a message instead of stalling the suite.
 Bodies that manage init/shutdown themselves (rendezvous and failure tests) pass ``init=False``
 and call ``ctx.init(...)``; ranks listed in ``may_die`` are allowed to die without reporting.
 """
+
 from __future__ import annotations
 
 import faulthandler
@@ -94,8 +95,9 @@ def _is_initialized() -> bool:
     return agent._agent is not None
 
 
-def _child_main(body: Callable[..., Any], ctx: WorkerContext, args: tuple, init: bool,
-                env: dict[str, str], conn: Any) -> None:
+def _child_main(
+    body: Callable[..., Any], ctx: WorkerContext, args: tuple, init: bool, env: dict[str, str], conn: Any
+) -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent asks for stacks on timeout
     os.environ.update(env)
     import torch
@@ -153,8 +155,10 @@ def run_world(
         ctx = WorkerContext(rank, world_size, f"tcp://127.0.0.1:{port}", secret, dict(options or {}))
         recv_end, send_end = ctx_mp.Pipe(duplex=False)
         p = ctx_mp.Process(
-            target=_child_main, args=(body, ctx, tuple(args), init, dict(env or {}), send_end),
-            name=f"worker{rank}", daemon=True,
+            target=_child_main,
+            args=(body, ctx, tuple(args), init, dict(env or {}), send_end),
+            name=f"worker{rank}",
+            daemon=True,
         )
         p.start()
         send_end.close()  # so the parent sees EOF when a child dies
@@ -173,8 +177,11 @@ def run_world(
             if not ready:
                 stuck = sorted(pending.values())
                 _dump_stacks([procs[r] for r in stuck])
-                why = (f"timed out after {timeout:g} s" if first_failure is None else
-                       f"gave up {_FAIL_GRACE:g} s after rank {first_failure} failed")
+                why = (
+                    f"timed out after {timeout:g} s"
+                    if first_failure is None
+                    else f"gave up {_FAIL_GRACE:g} s after rank {first_failure} failed"
+                )
                 failures.append(
                     f"world of {world_size} running {where} {why}: ranks {stuck} did not finish and "
                     "were killed (their thread stacks are in the captured stderr)"
@@ -221,8 +228,9 @@ def _dump_stacks(procs: Sequence[Any]) -> None:
         p.join(2.0)  # give faulthandler a moment to write the dump before the kill
 
 
-def results_of(outcomes: dict[int, tuple[Any, ...]], world_size: int, may_die: Collection[int],
-               failures: list[str], where: str) -> list[Any]:
+def results_of(
+    outcomes: dict[int, tuple[Any, ...]], world_size: int, may_die: Collection[int], failures: list[str], where: str
+) -> list[Any]:
     """Each rank's result from its outcome (``("ok", result)``, ``("error", text)`` or
     ``("died", exit code)``); raise WorldError naming every failure, ``failures`` included."""
     results: list[Any] = [None] * world_size

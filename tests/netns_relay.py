@@ -11,6 +11,7 @@ sender as a real one does.
 
 Every loop ends when its sockets close or ``close()`` is called; waits are bounded.
 """
+
 from __future__ import annotations
 
 import collections
@@ -39,8 +40,12 @@ class Relay:
         self._rng = random.Random(port)
         ready = threading.Event()
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._serve, args=(netns_path, port, ready), daemon=True,
-                                        name=f"relay-{netns_path.rsplit('/', 1)[-1]}")
+        self._thread = threading.Thread(
+            target=self._serve,
+            args=(netns_path, port, ready),
+            daemon=True,
+            name=f"relay-{netns_path.rsplit('/', 1)[-1]}",
+        )
         self._thread.start()
         if not ready.wait(_CONNECT_TIMEOUT) or self._error is not None:
             self.close()
@@ -82,7 +87,7 @@ class Relay:
         try:
             self._track(client)
             raw = client.getsockopt(socket.SOL_IP, _SO_ORIGINAL_DST, 16)
-            port, = struct.unpack_from("!H", raw, 2)
+            (port,) = struct.unpack_from("!H", raw, 2)
             dst = (socket.inet_ntoa(raw[4:8]), port)
             upstream = self._track(socket.socket())
             upstream.setsockopt(socket.SOL_SOCKET, _SO_MARK, MARK)

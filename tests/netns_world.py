@@ -12,6 +12,7 @@ parent (which alone sees every namespace): ``cut``/``link_down``/``heal``/``shap
 ``Network``, and ``stop``/``cont``/``kill`` of another rank's process. Results, failures,
 hangs and stack dumps work as in ``tests._world.run_world``.
 """
+
 from __future__ import annotations
 
 import multiprocessing.connection
@@ -46,8 +47,16 @@ def control(op: str, *args: Any, timeout: float = 60.0) -> Any:
     return value
 
 
-def _host_main(netns_path: str, body: Callable[..., Any], ctx: _world.WorkerContext, args: tuple, init: bool,
-               env: dict[str, str], result: Any, ctl: Any) -> None:
+def _host_main(
+    netns_path: str,
+    body: Callable[..., Any],
+    ctx: _world.WorkerContext,
+    args: tuple,
+    init: bool,
+    env: dict[str, str],
+    result: Any,
+    ctl: Any,
+) -> None:
     """The started process: enter the host's namespaces, fork the worker (pid 1 of a new pid
     namespace), wait for it and exit as it did."""
     global _control
@@ -106,9 +115,18 @@ class _Parent:
         raise ValueError(f"unknown control {op!r}")
 
 
-def run_hosts(net: Network, body: Callable[..., Any], world_size: int, *, args: Sequence[Any] = (),
-              timeout: float = 90.0, init: bool = True, options: dict[str, Any] | None = None,
-              may_die: Iterable[int] = (), env: dict[str, str] | None = None) -> list[Any]:
+def run_hosts(
+    net: Network,
+    body: Callable[..., Any],
+    world_size: int,
+    *,
+    args: Sequence[Any] = (),
+    timeout: float = 90.0,
+    init: bool = True,
+    options: dict[str, Any] | None = None,
+    may_die: Iterable[int] = (),
+    env: dict[str, str] | None = None,
+) -> list[Any]:
     """``run_world`` on the emulated hosts: rank i on host i. Raises WorldError if a rank failed."""
     if world_size > len(net.hosts):
         raise ValueError(f"{world_size} ranks need {world_size} hosts, the network has {len(net.hosts)}")
@@ -122,8 +140,12 @@ def run_hosts(net: Network, body: Callable[..., Any], world_size: int, *, args: 
         ctx = _world.WorkerContext(rank, world_size, init_method, secret, dict(options or {}))
         recv_end, send_end = ctx_mp.Pipe(duplex=False)
         ctl_parent, ctl_child = ctx_mp.Pipe(duplex=True)
-        p = ctx_mp.Process(target=_host_main, name=f"worker{rank}", daemon=True,
-                           args=(net.path(rank), body, ctx, tuple(args), init, dict(env or {}), send_end, ctl_child))
+        p = ctx_mp.Process(
+            target=_host_main,
+            name=f"worker{rank}",
+            daemon=True,
+            args=(net.path(rank), body, ctx, tuple(args), init, dict(env or {}), send_end, ctl_child),
+        )
         p.start()
         send_end.close()
         ctl_child.close()
@@ -144,8 +166,10 @@ def run_hosts(net: Network, body: Callable[..., Any], world_size: int, *, args: 
             if not ready:
                 stuck = sorted(pending.values())
                 parent.dump_stacks(stuck)
-                failures.append(f"world of {world_size} running {where} timed out after {timeout:g} s "
-                                f"(or {_world._FAIL_GRACE:g} s after a rank failed): ranks {stuck} were killed")
+                failures.append(
+                    f"world of {world_size} running {where} timed out after {timeout:g} s "
+                    f"(or {_world._FAIL_GRACE:g} s after a rank failed): ranks {stuck} were killed"
+                )
                 break
             for c in cast("list[multiprocessing.connection.Connection]", ready):
                 if c in controls:

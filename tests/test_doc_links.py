@@ -6,6 +6,7 @@ than ``-`` and ``_`` dropped, spaces to ``-``, repeats numbered ``-1``, ``-2``).
 ``docs/<name>.md`` that code, tests, benchmarks or examples mention (a comment, an error
 message) must exist, so renaming a doc without its pointers fails here.
 """
+
 from __future__ import annotations
 
 import re

@@ -40,11 +40,26 @@ import torch
 from ps_train.files import atomic_write, atomic_write_text, file_sha256
 
 __all__ = [
-    "CheckpointError", "ShardFile", "Manifest", "MANIFEST_NAME", "CHECKPOINTS_DIRNAME",
-    "checkpoint_dir", "begin_checkpoint",
-    "save_shard_state", "load_shard_state", "write_manifest", "read_manifest", "is_complete",
-    "list_checkpoints", "latest_checkpoint", "resolve_resume", "prune_checkpoints",
-    "save_checkpoint", "load_checkpoint", "capture_rng_state", "restore_rng_state",
+    "CheckpointError",
+    "ShardFile",
+    "Manifest",
+    "MANIFEST_NAME",
+    "CHECKPOINTS_DIRNAME",
+    "checkpoint_dir",
+    "begin_checkpoint",
+    "save_shard_state",
+    "load_shard_state",
+    "write_manifest",
+    "read_manifest",
+    "is_complete",
+    "list_checkpoints",
+    "latest_checkpoint",
+    "resolve_resume",
+    "prune_checkpoints",
+    "save_checkpoint",
+    "load_checkpoint",
+    "capture_rng_state",
+    "restore_rng_state",
 ]
 
 MANIFEST_NAME = "manifest.json"
@@ -121,8 +136,10 @@ def load_shard_state(ckpt_dir: str | os.PathLike[str], entry: ShardFile, verify:
     if not path.is_file():
         raise CheckpointError(f"checkpoint {ckpt_dir}: shard file {entry.file} is missing")
     if verify and file_sha256(path)[1] != entry.sha256:
-        raise CheckpointError(f"checkpoint {ckpt_dir}: {entry.file} does not match the manifest's SHA-256 "
-                              "(corrupt or overwritten); resume from an earlier checkpoint")
+        raise CheckpointError(
+            f"checkpoint {ckpt_dir}: {entry.file} does not match the manifest's SHA-256 "
+            "(corrupt or overwritten); resume from an earlier checkpoint"
+        )
     # weights_only: a checkpoint is data; loading it must not run code from the file.
     return torch.load(path, map_location="cpu", weights_only=True)
 
@@ -150,8 +167,7 @@ def read_manifest(ckpt_dir: str | os.PathLike[str]) -> Manifest:
     except (ValueError, TypeError, KeyError) as e:
         raise CheckpointError(f"{path} is not a valid manifest: {e}") from e
     if manifest.format_version != FORMAT_VERSION:
-        raise CheckpointError(f"{path}: format version {manifest.format_version}, this ps_train reads "
-                              f"{FORMAT_VERSION}")
+        raise CheckpointError(f"{path}: format version {manifest.format_version}, this ps_train reads {FORMAT_VERSION}")
     return manifest
 
 
@@ -199,8 +215,10 @@ def resolve_resume(path: str | os.PathLike[str]) -> Path:
         raise CheckpointError(f"resume={path}: no such directory; pass a run dir or a checkpoint dir")
     latest = latest_checkpoint(p)
     if latest is None:
-        raise CheckpointError(f"resume={path}: no complete checkpoint under {p / CHECKPOINTS_DIRNAME}; "
-                              "the run stopped before its first checkpoint (see checkpoint.every)")
+        raise CheckpointError(
+            f"resume={path}: no complete checkpoint under {p / CHECKPOINTS_DIRNAME}; "
+            "the run stopped before its first checkpoint (see checkpoint.every)"
+        )
     return latest
 
 
@@ -226,17 +244,28 @@ def prune_checkpoints(run_dir: str | os.PathLike[str], keep: int) -> list[Path]:
     return removed
 
 
-def save_checkpoint(run_dir: str | os.PathLike[str], step: int, shard_states: Mapping[str, Mapping[str, Any]],
-                    trainer_positions: Mapping[str, Mapping[str, int]] | None = None,
-                    rng_states: Mapping[str, Mapping[str, Any]] | None = None,
-                    extra: Mapping[str, Any] | None = None, keep: int = 0) -> Path:
+def save_checkpoint(
+    run_dir: str | os.PathLike[str],
+    step: int,
+    shard_states: Mapping[str, Mapping[str, Any]],
+    trainer_positions: Mapping[str, Mapping[str, int]] | None = None,
+    rng_states: Mapping[str, Mapping[str, Any]] | None = None,
+    extra: Mapping[str, Any] | None = None,
+    keep: int = 0,
+) -> Path:
     """Single-process save: every shard file, then the manifest, then pruning."""
     ckpt = begin_checkpoint(run_dir, step)
     files = [save_shard_state(ckpt, name, state) for name, state in shard_states.items()]
-    write_manifest(ckpt, Manifest(step=step, shards=files,
-                                  trainer_positions={k: dict(v) for k, v in (trainer_positions or {}).items()},
-                                  rng_states={k: dict(v) for k, v in (rng_states or {}).items()},
-                                  extra=dict(extra or {})))
+    write_manifest(
+        ckpt,
+        Manifest(
+            step=step,
+            shards=files,
+            trainer_positions={k: dict(v) for k, v in (trainer_positions or {}).items()},
+            rng_states={k: dict(v) for k, v in (rng_states or {}).items()},
+            extra=dict(extra or {}),
+        ),
+    )
     prune_checkpoints(run_dir, keep)
     return ckpt
 

@@ -19,9 +19,11 @@ what validation and sharding need to know before anything is built or loaded:
 Nothing here imports the rest of ps_train but the update modes (``ps_train.modes``), which
 check their own options and import nothing else.
 """
+
 from ps_train.config.base import ConfigError
 from ps_train.config.cluster import LAUNCHERS, PLACEMENTS, ClusterConfig
 from ps_train.config.data import (
+    BAG_SIZE_DISTS,
     DATA_NAMES,
     DATA_SCHEMAS,
     VISION_SHAPES,
@@ -37,14 +39,15 @@ from ps_train.config.loading import from_dictconfig, register_configs
 from ps_train.config.model import (
     MODEL_NAMES,
     MODEL_SCHEMAS,
+    POOLINGS,
     CNNConfig,
     DLRMConfig,
     MLPConfig,
     ModelConfig,
     ResNetConfig,
 )
-from ps_train.config.optim import OPTIMIZERS, TABLE_OPTIMIZERS, OptimConfig, optimizer_spec, table_optimizer_spec
-from ps_train.config.root import BACKENDS, ELASTIC_FILE, RESUME_AUTO, Config, config_to_dict, validate
+from ps_train.config.optim import OPTIMIZERS, TABLE_OPTIMIZER_NAMES, OptimConfig, optimizer_spec
+from ps_train.config.root import BACKENDS, ELASTIC_FILE, RESUME_AUTO, Config, batch_problems, config_to_dict, validate
 from ps_train.config.run import (
     AGGREGATES,
     MODE_NAMES,
@@ -56,15 +59,49 @@ from ps_train.config.run import (
 )
 
 __all__ = [
-    "ModelConfig", "MLPConfig", "CNNConfig", "ResNetConfig", "DLRMConfig",
-    "DataConfig", "DigitsConfig", "VisionDataConfig", "SyntheticConfig", "CtrDataConfig", "SyntheticCtrConfig",
+    "ModelConfig",
+    "MLPConfig",
+    "CNNConfig",
+    "ResNetConfig",
+    "DLRMConfig",
+    "DataConfig",
+    "DigitsConfig",
+    "VisionDataConfig",
+    "SyntheticConfig",
+    "CtrDataConfig",
+    "SyntheticCtrConfig",
     "CriteoConfig",
-    "ClusterConfig", "OptimConfig", "ModeConfig", "TrainConfig", "CheckpointConfig",
-    "LoggingConfig", "Config", "ConfigError",
-    "MODEL_NAMES", "MODEL_SCHEMAS", "DATA_NAMES", "DATA_SCHEMAS", "VISION_SHAPES", "MODE_NAMES", "AGGREGATES",
-    "STALENESS_RULES", "PLACEMENTS", "LAUNCHERS", "BACKENDS", "OPTIMIZERS", "TABLE_OPTIMIZERS", "register_configs",
-    "from_dictconfig", "validate", "optimizer_spec", "table_optimizer_spec",
-    "config_to_dict", "RESUME_AUTO", "ELASTIC_FILE",
+    "ClusterConfig",
+    "OptimConfig",
+    "ModeConfig",
+    "TrainConfig",
+    "CheckpointConfig",
+    "LoggingConfig",
+    "Config",
+    "ConfigError",
+    "MODEL_NAMES",
+    "MODEL_SCHEMAS",
+    "DATA_NAMES",
+    "DATA_SCHEMAS",
+    "VISION_SHAPES",
+    "MODE_NAMES",
+    "AGGREGATES",
+    "STALENESS_RULES",
+    "PLACEMENTS",
+    "LAUNCHERS",
+    "BACKENDS",
+    "OPTIMIZERS",
+    "TABLE_OPTIMIZER_NAMES",
+    "BAG_SIZE_DISTS",
+    "POOLINGS",
+    "register_configs",
+    "from_dictconfig",
+    "validate",
+    "optimizer_spec",
+    "config_to_dict",
+    "RESUME_AUTO",
+    "ELASTIC_FILE",
+    "batch_problems",
 ]
 
 register_configs()

@@ -1,4 +1,5 @@
 """What every config group shares: the error type and the list of problems it is built from."""
+
 from __future__ import annotations
 
 __all__ = ["ConfigError", "Problems", "format_problems"]

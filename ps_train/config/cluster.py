@@ -1,4 +1,5 @@
 """The ``cluster`` group: how many roles, where they meet, how shards are placed."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -38,25 +39,39 @@ class ClusterConfig:
         p = Problems()
         p.need(self.num_servers >= 1, f"cluster.num_servers: {self.num_servers} must be >= 1")
         p.need(self.num_trainers >= 1, f"cluster.num_trainers: {self.num_trainers} must be >= 1")
-        p.need(self.placement in PLACEMENTS,
-               f"cluster.placement: unknown {self.placement!r}; choose one of {list(PLACEMENTS)}")
-        p.need(self.launcher in LAUNCHERS,
-               f"cluster.launcher: unknown {self.launcher!r}; choose one of {list(LAUNCHERS)}")
-        p.need(0 <= self.master_port <= 65535,
-               f"cluster.master_port: {self.master_port} must be in 0..65535 (0 = pick a free port)")
-        p.need(bool(self.master_addr), "cluster.master_addr: must not be empty (e.g. 127.0.0.1)")
+        p.need(
+            self.placement in PLACEMENTS,
+            f"cluster.placement: unknown {self.placement!r}; choose one of {list(PLACEMENTS)}",
+        )
+        p.need(
+            self.launcher in LAUNCHERS, f"cluster.launcher: unknown {self.launcher!r}; choose one of {list(LAUNCHERS)}"
+        )
+        p.need(
+            0 <= self.master_port <= 65535,
+            f"cluster.master_port: {self.master_port} must be in 0..65535 (0 = pick a free port)",
+        )
+        # Empty under launcher=env: rank 0's host comes from the launcher (ps_train.launch.environment).
+        p.need(
+            bool(self.master_addr) or self.launcher == "env", "cluster.master_addr: must not be empty (e.g. 127.0.0.1)"
+        )
         p.need(self.rpc_timeout >= 0, f"cluster.rpc_timeout: {self.rpc_timeout} must be >= 0 (0 = no timeout)")
         p.need(self.init_timeout > 0, f"cluster.init_timeout: {self.init_timeout} must be > 0 seconds")
         p.need(self.num_worker_threads >= 1, f"cluster.num_worker_threads: {self.num_worker_threads} must be >= 1")
         p.need(self.max_restarts >= 0, f"cluster.max_restarts: {self.max_restarts} must be >= 0 (0 = no restarts)")
-        p.need(self.launcher != "env" or self.max_restarts == 0,
-               f"cluster.max_restarts: {self.max_restarts} with cluster.launcher=env, where no ps_train launcher "
-               "watches the ranks; let torchrun restart them (torchrun --max-restarts=N ...), each restarted "
-               "attempt resumes from the run folder's latest checkpoint by itself")
-        p.need(self.role_timeout >= 0,
-               f"cluster.role_timeout: {self.role_timeout} must be >= 0 seconds (0 = do not detect frozen roles)")
-        p.need(not self.elastic or self.launcher == "local",
-               "cluster.elastic=true needs cluster.launcher=local: the local launcher replaces dead trainers; "
-               "under cluster=env let torchrun restart the job (torchrun --max-restarts=N), or run the servers "
-               "and first trainers with cluster=local and add trainers with join=<run dir>")
+        p.need(
+            self.launcher != "env" or self.max_restarts == 0,
+            f"cluster.max_restarts: {self.max_restarts} with cluster.launcher=env, where no ps_train launcher "
+            "watches the ranks; let torchrun restart them (torchrun --max-restarts=N ...), each restarted "
+            "attempt resumes from the run folder's latest checkpoint by itself",
+        )
+        p.need(
+            self.role_timeout >= 0,
+            f"cluster.role_timeout: {self.role_timeout} must be >= 0 seconds (0 = do not detect frozen roles)",
+        )
+        p.need(
+            not self.elastic or self.launcher == "local",
+            "cluster.elastic=true needs cluster.launcher=local: the local launcher replaces dead trainers; "
+            "under cluster=env let torchrun restart the job (torchrun --max-restarts=N), or run the servers "
+            "and first trainers with cluster=local and add trainers with join=<run dir>",
+        )
         return p

@@ -1,7 +1,9 @@
 """The ``data`` group: one schema per kind of dataset, each knowing its sample shape and
 number of classes without loading anything (what validation and model building need)."""
+
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -11,17 +13,34 @@ from ps_train.config.base import Problems
 from ps_train.config.prepared import CriteoManifest, read_manifest
 
 __all__ = [
-    "DataConfig", "DigitsConfig", "VisionDataConfig", "SyntheticConfig", "CtrDataConfig", "SyntheticCtrConfig",
-    "CriteoConfig", "DATA_SCHEMAS", "DATA_NAMES", "VISION_SHAPES", "CRITEO_TABLES", "CRITEO_DENSE",
+    "DataConfig",
+    "DigitsConfig",
+    "VisionDataConfig",
+    "SyntheticConfig",
+    "CtrDataConfig",
+    "SyntheticCtrConfig",
+    "CriteoConfig",
+    "DATA_SCHEMAS",
+    "DATA_NAMES",
+    "VISION_SHAPES",
+    "VISION_TRAIN_SIZES",
+    "CRITEO_TABLES",
+    "CRITEO_DENSE",
+    "BAG_SIZE_DISTS",
 ]
 
 CRITEO_TABLES, CRITEO_DENSE = 26, 13  # Criteo's categorical and integer features
+BAG_SIZE_DISTS = ("fixed", "uniform")  # synthetic_ctr's bag lengths (ps_train.ctr.synthetic_bags)
 
 # Sample shape [C, H, W] of each dataset torchvision reads; ps_train.data checks the files
 # it loads against it.
 VISION_SHAPES: dict[str, tuple[int, ...]] = {
-    "mnist": (1, 28, 28), "fashion_mnist": (1, 28, 28), "cifar10": (3, 32, 32),
+    "mnist": (1, 28, 28),
+    "fashion_mnist": (1, 28, 28),
+    "cifar10": (3, 32, 32),
 }
+VISION_TRAIN_SIZES: dict[str, int] = {"mnist": 60000, "fashion_mnist": 60000, "cifar10": 50000}
+DIGITS_SAMPLES = 1797  # scikit-learn's load_digits
 
 
 @dataclass
@@ -32,12 +51,17 @@ class DataConfig:
 
     def sample_shape(self) -> tuple[int, ...]:
         """Shape of one sample (no batch dim)."""
-        raise ValueError(f"data.name: unknown dataset {self.name!r}; use digits, mnist, fashion_mnist, cifar10 or "
-                         "synthetic")
+        raise ValueError(
+            f"data.name: unknown dataset {self.name!r}; use digits, mnist, fashion_mnist, cifar10 or synthetic"
+        )
 
     def class_count(self) -> int:
         """Number of classes (the model's output width)."""
         return 10
+
+    def train_samples(self) -> int | None:
+        """Samples in the training split, if the config alone says (None: only the files know)."""
+        return None
 
     def is_ctr(self) -> bool:
         """Click-through-rate data (dense features, one id per table, 0/1 labels)."""
@@ -53,8 +77,10 @@ class DataConfig:
         if self.name not in DATA_SCHEMAS:
             p.append(f"data.name: unknown dataset {self.name!r}; choose one of {list(DATA_NAMES)} (e.g. data=mnist)")
         elif not self.matches_schema():
-            p.append(f"data.name: {self.name!r} does not match the selected data group "
-                     f"({type(self).__name__}); select the dataset with data={self.name}, not data.name=")
+            p.append(
+                f"data.name: {self.name!r} does not match the selected data group "
+                f"({type(self).__name__}); select the dataset with data={self.name}, not data.name="
+            )
         return p
 
 
@@ -68,6 +94,10 @@ class DigitsConfig(DataConfig):
 
     def sample_shape(self) -> tuple[int, ...]:
         return (1, 8, 8)  # scikit-learn's 8x8 grey images
+
+    def train_samples(self) -> int:
+        # scikit-learn's train_test_split: the test split takes ceil(n * fraction) of the n samples.
+        return DIGITS_SAMPLES - math.ceil(self.test_fraction * DIGITS_SAMPLES)
 
     def problems(self) -> Problems:
         p = super().problems()
@@ -87,6 +117,9 @@ class VisionDataConfig(DataConfig):
             return VISION_SHAPES[self.name]
         return super().sample_shape()
 
+    def train_samples(self) -> int | None:
+        return VISION_TRAIN_SIZES.get(self.name)
+
 
 @dataclass
 class SyntheticConfig(DataConfig):
@@ -104,13 +137,20 @@ class SyntheticConfig(DataConfig):
     def class_count(self) -> int:
         return self.num_classes
 
+    def train_samples(self) -> int:
+        return self.train_size
+
     def problems(self) -> Problems:
         p = super().problems()
-        p.need(len(self.shape) in (1, 3) and all(s > 0 for s in self.shape),
-               f"data.shape: {self.shape} must be [C, H, W] or [D] with positive sizes")
+        p.need(
+            len(self.shape) in (1, 3) and all(s > 0 for s in self.shape),
+            f"data.shape: {self.shape} must be [C, H, W] or [D] with positive sizes",
+        )
         p.need(self.num_classes >= 2, f"data.num_classes: {self.num_classes} must be >= 2")
-        p.need(self.train_size > 0 and self.test_size > 0,
-               f"data.train_size/test_size: {self.train_size}/{self.test_size} must be > 0")
+        p.need(
+            self.train_size > 0 and self.test_size > 0,
+            f"data.train_size/test_size: {self.train_size}/{self.test_size} must be > 0",
+        )
         p.need(self.noise >= 0, f"data.noise: {self.noise} must be >= 0")
         return p
 
@@ -134,6 +174,10 @@ class CtrDataConfig(DataConfig):
 
     def dense_count(self) -> int:
         raise NotImplementedError
+
+    def has_id_weights(self) -> bool:
+        """Whether samples carry a weight per id (multi-hot synthetic data only)."""
+        return False
 
     def sample_shape(self) -> tuple[int, ...]:
         return (self.dense_count(),)
@@ -162,9 +206,31 @@ class SyntheticCtrConfig(CtrDataConfig):
     signal_std: float = 1.4  # std of the hidden model's logit: higher = easier (best AUC up)
     interaction: float = 0.0  # share of the logit's variance from pairwise table interactions
     data_seed: int = 0
+    # Multi-hot bags: ids per bag, [] (one id per table), one size for every table, or one per table.
+    bag_sizes: list[int] = field(default_factory=list)
+    bag_size_dist: str = "fixed"  # fixed: exactly bag_sizes[t] ids | uniform: 1..bag_sizes[t]
+    id_weights: bool = False  # a weight in (0, 1] per id (pooled as nn.EmbeddingBag's per_sample_weights)
 
     def dense_count(self) -> int:
         return self.num_dense
+
+    def has_id_weights(self) -> bool:
+        return self.id_weights
+
+    def bag_size_list(self) -> list[int]:
+        """Ids per bag of every table (the most, for ``uniform``): one per table."""
+        n = len(self.sizes())
+        return (
+            [1] * n
+            if not self.bag_sizes
+            else [self.bag_sizes[0]] * n
+            if len(self.bag_sizes) == 1
+            else list(self.bag_sizes)
+        )
+
+    def train_samples(self) -> int:
+        # What ps_train.ctr.split.time_split keeps: the last round(n * test_fraction) samples are the test split.
+        return self.num_samples - int(round(self.num_samples * self.test_fraction))
 
     def problems(self) -> Problems:
         p = super().problems()
@@ -174,8 +240,20 @@ class SyntheticCtrConfig(CtrDataConfig):
         p.need(0.0 < self.positive_rate < 1.0, f"data.positive_rate: {self.positive_rate} must be in (0, 1)")
         p.need(self.signal_std > 0, f"data.signal_std: {self.signal_std} must be > 0")
         p.need(0.0 <= self.interaction < 1.0, f"data.interaction: {self.interaction} must be in [0, 1)")
-        p.need(self.interaction == 0 or len(self.sizes()) >= 2,
-               "data.interaction: pairwise interactions need at least 2 tables")
+        p.need(
+            self.interaction == 0 or len(self.sizes()) >= 2,
+            "data.interaction: pairwise interactions need at least 2 tables",
+        )
+        p.need(
+            len(self.bag_sizes) in (0, 1, len(self.sizes())),
+            f"data.bag_sizes: {self.bag_sizes} lists {len(self.bag_sizes)} sizes for {len(self.sizes())} tables; "
+            "give [] (one id per table), one size for every table, or one per table",
+        )
+        p.need(all(b >= 1 for b in self.bag_sizes), f"data.bag_sizes: {self.bag_sizes} must all be >= 1")
+        p.need(
+            self.bag_size_dist in BAG_SIZE_DISTS,
+            f"data.bag_size_dist: unknown {self.bag_size_dist!r}; choose one of {list(BAG_SIZE_DISTS)}",
+        )
         return p
 
 
@@ -206,18 +284,26 @@ class CriteoConfig(CtrDataConfig):
 
     def problems(self) -> Problems:
         p = super().problems()
-        p.need(len(self.sizes()) == CRITEO_TABLES,
-               f"data.num_tables/table_sizes: Criteo has {CRITEO_TABLES} categorical features, got "
-               f"{len(self.sizes())} tables; leave data.num_tables={CRITEO_TABLES} or give {CRITEO_TABLES} table_sizes")
-        p.need(self.prepared is None or self.prepared.strip() != "",
-               "data.prepared: empty; give the folder python -m ps_train.prepare criteo wrote, or leave it null "
-               "to read the TSV files in data.root")
+        p.need(
+            len(self.sizes()) == CRITEO_TABLES,
+            f"data.num_tables/table_sizes: Criteo has {CRITEO_TABLES} categorical features, got "
+            f"{len(self.sizes())} tables; leave data.num_tables={CRITEO_TABLES} or give {CRITEO_TABLES} table_sizes",
+        )
+        p.need(
+            self.prepared is None or self.prepared.strip() != "",
+            "data.prepared: empty; give the folder python -m ps_train.prepare criteo wrote, or leave it null "
+            "to read the TSV files in data.root",
+        )
         return p
 
 
 DATA_SCHEMAS: dict[str, type[DataConfig]] = {
-    "digits": DigitsConfig, "mnist": VisionDataConfig, "fashion_mnist": VisionDataConfig,
-    "cifar10": VisionDataConfig, "synthetic": SyntheticConfig, "synthetic_ctr": SyntheticCtrConfig,
+    "digits": DigitsConfig,
+    "mnist": VisionDataConfig,
+    "fashion_mnist": VisionDataConfig,
+    "cifar10": VisionDataConfig,
+    "synthetic": SyntheticConfig,
+    "synthetic_ctr": SyntheticCtrConfig,
     "criteo": CriteoConfig,
 }
 DATA_NAMES = tuple(DATA_SCHEMAS)

@@ -1,5 +1,6 @@
 """From Hydra to a ``Config``: the schemas in Hydra's ConfigStore, and the one conversion of
 a composed (or saved) config into a validated ``Config``."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -90,8 +91,10 @@ def _unknown_keys(node: DictConfig, prefix: str = "") -> list[str]:
     for key in node.keys():
         path = prefix + str(key)
         if known is not None and schema is not None and key not in known:
-            problems.append(f"{path}: not a field of {schema.__name__} (fields: {', '.join(sorted(known))}); "
-                            "check the spelling, and do not add keys with +")
+            problems.append(
+                f"{path}: not a field of {schema.__name__} (fields: {', '.join(sorted(known))}); "
+                "check the spelling, and do not add keys with +"
+            )
             continue
         if OmegaConf.is_missing(node, key):
             continue

@@ -3,6 +3,7 @@
 The stage counts here are the facts validation and sharding need before any model is built;
 ``ps_train.models`` builds exactly that many stages (its tests check that the two agree).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -10,14 +11,22 @@ from dataclasses import dataclass, field
 from omegaconf import MISSING
 
 from ps_train.config.base import Problems
-from ps_train.config.optim import TABLE_OPTIMIZERS
+from ps_train.config.optim import TABLE_OPTIMIZER_NAMES
 
 __all__ = [
-    "ModelConfig", "MLPConfig", "CNNConfig", "ResNetConfig", "DLRMConfig", "MODEL_SCHEMAS", "MODEL_NAMES",
+    "ModelConfig",
+    "MLPConfig",
+    "CNNConfig",
+    "ResNetConfig",
+    "DLRMConfig",
+    "MODEL_SCHEMAS",
+    "MODEL_NAMES",
     "TABLE_SHARDINGS",
+    "POOLINGS",
 ]
 
 TABLE_SHARDINGS = ("range", "mod")
+POOLINGS = ("sum", "mean")  # how a table's bag of rows becomes one vector (nn.EmbeddingBag's modes)
 
 
 @dataclass
@@ -28,8 +37,10 @@ class ModelConfig:
 
     def num_stages(self) -> int:
         """Number of stages ``ps_train.models.build_stages`` makes, without building anything."""
-        raise ValueError(f"model.name: unknown model {self.name!r} ({type(self).__name__}); "
-                         "choose model=mlp, model=cnn or model=resnet18")
+        raise ValueError(
+            f"model.name: unknown model {self.name!r} ({type(self).__name__}); "
+            "choose model=mlp, model=cnn or model=resnet18"
+        )
 
     def has_batch_norm(self) -> bool:
         """Whether a forward updates BatchNorm running statistics (servers order such forwards)."""
@@ -54,8 +65,10 @@ class ModelConfig:
         if self.name not in MODEL_SCHEMAS:
             p.append(f"model.name: unknown model {self.name!r}; choose one of {list(MODEL_NAMES)} (e.g. model=cnn)")
         elif not self.matches_schema():
-            p.append(f"model.name: {self.name!r} does not match the selected model group "
-                     f"({type(self).__name__}); select the model with model={self.name}, not model.name=")
+            p.append(
+                f"model.name: {self.name!r} does not match the selected model group "
+                f"({type(self).__name__}); select the model with model={self.name}, not model.name="
+            )
         return p
 
     def input_problems(self, shape: tuple[int, ...], data_name: str) -> Problems:
@@ -95,16 +108,20 @@ class CNNConfig(ModelConfig):
     def problems(self) -> Problems:
         p = super().problems()
         p.need(0.0 <= self.dropout < 1.0, f"model.dropout: {self.dropout} must be in [0, 1)")
-        p.need(len(self.channels) > 0 and all(c > 0 for c in self.channels),
-               f"model.channels: {self.channels} must be a non-empty list of positive ints")
+        p.need(
+            len(self.channels) > 0 and all(c > 0 for c in self.channels),
+            f"model.channels: {self.channels} must be a non-empty list of positive ints",
+        )
         p.need(self.fc_size > 0, f"model.fc_size: {self.fc_size} must be > 0")
         return p
 
     def input_problems(self, shape: tuple[int, ...], data_name: str) -> Problems:
         p = Problems()
-        p.need(len(shape) == 3 and min(shape[1:]) >= 2 ** len(self.channels),
-               f"model.channels: {len(self.channels)} conv blocks halve H and W each, but data {data_name!r} "
-               f"has sample shape {list(shape)}; need [C, H, W] with H, W >= {2 ** len(self.channels)}")
+        p.need(
+            len(shape) == 3 and min(shape[1:]) >= 2 ** len(self.channels),
+            f"model.channels: {len(self.channels)} conv blocks halve H and W each, but data {data_name!r} "
+            f"has sample shape {list(shape)}; need [C, H, W] with H, W >= {2 ** len(self.channels)}",
+        )
         return p
 
 
@@ -123,8 +140,9 @@ class ResNetConfig(ModelConfig):
 
     def input_problems(self, shape: tuple[int, ...], data_name: str) -> Problems:
         p = Problems()
-        p.need(len(shape) == 3,
-               f"model: resnet18 needs image data [C, H, W]; data {data_name!r} has shape {list(shape)}")
+        p.need(
+            len(shape) == 3, f"model: resnet18 needs image data [C, H, W]; data {data_name!r} has shape {list(shape)}"
+        )
         return p
 
 
@@ -142,11 +160,33 @@ class DLRMConfig(ModelConfig):
     bottom_mlp: list[int] = field(default_factory=lambda: [64, 32])  # hidden sizes; its output is embedding_dim
     top_mlp: list[int] = field(default_factory=lambda: [64, 32])  # hidden sizes; its output is 1 logit
     table_sharding: str = "range"  # range (contiguous rows per server) | mod (id % num_servers)
-    table_optim: str = "adagrad"  # sgd | adagrad | sparse_adam: touched rows only
+    table_optim: str = "adagrad"  # sgd | adagrad | sparse_adam: touched rows only (ps_train.ctr.optimizers)
     table_lr: float | None = None  # null: optim.lr
+    pooling: list[str] = field(default_factory=list)  # per table sum | mean; []: sum; one value: every table
 
     def num_stages(self) -> int:
         return 2  # bottom MLP, top MLP
+
+    def pooling_list(self, num_tables: int) -> list[str]:
+        """Every table's pooling (``model.pooling`` spread over ``num_tables`` tables)."""
+        if not self.pooling:
+            return ["sum"] * num_tables
+        return [self.pooling[0]] * num_tables if len(self.pooling) == 1 else list(self.pooling)
+
+    def table_problems(self, num_tables: int, id_weights: bool) -> Problems:
+        """Problems of these settings with the data's ``num_tables`` tables."""
+        p = Problems()
+        p.need(
+            len(self.pooling) in (0, 1, num_tables),
+            f"model.pooling: {self.pooling} lists {len(self.pooling)} values for {num_tables} tables; give [] "
+            "(sum everywhere), one for every table, or one per table",
+        )
+        p.need(
+            not id_weights or "mean" not in self.pooling,
+            "model.pooling: mean pooling takes no per-id weights (as nn.EmbeddingBag); use sum pooling or "
+            "data.id_weights=false",
+        )
+        return p
 
     def needs_ctr_data(self) -> bool:
         return True
@@ -159,23 +199,38 @@ class DLRMConfig(ModelConfig):
         p.need(self.embedding_dim >= 1, f"model.embedding_dim: {self.embedding_dim} must be >= 1")
         p.need(all(h > 0 for h in self.bottom_mlp), f"model.bottom_mlp: {self.bottom_mlp} must all be > 0")
         p.need(all(h > 0 for h in self.top_mlp), f"model.top_mlp: {self.top_mlp} must all be > 0")
-        p.need(self.table_sharding in TABLE_SHARDINGS,
-               f"model.table_sharding: unknown {self.table_sharding!r}; choose one of {list(TABLE_SHARDINGS)}")
-        p.need(self.table_optim in TABLE_OPTIMIZERS,
-               f"model.table_optim: unknown {self.table_optim!r}; choose one of {list(TABLE_OPTIMIZERS)} "
-               "(optimizers that update only the rows a batch touched)")
-        p.need(self.table_lr is None or self.table_lr > 0,
-               f"model.table_lr: {self.table_lr} must be > 0 (or null for optim.lr)")
+        p.need(
+            self.table_sharding in TABLE_SHARDINGS,
+            f"model.table_sharding: unknown {self.table_sharding!r}; choose one of {list(TABLE_SHARDINGS)}",
+        )
+        p.need(
+            self.table_optim in TABLE_OPTIMIZER_NAMES,
+            f"model.table_optim: unknown {self.table_optim!r}; choose one of {list(TABLE_OPTIMIZER_NAMES)} "
+            "(optimizers that update only the rows a batch touched)",
+        )
+        p.need(
+            all(x in POOLINGS for x in self.pooling),
+            f"model.pooling: {self.pooling}: each must be one of {list(POOLINGS)}",
+        )
+        p.need(
+            self.table_lr is None or self.table_lr > 0,
+            f"model.table_lr: {self.table_lr} must be > 0 (or null for optim.lr)",
+        )
         return p
 
     def input_problems(self, shape: tuple[int, ...], data_name: str) -> Problems:
         p = Problems()
-        p.need(len(shape) == 1 and shape[0] >= 1,
-               f"model=dlrm needs at least one dense feature; data {data_name!r} has {list(shape)}")
+        p.need(
+            len(shape) == 1 and shape[0] >= 1,
+            f"model=dlrm needs at least one dense feature; data {data_name!r} has {list(shape)}",
+        )
         return p
 
 
 MODEL_SCHEMAS: dict[str, type[ModelConfig]] = {
-    "mlp": MLPConfig, "cnn": CNNConfig, "resnet18": ResNetConfig, "dlrm": DLRMConfig,
+    "mlp": MLPConfig,
+    "cnn": CNNConfig,
+    "resnet18": ResNetConfig,
+    "dlrm": DLRMConfig,
 }
 MODEL_NAMES = tuple(MODEL_SCHEMAS)

@@ -1,4 +1,5 @@
 """The ``optim`` group: which torch optimizer the servers run, and its settings."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -8,7 +9,7 @@ import torch
 
 from ps_train.config.base import ConfigError, Problems
 
-__all__ = ["OptimConfig", "OPTIMIZERS", "optimizer_spec", "TABLE_OPTIMIZERS", "table_optimizer_spec"]
+__all__ = ["OptimConfig", "OPTIMIZERS", "optimizer_spec", "TABLE_OPTIMIZER_NAMES"]
 
 # name -> (optimizer class, OptimConfig fields it takes)
 OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], tuple[str, ...]]] = {
@@ -19,14 +20,9 @@ OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], tuple[str, ...]]] = {
     "adagrad": (torch.optim.Adagrad, ("weight_decay",)),
 }
 
-# model.table_optim -> (class, OptimConfig fields it takes): optimizers that take sparse
-# gradients and update only the rows they name (no momentum or weight decay, which would
-# touch every row of a table each step).
-TABLE_OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], tuple[str, ...]]] = {
-    "sgd": (torch.optim.SGD, ()),
-    "adagrad": (torch.optim.Adagrad, ()),
-    "sparse_adam": (torch.optim.SparseAdam, ("betas",)),
-}
+# model.table_optim: the embedding-table optimizers (ps_train.ctr.optimizers, which holds them;
+# the config, below ctr/, knows their names only).
+TABLE_OPTIMIZER_NAMES = ("sgd", "adagrad", "sparse_adam")
 
 
 @dataclass
@@ -44,15 +40,19 @@ class OptimConfig:
             p.append(f"optim.name: unknown optimizer {self.name!r}; choose one of {list(OPTIMIZERS)}")
         else:
             takes = OPTIMIZERS[self.name][1]
-            p.need("momentum" in takes or self.momentum == 0,
-                   f"optim.momentum: {self.name} has no momentum; remove the override or use optim=sgd")
+            p.need(
+                "momentum" in takes or self.momentum == 0,
+                f"optim.momentum: {self.name} has no momentum; remove the override or use optim=sgd",
+            )
             p.need("nesterov" in takes or not self.nesterov, "optim.nesterov: only sgd supports nesterov")
         p.need(self.lr > 0, f"optim.lr: {self.lr} must be > 0")
         p.need(self.momentum >= 0, f"optim.momentum: {self.momentum} must be >= 0")
         p.need(not self.nesterov or self.momentum > 0, "optim.nesterov: needs optim.momentum > 0")
         p.need(self.weight_decay >= 0, f"optim.weight_decay: {self.weight_decay} must be >= 0")
-        p.need(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
-               f"optim.betas: {self.betas} must be two values in [0, 1)")
+        p.need(
+            len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+            f"optim.betas: {self.betas} must be two values in [0, 1)",
+        )
         return p
 
 
@@ -65,17 +65,4 @@ def optimizer_spec(cfg: OptimConfig) -> tuple[type[torch.optim.Optimizer], dict[
     for name in takes:
         value = getattr(cfg, name)
         kwargs[name] = tuple(value) if name == "betas" else value
-    return cls, kwargs
-
-
-def table_optimizer_spec(name: str, cfg: OptimConfig,
-                         lr: float | None = None) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
-    """The class and kwargs of embedding-table optimizer ``name`` (``model.table_optim``);
-    ``lr`` (``model.table_lr``) or else ``cfg.lr``, and ``cfg.betas`` for sparse_adam."""
-    if name not in TABLE_OPTIMIZERS:
-        raise ConfigError(f"model.table_optim: unknown optimizer {name!r}; choose one of {list(TABLE_OPTIMIZERS)}")
-    cls, takes = TABLE_OPTIMIZERS[name]
-    kwargs: dict[str, Any] = {"lr": cfg.lr if lr is None else lr}
-    if "betas" in takes:
-        kwargs["betas"] = tuple(cfg.betas)
     return cls, kwargs

@@ -6,6 +6,7 @@ lines, in the order ``read_criteo`` reads them) and ``manifest.json``: the forma
 arrays' files, dtypes and shapes, the source files with their sizes and modification times,
 and the line counts (read, kept, malformed). The checks stat files only; they read no rows.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,8 +16,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
-    "PREPARED_FORMAT", "PREPARED_VERSION", "MANIFEST_NAME", "NPY_HEADER_BYTES", "PREPARED_ARRAYS",
-    "PreparedArray", "PreparedSource", "CriteoManifest", "PreparedDataError", "read_manifest",
+    "PREPARED_FORMAT",
+    "PREPARED_VERSION",
+    "MANIFEST_NAME",
+    "NPY_HEADER_BYTES",
+    "PREPARED_ARRAYS",
+    "PreparedArray",
+    "PreparedSource",
+    "CriteoManifest",
+    "PreparedDataError",
+    "read_manifest",
 ]
 
 PREPARED_FORMAT = "ps_train/criteo-prepared"
@@ -102,8 +111,10 @@ def read_manifest(folder: str) -> CriteoManifest:
         raise FileNotFoundError(f"data.prepared={folder!r} is not a folder; {remedy}")
     path = os.path.join(folder, MANIFEST_NAME)
     if not os.path.isfile(path):
-        raise PreparedDataError(f"data.prepared={folder!r} has no {MANIFEST_NAME}, so it is not a folder written by "
-                                f"python -m ps_train.prepare (Criteo TSV files are read with data.root=...); {remedy}")
+        raise PreparedDataError(
+            f"data.prepared={folder!r} has no {MANIFEST_NAME}, so it is not a folder written by "
+            f"python -m ps_train.prepare (Criteo TSV files are read with data.root=...); {remedy}"
+        )
     try:
         with open(path) as f:
             raw = json.load(f)
@@ -111,25 +122,31 @@ def read_manifest(folder: str) -> CriteoManifest:
         raise PreparedDataError(f"{path}: cannot be read as JSON ({e}); {remedy}") from None
     if not isinstance(raw, dict) or raw.get("format") != PREPARED_FORMAT:
         found = raw.get("format") if isinstance(raw, dict) else None
-        raise PreparedDataError(f"{path}: not a prepared Criteo manifest (format {found!r}, expected "
-                                f"{PREPARED_FORMAT!r}); {remedy}")
+        raise PreparedDataError(
+            f"{path}: not a prepared Criteo manifest (format {found!r}, expected {PREPARED_FORMAT!r}); {remedy}"
+        )
     if raw.get("version") != PREPARED_VERSION:
-        raise PreparedDataError(f"{path}: format version {raw.get('version')!r}, but this ps_train reads version "
-                                f"{PREPARED_VERSION}; {remedy}")
+        raise PreparedDataError(
+            f"{path}: format version {raw.get('version')!r}, but this ps_train reads version "
+            f"{PREPARED_VERSION}; {remedy}"
+        )
     try:
         manifest = CriteoManifest.from_dict(raw)
     except (TypeError, KeyError, AttributeError) as e:
         raise PreparedDataError(f"{path}: incomplete or damaged manifest ({e}); {remedy}") from None
     if sorted(manifest.arrays) != sorted(PREPARED_ARRAYS):
-        raise PreparedDataError(f"{path}: arrays {sorted(manifest.arrays)}, expected {sorted(PREPARED_ARRAYS)}; "
-                                f"{remedy}")
+        raise PreparedDataError(
+            f"{path}: arrays {sorted(manifest.arrays)}, expected {sorted(PREPARED_ARRAYS)}; {remedy}"
+        )
     for name, array in manifest.arrays.items():
         file = os.path.join(folder, array.file)
         want = NPY_HEADER_BYTES + array.nbytes()
         have = os.path.getsize(file) if os.path.isfile(file) else None
         if array.shape[:1] != [manifest.rows] or have != want:
-            raise PreparedDataError(f"{file}: the {name} array is missing, truncated or changed ({have} bytes, the "
-                                    f"manifest says {want} for {manifest.rows} rows); {remedy}")
+            raise PreparedDataError(
+                f"{file}: the {name} array is missing, truncated or changed ({have} bytes, the "
+                f"manifest says {want} for {manifest.rows} rows); {remedy}"
+            )
     for src in manifest.sources:
         try:
             st = os.stat(src.path)
@@ -139,5 +156,6 @@ def read_manifest(folder: str) -> CriteoManifest:
             raise PreparedDataError(
                 f"data.prepared={folder!r} was made from {src.path} ({src.size} bytes, modified at "
                 f"{src.mtime_ns / 1e9:.0f} s), which has changed since ({st.st_size} bytes, modified at "
-                f"{st.st_mtime_ns / 1e9:.0f} s); the arrays may not hold its lines: {remedy}")
+                f"{st.st_mtime_ns / 1e9:.0f} s); the arrays may not hold its lines: {remedy}"
+            )
     return manifest

@@ -1,4 +1,5 @@
 """The root ``Config``: the top-level fields, every group, and the rules that span groups."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -9,13 +10,13 @@ from typing import Any
 
 from ps_train.config.base import ConfigError, Problems, format_problems
 from ps_train.config.cluster import ClusterConfig
-from ps_train.config.data import DataConfig, DigitsConfig
-from ps_train.config.model import MLPConfig, ModelConfig
+from ps_train.config.data import CtrDataConfig, DataConfig, DigitsConfig
+from ps_train.config.model import DLRMConfig, MLPConfig, ModelConfig
 from ps_train.config.optim import OptimConfig
 from ps_train.config.run import CheckpointConfig, LoggingConfig, ModeConfig, TrainConfig
 from ps_train.modes import elastic_problems, run_problems
 
-__all__ = ["Config", "BACKENDS", "ELASTIC_FILE", "RESUME_AUTO", "validate", "config_to_dict"]
+__all__ = ["Config", "BACKENDS", "ELASTIC_FILE", "RESUME_AUTO", "validate", "config_to_dict", "batch_problems"]
 
 BACKENDS = ("rpc_core", "torch")
 # A running elastic job's rendezvous (address, port, auth secret) in its run folder, for join=.
@@ -44,14 +45,18 @@ class Config:
         """Every problem of the config: the top-level fields', each group's, and those of
         combinations no single group can judge (servers vs stages, model vs data shape)."""
         p = Problems()
-        p.need(bool(re.fullmatch(r"[A-Za-z0-9_.,=+-]+", self.experiment or "")),
-               f"experiment: {self.experiment!r} must be a non-empty name of letters, digits and _.,=+- "
-               "(it becomes a folder under runs/)")
+        p.need(
+            bool(re.fullmatch(r"[A-Za-z0-9_.,=+-]+", self.experiment or "")),
+            f"experiment: {self.experiment!r} must be a non-empty name of letters, digits and _.,=+- "
+            "(it becomes a folder under runs/)",
+        )
         p.need(self.backend in BACKENDS, f"backend: unknown backend {self.backend!r}; choose one of {list(BACKENDS)}")
         if self.resume is not None and self.resume != RESUME_AUTO:
-            p.need(os.path.exists(self.resume),
-                   f"resume: {self.resume!r} does not exist; pass a run dir (runs/<experiment>/<date>_<time>) "
-                   "or one of its checkpoint dirs (or resume=auto: this run folder's own latest checkpoint)")
+            p.need(
+                os.path.exists(self.resume),
+                f"resume: {self.resume!r} does not exist; pass a run dir (runs/<experiment>/<date>_<time>) "
+                "or one of its checkpoint dirs (or resume=auto: this run folder's own latest checkpoint)",
+            )
         p += self.model.problems()
         p += self.data.problems()
         p += self.cluster.problems()
@@ -65,33 +70,58 @@ class Config:
     def _elastic_problems(self) -> Problems:
         p = Problems()
         if self.join is not None:
-            p.need(os.path.isfile(os.path.join(self.join, ELASTIC_FILE)),
-                   f"join: {self.join!r} is not the run folder of a running cluster.elastic=true job (it has no "
-                   f"{ELASTIC_FILE}); pass the run dir the job printed (runs/<experiment>/<date>_<time>)")
+            p.need(
+                os.path.isfile(os.path.join(self.join, ELASTIC_FILE)),
+                f"join: {self.join!r} is not the run folder of a running cluster.elastic=true job (it has no "
+                f"{ELASTIC_FILE}); pass the run dir the job printed (runs/<experiment>/<date>_<time>)",
+            )
             p.need(self.resume is None, "join: a joining trainer takes the job's state from its servers; drop resume=")
         if not self.cluster.elastic:
             return p
         p += elastic_problems(self)  # a mode that needs every trainer it started
-        p.need(self.backend == "rpc_core",
-               "cluster.elastic=true needs backend=rpc_core: torch.distributed.rpc reports no dead or frozen "
-               "peers to the servers and reads a dynamic group's members once, at join")
+        p.need(
+            self.backend == "rpc_core",
+            "cluster.elastic=true needs backend=rpc_core: torch.distributed.rpc reports no dead or frozen "
+            "peers to the servers and reads a dynamic group's members once, at join",
+        )
         return p
 
     def _model_vs_data_and_cluster(self) -> Problems:
         p = Problems()
         m, d, c = self.model, self.data, self.cluster
         if m.needs_ctr_data() != d.is_ctr():
-            p.append(f"data: model {m.name!r} and data {d.name!r} do not go together; model=dlrm trains on CTR "
-                     "data (data=synthetic_ctr or data=criteo), the other models on images (e.g. data=digits)")
+            p.append(
+                f"data: model {m.name!r} and data {d.name!r} do not go together; model=dlrm trains on CTR "
+                "data (data=synthetic_ctr or data=criteo), the other models on images (e.g. data=digits)"
+            )
             return p
         shape = d.sample_shape()
         stages = m.num_stages()
-        p.need(c.num_servers <= stages or m.uses_every_server(),
-               f"cluster.num_servers: {c.num_servers} servers but model {m.name!r} has only {stages} stages "
-               f"(each server needs at least one); use cluster.num_servers<={stages} or a deeper model")
+        p.need(
+            c.num_servers <= stages or m.uses_every_server(),
+            f"cluster.num_servers: {c.num_servers} servers but model {m.name!r} has only {stages} stages "
+            f"(each server needs at least one); use cluster.num_servers<={stages} or a deeper model",
+        )
         p += m.input_problems(shape, d.name)
+        if isinstance(m, DLRMConfig) and isinstance(d, CtrDataConfig):
+            p += m.table_problems(len(d.sizes()), d.has_id_weights())
+        p += batch_problems(d.train_samples(), c.num_trainers, self.train.batch_size)
         p += run_problems(self)  # the mode's own, with the other groups
         return p
+
+
+def batch_problems(samples: int | None, trainers: int, batch_size: int) -> Problems:
+    """Each trainer's share of ``samples`` training samples must hold a full batch: the data
+    iterators take full batches only (every trainer the same number of steps). ``samples``:
+    None when only the data files know (the launcher checks it once it has read them)."""
+    p = Problems()
+    if samples is not None and trainers >= 1 and batch_size >= 1:
+        p.need(
+            samples // trainers >= batch_size,
+            f"train.batch_size={batch_size}: {trainers} trainers get only {samples // trainers} of {samples} "
+            "training samples each, not a full batch; lower train.batch_size or cluster.num_trainers",
+        )
+    return p
 
 
 def validate(cfg: Config) -> Config:

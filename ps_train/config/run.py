@@ -1,5 +1,6 @@
 """The groups that shape a run rather than the model: consistency ``mode``, ``train`` length
 and batches, ``checkpoint`` cadence and ``logging``."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -9,8 +10,15 @@ from dataclasses import dataclass
 from ps_train.config.base import Problems
 from ps_train.modes import AGGREGATES, MODE_NAMES, STALENESS_RULES, option_problems
 
-__all__ = ["ModeConfig", "TrainConfig", "CheckpointConfig", "LoggingConfig", "MODE_NAMES", "AGGREGATES",
-           "STALENESS_RULES"]
+__all__ = [
+    "ModeConfig",
+    "TrainConfig",
+    "CheckpointConfig",
+    "LoggingConfig",
+    "MODE_NAMES",
+    "AGGREGATES",
+    "STALENESS_RULES",
+]
 
 
 @dataclass
@@ -41,9 +49,11 @@ class TrainConfig:
 
     def problems(self) -> Problems:
         p = Problems()
-        p.need((self.steps is None) != (self.epochs is None),
-               f"train.steps/train.epochs: set exactly one (got steps={self.steps}, epochs={self.epochs}); "
-               "e.g. train.steps=null train.epochs=3")
+        p.need(
+            (self.steps is None) != (self.epochs is None),
+            f"train.steps/train.epochs: set exactly one (got steps={self.steps}, epochs={self.epochs}); "
+            "e.g. train.steps=null train.epochs=3",
+        )
         p.need(self.steps is None or self.steps > 0, f"train.steps: {self.steps} must be > 0")
         p.need(self.epochs is None or self.epochs > 0, f"train.epochs: {self.epochs} must be > 0")
         p.need(self.batch_size > 0, f"train.batch_size: {self.batch_size} must be > 0")
@@ -74,6 +84,8 @@ class LoggingConfig:
 
     def problems(self) -> Problems:
         p = Problems()
-        p.need(isinstance(logging.getLevelName(self.level.upper()), int),
-               f"logging.level: unknown level {self.level!r}; use DEBUG, INFO, WARNING or ERROR")
+        p.need(
+            isinstance(logging.getLevelName(self.level.upper()), int),
+            f"logging.level: unknown level {self.level!r}; use DEBUG, INFO, WARNING or ERROR",
+        )
         return p

@@ -10,6 +10,11 @@
 - ``batches``: ``CtrBatchIterator`` (per-trainer, resumable) and ``iter_ctr_eval_batches``.
 
 Metrics (AUC, log loss) are in ``ps_train.ctr.metrics``.
+
+The rest of the package is the DLRM-style model on top of this data (model=dlrm, docs/ctr.md):
+``model`` (the single-process reference and the interaction), ``rows`` (which server owns
+which row), ``shards`` and ``table_server`` (a server's rows and their optimizer, the server's
+``TablePart``), ``optimizers`` (the table optimizers), ``trainer`` (``CtrTrainer``).
 """
 
 from ps_train.ctr.batches import CtrBatch, CtrBatchIterator, iter_ctr_eval_batches
@@ -18,7 +23,16 @@ from ps_train.ctr.split import CtrSplit, time_split
 from ps_train.ctr.synthetic import SyntheticCtr, synthetic_ctr
 
 __all__ = [
-    "CtrSplit", "time_split", "SyntheticCtr", "synthetic_ctr", "CriteoFormatError", "CriteoStats",
-    "read_criteo", "load_criteo", "find_criteo_files", "CtrBatch", "CtrBatchIterator",
+    "CtrSplit",
+    "time_split",
+    "SyntheticCtr",
+    "synthetic_ctr",
+    "CriteoFormatError",
+    "CriteoStats",
+    "read_criteo",
+    "load_criteo",
+    "find_criteo_files",
+    "CtrBatch",
+    "CtrBatchIterator",
     "iter_ctr_eval_batches",
 ]

@@ -13,13 +13,15 @@ from collections.abc import Iterator
 
 from torch import Tensor
 
+from ps_train.ctr.bags import Bags
 from ps_train.ctr.split import CtrDataset
 from ps_train.data import PartitionCursor, partition, steps_per_epoch
 
 __all__ = ["CtrBatch", "CtrBatchIterator", "iter_ctr_eval_batches"]
 
-CtrBatch = tuple[Tensor, Tensor, Tensor]
-"""``(dense float32 [B, num_dense], ids int64 [B, num_tables], labels float32 [B])``."""
+CtrBatch = tuple[Tensor, Tensor | Bags, Tensor]
+"""``(dense float32 [B, num_dense], ids, labels float32 [B])``; ``ids``: int64 [B, num_tables]
+(one-hot data) or ``Bags`` (multi-hot: a bag of ids per table, ``ps_train.ctr.bags``)."""
 
 
 class CtrBatchIterator(PartitionCursor, Iterator[CtrBatch]):
@@ -40,7 +42,8 @@ class CtrBatchIterator(PartitionCursor, Iterator[CtrBatch]):
             raise ValueError(
                 f"batch_size={batch_size}: each of the {world} trainers gets {self.n_items // world} of "
                 f"{self.n_items} training samples, not a full batch; lower the batch size or the number "
-                "of trainers, or use more data")
+                "of trainers, or use more data"
+            )
         self._start()
 
     def __next__(self) -> CtrBatch:
@@ -52,4 +55,4 @@ def iter_ctr_eval_batches(split: CtrDataset, batch_size: int) -> Iterator[CtrBat
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size}: must be >= 1")
     for start in range(0, len(split), batch_size):
-        yield split[start:start + batch_size]
+        yield split[start : start + batch_size]

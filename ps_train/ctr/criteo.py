@@ -47,8 +47,16 @@ import torch
 from ps_train.ctr.split import CtrSplit, time_split
 
 __all__ = [
-    "CriteoFormatError", "CriteoStats", "read_criteo", "load_criteo", "find_criteo_files",
-    "criteo_row", "NUM_INT_FEATURES", "NUM_CAT_FEATURES", "EMPTY_ROW",
+    "CriteoFormatError",
+    "CriteoStats",
+    "read_criteo",
+    "load_criteo",
+    "find_criteo_files",
+    "check_criteo_files",
+    "criteo_row",
+    "NUM_INT_FEATURES",
+    "NUM_CAT_FEATURES",
+    "EMPTY_ROW",
 ]
 
 log = logging.getLogger("ps_train.ctr")
@@ -59,6 +67,7 @@ _NUM_FIELDS = 1 + NUM_INT_FEATURES + NUM_CAT_FEATURES
 EMPTY_ROW = 0  # the row of an empty categorical field, in every table
 _HEX_DIGITS = b"0123456789abcdefABCDEF"
 _MAX_EXAMPLES = 5  # malformed-line messages kept in CriteoStats
+CHECKED_LINES = 1000  # lines of each file check_criteo_files parses: milliseconds, before any role starts
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -71,11 +80,15 @@ class CriteoFormatError(ValueError):
 
     def __init__(self, path: str, line: int, problem: str, remedy: str | None = None) -> None:
         self.path, self.line, self.problem = path, line, problem
-        remedy = remedy or ("fix or delete that line, or set data.skip_malformed=true (read_criteo(..., "
-                            "skip_malformed=True)) to count and skip malformed lines with a warning")
-        super().__init__(f"{path}, line {line}: {problem}. Expected 40 tab-separated fields: label "
-                         f"0/1, 13 integers I1-I13, 26 hex strings C1-C26 (any may be empty except "
-                         f"the label); {remedy}")
+        remedy = remedy or (
+            "fix or delete that line, or set data.skip_malformed=true (read_criteo(..., "
+            "skip_malformed=True)) to count and skip malformed lines with a warning"
+        )
+        super().__init__(
+            f"{path}, line {line}: {problem}. Expected 40 tab-separated fields: label "
+            f"0/1, 13 integers I1-I13, 26 hex strings C1-C26 (any may be empty except "
+            f"the label); {remedy}"
+        )
 
 
 @dataclass
@@ -89,6 +102,16 @@ class CriteoStats:
     malformed: int = 0
     malformed_per_file: dict[str, int] = field(default_factory=dict)
     examples: list[str] = field(default_factory=list)
+
+    def skipped_note(self) -> str | None:
+        """One line saying how many malformed lines were skipped, where, and the first; None if none."""
+        if not self.malformed:
+            return None
+        per_file = ", ".join(f"{os.path.basename(p)}: {c}" for p, c in self.malformed_per_file.items())
+        return (
+            f"data=criteo: skipped {self.malformed} malformed of {self.lines} lines ({per_file}); "
+            f"first: {self.examples[0]}"
+        )
 
 
 class _Malformed(Exception):
@@ -123,10 +146,12 @@ def _parse(line: bytes, mods: list[int]) -> tuple[float, list[float], list[int]]
     if m is not None:
         g = m.groups()
         try:
-            ints = [float(max(int(f), 0)) if f else 0.0 for f in g[1:1 + NUM_INT_FEATURES]]
+            ints = [float(max(int(f), 0)) if f else 0.0 for f in g[1 : 1 + NUM_INT_FEATURES]]
         except OverflowError:
             return _parse_fields(line, mods)
-        rows = [1 + int(f, 16) % mod if f else EMPTY_ROW for f, mod in zip(g[1 + NUM_INT_FEATURES:], mods, strict=True)]
+        rows = [
+            1 + int(f, 16) % mod if f else EMPTY_ROW for f, mod in zip(g[1 + NUM_INT_FEATURES :], mods, strict=True)
+        ]
         return (1.0 if g[0] == b"1" else 0.0), ints, rows
     return _parse_fields(line, mods)
 
@@ -190,8 +215,9 @@ def _lines(path: str) -> Iterator[tuple[int, bytes]]:
             except StopIteration:
                 return
             except (EOFError, gzip.BadGzipFile, zlib.error) as e:
-                raise CriteoFormatError(path, n + 1, f"the gzip stream is damaged or truncated ({e})",
-                                        "re-download or re-compress the file") from e
+                raise CriteoFormatError(
+                    path, n + 1, f"the gzip stream is damaged or truncated ({e})", "re-download or re-compress the file"
+                ) from e
             n += 1
             if raw.endswith(b"\n"):
                 raw = raw[:-2] if raw.endswith(b"\r\n") else raw[:-1]
@@ -201,11 +227,15 @@ def _lines(path: str) -> Iterator[tuple[int, bytes]]:
 def _table_sizes(table_sizes: int | Sequence[int]) -> list[int]:
     sizes = [int(table_sizes)] * NUM_CAT_FEATURES if isinstance(table_sizes, int) else [int(s) for s in table_sizes]
     if len(sizes) != NUM_CAT_FEATURES:
-        raise ValueError(f"table_sizes: Criteo has {NUM_CAT_FEATURES} categorical features, got {len(sizes)} "
-                         "sizes; give 26 sizes or one size for all tables")
+        raise ValueError(
+            f"table_sizes: Criteo has {NUM_CAT_FEATURES} categorical features, got {len(sizes)} "
+            "sizes; give 26 sizes or one size for all tables"
+        )
     if min(sizes) < 2:
-        raise ValueError(f"table_sizes: {min(sizes)} rows is too few; a table needs row {EMPTY_ROW} for "
-                         "empty values plus at least one row for the hashed ones")
+        raise ValueError(
+            f"table_sizes: {min(sizes)} rows is too few; a table needs row {EMPTY_ROW} for "
+            "empty values plus at least one row for the hashed ones"
+        )
     return sizes
 
 
@@ -224,25 +254,23 @@ def find_criteo_files(folder: PathLike) -> list[str]:
         if m and os.path.isfile(os.path.join(folder, name)):
             days.setdefault(int(m.group(1)) if m.group(1) is not None else -1, []).append(name)
     if not days:
-        raise FileNotFoundError(f"data=criteo: no Criteo files in {folder}; expected day_0 .. day_23 "
-                                "(Terabyte, optionally .gz) or train.txt (Kaggle, optionally .gz)")
+        raise FileNotFoundError(
+            f"data=criteo: no Criteo files in {folder}; expected day_0 .. day_23 "
+            "(Terabyte, optionally .gz) or train.txt (Kaggle, optionally .gz)"
+        )
     dupes = [names for names in days.values() if len(names) > 1]
     if dupes:
         raise ValueError(f"data=criteo: {folder} holds the same data twice: {', '.join(dupes[0])}; keep one")
     if -1 in days and len(days) > 1:
-        raise ValueError(f"data=criteo: {folder} mixes Kaggle's {days[-1][0]} with Terabyte day files, "
-                         "whose features differ; keep one dataset per folder")
+        raise ValueError(
+            f"data=criteo: {folder} mixes Kaggle's {days[-1][0]} with Terabyte day files, "
+            "whose features differ; keep one dataset per folder"
+        )
     return [os.path.join(folder, days[d][0]) for d in sorted(days)]
 
 
-def read_criteo(paths: PathLike | Sequence[PathLike], table_sizes: int | Sequence[int], *,
-                skip_malformed: bool = False) -> tuple[CtrSplit, CriteoStats]:
-    """Read Criteo files into one ``CtrSplit`` (dense [N, 13], ids [N, 26], labels [N]).
-
-    ``paths``: a file, a folder (see ``find_criteo_files``) or a list of files, read and
-    concatenated in the given order. ``table_sizes``: rows per categorical table, 26 of them
-    or one for all, each >= 2 (see the module docstring for the hashing).
-    """
+def _resolve(paths: PathLike | Sequence[PathLike]) -> list[str]:
+    """The files ``paths`` names (a file, a folder of day files, or a list), each checked to exist."""
     if isinstance(paths, (str, os.PathLike)):
         p = os.fspath(paths)
         files = find_criteo_files(p) if os.path.isdir(p) else [p]
@@ -253,6 +281,46 @@ def read_criteo(paths: PathLike | Sequence[PathLike], table_sizes: int | Sequenc
     for p in files:
         if not os.path.isfile(p):
             raise FileNotFoundError(f"data=criteo: file not found: {p}")
+    return files
+
+
+def check_criteo_files(
+    paths: PathLike | Sequence[PathLike],
+    table_sizes: int | Sequence[int],
+    *,
+    head: int = CHECKED_LINES,
+    skip_malformed: bool = False,
+) -> list[str]:
+    """Before a run reads them: the files ``read_criteo(paths, ...)`` would read exist and open,
+    and the first ``head`` lines of each parse (with ``skip_malformed``, only that they can
+    be read). Returns the files. Raises what ``read_criteo`` would for those lines
+    (``CriteoFormatError`` naming the file and line, ``FileNotFoundError``); a problem
+    further into a file is found only by reading it all."""
+    files = _resolve(paths)
+    mods = [s - 1 for s in _table_sizes(table_sizes)]
+    for path in files:
+        for n, line in _lines(path):
+            if n > head:
+                break
+            if skip_malformed:
+                continue
+            try:
+                _parse(line, mods)
+            except _Malformed as e:
+                raise CriteoFormatError(path, n, str(e)) from None
+    return files
+
+
+def read_criteo(
+    paths: PathLike | Sequence[PathLike], table_sizes: int | Sequence[int], *, skip_malformed: bool = False
+) -> tuple[CtrSplit, CriteoStats]:
+    """Read Criteo files into one ``CtrSplit`` (dense [N, 13], ids [N, 26], labels [N]).
+
+    ``paths``: a file, a folder (see ``find_criteo_files``) or a list of files, read and
+    concatenated in the given order. ``table_sizes``: rows per categorical table, 26 of them
+    or one for all, each >= 2 (see the module docstring for the hashing).
+    """
+    files = _resolve(paths)
     sizes = _table_sizes(table_sizes)
     mods = [s - 1 for s in sizes]
     # Compact typed buffers: a Python list would cost ~8x the memory per value.
@@ -276,22 +344,30 @@ def read_criteo(paths: PathLike | Sequence[PathLike], table_sizes: int | Sequenc
             dense.extend(x)
             ids.extend(r)
     stats.samples = len(labels)
-    if stats.malformed:
-        log.warning("data=criteo: skipped %d malformed of %d lines (%s); first: %s", stats.malformed,
-                    stats.lines, ", ".join(f"{os.path.basename(p)}: {c}" for p, c in stats.malformed_per_file.items()),
-                    stats.examples[0])
+    note = stats.skipped_note()
+    if note:
+        log.warning("%s", note)
     if stats.samples == 0:
-        raise ValueError(f"data=criteo: no valid samples in {', '.join(files)} "
-                         f"({stats.lines} lines, {stats.malformed} malformed)")
+        raise ValueError(
+            f"data=criteo: no valid samples in {', '.join(files)} ({stats.lines} lines, {stats.malformed} malformed)"
+        )
     dense_np = np.log1p(np.frombuffer(dense, dtype=np.float64)).astype(np.float32)
-    split = CtrSplit(torch.from_numpy(dense_np.reshape(-1, NUM_INT_FEATURES)),
-                     torch.from_numpy(np.frombuffer(ids, dtype=np.int64).reshape(-1, NUM_CAT_FEATURES).copy()),
-                     torch.from_numpy(np.frombuffer(labels, dtype=np.float32).copy()), sizes)
+    split = CtrSplit(
+        torch.from_numpy(dense_np.reshape(-1, NUM_INT_FEATURES)),
+        torch.from_numpy(np.frombuffer(ids, dtype=np.int64).reshape(-1, NUM_CAT_FEATURES).copy()),
+        torch.from_numpy(np.frombuffer(labels, dtype=np.float32).copy()),
+        sizes,
+    )
     return split, stats
 
 
-def load_criteo(paths: PathLike | Sequence[PathLike], table_sizes: int | Sequence[int], test_fraction: float,
-                *, skip_malformed: bool = False) -> tuple[CtrSplit, CtrSplit, CriteoStats]:
+def load_criteo(
+    paths: PathLike | Sequence[PathLike],
+    table_sizes: int | Sequence[int],
+    test_fraction: float,
+    *,
+    skip_malformed: bool = False,
+) -> tuple[CtrSplit, CtrSplit, CriteoStats]:
     """``(train, test, stats)``: ``read_criteo`` then ``time_split`` -- the last
     ``test_fraction`` of the lines (of the last file(s), in the given order) are the test
     split, because Criteo's lines are in time order and a CTR model is judged on the future."""

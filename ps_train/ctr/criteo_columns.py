@@ -57,8 +57,9 @@ del _pair, _hi, _lo
 _LOG1P_TABLE_SIZE = 1 << 16
 _LOG1P_TABLE = np.log1p(np.arange(_LOG1P_TABLE_SIZE, dtype=np.float64)).astype(np.float32)
 
-_CONVERT = pacsv.ConvertOptions(column_types=dict.fromkeys(_NAMES, pa.string()), strings_can_be_null=False,
-                                check_utf8=False)
+_CONVERT = pacsv.ConvertOptions(
+    column_types=dict.fromkeys(_NAMES, pa.string()), strings_can_be_null=False, check_utf8=False
+)
 
 
 @dataclass
@@ -99,7 +100,11 @@ class _Rows:
     def take(self, at: np.ndarray, other: _Rows) -> None:
         """Lines ``at`` are ``other``'s lines, in order."""
         self.labels[at], self.ints[:, at], self.hashes[:, at], self.missing[at] = (
-            other.labels, other.ints, other.hashes, other.missing)
+            other.labels,
+            other.ints,
+            other.hashes,
+            other.missing,
+        )
         self.keep[at] = other.keep
         self.malformed += [(int(at[i]), problem) for i, problem in other.malformed]
 
@@ -110,8 +115,14 @@ class _Rows:
             labels, ints, hashes, missing = labels[keep], ints[:, keep], hashes[:, keep], missing[keep]
         dense = _log1p(ints)
         self.malformed.sort()
-        return CriteoColumns(labels, np.ascontiguousarray(dense.T), np.ascontiguousarray(hashes.T), missing,
-                             len(self.labels), self.malformed)
+        return CriteoColumns(
+            labels,
+            np.ascontiguousarray(dense.T),
+            np.ascontiguousarray(hashes.T),
+            missing,
+            len(self.labels),
+            self.malformed,
+        )
 
 
 def _log1p(ints: np.ndarray) -> np.ndarray:
@@ -135,8 +146,10 @@ def _parse_line(line: bytes) -> tuple[float, list[float], list[int], int]:
         f = fields[1 + NUM_INT_FEATURES + k]
         value = int(f, 16) if f else 0
         if value >> 32:
-            raise _Malformed(f"categorical feature C{k + 1} (field {k + 15}) is {_show(f)}, above 32 bits; "
-                             "prepared data keeps Criteo's 32-bit hashes (read_criteo accepts it)")
+            raise _Malformed(
+                f"categorical feature C{k + 1} (field {k + 15}) is {_show(f)}, above 32 bits; "
+                "prepared data keeps Criteo's 32-bit hashes (read_criteo accepts it)"
+            )
         hashes.append(value)
         missing |= (not f) << k
     return label, ints, hashes, missing
@@ -188,8 +201,15 @@ def _tokenized(block: bytes, threads: bool) -> _Rows | None:
         odd.append(1)
         return "skip"
 
-    parse = pacsv.ParseOptions(delimiter="\t", quote_char=False, escape_char=False, double_quote=False,
-                               newlines_in_values=False, ignore_empty_lines=False, invalid_row_handler=on_odd_row)
+    parse = pacsv.ParseOptions(
+        delimiter="\t",
+        quote_char=False,
+        escape_char=False,
+        double_quote=False,
+        newlines_in_values=False,
+        ignore_empty_lines=False,
+        invalid_row_handler=on_odd_row,
+    )
     read = pacsv.ReadOptions(column_names=_NAMES, use_threads=threads, block_size=_TOKENIZE_BYTES + (64 << 10))
     table = pacsv.read_csv(pa.py_buffer(block), read, parse, _CONVERT)
     if odd:
@@ -208,7 +228,7 @@ def _tokenized(block: bytes, threads: bool) -> _Rows | None:
         if len(ends) != table.num_rows:
             return None
         for i in bad.tolist():
-            line = block[(ends[i - 1] + 1 if i else 0):ends[i]]
+            line = block[(ends[i - 1] + 1 if i else 0) : ends[i]]
             rows.put(i, line[:-1] if line.endswith(b"\r") else line)
     return rows
 
@@ -226,8 +246,7 @@ def _convert(batch: pa.RecordBatch, rows: _Rows, start: int, stop: int, suspect:
     """Rows ``start:stop`` from one batch of tokenized lines; ``suspect[i]``: line ``start + i``
     needs the reader's parser."""
     if any(column.null_count for column in batch.columns):
-        suspect |= np.logical_or.reduce([column.is_null().to_numpy(zero_copy_only=False)
-                                         for column in batch.columns])
+        suspect |= np.logical_or.reduce([column.is_null().to_numpy(zero_copy_only=False) for column in batch.columns])
     off, chars, lens = _strings(batch.column(0))
     one = lens == 1
     label = np.zeros(len(one), np.uint8)
@@ -251,7 +270,7 @@ def _integers(column: pa.Array, suspect: np.ndarray) -> np.ndarray:
     """An integer column as float64 [n], clamped to >= 0, empty -> 0; marks in ``suspect``
     the values that are not ``-?[0-9]{1,18}`` (and leaves them 0)."""
     off, chars, lens = _strings(column)
-    digits = chars[off[0]:off[-1]] - np.uint8(ord("0"))  # other bytes wrap to > 9
+    digits = chars[off[0] : off[-1]] - np.uint8(ord("0"))  # other bytes wrap to > 9
     bad = lens > _MAX_DIGITS
     other = np.flatnonzero(digits > 9)
     if len(other):
@@ -263,8 +282,9 @@ def _integers(column: pa.Array, suspect: np.ndarray) -> np.ndarray:
     # pyarrow parses the checked strings; empty and bad ones are marked null for it.
     _, offsets, data = column.buffers()
     ok = (lens != 0) & ~bad
-    checked = pa.StringArray.from_buffers(len(column), offsets.slice(column.offset * 4), data,
-                                          pa.py_buffer(np.packbits(ok, bitorder="little")))
+    checked = pa.StringArray.from_buffers(
+        len(column), offsets.slice(column.offset * 4), data, pa.py_buffer(np.packbits(ok, bitorder="little"))
+    )
     parsed = pc.cast(checked, pa.int64())
     values = np.frombuffer(parsed.buffers()[1], np.int64, len(parsed), parsed.offset)  # any value where null
     # read_criteo clamps negative counts to 0; empty and bad values are 0 here.
@@ -275,7 +295,7 @@ def _hex(column: pa.Array, suspect: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     """A categorical column as ``(values uint32 [n], empty bool [n])`` (an empty value is 0);
     marks in ``suspect`` the values that are not hex of at most 8 digits."""
     off, chars, lens = _strings(column)
-    text = chars[off[0]:off[-1]]
+    text = chars[off[0] : off[-1]]
     empty = lens == 0
     out = np.zeros(len(lens), np.uint32)
     if len(lens) and lens.max() <= 8 and len(text) == 8 * (len(lens) - np.count_nonzero(empty)):

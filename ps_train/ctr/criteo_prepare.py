@@ -8,6 +8,7 @@ run without the GIL most of the time), and the calling thread appends each block
 the arrays in line order. Everything is written into a hidden folder beside ``dst`` and
 renamed to ``dst`` only when complete, so ``dst`` is either absent or whole.
 """
+
 from __future__ import annotations
 
 import collections
@@ -66,15 +67,17 @@ class _NpyWriter:
 
     def _header(self) -> None:
         self.f.seek(0)
-        np.lib.format.write_array_header_1_0(self.f, {"descr": self.dtype.str, "fortran_order": False,
-                                                      "shape": (self.rows, *self.row_shape)})
+        np.lib.format.write_array_header_1_0(
+            self.f, {"descr": self.dtype.str, "fortran_order": False, "shape": (self.rows, *self.row_shape)}
+        )
         if self.f.tell() != NPY_HEADER_BYTES:
             raise AssertionError(f"{self.path}: a .npy header of {self.f.tell()} bytes, expected {NPY_HEADER_BYTES}")
 
     def append(self, rows: np.ndarray) -> None:
         if rows.dtype != self.dtype or rows.shape[1:] != self.row_shape:
-            raise AssertionError(f"{self.path}: rows {rows.dtype} {rows.shape}, expected {self.dtype} "
-                                 f"[n, *{self.row_shape}]")
+            raise AssertionError(
+                f"{self.path}: rows {rows.dtype} {rows.shape}, expected {self.dtype} [n, *{self.row_shape}]"
+            )
         self.f.write(np.ascontiguousarray(rows).data)
         self.rows += len(rows)
 
@@ -121,8 +124,9 @@ class _Sink:
     lines raised or counted (``skip_malformed``), progress shown."""
 
     def __init__(self, folder: str, files: list[str], skip_malformed: bool, progress: Progress | None) -> None:
-        self.writers = {name: _NpyWriter(os.path.join(folder, file), dtype, shape)
-                        for name, (file, dtype, shape) in _ARRAYS.items()}
+        self.writers = {
+            name: _NpyWriter(os.path.join(folder, file), dtype, shape) for name, (file, dtype, shape) in _ARRAYS.items()
+        }
         self.skip_malformed, self.progress = skip_malformed, progress
         self.stats = CriteoStats(files=list(files))
         self.sizes = {p: os.path.getsize(p) for p in files}
@@ -154,11 +158,15 @@ class _Sink:
         if piece.end:
             before, now = self.stat[piece.path], os.stat(piece.path)
             if (now.st_size, now.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
-                raise PreparedDataError(f"prepare criteo: {piece.path} changed while it was being read; "
-                                        "prepare again once it is complete")
+                raise PreparedDataError(
+                    f"prepare criteo: {piece.path} changed while it was being read; prepare again once it is complete"
+                )
             malformed = self.stats.malformed_per_file.get(piece.path, 0)
-            self.sources.append(PreparedSource(piece.path, before.st_size, before.st_mtime_ns, self.file_lines,
-                                               self.file_rows, malformed))
+            self.sources.append(
+                PreparedSource(
+                    piece.path, before.st_size, before.st_mtime_ns, self.file_lines, self.file_rows, malformed
+                )
+            )
             self.done_bytes += self.sizes[piece.path]
             self.file_lines = self.file_rows = 0
         if self.progress is not None:
@@ -173,9 +181,16 @@ class _Sink:
             writer.f.close()
 
 
-def prepare_criteo(src: PathLike | Sequence[PathLike], dst: PathLike, *, skip_malformed: bool = False,
-                   force: bool = False, workers: int | None = None, block_bytes: int = BLOCK_BYTES,
-                   progress: Progress | bool = True) -> CriteoManifest:
+def prepare_criteo(
+    src: PathLike | Sequence[PathLike],
+    dst: PathLike,
+    *,
+    skip_malformed: bool = False,
+    force: bool = False,
+    workers: int | None = None,
+    block_bytes: int = BLOCK_BYTES,
+    progress: Progress | bool = True,
+) -> CriteoManifest:
     """Convert the Criteo files ``src`` (a file, a folder of day files, or a list, in
     ``read_criteo``'s order) into the prepared folder ``dst`` and return its manifest.
 
@@ -190,18 +205,24 @@ def prepare_criteo(src: PathLike | Sequence[PathLike], dst: PathLike, *, skip_ma
     parent, name = os.path.split(dst)
     if os.path.exists(dst):
         if not force:
-            raise FileExistsError(f"prepare criteo: {dst} exists; remove it, choose another destination, or pass "
-                                  "--force to replace it")
+            raise FileExistsError(
+                f"prepare criteo: {dst} exists; remove it, choose another destination, or pass --force to replace it"
+            )
         inside = [f for f in files if os.path.commonpath([f, dst]) == dst]
         if inside:
-            raise ValueError(f"prepare criteo: --force would replace {dst}, which holds the source {inside[0]}; "
-                             "choose another destination")
+            raise ValueError(
+                f"prepare criteo: --force would replace {dst}, which holds the source {inside[0]}; "
+                "choose another destination"
+            )
     os.makedirs(parent, exist_ok=True)
     _remove_stale_partials(parent, name)
     partial = os.path.join(parent, f".{name}.partial-{os.getpid()}")
     os.makedirs(partial)
-    bar = (Progress(sum(os.path.getsize(p) for p in files), label="prepare criteo") if progress is True
-           else progress or None)
+    bar = (
+        Progress(sum(os.path.getsize(p) for p in files), label="prepare criteo")
+        if progress is True
+        else progress or None
+    )
     workers = max(1, workers if workers is not None else (os.cpu_count() or 1))
     reader = PieceReader(files, block_bytes, depth=workers + 1)
     sink: _Sink | None = None
@@ -236,18 +257,30 @@ def prepare_criteo(src: PathLike | Sequence[PathLike], dst: PathLike, *, skip_ma
             bar.close()
         stats = sink.stats
         if stats.samples == 0:
-            raise ValueError(f"prepare criteo: no valid samples in {', '.join(files)} "
-                             f"({stats.lines} lines, {stats.malformed} malformed)")
+            raise ValueError(
+                f"prepare criteo: no valid samples in {', '.join(files)} "
+                f"({stats.lines} lines, {stats.malformed} malformed)"
+            )
         if stats.malformed:
-            log.warning("prepare criteo: skipped %d malformed of %d lines (%s); first: %s", stats.malformed,
-                        stats.lines, ", ".join(f"{os.path.basename(p)}: {c}" for p, c in
-                                               stats.malformed_per_file.items()), stats.examples[0])
-        manifest = CriteoManifest(rows=stats.samples, lines=stats.lines, malformed=stats.malformed,
-                                  skip_malformed=skip_malformed, arrays=arrays, sources=sink.sources,
-                                  malformed_examples=list(stats.examples),
-                                  created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                                  seconds=round(time.perf_counter() - t0, 3),
-                                  cpu_seconds=round(time.process_time() - cpu0, 3))
+            log.warning(
+                "prepare criteo: skipped %d malformed of %d lines (%s); first: %s",
+                stats.malformed,
+                stats.lines,
+                ", ".join(f"{os.path.basename(p)}: {c}" for p, c in stats.malformed_per_file.items()),
+                stats.examples[0],
+            )
+        manifest = CriteoManifest(
+            rows=stats.samples,
+            lines=stats.lines,
+            malformed=stats.malformed,
+            skip_malformed=skip_malformed,
+            arrays=arrays,
+            sources=sink.sources,
+            malformed_examples=list(stats.examples),
+            created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            seconds=round(time.perf_counter() - t0, 3),
+            cpu_seconds=round(time.process_time() - cpu0, 3),
+        )
         _write_manifest(partial, manifest)
         _replace(partial, dst)
         return manifest

@@ -6,6 +6,7 @@ line ending), or a problem that ends the file (a damaged gzip stream, no line en
 ``MAX_LINE_BYTES``). ``PieceReader`` runs it for a list of files in a thread, handing the
 pieces on through a bounded queue, so reading and decompressing overlap the parsing.
 """
+
 from __future__ import annotations
 
 import queue
@@ -82,8 +83,12 @@ def read_pieces(path: str, block_bytes: int) -> Iterator[LinePiece]:
             try:
                 data = stream.read(block_bytes)
             except (EOFError, zlib.error) as e:
-                yield LinePiece(path, raw.tell(), problem=f"the gzip stream is damaged or truncated ({e})",
-                             remedy="re-download or re-compress the file")
+                yield LinePiece(
+                    path,
+                    raw.tell(),
+                    problem=f"the gzip stream is damaged or truncated ({e})",
+                    remedy="re-download or re-compress the file",
+                )
                 return
             if not data:
                 break
@@ -95,8 +100,12 @@ def read_pieces(path: str, block_bytes: int) -> Iterator[LinePiece]:
                 block, rest = b"", rest + data
             if len(rest) > MAX_LINE_BYTES:
                 yield LinePiece(path, raw.tell(), block=block)
-                yield LinePiece(path, raw.tell(), problem=f"no line ending in {MAX_LINE_BYTES >> 20} MiB (a Criteo "
-                                "line is a few hundred bytes)", remedy="check that this is a Criteo TSV file")
+                yield LinePiece(
+                    path,
+                    raw.tell(),
+                    problem=f"no line ending in {MAX_LINE_BYTES >> 20} MiB (a Criteo line is a few hundred bytes)",
+                    remedy="check that this is a Criteo TSV file",
+                )
                 return
             if block:
                 yield LinePiece(path, raw.tell(), block=block)

@@ -8,6 +8,7 @@ same lines give the same batches, bit for bit, as training from the TSV files. A
 touches only the pages of the rows its batches hold; the operating system shares and evicts
 those pages, so a process's own memory stays that of a batch whatever the dataset's size.
 """
+
 from __future__ import annotations
 
 import logging
@@ -21,7 +22,7 @@ from ps_train.config.prepared import CriteoManifest, PreparedDataError, read_man
 from ps_train.ctr.criteo import EMPTY_ROW, NUM_CAT_FEATURES, NUM_INT_FEATURES, _table_sizes
 from ps_train.ctr.split import held_out_count
 
-__all__ = ["PreparedCriteo", "MappedCtrSplit", "load_prepared"]
+__all__ = ["PreparedCriteo", "MappedCtrSplit", "load_prepared", "skipped_note"]
 
 log = logging.getLogger("ps_train.ctr")
 
@@ -39,8 +40,10 @@ class PreparedCriteo:
         for name, spec in self.manifest.arrays.items():
             a = np.load(os.path.join(folder, spec.file), mmap_mode="r")
             if a.dtype.str != spec.dtype or list(a.shape) != spec.shape:
-                raise PreparedDataError(f"{os.path.join(folder, spec.file)}: {a.dtype.str} {list(a.shape)}, but the "
-                                        f"manifest says {spec.dtype} {spec.shape}; prepare the folder again")
+                raise PreparedDataError(
+                    f"{os.path.join(folder, spec.file)}: {a.dtype.str} {list(a.shape)}, but the "
+                    f"manifest says {spec.dtype} {spec.shape}; prepare the folder again"
+                )
             arrays[name] = a
         self.labels, self.dense = arrays["labels"], arrays["dense"]  # float32 [N], [N, 13]
         self.hashes, self.missing = arrays["hashes"], arrays["missing"]  # uint32 [N, 26], [N]
@@ -83,18 +86,43 @@ class MappedCtrSplit:
         ids = d.hashes[rows].astype(np.int64) % self._mods + 1  # [B, 26]
         empty = (d.missing[rows][:, None] >> _BITS) & 1  # [B, 26]
         ids[empty.astype(bool)] = EMPTY_ROW
-        return (torch.from_numpy(np.array(d.dense[rows])), torch.from_numpy(ids),
-                torch.from_numpy(np.array(d.labels[rows])))
+        return (
+            torch.from_numpy(np.array(d.dense[rows])),
+            torch.from_numpy(ids),
+            torch.from_numpy(np.array(d.labels[rows])),
+        )
 
     def positive_rate(self) -> float:
         """Fraction of label-1 samples (reads every label of the split)."""
         if not len(self):
             return float("nan")
-        return float(np.asarray(self.data.labels[self.start:self.stop], np.float64).mean())
+        return float(np.asarray(self.data.labels[self.start : self.stop], np.float64).mean())
 
 
-def load_prepared(folder: str, table_sizes: list[int], test_fraction: float, *, skip_malformed: bool = False,
-                  manifest: CriteoManifest | None = None) -> tuple[MappedCtrSplit, MappedCtrSplit]:
+def skipped_note(m: CriteoManifest, folder: str, skip_malformed: bool) -> str | None:
+    """One line on the malformed lines ``prepare`` skipped in ``folder`` (None: it skipped
+    none); raises ``PreparedDataError`` if it skipped some and ``skip_malformed`` is off:
+    training from those files would have stopped at the first of them."""
+    if not m.malformed:
+        return None
+    first = m.malformed_examples[0] if m.malformed_examples else "?"
+    if not skip_malformed:
+        raise PreparedDataError(
+            f"data.prepared={folder!r}: prepare skipped {m.malformed} malformed of {m.lines} lines (first: "
+            f"{first}); training from those files would stop at the first of them: set "
+            "data.skip_malformed=true to train on the valid lines"
+        )
+    return f"data=criteo: skipped {m.malformed} malformed of {m.lines} lines when {folder} was prepared; first: {first}"
+
+
+def load_prepared(
+    folder: str,
+    table_sizes: list[int],
+    test_fraction: float,
+    *,
+    skip_malformed: bool = False,
+    manifest: CriteoManifest | None = None,
+) -> tuple[MappedCtrSplit, MappedCtrSplit]:
     """``(train, test)`` of prepared folder ``folder`` (``manifest``: its checked manifest, or
     None to read it): the last ``test_fraction`` of the rows are the test split, as
     ``load_criteo``'s ``time_split`` makes them.
@@ -103,16 +131,9 @@ def load_prepared(folder: str, table_sizes: list[int], test_fraction: float, *, 
     training from its TSV files would have stopped at the first of them.
     """
     data = PreparedCriteo(folder, manifest)
-    m = data.manifest
-    if m.malformed:
-        first = m.malformed_examples[0] if m.malformed_examples else "?"
-        if not skip_malformed:
-            raise PreparedDataError(
-                f"data.prepared={folder!r}: prepare skipped {m.malformed} malformed of {m.lines} lines (first: "
-                f"{first}); training from those files would stop at the first of them: set "
-                "data.skip_malformed=true to train on the valid lines")
-        log.warning("data=criteo: skipped %d malformed of %d lines when %s was prepared; first: %s", m.malformed,
-                    m.lines, folder, first)
+    note = skipped_note(data.manifest, folder, skip_malformed)
+    if note:
+        log.warning("%s", note)
     n = len(data)
     n_test = held_out_count(n, test_fraction)
     return (MappedCtrSplit(data, 0, n - n_test, table_sizes), MappedCtrSplit(data, n - n_test, n, table_sizes))

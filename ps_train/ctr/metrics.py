@@ -58,8 +58,10 @@ def auc(scores: ArrayLike, labels: ArrayLike) -> float:
     n_pos = int(y.sum())
     n_neg = y.size - n_pos
     if n_pos == 0 or n_neg == 0:
-        raise ValueError(f"auc: all {y.size} labels are {int(y[0])}; AUC is undefined without both "
-                         "positives and negatives (evaluate on a larger split)")
+        raise ValueError(
+            f"auc: all {y.size} labels are {int(y[0])}; AUC is undefined without both "
+            "positives and negatives (evaluate on a larger split)"
+        )
     order = np.argsort(s, kind="stable")
     sorted_s = s[order]
     # Groups of equal scores: [start, end) in sorted order; each member gets the average of
@@ -91,8 +93,10 @@ def log_loss(preds: ArrayLike, labels: ArrayLike, *, from_logits: bool = False, 
         z = np.where(y == 1, -p, p)
         return float(np.mean(np.logaddexp(0.0, z)))
     if p.min() < 0.0 or p.max() > 1.0:
-        raise ValueError(f"log_loss: probabilities must be in [0, 1], got [{p.min():.4g}, {p.max():.4g}]; "
-                         "pass from_logits=True for raw model outputs")
+        raise ValueError(
+            f"log_loss: probabilities must be in [0, 1], got [{p.min():.4g}, {p.max():.4g}]; "
+            "pass from_logits=True for raw model outputs"
+        )
     if not 0.0 < eps < 0.5:
         raise ValueError(f"log_loss: eps={eps} must be in (0, 0.5)")
     p = np.clip(p, eps, 1.0 - eps)

@@ -1,18 +1,20 @@
 """A DLRM-style click-through-rate model (Naumov et al., 2019), as plain nn.Modules.
 
     dense  [B, num_dense] -> bottom MLP -> x [B, d]
-    ids    [B, T]          -> one embedding row per table -> e [B, T, d]
+    ids    [B, T] or bags  -> one pooled embedding per table -> e [B, T, d]
     z = interact(x, e)     [B, d + (T + 1) T / 2]: x, and the dot product of every pair of
                            the T + 1 vectors (x and the T embeddings), strict lower triangle
     logit = top MLP(z)     [B]; loss: binary cross-entropy with logits
 
 No RPC here: ``DLRM`` is the single-process model (each table an
-``nn.EmbeddingBag(mode="sum", sparse=True)`` with one id per bag, as Criteo's features are
-single-valued), which distributed runs are checked against; the distributed run keeps the
+``nn.EmbeddingBag(mode=pooling[t], sparse=True)``: one id per bag for one-hot data, as
+Criteo's features are single-valued, a bag of ids for multi-hot ``Bags``), which
+distributed runs are checked against; the distributed run keeps the
 same ``bottom`` and ``top`` modules (``ps_train.models.dense_stages``: the servers build them
 from the config like any model's stages) and splits each table by rows across servers
 (``ps_train.ctr.rows``), initialised to the same values.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -20,6 +22,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from ps_train.ctr.bags import Bags, as_bags
 from ps_train.ctr.rows import init_rows
 from ps_train.models import interaction_size, mlp
 
@@ -37,17 +40,27 @@ def interact(x: Tensor, emb: Tensor) -> Tensor:
 
 class DLRM(nn.Module):
     """The whole model in one process. ``bottom``/``top`` are built from ``seed`` (torch's
-    default initialisation); table ``t`` holds ``init_rows(seed, t, ...)``."""
+    default initialisation); table ``t`` holds ``init_rows(seed, t, ...)`` and pools its bags
+    by ``pooling[t]`` (``sum`` if not given)."""
 
-    def __init__(self, num_dense: int, table_sizes: Sequence[int], dim: int, bottom: Sequence[int],
-                 top: Sequence[int], seed: int) -> None:
+    def __init__(
+        self,
+        num_dense: int,
+        table_sizes: Sequence[int],
+        dim: int,
+        bottom: Sequence[int],
+        top: Sequence[int],
+        seed: int,
+        pooling: Sequence[str] | None = None,
+    ) -> None:
         super().__init__()
         torch.manual_seed(seed)
         self.bottom = mlp([num_dense, *bottom, dim], last_relu=True)
         self.top = mlp([interaction_size(len(table_sizes), dim), *top, 1], last_relu=False)
         self.tables = nn.ModuleList()
+        modes = list(pooling) if pooling else ["sum"] * len(table_sizes)
         for t, rows in enumerate(table_sizes):
-            bag = nn.EmbeddingBag(rows, dim, mode="sum", sparse=True)
+            bag = nn.EmbeddingBag(rows, dim, mode=modes[t], sparse=True)
             with torch.no_grad():
                 bag.weight.copy_(init_rows(seed, t, rows, dim, torch.arange(rows)))
             self.tables.append(bag)
@@ -56,8 +69,9 @@ class DLRM(nn.Module):
         """Each table's rows, [rows_t, dim], in table order."""
         return [bag.weight for bag in self.tables if isinstance(bag, nn.EmbeddingBag)]
 
-    def forward(self, dense: Tensor, ids: Tensor) -> Tensor:
-        """dense [B, num_dense] float, ids [B, T] int64 -> logits [B]."""
+    def forward(self, dense: Tensor, ids: Tensor | Bags) -> Tensor:
+        """dense [B, num_dense] float, ids [B, T] int64 or ``Bags`` -> logits [B]."""
         x = self.bottom(dense)
-        emb = torch.stack([bag(ids[:, t : t + 1]) for t, bag in enumerate(self.tables)], dim=1)  # [B, T, d]
+        bags = as_bags(ids)
+        emb = torch.stack([bag(*bags.table(t)) for t, bag in enumerate(self.tables)], dim=1)  # [B, T, d]
         return self.top(interact(x, emb)).squeeze(1)

@@ -3,6 +3,7 @@
 On a terminal the line is redrawn in place (``\\r``) a few times a second; otherwise (a log
 file, CI) a full line is written every ``every`` seconds, so logs stay readable.
 """
+
 from __future__ import annotations
 
 import sys
@@ -33,8 +34,9 @@ class Progress:
     """``update(lines, done_bytes, note)`` as work is done, ``close()`` at the end.
     ``total_bytes``: the input's size, for the percentage and the ETA."""
 
-    def __init__(self, total_bytes: int, stream: TextIO | None = None, every: float | None = None,
-                 label: str = "prepare") -> None:
+    def __init__(
+        self, total_bytes: int, stream: TextIO | None = None, every: float | None = None, label: str = "prepare"
+    ) -> None:
         self.stream = stream if stream is not None else sys.stderr
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self.every = every if every is not None else (0.25 if self.tty else 10.0)
@@ -55,8 +57,12 @@ class Progress:
         elapsed = max((now if now is not None else time.perf_counter()) - self.t0, 1e-9)
         frac = min(self.done / self.total, 1.0)
         eta = elapsed * (1 - frac) / frac if frac > 0 else float("nan")
-        parts = [f"{self.label}: {_count(self.lines)} lines", f"{frac:6.1%}", f"{_count(self.lines / elapsed)} lines/s",
-                 f"elapsed {format_duration(elapsed)}"]
+        parts = [
+            f"{self.label}: {_count(self.lines)} lines",
+            f"{frac:6.1%}",
+            f"{_count(self.lines / elapsed)} lines/s",
+            f"elapsed {format_duration(elapsed)}",
+        ]
         if frac < 1:
             parts.append(f"ETA {format_duration(eta)}" if eta == eta else "ETA ?")
         return "  ".join(parts) + (f"  ({self.note})" if self.note else "")

@@ -13,20 +13,19 @@ A table's values do not depend on ``S``: row ``r`` is drawn from a generator see
 gigabytes, never the whole table at once) and the same seed gives the same table for any
 number of servers.
 
-Per step a trainer deduplicates the batch's ids of each table (``plan_lookup``), sends each
-server only the local rows it owns that the batch uses, and scatters the rows it gets back
-into place (``assemble``); the backward sends back the gradients of exactly those rows.
+A server keeps its rows of every table in one storage (``FusedLayout``), so one gather
+serves a step's lookup of all tables; ``ps_train.ctr.plan`` is how a trainer asks for them.
 """
+
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-__all__ = ["INIT_BLOCK", "RowSharding", "TableLookup", "plan_lookup", "assemble", "init_rows"]
+__all__ = ["INIT_BLOCK", "RowSharding", "FusedLayout", "init_rows"]
 
 # Rows drawn per seeded generator when a table is built: small enough that building a
 # shard never holds much more than the shard, large enough that seeding costs nothing.
@@ -46,8 +45,9 @@ class RowSharding:
         if self.kind not in SHARDING_KINDS:
             raise ValueError(f"table sharding must be one of {SHARDING_KINDS}, got {self.kind!r}")
         if self.num_rows < 1 or self.num_servers < 1:
-            raise ValueError(f"a table needs >= 1 row and >= 1 server, got {self.num_rows} rows, "
-                             f"{self.num_servers} servers")
+            raise ValueError(
+                f"a table needs >= 1 row and >= 1 server, got {self.num_rows} rows, {self.num_servers} servers"
+            )
 
     @property
     def _per(self) -> int:
@@ -111,48 +111,24 @@ def _block_seed(seed: int, table: int, block: int) -> int:
     return x
 
 
-@dataclass
-class TableLookup:
-    """One table's part of a step, as the trainer plans it.
+@dataclass(frozen=True)
+class FusedLayout:
+    """Where every table's rows live: table ``t`` split by ``kind`` over ``num_servers``
+    servers, and each server's rows of all tables in one storage, table after table
+    (``row_offsets``). Trainers and servers build the same layout from the config, so a
+    trainer names a row by its place in its server's storage."""
 
-    ``inverse``: int64 [B], position of each sample's id among the table's unique ids.
-    ``positions[s]``: int64 [U_s], where server s's rows go among the unique ids.
-    ``local[s]``: int64 [U_s], the local rows to ask server s for (deduplicated).
-    """
+    kind: str
+    table_sizes: tuple[int, ...]
+    num_servers: int
 
-    num_unique: int
-    inverse: Tensor
-    positions: list[Tensor]
-    local: list[Tensor]
+    def shardings(self) -> list[RowSharding]:
+        return [RowSharding(self.kind, n, self.num_servers) for n in self.table_sizes]
 
-
-def plan_lookup(ids: Tensor, sharding: RowSharding) -> TableLookup:
-    """Deduplicate one table's ids of a batch (int64 [B]) and split them by owner."""
-    unique, inverse = torch.unique(ids, return_inverse=True)  # [U], [B]
-    owner = sharding.owner(unique)
-    local = sharding.local(unique)
-    positions, per_server = [], []
-    for s in range(sharding.num_servers):
-        where = torch.nonzero(owner == s, as_tuple=True)[0]  # [U_s]
-        positions.append(where)
-        per_server.append(local[where])
-    return TableLookup(len(unique), inverse, positions, per_server)
-
-
-def assemble(plan: TableLookup, rows: Sequence[Tensor]) -> Tensor:
-    """Each sample's embedding, [B, dim], from ``rows[s]`` ([U_s, dim], the rows server s
-    returned for ``plan.local[s]``). Differentiable: the gradient of each returned row is
-    the sum over the samples that used it."""
-    nonempty = [(p, r) for p, r in zip(plan.positions, rows, strict=True) if len(p)]
-    dim = rows[0].shape[1]
-    if not nonempty:
-        return rows[0].new_zeros(len(plan.inverse), dim)
-    # One index_copy_ per server rather than one of their concatenation: the backward then
-    # gives every server's rows a gradient of its own ([U_s, dim], index_select), where a
-    # concatenation's backward hands out views of one [U, dim] gradient, and a view that
-    # spans most of its storage is sent whole (the other servers' rows too).
-    unique_rows = rows[0].new_zeros(plan.num_unique, dim)  # [U, dim]
-    for p, r in nonempty:
-        unique_rows.index_copy_(0, p, r)
-    return unique_rows[plan.inverse]
-
+    def row_offsets(self, server: int) -> list[int]:
+        """[T + 1]: table t's rows on ``server`` are its storage rows
+        ``row_offsets[t] : row_offsets[t + 1]``; the last entry is the storage's row count."""
+        out = [0]
+        for sh in self.shardings():
+            out.append(out[-1] + sh.rows_of(server))
+        return out

@@ -1,7 +1,8 @@
 """``CtrSplit``: one split of a click-through-rate dataset held in memory, and the time split.
 
 A sample is ``num_dense`` float features, one categorical id per table (single-hot, as in
-Criteo: each of its 26 categorical fields holds one value) and a 0/1 click label.
+Criteo: each of its 26 categorical fields holds one value) or a bag of them (multi-hot,
+``ps_train.ctr.bags``), and a 0/1 click label.
 
 Memory: ``ids`` are int64 so they index ``nn.Embedding``/``EmbeddingBag`` tables of any size
 without a cast: 8 bytes x ``num_tables`` per sample, e.g. 1M samples x 26 tables = 208 MB,
@@ -19,6 +20,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from ps_train.ctr.bags import BagColumns, Bags
+
 __all__ = ["CtrDataset", "CtrSplit", "time_split", "held_out_count"]
 
 
@@ -35,8 +38,9 @@ class CtrDataset(Protocol):
 
     def __len__(self) -> int: ...
 
-    def __getitem__(self, index: slice | Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """``(dense float32 [B, num_dense], ids int64 [B, num_tables], labels float32 [B])``."""
+    def __getitem__(self, index: slice | Tensor) -> tuple[Tensor, Tensor | Bags, Tensor]:
+        """``(dense float32 [B, num_dense], ids, labels float32 [B])``; ``ids``: int64
+        [B, num_tables] (one-hot) or ``Bags`` (multi-hot)."""
         ...
 
 
@@ -47,7 +51,9 @@ class CtrSplit:
     - ``dense``: float32 ``[N, num_dense]`` (``num_dense`` may be 0);
     - ``ids``: int64 ``[N, num_tables]``, column ``t`` in ``[0, table_sizes[t])``;
     - ``labels``: float32 ``[N]`` in {0, 1} (float so it feeds ``BCEWithLogitsLoss`` as is);
-    - ``table_sizes``: rows per table, ``len(table_sizes) == num_tables``.
+    - ``table_sizes``: rows per table, ``len(table_sizes) == num_tables``;
+    - ``bags``: multi-hot data: every sample's bag of ids per table (``ids`` then holds each
+      bag's first id); None for one-hot data.
 
     Construction checks dtypes, shapes and that every id lies inside its table, so a model's
     embedding lookup can never go out of range on data that got this far.
@@ -57,20 +63,24 @@ class CtrSplit:
     ids: Tensor
     labels: Tensor
     table_sizes: list[int]
+    bags: BagColumns | None = None
 
     def __post_init__(self) -> None:
         n = self.labels.shape[0] if self.labels.dim() == 1 else -1
         if self.labels.dim() != 1 or self.labels.dtype != torch.float32:
             raise ValueError(f"CtrSplit.labels: need float32 [N], got {self.labels.dtype} {tuple(self.labels.shape)}")
         if self.dense.dim() != 2 or self.dense.dtype != torch.float32 or self.dense.shape[0] != n:
-            raise ValueError(f"CtrSplit.dense: need float32 [N={n}, num_dense], got "
-                             f"{self.dense.dtype} {tuple(self.dense.shape)}")
+            raise ValueError(
+                f"CtrSplit.dense: need float32 [N={n}, num_dense], got {self.dense.dtype} {tuple(self.dense.shape)}"
+            )
         if self.ids.dim() != 2 or self.ids.dtype != torch.int64 or self.ids.shape[0] != n:
-            raise ValueError(f"CtrSplit.ids: need int64 [N={n}, num_tables], got "
-                             f"{self.ids.dtype} {tuple(self.ids.shape)}")
+            raise ValueError(
+                f"CtrSplit.ids: need int64 [N={n}, num_tables], got {self.ids.dtype} {tuple(self.ids.shape)}"
+            )
         if self.ids.shape[1] != len(self.table_sizes):
-            raise ValueError(f"CtrSplit: ids have {self.ids.shape[1]} columns but there are "
-                             f"{len(self.table_sizes)} table sizes")
+            raise ValueError(
+                f"CtrSplit: ids have {self.ids.shape[1]} columns but there are {len(self.table_sizes)} table sizes"
+            )
         if any(int(s) < 1 for s in self.table_sizes):
             raise ValueError(f"CtrSplit.table_sizes: every table needs at least one row, got {self.table_sizes}")
         object.__setattr__(self, "table_sizes", [int(s) for s in self.table_sizes])
@@ -79,10 +89,28 @@ class CtrSplit:
             bad = ((lo < 0) | (hi >= torch.tensor(self.table_sizes))).nonzero().flatten().tolist()
             if bad:
                 t = bad[0]
-                raise ValueError(f"CtrSplit.ids: table {t} has ids in [{int(lo[t])}, {int(hi[t])}] outside "
-                                 f"[0, {self.table_sizes[t]})")
+                raise ValueError(
+                    f"CtrSplit.ids: table {t} has ids in [{int(lo[t])}, {int(hi[t])}] outside "
+                    f"[0, {self.table_sizes[t]})"
+                )
+        if self.bags is not None:
+            self._check_bags(self.bags, n)
         if n > 0 and not bool(((self.labels == 0) | (self.labels == 1)).all()):
             raise ValueError("CtrSplit.labels: every label must be 0 or 1")
+
+    def _check_bags(self, bags: BagColumns, n: int) -> None:
+        if len(bags) != n or bags.num_tables != len(self.table_sizes):
+            raise ValueError(
+                f"CtrSplit.bags: {len(bags)} samples x {bags.num_tables} tables, expected {n} x {len(self.table_sizes)}"
+            )
+        if len(bags.values) and int(bags.values.min()) < 0:
+            raise ValueError("CtrSplit.bags: negative ids")
+        top = bags.max_per_table()
+        bad = (top >= torch.tensor(self.table_sizes)).nonzero().flatten().tolist()
+        if bad:
+            raise ValueError(
+                f"CtrSplit.bags: table {bad[0]} has id {int(top[bad[0]])} outside [0, {self.table_sizes[bad[0]]})"
+            )
 
     def __len__(self) -> int:
         return self.labels.shape[0]
@@ -101,16 +129,21 @@ class CtrSplit:
 
     def nbytes(self) -> int:
         """Bytes held by the three tensors."""
-        return sum(t.element_size() * t.nelement() for t in (self.dense, self.ids, self.labels))
+        bags = self.bags.nbytes() if self.bags is not None else 0
+        return bags + sum(t.element_size() * t.nelement() for t in (self.dense, self.ids, self.labels))
 
-    def __getitem__(self, index: int | slice | Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """``(dense [B, num_dense], ids [B, num_tables], labels [B])`` for a slice or index tensor
-        (no batch dim for an int)."""
-        return self.dense[index], self.ids[index], self.labels[index]
+    def __getitem__(self, index: int | slice | Tensor) -> tuple[Tensor, Tensor | Bags, Tensor]:
+        """``(dense [B, num_dense], ids [B, num_tables] or Bags, labels [B])`` for a slice or
+        index tensor (no batch dim for an int; multi-hot data: ``Bags`` of that one sample)."""
+        if self.bags is None:
+            return self.dense[index], self.ids[index], self.labels[index]
+        where = slice(index, index + 1) if isinstance(index, int) else index
+        return self.dense[index], self.bags.batch(where), self.labels[index]
 
     def subset(self, index: slice | Tensor) -> CtrSplit:
         """A new split of the selected samples (views for a slice, copies for an index tensor)."""
-        return CtrSplit(self.dense[index], self.ids[index], self.labels[index], list(self.table_sizes))
+        bags = self.bags.subset(index) if self.bags is not None else None
+        return CtrSplit(self.dense[index], self.ids[index], self.labels[index], list(self.table_sizes), bags)
 
 
 def time_split(split: CtrSplit, test_fraction: float) -> tuple[CtrSplit, CtrSplit]:
@@ -132,6 +165,8 @@ def held_out_count(n: int, test_fraction: float) -> int:
         raise ValueError(f"test_fraction={test_fraction}: must be strictly between 0 and 1")
     n_test = int(round(n * test_fraction))
     if n_test == 0 or n_test == n:
-        raise ValueError(f"test_fraction={test_fraction} of {n} samples leaves an empty "
-                         f"{'test' if n_test == 0 else 'train'} split; use more data or another fraction")
+        raise ValueError(
+            f"test_fraction={test_fraction} of {n} samples leaves an empty "
+            f"{'test' if n_test == 0 else 'train'} split; use more data or another fraction"
+        )
     return n_test

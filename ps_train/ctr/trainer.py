@@ -1,20 +1,21 @@
 """The trainer of model=dlrm: a click-through-rate step over row-sharded embedding tables.
 
-Per step (batch: dense [B, num_dense], ids [B, T], labels [B]), inside the step's
-distributed-autograd context::
+Per step (batch: dense [B, num_dense], ids [B, T] or ``Bags``, labels [B]), inside the
+step's distributed-autograd context::
 
-    plans[t] = plan_lookup(ids[:, t], sharding_t)        # dedupe, split by owning server
-    every server s, at once: rows[s] = ps<s>.lookup([plans[t].local[s] for t])  # [U_st, d]
+    plan = planner.plan(bags)                             # all tables at once (ps_train.ctr.plan)
+    every server s, at once: out[s] = ps<s>.lookup(*plan.requests[s])  # [P_s, d]: rows, partial bags
     x   = bottom shard's forward(dense)                   # [B, d], on its server
-    emb = stack(assemble(plans[t], rows[:][t]))           # [B, T, d], here
+    emb = combine(plan, out)                              # [B, T, d], here
     z   = interact(x, emb)                                # [B, d + T(T+1)/2], here
     logit = top shard's forward(z)                        # [B], on its server
     loss  = binary_cross_entropy_with_logits(logit, labels)
 
-The backward sends each server the gradients of exactly the rows it returned, as sparse
-tensors; the update requests, sync/async/ssp, checkpoints and the loop are the base
-``Trainer``'s. No trainer ever holds a table: only the [U, d] rows of its batch.
+The backward sends each server the gradient of each vector it returned, which the server
+expands to its rows; the update requests, sync/async/ssp, checkpoints and the loop are the
+base ``Trainer``'s. No trainer ever holds a table: only the vectors of its batch.
 """
+
 from __future__ import annotations
 
 import time
@@ -25,11 +26,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ps_train.config import Config, CtrDataConfig, DLRMConfig
+from ps_train.ctr.bags import Bags, as_bags
 from ps_train.ctr.batches import CtrBatch, CtrBatchIterator, iter_ctr_eval_batches
 from ps_train.ctr.loading import load_ctr_data
 from ps_train.ctr.metrics import ctr_metrics, format_ctr_metrics
 from ps_train.ctr.model import interact
-from ps_train.ctr.rows import RowSharding, TableLookup, assemble, plan_lookup
+from ps_train.ctr.plan import BagPlanner, combine
+from ps_train.ctr.rows import FusedLayout
 from ps_train.roles.trainer import Trainer
 
 __all__ = ["CtrTrainer", "trainer_class"]
@@ -39,43 +42,45 @@ class CtrTrainer(Trainer):
     def load(self) -> None:
         cfg = self.cfg
         if not isinstance(cfg.data, CtrDataConfig) or not isinstance(cfg.model, DLRMConfig):
-            raise ValueError(f"CtrTrainer needs model=dlrm with CTR data, got model={cfg.model.name} "
-                             f"data={cfg.data.name}")
-        self.train_set, self.test_set, self.best_auc = load_ctr_data(cfg.data)
+            raise ValueError(
+                f"CtrTrainer needs model=dlrm with CTR data, got model={cfg.model.name} data={cfg.data.name}"
+            )
+        data = load_ctr_data(cfg.data)
+        self.train_set, self.test_set, self.best_auc = data.train, data.test, data.best_auc
+        if data.skipped and self.index == 0:  # every trainer reads the same files: one says it on the console
+            print(f"[{self.name}] {data.skipped}", flush=True)
         if self.train_set.table_sizes != cfg.data.sizes():
-            raise ValueError(f"data={cfg.data.name}: the data's tables {self.train_set.table_sizes} differ from the "
-                             f"config's {cfg.data.sizes()}")
-        self.batches = CtrBatchIterator(self.train_set, self.data_slot, cfg.cluster.num_trainers, cfg.train.batch_size,
-                                        cfg.seed)
-        S = cfg.cluster.num_servers
-        self.shardings = [RowSharding(cfg.model.table_sharding, n, S) for n in cfg.data.sizes()]
-        self.rows_pulled = 0  # unique rows looked up for training, over all servers and steps
-        self.rows_pushed = 0  # rows whose gradient went back
+            raise ValueError(
+                f"data={cfg.data.name}: the data's tables {self.train_set.table_sizes} differ from the "
+                f"config's {cfg.data.sizes()}"
+            )
+        self.batches = CtrBatchIterator(
+            self.train_set, self.data_slot, cfg.cluster.num_trainers, cfg.train.batch_size, cfg.seed
+        )
+        sizes = cfg.data.sizes()
+        layout = FusedLayout(cfg.model.table_sharding, tuple(sizes), cfg.cluster.num_servers)
+        self.planner = BagPlanner(layout, cfg.model.embedding_dim, cfg.model.pooling_list(len(sizes)))
+        self.rows_pulled = 0  # vectors looked up for training (distinct rows, partial bags), all servers and steps
+        self.rows_pushed = 0  # vectors whose gradient went back
 
     # -- one step ---------------------------------------------------------------------------------
-    def _plans(self, ids: Tensor) -> list[TableLookup]:
-        return [plan_lookup(ids[:, t], sh) for t, sh in enumerate(self.shardings)]
-
-    def _embeddings(self, plans: list[TableLookup], rows: list[list[Tensor]]) -> Tensor:
-        """[B, T, d] from ``rows[s][t]`` ([U_st, d], server s's rows of table t)."""
-        S = len(rows)
-        return torch.stack([assemble(p, [rows[s][t] for s in range(S)]) for t, p in enumerate(plans)], dim=1)
-
     def step_loss(self, batch: CtrBatch) -> tuple[Tensor, dict[str, float]]:
         dense, ids, labels = batch
-        plans = self._plans(ids)
+        plan = self.planner.plan(as_bags(ids))
         # Every server's lookup leaves at once; the bottom MLP's forward runs meanwhile.
         t0 = time.perf_counter()
-        futs = [self.rpc.rpc_async(f"ps{s}", _lookup, args=([p.local[s] for p in plans], self.index, self.step))
-                for s in range(len(self.servers))]
+        futs = [
+            self.rpc.rpc_async(f"ps{s}", _lookup, args=(*plan.requests[s], self.index, self.step))
+            for s in range(len(self.servers))
+        ]
         (bottom, bottom_server), (top, top_server) = self.shard_servers
         x = self._call(bottom_server, "forward", bottom, dense, self.index, self.step)  # [B, d]
         rows = [f.wait() for f in futs]
         for s in range(len(rows)):
             self.latency[s].record(time.perf_counter() - t0)
-        emb = self._embeddings(plans, rows)  # [B, T, d]
+        emb = combine(plan, rows)  # [B, T, d]
         logit = self._call(top_server, "forward", top, interact(x, emb), self.index, self.step).squeeze(1)  # [B]
-        pulled = sum(len(loc) for p in plans for loc in p.local)
+        pulled = sum(plan.answers)
         self.rows_pulled += pulled
         self.rows_pushed += pulled  # every row pulled is used by the loss, so gets a gradient
         loss = F.binary_cross_entropy_with_logits(logit, labels)
@@ -83,13 +88,13 @@ class CtrTrainer(Trainer):
         return loss, {"accuracy": acc, "rows_pulled": float(pulled), "rows_pushed": float(pulled)}
 
     # -- evaluation -------------------------------------------------------------------------------
-    def predict(self, dense: Tensor, ids: Tensor) -> Tensor:
+    def predict(self, dense: Tensor, ids: Tensor | Bags) -> Tensor:
         """Logits [B] of the current model (no autograd): what evaluation scores."""
-        plans = self._plans(ids)
-        futs = [server.rpc_async().read_rows([p.local[s] for p in plans]) for s, server in enumerate(self.servers)]
+        plan = self.planner.plan(as_bags(ids))
+        futs = [server.rpc_async().read_rows(*plan.requests[s]) for s, server in enumerate(self.servers)]
         (bottom, bottom_server), (top, top_server) = self.shard_servers
         x = self.servers[bottom_server].rpc_sync().predict(bottom, dense)
-        emb = self._embeddings(plans, [f.wait() for f in futs])
+        emb = combine(plan, [f.wait() for f in futs])
         return self.servers[top_server].rpc_sync().predict(top, interact(x, emb)).squeeze(1)
 
     def evaluate(self) -> dict[str, float]:
@@ -131,12 +136,13 @@ class CtrTrainer(Trainer):
         if all("bytes_sent" in s for s in server_stats):
             out["server_bytes_per_step"] = {
                 f"ps{r}": {"sent": s["bytes_sent"] / steps, "received": s["bytes_received"] / steps}
-                for r, s in enumerate(server_stats)}
+                for r, s in enumerate(server_stats)
+            }
         return out
 
 
-def _lookup(local_ids: list[Tensor], trainer: int, step: int) -> list[Tensor]:
-    """Runs on a server: its rows ``local_ids[t]`` of every table (``ParameterServer.lookup``).
+def _lookup(rows: Tensor, offsets: Tensor, weights: Tensor | None, trainer: int, step: int) -> Tensor:
+    """Runs on a server: the vectors of a ``ServerRequest`` (``ParameterServer.lookup``).
 
     Called as a function with ``rpc_async``, not through ``rref.rpc_async()``: torch's RRef
     proxy sends that call from a callback thread, outside the caller's distributed-autograd
@@ -144,7 +150,7 @@ def _lookup(local_ids: list[Tensor], trainer: int, step: int) -> list[Tensor]:
     gradients home."""
     from ps_train.roles.server import local_server
 
-    return local_server().lookup(local_ids, trainer, step)
+    return local_server().lookup(rows, offsets, weights, trainer, step)
 
 
 def trainer_class(cfg: Config) -> type[Trainer]:

@@ -7,6 +7,7 @@
 - ``replacements.json``: every trainer the local launcher replaced, as it happens (role,
   reason, attempt); ``metrics.json`` lists them as ``replacements``.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,15 @@ from typing import Any
 from ps_train.config import ELASTIC_FILE
 from ps_train.files import atomic_write_text
 
-__all__ = ["ELASTIC_FILE", "REPLACEMENTS_FILE", "write_job_file", "read_job_file", "remove_job_file",
-           "record_replacement", "read_replacements"]
+__all__ = [
+    "ELASTIC_FILE",
+    "REPLACEMENTS_FILE",
+    "write_job_file",
+    "read_job_file",
+    "remove_job_file",
+    "record_replacement",
+    "read_replacements",
+]
 
 REPLACEMENTS_FILE = "replacements.json"
 
@@ -36,8 +44,10 @@ def read_job_file(run_dir: str) -> dict[str, Any]:
     try:
         return dict(json.loads(path.read_text()))
     except FileNotFoundError:
-        raise FileNotFoundError(f"join={run_dir}: no {ELASTIC_FILE} there: the job has finished, or was not started "
-                                "with cluster.elastic=true; pass the run dir of a running elastic job") from None
+        raise FileNotFoundError(
+            f"join={run_dir}: no {ELASTIC_FILE} there: the job has finished, or was not started "
+            "with cluster.elastic=true; pass the run dir of a running elastic job"
+        ) from None
 
 
 def remove_job_file(run_dir: str) -> None:

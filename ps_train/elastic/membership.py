@@ -27,12 +27,14 @@ servers never wait for a trainer that is gone:
 The events are also the ``train/num_trainers`` curve in ps0's TensorBoard folder (steps:
 ps0's update count) and ``membership`` in metrics.json.
 """
+
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -41,8 +43,16 @@ from ps_train.config import Config
 from ps_train.metrics import MetricsWriter, make_writer
 from rpc_core.functions import async_execution
 
-__all__ = ["Assignment", "Membership", "set_current", "follow", "keep_membership", "serve_elastic", "request_stop",
-           "stop_requested"]
+__all__ = [
+    "Assignment",
+    "Membership",
+    "set_current",
+    "follow",
+    "keep_membership",
+    "serve_elastic",
+    "request_stop",
+    "stop_requested",
+]
 
 log = logging.getLogger("ps_train.membership")
 
@@ -59,7 +69,7 @@ class Membership:
     """ps0's side. ``launched``: the trainers the launcher started (indices ``0..T-1``);
     ``index_of``: a worker name's trainer index, None for a server."""
 
-    def __init__(self, launched: int, num_servers: int, writer: MetricsWriter, version: Any) -> None:
+    def __init__(self, launched: int, num_servers: int, writer: MetricsWriter, version: Callable[[], int]) -> None:
         self.launched = set(range(launched))
         self.num_servers = num_servers
         self.writer = writer
@@ -73,7 +83,7 @@ class Membership:
         self.waiting: list[tuple[int, torch.futures.Future[Any]]] = []  # joiners waiting for an epoch
         self.report_waiters: list[torch.futures.Future[Any]] = []
         self.events: list[dict[str, Any]] = []
-        self.listeners: list[Any] = []  # called with (trainer, joined) after each change
+        self.listeners: list[Callable[[int, bool], None]] = []  # called with (trainer, joined) after each change
         self.done = False
         self.closed = False  # the writer is: later changes are kept in ``events`` only
         self._t0 = time.monotonic()
@@ -94,9 +104,15 @@ class Membership:
             else:
                 self.present.discard(trainer)
             count = len(self.present)
-            self.events.append({"time_s": round(time.monotonic() - self._t0, 3), "trainer": info.name,
-                                "event": "joined" if joined else "left", "num_trainers": count,
-                                "server_updates": self._version()})
+            self.events.append(
+                {
+                    "time_s": round(time.monotonic() - self._t0, 3),
+                    "trainer": info.name,
+                    "event": "joined" if joined else "left",
+                    "num_trainers": count,
+                    "server_updates": self._version(),
+                }
+            )
             if not self.closed:  # trainers leave after the job's end too, until ps0 shuts down
                 self.writer.add_scalar("train/num_trainers", count, self._version())
                 self.writer.flush()
@@ -261,7 +277,23 @@ def follow(membership: Membership) -> None:
 
 
 # -- ps0's role in an elastic run (ps_train.launch.run_rank) ---------------------------------------
-def keep_membership(ps: Any, cfg: Config, run_dir: str, resume_state: dict[str, Any] | None) -> None:
+class ElasticServer(Protocol):
+    """What an elastic run uses of a server (``ps_train.roles.server.ParameterServer``)."""
+
+    membership: Membership | None  # ps0's, set by keep_membership
+
+    @property
+    def version(self) -> int:
+        """Updates it applied so far (the step of the membership curve)."""
+
+    def trainer_changed(self, trainer: int, joined: bool) -> None:
+        """A trainer joined or left (ssp's clock counts only the trainers in the job)."""
+
+    def wait_released(self) -> None:
+        """Return once trainer0 has written the run's results."""
+
+
+def keep_membership(ps: ElasticServer, cfg: Config, run_dir: str, resume_state: dict[str, Any] | None) -> None:
     """ps0 of an elastic run, before ``init_rpc``: the trainer membership (ps_train.elastic.membership),
     ready before any trainer can ask for it; it knows where this attempt started."""
     writer = make_writer(cfg.logging.tensorboard, f"{run_dir}/tb/ps0", filename_suffix=".ps0")
@@ -272,14 +304,13 @@ def keep_membership(ps: Any, cfg: Config, run_dir: str, resume_state: dict[str, 
     set_current(ps.membership)
 
 
-def serve_elastic(ps: Any) -> None:
+def serve_elastic(ps: ElasticServer) -> None:
     """A server of an elastic run, in the group: ps0 follows its joins and leaves; every server
     stays until trainer0 has written the results (each member of a dynamic group leaves on
     its own, so a server's shutdown would not wait for the trainers)."""
     if ps.membership is not None:
         follow(ps.membership)
     ps.wait_released()
-
 
 
 # -- a joiner's stop flag (set by ps0 over RPC once the job is over) ----------------------------------

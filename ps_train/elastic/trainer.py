@@ -11,15 +11,17 @@
   that ps0 applied, a launched trainer at its checkpoint's step (or 0), a joiner at the
   slowest trainer's step -- and how it hands in its totals at the end.
 """
+
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 from ps_train import backend
+from ps_train.config import Config
 from ps_train.elastic import membership
 from ps_train.elastic.membership import Assignment
 from rpc_core.errors import WorkerLeftError
@@ -74,8 +76,10 @@ def wait_for_servers(num_servers: int, timeout: float) -> None:
     try:
         with cond:
             if not cond.wait_for(lambda: not missing(), timeout=timeout or None):
-                raise TimeoutError(f"servers {sorted(missing())} did not join the group within {timeout:g} s "
-                                   "(cluster.init_timeout); see their logs")
+                raise TimeoutError(
+                    f"servers {sorted(missing())} did not join the group within {timeout:g} s "
+                    "(cluster.init_timeout); see their logs"
+                )
     finally:
         backend.rpc().remove_membership_listener(changed)
 
@@ -88,8 +92,13 @@ class ElasticBatches:
     next epoch (blocking until it has one), None when the job is over.
     """
 
-    def __init__(self, make: Callable[[int, int], Any], assign: Callable[[int], Assignment | None],
-                 first: Assignment | None, offset: int = 0) -> None:
+    def __init__(
+        self,
+        make: Callable[[int, int], Any],
+        assign: Callable[[int], Assignment | None],
+        first: Assignment | None,
+        offset: int = 0,
+    ) -> None:
         self.make, self.assign = make, assign
         self.inner: Any = None
         self.current: Assignment | None = None
@@ -121,11 +130,35 @@ class ElasticBatches:
         return {"epoch": a.epoch, "slot": a.slot, "world": a.world, "offset": self.inner.offset}
 
 
-class ElasticRole:
-    """Sets up ``trainer`` (a ``ps_train.roles.trainer.Trainer``) for an elastic run: its first step,
-    its batches, and for a joiner its length."""
+class ElasticTrainer(Protocol):
+    """What an elastic run sets up and uses of a trainer (``ps_train.roles.trainer.Trainer``)."""
 
-    def __init__(self, trainer: Any) -> None:
+    step: int  # the step it trains next
+    steps: int  # the step it trains to
+    batches: Any  # its batch iterator (replaced by ElasticBatches)
+
+    @property
+    def cfg(self) -> Config: ...
+
+    @property
+    def index(self) -> int: ...
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def train_set(self) -> Any: ...
+
+    @property
+    def servers(self) -> Sequence[Any]:
+        """RRefs to the ParameterServers."""
+
+
+class ElasticRole:
+    """Sets up ``trainer`` for an elastic run: its first step, its batches, and for a joiner
+    its length."""
+
+    def __init__(self, trainer: ElasticTrainer) -> None:
         self.trainer = trainer
         cfg = trainer.cfg
         self.rpc = backend.rpc()
@@ -141,21 +174,34 @@ class ElasticRole:
             trainer.steps = JOINER_STEPS
             first = self._ps0(membership.assignment, trainer.index, -1)
             offset = 0
-            log.info("%s joined the job at step %d; %s", trainer.name, trainer.step,
-                     f"training from epoch {first.epoch} as {first.slot} of {first.world}" if first
-                     else "the job is over already")
+            log.info(
+                "%s joined the job at step %d; %s",
+                trainer.name,
+                trainer.step,
+                f"training from epoch {first.epoch} as {first.slot} of {first.world}"
+                if first
+                else "the job is over already",
+            )
         elif "position" in point:  # a replacement: continue after the predecessor's last step
             trainer.step, pos = point["step"], point["position"]
             first, offset = Assignment(pos["epoch"], pos["slot"], pos["world"]), pos["offset"]
-            log.warning("%s replaces a trainer that died: continuing after its step %d (epoch %d, slot %d of %d, "
-                        "%d samples of the epoch done)", trainer.name, trainer.step, first.epoch, first.slot,
-                        first.world, offset)
+            log.warning(
+                "%s replaces a trainer that died: continuing after its step %d (epoch %d, slot %d of %d, "
+                "%d samples of the epoch done)",
+                trainer.name,
+                trainer.step,
+                first.epoch,
+                first.slot,
+                first.world,
+                offset,
+            )
         else:  # where the attempt started (step 0 or its checkpoint's)
             trainer.step, data_state = point["step"], point["data_state"]
             epoch, offset = (data_state["epoch"], data_state["offset"]) if data_state else (0, 0)
             first = self._ps0(membership.assignment, trainer.index, epoch)
-        trainer.batches = ElasticBatches(make, lambda e: self._ps0(membership.assignment, trainer.index, e),
-                                         first, offset)
+        trainer.batches = ElasticBatches(
+            make, lambda e: self._ps0(membership.assignment, trainer.index, e), first, offset
+        )
 
     def _ps0(self, func: Callable[..., Any], *args: Any) -> Any:
         return self.rpc.rpc_sync("ps0", func, args=args, timeout=0)  # may wait for an epoch: no time limit
@@ -178,8 +224,12 @@ class ElasticRole:
         cfg = self.trainer.cfg
         per_server = {f"ps{r}": s["updates_by_trainer"] for r, s in enumerate(server_stats)}
         samples = {name: n * cfg.train.batch_size for name, n in server_stats[0]["updates_by_trainer"].items()}
-        return {"updates_by_trainer": per_server, "samples_by_trainer": samples,
-                "samples": sum(samples.values()), "membership": self._ps0(membership.events)}
+        return {
+            "updates_by_trainer": per_server,
+            "samples_by_trainer": samples,
+            "samples": sum(samples.values()),
+            "membership": self._ps0(membership.events),
+        }
 
     def release_servers(self) -> None:
         """trainer0, after writing the results: the servers may leave the group."""

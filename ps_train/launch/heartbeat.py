@@ -15,6 +15,7 @@ while the forkserver still imports torch can take a while) the allowance is
 
 A dead role is not this module's business: the launcher sees its process exit at once.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -91,8 +92,14 @@ def start_heartbeat(counters: Any, rank: int, interval: float) -> threading.Thre
     return t
 
 
-_STATES = {"T": "stopped by a signal (SIGSTOP)", "t": "stopped by a debugger", "D": "in uninterruptible I/O",
-           "Z": "a zombie", "R": "running", "S": "sleeping"}
+_STATES = {
+    "T": "stopped by a signal (SIGSTOP)",
+    "t": "stopped by a debugger",
+    "D": "in uninterruptible I/O",
+    "Z": "a zombie",
+    "R": "running",
+    "S": "sleeping",
+}
 
 
 def process_state(pid: int) -> str | None:

@@ -1,12 +1,13 @@
-"""Starting the roles: every process of a run, locally or as one rank of a larger job.
+"""The local launcher: every process of a run, started and watched on this machine.
 
 Ranks 0..S-1 are the parameter servers ``ps0..``, ranks S..S+T-1 the trainers
 ``trainer0..``. ``launch_local`` starts all of them on this machine with a fresh auth
 secret and a free port, watches them, and stops the run as soon as one fails -- exits, or
 stops sending heartbeats for ``cluster.role_timeout`` seconds (``ps_train.launch.heartbeat``) --
-naming it (and the latest complete checkpoint to resume from). Restarting the run is the
-caller's choice (``ps_train.launch.restarts``). ``run_rank`` is what each process runs
-(and, with ``cluster.launcher=env``, what a torchrun/SLURM-started process runs directly).
+naming it (and the latest complete checkpoint to resume from; ``RoleFailed``,
+``ps_train.launch.failures``). Restarting the run is the caller's choice
+(``ps_train.launch.restarts``). Each process runs ``ps_train.launch.rank.run_rank`` (which,
+with ``cluster.launcher=env``, a torchrun/SLURM-started process runs directly).
 
 Local roles are forked from a ``forkserver`` that has imported torch and ps_train once, so
 a role starts in well under a second instead of re-importing torch (seconds per process on
@@ -17,6 +18,7 @@ and exits by itself if the launcher dies.
 Roles inherit the launcher's environment, so a test can set ``PS_TRAIN_FAULT`` here to
 make one of them die at a chosen step (see ``ps_train.faults``).
 """
+
 from __future__ import annotations
 
 import logging
@@ -29,146 +31,36 @@ import sys
 import threading
 import time
 import traceback
-from pathlib import Path
 from typing import Any
 
-import torch
-
-from ps_train import backend
 from ps_train.config import Config, config_to_dict, from_dictconfig
 from ps_train.elastic.files import record_replacement, remove_job_file, write_job_file
-from ps_train.elastic.membership import keep_membership, serve_elastic
-from ps_train.elastic.trainer import join_group, wait_for_servers
 from ps_train.faults import ATTEMPT_ENV
+from ps_train.launch.failures import RoleFailed, role_name
 from ps_train.launch.heartbeat import HeartbeatBoard, process_state, start_heartbeat
 from ps_train.launch.ports import free_port
-from ps_train.metrics import mark_attempt
-from rpc_core import tune_malloc
+from ps_train.launch.rank import run_rank
 
 log = logging.getLogger("ps_train")
 
 # What the forkserver imports once, so forked roles start without importing anything heavy.
-_PRELOAD = ["ps_train.launch.local", "ps_train.roles.server", "ps_train.roles.trainer", "ps_train.checkpoint.protocol",
-            "ps_train.data", "ps_train.metrics", "rpc_core", "rpc_core.autograd", "sklearn.datasets",
-            "ps_train.ctr.trainer",
-            "sklearn.model_selection", "torch.utils.tensorboard",
-            "torch._dynamo"]  # the first torch.optim optimizer imports it: ~2.5 s of CPU per server
-
-
-class RoleFailed(RuntimeError):
-    """A server or trainer process failed (or the run hit its time limit); the message names
-    the role, its log, and the latest complete checkpoint.
-
-    ``role``: the failed role (``ps1``), None when the run ran out of time; ``reason``: how
-    it failed (``killed by signal SIGKILL``, ``unresponsive: ...``); ``checkpoint``: the
-    latest complete checkpoint of the run folder, if any.
-    """
-
-    def __init__(self, message: str, role: str | None = None, reason: str = "",
-                 checkpoint: str | None = None) -> None:
-        super().__init__(message)
-        self.role = role
-        self.reason = reason
-        self.checkpoint = checkpoint
-
-
-def role_name(rank: int, num_servers: int) -> str:
-    return f"ps{rank}" if rank < num_servers else f"trainer{rank - num_servers}"
-
-
-def _setup_logging(run_dir: str, name: str, level: str) -> None:
-    logs = Path(run_dir) / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(logs / f"{name}.log")
-    handler.setFormatter(logging.Formatter(f"%(asctime)s [{name}] %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level)
-
-
-def run_rank(cfg: Config, rank: int, master_addr: str, master_port: int, secret: str | None, run_dir: str,
-             resume: str | None = None, init_method: str | None = None,
-             attempt: int = 0, joiner: bool = False) -> dict[str, Any] | None:
-    """Run one role until the whole job is done; returns the metrics on trainer0.
-
-    ``resume``: a complete checkpoint dir (see ``checkpoint.files.resolve_resume``) to start from.
-    ``init_method``: where the ranks meet, if not ``tcp://master_addr:master_port``.
-    ``attempt``: how many times the run was restarted before this start (TensorBoard shows it).
-    ``joiner``: a trainer joining a running elastic job (``join=``): it takes the first free
-    trainer rank from ``rank`` on.
-    """
-    S, T = cfg.cluster.num_servers, cfg.cluster.num_trainers
-    name = role_name(rank, S)
-    torch.set_num_threads(1)  # many small processes on few cores: intra-op threads only fight
-    # rpc_core owns the malloc policy (rpc_core.memory; RPC_CORE_MALLOC_TUNE=0 or the user's
-    # own MALLOC_*/GLIBC_TUNABLES settings turn it off). init_rpc applies it on rpc_core, but
-    # torch's init_rpc does not: calling it here gives both backends the same allocator, and
-    # before the server builds its model rather than after.
-    malloc_tuned = tune_malloc()
-    _setup_logging(run_dir, name, cfg.logging.level)
-    log.info("malloc thresholds: %s", "fixed by rpc_core.memory" if malloc_tuned else
-             "glibc's defaults or the environment's (RPC_CORE_MALLOC_TUNE=0, MALLOC_*, GLIBC_TUNABLES, or not glibc)")
-    backend.select(cfg.backend)
-    rpc = backend.rpc()
-    from ps_train.checkpoint.protocol import checkpoint_hook, load_resume_state, load_server_state
-    from ps_train.ctr.table_server import make_table_server
-    from ps_train.ctr.trainer import trainer_class
-    from ps_train.roles import server as server_mod
-
-    resume_state = load_resume_state(resume, server=name if rank < S else None) if resume else None
-    if rank < S:
-        # Before init_rpc: trainers may ask for it at once. The model's tables, if any, are its own part.
-        ps = server_mod.create(cfg, rank, make_table_server(cfg, rank))
-        if resume_state is not None:
-            load_server_state(ps, resume_state)
-        if rank == 0 and cfg.cluster.elastic:
-            keep_membership(ps, cfg, run_dir, resume_state)  # ps_train.elastic.membership
-    init_method = init_method or f"tcp://{master_addr}:{master_port}"
-    opts = backend.make_options(init_method, cfg.cluster.rpc_timeout, cfg.cluster.num_worker_threads, secret,
-                                cfg.cluster.init_timeout)
-    log.info("starting %s (rank %d of %d, pid %d) on the %s backend, rendezvous at %s%s", name, rank, S + T,
-             os.getpid(), cfg.backend,
-             init_method, f", resuming from {resume} (step {resume_state['step']})" if resume_state else "")
-    if cfg.cluster.elastic:  # a dynamic group: trainers can leave and join (ps_train.elastic.trainer)
-        rank = join_group(lambda r: role_name(r, S), rank, opts, cfg.cluster.init_timeout, next_free=joiner)
-        if joiner:
-            name = role_name(rank, S)
-            _setup_logging(run_dir, name, cfg.logging.level)
-            log.info("joined the running job as %s (rank %d)", name, rank)
-    else:
-        rpc.init_rpc(name, rank=rank, world_size=S + T, rpc_backend_options=opts)
-        backend.restore_rpc_timeout(cfg.cluster.rpc_timeout)
-    result = None
-    try:
-        if rank >= S:
-            start, data_state = 0, None
-            if resume_state is not None:
-                start = resume_state["step"]
-                data_state = resume_state["trainer_positions"].get(name)
-            if cfg.cluster.elastic:
-                wait_for_servers(S, cfg.cluster.init_timeout)
-            t = trainer_class(cfg)(cfg, rank - S, run_dir, start_step=start, data_state=data_state)
-            mark_attempt(t.writer, t.step, attempt if t.index == 0 else None)  # see ps_train.launch.restarts
-            result = t.run(on_step=checkpoint_hook(cfg, run_dir))
-        elif cfg.cluster.elastic:
-            serve_elastic(ps)  # ps_train.elastic.membership
-    except BaseException:
-        _abandon(rpc)
-        raise
-    rpc.shutdown()
-    if rank < S and ps.membership is not None:
-        ps.membership.close()  # after shutdown: ps0 records every trainer's leave first
-    log.info("%s finished", name)
-    return result
-
-
-def _abandon(rpc: Any) -> None:
-    """Shut down a failed role without waiting for its peers: a graceful shutdown would wait
-    for every peer (forever, for a frozen one) and its error would hide the role's own."""
-    try:
-        rpc.shutdown(graceful=False)
-    except Exception:  # the role's own error is what matters; it is being raised
-        log.exception("shutting down after the failure failed too")
+_PRELOAD = [
+    "ps_train.launch.local",
+    "ps_train.launch.rank",
+    "ps_train.roles.server",
+    "ps_train.roles.trainer",
+    "ps_train.checkpoint.protocol",
+    "ps_train.data",
+    "ps_train.metrics",
+    "rpc_core",
+    "rpc_core.autograd",
+    "sklearn.datasets",
+    "ps_train.ctr.trainer",
+    "ps_train.ctr.table_server",
+    "sklearn.model_selection",
+    "torch.utils.tensorboard",
+    "torch._dynamo",
+]  # the first torch.optim optimizer imports it: ~2.5 s of CPU per server
 
 
 def _exit_with_parent() -> None:
@@ -184,9 +76,20 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, name="exit-with-launcher", daemon=True).start()
 
 
-def _child(cfg_dict: dict[str, Any], rank: int, port: int, secret: str, run_dir: str,
-           resume: str | None, results: Any, env: dict[str, str], cwd: str, heartbeats: Any,
-           beat_every: float, attempt: int) -> None:
+def _child(
+    cfg_dict: dict[str, Any],
+    rank: int,
+    port: int,
+    secret: str,
+    run_dir: str,
+    resume: str | None,
+    results: Any,
+    env: dict[str, str],
+    cwd: str,
+    heartbeats: Any,
+    beat_every: float,
+    attempt: int,
+) -> None:
     name = role_name(rank, cfg_dict["cluster"]["num_servers"])
     start_heartbeat(heartbeats, rank, beat_every)  # first: the launcher counts silence from its start
     try:
@@ -224,8 +127,9 @@ def _context() -> Any:
     return mp.get_context("spawn")
 
 
-def launch_local(cfg: Config, run_dir: str, resume: str | None = None,
-                 timeout: float | None = None, attempt: int = 0) -> dict[str, Any]:
+def launch_local(
+    cfg: Config, run_dir: str, resume: str | None = None, timeout: float | None = None, attempt: int = 0
+) -> dict[str, Any]:
     """Start every role as a process on this machine; return trainer0's metrics.
 
     Raises ``RoleFailed`` naming the first role that failed or went silent for
@@ -237,8 +141,9 @@ def launch_local(cfg: Config, run_dir: str, resume: str | None = None,
     # master_port=0: a free port for this run, so concurrent runs and -m sweep jobs never clash.
     port = cfg.cluster.master_port or free_port(cfg.cluster.master_addr)
     secret = secrets.token_hex(16)  # per run: only this run's processes can talk to each other
-    log.info("starting %d servers + %d trainers on %s:%d; logs in %s/logs", S, T, cfg.cluster.master_addr, port,
-             run_dir)
+    log.info(
+        "starting %d servers + %d trainers on %s:%d; logs in %s/logs", S, T, cfg.cluster.master_addr, port, run_dir
+    )
     ctx = _context()
     results = ctx.Queue()
     cfg_dict = config_to_dict(cfg)
@@ -248,18 +153,39 @@ def launch_local(cfg: Config, run_dir: str, resume: str | None = None,
     deadline = None if timeout is None else time.monotonic() + timeout
 
     def start(rank: int, resume: str | None = resume) -> Any:
-        p = ctx.Process(target=_child, args=(cfg_dict, rank, port, secret, run_dir, resume, results, env, cwd,
-                                             board.counters, board.interval, attempt),
-                        name=role_name(rank, S), daemon=False)
+        p = ctx.Process(
+            target=_child,
+            args=(
+                cfg_dict,
+                rank,
+                port,
+                secret,
+                run_dir,
+                resume,
+                results,
+                env,
+                cwd,
+                board.counters,
+                board.interval,
+                attempt,
+            ),
+            name=role_name(rank, S),
+            daemon=False,
+        )
         p.start()
         return p
 
     def replace(rank: int, reason: str) -> Any:
         """Elastic: start a trainer in place of a dead one (it continues where ps0 says)."""
         rows = record_replacement(run_dir, role_name(rank, S), reason, attempt)
-        log.warning("replacement %d: %s failed (%s); the other roles go on; starting a new %s that continues "
-                    "its partition after its last step the servers applied", len(rows), role_name(rank, S), reason,
-                    role_name(rank, S))
+        log.warning(
+            "replacement %d: %s failed (%s); the other roles go on; starting a new %s that continues "
+            "its partition after its last step the servers applied",
+            len(rows),
+            role_name(rank, S),
+            reason,
+            role_name(rank, S),
+        )
         board.restart(rank)
         return start(rank, resume=None)  # ps0 says where it starts; the attempt's checkpoint may be pruned by now
 
@@ -302,8 +228,11 @@ def _checkpoint_hint(run_dir: str) -> tuple[str, str | None]:
     from ps_train.checkpoint.files import latest_checkpoint
 
     last = latest_checkpoint(run_dir)
-    return ((f"the latest complete checkpoint is {last}; continue with resume={run_dir}", str(last)) if last
-            else ("no checkpoint was written yet; the run has to start over", None))
+    return (
+        (f"the latest complete checkpoint is {last}; continue with resume={run_dir}", str(last))
+        if last
+        else ("no checkpoint was written yet; the run has to start over", None)
+    )
 
 
 def _unresponsive(procs: dict[int, Any], silent: list[tuple[int, float]], S: int, run_dir: str) -> RoleFailed:
@@ -312,18 +241,27 @@ def _unresponsive(procs: dict[int, Any], silent: list[tuple[int, float]], S: int
     parts = []
     for rank, quiet in silent:
         state = process_state(procs[rank].pid)
-        parts.append((role_name(rank, S), f"unresponsive: no heartbeat for {quiet:.1f} s"
-                      + (f", the process is {state}" if state else "")))
+        parts.append(
+            (
+                role_name(rank, S),
+                f"unresponsive: no heartbeat for {quiet:.1f} s" + (f", the process is {state}" if state else ""),
+            )
+        )
     hint, last = _checkpoint_hint(run_dir)
     (first, reason), others = parts[0], parts[1:]
     also = f"; also unresponsive: {', '.join(name for name, _ in others)}" if others else ""
     rank = silent[0][0]
-    return RoleFailed(f"{first} (rank {rank}, {reason}; log: {run_dir}/logs/{first}.log) failed; stopped the run"
-                      f"{also}; {hint}", role=first, reason=reason, checkpoint=last)
+    return RoleFailed(
+        f"{first} (rank {rank}, {reason}; log: {run_dir}/logs/{first}.log) failed; stopped the run{also}; {hint}",
+        role=first,
+        reason=reason,
+        checkpoint=last,
+    )
 
 
-def _watch(procs: dict[int, Any], S: int, run_dir: str, deadline: float | None, board: HeartbeatBoard,
-           replace: Any = None) -> None:
+def _watch(
+    procs: dict[int, Any], S: int, run_dir: str, deadline: float | None, board: HeartbeatBoard, replace: Any = None
+) -> None:
     """Wait for all roles; on the first failure (exit or silence) stop and name the role.
 
     ``replace(rank, reason) -> process`` (elastic runs): a trainer killed by a signal or gone
@@ -340,16 +278,20 @@ def _watch(procs: dict[int, Any], S: int, run_dir: str, deadline: float | None, 
         if not ready:
             if deadline is not None and time.monotonic() >= deadline:
                 hint, last = _checkpoint_hint(run_dir)
-                raise RoleFailed(f"the run did not finish within its time limit; roles still running: "
-                                 f"{[role_name(r, S) for r in alive]}; {hint}", checkpoint=last)
+                raise RoleFailed(
+                    f"the run did not finish within its time limit; roles still running: "
+                    f"{[role_name(r, S) for r in alive]}; {hint}",
+                    checkpoint=last,
+                )
             silent = board.silent(alive)
             if silent and replace is not None and all(rank >= S for rank, _ in silent):
                 for rank, quiet in silent:
                     state = process_state(procs[rank].pid)
                     procs[rank].kill()  # frozen: it must not come back and train a partition twice
                     procs[rank].join()
-                    reason = f"unresponsive: no heartbeat for {quiet:.1f} s" + (f", the process was {state}"
-                                                                                 if state else "")
+                    reason = f"unresponsive: no heartbeat for {quiet:.1f} s" + (
+                        f", the process was {state}" if state else ""
+                    )
                     procs[rank] = alive[rank] = replace(rank, reason)
                 continue
             if silent:
@@ -375,8 +317,15 @@ def _watch(procs: dict[int, Any], S: int, run_dir: str, deadline: float | None, 
                     failed.append(rank)
             failed.sort(key=lambda r: (procs[r].exitcode >= 0, r))
             first, *others = failed
-            also = f"; also failed: {', '.join(_describe(r, procs[r].exitcode, S, run_dir) for r in others)}" \
-                if others else ""
+            also = (
+                f"; also failed: {', '.join(_describe(r, procs[r].exitcode, S, run_dir) for r in others)}"
+                if others
+                else ""
+            )
             hint, last = _checkpoint_hint(run_dir)
-            raise RoleFailed(f"{_describe(first, procs[first].exitcode, S, run_dir)} failed; stopped the run{also}; "
-                             f"{hint}", role=role_name(first, S), reason=_how(procs[first].exitcode), checkpoint=last)
+            raise RoleFailed(
+                f"{_describe(first, procs[first].exitcode, S, run_dir)} failed; stopped the run{also}; {hint}",
+                role=role_name(first, S),
+                reason=_how(procs[first].exitcode),
+                checkpoint=last,
+            )

@@ -4,6 +4,7 @@ The one helper for the launcher, the tests and the benchmarks. It imports only t
 standard library, so rpc_core's tests and benchmarks can use it without loading the
 application.
 """
+
 from __future__ import annotations
 
 import socket

@@ -18,6 +18,7 @@ does on purpose (e.g. for a requeued SLURM job). A failed rank exits with one li
 the role that failed (``rank_failed``) and notes it in ``logs/failures.jsonl``, from which
 trainer0 of the next attempt records the restart (``record_env_restart``).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,12 +33,22 @@ from ps_train.checkpoint.files import latest_checkpoint, read_manifest
 from ps_train.config import RESUME_AUTO, Config
 from ps_train.elastic.files import read_replacements
 from ps_train.files import atomic_write_text
-from ps_train.launch.local import RoleFailed, launch_local
+from ps_train.launch.failures import RoleFailed
+from ps_train.launch.local import launch_local
 from ps_train.metrics import write_metrics_json
 from rpc_core.errors import failed_worker
 
-__all__ = ["Restart", "RESTARTS_FILE", "FAILURES_FILE", "run_local", "start_checkpoint", "read_restarts",
-           "restart_count", "rank_failed", "record_env_restart"]
+__all__ = [
+    "Restart",
+    "RESTARTS_FILE",
+    "FAILURES_FILE",
+    "run_local",
+    "start_checkpoint",
+    "read_restarts",
+    "restart_count",
+    "rank_failed",
+    "record_env_restart",
+]
 
 log = logging.getLogger("ps_train")
 
@@ -98,17 +109,27 @@ def run_local(cfg: Config, run_dir: str, resume: str | None, timeout: float | No
         except RoleFailed as failure:
             if failure.role is None or len(restarts) >= cfg.cluster.max_restarts:
                 if restarts:
-                    raise RoleFailed(f"{failure} (after {len(restarts)} restart(s), the most cluster.max_restarts="
-                                     f"{cfg.cluster.max_restarts} allows)", role=failure.role,
-                                     reason=failure.reason, checkpoint=failure.checkpoint) from failure
+                    raise RoleFailed(
+                        f"{failure} (after {len(restarts)} restart(s), the most cluster.max_restarts="
+                        f"{cfg.cluster.max_restarts} allows)",
+                        role=failure.role,
+                        reason=failure.reason,
+                        checkpoint=failure.checkpoint,
+                    ) from failure
                 raise
             resume = start_checkpoint(resume, run_dir, restarted=True)
             restart = Restart(failure.role, failure.reason, _step_of(resume), resume)
             restarts.append(restart)
             _record(run_dir, restarts)
             where = f"its checkpoint after step {restart.from_step} ({resume})" if resume else "step 0 (no checkpoint)"
-            log.warning("restart %d of %d: %s failed (%s); stopped the other roles; restarting the run from %s",
-                        len(restarts), cfg.cluster.max_restarts, restart.role, restart.reason, where)
+            log.warning(
+                "restart %d of %d: %s failed (%s); stopped the other roles; restarting the run from %s",
+                len(restarts),
+                cfg.cluster.max_restarts,
+                restart.role,
+                restart.reason,
+                where,
+            )
     metrics["restarts"] = [dataclasses.asdict(r) for r in restarts]
     if cfg.cluster.elastic:  # trainers replaced without a restart (ps_train.elastic.files)
         metrics["replacements"] = read_replacements(run_dir)
@@ -135,11 +156,16 @@ def rank_failed(rank: int, name: str, run_dir: str, attempt: int, error: BaseExc
     with open(path, "a") as f:  # one short write in append mode: lines of several ranks do not mix
         f.write(json.dumps({"attempt": attempt, "role": role, "seen_by": name, "reason": reason}) + "\n")
     last = latest_checkpoint(run_dir)
-    hint = (f"the latest complete checkpoint is {last}; a restarted job (torchrun --max-restarts) or "
-            f"resume={run_dir} continues from it" if last else "no checkpoint was written yet")
+    hint = (
+        f"the latest complete checkpoint is {last}; a restarted job (torchrun --max-restarts) or "
+        f"resume={run_dir} continues from it"
+        if last
+        else "no checkpoint was written yet"
+    )
     seen = f"seen by {name} (rank {rank})" if role != name else f"rank {rank}"
-    return RoleFailed(f"{role} failed ({seen}): {reason}; {hint}", role=role, reason=reason,
-                      checkpoint=str(last) if last else None)
+    return RoleFailed(
+        f"{role} failed ({seen}): {reason}; {hint}", role=role, reason=reason, checkpoint=str(last) if last else None
+    )
 
 
 def record_env_restart(run_dir: str, attempt: int, checkpoint: str | None) -> dict[str, Any]:
@@ -168,6 +194,11 @@ def record_env_restart(run_dir: str, attempt: int, checkpoint: str | None) -> di
     if len(rows) < attempt:  # once per attempt
         rows.append(restart)
         _record(run_dir, rows)
-    log.warning("restart %d (by torchrun): %s failed (%s); resuming from %s", attempt, role, reason,
-                f"its checkpoint after step {restart['from_step']} ({checkpoint})" if checkpoint else "step 0")
+    log.warning(
+        "restart %d (by torchrun): %s failed (%s); resuming from %s",
+        attempt,
+        role,
+        reason,
+        f"its checkpoint after step {restart['from_step']} ({checkpoint})" if checkpoint else "step 0",
+    )
     return restart

@@ -9,6 +9,7 @@ of ps_train names a mode. ``aggregation`` holds the update arithmetic they share
 Below the config: ``ps_train.config`` checks a run's mode through ``option_problems``,
 ``elastic_problems`` and ``run_problems``, so nothing here imports the rest of ps_train.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -19,11 +20,22 @@ from ps_train.modes.base import Mode, ModeOptions, RunConfig
 from ps_train.modes.ssp import SspMode
 from ps_train.modes.sync import SyncMode
 
-__all__ = ["MODES", "MODE_NAMES", "AGGREGATES", "STALENESS_RULES", "Mode", "make_mode", "option_problems",
-           "elastic_problems", "run_problems"]
+__all__ = [
+    "MODES",
+    "MODE_NAMES",
+    "AGGREGATES",
+    "STALENESS_RULES",
+    "Mode",
+    "make_mode",
+    "option_problems",
+    "elastic_problems",
+    "run_problems",
+]
 
 MODES: dict[str, type[Mode]] = {mode.name: mode for mode in (SyncMode, AsyncMode, SspMode)}
 MODE_NAMES = tuple(MODES)
+
+
 def make_mode(run: RunConfig) -> Mode:
     """The mode object of a run (each process builds its own)."""
     if run.mode.name not in MODES:
@@ -46,16 +58,19 @@ def option_problems(options: ModeOptions, defaults: Mapping[str, object]) -> lis
     if options.aggregate not in AGGREGATES:
         problems.append(f"mode.aggregate: unknown rule {options.aggregate!r}; choose one of {list(AGGREGATES)}")
     if options.staleness_rule not in STALENESS_RULES:
-        problems.append(f"mode.staleness_rule: unknown rule {options.staleness_rule!r}; choose one of "
-                        f"{list(STALENESS_RULES)}")
+        problems.append(
+            f"mode.staleness_rule: unknown rule {options.staleness_rule!r}; choose one of {list(STALENESS_RULES)}"
+        )
     if mode is None:
         return problems
     problems += mode.option_problems(options)
     for option, default in defaults.items():
         value = getattr(options, option)
         if option not in mode.options and value != default:
-            problems.append(f"mode.{option}: only used by {_users(option)} (got {value} with mode={mode.name}"
-                            f"{mode.unused_reasons.get(option, '')})")
+            problems.append(
+                f"mode.{option}: only used by {_users(option)} (got {value} with mode={mode.name}"
+                f"{mode.unused_reasons.get(option, '')})"
+            )
     return problems
 
 

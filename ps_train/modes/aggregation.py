@@ -32,6 +32,7 @@ same 8 trainers converged with momentum 0 or with ``lr / 8``. Dividing by the st
 brings the rate down by about N - 1 exactly when updates are that stale, and leaves it
 alone when they are not (few trainers, or a trainer that runs alone).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping

@@ -13,6 +13,7 @@ Trainer side: it waits for its updates before the next forward; the largest stal
 the step's updates is its ``train/staleness``. Not reproducible: which version a read sees
 and the order of updates follow process timing (see the ``ps_train`` package docstring).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
@@ -47,13 +48,14 @@ class AsyncMode(Mode):
             self._read_version.setdefault((trainer, step), server.version)
         return server.run_shard_with(shard, params, x)
 
-    def lookup(self, server: ModeServer, rows: Callable[[], list[Tensor]], trainer: int, step: int) -> list[Tensor]:
+    def lookup(self, server: ModeServer, rows: Callable[[], Tensor], trainer: int, step: int) -> Tensor:
         with server.lock:  # rows read whole, never half updated
             self._read_version.setdefault((trainer, step), server.version)
             return rows()
 
-    def update(self, server: ModeServer, context_id: int, trainer: int, step: int,
-               position: dict[str, int] | None) -> torch.futures.Future[Any]:
+    def update(
+        self, server: ModeServer, context_id: int, trainer: int, step: int, position: dict[str, int] | None
+    ) -> torch.futures.Future[Any]:
         grads = server.gradients(context_id)
         with server.lock:
             staleness = server.version - self._read_version.pop((trainer, step), server.version)
@@ -65,8 +67,10 @@ class AsyncMode(Mode):
         return resolved(staleness)
 
     def stats(self) -> dict[str, Any]:
-        return {"updates_by_trainer": {f"trainer{t}": n for t, n in sorted(self.updates_by_trainer.items())},
-                "max_staleness": self.max_staleness_seen}
+        return {
+            "updates_by_trainer": {f"trainer{t}": n for t, n in sorted(self.updates_by_trainer.items())},
+            "max_staleness": self.max_staleness_seen,
+        }
 
     # -- trainer side ---------------------------------------------------------------------------
     def settled(self, trainer: ModeTrainer, results: list[Any], step: int) -> dict[str, float]:
@@ -75,5 +79,7 @@ class AsyncMode(Mode):
 
     def train_scalars(self, last: Mapping[str, float], lr: float) -> dict[str, float]:
         # The rate the last update got on its stalest server.
-        return {"train/lr": lr * lr_scale(int(last["staleness"]), self.staleness_rule),
-                "train/staleness": last["staleness"]}
+        return {
+            "train/lr": lr * lr_scale(int(last["staleness"]), self.staleness_rule),
+            "train/staleness": last["staleness"],
+        }

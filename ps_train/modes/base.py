@@ -17,16 +17,39 @@ uses its server side, a trainer its trainer side. The mode sees the server, the 
 the config through the small interfaces below, so it imports nothing else of ps_train (the
 config imports the registry, ``ps_train.modes``, to check a mode's options).
 """
+
 from __future__ import annotations
 
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
 
-__all__ = ["Mode", "ModeOptions", "RunConfig", "ModeServer", "ModeTrainer", "TrainerMembership", "resolved"]
+__all__ = [
+    "Mode",
+    "ModeOptions",
+    "RunConfig",
+    "ModeServer",
+    "ModeTrainer",
+    "TrainerMembership",
+    "UpdateRequest",
+    "UPDATE_IN_BACKWARD",
+    "resolved",
+]
+
+# The key of the update that rides on the backward (rpc_core.autograd.hooks, backend=rpc_core).
+UPDATE_IN_BACKWARD = "ps_train.update"
+
+
+class UpdateRequest(NamedTuple):
+    """What a trainer's backward tells every server about the update it carries."""
+
+    trainer: int
+    step: int
+    position: dict[str, int] | None  # elastic: the trainer's data position after this step (ps0 keeps it)
 
 
 # -- what a mode reads of the config (ps_train.config.Config and its groups) ------------------------
@@ -35,10 +58,13 @@ class ModeOptions(Protocol):
 
     @property
     def name(self) -> str: ...
+
     @property
     def staleness(self) -> int: ...
+
     @property
     def aggregate(self) -> str: ...
+
     @property
     def staleness_rule(self) -> str: ...
 
@@ -48,12 +74,16 @@ class ClusterShape(Protocol):
 
     @property
     def num_servers(self) -> int: ...
+
     @property
     def num_trainers(self) -> int: ...
+
     @property
     def num_worker_threads(self) -> int: ...
+
     @property
     def placement(self) -> str: ...
+
     @property
     def elastic(self) -> bool: ...
 
@@ -63,7 +93,9 @@ class ModelFacts(Protocol):
 
     @property
     def name(self) -> str: ...
+
     def num_stages(self) -> int: ...
+
     def has_batch_norm(self) -> bool: ...
 
 
@@ -72,10 +104,13 @@ class RunConfig(Protocol):
 
     @property
     def mode(self) -> ModeOptions: ...
+
     @property
     def cluster(self) -> ClusterShape: ...
+
     @property
     def model(self) -> ModelFacts: ...
+
     @property
     def backend(self) -> str: ...
 
@@ -85,6 +120,7 @@ class TrainerMembership(Protocol):
     """ps0's record of who trains in an elastic run (``ps_train.elastic.membership.Membership``)."""
 
     def counted(self) -> set[int]: ...
+
     def completed(self, trainer: int, step: int, position: dict[str, int]) -> None: ...
 
 
@@ -93,27 +129,41 @@ class ModeServer(Protocol):
 
     @property
     def rank(self) -> int: ...
+
     @property
     def lock(self) -> threading.Lock:
         """Held while the parameters change, and to read them whole."""
+
     @property
     def version(self) -> int:
         """Updates applied so far (every shard here steps with every update)."""
+
     @property
     def has_running_stats(self) -> bool:
         """Whether a forward here updates BatchNorm running statistics in place."""
+
     @property
     def membership(self) -> TrainerMembership | None:
         """ps0 of an elastic run: who trains; else None."""
+
+    @property
+    def dense_params(self) -> Sequence[Tensor]:
+        """Its shards' parameters; the others are a model's embedding tables (a mode that
+        treats the two differently splits gradients by it)."""
+
     def gradients(self, context_id: int) -> dict[Tensor, Tensor]:
         """This server's parameters' gradients in a trainer's autograd context."""
+
     def step(self, grads: Mapping[Tensor, Tensor], lr_factor: float = 1.0) -> None:
         """One optimizer step with ``grads`` at ``lr_factor`` times the configured rates;
         the caller holds ``lock``."""
+
     def run_shard(self, shard: int, x: Tensor, trainer: int, step: int) -> Tensor:
         """``shard``'s forward on the live parameters (dropout seeded by trainer and step)."""
+
     def shard_copy(self, shard: int) -> dict[str, Tensor]:
         """Private copies of ``shard``'s parameters (differentiable); the caller holds ``lock``."""
+
     def run_shard_with(self, shard: int, params: dict[str, Tensor], x: Tensor) -> Tensor:
         """``shard``'s forward on ``params`` (from ``shard_copy``)."""
 
@@ -123,6 +173,7 @@ class ModeTrainer(Protocol):
 
     @property
     def index(self) -> int: ...
+
     @property
     def servers(self) -> Sequence[Any]:
         """RRefs to the ParameterServers, ps0 first."""
@@ -135,7 +186,7 @@ def resolved(value: Any) -> torch.futures.Future[Any]:
     return fut
 
 
-class Mode:
+class Mode(ABC):
     """One update mode: subclass, set the class attributes, implement the server side
     (``forward``, ``lookup``, ``update``) and ``settled``; register it in ``ps_train.modes``
     and add ``ps_train/conf/mode/<name>.yaml``."""
@@ -166,16 +217,29 @@ class Mode:
         return []
 
     # -- server side ----------------------------------------------------------------------------
+    @abstractmethod
     def forward(self, server: ModeServer, shard: int, x: Tensor, trainer: int, step: int) -> Tensor:
         """Trainer ``trainer``'s step-``step`` forward of ``shard`` (step -1: outside a step)."""
         raise NotImplementedError
 
-    def lookup(self, server: ModeServer, rows: Callable[[], list[Tensor]], trainer: int, step: int) -> list[Tensor]:
-        """Trainer ``trainer``'s step-``step`` lookup of table rows: ``rows()`` reads them."""
+    @abstractmethod
+    def lookup(self, server: ModeServer, rows: Callable[[], Tensor], trainer: int, step: int) -> Tensor:
+        """Trainer ``trainer``'s step-``step`` lookup of table rows: ``rows()`` reads them ([P, dim])."""
         raise NotImplementedError
 
-    def update(self, server: ModeServer, context_id: int, trainer: int, step: int,
-               position: dict[str, int] | None) -> torch.futures.Future[Any]:
+    def in_backward(self, server: ModeServer, context_id: int, request: UpdateRequest) -> torch.futures.Future[Any]:
+        """The update that rides on the trainer's distributed backward (backend=rpc_core): run
+        on the server once the context's gradients are all there; the future's value comes
+        back with the backward (``settled`` gets it). Every mode's ``update`` already takes the
+        gradients by context; sync's answers once the round is applied."""
+        return self.update(
+            server, context_id, request.trainer, request.step, request.position if server.rank == 0 else None
+        )
+
+    @abstractmethod
+    def update(
+        self, server: ModeServer, context_id: int, trainer: int, step: int, position: dict[str, int] | None
+    ) -> torch.futures.Future[Any]:
         """Trainer ``trainer``'s step-``step`` gradients (in its autograd context
         ``context_id``); the future's value goes back to the trainer (``settled``).
         ``position`` (elastic, to ps0): the trainer's data position after this step."""
@@ -187,9 +251,11 @@ class Mode:
 
     def trainer_finished(self, server: ModeServer, trainer: int) -> None:
         """Trainer ``trainer`` ran its last step."""
+        return  # by default nothing to do
 
     def trainer_changed(self, server: ModeServer, trainer: int, joined: bool) -> None:
         """Elastic, on ps0: trainer ``trainer`` joined or left the job."""
+        return  # by default nothing to do
 
     def stats(self) -> dict[str, Any]:
         """This server's update statistics, for ``ParameterServer.stats``."""
@@ -201,14 +267,19 @@ class Mode:
 
     def load_state_dict(self, state: Mapping[str, Any], version: int) -> None:
         """Back from ``state`` (a server's saved state; ``version``: its update count)."""
+        return  # by default nothing to do
 
     # -- trainer side ---------------------------------------------------------------------------
-    def send_update(self, trainer: ModeTrainer, context_id: int, step: int,
-                    position: dict[str, int] | None) -> list[torch.futures.Future[Any]]:
+    def send_update(
+        self, trainer: ModeTrainer, context_id: int, step: int, position: dict[str, int] | None
+    ) -> list[torch.futures.Future[Any]]:
         """Ask every server to apply this step's gradients (``position``: to ps0 only)."""
-        return [server.rpc_async().update(context_id, trainer.index, step, position if r == 0 else None)
-                for r, server in enumerate(trainer.servers)]
+        return [
+            server.rpc_async().update(context_id, trainer.index, step, position if r == 0 else None)
+            for r, server in enumerate(trainer.servers)
+        ]
 
+    @abstractmethod
     def settled(self, trainer: ModeTrainer, results: list[Any], step: int) -> dict[str, float]:
         """Every server applied step ``step``'s update (``results``: the answers, in server
         order); the step's update metrics. May wait (ssp's clock)."""
@@ -216,6 +287,7 @@ class Mode:
 
     def trainer_done(self, trainer: ModeTrainer) -> None:
         """This trainer ran its last step."""
+        return  # by default nothing to do
 
     def train_scalars(self, last: Mapping[str, float], lr: float) -> dict[str, float]:
         """TensorBoard scalars of a logged step (``last``: its metrics; ``lr``: optim.lr)."""

@@ -8,10 +8,11 @@ no longer holds the others back; in an elastic run only the trainers in the job 
 (``Membership.counted``), and one that leaves releases those it held back at once. Updates
 are async's.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -23,6 +24,13 @@ __all__ = ["SspMode"]
 _FINISHED = 1 << 60  # the steps a finished trainer counts as having completed
 
 
+class ClockWaiter(NamedTuple):
+    """A trainer waiting at the clock: the steps it completed, and its answer."""
+
+    completed: int
+    future: torch.futures.Future[Any]
+
+
 class SspMode(AsyncMode):
     name = "ssp"
     options = ("staleness", "staleness_rule")
@@ -31,7 +39,7 @@ class SspMode(AsyncMode):
         super().__init__(run)
         self.staleness_bound = run.mode.staleness
         self._clock: dict[int, int] = {}  # trainer -> steps it completed
-        self._clock_waiters: list[tuple[int, torch.futures.Future[Any]]] = []
+        self._clock_waiters: list[ClockWaiter] = []
 
     @classmethod
     def option_problems(cls, options: ModeOptions) -> list[str]:
@@ -46,7 +54,7 @@ class SspMode(AsyncMode):
         fut: torch.futures.Future[Any] = torch.futures.Future()
         with server.lock:
             self._clock[trainer] = completed
-            self._clock_waiters.append((completed, fut))
+            self._clock_waiters.append(ClockWaiter(completed, fut))
         self._release_clock(server)
         return fut
 
@@ -58,10 +66,10 @@ class SspMode(AsyncMode):
             else:  # elastic: only the trainers in the job count (ps_train.elastic.membership)
                 counted = server.membership.counted()
                 slowest = min((c for t, c in self._clock.items() if t in counted), default=_FINISHED)
-            ready = [(c, f) for c, f in self._clock_waiters if c - self.staleness_bound <= slowest]
-            self._clock_waiters = [(c, f) for c, f in self._clock_waiters if c - self.staleness_bound > slowest]
-        for c, f in ready:
-            f.set_result(max(0, c - slowest))
+            ready = [w for w in self._clock_waiters if w.completed - self.staleness_bound <= slowest]
+            self._clock_waiters = [w for w in self._clock_waiters if w.completed - self.staleness_bound > slowest]
+        for w in ready:
+            w.future.set_result(max(0, w.completed - slowest))
 
     def trainer_finished(self, server: ModeServer, trainer: int) -> None:
         self.clock(server, trainer, _FINISHED)

@@ -16,11 +16,13 @@ worker that a context was released with the next message it sends there, which t
 reads after the update request that came before it; torch's RPC sends its release at once,
 and it could overtake the update, so on ``backend=torch`` the trainer waits for the update.
 """
+
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -28,24 +30,42 @@ from torch import Tensor
 from ps_train.modes.aggregation import combine
 from ps_train.modes.base import Mode, ModeServer, ModeTrainer, RunConfig
 
-__all__ = ["SyncMode"]
+__all__ = ["SyncMode", "Round", "FailedRound"]
+
+
+@dataclass
+class Round:
+    """One step's update on a server while trainers hand in their gradients."""
+
+    grads: dict[int, dict[Tensor, Tensor]] = field(default_factory=dict)  # trainer -> its gradients
+    # What every trainer of the step waits on: the server's version once the step is applied.
+    done: torch.futures.Future[Any] = field(default_factory=torch.futures.Future)
+
+
+class FailedRound(NamedTuple):
+    """A step whose update failed, so no later step can run."""
+
+    step: int
+    error: BaseException
 
 
 class SyncMode(Mode):
     name = "sync"
     options = ("aggregate",)
     unused_reasons = {"staleness_rule": ", whose gradients are never stale; see mode.aggregate"}
-    not_elastic = ("every sync round waits for every trainer's gradient, so a dead trainer stops the round; use "
-                   "cluster.max_restarts to restart a sync run from its latest checkpoint instead "
-                   "(docs/training_failures.md)")
+    not_elastic = (
+        "every sync round waits for every trainer's gradient, so a dead trainer stops the round; use "
+        "cluster.max_restarts to restart a sync run from its latest checkpoint instead "
+        "(docs/training_failures.md)"
+    )
 
     def __init__(self, run: RunConfig) -> None:
         super().__init__(run)
         self.aggregate = run.mode.aggregate
         self.pipelined = run.backend == "rpc_core"  # see the module docstring
         self.rounds = 0  # steps whose update is applied (all trainers' gradients)
-        self._rounds: dict[int, dict[str, Any]] = {}
-        self._failed_round: tuple[int, BaseException] | None = None  # (step, error) of an update that failed
+        self._rounds: dict[int, Round] = {}  # step -> its round, until every trainer handed in
+        self._failed_round: FailedRound | None = None
         self._turn = threading.Condition()
         self._forwards_done: dict[tuple[int, int], int] = {}  # (shard, step) -> trainers whose forward ran
 
@@ -61,9 +81,11 @@ class SyncMode(Mode):
         least = (c.num_trainers - 1) * per_server + 2
         if c.num_worker_threads >= least:
             return []
-        return [f"cluster.num_worker_threads: {c.num_worker_threads} is too few for {m.name} in sync mode on "
-                f"backend=torch with {c.num_trainers} trainers (forwards wait for their turn in server "
-                f"threads); use cluster.num_worker_threads>={least}"]
+        return [
+            f"cluster.num_worker_threads: {c.num_worker_threads} is too few for {m.name} in sync mode on "
+            f"backend=torch with {c.num_trainers} trainers (forwards wait for their turn in server "
+            f"threads); use cluster.num_worker_threads>={least}"
+        ]
 
     # -- server side ----------------------------------------------------------------------------
     def forward(self, server: ModeServer, shard: int, x: Tensor, trainer: int, step: int) -> Tensor:
@@ -84,7 +106,7 @@ class SyncMode(Mode):
                     self._forwards_done[key] = done
                 self._turn.notify_all()
 
-    def lookup(self, server: ModeServer, rows: Callable[[], list[Tensor]], trainer: int, step: int) -> list[Tensor]:
+    def lookup(self, server: ModeServer, rows: Callable[[], Tensor], trainer: int, step: int) -> Tensor:
         self._await_round(server, step)
         return rows()
 
@@ -101,42 +123,45 @@ class SyncMode(Mode):
     def _round_error(self, server: ModeServer, step: int, what: str = "update") -> RuntimeError:
         assert self._failed_round is not None  # asked for once an update failed
         failed, error = self._failed_round
-        e = RuntimeError(f"ps{server.rank} cannot run the step-{step} {what}: the step-{failed} update "
-                         f"failed: {error!r}; sync mode cannot go on without it")
+        e = RuntimeError(
+            f"ps{server.rank} cannot run the step-{step} {what}: the step-{failed} update "
+            f"failed: {error!r}; sync mode cannot go on without it"
+        )
         e.__cause__ = error
         return e
 
-    def update(self, server: ModeServer, context_id: int, trainer: int, step: int,
-               position: dict[str, int] | None) -> torch.futures.Future[Any]:
+    def update(
+        self, server: ModeServer, context_id: int, trainer: int, step: int, position: dict[str, int] | None
+    ) -> torch.futures.Future[Any]:
         if self._failed_round is not None:
             raise self._round_error(server, step)
         r = None
         try:
             grads = server.gradients(context_id)
             with server.lock:
-                r = self._rounds.setdefault(step, {"grads": {}, "future": torch.futures.Future()})
-                r["grads"][trainer] = grads
-                complete = len(r["grads"]) == self.num_trainers
+                r = self._rounds.setdefault(step, Round())
+                r.grads[trainer] = grads
+                complete = len(r.grads) == self.num_trainers
                 if complete:
                     del self._rounds[step]
-                    server.step(combine(r["grads"], self.aggregate))  # rank order: the same floats every run
+                    server.step(combine(r.grads, self.aggregate))  # rank order: the same floats every run
         except BaseException as e:
             # This round can never complete: the trainers waiting for it and forwards waiting
             # for it fail instead of hanging.
             with self._turn:
-                self._failed_round = (step, e)
+                self._failed_round = FailedRound(step, e)
                 self._turn.notify_all()
             with server.lock:
                 waiting = self._rounds.pop(step, None) or r
-            if waiting is not None and not waiting["future"].done():
-                waiting["future"].set_exception(self._round_error(server, step))
+            if waiting is not None and not waiting.done.done():
+                waiting.done.set_exception(self._round_error(server, step))
             raise
         if complete:
             with self._turn:
                 self.rounds = max(self.rounds, step + 1)
                 self._turn.notify_all()
-            r["future"].set_result(server.version)
-        return r["future"]
+            r.done.set_result(server.version)
+        return r.done
 
     def state_dict(self) -> dict[str, Any]:
         return {"rounds": self.rounds}

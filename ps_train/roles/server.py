@@ -10,9 +10,10 @@ shards placed on it. Trainers call it through an RRef:
   are, combined).
 - ``clock(trainer, completed)`` (on ps0, ssp mode): returns once no trainer is more than
   ``mode.staleness`` steps behind ``completed``.
-- ``lookup(ids, trainer, step)`` (model=dlrm): this server's rows of every table that a
-  trainer's batch uses (its ``TablePart``, ``ps_train.ctr.table_server``). The updates apply
-  the tables' sparse gradients along with the dense ones.
+- ``lookup(rows, offsets, weights, trainer, step)`` (model=dlrm): the rows of this server's
+  tables that a trainer's batch uses, single or pooled into bags (its ``TablePart``,
+  ``ps_train.ctr.table_server``). The updates apply the tables' sparse gradients along with
+  the dense ones.
 
 When a read (a forward, a lookup) may run and on which copy of the parameters, how
 gradients become optimizer steps, and what a trainer waits for between steps is the update
@@ -21,6 +22,7 @@ the server does the work the mode asks for (``run_shard``, ``shard_copy``, ``ste
 mode is bit-reproducible; async/ssp are not (see the ``ps_train`` package docstring for
 exactly what they do and do not reproduce).
 """
+
 from __future__ import annotations
 
 import copy
@@ -41,6 +43,7 @@ from ps_train.faults import maybe_inject_fault
 from ps_train.metrics import peak_rss_bytes
 from ps_train.modes import make_mode
 from ps_train.modes.aggregation import scaled_lr
+from ps_train.modes.base import UPDATE_IN_BACKWARD, UpdateRequest
 from ps_train.stage_sharding import model_shards, shards_of_server
 from rpc_core.functions import async_execution
 
@@ -56,14 +59,16 @@ class TablePart(Protocol):
     @property
     def params(self) -> list[nn.Parameter]: ...
 
-    def lookup(self, local_ids: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Rows ``local_ids[t]`` (int64 [U_t]) of each table, [U_t, dim] each, for training."""
+    def lookup(self, rows: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+        """For training: one vector per row, or per bag of rows (summed, times ``weights``),
+        of the request (``ps_train.ctr.plan.ServerRequest``): [P, dim]."""
 
-    def read(self, local_ids: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The same rows without autograd, for evaluation."""
+    def read(self, rows: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+        """The same vectors without autograd, for evaluation."""
 
-    def step(self, lr_factor: float = 1.0) -> None:
-        """Update the rows named by the tables' ``.grad`` (sparse), at ``lr_factor`` times the rate."""
+    def step(self, grads: Mapping[torch.Tensor, torch.Tensor], lr_factor: float = 1.0) -> None:
+        """Update the rows ``grads`` (sparse, by table weight) name, at ``lr_factor`` times the
+        rate; the caller holds the server's lock."""
 
     def stats(self) -> dict[str, int]: ...
 
@@ -81,17 +86,20 @@ class ParameterServer:
         # Every server builds the whole seeded model and keeps its own shards (module docstring).
         shards = shards_of_server(model_shards(cfg), rank)
         self.shards: dict[int, nn.Module] = {s.index: s.module for s in shards}
-        dense = [p for m in self.shards.values() for p in m.parameters()]
+        self.dense_params = [p for m in self.shards.values() for p in m.parameters()]
         self.tables = tables
-        self.params: list[nn.Parameter] = dense + (self.tables.params if self.tables is not None else [])
+        self.params: list[nn.Parameter] = self.dense_params + (self.tables.params if self.tables is not None else [])
         self.seed = cfg.seed
         self.has_dropout = any(isinstance(x, nn.Dropout) and x.p > 0 for m in self.shards.values() for x in m.modules())
         # BatchNorm updates its running statistics in place during the forward (sync mode
         # runs such forwards in trainer order, so the statistics are the same every run).
-        self.has_running_stats = any(isinstance(x, nn.modules.batchnorm._NormBase) and x.track_running_stats
-                                     for m in self.shards.values() for x in m.modules())
+        self.has_running_stats = any(
+            isinstance(x, nn.modules.batchnorm._NormBase) and x.track_running_stats
+            for m in self.shards.values()
+            for x in m.modules()
+        )
         cls, kwargs = optimizer_spec(cfg.optim)
-        self.optimizer = cls(dense, **kwargs) if dense else None
+        self.optimizer = cls(self.dense_params, **kwargs) if self.dense_params else None
         self.lock = threading.Lock()
         self._eval_copies: dict[int, Any] = {}  # shard -> (version, eval-mode copy)
         self.forward_lock = threading.Lock()
@@ -138,16 +146,18 @@ class ParameterServer:
         with torch.no_grad():
             return cached[1](x)
 
-    def lookup(self, local_ids: list[torch.Tensor], trainer: int = -1, step: int = -1) -> list[torch.Tensor]:
-        """Rows ``local_ids[t]`` (int64 [U_t]) of every table held here: [U_t, dim] each."""
+    def lookup(
+        self, rows: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None, trainer: int = -1, step: int = -1
+    ) -> torch.Tensor:
+        """The vectors of a trainer's request to the tables held here (``TablePart.lookup``)."""
         tables = self._tables()
-        return self.mode.lookup(self, lambda: tables.lookup(local_ids), trainer, step)
+        return self.mode.lookup(self, lambda: tables.lookup(rows, offsets, weights), trainer, step)
 
-    def read_rows(self, local_ids: list[torch.Tensor]) -> list[torch.Tensor]:
+    def read_rows(self, rows: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
         """``lookup`` for evaluation: no autograd, no step bookkeeping."""
         tables = self._tables()
         with self.lock:
-            return tables.read(local_ids)
+            return tables.read(rows, offsets, weights)
 
     def _tables(self) -> TablePart:
         if self.tables is None:
@@ -169,14 +179,14 @@ class ParameterServer:
         caller (the mode) holds ``self.lock``."""
         if self.optimizer is None and self.tables is None:
             return
-        for p in self.params:
+        for p in self.dense_params:
             p.grad = grads.get(p)
         if self.optimizer is not None:
             with scaled_lr(self.optimizer, lr_factor):
                 self.optimizer.step()
         if self.tables is not None:
-            self.tables.step(lr_factor)
-        for p in self.params:
+            self.tables.step(grads, lr_factor)
+        for p in self.dense_params:
             p.grad = None
         self.version += 1
         for i in self.updates:
@@ -184,8 +194,9 @@ class ParameterServer:
         maybe_inject_fault(f"ps{self.rank}", self.version)  # test-only, see ps_train.faults
 
     @async_execution
-    def update(self, context_id: int, trainer: int, step: int,
-               position: dict[str, int] | None = None) -> torch.futures.Future[Any]:
+    def update(
+        self, context_id: int, trainer: int, step: int, position: dict[str, int] | None = None
+    ) -> torch.futures.Future[Any]:
         """Apply trainer ``trainer``'s step-``step`` gradients (in its context ``context_id``)
         as the mode does; ``position`` (elastic, on ps0): its data position after this step."""
         return self.mode.update(self, context_id, trainer, step, position)
@@ -213,8 +224,12 @@ class ParameterServer:
 
     # -- state ------------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"version": self.version, "updates": dict(self.updates), **self.mode.stats(),
-                               "peak_rss_bytes": peak_rss_bytes()}
+        out: dict[str, Any] = {
+            "version": self.version,
+            "updates": dict(self.updates),
+            **self.mode.stats(),
+            "peak_rss_bytes": peak_rss_bytes(),
+        }
         if self.tables is not None:
             out.update(self.tables.stats())
         if backend.name() == "rpc_core":
@@ -263,15 +278,31 @@ class ParameterServer:
             self.updates = {int(k): v for k, v in state.get("updates", {}).items()} or self.updates
             if self.tables is not None:
                 if state.get("tables") is None:
-                    raise ValueError(f"ps{self.rank}: the checkpoint holds no embedding tables; resume a "
-                                     "model=dlrm run")
+                    raise ValueError(
+                        f"ps{self.rank}: the checkpoint holds no embedding tables; resume a model=dlrm run"
+                    )
                 self.tables.load_state_dict(state["tables"])
 
 
+_remove_hook: Any = None
+
+
 def create(cfg: Config, rank: int, tables: TablePart | None = None) -> ParameterServer:
-    global _server
+    """This process's server. On rpc_core its updates ride on the trainers' backward:
+    a hook runs the mode's ``in_backward`` once a context's gradients are all here."""
+    global _server, _remove_hook
     _server = ParameterServer(cfg, rank, tables)
+    if _remove_hook is not None:
+        _remove_hook()
+        _remove_hook = None
+    if backend.name() == "rpc_core":
+        _remove_hook = backend.dist_autograd().on_backward_done(UPDATE_IN_BACKWARD, _update_in_backward)
     return _server
+
+
+def _update_in_backward(context_id: int, request: UpdateRequest) -> torch.futures.Future[Any]:
+    server = local_server()
+    return server.mode.in_backward(server, context_id, request)
 
 
 def local_server() -> ParameterServer:

@@ -32,12 +32,15 @@ What a step computes is in ``load``, ``step_loss`` and ``evaluate``; a model wit
 forward (``ps_train.ctr.trainer.CtrTrainer``, model=dlrm) overrides them and keeps the
 loop, the update protocol and checkpoints.
 """
+
 from __future__ import annotations
 
 import logging
-import sys
+import threading
 import time
-from typing import Any
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager, nullcontext
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -57,28 +60,50 @@ from ps_train.metrics import (
     write_metrics_json,
 )
 from ps_train.modes import make_mode
+from ps_train.modes.base import UPDATE_IN_BACKWARD, UpdateRequest, resolved
 from ps_train.stage_sharding import model_shards
 from rpc_core.functions import async_execution
 
 log = logging.getLogger("ps_train.trainer")
 
-_done: torch.futures.Future[Any] | None = None
+# On ps0: the final totals of trainer1.. as each finishes, and trainer0's request for them.
+# They meet on ps0, which every trainer calls anyway, so no trainer connects to another.
+_finished: list[dict[str, Any]] = []
+_collect: list[tuple[int, torch.futures.Future[Any]]] = []
+_finish_lock = threading.Lock()
+
+
+def deposit_stats(stats: dict[str, Any]) -> None:
+    """Called by trainer1.. on ps0 when they finish: their totals, for trainer0."""
+    with _finish_lock:
+        _finished.append(stats)
+        ready = [f for n, f in _collect if len(_finished) == n]
+        got = list(_finished)
+    for f in ready:
+        f.set_result(got)
 
 
 @async_execution
-def final_stats() -> torch.futures.Future[Any]:
-    """Called by trainer0 over RPC: this trainer's totals, once it has finished."""
-    global _done
-    if _done is None:
-        _done = torch.futures.Future()
-    return _done
+def collect_stats(others: int) -> torch.futures.Future[Any]:
+    """Called by trainer0 on ps0: the totals of the ``others`` other trainers, once all came."""
+    f: torch.futures.Future[Any] = torch.futures.Future()
+    with _finish_lock:
+        if len(_finished) == others:
+            f.set_result(list(_finished))
+        else:
+            _collect.append((others, f))
+    return f
 
 
-def _publish(stats: dict[str, Any]) -> None:
-    global _done
-    if _done is None:
-        _done = torch.futures.Future()
-    _done.set_result(stats)
+StepHook = Callable[["Trainer", int], None]  # after each step: (trainer, step)
+
+
+class InFlight(NamedTuple):
+    """A step whose update requests are sent but not yet settled."""
+
+    scope: ExitStack | None  # its autograd context, still open (None: closed already, pipelined)
+    futures: list[torch.futures.Future[Any]]  # every server's answer to its update request
+    step: int
 
 
 class Trainer:
@@ -88,8 +113,9 @@ class Trainer:
     test_set: Any
     batches: Any
 
-    def __init__(self, cfg: Config, index: int, run_dir: str, start_step: int = 0,
-                 data_state: dict[str, int] | None = None) -> None:
+    def __init__(
+        self, cfg: Config, index: int, run_dir: str, start_step: int = 0, data_state: dict[str, int] | None = None
+    ) -> None:
         self.cfg = cfg
         self.index = index
         self.name = f"trainer{index}"
@@ -101,8 +127,9 @@ class Trainer:
         self.load()
         if data_state is not None:
             self.batches.load_state_dict(data_state)
-        self.steps = total_steps(cfg.train.steps, cfg.train.epochs, len(self.train_set),
-                                 cfg.cluster.num_trainers, cfg.train.batch_size)
+        self.steps = total_steps(
+            cfg.train.steps, cfg.train.epochs, len(self.train_set), cfg.cluster.num_trainers, cfg.train.batch_size
+        )
         self.step = start_step
         # The shard layout is computed, not asked for: every process derives the same one.
         self.shard_servers = [(s.index, s.server) for s in model_shards(cfg)]
@@ -113,17 +140,20 @@ class Trainer:
         self.latency = {r: LatencyStats() for r in range(cfg.cluster.num_servers)}
         self.meter = ThroughputMeter()
         self.max_steps_ahead = 0  # ssp: the most steps this trainer ran ahead of the slowest
-        # (open context scope or None, update futures, step)
-        self._in_flight: tuple[Any, list[torch.futures.Future[Any]], int] | None = None
+        self._in_flight: InFlight | None = None
         self.mode = make_mode(cfg)  # what an update asks for and waits for (ps_train.modes)
         self.pipelined = self.mode.pipelined  # see module docstring
+        # rpc_core: the update rides on the backward (rpc_core.autograd.hooks); torch's RPC has
+        # no such extension, so there the trainer sends its update requests after the backward.
+        self.in_backward = backend.name() == "rpc_core"
 
     def load(self) -> None:
         """Set ``train_set``, ``test_set`` and ``batches`` (this trainer's batch iterator)."""
         cfg = self.cfg
         self.train_set, self.test_set = load_data(cfg.data)
-        self.batches = BatchIterator(self.train_set, self.data_slot, cfg.cluster.num_trainers,
-                                     cfg.train.batch_size, cfg.seed)
+        self.batches = BatchIterator(
+            self.train_set, self.data_slot, cfg.cluster.num_trainers, cfg.train.batch_size, cfg.seed
+        )
 
     # -- one step ---------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, step: int = -1) -> torch.Tensor:
@@ -153,23 +183,37 @@ class Trainer:
         gradients from it), except when ``pipelined``."""
         if self._in_flight is not None and not self.pipelined:
             raise RuntimeError("train_step called before the previous step's updates were settled")
-        scope = self.dist_autograd.context()
-        ctx = scope.__enter__()
-        try:
+        with ExitStack() as scope:  # a failure closes the context, seeing the error
+            ctx = scope.enter_context(self.dist_autograd.context())
             loss, out = self.step_loss(batch)
             self.settle()  # pipelined: the forward ran after the previous update, so this is done
-            self.dist_autograd.backward(ctx, [loss])
             # Elastic: ps0 also keeps the data position after this step (for a replacement).
             pos = self.elastic.position() if self.elastic is not None else None
-            futs = self.mode.send_update(self, ctx, self.step, pos)
-        except BaseException:
-            scope.__exit__(*sys.exc_info())
-            raise
-        if self.pipelined:
-            scope.__exit__(None, None, None)
-            scope = None
-        self._in_flight = (scope, futs, self.step)
+            if self.in_backward:  # the update rides on the backward: done when it returns
+                self.dist_autograd.set_backward_info(ctx, UPDATE_IN_BACKWARD, UpdateRequest(self.index, self.step, pos))
+                self.dist_autograd.backward(ctx, [loss])
+                futs = self._updates_in_backward(ctx, pos)
+            else:
+                self.dist_autograd.backward(ctx, [loss])
+                futs = self.mode.send_update(self, ctx, self.step, pos)
+            # Kept open until settle() (the servers read the gradients from it); pipelined: closed here.
+            kept = None if self.pipelined else scope.pop_all()
+        self._in_flight = InFlight(kept, futs, self.step)
         return {"loss": loss.item(), **out}
+
+    def _updates_in_backward(self, ctx: int, pos: dict[str, int] | None) -> list[torch.futures.Future[Any]]:
+        """The servers' answers to the update that rode on the backward, in server order; a
+        server the backward did not reach (no gradient of its parameters) gets the update
+        request of its own."""
+        results = self.dist_autograd.backward_results(ctx)
+        futs = []
+        for r, server in enumerate(self.servers):
+            got = results.get(f"ps{r}", {})
+            if UPDATE_IN_BACKWARD in got:
+                futs.append(resolved(got[UPDATE_IN_BACKWARD]))
+            else:
+                futs.append(server.rpc_async().update(ctx, self.index, self.step, pos if r == 0 else None))
+        return futs
 
     def settle(self) -> dict[str, float]:
         """Wait until every server applied the last step's update (and, in ssp mode, until
@@ -178,14 +222,8 @@ class Trainer:
             return {}
         scope, futs, step = self._in_flight
         self._in_flight = None
-        try:
+        with scope if scope is not None else nullcontext():  # then the step's context is closed
             results = torch.futures.wait_all(futs)
-        except BaseException:
-            if scope is not None:
-                scope.__exit__(*sys.exc_info())
-            raise
-        if scope is not None:
-            scope.__exit__(None, None, None)
         out = self.mode.settled(self, results, step)  # staleness; ssp: waits while too far ahead
         if "steps_ahead" in out:
             self.max_steps_ahead = max(self.max_steps_ahead, int(out["steps_ahead"]))
@@ -217,38 +255,52 @@ class Trainer:
         return {}
 
     # -- the loop ---------------------------------------------------------------------------------
-    def run(self, on_step: Any = None) -> dict[str, Any] | None:
-        """Train to the last step; trainer0 returns the run's final metrics, others None."""
+    def run(self, on_step: StepHook | None = None) -> dict[str, Any] | None:
+        """Train to the last step; trainer0 returns the run's final metrics, others None.
+        ``on_step(trainer, step)`` runs after each step (trainer0 checkpoints there)."""
         is_chief = self.index == 0
         t_start = self._t_start = time.perf_counter()
         self._first_step = self.step
         self.meter.start()
         losses: list[float] = []
         batch = next(self.batches) if self.step < self.steps else None
-        try:
+        with self._closing_on_failure():
             last = self._loop(batch, losses, on_step)
             self.settle()
-        except BaseException:
-            scope = self._in_flight[0] if self._in_flight is not None else None
-            self._in_flight = None
-            if scope is not None:  # failed between a step and its settle
-                scope.__exit__(*sys.exc_info())
-            raise
         wall = time.perf_counter() - t_start
         self.mode.trainer_done(self)  # ssp: this trainer no longer holds the others back
-        mine = {"steps": self.step, "samples": self.meter.total, "wall_time_s": wall,
-                "samples_per_s": self.meter.overall(), "losses": losses,
-                "max_steps_ahead": self.max_steps_ahead, "trainer": self.name, **self.totals()}
+        mine = {
+            "steps": self.step,
+            "samples": self.meter.total,
+            "wall_time_s": wall,
+            "samples_per_s": self.meter.overall(),
+            "losses": losses,
+            "max_steps_ahead": self.max_steps_ahead,
+            "trainer": self.name,
+            **self.totals(),
+        }
         if self.elastic is not None:
             self.elastic.finish(mine)  # to ps0: this trainer may leave the group right after
-        else:
-            _publish(mine)
+        elif not is_chief:
+            self.rpc.rpc_sync("ps0", deposit_stats, args=(mine,), timeout=0)
         if not is_chief:
             self.writer.close()
             return None
         return self._finish(mine, last)
 
-    def _loop(self, batch: Any, losses: list[float], on_step: Any) -> dict[str, float]:
+    @contextmanager
+    def _closing_on_failure(self) -> Iterator[None]:
+        """A failure between a step's update requests and its ``settle`` leaves the step's
+        autograd context open: close it (seeing the error) and let the error go on."""
+        try:
+            yield
+        except BaseException:
+            in_flight, self._in_flight = self._in_flight, None
+            scope = in_flight.scope if in_flight is not None else None
+            with scope if scope is not None else nullcontext():
+                raise
+
+    def _loop(self, batch: Any, losses: list[float], on_step: StepHook | None) -> dict[str, float]:
         """Steps until the last one; returns the last step's metrics."""
         cfg = self.cfg
         log_every = max(1, cfg.train.log_every)
@@ -300,17 +352,19 @@ class Trainer:
                     w.add_scalar(f"rpc/bytes_received/ps{r}", st["bytes_received"], step)
             if self.cfg.logging.progress:
                 eta = (self.steps - step) * (time.perf_counter() - self._t_start) / max(step - self._first_step, 1)
-                print(f"[{self.name}] step {step}/{self.steps}  loss {last['loss']:.4f}  "
-                      f"acc {last['accuracy']:.3f}  {rate:,.0f} samples/s  eta {eta:.0f}s", flush=True)
+                print(
+                    f"[{self.name}] step {step}/{self.steps}  loss {last['loss']:.4f}  "
+                    f"acc {last['accuracy']:.3f}  {rate:,.0f} samples/s  eta {eta:.0f}s",
+                    flush=True,
+                )
 
     def _finish(self, mine: dict[str, Any], last: dict[str, float]) -> dict[str, Any]:
         cfg = self.cfg
         if self.elastic is not None:
             all_stats = self.elastic.all_stats()
         else:
-            others = [self.rpc.rpc_async(f"trainer{k}", final_stats, timeout=0)
-                      for k in range(1, cfg.cluster.num_trainers)]
-            all_stats = [mine] + [f.wait() for f in others]
+            others = self.rpc.rpc_sync("ps0", collect_stats, args=(cfg.cluster.num_trainers - 1,), timeout=0)
+            all_stats = [mine] + sorted(others, key=lambda s: int(s["trainer"].removeprefix("trainer")))
         # Before the final evaluation, so the servers' byte counts are the training's.
         server_stats = [s.rpc_sync().stats() for s in self.servers]
         ev = self.evaluate()
@@ -331,24 +385,33 @@ class Trainer:
             "max_staleness": max([s["max_staleness"] for s in server_stats] + [0]),
             "max_steps_ahead": max(s["max_steps_ahead"] for s in all_stats),
             "losses": {s["trainer"]: s["losses"] for s in all_stats},
-            "peak_rss_bytes": {**{f"ps{r}": s["peak_rss_bytes"] for r, s in enumerate(server_stats)},
-                               **{s["trainer"]: s["peak_rss_bytes"] for s in all_stats}},
+            "peak_rss_bytes": {
+                **{f"ps{r}": s["peak_rss_bytes"] for r, s in enumerate(server_stats)},
+                **{s["trainer"]: s["peak_rss_bytes"] for s in all_stats},
+            },
             **self.extra_metrics(all_stats, server_stats),
             **(self.elastic.extra_metrics(server_stats) if self.elastic is not None else {}),
         }
         w = self.writer
         for key, value in ev.items():
             w.add_scalar(f"test/{key}", value, self.step)
-        w.add_hparams(flatten_hparams(config_to_dict(cfg)),
-                      {**{f"hparam/test_{key}": value for key, value in ev.items()},
-                       "hparam/samples_per_s": metrics["samples_per_s"]})
+        w.add_hparams(
+            flatten_hparams(config_to_dict(cfg)),
+            {
+                **{f"hparam/test_{key}": value for key, value in ev.items()},
+                "hparam/samples_per_s": metrics["samples_per_s"],
+            },
+        )
         w.close()
         write_metrics_json(f"{self.run_dir}/metrics.json", metrics)
         if self.elastic is not None:
             self.elastic.release_servers()
-        print(f"[{self.name}] done: {self.step} steps, {self.describe_eval(ev)}, "
-              f"{metrics['samples_per_s']:,.0f} samples/s over {cfg.cluster.num_trainers} trainer(s), "
-              f"{wall:.1f}s", flush=True)
+        print(
+            f"[{self.name}] done: {self.step} steps, {self.describe_eval(ev)}, "
+            f"{metrics['samples_per_s']:,.0f} samples/s over {cfg.cluster.num_trainers} trainer(s), "
+            f"{wall:.1f}s",
+            flush=True,
+        )
         return metrics
 
 

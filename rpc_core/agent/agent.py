@@ -3,7 +3,8 @@
     roster.py       who is in the group (and, in a dynamic group, who joined and left)
     completion.py   calls this worker made, until each is answered, fails or times out
     dispatch.py     running the requests that arrive, and answering them
-    connections.py  dialling and accepting connections, and losing them
+    connections.py  dialling and accepting connections, and losing them (departures.py: a
+                    member's that left, read until its last answers arrived)
     heartbeats.py   noticing peers that went silent while calls wait on them
     deadlines.py    the timer thread: call deadlines, lazy-answer kicks, call_later
     middleware.py   the hooks of higher layers (RRefs, distributed autograd, the profiler)
@@ -24,6 +25,7 @@ The per-message path costs no extra hop for being split into parts: ``send_reque
 a call in the very dicts of its parts (bound once here), answers go from the connection
 that read them straight to ``PendingCalls.on_answer``, requests to ``Dispatch``.
 """
+
 from __future__ import annotations
 
 import functools
@@ -38,6 +40,7 @@ from ..errors import RpcError, RpcNotInitializedError
 from ..options import RpcBackendOptions
 from ..protocol import wire
 from ..protocol.serialization import encode_head, serialize
+from . import departures
 from .completion import Pending, PendingCalls, new_pending
 from .connections import Connections
 from .deadlines import Deadlines
@@ -64,8 +67,10 @@ _CLOSE_GRACE = 1.0
 # What torch says when there is no agent: its Python API (rpc_sync, remote, shutdown, ...)
 # the first; its C++ core (RRef(), get_rpc_timeout()) the second. Programs match either.
 NOT_INITIALIZED = "RPC has not been initialized. Call rpc_core.init_rpc first."
-AGENT_NOT_SET = ("Current RPC agent is not set! Did you initialize the RPC framework (e.g. by calling "
-                 "`rpc.init_rpc`)? Call rpc_core.init_rpc first.")
+AGENT_NOT_SET = (
+    "Current RPC agent is not set! Did you initialize the RPC framework (e.g. by calling "
+    "`rpc.init_rpc`)? Call rpc_core.init_rpc first."
+)
 
 
 def current_agent(message: str = NOT_INITIALIZED) -> Agent:
@@ -99,12 +104,25 @@ class Agent:
         self.pool = ElasticPool(options.num_worker_threads, f"rpc-{self.me.name}", self.threads)
         self.roster = Roster(world, self._forget)
         self.pending = PendingCalls(self.roster, self.pool, self.middleware)
-        self.dispatch = Dispatch(self.roster, self.pool, self.middleware, self.request_failed_hooks,
-                                 self.pending.on_answer, self._reader_lost)
+        self.dispatch = Dispatch(
+            self.roster,
+            self.pool,
+            self.middleware,
+            self.request_failed_hooks,
+            self.pending.on_answer,
+            self._reader_lost,
+        )
         self.connections = Connections(world, options, self.roster, self.pending, self.dispatch, self.threads)
         self._deadlines = Deadlines(self.pending.pending, self.pending.expire, self.me.name)
-        self.heartbeats = Heartbeats(options.effective_heartbeat_timeout(), self.roster, self.pool, self.pending,
-                                     self.connections, self.send_request, self._deadlines.call_later)
+        self.heartbeats = Heartbeats(
+            options.effective_heartbeat_timeout(),
+            self.roster,
+            self.pool,
+            self.pending,
+            self.connections,
+            self.send_request,
+            self._deadlines.call_later,
+        )
         # Bound once: send_request uses these on every call without a hop through the parts.
         self._out = self.connections.out
         self._links = self.connections.links
@@ -118,8 +136,11 @@ class Agent:
         self.get_worker_infos = self.roster.get_worker_infos
 
     # -- what a part reaches in a part made after it -------------------------------------------------
-    def _forget(self, rank: int, name: str, reason: str) -> None:
-        self.connections.forget(rank, name, reason)
+    def _forget(self, rank: int, name: str, reason: str, graceful: bool) -> None:
+        held = self.connections.forget(rank, name, reason, graceful)
+        if held is not None:  # its answers may still be on their way: wait for them, for a while
+            give_up = functools.partial(self.connections.departures.give_up, held)
+            self._deadlines.call_later(time.monotonic() + departures.GRACE, give_up)
 
     def _reader_lost(self, conn: transport.Connection, peer: int, e: BaseException) -> None:
         self.connections.reader_lost(conn, peer, e)
@@ -136,10 +157,19 @@ class Agent:
         self.connections.start()
         self.heartbeats.start()
 
-    def send_request(self, dst: int, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], timeout: float,
-                     extras: dict[str, Any] | None = None, flags: int = 0,
-                     call_extras: dict[str, Any] | None = None, sync: bool = False,
-                     lazy: bool = False) -> RpcFuture:
+    def send_request(
+        self,
+        dst: int,
+        func: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        timeout: float,
+        extras: dict[str, Any] | None = None,
+        flags: int = 0,
+        call_extras: dict[str, Any] | None = None,
+        sync: bool = False,
+        lazy: bool = False,
+    ) -> RpcFuture:
         """Serialize and send ``func(*args, **kwargs)`` to rank ``dst``; the Future holds its result.
         ``sync``: the caller waits on the future at once, so its ``wait()`` reads the answer.
         ``lazy``: nobody needs the answer soon (``remote``'s creation acknowledgement): it is
@@ -170,8 +200,9 @@ class Agent:
         # batches, by this thread every few calls (see outbound). Not for the first few: a
         # caller that sends one and computes (overlapping communication) must not wait.
         burst = unattended and link is not None and not lazy and link.in_flight() >= _BURST_IN_FLIGHT
-        self._unanswered[msg_id] = new_pending(Pending, (fut, dst, call_extras if call_extras is not None else extras,
-                                                      timeout, flags, link, unattended))
+        self._unanswered[msg_id] = new_pending(
+            Pending, (fut, dst, call_extras if call_extras is not None else extras, timeout, flags, link, unattended)
+        )
         if not flags & wire.CONTROL:
             self.pending.n_sent += 1
         if timeout > 0:

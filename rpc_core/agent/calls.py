@@ -6,6 +6,7 @@ Everything above the agent that sends a call on a user's behalf (RRef proxies an
 bookkeeping messages (RRef forks and deletes, context cleanups, barriers) go straight to
 ``Agent.send_request``: they are not the user's calls.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -24,9 +25,18 @@ from .agent import current_agent
 call_wrappers: list[Callable[..., torch.futures.Future[Any]]] = []
 
 
-def invoke_async(to: Any, func: Any, args: tuple[Any, ...] | None, kwargs: dict[str, Any] | None, timeout: float,
-                 exec_mode: str, user_func: Any = None, keepalive: Any = None,
-                 extras: dict[str, Any] | None = None, waited: bool = False) -> torch.futures.Future[Any]:
+def invoke_async(
+    to: Any,
+    func: Any,
+    args: tuple[Any, ...] | None,
+    kwargs: dict[str, Any] | None,
+    timeout: float,
+    exec_mode: str,
+    user_func: Any = None,
+    keepalive: Any = None,
+    extras: dict[str, Any] | None = None,
+    waited: bool = False,
+) -> torch.futures.Future[Any]:
     """Send a call. ``keepalive`` is held until the answer arrives (an RRef whose id the call
     carries instead of a fork); ``extras`` travel in the frame head. ``waited``: the caller
     will wait on the returned future itself (as "sync" calls do), so its answer needs no
@@ -42,11 +52,23 @@ def invoke_async(to: Any, func: Any, args: tuple[Any, ...] | None, kwargs: dict[
         # one read: another thread may empty the list
         wrap: Callable[..., torch.futures.Future[Any]] | None = next(reversed(call_wrappers), None)
         if wrap is not None:
-            def send(f: Any = func, a: tuple[Any, ...] = args, k: dict[str, Any] = kwargs,
-                     extras: dict[str, Any] | None = None) -> torch.futures.Future[Any]:
+
+            def send(
+                f: Any = func,
+                a: tuple[Any, ...] = args,
+                k: dict[str, Any] = kwargs,
+                extras: dict[str, Any] | None = None,
+            ) -> torch.futures.Future[Any]:
                 extras = dict(base_extras or {}, **(extras or {}))
-                return agent.send_request(dst, f, a, k, timeout, extras=extras,
-                                          call_extras=None if keepalive is None else _held(extras, keepalive))
+                return agent.send_request(
+                    dst,
+                    f,
+                    a,
+                    k,
+                    timeout,
+                    extras=extras,
+                    call_extras=None if keepalive is None else _held(extras, keepalive),
+                )
 
             return wrap(exec_mode, func if user_func is None else user_func, dst, send)
     # A "sync" caller waits on this very future at once, so its wait() reads the answer;
@@ -54,8 +76,9 @@ def invoke_async(to: Any, func: Any, args: tuple[Any, ...] | None, kwargs: dict[
     sync = exec_mode == "sync" or waited
     lazy = exec_mode == "remote"
     if keepalive is not None:
-        return agent.send_request(dst, func, args, kwargs, timeout, extras=extras,
-                                  call_extras=_held(extras, keepalive), sync=sync, lazy=lazy)
+        return agent.send_request(
+            dst, func, args, kwargs, timeout, extras=extras, call_extras=_held(extras, keepalive), sync=sync, lazy=lazy
+        )
     return agent.send_request(dst, func, args, kwargs, timeout, extras=extras, sync=sync, lazy=lazy)
 
 
@@ -66,19 +89,30 @@ def _held(extras: dict[str, Any] | None, keepalive: Any) -> dict[str, Any]:
     return out
 
 
-def invoke(to: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None, timeout: float,
-           exec_mode: str) -> Any:
+def invoke(
+    to: Any, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None, timeout: float, exec_mode: str
+) -> Any:
     """``invoke_async`` and wait for the result."""
     return invoke_async(to, func, args, kwargs, timeout, exec_mode).wait()
 
 
-def rpc_sync(to: Any, func: Callable[..., Any], args: tuple[Any, ...] | None = None,
-             kwargs: dict[str, Any] | None = None, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
+def rpc_sync(
+    to: Any,
+    func: Callable[..., Any],
+    args: tuple[Any, ...] | None = None,
+    kwargs: dict[str, Any] | None = None,
+    timeout: float = UNSET_RPC_TIMEOUT,
+) -> Any:
     """Run ``func(*args, **kwargs)`` on worker ``to`` (name, WorkerInfo or rank) and return its result."""
     return invoke_async(to, func, args, kwargs, timeout, "sync").wait()
 
 
-def rpc_async(to: Any, func: Callable[..., Any], args: tuple[Any, ...] | None = None,
-              kwargs: dict[str, Any] | None = None, timeout: float = UNSET_RPC_TIMEOUT) -> torch.futures.Future[Any]:
+def rpc_async(
+    to: Any,
+    func: Callable[..., Any],
+    args: tuple[Any, ...] | None = None,
+    kwargs: dict[str, Any] | None = None,
+    timeout: float = UNSET_RPC_TIMEOUT,
+) -> torch.futures.Future[Any]:
     """Like ``rpc_sync`` but returns a ``torch.futures.Future`` at once."""
     return invoke_async(to, func, args, kwargs, timeout, "async")

@@ -5,6 +5,7 @@ failed, timed out).
 table (``pending``, shared with the timer) and counts it (``n_sent``); answers come to
 ``on_answer`` straight from the connection that read them.
 """
+
 from __future__ import annotations
 
 import threading
@@ -17,6 +18,7 @@ import torch
 from ..errors import RpcError, RpcTimeoutError
 from ..protocol import wire
 from ..protocol.serialization import decode_head, deserialize
+from .early_exit import torch_collect_all
 from .futures import RpcFuture, rebuild_exception
 from .middleware import Middleware, incoming_hook
 from .outbound import Outbound
@@ -59,8 +61,9 @@ class PendingCalls:
         self.n_sent = 0
         self.n_done = 0
 
-    def on_answer(self, src: int, h: wire.FrameHeader, head: bytes, body: bytes,
-                  storages: list[torch.UntypedStorage]) -> None:
+    def on_answer(
+        self, src: int, h: wire.FrameHeader, head: bytes, body: bytes, storages: list[torch.UntypedStorage]
+    ) -> None:
         """An answer (RESPONSE or EXCEPTION) from ``src``: it completes its call."""
         rec = self.pending.pop(h.msg_id, None)
         if rec is None:  # timed out or failed already: the late answer is dropped, but not its news
@@ -86,8 +89,12 @@ class PendingCalls:
                 self._response_extras(extras, call_extras)
                 self._complete(fut, error=rebuild_exception(info), inline=False, counted=counted)
         except BaseException as e:  # noqa: BLE001 - a response we cannot decode fails its call, not the reader
-            self._complete(fut, error=RpcError(f"could not decode the response from {self._roster.describe(src)}: "
-                                               f"{e!r}"), inline=False, counted=counted)
+            self._complete(
+                fut,
+                error=RpcError(f"could not decode the response from {self._roster.describe(src)}: {e!r}"),
+                inline=False,
+                counted=counted,
+            )
 
     def _response_extras(self, extras: dict[str, Any] | None, call_extras: dict[str, Any]) -> None:
         if extras:
@@ -100,17 +107,29 @@ class PendingCalls:
         # without pinning the call's record (and the RRef a proxy call keeps alive in it).
         rec = self.pending.get(msg_id)
         if rec is not None:
-            self.fail(msg_id, RpcTimeoutError(
-                f"{self.timeout_message(rec.timeout, rec.dst)}; raise the timeout per call "
-                "(timeout=...) or in RpcBackendOptions(rpc_timeout=...), 0 means none",
-                worker=self._roster.name_of(rec.dst)))
+            self.fail(
+                msg_id,
+                RpcTimeoutError(
+                    f"{self.timeout_message(rec.timeout, rec.dst)}; raise the timeout per call "
+                    "(timeout=...) or in RpcBackendOptions(rpc_timeout=...), 0 means none",
+                    worker=self._roster.name_of(rec.dst),
+                ),
+            )
 
     def timeout_message(self, timeout: float, dst: int) -> str:
-        return (f"RPC ran for more than set timeout ({int(timeout * 1000)} ms) and will now be marked "
-                f"with an error (call to {self._roster.describe(dst)})")
+        return (
+            f"RPC ran for more than set timeout ({int(timeout * 1000)} ms) and will now be marked "
+            f"with an error (call to {self._roster.describe(dst)})"
+        )
 
-    def _complete(self, fut: RpcFuture, value: Any = None, error: BaseException | None = None, inline: bool = True,
-                  counted: bool = False) -> None:
+    def _complete(
+        self,
+        fut: RpcFuture,
+        value: Any = None,
+        error: BaseException | None = None,
+        inline: bool = True,
+        counted: bool = False,
+    ) -> None:
         if fut._has_callbacks and not inline:
             self._pool.submit(self._settle, fut, value, error, counted)
         else:
@@ -143,11 +162,17 @@ class PendingCalls:
             if unsent and user_call:
                 self.n_sent -= 1
 
-    def fail_to(self, dst: int, error: Callable[[], BaseException]) -> None:
+    def fail_to(self, dst: int, error: Callable[[], BaseException], keep: Outbound | None = None) -> None:
         """Fail every call pending to rank ``dst`` with a fresh ``error()``, off this thread
-        where they have callbacks."""
+        where they have callbacks; but those on the connection ``keep`` reads."""
         for msg_id, rec in list(self.pending.items()):
-            if rec.dst == dst:
+            if rec.dst == dst and (keep is None or rec.link is not keep):
+                self.fail(msg_id, error(), inline=False)
+
+    def fail_on(self, link: Outbound, error: Callable[[], BaseException]) -> None:
+        """Fail every call pending on the connection ``link`` reads with a fresh ``error()``."""
+        for msg_id, rec in list(self.pending.items()):
+            if rec.link is link:
                 self.fail(msg_id, error(), inline=False)
 
     def fail_all(self, error: Callable[[], BaseException]) -> None:
@@ -163,11 +188,12 @@ class PendingCalls:
         """Wait until no user call made by this worker is pending (or the deadline passes)."""
         while True:
             futs: list[torch.futures.Future[Any]] = [
-                rec.future for rec in list(self.pending.values()) if not rec.flags & wire.CONTROL]
+                rec.future for rec in list(self.pending.values()) if not rec.flags & wire.CONTROL
+            ]
             if not futs:
                 return
             done = threading.Event()
-            torch.futures.collect_all(futs).add_done_callback(_setter(done))
+            torch_collect_all(futs).add_done_callback(_setter(done))
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0 or not done.wait(remaining):
                 return

@@ -9,8 +9,11 @@ per-peer lock; its answers are read by an ``Outbound``) and any number of incomi
 ``Connections`` is a part of ``agent.Agent``: it hands what arrives to the agent's
 ``Dispatch`` (requests) and ``PendingCalls`` (answers), fails the calls of a peer it lost
 there, and asks the ``Roster`` who a peer is. The agent's ``send_request`` looks up ``out``
-and ``links`` (the very dicts, never replaced) on every call.
+and ``links`` (the very dicts, never replaced) on every call. The connection to a member
+that left gracefully is read until it ends, so the answers it sent before it left are not
+lost (``departures``).
 """
+
 from __future__ import annotations
 
 import logging
@@ -35,6 +38,7 @@ from ..protocol import wire
 from ..protocol.serialization import loopback
 from ..transport import Connection, Listener
 from .completion import PendingCalls
+from .departures import Departures
 from .dispatch import Dispatch
 from .outbound import Outbound
 from .pool import ThreadGroup
@@ -74,8 +78,16 @@ class _Loopback:
         self._on_answer = pending.on_answer
         self.bytes_sent = self.bytes_received = 0
 
-    def send(self, kind: int, flags: int, msg_id: int, head: bytes, body: bytes, buffers: Sequence[memoryview] = (),
-             defer: int = 0) -> None:
+    def send(
+        self,
+        kind: int,
+        flags: int,
+        msg_id: int,
+        head: bytes,
+        body: bytes,
+        buffers: Sequence[memoryview] = (),
+        defer: int = 0,
+    ) -> None:
         storages = loopback(buffers)
         h = wire.FrameHeader(kind, flags, len(buffers), len(head), len(body), msg_id)
         if kind == wire.REQUEST:
@@ -90,8 +102,15 @@ class _Loopback:
 class Connections:
     """The connection table of one worker (see the module doc)."""
 
-    def __init__(self, world: World, options: RpcBackendOptions, roster: Roster, pending: PendingCalls,
-                 dispatch: Dispatch, threads: ThreadGroup) -> None:
+    def __init__(
+        self,
+        world: World,
+        options: RpcBackendOptions,
+        roster: Roster,
+        pending: PendingCalls,
+        dispatch: Dispatch,
+        threads: ThreadGroup,
+    ) -> None:
         self.me = world.me
         self._roster = roster
         self._pending = pending
@@ -105,6 +124,7 @@ class Connections:
         # over a same-host transport.
         self._local_hosts = {"localhost", "::1", self._listeners[0].address[0]}
         self._parked: list[Connection] = []  # open but unused (see start)
+        self.departures = Departures(pending)  # connections to departed members, read until they end
         self._lock = threading.Lock()
         self._incoming_cv = threading.Condition(self._lock)
         self.out: dict[int, Any] = {self.me.id: _Loopback(self.me.id, dispatch, pending)}
@@ -171,13 +191,15 @@ class Connections:
                     raise OSError("no transport reaches it")
             except TimeoutError as e:
                 connected = getattr(e, "connected", True)
-                raise self._dial_timed_out(dst, by_call, timeout,
-                                           "" if connected else "(the connection was not even accepted)") from None
+                raise self._dial_timed_out(
+                    dst, by_call, timeout, "" if connected else "(the connection was not even accepted)"
+                ) from None
             except OSError as e:  # refused, reset, closed: nobody there any more
                 host, port = roster.addresses[dst]
                 raise WorkerUnavailableError(
                     f"cannot reach {roster.describe(dst)} at {host}:{port} ({e.__class__.__name__}: {e}); "
-                    "it has probably exited or crashed", worker=roster.name_of(dst)
+                    "it has probably exited or crashed",
+                    worker=roster.name_of(dst),
                 ) from None
             self._start_outbound(conn, dst)
             self.out[dst] = conn
@@ -194,18 +216,22 @@ class Connections:
         if detail:
             what += " " + detail
         if by_call:
-            return RpcTimeoutError(f"{self._pending.timeout_message(timeout, dst)}: {what}; it may be stopped, "
-                                   "frozen or overloaded", worker=roster.name_of(dst))
+            return RpcTimeoutError(
+                f"{self._pending.timeout_message(timeout, dst)}: {what}; it may be stopped, frozen or overloaded",
+                worker=roster.name_of(dst),
+            )
         return WorkerUnavailableError(
             f"cannot reach {what} within {self._handshake_timeout:g} s (RPC_CORE_HANDSHAKE_TIMEOUT); "
-            "it is probably stopped, frozen or overloaded, or its host is unreachable", worker=roster.name_of(dst)
+            "it is probably stopped, frozen or overloaded, or its host is unreachable",
+            worker=roster.name_of(dst),
         )
 
     def _dial(self, dst: int, deadline: float, same_host_only: bool = False) -> Connection | None:
         """Dial ``dst`` by ``deadline`` over the first transport that reaches it (see
         ``transport.dial``); only over a same-host one if ``same_host_only`` (None if none did)."""
-        return transport.dial(self._roster.addresses[dst], self._secret, deadline, self._local_hosts,
-                              self._introduce, same_host_only)
+        return transport.dial(
+            self._roster.addresses[dst], self._secret, deadline, self._local_hosts, self._introduce, same_host_only
+        )
 
     def _introduce(self, conn: Connection) -> None:
         conn.send(wire.REQUEST, wire.CONTROL, _HELLO_ID, b"", pickle.dumps(self.me.id))
@@ -222,8 +248,9 @@ class Connections:
                 return
             self._threads.start(self._serve_incoming, "rpc-in", listener.transport, sock, peer, deadline)
 
-    def _serve_incoming(self, via: transport.Transport, sock: socket.socket, peer: tuple[str, int],
-                        deadline: float) -> None:
+    def _serve_incoming(
+        self, via: transport.Transport, sock: socket.socket, peer: tuple[str, int], deadline: float
+    ) -> None:
         """Authenticate an accepted connection and read its identity frame, all by ``deadline``,
         then serve its requests."""
         conn = None
@@ -246,8 +273,12 @@ class Connections:
                     raise ProtocolError(f"bad identity {src!r}")
             self._roster.tag_connection(conn, src)
         except AuthenticationError:
-            log.warning("rpc_core %s: rejected a connection from %s:%s: wrong or missing auth secret",
-                        self.me.name, peer[0], peer[1])
+            log.warning(
+                "rpc_core %s: rejected a connection from %s:%s: wrong or missing auth secret",
+                self.me.name,
+                peer[0],
+                peer[1],
+            )
             sock.close()
             return
         except (ProtocolError, OSError, transport.PeerClosed, pickle.UnpicklingError, ValueError, EOFError) as e:
@@ -305,6 +336,8 @@ class Connections:
         loss of a peer's rendezvous connection tells rank 0 that the peer is gone (it closes
         when the peer exits), unless the peer only sent garbage."""
         conn.close()
+        if self.departures.ended(conn):
+            return  # a departed member's, read to its end: what still waited on it failed
         with self._lock:
             if conn in self._incoming:
                 self._incoming.remove(conn)
@@ -331,22 +364,35 @@ class Connections:
 
     def lost_error(self, dst: int, e: BaseException) -> WorkerUnavailableError:
         """The error of a call whose request could not be written to ``dst`` (``e``)."""
-        return WorkerUnavailableError(f"sending to {self._roster.describe(dst)} failed ({e}); it has probably "
-                                      "exited or crashed", worker=self._roster.name_of(dst))
+        return WorkerUnavailableError(
+            f"sending to {self._roster.describe(dst)} failed ({e}); it has probably exited or crashed",
+            worker=self._roster.name_of(dst),
+        )
 
-    def forget(self, rank: int, name: str, reason: str) -> None:
+    def forget(self, rank: int, name: str, reason: str, graceful: bool) -> Connection | None:
         """The member of ``rank`` left the group (the roster forgot it). Our connection to it is
         no member's any more: its end is no news (see ``Roster.is_member_connection``). The
         leaver closes it: closing it here would look, to a registry that is still telling the
-        others it left, like our own death. Calls still on it fail now: the leaver answered
-        all it had before it left, so these were sent as it was leaving."""
+        others it left, like our own death. After a ``graceful`` leave, the calls pending on it
+        wait for the answers still on their way, until it ends (``departures``): the connection
+        returned is held so, for the caller to give up on after ``departures.GRACE``. Other
+        calls to it fail now."""
+        held = None
         with self._lock:
             conn = self.out.pop(rank, None)
-            self.links.pop(rank, None)
+            link = self.links.pop(rank, None)
             if conn is not None:
                 conn.departed = True
                 self._parked.append(conn)  # closed with the agent, if the leaver has not by then
-        self._pending.fail_to(rank, lambda: WorkerLeftError(reason, worker=name))
+                if (
+                    graceful
+                    and link is not None
+                    and link.conn is conn
+                    and self.departures.hold(conn, link, name, reason)
+                ):
+                    held = conn
+        self._pending.fail_to(rank, lambda: WorkerLeftError(reason, worker=name), keep=link if held else None)
+        return held
 
     def drop(self, peer: int, link: Outbound) -> bool:
         """Forget the outgoing connection ``link`` reads (heartbeats found ``peer`` silent);
@@ -358,6 +404,17 @@ class Connections:
             if self.out.get(peer) is link.conn:
                 del self.out[peer]
         return True
+
+    def flush_queued(self) -> None:
+        """Write the frames (answers, mostly) queued on every connection: before this worker
+        leaves the group or closes, what it owes must be on the wire."""
+        with self._lock:
+            conns = [c for c in [*self.out.values(), *self._incoming, *self._parked] if not isinstance(c, _Loopback)]
+        for c in conns:
+            try:
+                c.flush_queued()
+            except OSError:
+                pass  # lost: its reader reports it
 
     def wait_incoming_closed(self, timeout: float) -> None:
         """Rank 0, at the end of graceful shutdown: let peers close first, so our last
@@ -372,10 +429,15 @@ class Connections:
         with self._lock:
             conns = {id(c): c for c in [*self.out.values(), *self._incoming] if not isinstance(c, _Loopback)}
         cs: list[Connection] = list(conns.values())
-        return ConnectionStats(sum(c.bytes_sent for c in cs), sum(c.bytes_received for c in cs),
-                               sum(c.bytes_cma_sent for c in cs), sum(c.bytes_cma_received for c in cs), len(cs),
-                               sum(c.kind == "unix" for c in cs),
-                               sum(c.capabilities.cma_send or c.capabilities.cma_recv for c in cs))
+        return ConnectionStats(
+            sum(c.bytes_sent for c in cs),
+            sum(c.bytes_received for c in cs),
+            sum(c.bytes_cma_sent for c in cs),
+            sum(c.bytes_cma_received for c in cs),
+            len(cs),
+            sum(c.kind == "unix" for c in cs),
+            sum(c.capabilities.cma_send or c.capabilities.cma_recv for c in cs),
+        )
 
     def close(self) -> None:
         """Close every listener and connection (the agent is closing)."""

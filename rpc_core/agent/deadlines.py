@@ -5,6 +5,7 @@ Deadlines are kept per timeout value: calls with the same timeout expire in the 
 were made, so each queue stays sorted by deadline without a heap (arming one is an append,
 on every call). ``call_later``'s jobs, rare, keep a heap.
 """
+
 from __future__ import annotations
 
 import collections

@@ -11,6 +11,7 @@ on; a frame that is not a request goes to ``on_answer`` (``PendingCalls.on_answe
 connection whose reading fails to ``lost`` (the agent's connections), both callables it was
 made with.
 """
+
 from __future__ import annotations
 
 import logging
@@ -26,6 +27,7 @@ from ..errors import RpcError, failed_worker, not_a_future
 from ..protocol import wire
 from ..protocol.serialization import decode_head, deserialize_decoded, encode_head, serialize
 from ..transport import Connection
+from .early_exit import torch_collect_all
 from .middleware import Middleware, incoming_hook
 from .pool import ElasticPool, init_torch_thread
 from .roster import Roster
@@ -42,8 +44,10 @@ def log_call_error(me: WorkerInfo, func: Any, error: BaseException, caller: str 
     """Log ``error``, raised by ``func`` in a call this worker ran (``caller``: who made it)."""
     if user_errors.isEnabledFor(logging.WARNING):
         name = f"{getattr(func, '__module__', None) or '?'}.{getattr(func, '__qualname__', repr(func))}"
-        user_errors.warning("On %s: %s%s raised %r", me, name, f" (called by {caller})" if caller else "", error,
-                            exc_info=error)
+        user_errors.warning(
+            "On %s: %s%s raised %r", me, name, f" (called by {caller})" if caller else "", error, exc_info=error
+        )
+
 
 # The request-extras key under which a request's reply notes (serialization.note_for_reply)
 # wait for its response.
@@ -66,10 +70,15 @@ class Dispatch:
     """Serving requests. Uses the roster to name peers in errors, the pool to run requests,
     and the agent's middleware and request-failed hooks (lists it shares with the agent)."""
 
-    def __init__(self, roster: Roster, pool: ElasticPool, middleware: list[Middleware],
-                 request_failed_hooks: list[Callable[[dict[str, Any], BaseException], None]],
-                 on_answer: Callable[[int, wire.FrameHeader, bytes, bytes, list[torch.UntypedStorage]], None],
-                 lost: Callable[[Connection, int, BaseException], None]) -> None:
+    def __init__(
+        self,
+        roster: Roster,
+        pool: ElasticPool,
+        middleware: list[Middleware],
+        request_failed_hooks: list[Callable[[dict[str, Any], BaseException], None]],
+        on_answer: Callable[[int, wire.FrameHeader, bytes, bytes, list[torch.UntypedStorage]], None],
+        lost: Callable[[Connection, int, BaseException], None],
+    ) -> None:
         self.me = roster.me
         self._roster = roster
         self.pool = pool
@@ -99,21 +108,34 @@ class Dispatch:
                     self.n_received += 1
                 req = self._admit(peer, head)
                 if resume is None:
+
                     def resume() -> None:
                         self.read_loop(conn, peer)
 
                     def waiting() -> bool:
                         return conn.poll(0)
-                if not self.pool.run_inline(resume, self._run_request, conn, peer, h, req, body, storages,
-                                            waiting=waiting, stalled=conn.flush_queued):
+
+                if not self.pool.run_inline(
+                    resume,
+                    self._run_request,
+                    conn,
+                    peer,
+                    h,
+                    req,
+                    body,
+                    storages,
+                    waiting=waiting,
+                    stalled=conn.flush_queued,
+                ):
                     return  # the loop goes on in another thread
         except Exception as e:  # noqa: BLE001 - never leave a dead reader behind an open socket
             self._lost(conn, peer, e)
         finally:
             _loop.conn = None
 
-    def on_request(self, conn: Any, src: int, h: wire.FrameHeader, head: bytes, body: bytes,
-                   storages: list[torch.UntypedStorage]) -> None:
+    def on_request(
+        self, conn: Any, src: int, h: wire.FrameHeader, head: bytes, body: bytes, storages: list[torch.UntypedStorage]
+    ) -> None:
         """A request that arrived outside a connection's reading loop (a call to self, a
         request on an outgoing connection): admitted here, in arrival order, and run by the pool."""
         if not h.flags & wire.CONTROL:
@@ -132,8 +154,9 @@ class Dispatch:
             m.admit(src, extras)
         return _Head(metas, extras, None)
 
-    def _run_request(self, conn: Any, src: int, h: wire.FrameHeader, req: _Head, body: bytes,
-                     storages: list[torch.UntypedStorage]) -> None:
+    def _run_request(
+        self, conn: Any, src: int, h: wire.FrameHeader, req: _Head, body: bytes, storages: list[torch.UntypedStorage]
+    ) -> None:
         extras = req.extras
         notes: dict[str, list[Any]] = {}  # from the arguments to the caller, in the response's extras
         try:
@@ -141,8 +164,9 @@ class Dispatch:
                 if req.error is not None:
                     raise req.error
                 waits: list[torch.futures.Future[Any]] = []
-                func, args, kwargs = deserialize_decoded(req.metas, extras, body, storages,
-                                                         incoming_hook(self.middleware, src, False), waits, notes)
+                func, args, kwargs = deserialize_decoded(
+                    req.metas, extras, body, storages, incoming_hook(self.middleware, src, False), waits, notes
+                )
             except BaseException as e:
                 if isinstance(e, (AttributeError, ModuleNotFoundError, ImportError)):
                     e = RpcError(
@@ -158,15 +182,24 @@ class Dispatch:
                 if notes:  # the response, or the error response, carries them
                     extras[_REPLY_NOTES] = notes
             if waits:  # RRef forks in the arguments must be confirmed by their owners first
-                torch.futures.collect_all(waits).add_done_callback(
-                    lambda _: self.pool.submit(self._execute, conn, src, h, func, args, kwargs, extras))
+                torch_collect_all(waits).add_done_callback(
+                    lambda _: self.pool.submit(self._execute, conn, src, h, func, args, kwargs, extras)
+                )
                 return
             self._execute(conn, src, h, func, args, kwargs, extras)
         except BaseException as e:  # noqa: BLE001 - whatever the call raised goes back to its caller
             self._respond_error(conn, h, e, extras)
 
-    def _execute(self, conn: Any, src: int, h: wire.FrameHeader, func: Any, args: tuple[Any, ...],
-                 kwargs: dict[str, Any], extras: dict[str, Any]) -> None:
+    def _execute(
+        self,
+        conn: Any,
+        src: int,
+        h: wire.FrameHeader,
+        func: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        extras: dict[str, Any],
+    ) -> None:
         tokens = [m.enter_call(src, extras) for m in self.middleware] if self.middleware else ()
         fut = None
         try:
@@ -193,8 +226,9 @@ class Dispatch:
             for m, tok in zip(self.middleware, tokens, strict=False):
                 m.exit_call(tok, extras, fut)
 
-    def _respond_future(self, conn: Any, src: int, h: wire.FrameHeader, f: torch._C.Future[Any],
-                        extras: dict[str, Any]) -> None:
+    def _respond_future(
+        self, conn: Any, src: int, h: wire.FrameHeader, f: torch._C.Future[Any], extras: dict[str, Any]
+    ) -> None:
         try:
             value = f.value()
         except BaseException as e:  # noqa: BLE001 - whatever the call raised goes back to its caller
@@ -217,9 +251,11 @@ class Dispatch:
 
     def _respond_error(self, conn: Any, h: wire.FrameHeader, e: BaseException, extras: dict[str, Any]) -> None:
         info = wire.ExceptionInfo(
-            type(e).__module__, type(e).__qualname__,
+            type(e).__module__,
+            type(e).__qualname__,
             f"{e}\n\nRemote traceback (on {self.me.name}):\n{''.join(traceback.format_exception(e))}",
-            self.me.name, failed_worker(e),
+            self.me.name,
+            failed_worker(e),
         )
         ser = serialize(info)
         resp: dict[str, Any] = extras.pop(_REPLY_NOTES, None) or {}
@@ -227,12 +263,18 @@ class Dispatch:
             m.response_extras(extras, resp)
         self._send_answer(conn, h, extras, wire.EXCEPTION, encode_head(ser.metas, resp), ser.body, [])
 
-    def _send_answer(self, conn: Any, h: wire.FrameHeader, extras: dict[str, Any], kind: int, head: bytes,
-                     body: bytes, buffers: list[Any]) -> None:
+    def _send_answer(
+        self,
+        conn: Any,
+        h: wire.FrameHeader,
+        extras: dict[str, Any],
+        kind: int,
+        head: bytes,
+        body: bytes,
+        buffers: list[Any],
+    ) -> None:
         for m in self.middleware:
             m.finish(extras)
-        if not h.flags & wire.CONTROL:
-            self.n_answered += 1
         # On the connection's reading loop, with the next request's bytes buffered, the answer
         # waits for the loop's next read of the socket (or the watchdog, if that request runs
         # long): a burst of requests is answered in a few writes. The callee's CPU per no-op
@@ -243,3 +285,8 @@ class Dispatch:
         except OSError as e:
             if not self.closing:
                 log.warning("rpc_core %s: could not send a response: %s", self.me.name, e)
+        finally:
+            if not h.flags & wire.CONTROL:
+                # Once written (or queued: see lifecycle.answer_requests), so a worker that waits
+                # for its answers before it leaves does not close a socket one is being written to.
+                self.n_answered += 1

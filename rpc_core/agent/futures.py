@@ -3,11 +3,18 @@
 ``RpcFuture`` is the ``torch.futures.Future`` every call returns. ``set_error`` completes a
 future with an exception that each waiter gets as a fresh copy, and ``rebuild_exception``
 turns the ``ExceptionInfo`` a callee sent back into an exception of the original type.
+
+torch's C++ core does not see an error stored so (no Python API can mark a Future failed
+with its original exception), so ``set_error`` also tells those who asked to hear of it
+(``watch_failures``): ``early_exit``'s ``torch.futures.wait_all``, which must return at the
+first failure as torch's does for its own RPC futures.
 """
+
 from __future__ import annotations
 
 import copy
 import importlib
+import threading
 import traceback
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
@@ -19,6 +26,32 @@ from ..protocol import wire
 from .pool import handoff_current
 
 S = TypeVar("S")
+
+# Set (to True) on a future that ``set_error`` failed, before it completes it.
+_FAILED = "_rpc_core_failed"
+# Who hears of each failure ``set_error`` makes (see watch_failures); replaced, never changed.
+_watchers: tuple[Callable[[torch._C.Future[Any]], None], ...] = ()
+_watchers_lock = threading.Lock()
+
+
+def watch_failures(watcher: Callable[[torch._C.Future[Any]], None]) -> None:
+    """Call ``watcher(fut)`` each time ``set_error`` fails a future (on the thread that fails
+    it, once it is completed), until ``unwatch_failures``. A failure made before this is
+    found with ``failed_here``."""
+    global _watchers
+    with _watchers_lock:
+        _watchers = (*_watchers, watcher)
+
+
+def unwatch_failures(watcher: Callable[[torch._C.Future[Any]], None]) -> None:
+    global _watchers
+    with _watchers_lock:
+        _watchers = tuple(w for w in _watchers if w is not watcher)
+
+
+def failed_here(fut: torch._C.Future[Any]) -> bool:
+    """Whether ``set_error`` failed ``fut`` (True as soon as it began to: check ``done()`` too)."""
+    return getattr(fut, _FAILED, False)
 
 
 def set_error(fut: torch._C.Future[Any], error: BaseException) -> None:
@@ -39,7 +72,13 @@ def set_error(fut: torch._C.Future[Any], error: BaseException) -> None:
         traceback.clear_frames(tb.tb_next)
         error.__traceback__ = tb.tb_next
     fut._set_unwrap_func(_raise_copy)
+    try:
+        setattr(fut, _FAILED, True)  # before it completes: see watch_failures
+    except AttributeError:
+        pass  # a future made by torch's C++ core (then()): its own waiters only
     fut.set_result(error)
+    for watcher in _watchers:
+        watcher(fut)
 
 
 def _raise_copy(error: BaseException) -> None:
@@ -59,6 +98,7 @@ class RpcFuture(torch.futures.Future[Any]):
     _reader: Any = None  # the Outbound of the call's connection: a waiter may read its answer
     _deadline: float | None = None
     _answered = False  # the answer (or failure) arrived; completing may still be queued
+    _rpc_core_failed = False  # set_error failed it (see failed_here; here for a fast lookup)
 
     def __init__(self) -> None:
         # Straight to the C++ constructor: torch.futures.Future.__init__ only converts a
@@ -97,7 +137,7 @@ def map_result(fut: torch.futures.Future[Any], fn: Callable[[Any], Any]) -> torc
     ``fn`` reaches its waiters as it was raised (its type and message), not as the
     RuntimeError("Got the following error when running the callback: ...") that ``then``
     makes of an exception in its callback."""
-    out: torch.futures.Future[Any] = torch.futures.Future()
+    out = RpcFuture()  # a call's future, as the one it maps (early_exit's wait_all knows it)
 
     def done(f: torch.futures.Future[Any]) -> None:
         try:

@@ -27,6 +27,7 @@ coordinator, while a barrier round is open) ask for every peer to be watched
 ``send_request`` and schedules its looks with ``call_later`` (callables it was made with). Its
 work runs on the agent's timer thread and, for sends, on the pool.
 """
+
 from __future__ import annotations
 
 import logging
@@ -72,9 +73,16 @@ class Heartbeats:
     flags=, call_extras=)`` makes a call (``Agent.send_request``); ``call_later(when, fn)``
     runs ``fn`` on the timer thread at ``when``."""
 
-    def __init__(self, timeout: float, roster: Roster, pool: ElasticPool, pending: PendingCalls,
-                 connections: Connections, send: Callable[..., RpcFuture],
-                 call_later: Callable[[float, Callable[[], None]], None]) -> None:
+    def __init__(
+        self,
+        timeout: float,
+        roster: Roster,
+        pool: ElasticPool,
+        pending: PendingCalls,
+        connections: Connections,
+        send: Callable[..., RpcFuture],
+        call_later: Callable[[float, Callable[[], None]], None],
+    ) -> None:
         self.me = roster.me
         self._roster = roster
         self._pool = pool
@@ -170,25 +178,30 @@ class Heartbeats:
             fut.wait()
         except Exception as e:  # noqa: BLE001 - any failure to reach a watched peer is news
             if not self.closing:
-                reason = (f"{self._roster.describe(peer)} did not answer a heartbeat of {self.me.name} within "
-                          f"{self.heartbeat_timeout:g} s (heartbeat_timeout, RPC_CORE_HEARTBEAT_TIMEOUT): {e}")
+                reason = (
+                    f"{self._roster.describe(peer)} did not answer a heartbeat of {self.me.name} within "
+                    f"{self.heartbeat_timeout:g} s (heartbeat_timeout, RPC_CORE_HEARTBEAT_TIMEOUT): {e}"
+                )
                 for cb in self.on_peer_unreachable:
                     cb(peer, reason)  # on a pool thread already (the future has a callback)
 
     def _unreachable(self, peer: int, link: Outbound, silent: float, n: int) -> None:
         """``peer`` sent nothing on ``link`` for ``silent`` s: fail what waits on it, drop the connection."""
-        reason = (f"{self._roster.describe(peer)} sent nothing for {silent:.1f} s while this worker "
-                  f"({self.me.name}) waited on it ({n} call(s) pending), heartbeats unanswered (heartbeat_timeout "
-                  f"{self.heartbeat_timeout:g} s, RPC_CORE_HEARTBEAT_TIMEOUT): it is stopped, frozen or overloaded, "
-                  "or the network to it drops packets or is cut. The connection was dropped; the next call to it "
-                  "reconnects")
+        reason = (
+            f"{self._roster.describe(peer)} sent nothing for {silent:.1f} s while this worker "
+            f"({self.me.name}) waited on it ({n} call(s) pending), heartbeats unanswered (heartbeat_timeout "
+            f"{self.heartbeat_timeout:g} s, RPC_CORE_HEARTBEAT_TIMEOUT): it is stopped, frozen or overloaded, "
+            "or the network to it drops packets or is cut. The connection was dropped; the next call to it "
+            "reconnects"
+        )
         if not self._connections.drop(peer, link):
             return  # lost or replaced meanwhile
         log.warning("rpc_core %s: %s", self.me.name, reason)
         for msg_id, rec in list(self._pending.pending.items()):
             if rec.link is link:  # the reset below may drop its request before it arrives
-                self._pending.fail(msg_id, WorkerUnavailableError(reason, worker=self._roster.name_of(peer)),
-                                   inline=False, unsent=True)
+                self._pending.fail(
+                    msg_id, WorkerUnavailableError(reason, worker=self._roster.name_of(peer)), inline=False, unsent=True
+                )
         link.close()  # before the connection: its reader then takes the error as expected, not as news
         link.conn.abort()
         for cb in self.on_peer_unreachable:

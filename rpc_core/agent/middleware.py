@@ -1,6 +1,7 @@
 """The hooks by which higher layers (RRefs, distributed autograd, the profiler) take part in
 every call without touching sockets: the agent calls each installed ``Middleware`` at fixed
 points of a request's and a response's way, in a fixed order (see the class)."""
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -24,12 +25,14 @@ class Middleware:
     def finish(self, extras: dict[str, Any]) -> None:
         """The request is answered (its answer or error leaves next); called once."""
 
-    def outgoing(self, dst: int, tensors: list[torch.Tensor], extras: dict[str, Any],
-                 request_extras: dict[str, Any] | None) -> None:
+    def outgoing(
+        self, dst: int, tensors: list[torch.Tensor], extras: dict[str, Any], request_extras: dict[str, Any] | None
+    ) -> None:
         """Before a message leaves: add entries to ``extras`` (request_extras is set for responses)."""
 
-    def incoming(self, src: int, tensors: list[torch.Tensor], extras: dict[str, Any],
-                 is_response: bool) -> list[torch.Tensor]:
+    def incoming(
+        self, src: int, tensors: list[torch.Tensor], extras: dict[str, Any], is_response: bool
+    ) -> list[torch.Tensor]:
         """After a message's tensors are rebuilt, before the body is unpickled."""
         return tensors
 
@@ -46,9 +49,9 @@ class Middleware:
         """On the caller, when a response with extras arrives."""
 
 
-def incoming_hook(middleware: list[Middleware], src: int,
-                  is_response: bool) -> Callable[[list[torch.Tensor], Sequence[Any], dict[str, Any]],
-                                                 list[torch.Tensor]] | None:
+def incoming_hook(
+    middleware: list[Middleware], src: int, is_response: bool
+) -> Callable[[list[torch.Tensor], Sequence[Any], dict[str, Any]], list[torch.Tensor]] | None:
     """What ``serialization.deserialize`` calls with a message's rebuilt tensors: each
     middleware's ``incoming`` in turn (None without middleware: nothing to call)."""
     if not middleware:

@@ -22,6 +22,7 @@ their answer, whichever comes first. Only requests and their answers travel on t
 connections, so nothing unsolicited is left unread for long: a late answer to a call that
 timed out waits in the socket for the next reader, who drops it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -52,8 +53,14 @@ BURST_READ_EVERY = 32
 
 
 class Outbound:
-    def __init__(self, conn: transport.Connection, deliver: Callable[[tuple[Any, ...]], None],
-                 lost: Callable[[BaseException], None], name: str, threads: ThreadGroup | None = None) -> None:
+    def __init__(
+        self,
+        conn: transport.Connection,
+        deliver: Callable[[tuple[Any, ...]], None],
+        lost: Callable[[BaseException], None],
+        name: str,
+        threads: ThreadGroup | None = None,
+    ) -> None:
         self.conn = conn
         self._deliver = deliver  # gets (header, head, body, storages) of each frame read
         self._lost = lost  # called once, when reading fails (peer gone, malformed bytes)

@@ -19,6 +19,7 @@ Idle threads form a stack and the most recently idle one is woken first: a threa
 torch op (autograd, BLAS) costs milliseconds of per-thread setup, so warm threads win.
 Threads beyond ``core_threads`` exit after idling.
 """
+
 from __future__ import annotations
 
 import collections
@@ -108,8 +109,13 @@ class _InlineRun:
 
     __slots__ = ("pool", "resume", "waiting", "stalled", "since", "moved")
 
-    def __init__(self, pool: ElasticPool, resume: Callable[[], Any], waiting: Callable[[], bool] | None,
-                 stalled: Callable[[], Any] | None = None) -> None:
+    def __init__(
+        self,
+        pool: ElasticPool,
+        resume: Callable[[], Any],
+        waiting: Callable[[], bool] | None,
+        stalled: Callable[[], Any] | None = None,
+    ) -> None:
         self.pool = pool
         self.resume = resume  # continues the reading loop on another thread
         self.waiting = waiting  # whether more input waits for the loop (None: assume so)
@@ -157,8 +163,14 @@ class ElasticPool:
             elif self._watch_sleeping:
                 self._watch.notify()
 
-    def run_inline(self, resume: Callable[[], Any], fn: Callable[..., Any], *args: Any,
-                   waiting: Callable[[], bool] | None = None, stalled: Callable[[], Any] | None = None) -> bool:
+    def run_inline(
+        self,
+        resume: Callable[[], Any],
+        fn: Callable[..., Any],
+        *args: Any,
+        waiting: Callable[[], bool] | None = None,
+        stalled: Callable[[], Any] | None = None,
+    ) -> bool:
         """Run ``fn(*args)`` on this thread, which serves a reading loop. If the run blocks
         on an RPC future, or outlasts the stall limit while ``waiting()`` says more input is
         there, ``resume()`` continues the loop on another thread (a long computation alone

@@ -11,6 +11,7 @@ lowest of them: it knows nothing of connections or calls, and tells the agent of
 forgets through the ``forget`` callable it was made with. The tables are replaced, never
 changed in place, so a reader needs no lock and never sees a table half updated.
 """
+
 from __future__ import annotations
 
 import logging
@@ -34,11 +35,12 @@ _MAX_DEPARTED = 1 << 12
 class Roster:
     """The members of the group and the departed, for one worker (part of the Agent).
 
-    ``forget(rank, name, reason)`` is called when a member other than this worker leaves
-    (or is replaced): the agent drops its connection to it and fails the calls still on
-    their way to it with ``reason``."""
+    ``forget(rank, name, reason, graceful)`` is called when a member other than this worker
+    leaves (``graceful``: by its shutdown) or is replaced: the agent drops its connection to
+    it and fails the calls still on their way to it with ``reason`` (after a graceful leave,
+    once the answers the leaver sent before it left have arrived)."""
 
-    def __init__(self, world: World, forget: Callable[[int, str, str], None]) -> None:
+    def __init__(self, world: World, forget: Callable[[int, str, str, bool], None]) -> None:
         self.me = world.me
         self._on_forget = forget
         self.workers: dict[int, WorkerInfo] = {w.id: w for w in world.workers}
@@ -72,21 +74,27 @@ class Roster:
             if info is None:
                 raise self._unknown(None, to)
             return info
-        raise ValueError(f"Cannot get WorkerInfo from name {to!r} (type {type(to).__name__}); "
-                         "pass a name, WorkerInfo or rank")
+        raise ValueError(
+            f"Cannot get WorkerInfo from name {to!r} (type {type(to).__name__}); pass a name, WorkerInfo or rank"
+        )
 
     def _unknown(self, name: str | None, rank: int | None) -> RpcError:
         gone = (self._departed_names.get(name) if name is not None else None) or (
-            self._departed_ranks.get(rank) if rank is not None and name is None else None)
+            self._departed_ranks.get(rank) if rank is not None and name is None else None
+        )
         if gone is not None:  # torch's words first (its tests match them), then ours
-            return WorkerLeftError(f"could not find destination {name if name is not None else rank!r}: {gone}",
-                                   worker=name)
+            return WorkerLeftError(
+                f"could not find destination {name if name is not None else rank!r}: {gone}", worker=name
+            )
         if name is not None and rank is not None:
             if rank in self.workers:
-                return RpcError(f"could not find destination {WorkerInfo(name, rank)}: rank {rank} is "
-                                f"{self.workers[rank].name!r} in this group")
-            return RpcError(f"could not find destination worker {name!r} (rank {rank}); known workers: "
-                            f"{sorted(self.by_name)}")
+                return RpcError(
+                    f"could not find destination {WorkerInfo(name, rank)}: rank {rank} is "
+                    f"{self.workers[rank].name!r} in this group"
+                )
+            return RpcError(
+                f"could not find destination worker {name!r} (rank {rank}); known workers: {sorted(self.by_name)}"
+            )
         if name is not None:
             return RpcError(f"could not find destination worker {name!r}; known workers: {sorted(self.by_name)}")
         if self.dynamic:
@@ -155,14 +163,17 @@ class Roster:
             self.dead.pop(info.id, None)
         self._tell_listeners(info, True)
 
-    def remove_member(self, rank: int, generation: int | None, reason: str) -> WorkerInfo | None:
-        """The member of ``rank`` (if it is still the one of ``generation``; None: any) left:
-        forget it, and make calls to it fail with ``reason``. Returns who left, or None."""
+    def remove_member(
+        self, rank: int, generation: int | None, reason: str, graceful: bool = False
+    ) -> WorkerInfo | None:
+        """The member of ``rank`` (if it is still the one of ``generation``; None: any) left
+        (``graceful``: by its shutdown, not lost): forget it, and make calls to it fail with
+        ``reason``. Returns who left, or None."""
         with self._roster_lock:
             info = self.workers.get(rank)
             if info is None or generation is not None and self.generations.get(rank, 0) != generation:
                 return None
-            self._forget(rank, reason)
+            self._forget(rank, reason, graceful)
         self._tell_listeners(info, False)
         return info
 
@@ -173,10 +184,14 @@ class Roster:
             try:
                 cb(info, joined)
             except Exception:
-                log.exception("rpc_core %s: a membership listener failed on %s %s", self.me.name, info.name,
-                              "joining" if joined else "leaving")
+                log.exception(
+                    "rpc_core %s: a membership listener failed on %s %s",
+                    self.me.name,
+                    info.name,
+                    "joining" if joined else "leaving",
+                )
 
-    def _forget(self, rank: int, reason: str) -> None:
+    def _forget(self, rank: int, reason: str, graceful: bool = False) -> None:
         info = self.workers[rank]
         workers = dict(self.workers)
         del workers[rank]
@@ -189,7 +204,7 @@ class Roster:
         self._departed_ranks[rank] = reason
         self._departed_members[(rank, self.generations.get(rank, 0))] = reason
         if rank != self.me.id:
-            self._on_forget(rank, info.name, reason)
+            self._on_forget(rank, info.name, reason, graceful)
 
 
 def _trim(table: dict[Any, str]) -> None:

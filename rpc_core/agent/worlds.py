@@ -3,6 +3,7 @@
 Below the rendezvous that fills them, so every layer can name workers; ``rendezvous``
 re-exports them (their historical home).
 """
+
 from __future__ import annotations
 
 import re

@@ -5,7 +5,13 @@
         loss = rpc.rpc_sync("ps", forward, args=(x,)).sum()
         dist_autograd.backward(context_id, [loss])
         grads = dist_autograd.get_gradients(context_id)   # {tensor: grad} on this worker
+
+An rpc_core extension beyond torch (``rpc_core.autograd.hooks``): an owner's hook run as soon
+as a context's backward is done on it, answered with the backward itself --
+``on_backward_done(key, fn)`` on the owner, ``set_backward_info(context_id, key, payload)``
+before ``backward`` and ``backward_results(context_id)`` after it on the caller.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -20,10 +26,20 @@ from . import context as _context
 from . import release as _release
 from .context import DistAutogradContext
 from .engine import backward
+from .hooks import backward_results, on_backward_done, set_backward_info
 from .recording import AutogradMiddleware
 from .release import release_context as _release_context
 
-__all__ = ["backward", "context", "get_gradients", "is_available", "DistAutogradContext"]
+__all__ = [
+    "backward",
+    "context",
+    "get_gradients",
+    "is_available",
+    "DistAutogradContext",
+    "on_backward_done",
+    "set_backward_info",
+    "backward_results",
+]
 
 _wait_cleanups = _release.wait_cleanups  # private API: tests wait with it
 
@@ -42,8 +58,10 @@ lifecycle.init_hooks.append(_install)
 lifecycle.pre_shutdown_hooks.append(_release.flush)
 
 # torch's words when distributed autograd is not initialized; init_rpc does it here.
-_NOT_INITIALIZED = ("Need to initialize distributed autograd using rpc_core.init_rpc (rpc_core.autograd has no "
-                    "init() of its own: init_rpc initializes it).")
+_NOT_INITIALIZED = (
+    "Need to initialize distributed autograd using rpc_core.init_rpc (rpc_core.autograd has no "
+    "init() of its own: init_rpc initializes it)."
+)
 
 
 @contextlib.contextmanager
@@ -69,8 +87,10 @@ def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
 def _current_context() -> DistAutogradContext:
     cid = _context.current_id()
     if cid is None:
-        raise RuntimeError("Current thread doesn't have a valid autograd context. Please wrap your code using "
-                           "`with rpc_core.autograd.context() as context_id` to generate a valid context")
+        raise RuntimeError(
+            "Current thread doesn't have a valid autograd context. Please wrap your code using "
+            "`with rpc_core.autograd.context() as context_id` to generate a valid context"
+        )
     return _context.retrieve(cid)
 
 

@@ -20,12 +20,13 @@ for, or a request overtaken by the cleanup) must not bring it back, or it would 
 released again. Such messages are treated as outside any context (``is_released``), so
 they do not pass the dead id on to workers that never heard of it either.
 """
+
 from __future__ import annotations
 
 import itertools
 import threading
 from collections import OrderedDict
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -58,6 +59,14 @@ _released: OrderedDict[int, None] = OrderedDict()  # tombstones of released ids
 _MAX_TOMBSTONES = 1 << 16
 
 
+class RecvInfo(NamedTuple):
+    """What a received tensors' ``_Recv`` node needs to ship their gradients back (local, never sent)."""
+
+    context_id: int
+    sender: int  # rank that sent the tensors
+    msg_id: int  # autograd message id of the send
+
+
 class DistAutogradContext:
     def __init__(self, context_id: int) -> None:
         self.context_id = context_id
@@ -72,6 +81,18 @@ class DistAutogradContext:
         # Released while requests were active: the worker that asked (or -1), to skip when
         # the release is passed on once the last of them is answered.
         self.release_from: int | None = None
+        self.send_dst: dict[int, int] = {}  # autograd message id -> the rank it was sent to
+        # Hooks in the backward (``rpc_core.autograd.hooks``, an rpc_core extension): the
+        # payloads by hook key (None: the context runs no hooks); gradient calls of the context
+        # being served here; whether a caller said its last call came; whether the hooks ran
+        # here; the workers this worker called -> whether its last call there was its last;
+        # the hooks' results gathered here, by worker rank (they go up with the next answer).
+        self.info: dict[str, Any] | None = None
+        self.grad_calls = 0
+        self.final_seen = False
+        self.hooks_ran = False
+        self.called: dict[int, bool] = {}
+        self.results: dict[int, dict[str, Any]] = {}
 
     # Names used by torch's tests.
     def _context_id(self) -> int:

@@ -38,6 +38,7 @@ another thread at the same time would mix with it. Passes started by gradients a
 from other workers only capture (their leaves, often a parameter server's, are shared by
 many concurrent passes), so DDP modules belong on the worker that calls ``backward``.
 """
+
 from __future__ import annotations
 
 import threading
@@ -47,17 +48,20 @@ from typing import Any
 import torch
 
 from ..agent import agent as _agent_mod
-from ..agent.futures import raised_on, settle
+from ..agent import calls
+from ..agent.early_exit import torch_collect_all
+from ..agent.futures import raised_on, set_error, settle
 from ..agent.worlds import WorkerInfo
 from ..errors import RpcError, format_many
 from ..functions import async_execution
 from . import context as _context
+from . import hooks
 
 # The backward pass running on this thread (the CPU autograd engine runs a pass on the
-# thread that started it): ``futures``, the gradient RPCs it started (recording's _Recv
-# appends to it); ``waited``, whether this thread waits on them itself; ``reply``, for a
-# pass serving a gradient call, (the caller's rank, the list of (message id, gradients)
-# its answer carries back) or None.
+# thread that started it): ``outgoing``, the (rank, message id, gradients) its _Recv nodes
+# reached (recording's _Recv appends to it; sent once the pass is done, one call per rank);
+# ``reply``, for a pass serving a gradient call, (the caller's rank, the list of (message
+# id, gradients) its answer carries back) or None.
 _pass_tls = threading.local()
 
 # A gradient call's answer: the (message id, gradients) of the caller's own sends that its
@@ -74,7 +78,8 @@ _accumulating = threading.Lock()  # root passes that run AccumulateGrad take tur
 # What torch.autograd.grad and .backward call once they have checked their arguments (None
 # in a torch without it: then the public functions).
 _engine_run_backward: Callable[..., tuple[torch.Tensor | None, ...]] | None = getattr(
-    torch.autograd.graph, "_engine_run_backward", None)
+    torch.autograd.graph, "_engine_run_backward", None
+)
 
 
 def is_anchor(t: torch.Tensor) -> bool:
@@ -117,8 +122,9 @@ def _discover(starts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return leaves
 
 
-def _accumulate_pass(starts: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
-                     inputs: list[torch.Tensor]) -> list[torch.Tensor | None]:
+def _accumulate_pass(
+    starts: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], inputs: list[torch.Tensor]
+) -> list[torch.Tensor | None]:
     """The leaves' gradients, through their AccumulateGrad nodes (so the hooks after those
     run: DDP's), read back from ``.grad``, which is then restored."""
     with _accumulating:
@@ -129,15 +135,15 @@ def _accumulate_pass(starts: Sequence[torch.Tensor], grads: Sequence[torch.Tenso
             _run_pass(starts, grads, inputs, accumulate=True)
             # A DDP gradient may be a view of its bucket (gradient_as_bucket_view=True),
             # which the next backward overwrites: the context keeps its own copy.
-            return [None if t.grad is None else t.grad.clone() if t.grad._base is not None else t.grad
-                    for t in inputs]
+            return [None if t.grad is None else t.grad.clone() if t.grad._base is not None else t.grad for t in inputs]
         finally:
             for t, g in zip(inputs, saved, strict=True):
                 t.grad = g
 
 
-def _run_pass(starts: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], inputs: list[torch.Tensor],
-              accumulate: bool) -> tuple[torch.Tensor | None, ...]:
+def _run_pass(
+    starts: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], inputs: list[torch.Tensor], accumulate: bool
+) -> tuple[torch.Tensor | None, ...]:
     """``torch.autograd.grad`` (``accumulate``: ``.backward``, into the inputs' ``.grad``)
     from ``starts`` with ``grads``, keeping the graph. Straight into torch's engine: every
     gradient here is a tensor, one per start (roots' are ones, the others come from
@@ -151,14 +157,19 @@ def _run_pass(starts: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], inp
             return ()
         return torch.autograd.grad(list(starts), inputs, list(grads), retain_graph=True, allow_unused=True)
     out: tuple[torch.Tensor | None, ...] = _engine_run_backward(
-        tuple(starts), tuple(grads), True, False, tuple(inputs), True, accumulate)
+        tuple(starts), tuple(grads), True, False, tuple(inputs), True, accumulate
+    )
     return out
 
 
-def local_pass(ctx: _context.DistAutogradContext, starts: Sequence[torch.Tensor],
-               grads: Sequence[torch.Tensor], waited: bool = False,
-               root: bool = False, reply: tuple[int, list[tuple[int, list[Any]]]] | None = None,
-               ) -> list[torch.futures.Future[Any]]:
+def local_pass(
+    ctx: _context.DistAutogradContext,
+    starts: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    waited: bool = False,
+    root: bool = False,
+    reply: tuple[int, list[tuple[int, list[Any]]]] | None = None,
+) -> list[torch.futures.Future[Any]]:
     """Backward from ``starts`` with ``grads`` on this worker; returns the futures of the
     gradient RPCs it started. ``waited``: this thread waits on them itself afterwards (so
     it reads their answers; see outbound). ``root``: the pass ``backward()`` started here,
@@ -168,10 +179,9 @@ def local_pass(ctx: _context.DistAutogradContext, starts: Sequence[torch.Tensor]
     inputs = _discover(starts)
     if not inputs:
         return []
-    prev = (getattr(_pass_tls, "futures", None), getattr(_pass_tls, "waited", False),
-            getattr(_pass_tls, "reply", None))
-    futures: list[torch.futures.Future[Any]] = []
-    _pass_tls.futures, _pass_tls.waited, _pass_tls.reply = futures, waited, reply
+    prev = (getattr(_pass_tls, "outgoing", None), getattr(_pass_tls, "reply", None))
+    outgoing: list[tuple[int, int, list[Any]]] = []
+    _pass_tls.outgoing, _pass_tls.reply = outgoing, reply
     prev_ctx = _context.set_current(ctx.context_id)
     try:
         if root and any(not is_anchor(t) for t in inputs):
@@ -179,13 +189,43 @@ def local_pass(ctx: _context.DistAutogradContext, starts: Sequence[torch.Tensor]
         else:
             results = list(_run_pass(starts, grads, inputs, accumulate=False))
     finally:
-        _pass_tls.futures, _pass_tls.waited, _pass_tls.reply = prev
+        _pass_tls.outgoing, _pass_tls.reply = prev
         _context.set_current(prev_ctx)
     for leaf, g in zip(inputs, results, strict=True):
         if g is not None and not is_anchor(leaf):
             ctx.accumulate(leaf, g)
     ctx.backward_passes += 1
-    return futures
+    return _send_gradients(ctx, outgoing, waited)
+
+
+def _send_gradients(
+    ctx: _context.DistAutogradContext, outgoing: list[tuple[int, int, list[Any]]], waited: bool
+) -> list[torch.futures.Future[Any]]:
+    """One gradient call per worker for what a pass reached of the tensors received from it.
+    Through the user-call path, so the profiler sees these RPCs (no cost otherwise).
+    ``waited``: this thread waits on them itself (so it reads their answers; see outbound).
+    A context with hook payloads sends them along, and whether the call is the last to that
+    worker (``hooks``)."""
+    if not outgoing:
+        return []
+    per_worker: dict[int, list[tuple[int, list[Any]]]] = {}
+    for rank, msg_id, grads in outgoing:
+        per_worker.setdefault(rank, []).append((msg_id, grads))
+    me = _agent_mod.current_agent().me.id
+    info = ctx.info
+    last = hooks.call_flags(ctx, per_worker) if info is not None else {}
+    return [
+        calls.invoke_async(
+            rank,
+            _on_backward,
+            (ctx.context_id, entries, me) if info is None else (ctx.context_id, entries, me, info, last[rank]),
+            None,
+            0,
+            "async",
+            waited=waited,
+        )
+        for rank, entries in per_worker.items()
+    ]
 
 
 def _check_roots(roots: Any) -> list[torch.Tensor]:
@@ -202,8 +242,10 @@ def _check_roots(roots: Any) -> list[torch.Tensor]:
             raise RpcError(f"roots[{i}] of shape {tuple(r.shape)} is not a scalar, all roots need to be scalar")
         if r.grad_fn is None:
             # As in torch: a leaf root has nothing to differentiate through.
-            raise RpcError(f"roots[{i}] does not have a valid gradient function: it is a leaf tensor, "
-                           "not the result of a computation")
+            raise RpcError(
+                f"roots[{i}] does not have a valid gradient function: it is a leaf tensor, "
+                "not the result of a computation"
+            )
     return list(roots)
 
 
@@ -216,6 +258,11 @@ def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = Fa
     roots = _check_roots(roots)
     ctx = _context.retrieve(context_id)
     me = _agent_mod.current_agent().me
+    if ctx.info is not None:  # hooks run once per backward (rpc_core.autograd.hooks)
+        with ctx.lock:
+            ctx.called.clear()
+            ctx.results.clear()
+            ctx.hooks_ran = True
     try:
         futures = local_pass(ctx, roots, [torch.ones_like(r) for r in roots], waited=True, root=True)
     except Exception as e:
@@ -224,6 +271,8 @@ def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = Fa
         values, errors = _wait(futures)
         _raise_all(errors)
         futures = _continue(ctx, values, True, None)
+    if ctx.info is not None:  # the workers not told their last call came, and this one's hooks
+        _finish(ctx, waited=True).wait()
 
 
 def _wait(futures: list[torch.futures.Future[Any]]) -> tuple[list[Any], list[BaseException]]:
@@ -232,14 +281,21 @@ def _wait(futures: list[torch.futures.Future[Any]]) -> tuple[list[Any], list[Bas
     return values, [_on_this_node(e) for e in errors]
 
 
-def _continue(ctx: _context.DistAutogradContext, answers: list[Any], waited: bool,
-              reply: tuple[int, list[tuple[int, list[Any]]]] | None) -> list[torch.futures.Future[Any]]:
+def _continue(
+    ctx: _context.DistAutogradContext,
+    answers: list[Any],
+    waited: bool,
+    reply: tuple[int, list[tuple[int, list[Any]]]] | None,
+) -> list[torch.futures.Future[Any]]:
     """Continue backward from this worker's sends whose gradients came back in gradient
     calls' ``answers`` (see the module docstring); the futures of the calls that started."""
-    futures: list[torch.futures.Future[Any]] = []
-    for msg_id, grads in _merge([entry for answer in answers for entry in answer or ()]):
-        futures += _pass_from_send(ctx, msg_id, grads, waited, reply)
-    return futures
+    entries: list[tuple[int, list[Any]]] = []
+    for answer in answers:
+        if isinstance(answer, hooks.Answer):  # hooks' results ride on it
+            hooks.merge_results(ctx, answer.results)
+            answer = answer.returned
+        entries += answer or ()
+    return _pass_from_sends(ctx, _merge(entries), waited, reply) if entries else []
 
 
 def _merge(entries: list[tuple[int, list[Any]]]) -> list[tuple[int, list[Any]]]:
@@ -257,15 +313,21 @@ def _merge(entries: list[tuple[int, list[Any]]]) -> list[tuple[int, list[Any]]]:
     return list(merged.items())
 
 
-def _pass_from_send(ctx: _context.DistAutogradContext, msg_id: int, grads: list[Any], waited: bool,
-                    reply: tuple[int, list[tuple[int, list[Any]]]] | None) -> list[torch.futures.Future[Any]]:
-    """Backward from the tensors of our send ``msg_id`` with their ``grads`` (None: no gradient)."""
+def _pass_from_sends(
+    ctx: _context.DistAutogradContext,
+    entries: list[tuple[int, list[Any]]],
+    waited: bool,
+    reply: tuple[int, list[tuple[int, list[Any]]]] | None,
+) -> list[torch.futures.Future[Any]]:
+    """One pass backward from the tensors of our sends, (message id, their gradients (None:
+    no gradient)) each."""
     me = _agent_mod.current_agent().me
-    sent = ctx.sends.get(msg_id)
-    if sent is None:
-        raise RpcError(_on_node(me, f"no send with autograd message id {msg_id} in context {ctx.context_id}"))
-    pairs: list[tuple[torch.Tensor, torch.Tensor]] = [
-        (t, g) for t, g in zip(sent, grads, strict=False) if g is not None]
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for msg_id, grads in entries:
+        sent = ctx.sends.get(msg_id)
+        if sent is None:
+            raise RpcError(_on_node(me, f"no send with autograd message id {msg_id} in context {ctx.context_id}"))
+        pairs += [(t, g) for t, g in zip(sent, grads, strict=False) if g is not None]
     try:
         return local_pass(ctx, [t for t, _ in pairs], [g for _, g in pairs], waited=waited, reply=reply)
     except Exception as e:
@@ -290,38 +352,79 @@ def _on_this_node(e: BaseException) -> BaseException:
 
 
 def _raise_all(errors: list[BaseException]) -> None:
-    if len(errors) == 1:
-        raise errors[0]
     if errors:
-        raise RuntimeError(format_many(errors, "distributed backward's gradient calls"))
+        raise _one_error(errors)
+
+
+def _one_error(errors: list[BaseException]) -> BaseException:
+    if len(errors) == 1:
+        return errors[0]
+    return RuntimeError(format_many(errors, "distributed backward's gradient calls"))
 
 
 @async_execution
-def _on_backward(context_id: int, msg_id: int, grads: list[Any], reply_to: int = -1) -> torch.futures.Future[Any]:
-    """On the worker that sent message ``msg_id``: continue backward from those tensors.
-    The answer carries the gradients for ``reply_to``'s (the caller's) sends that the pass
-    reached (``Returned``); the caller continues from them."""
+def _on_backward(
+    context_id: int,
+    entries: list[tuple[int, list[Any]]],
+    reply_to: int = -1,
+    info: dict[str, Any] | None = None,
+    last: bool = False,
+) -> torch.futures.Future[Any]:
+    """On the worker that sent the tensors of ``entries`` ((message id, gradients) each):
+    continue backward from them. The answer carries the gradients for ``reply_to``'s (the
+    caller's) sends that the pass reached (``Returned``); the caller continues from them.
+    ``info``: the context's hook payloads; ``last``: the caller's last call here (``hooks``)."""
     me = _agent_mod.current_agent().me
     try:
         ctx = _context.retrieve(context_id)
     except RpcError as e:  # released here meanwhile: named like every error this handler raises
         raise RpcError(_on_node(me, e)) from e
+    if info is not None:
+        with ctx.lock:
+            if ctx.hooks_ran:
+                raise RpcError(
+                    _on_node(
+                        me,
+                        f"gradients of context {context_id} arrived after this worker's "
+                        "backward hooks ran (a worker it got no gradient call from before "
+                        "sent them); hooks need the backward's gradients to come through the "
+                        "workers that called this one",
+                    )
+                )
+            ctx.info = info
+            ctx.grad_calls += 1
+            ctx.final_seen = ctx.final_seen or last
     returned: list[tuple[int, list[Any]]] = []
     reply = (reply_to, returned) if reply_to >= 0 else None
-    futures = _pass_from_send(ctx, msg_id, grads, False, reply)
+    try:
+        futures = _pass_from_sends(ctx, entries, False, reply)
+    except BaseException:
+        if info is not None:
+            with ctx.lock:
+                ctx.grad_calls -= 1
+        raise
     done: torch.futures.Future[Any] = torch.futures.Future()
-    _finish_when_answered(ctx, futures, reply, done)
+    _finish_when_answered(ctx, futures, reply, done, info is not None)
     return done
 
 
-def _finish_when_answered(ctx: _context.DistAutogradContext, futures: list[torch.futures.Future[Any]],
-                          reply: tuple[int, list[tuple[int, list[Any]]]] | None,
-                          done: torch.futures.Future[Any]) -> None:
+def _finish_when_answered(
+    ctx: _context.DistAutogradContext,
+    futures: list[torch.futures.Future[Any]],
+    reply: tuple[int, list[tuple[int, list[Any]]]] | None,
+    done: torch.futures.Future[Any],
+    hooked: bool,
+) -> None:
     """Complete ``done`` with the gradients for the caller once every gradient call of this
     pass was answered, continuing from the gradients those answers brought back (which
-    may start more calls); never blocks (it runs in the callbacks of those calls)."""
+    may start more calls); never blocks (it runs in the callbacks of those calls).
+    ``hooked``: the context has hook payloads; the last call served here runs the hooks."""
     if not futures:
-        done.set_result(_merge(reply[1]) or None if reply is not None else None)
+        returned = _merge(reply[1]) or None if reply is not None else None
+        if hooked:
+            _end_call(ctx, returned, done)
+        else:
+            done.set_result(returned)
         return
 
     def finish(_: Any) -> None:
@@ -330,8 +433,117 @@ def _finish_when_answered(ctx: _context.DistAutogradContext, futures: list[torch
             _raise_all(errors)
             more = _continue(ctx, values, False, reply)
         except BaseException as e:  # noqa: BLE001 - the backward's waiter gets it
+            if hooked:
+                with ctx.lock:
+                    ctx.grad_calls -= 1
             done.set_exception(e)
             return
-        _finish_when_answered(ctx, more, reply, done)
+        _finish_when_answered(ctx, more, reply, done, hooked)
 
-    torch.futures.collect_all(futures).add_done_callback(finish)
+    torch_collect_all(futures).add_done_callback(finish)
+
+
+def _end_call(ctx: _context.DistAutogradContext, returned: Returned, done: torch.futures.Future[Any]) -> None:
+    """A gradient call of a context with hooks is served: if it was the last one to come,
+    run the hooks (``_finish``) before answering; the answer carries the results gathered here."""
+    with ctx.lock:
+        ctx.grad_calls -= 1
+        go = ctx.final_seen and ctx.grad_calls == 0 and not ctx.hooks_ran
+        if go:
+            ctx.hooks_ran = True
+
+    def answer(f: torch.futures.Future[Any] | None) -> None:
+        try:
+            if f is not None:
+                f.wait()
+        except BaseException as e:  # noqa: BLE001 - the backward's waiter gets it
+            done.set_exception(e)
+            return
+        results = hooks.take_results(ctx)
+        done.set_result(hooks.Answer(returned, results) if results else returned)
+
+    if go:
+        _finish(ctx, waited=False).add_done_callback(answer)
+    else:
+        answer(None)
+
+
+def _finish(ctx: _context.DistAutogradContext, waited: bool) -> torch.futures.Future[None]:
+    """This worker's part of the backward is done: tell the workers it called whose last call
+    was not flagged so (``_on_finish``), then run its own hooks; their results go into
+    ``ctx.results``. Never blocks."""
+    me = _agent_mod.current_agent().me
+    out: torch.futures.Future[None] = torch.futures.Future()
+    futs = [
+        calls.invoke_async(w, _on_finish, (ctx.context_id,), None, 0, "async", waited=waited)
+        for w in hooks.unfinished(ctx)
+    ]
+
+    def own_done(f: torch.futures.Future[dict[str, Any]]) -> None:
+        try:
+            values = f.wait()
+        except BaseException as e:  # noqa: BLE001 - named after this worker, for the backward's caller
+            set_error(out, _hook_error(me, e))
+            return
+        if values:
+            hooks.merge_results(ctx, {me.id: values})
+        out.set_result(None)
+
+    def run_own(_: Any = None) -> None:
+        if futs:
+            values, errors = _wait(futs)  # all done: this does not block
+            if errors:
+                set_error(out, _one_error(errors))
+                return
+            for v in values:
+                hooks.merge_results(ctx, v)
+        hooks.run_hooks(ctx).add_done_callback(own_done)
+
+    if futs:
+        torch_collect_all(futs).add_done_callback(run_own)
+    else:
+        run_own()
+    return out
+
+
+def _hook_error(me: WorkerInfo, e: BaseException) -> BaseException:
+    """A hook's error, named after this worker (its type kept when it takes a message)."""
+    msg = _on_node(me, f"in a backward hook: {type(e).__name__}: {e}")
+    try:
+        wrapped = type(e)(msg)
+    except Exception:  # noqa: BLE001 - a type's constructor may refuse a lone message
+        wrapped = RuntimeError(msg)
+    wrapped.__cause__ = e
+    return wrapped
+
+
+@async_execution
+def _on_finish(context_id: int) -> torch.futures.Future[Any]:
+    """The caller's backward is done and its calls here were not flagged last: run this
+    worker's part of the finish now (or the call still served here will); answers the
+    hooks' results gathered here."""
+    me = _agent_mod.current_agent().me
+    try:
+        ctx = _context.retrieve(context_id)
+    except RpcError as e:
+        raise RpcError(_on_node(me, e)) from e
+    with ctx.lock:
+        ctx.final_seen = True
+        go = ctx.grad_calls == 0 and not ctx.hooks_ran
+        if go:
+            ctx.hooks_ran = True
+    done: torch.futures.Future[Any] = torch.futures.Future()
+    if not go:
+        done.set_result(None)
+        return done
+
+    def answer(f: torch.futures.Future[None]) -> None:
+        try:
+            f.wait()
+        except BaseException as e:  # noqa: BLE001 - the backward's waiter gets it
+            done.set_exception(e)
+            return
+        done.set_result(hooks.take_results(ctx) or None)
+
+    _finish(ctx, waited=False).add_done_callback(answer)
+    return done

@@ -7,9 +7,10 @@ its backward ships the gradients to the sender under that message id. Requests a
 responses are recorded alike, and the context id travels with every call made inside a
 context, so nested calls join the same context.
 """
+
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -17,16 +18,9 @@ from ..agent import agent as _agent_mod
 from ..agent import calls
 from ..protocol import wire
 from . import context as _context
+from .context import RecvInfo as _RecvInfo
 from .engine import ANCHOR, _on_backward, _pass_tls
 from .release import release_on_arrival, released_after_requests
-
-
-class _RecvInfo(NamedTuple):
-    """What a _Recv node needs to ship its gradients back (local, never sent)."""
-
-    context_id: int
-    sender: int  # rank that sent the tensors
-    msg_id: int  # autograd message id of the send
 
 
 class _Recv(torch.autograd.Function):
@@ -47,14 +41,16 @@ class _Recv(torch.autograd.Function):
                 # gradients ride on that call's answer (see engine).
                 reply[1].append((info.msg_id, list(grads)))
                 return (None, None) + (None,) * len(grads)
-            # through the user-call path, so the profiler sees this RPC (no cost otherwise)
-            outstanding = getattr(_pass_tls, "futures", None)
-            waited = outstanding is not None and getattr(_pass_tls, "waited", False)
+            outgoing = getattr(_pass_tls, "outgoing", None)
+            if outgoing is not None:  # sent once the pass is done, one call per worker (engine)
+                outgoing.append((info.sender, info.msg_id, list(grads)))
+                return (None, None) + (None,) * len(grads)
+            # A local .backward() through received tensors: nobody waits for this call.
+            # Through the user-call path, so the profiler sees this RPC (no cost otherwise).
             me = _agent_mod.current_agent().me.id
-            fut = calls.invoke_async(info.sender, _on_backward, (info.context_id, info.msg_id, list(grads), me),
-                                     None, 0, "async", waited=waited)
-            if outstanding is not None:
-                outstanding.append(fut)
+            calls.invoke_async(
+                info.sender, _on_backward, (info.context_id, [(info.msg_id, list(grads))], me), None, 0, "async"
+            )
         return (None, None) + (None,) * len(grads)
 
 
@@ -113,8 +109,9 @@ class AutogradMiddleware(_agent_mod.Middleware):
         if ctx is not None and _context.leave(ctx):
             released_after_requests(ctx)
 
-    def outgoing(self, dst: int, tensors: list[torch.Tensor], extras: dict[str, Any],
-                 request_extras: dict[str, Any] | None) -> None:
+    def outgoing(
+        self, dst: int, tensors: list[torch.Tensor], extras: dict[str, Any], request_extras: dict[str, Any] | None
+    ) -> None:
         ctx: _context.DistAutogradContext | None
         if request_extras is None:
             if _context.deferred:
@@ -139,12 +136,14 @@ class AutogradMiddleware(_agent_mod.Middleware):
         if needs_grad:
             msg_id = _context.new_message_id()
             ctx.sends[msg_id] = needs_grad
+            ctx.send_dst[msg_id] = dst
             extras[wire.EXTRA_AUTOGRAD] = (context_id, msg_id)
         else:
             extras[wire.EXTRA_AUTOGRAD] = (context_id, -1)
 
-    def incoming(self, src: int, tensors: list[torch.Tensor], extras: dict[str, Any],
-                 is_response: bool) -> list[torch.Tensor]:
+    def incoming(
+        self, src: int, tensors: list[torch.Tensor], extras: dict[str, Any], is_response: bool
+    ) -> list[torch.Tensor]:
         ag = extras.get(wire.EXTRA_AUTOGRAD)
         if not ag:
             return tensors

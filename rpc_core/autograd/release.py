@@ -8,6 +8,7 @@ many pile up, when no request came for it within ``_FLUSH_AFTER``, from ``wait_c
 and before shutdown. A receiver passes the release on to the workers *it* touched, and
 answers a cleanup only once they have answered.
 """
+
 from __future__ import annotations
 
 import threading
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 
 from ..agent import agent as _agent_mod
+from ..agent.early_exit import torch_collect_all
 from ..agent.futures import settle
 from ..functions import async_execution
 from . import context as _context
@@ -88,8 +90,11 @@ def _flush_stale() -> None:
     agent = _agent_mod._agent
     now = time.monotonic()
     with _context.deferred_lock:
-        stale = {w: _context.deferred.pop(w) for w, since in list(_context.deferred_since.items())
-                 if now - since >= _FLUSH_AFTER and w in _context.deferred}
+        stale = {
+            w: _context.deferred.pop(w)
+            for w, since in list(_context.deferred_since.items())
+            if now - since >= _FLUSH_AFTER and w in _context.deferred
+        }
         for w in stale:
             del _context.deferred_since[w]
         nxt = min(_context.deferred_since.values(), default=None)
@@ -171,7 +176,7 @@ def _announce_later(ctxs: list[DistAutogradContext], skip: int) -> None:
                 futs += _announce(c, skip, False)
         finally:
             if futs:
-                torch.futures.collect_all(futs).add_done_callback(lambda _: done.set_result(None))
+                torch_collect_all(futs).add_done_callback(lambda _: done.set_result(None))
             else:
                 done.set_result(None)
 
@@ -186,7 +191,7 @@ def _on_cleanup(context_ids: list[int], sender: int) -> torch.futures.Future[Any
         done.set_result(None)
         return done
     # Errors (a dead worker) do not matter: there is nothing left to clean there.
-    torch.futures.collect_all(futs).add_done_callback(lambda _: done.set_result(None))
+    torch_collect_all(futs).add_done_callback(lambda _: done.set_result(None))
     return done
 
 

@@ -6,6 +6,7 @@ so the facade that runs them (``api``) need not know them. Graceful shutdown and
 workers (their connection to rank 0 drops), so a barrier with a dead peer fails fast and
 names the peer instead of hanging.
 """
+
 from __future__ import annotations
 
 import threading
@@ -108,14 +109,21 @@ def gather_round(tag: str, payload: Any, timeout: float, worker_names: list[str]
     _round_ids[tag] = n + 1
     members = len(agent.roster.workers) if worker_names is None else len(worker_names)
     key = (tag, n, tuple(sorted(worker_names)) if worker_names else None)
-    fut = agent.send_request(0, _coord_arrive, (key, agent.me.id, payload, members), {},
-                             timeout=timeout if timeout > 0 else 0, flags=wire.CONTROL)
+    fut = agent.send_request(
+        0,
+        _coord_arrive,
+        (key, agent.me.id, payload, members),
+        {},
+        timeout=timeout if timeout > 0 else 0,
+        flags=wire.CONTROL,
+    )
     try:
         payloads: dict[int, Any] = fut.wait()
         return payloads
     except RpcTimeoutError:
-        raise RpcTimeoutError(f"{tag} on {agent.me.name!r} timed out after {timeout:g} s waiting for the other "
-                              "workers") from None
+        raise RpcTimeoutError(
+            f"{tag} on {agent.me.name!r} timed out after {timeout:g} s waiting for the other workers"
+        ) from None
 
 
 def reset_rounds() -> None:
@@ -136,6 +144,21 @@ def barrier(worker_names: list[str]) -> None:
 
 def wait_all_workers(timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> None:
     gather_round("shutdown", None, timeout)
+
+
+def answer_requests(agent: Agent, deadline: float | None, arriving: bool = False) -> None:
+    """Wait (until ``deadline``; None: no limit) until this worker has answered as many
+    requests as it had accepted when this began (``arriving``: as it has accepted, those
+    arriving meanwhile included), then write every answer still queued: a worker that
+    leaves the group or closes first delivers what it owes. Requests that keep arriving
+    never hold up the first kind."""
+    dispatch = agent.dispatch
+    accepted = dispatch.n_received
+    while dispatch.n_answered < (dispatch.n_received if arriving else accepted) and (
+        deadline is None or time.monotonic() < deadline
+    ):
+        time.sleep(0.005)  # the requests are running on other threads; let them finish
+    agent.connections.flush_queued()
 
 
 class _CallCounts(NamedTuple):
@@ -162,8 +185,9 @@ def wait_quiescent(agent: Agent, timeout: float) -> None:
         mine = _CallCounts(calls.n_sent, calls.n_done, requests.n_received, requests.n_answered)
         got: dict[int, _CallCounts] = gather_round("quiesce", mine, timeout)
         counts = tuple(sorted(got.items()))
-        idle = (all(c.sent == c.done and c.received == c.answered for c in got.values())
-                and sum(c.received for c in got.values()) >= sum(c.sent for c in got.values()))
+        idle = all(c.sent == c.done and c.received == c.answered for c in got.values()) and sum(
+            c.received for c in got.values()
+        ) >= sum(c.sent for c in got.values())
         if idle and counts == previous:
             return
         previous = counts

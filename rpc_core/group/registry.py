@@ -7,9 +7,10 @@ too. The registry makes one membership change at a time (torch's store token): i
 the newcomer's name and rank are free, tells every member (``_member_joined``, each one
 answers once its roster has the newcomer), and only then answers the newcomer with the
 roster, so when ``init_rpc`` returns on the newcomer, everyone can call it by name and it
-can call everyone. A member's graceful ``shutdown`` asks the registry to remove it, which
-tells the others (``_member_left``); calls to it then fail with ``WorkerLeftError``
-("worker X left the group"). A member whose connection to rank 0 drops without a leave
+can call everyone. A member's graceful ``shutdown`` answers what it accepted, then asks the
+registry to remove it, which tells the others (``_member_left``); calls to it then fail with
+``WorkerLeftError`` ("worker X left the group"), those already pending once the answers it
+sent have arrived (``agent.departures``). A member whose connection to rank 0 drops without a leave
 (it crashed, or ``shutdown(graceful=False)``) is removed the same way, with the reason, and
 so is one that rank 0's heartbeats find silent (frozen, stopped, cut off: see ``heartbeats``;
 rank 0 watches a member while calls to it are pending, or every member while a higher layer
@@ -21,6 +22,7 @@ calling each other, but nobody can join any more (no worker listens at the rende
 address) and each later leave is told to the members directly (so too after rank 0's
 ``shutdown(graceful=False)``, which tells nobody: the members find it gone).
 """
+
 from __future__ import annotations
 
 import logging
@@ -85,7 +87,7 @@ class _Registry:
             try:
                 conn.send(wire.RESPONSE, 0, msg_id, b"", dumps(table))
             except OSError as e:  # it gave up waiting: undo
-                self._remove(info.id, generation, _left(info, f" as it joined ({e})"))
+                self._remove(info.id, generation, _left(info, f" as it joined ({e})"), graceful=False)
                 return None
         log.info("rpc_core %s: %s joined the group", agent.me.name, agent.roster.describe(info.id))
         return info.id
@@ -93,14 +95,20 @@ class _Registry:
     def _refusal(self, info: WorkerInfo, world_size: Any) -> str | None:
         agent = self.agent
         if not agent.roster.dynamic and world_size is not None:
-            return (f"the static group of {agent.me.name!r} (world_size={len(agent.roster.workers)}) has completed its "
-                    f"rendezvous: worker {info.name!r} (rank {info.id}) cannot join it any more")
+            return (
+                f"the static group of {agent.me.name!r} (world_size={len(agent.roster.workers)}) has completed its "
+                f"rendezvous: worker {info.name!r} (rank {info.id}) cannot join it any more"
+            )
         if not agent.roster.dynamic:
-            return (f"{MIXED_GROUP} The group of {agent.me.name!r} is static (world_size={len(agent.roster.workers)}); "
-                    f"worker {info.name!r} cannot join it with world_size=None")
+            return (
+                f"{MIXED_GROUP} The group of {agent.me.name!r} is static (world_size={len(agent.roster.workers)}); "
+                f"worker {info.name!r} cannot join it with world_size=None"
+            )
         if world_size is not None:
-            return (f"{MIXED_GROUP} The group of {agent.me.name!r} is dynamic: worker {info.name!r} must join it with "
-                    f"world_size=None, not {world_size!r}")
+            return (
+                f"{MIXED_GROUP} The group of {agent.me.name!r} is dynamic: worker {info.name!r} must join it with "
+                f"world_size=None, not {world_size!r}"
+            )
         if isinstance(info.id, bool) or info.id < 1:
             return f"worker {info.name!r} asks to join with rank {info.id}: ranks are ints >= 0, and 0 is the founder"
         return None
@@ -108,22 +116,28 @@ class _Registry:
     def _taken(self, info: WorkerInfo) -> str | None:
         agent = self.agent
         if self.closing:
-            return (f"worker {info.name!r} cannot join: rank 0 ({agent.me.name!r}), the group's registry, is "
-                    "leaving the group")
+            return (
+                f"worker {info.name!r} cannot join: rank 0 ({agent.me.name!r}), the group's registry, is "
+                "leaving the group"
+            )
         workers, by_name = agent.roster.workers, agent.roster.by_name
         if info.id in workers:
-            return (f"rank {info.id} is not unique: worker {workers[info.id].name!r} holds it in the group, "
-                    f"so {info.name!r} cannot join with it; choose a free rank (members: {sorted(workers)})")
+            return (
+                f"rank {info.id} is not unique: worker {workers[info.id].name!r} holds it in the group, "
+                f"so {info.name!r} cannot join with it; choose a free rank (members: {sorted(workers)})"
+            )
         if info.name in by_name:
-            return (f"worker name {info.name!r} is not unique: rank {by_name[info.name].id} uses it in the "
-                    f"group, so rank {info.id} cannot join with it; choose another name")
+            return (
+                f"worker name {info.name!r} is not unique: rank {by_name[info.name].id} uses it in the "
+                f"group, so rank {info.id} cannot join with it; choose another name"
+            )
         return None
 
     def leave(self, rank: int, generation: int) -> None:
         """A member asks to leave (its graceful shutdown)."""
         info = self.agent.roster.workers.get(rank)
         if info is not None:
-            self._remove(rank, generation, _left(info))
+            self._remove(rank, generation, _left(info), graceful=True)
 
     def lost(self, rank: int, reason: str) -> None:
         """A member's connection to us dropped without a leave (it crashed or stopped), or
@@ -134,15 +148,18 @@ class _Registry:
         generation = self.agent.roster.generation(rank)
         how = f" without shutting down: {reason}"
         # Off the reader that saw the loss: telling the others waits for their answers.
-        self.agent.threads.start(self._remove, "rpc-registry", rank, generation, _left(info, how))
+        self.agent.threads.start(self._remove, "rpc-registry", rank, generation, _left(info, how), False)
 
-    def _remove(self, rank: int, generation: int | None, reason: str) -> None:
+    def _remove(self, rank: int, generation: int | None, reason: str, graceful: bool) -> None:
+        """Remove a member, here and on every other. ``graceful``: it left by its shutdown, so
+        the answers it sent before are still awaited where calls to it are pending (see
+        ``agent.departures``); otherwise it is gone, and those calls fail at once."""
         agent = self.agent
         with self.lock:
-            info = agent.roster.remove_member(rank, generation, reason)
+            info = agent.roster.remove_member(rank, generation, reason, graceful)
             if info is not None:
                 others = [r for r in agent.roster.workers if r != agent.me.id]
-                _tell(agent, others, _member_left, (rank, generation, reason))
+                _tell(agent, others, _member_left, (rank, generation, reason, graceful))
             self.changed.notify_all()
         if info is not None:
             log.info("rpc_core %s: %s", agent.me.name, reason)
@@ -161,10 +178,13 @@ class _Registry:
             self.closing = True
             stayed = [w for w in agent.get_worker_infos() if w.id != agent.me.id]
         if stayed:
-            reason = _left(agent.me, f" before {[w.name for w in stayed]}: it was the group's registry, "
-                                     "so no worker can join the group any more")
+            reason = _left(
+                agent.me,
+                f" before {[w.name for w in stayed]}: it was the group's registry, "
+                "so no worker can join the group any more",
+            )
             me = agent.me
-            _tell(agent, [w.id for w in stayed], _member_left, (me.id, agent.roster.generation(me.id), reason))
+            _tell(agent, [w.id for w in stayed], _member_left, (me.id, agent.roster.generation(me.id), reason, True))
         return stayed
 
 
@@ -191,9 +211,11 @@ def leave(agent: Agent, timeout: float) -> None:
     if me.id == 0 and _registry is not None:
         stayed = _registry.close(timeout)
         if stayed:
-            raise RpcError(f"rank 0 ({me.name!r}) timed out after {timeout:g} s waiting for the other members "
-                           f"to leave the group first: {[w.name for w in stayed]} are still in it (they were "
-                           "told it left; nobody can join the group any more)")
+            raise RpcError(
+                f"rank 0 ({me.name!r}) timed out after {timeout:g} s waiting for the other members "
+                f"to leave the group first: {[w.name for w in stayed]} are still in it (they were "
+                "told it left; nobody can join the group any more)"
+            )
         return
     generation = agent.roster.generation(me.id)
     if 0 in agent.roster.workers and 0 not in agent.roster.dead:
@@ -201,7 +223,7 @@ def leave(agent: Agent, timeout: float) -> None:
         fut.wait()
     else:  # the registry left before us: tell the others ourselves
         others = [r for r in agent.roster.workers if r != me.id]
-        _tell(agent, others, _member_left, (me.id, generation, _left(me)), timeout)
+        _tell(agent, others, _member_left, (me.id, generation, _left(me), True), timeout)
 
 
 def _tell(agent: Agent, ranks: list[int], func: Any, args: tuple[Any, ...], timeout: float = -1) -> None:
@@ -212,8 +234,14 @@ def _tell(agent: Agent, ranks: list[int], func: Any, args: tuple[Any, ...], time
         try:
             fut.wait()
         except Exception as e:  # noqa: BLE001 - any failure means the same: it did not hear it
-            log.warning("rpc_core %s: %s did not take the membership change %s%r: %s", agent.me.name,
-                        agent.roster.describe(r), func.__name__, args[:2], e)
+            log.warning(
+                "rpc_core %s: %s did not take the membership change %s%r: %s",
+                agent.me.name,
+                agent.roster.describe(r),
+                func.__name__,
+                args[:2],
+                e,
+            )
 
 
 # -- the members' side (ordinary CONTROL calls, reached by reference) ----------------------------------
@@ -221,8 +249,8 @@ def _member_joined(name: str, rank: int, address: tuple[str, int], generation: i
     current_agent().roster.add_member(WorkerInfo(name, rank), tuple(address), generation)  # type: ignore[arg-type]
 
 
-def _member_left(rank: int, generation: int | None, reason: str) -> None:
-    current_agent().roster.remove_member(rank, generation, reason)
+def _member_left(rank: int, generation: int | None, reason: str, graceful: bool) -> None:
+    current_agent().roster.remove_member(rank, generation, reason, graceful)
 
 
 def _leave_request(rank: int, generation: int) -> None:

@@ -14,7 +14,13 @@ thread that called ``init_rpc``.
 A dynamic group (``world_size=None``) has no table to wait for: rank 0 returns at once, as a
 world of one, and a joiner's request (the same, with world_size None) is answered later by
 the registry on rank 0's running agent (``registry``) with the roster and generations.
+
+While it waits, every worker logs whom it waits for, every ``RPC_CORE_RENDEZVOUS_LOG_INTERVAL``
+seconds (``_Waiting``): rank 0 the ranks that have not arrived, the others rank 0 (not
+reachable yet, or reached and answering once the world is complete or the group admitted
+them). So a rank cut off from the others says so long before ``init_timeout`` ends its wait.
 """
+
 from __future__ import annotations
 
 import logging
@@ -42,8 +48,35 @@ _MIN_ATTEMPT = 0.1
 # Rank 0 answers a join once the world is complete: a joiner waits for that until its
 # deadline, plus this for the answer of a world that filled just in time to travel.
 _ANSWER_SLACK = 5.0
+# A waiting line is logged at INFO, and at WARNING once this share of init_timeout is gone.
+_WARN_AFTER = 0.5
 # torch's words for a join that mixes world_size=None with a static group, or the reverse.
 MIXED_GROUP = "RPC group mixes statically and dynamically initialized members which is not supported."
+
+
+class _Waiting:
+    """The lines a rendezvous logs while it waits (one per interval: at most init_timeout /
+    RPC_CORE_RENDEZVOUS_LOG_INTERVAL of them)."""
+
+    def __init__(self, timeout: float) -> None:
+        self._interval = knobs.rendezvous_log_interval()
+        self._start = time.monotonic()
+        self._timeout = timeout
+        self._next = self._start + self._interval if self._interval > 0 else float("inf")
+
+    def bound(self, seconds: float) -> float:
+        """``seconds`` to wait, cut so that the wait ends when the next line is due."""
+        return max(0.0, min(seconds, self._next - time.monotonic()))
+
+    def log(self, what: str) -> None:
+        """Log ``what`` (whom this worker waits for) if a line is due."""
+        now = time.monotonic()
+        if now < self._next:
+            return
+        self._next = now + self._interval
+        waited = now - self._start
+        level = logging.WARNING if waited >= _WARN_AFTER * self._timeout else logging.INFO
+        log.log(level, "rpc_core rendezvous: %s, %.1f s of %g s (init_timeout)", what, waited, self._timeout)
 
 
 def resolve_init_method(init_method: str) -> tuple[str, int]:
@@ -58,7 +91,7 @@ def resolve_init_method(init_method: str) -> tuple[str, int]:
             )
         where = "MASTER_PORT"
     else:
-        rest = init_method[len("tcp://"):].rstrip("/")
+        rest = init_method[len("tcp://") :].rstrip("/")
         addr, sep, port = rest.rpartition(":")
         addr = addr.strip("[]")
         where = f"init_method {init_method!r}"
@@ -82,8 +115,10 @@ def rendezvous(name: str, rank: int, world_size: int | None, init_method: str, s
     validate_name(name)
     if world_size is None:
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-            raise ValueError(f"rank parameter missing or invalid: a worker of a dynamic group (world_size=None) "
-                             f"needs its rank, an int >= 0 (0 founds the group), got {rank!r}")
+            raise ValueError(
+                f"rank parameter missing or invalid: a worker of a dynamic group (world_size=None) "
+                f"needs its rank, an int >= 0 (0 founds the group), got {rank!r}"
+            )
         host, port = resolve_init_method(init_method)
         if rank == 0:
             world = _host(name, 1, host, port, secret, timeout)
@@ -116,9 +151,15 @@ def _host(name: str, world_size: int, host: str, port: int, secret: bytes, timeo
     joined: dict[int, tuple[WorkerInfo, tuple[str, int], Connection, int]] = {}
     deadline = time.monotonic() + timeout
     joiners = _Joiners(listeners[0], world_size, secret, f"rendezvous at {host}:{port}")
+    waiting = _Waiting(timeout)
     try:
         while len(joined) < world_size - 1:
             remaining = deadline - time.monotonic()
+            waiting.log(
+                f"rank 0 ({name!r}) at {host}:{port} is waiting for ranks "
+                f"{sorted(set(range(1, world_size)) - set(joined))} ({len(joined) + 1} of {world_size} "
+                "arrived)"
+            )
             if remaining <= 0:
                 missing = sorted(set(range(1, world_size)) - set(joined))
                 raise RendezvousError(
@@ -126,7 +167,7 @@ def _host(name: str, world_size: int, host: str, port: int, secret: bytes, timeo
                     f"{host}:{port} within {timeout:g} s (missing ranks {missing}); start the missing "
                     "workers, check their MASTER_ADDR/MASTER_PORT and world_size, or raise init_timeout"
                 )
-            for c, info, address, msg_id in joiners.collect(remaining):
+            for c, info, address, msg_id in joiners.collect(waiting.bound(remaining)):
                 err = _check_joiner(info, me, joined)
                 if err and len(joined) == world_size - 1:
                     _reply(c, msg_id, err)  # one too many, after the world was complete: only it fails
@@ -145,8 +186,10 @@ def _host(name: str, world_size: int, host: str, port: int, secret: bytes, timeo
             c.close()
         transport.close(listeners)
         raise
-    joiners.close(f"rank 0 completed the rendezvous at {host}:{port} without this worker: the world of "
-                  f"{world_size} was full. Check the ranks and world_size given to each worker.")
+    joiners.close(
+        f"rank 0 completed the rendezvous at {host}:{port} without this worker: the world of "
+        f"{world_size} was full. Check the ranks and world_size given to each worker."
+    )
     listeners[0].setblocking(True)
     workers = [me] + [joined[r][0] for r in range(1, world_size)]
     addresses = {0: (host, port)}
@@ -203,16 +246,21 @@ class _Joiners:
         with self._lock:
             self._socks.add(sock)
         self._threads = [t for t in self._threads if t.is_alive()]
-        t = threading.Thread(target=self._run, args=(sock, peer, time.monotonic() + transport.handshake_timeout()),
-                             name="rpc-rendezvous-join", daemon=True)
+        t = threading.Thread(
+            target=self._run,
+            args=(sock, peer, time.monotonic() + transport.handshake_timeout()),
+            name="rpc-rendezvous-join",
+            daemon=True,
+        )
         self._threads.append(t)
         t.start()
 
     def _run(self, sock: socket.socket, peer: tuple[str, int], deadline: float) -> None:
         joiner = None
         try:
-            joiner = _accept_joiner(self._listener.transport, sock, peer, self._world_size, self._secret, deadline,
-                                    self._admission)
+            joiner = _accept_joiner(
+                self._listener.transport, sock, peer, self._world_size, self._secret, deadline, self._admission
+            )
         finally:
             with self._lock:
                 self._socks.discard(sock)  # before it may be closed (see close)
@@ -270,9 +318,15 @@ def _reply(c: Connection, msg_id: int, err: str) -> None:
         pass
 
 
-def _accept_joiner(via: transport.Transport, sock: socket.socket, peer: tuple[str, int], world_size: int,
-                   secret: bytes, deadline: float, admission: transport.Admission
-                   ) -> tuple[Connection, WorkerInfo, tuple[str, int], int] | None:
+def _accept_joiner(
+    via: transport.Transport,
+    sock: socket.socket,
+    peer: tuple[str, int],
+    world_size: int,
+    secret: bytes,
+    deadline: float,
+    admission: transport.Admission,
+) -> tuple[Connection, WorkerInfo, tuple[str, int], int] | None:
     """Authenticate a joiner and read its join request, all by ``deadline``; None if it is
     turned away (the caller closes ``sock`` then)."""
     import pickle
@@ -284,8 +338,9 @@ def _accept_joiner(via: transport.Transport, sock: socket.socket, peer: tuple[st
             _reply(c, h.msg_id, MIXED_GROUP)
             return None
         if ws != world_size:
-            _reply(c, h.msg_id, f"world_size mismatch: worker {name!r} (rank {rank}) says {ws}, rank 0 says "
-                                f"{world_size}")
+            _reply(
+                c, h.msg_id, f"world_size mismatch: worker {name!r} (rank {rank}) says {ws}, rank 0 says {world_size}"
+            )
             return None
         return c, WorkerInfo(name, rank), tuple(address), h.msg_id
     except AuthenticationError:
@@ -295,8 +350,9 @@ def _accept_joiner(via: transport.Transport, sock: socket.socket, peer: tuple[st
     return None
 
 
-def _check_joiner(info: WorkerInfo, me: WorkerInfo,
-                  joined: dict[int, tuple[WorkerInfo, tuple[str, int], Connection, int]]) -> str | None:
+def _check_joiner(
+    info: WorkerInfo, me: WorkerInfo, joined: dict[int, tuple[WorkerInfo, tuple[str, int], Connection, int]]
+) -> str | None:
     if info.id in joined or info.id == 0:
         other = me if info.id == 0 else joined[info.id][0]
         return f"rank {info.id} is not unique: both {other.name!r} and {info.name!r} claim it"
@@ -311,11 +367,15 @@ def _join(name: str, rank: int, world_size: int | None, host: str, port: int, se
 
     deadline = time.monotonic() + timeout
     delay = _RETRY_FIRST
+    waiting = _Waiting(timeout)
+    who = f"worker {name!r} (rank {rank})"
     while True:
         try:
-            c = transport.TCP.dial((host, port), secret,
-                                   timeout=max(_MIN_ATTEMPT, min(transport.handshake_timeout(),
-                                                                 deadline - time.monotonic())))
+            c = transport.TCP.dial(
+                (host, port),
+                secret,
+                timeout=max(_MIN_ATTEMPT, min(transport.handshake_timeout(), deadline - time.monotonic())),
+            )
             break
         except (TimeoutError, ConnectionRefusedError, transport.PeerClosed, ConnectionResetError, socket.gaierror) as e:
             if time.monotonic() + delay > deadline:
@@ -324,6 +384,7 @@ def _join(name: str, rank: int, world_size: int | None, host: str, port: int, se
                     f"within {timeout:g} s ({e}); is rank 0 running, and are MASTER_ADDR/MASTER_PORT "
                     "(or the tcp:// init_method) right?"
                 ) from None
+            waiting.log(f"{who} is waiting for rank 0 at {host}:{port}, which it cannot reach yet ({e})")
             time.sleep(delay)  # retry backoff while rank 0 starts; not a test wait
             delay = min(delay * 2, _RETRY_MAX)
     local_ip = c.local_host
@@ -334,14 +395,24 @@ def _join(name: str, rank: int, world_size: int | None, host: str, port: int, se
         raise RendezvousError(f"worker {name!r} cannot open a listening socket on {local_ip}: {e}") from None
     try:
         c.send(wire.REQUEST, 0, 1, b"", _dumps((name, rank, world_size, listeners[0].address)))
-        c.set_recv_timeout(max(_MIN_ATTEMPT, deadline - time.monotonic()) + _ANSWER_SLACK)
+        end = deadline + _ANSWER_SLACK
+        what = (
+            f"{who} is waiting for rank 0 at {host}:{port} to admit it to the group (once every member knows it)"
+            if world_size is None
+            else f"{who} has reached rank 0 at {host}:{port} and is waiting for the "
+            f"roster, which rank 0 sends once all {world_size} workers have arrived"
+        )
+        while time.monotonic() < end and not c.poll(waiting.bound(end - time.monotonic())):
+            waiting.log(what)
+        c.set_recv_timeout(max(_MIN_ATTEMPT, end - time.monotonic()))
         h, _, body, _ = c.recv()
         c.set_recv_timeout(None)
     except (OSError, transport.PeerClosed) as e:
         transport.close(listeners)
         c.close()
-        raise RendezvousError(f"worker {name!r} (rank {rank}): rendezvous with rank 0 at {host}:{port} "
-                              f"failed: {e}") from None
+        raise RendezvousError(
+            f"worker {name!r} (rank {rank}): rendezvous with rank 0 at {host}:{port} failed: {e}"
+        ) from None
     if h.kind == wire.EXCEPTION:
         transport.close(listeners)
         c.close()

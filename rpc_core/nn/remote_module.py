@@ -11,6 +11,7 @@ module here raise ``ValueError`` as torch's do; ``train()`` / ``eval()`` switch 
 module's mode. A RemoteModule passed inside an RPC arrives as a RemoteModule sharing the
 same remote module (its RRef is forked); plain pickling is refused, as in torch.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -30,17 +31,44 @@ __all__ = ["RemoteModule"]
 # nn.Module methods that need the module itself: torch's RemoteModule raises ValueError for
 # each (``parameters`` has its own message), and so do we.
 _UNSUPPORTED = (
-    "register_buffer", "register_parameter", "add_module", "apply", "cuda", "ipu", "xpu", "cpu", "type",
-    "float", "double", "half", "bfloat16", "to", "register_backward_hook", "register_forward_pre_hook",
-    "register_forward_hook", "state_dict", "load_state_dict", "named_parameters", "buffers", "named_buffers",
-    "children", "named_children", "modules", "named_modules", "requires_grad_", "zero_grad", "share_memory",
+    "register_buffer",
+    "register_parameter",
+    "add_module",
+    "apply",
+    "cuda",
+    "ipu",
+    "xpu",
+    "cpu",
+    "type",
+    "float",
+    "double",
+    "half",
+    "bfloat16",
+    "to",
+    "register_backward_hook",
+    "register_forward_pre_hook",
+    "register_forward_hook",
+    "state_dict",
+    "load_state_dict",
+    "named_parameters",
+    "buffers",
+    "named_buffers",
+    "children",
+    "named_children",
+    "modules",
+    "named_modules",
+    "requires_grad_",
+    "zero_grad",
+    "share_memory",
     "extra_repr",
 )
 
 
 def _parse_error(remote_device: object) -> ValueError:
-    return ValueError(f"Could not parse remote_device: {remote_device}. The valid format is "
-                      "'<workername>/<device>' or 'rank:<rank>/<device>' or '<device>'")
+    return ValueError(
+        f"Could not parse remote_device: {remote_device}. The valid format is "
+        "'<workername>/<device>' or 'rank:<rank>/<device>' or '<device>'"
+    )
 
 
 def _is_device(text: str) -> bool:
@@ -61,15 +89,19 @@ def parse_remote_device(remote_device: str) -> tuple[str | int, str]:
     if len(fields) > 2:
         raise _parse_error(remote_device)
     if len(fields) == 1 and _is_device(fields[0]):
-        raise ValueError(f"remote_device {remote_device!r} names a device but no worker: write "
-                         f"'<workername>/{fields[0]}' or 'rank:<rank>/{fields[0]}'")
+        raise ValueError(
+            f"remote_device {remote_device!r} names a device but no worker: write "
+            f"'<workername>/{fields[0]}' or 'rank:<rank>/{fields[0]}'"
+        )
     worker, device_text = (fields[0], "cpu") if len(fields) == 1 else (fields[0], fields[1])
     if not worker or not _is_device(device_text):
         raise _parse_error(remote_device)
     device = torch.device(device_text)
     if device.type != "cpu":
-        raise ValueError(f"remote_device {remote_device!r}: rpc_core sends CPU tensors only, so remote modules "
-                         f"live on CPU; use '{worker}/cpu' (torch RPC needs a device map for {device.type})")
+        raise ValueError(
+            f"remote_device {remote_device!r}: rpc_core sends CPU tensors only, so remote modules "
+            f"live on CPU; use '{worker}/cpu' (torch RPC needs a device map for {device.type})"
+        )
     parts = worker.split(":")
     if len(parts) == 1:
         return worker, str(device)
@@ -79,12 +111,15 @@ def parse_remote_device(remote_device: str) -> tuple[str | int, str]:
 
 
 # -- on the owner ----------------------------------------------------------------------------------------
-def _create_module(module_cls: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-                   device: str) -> nn.Module:
+def _create_module(
+    module_cls: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], device: str
+) -> nn.Module:
     module = module_cls(*args, **kwargs)
     if not isinstance(module, nn.Module):
-        raise ValueError("Expect `module_cls(*args, **kwargs)` returns an instance of <class nn.Module>, "
-                         f"but it returns an instance of {type(module)}.")
+        raise ValueError(
+            "Expect `module_cls(*args, **kwargs)` returns an instance of <class nn.Module>, "
+            f"but it returns an instance of {type(module)}."
+        )
     return module.to(device)
 
 
@@ -118,8 +153,14 @@ class RemoteModule(nn.Module):
     device: str
     module_rref: RRef[nn.Module]
 
-    def __init__(self, remote_device: str, module_cls: Callable[..., nn.Module], args: tuple[Any, ...] | None = None,
-                 kwargs: dict[str, Any] | None = None, _module_interface_cls: Any = None) -> None:
+    def __init__(
+        self,
+        remote_device: str,
+        module_cls: Callable[..., nn.Module],
+        args: tuple[Any, ...] | None = None,
+        kwargs: dict[str, Any] | None = None,
+        _module_interface_cls: Any = None,
+    ) -> None:
         super().__init__()
         self._prepare(remote_device, _module_interface_cls)
         args = tuple(args) if args is not None else ()
@@ -129,16 +170,19 @@ class RemoteModule(nn.Module):
 
     def _prepare(self, remote_device: str, module_interface_cls: Any) -> None:
         if module_interface_cls is not None:
-            raise NotImplementedError("rpc_core has no TorchScript RPC: a scriptable RemoteModule "
-                                      "(_module_interface_cls) is not supported; leave it out")
+            raise NotImplementedError(
+                "rpc_core has no TorchScript RPC: a scriptable RemoteModule "
+                "(_module_interface_cls) is not supported; leave it out"
+            )
         self.on, self.device = parse_remote_device(remote_device)
         current_agent().worker_info(self.on)  # a worker outside the group fails here, by name
         self.is_device_map_set = False
         self.is_scriptable = False
 
     @staticmethod
-    def init_from_module_rref(remote_device: str, module_rref: RRef[nn.Module],
-                              _module_interface_cls: Any = None) -> RemoteModule:
+    def init_from_module_rref(
+        remote_device: str, module_rref: RRef[nn.Module], _module_interface_cls: Any = None
+    ) -> RemoteModule:
         """A RemoteModule over an existing module RRef (several handles, one module)."""
         m = RemoteModule.__new__(RemoteModule)
         nn.Module.__init__(m)
@@ -151,8 +195,16 @@ class RemoteModule(nn.Module):
         """Run the module's ``forward(*args, **kwargs)`` on its owner; a Future of the result."""
         rref = self.module_rref
         # Named by RRef id, as RRef proxies do: no fork (and no delete) per forward.
-        return calls.invoke_async(rref._owner_id, _on_invoke, (rref._rref_id, "forward", args, kwargs), None,
-                                  UNSET_RPC_TIMEOUT, "async", user_func=_remote_forward, keepalive=rref)
+        return calls.invoke_async(
+            rref._owner_id,
+            _on_invoke,
+            (rref._rref_id, "forward", args, kwargs),
+            None,
+            UNSET_RPC_TIMEOUT,
+            "async",
+            user_func=_remote_forward,
+            keepalive=rref,
+        )
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module's ``forward(*args, **kwargs)`` on its owner and return the result."""
@@ -179,19 +231,22 @@ class RemoteModule(nn.Module):
         return self.train(False)
 
     def parameters(self, recurse: bool = True) -> NoReturn:
-        raise ValueError("Method ``parameters`` not supported for RemoteModule. "
-                         "Please use ``remote_parameters`` instead.")
+        raise ValueError(
+            "Method ``parameters`` not supported for RemoteModule. Please use ``remote_parameters`` instead."
+        )
 
     def __repr__(self) -> str:
         return f"RemoteModule(on={self.on!r}, device={self.device!r}, module_rref={self.module_rref!r})"
 
     def __getstate__(self) -> NoReturn:
-        raise RuntimeError("Cannot pickle RemoteModule in python pickler. "
-                           "RemoteModule can only be pickled when using RPC")
+        raise RuntimeError(
+            "Cannot pickle RemoteModule in python pickler. RemoteModule can only be pickled when using RPC"
+        )
 
     def __setstate__(self, state: Any) -> NoReturn:
-        raise RuntimeError("Cannot unpickle RemoteModule in python pickler. RemoteModule can only be unpickled when "
-                           "using RPC")
+        raise RuntimeError(
+            "Cannot unpickle RemoteModule in python pickler. RemoteModule can only be unpickled when using RPC"
+        )
 
 
 def _unsupported(name: str) -> Callable[..., NoReturn]:

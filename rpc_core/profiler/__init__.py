@@ -12,6 +12,7 @@ RPC does; the RPCs made meanwhile, and the callees' events, come from ``rpc_even
 This module turns both into torch's result types (``EventList``, ``FunctionEvent``) and
 exports them.
 """
+
 from __future__ import annotations
 
 import json
@@ -47,22 +48,40 @@ class _EventList(EventList):
 
     node_names: dict[int, str] = {}
 
-    def table(self, sort_by: str | None = None, row_limit: int = 100, max_src_column_width: int = 75,
-              max_name_column_width: int | None = None, max_shapes_column_width: int = 80, header: str | None = None,
-              top_level_events_only: bool = False, time_unit: str | None = None) -> str:
+    def table(
+        self,
+        sort_by: str | None = None,
+        row_limit: int = 100,
+        max_src_column_width: int = 75,
+        max_name_column_width: int | None = None,
+        max_shapes_column_width: int = 80,
+        header: str | None = None,
+        top_level_events_only: bool = False,
+        time_unit: str | None = None,
+    ) -> str:
         """Like ``EventList.table``; ``max_name_column_width=None`` fits the longest name (up to 160)."""
         if max_name_column_width is None:
             max_name_column_width = min(160, max([len(e.key) for e in self] + [20]) + 4)
         text: str = super().table(  # type: ignore[no-untyped-call]
-            sort_by=sort_by, row_limit=row_limit, max_src_column_width=max_src_column_width,
-            max_name_column_width=max_name_column_width, max_shapes_column_width=max_shapes_column_width,
-            header=header, top_level_events_only=top_level_events_only, time_unit=time_unit)
+            sort_by=sort_by,
+            row_limit=row_limit,
+            max_src_column_width=max_src_column_width,
+            max_name_column_width=max_name_column_width,
+            max_shapes_column_width=max_shapes_column_width,
+            header=header,
+            top_level_events_only=top_level_events_only,
+            time_unit=time_unit,
+        )
         return text
 
     def key_averages(self, *args: Any, **kwargs: Any) -> _EventList:
         avg = super().key_averages(*args, **kwargs)  # type: ignore[no-untyped-call]
-        out = _EventList(avg, use_device=self._use_device, profile_memory=self._profile_memory,  # type: ignore[no-untyped-call]
-                         with_flops=self._with_flops)
+        out = _EventList(
+            avg,
+            use_device=self._use_device,
+            profile_memory=self._profile_memory,  # type: ignore[no-untyped-call]
+            with_flops=self._with_flops,
+        )
         out.node_names = self.node_names
         return out
 
@@ -78,8 +97,11 @@ class _EventList(EventList):
             pid = max(e.node_id, 0)
             if pid not in seen:
                 seen.add(pid)
-                label = (f"node_id: {pid}" + (f" ({self.node_names[pid]})" if pid in self.node_names else "")
-                         if e.node_id >= 0 else "CPU functions")
+                label = (
+                    f"node_id: {pid}" + (f" ({self.node_names[pid]})" if pid in self.node_names else "")
+                    if e.node_id >= 0
+                    else "CPU functions"
+                )
                 out.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": label}})
                 out.append({"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": pid}})
             # Under the name tables and key_averages() show, as torch's export writes it: a
@@ -114,26 +136,43 @@ class profile:
     same profile object.
     """
 
-    def __init__(self, enabled: bool = True, *, use_device: str | None = None, record_shapes: bool = False,
-                 with_flops: bool = False, profile_memory: bool = False, with_stack: bool = False,
-                 with_modules: bool = False, use_kineto: bool = False, use_cpu: bool = True,
-                 experimental_config: Any = None, acc_events: bool = False, custom_trace_id_callback: Any = None,
-                 post_processing_timeout_s: float | None = None, activity_filters: Any = None) -> None:
+    def __init__(
+        self,
+        enabled: bool = True,
+        *,
+        use_device: str | None = None,
+        record_shapes: bool = False,
+        with_flops: bool = False,
+        profile_memory: bool = False,
+        with_stack: bool = False,
+        with_modules: bool = False,
+        use_kineto: bool = False,
+        use_cpu: bool = True,
+        experimental_config: Any = None,
+        acc_events: bool = False,
+        custom_trace_id_callback: Any = None,
+        post_processing_timeout_s: float | None = None,
+        activity_filters: Any = None,
+    ) -> None:
         self.enabled = enabled
         self.entered = False
         self._function_events: _EventList | None = None
         if not enabled:
             return
         if not use_cpu:
-            raise ValueError("rpc_core.profiler.profile records CPU events (legacy profiler); use_cpu=False is not "
-                             "supported")
+            raise ValueError(
+                "rpc_core.profiler.profile records CPU events (legacy profiler); use_cpu=False is not supported"
+            )
         self.use_device = use_device
         self._state = ProfilerState.CPU
         if use_device == "cuda" and torch.cuda.is_available():
             self._state = ProfilerState.CUDA
         elif use_device is not None:
-            warnings.warn(f"rpc_core.profiler.profile: use_device={use_device!r} is not supported here "
-                          "(or not available); profiling CPU only", stacklevel=2)
+            warnings.warn(
+                f"rpc_core.profiler.profile: use_device={use_device!r} is not supported here "
+                "(or not available); profiling CPU only",
+                stacklevel=2,
+            )
             self.use_device = None
         self.record_shapes = record_shapes or with_flops
         self.with_flops, self.profile_memory, self.with_stack = with_flops, profile_memory, with_stack
@@ -173,20 +212,43 @@ class profile:
         events, base, tid = _parse(records, self._node)
         rpc_events, unfinished = _flatten(self._collector.calls, self._node, tid)
         if unfinished:
-            warnings.warn(f"rpc_core.profiler: {unfinished} RPC(s) made inside the profile had not completed when it "
-                          "exited and are not in the results; wait on their futures inside the profile", stacklevel=2)
+            warnings.warn(
+                f"rpc_core.profiler: {unfinished} RPC(s) made inside the profile had not completed when it "
+                "exited and are not in the results; wait on their futures inside the profile",
+                stacklevel=2,
+            )
         all_events = events + rpc_events
         if base is None:
             base = min((e.start for e in all_events), default=0.0)
-        fes = [FunctionEvent(
-            id=i, name=e.name, trace_name=e.name, thread=e.thread, start_us=e.start - base, end_us=e.end - base,
-            fwd_thread=e.fwd_thread, input_shapes=e.shapes, stack=e.stack, scope=e.scope,
-            cpu_memory_usage=e.cpu_mem, is_async=e.is_async, is_remote=e.is_remote, sequence_nr=e.seq,
-            node_id=e.node, is_legacy=True, flops=e.flops or None)
-            for i, e in enumerate(all_events, start=1)]
+        fes = [
+            FunctionEvent(
+                id=i,
+                name=e.name,
+                trace_name=e.name,
+                thread=e.thread,
+                start_us=e.start - base,
+                end_us=e.end - base,
+                fwd_thread=e.fwd_thread,
+                input_shapes=e.shapes,
+                stack=e.stack,
+                scope=e.scope,
+                cpu_memory_usage=e.cpu_mem,
+                is_async=e.is_async,
+                is_remote=e.is_remote,
+                sequence_nr=e.seq,
+                node_id=e.node,
+                is_legacy=True,
+                flops=e.flops or None,
+            )
+            for i, e in enumerate(all_events, start=1)
+        ]
         fes.sort(key=lambda fe: (fe.time_range.start, -fe.time_range.end))
-        result = _EventList(fes, use_device=self.use_device, profile_memory=self.profile_memory,  # type: ignore[no-untyped-call]
-                            with_flops=self.with_flops)
+        result = _EventList(
+            fes,
+            use_device=self.use_device,
+            profile_memory=self.profile_memory,  # type: ignore[no-untyped-call]
+            with_flops=self.with_flops,
+        )
         result.node_names = self._names
         result._build_tree()  # type: ignore[no-untyped-call]
         if self.acc_events and self._function_events is not None:
@@ -201,19 +263,36 @@ class profile:
             raise RuntimeError("Profiler didn't finish running")
         return self._function_events
 
-    def key_averages(self, group_by_input_shape: bool = False, group_by_stack_n: int = 0,
-                     group_by_overload_name: bool = False, include_python_functions: bool = False) -> _EventList:
-        return self.function_events.key_averages(group_by_input_shape, group_by_stack_n,
-                                                 group_by_overload_name, include_python_functions)
+    def key_averages(
+        self,
+        group_by_input_shape: bool = False,
+        group_by_stack_n: int = 0,
+        group_by_overload_name: bool = False,
+        include_python_functions: bool = False,
+    ) -> _EventList:
+        return self.function_events.key_averages(
+            group_by_input_shape, group_by_stack_n, group_by_overload_name, include_python_functions
+        )
 
-    def table(self, sort_by: str | None = None, row_limit: int = 100, max_src_column_width: int = 75,
-              max_name_column_width: int | None = None, max_shapes_column_width: int = 80,
-              header: str | None = None, top_level_events_only: bool = False) -> str:
-        return self.function_events.table(sort_by=sort_by, row_limit=row_limit,
-                                          max_src_column_width=max_src_column_width,
-                                          max_name_column_width=max_name_column_width,
-                                          max_shapes_column_width=max_shapes_column_width, header=header,
-                                          top_level_events_only=top_level_events_only)
+    def table(
+        self,
+        sort_by: str | None = None,
+        row_limit: int = 100,
+        max_src_column_width: int = 75,
+        max_name_column_width: int | None = None,
+        max_shapes_column_width: int = 80,
+        header: str | None = None,
+        top_level_events_only: bool = False,
+    ) -> str:
+        return self.function_events.table(
+            sort_by=sort_by,
+            row_limit=row_limit,
+            max_src_column_width=max_src_column_width,
+            max_name_column_width=max_name_column_width,
+            max_shapes_column_width=max_shapes_column_width,
+            header=header,
+            top_level_events_only=top_level_events_only,
+        )
 
     def export_chrome_trace(self, path: str) -> None:
         """One JSON trace for all nodes: a process row per node (``node_id: N``)."""

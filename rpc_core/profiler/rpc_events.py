@@ -15,6 +15,7 @@ Clocks: events carry wall-clock microseconds. A callee's events are kept as they
 they fit inside the caller's view of the call (same host), else centred in it (NTP-style),
 so traces from several machines still nest correctly.
 """
+
 from __future__ import annotations
 
 import threading
@@ -34,10 +35,16 @@ from ..rref import _on_fetch
 
 REMOTE_OP = "#remote_op: "
 _EXIT_WAIT = 10.0  # s a response waits for the executing thread to stop its profiler
-_IGNORED_OPS = frozenset((
-    "profiler::_record_function_enter", "profiler::_record_function_enter_new",
-    "profiler::_record_function_exit", "aten::is_leaf", "aten::output_nr", "aten::_version",
-))
+_IGNORED_OPS = frozenset(
+    (
+        "profiler::_record_function_enter",
+        "profiler::_record_function_enter_new",
+        "profiler::_record_function_exit",
+        "aten::is_leaf",
+        "aten::output_nr",
+        "aten::_version",
+    )
+)
 _tls = threading.local()  # .collector: where RPC events made on this thread go
 
 
@@ -49,8 +56,15 @@ class _Options(NamedTuple):
     with_modules: bool
 
     def legacy(self, state: ProfilerState = ProfilerState.CPU) -> ProfilerConfig:
-        return ProfilerConfig(state, self.record_shapes, self.profile_memory, self.with_stack,
-                              self.with_flops, self.with_modules, torch._C._profiler._ExperimentalConfig())
+        return ProfilerConfig(
+            state,
+            self.record_shapes,
+            self.profile_memory,
+            self.with_stack,
+            self.with_flops,
+            self.with_modules,
+            torch._C._profiler._ExperimentalConfig(),
+        )
 
 
 class _Event(NamedTuple):
@@ -113,10 +127,24 @@ def _parse(records: list[list[Any]], node: int) -> tuple[list[_Event], float | N
     for h, s in pushes.items():
         e = pops.get(h)
         if e is not None:
-            events.append(_Event(
-                s.name(), s.start_us(), e.start_us(), s.thread_id(), node,
-                s.is_async() or s.thread_id() != e.thread_id(), False, s.shapes(), s.stack(), s.scope(),
-                mem[h], s.sequence_nr(), s.fwd_thread_id(), s.flops()))
+            events.append(
+                _Event(
+                    s.name(),
+                    s.start_us(),
+                    e.start_us(),
+                    s.thread_id(),
+                    node,
+                    s.is_async() or s.thread_id() != e.thread_id(),
+                    False,
+                    s.shapes(),
+                    s.stack(),
+                    s.scope(),
+                    mem[h],
+                    s.sequence_nr(),
+                    s.fwd_thread_id(),
+                    s.flops(),
+                )
+            )
     if start is None:
         return events, None, 0
     return events, start.start_us(), start.thread_id()
@@ -196,7 +224,8 @@ def _use_wrapper(delta: int) -> None:
 # Internal handlers users call by other names, by (module, qualified name): a key that
 # needs no hashing of the called object, which may be any callable.
 _DISPLAY_NAMES: dict[tuple[str | None, str | None], str] = {
-    (_on_fetch.__module__, _on_fetch.__qualname__): "RRef.to_here"}
+    (_on_fetch.__module__, _on_fetch.__qualname__): "RRef.to_here"
+}
 
 
 def _func_name(func: Any) -> str:
@@ -211,8 +240,9 @@ def _func_name(func: Any) -> str:
     return getattr(func, "__qualname__", None) or type(func).__qualname__
 
 
-def _wrap_call(exec_mode: str, func: Any, dst: int,
-               send: Callable[..., torch.futures.Future[Any]]) -> torch.futures.Future[Any]:
+def _wrap_call(
+    exec_mode: str, func: Any, dst: int, send: Callable[..., torch.futures.Future[Any]]
+) -> torch.futures.Future[Any]:
     col = getattr(_tls, "collector", None)
     if col is None:  # e.g. a thread the legacy profiler propagated to (autograd engine)
         col = _active[-1] if _active and _profiler_enabled() else None

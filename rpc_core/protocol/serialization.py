@@ -13,6 +13,7 @@ views; a small view of a large storage only ships the bytes it spans.
 Functions travel by reference (module + qualified name), never as code. Higher layers
 register reducers for their own types (``register_reducer``), e.g. RRef forks.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -34,8 +35,20 @@ _REDUCERS: dict[type, Callable[[Any], Any]] = {}
 # The dtype code indexes _DTYPES; a dtype not listed there travels as the dtype itself.
 TensorMeta = tuple[int, Any, tuple[int, ...], tuple[int, ...], int, int]
 _REQUIRES_GRAD, _IS_PARAM = 1, 2
-_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-           torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
+_DTYPES = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+)
 _DTYPE_CODES = {dt: i for i, dt in enumerate(_DTYPES)}
 
 
@@ -74,18 +87,26 @@ def _compressed_parts(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
 # Sparse tensors are rebuilt with their invariants checked (indices in range, compressed
 # indices sorted): the bytes come from a peer, and torch reads out of bounds on a sparse
 # tensor that breaks them.
-def _sparse_coo(indices: torch.Tensor, values: torch.Tensor, size: tuple[int, ...], coalesced: bool,
-                leaf_grad: bool) -> torch.Tensor:
+def _sparse_coo(
+    indices: torch.Tensor, values: torch.Tensor, size: tuple[int, ...], coalesced: bool, leaf_grad: bool
+) -> torch.Tensor:
     t = torch.sparse_coo_tensor(indices, values, size, check_invariants=True, is_coalesced=coalesced)
     return t.requires_grad_() if leaf_grad and not t.requires_grad else t
 
 
-def _sparse_compressed(compressed: torch.Tensor, plain: torch.Tensor, values: torch.Tensor,
-                       size: tuple[int, ...], layout: int, leaf_grad: bool) -> torch.Tensor:
+def _sparse_compressed(
+    compressed: torch.Tensor,
+    plain: torch.Tensor,
+    values: torch.Tensor,
+    size: tuple[int, ...],
+    layout: int,
+    leaf_grad: bool,
+) -> torch.Tensor:
     if not isinstance(layout, int) or not 0 <= layout < len(_COMPRESSED_LAYOUTS):
         raise ValueError(f"unknown compressed sparse layout code {layout!r}")
-    t = torch.sparse_compressed_tensor(compressed, plain, values, size, layout=_COMPRESSED_LAYOUTS[layout],
-                                       check_invariants=True)
+    t = torch.sparse_compressed_tensor(
+        compressed, plain, values, size, layout=_COMPRESSED_LAYOUTS[layout], check_invariants=True
+    )
     return t.requires_grad_() if leaf_grad and not t.requires_grad else t
 
 
@@ -102,13 +123,24 @@ class _Pickler(pickle.Pickler):
                 # Sparse tensors travel as their dense parts, which are tensors themselves
                 # (their buffers out of band like any other).
                 if obj.layout == torch.sparse_coo:
-                    return _sparse_coo, (obj._indices(), obj._values(), tuple(obj.size()), obj.is_coalesced(),
-                                         obj.requires_grad and obj.is_leaf)
+                    return _sparse_coo, (
+                        obj._indices(),
+                        obj._values(),
+                        tuple(obj.size()),
+                        obj.is_coalesced(),
+                        obj.requires_grad and obj.is_leaf,
+                    )
                 if obj.layout in _COMPRESSED:
-                    return _sparse_compressed, (*_compressed_parts(obj), tuple(obj.size()), _COMPRESSED[obj.layout],
-                                                obj.requires_grad and obj.is_leaf)
-                raise TypeError(f"rpc_core cannot send tensors with layout {obj.layout}; send .to_dense(), "
-                                "or a COO/CSR/CSC/BSR/BSC sparse tensor")
+                    return _sparse_compressed, (
+                        *_compressed_parts(obj),
+                        tuple(obj.size()),
+                        _COMPRESSED[obj.layout],
+                        obj.requires_grad and obj.is_leaf,
+                    )
+                raise TypeError(
+                    f"rpc_core cannot send tensors with layout {obj.layout}; send .to_dense(), "
+                    "or a COO/CSR/CSC/BSR/BSC sparse tensor"
+                )
             if not obj.is_cpu:
                 raise TypeError(
                     f"rpc_core sends CPU tensors only, got a tensor on {obj.device}; move it with "
@@ -188,8 +220,14 @@ def _meta(t: torch.Tensor, index: int, size: tuple[int, ...], stride: tuple[int,
     cls = t.__class__
     is_param = cls is _Parameter or (cls is not torch.Tensor and isinstance(t, _Parameter))
     dtype = t.dtype
-    return (index, _DTYPE_CODES.get(dtype, dtype), size, stride, offset,
-            (_REQUIRES_GRAD if t.requires_grad else 0) | (_IS_PARAM if is_param else 0))
+    return (
+        index,
+        _DTYPE_CODES.get(dtype, dtype),
+        size,
+        stride,
+        offset,
+        (_REQUIRES_GRAD if t.requires_grad else 0) | (_IS_PARAM if is_param else 0),
+    )
 
 
 def _pack_whole(t: torch.Tensor) -> tuple[list[TensorMeta], list[memoryview], list[Any]] | None:
@@ -272,8 +310,10 @@ def rebuild_tensors(metas: Sequence[TensorMeta], storages: Sequence[torch.Untype
     for buffer, dtype, size, stride, offset, flags in metas:
         if type(dtype) is int:
             if not 0 <= dtype < len(_DTYPES):
-                raise ValueError(f"tensor meta names dtype code {dtype}, which no rpc_core version sends "
-                                 f"(codes are 0..{len(_DTYPES) - 1}); the peer is broken or not rpc_core")
+                raise ValueError(
+                    f"tensor meta names dtype code {dtype}, which no rpc_core version sends "
+                    f"(codes are 0..{len(_DTYPES) - 1}); the peer is broken or not rpc_core"
+                )
             dtype = _DTYPES[dtype]
         template = _TEMPLATES.get(dtype)
         if template is None:
@@ -306,8 +346,12 @@ def note_for_reply(key: str, item: Any) -> bool:
     return True
 
 
-def unpickle_body(body: Any, tensors: Sequence[torch.Tensor], waits: list[torch.futures.Future[Any]] | None = None,
-                  notes: dict[str, list[Any]] | None = None) -> Any:
+def unpickle_body(
+    body: Any,
+    tensors: Sequence[torch.Tensor],
+    waits: list[torch.futures.Future[Any]] | None = None,
+    notes: dict[str, list[Any]] | None = None,
+) -> Any:
     prev = getattr(_tls, "tensors", None), getattr(_tls, "waits", None), getattr(_tls, "notes", None)
     _tls.tensors, _tls.waits, _tls.notes = tensors, waits, notes
     try:

@@ -9,6 +9,7 @@ remote modules), but scripted functions and modules still travel in messages:
 - a scripted module (``RecursiveScriptModule``) travels as its ``torch.jit.save`` bytes and is
   rebuilt with ``torch.jit.load``, as torch RPC sends it.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -35,11 +36,13 @@ def _function_by_name(module: str, name: str) -> torch.jit.ScriptFunction[Any, A
 
 def _reduce_function(fn: torch.jit.ScriptFunction[Any, Any]) -> tuple[Any, tuple[str, str]]:
     qualified = fn.qualified_name
-    module, _, name = qualified[len(_PREFIX):].rpartition(".")
+    module, _, name = qualified[len(_PREFIX) :].rpartition(".")
     # The qualified name leaves out enclosing functions: check that it finds this very function.
     if not qualified.startswith(_PREFIX) or getattr(sys.modules.get(module), name, None) is not fn:
-        raise TypeError(f"cannot send TorchScript function {qualified}: only functions defined at the top level "
-                        "of a module travel (by reference); send a Python function that calls it")
+        raise TypeError(
+            f"cannot send TorchScript function {qualified}: only functions defined at the top level "
+            "of a module travel (by reference); send a Python function that calls it"
+        )
     return _function_by_name, (module, name)
 
 

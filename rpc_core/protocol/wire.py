@@ -61,6 +61,7 @@ shutdown does not count as user work in flight. REMOTE marks a frame carrying bu
 address; only sent in a direction whose RESULT was 1, anything else is malformed. Remote
 buffers obey the same length bounds as streamed ones.
 """
+
 from __future__ import annotations
 
 import hashlib

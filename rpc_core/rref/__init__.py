@@ -20,6 +20,7 @@ Protocol (every message is an ordinary RPC to one of the ``_on_*`` functions):
 
 This module is the group's face: the names the rest of rpc_core and tests use.
 """
+
 from __future__ import annotations
 
 # Re-exported (noqa: F401): the group's names, where the rest of rpc_core and tests find them.
@@ -29,8 +30,22 @@ from .release import _send_delete, _send_deletes, delete_all_user_rrefs, flush  
 from .state import Id, _ctx, _on_fetch, _on_invoke, _on_user_delete, _on_user_deletes, debug_info, reset  # noqa: F401
 
 __all__ = [
-    "RRef", "remote",
+    "RRef",
+    "remote",
     # the group's face for the rest of rpc_core and tests
-    "Id", "RRefMiddleware", "_ctx", "_on_fetch", "_on_invoke", "_on_user_delete", "_on_user_deletes", "_send_delete",
-    "_send_deletes", "debug_info", "delete_all_user_rrefs", "flush", "install", "on_request_failed", "reset",
+    "Id",
+    "RRefMiddleware",
+    "_ctx",
+    "_on_fetch",
+    "_on_invoke",
+    "_on_user_delete",
+    "_on_user_deletes",
+    "_send_delete",
+    "_send_deletes",
+    "debug_info",
+    "delete_all_user_rrefs",
+    "flush",
+    "install",
+    "on_request_failed",
+    "reset",
 ]

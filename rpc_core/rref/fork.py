@@ -9,6 +9,7 @@ when the RRef came in a request, that news rides on the response (``racc``) inst
 message of its own. A function that receives RRefs runs only after all its forks are
 confirmed. So a fork is always registered before its parent can be deleted.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -83,8 +84,9 @@ class RRefMiddleware(_agent_mod.Middleware):
     """Carries waiting deletes to their owner on the next request there, and applies the
     deletes a request carries when it arrives."""
 
-    def outgoing(self, dst: int, tensors: list[torch.Tensor], extras: dict[str, Any],
-                 request_extras: dict[str, Any] | None) -> None:
+    def outgoing(
+        self, dst: int, tensors: list[torch.Tensor], extras: dict[str, Any], request_extras: dict[str, Any] | None
+    ) -> None:
         if request_extras is None and (_ctx.deletes or _ctx.collected):
             pile = _ctx.take_deletes(dst)
             if pile:

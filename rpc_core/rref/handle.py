@@ -5,6 +5,7 @@ fork of the owner's value, named by fork id). Handles register with the per-proc
 (``state``) and, once garbage collected, hand their delete to the release loop
 (``release``). How handles travel inside messages is in ``fork``.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -37,8 +38,14 @@ class RRef(Generic[T]):
         self._init(agent.me.id, rref_id, None, True)
 
     # -- construction of the two flavours --------------------------------------------------------
-    def _init(self, owner: int, rref_id: Id, fork_id: Id | None, confirmed: bool,
-              creation: torch.futures.Future[Any] | None = None) -> None:
+    def _init(
+        self,
+        owner: int,
+        rref_id: Id,
+        fork_id: Id | None,
+        confirmed: bool,
+        creation: torch.futures.Future[Any] | None = None,
+    ) -> None:
         self._owner_id = owner
         # Which member held the owner's rank (a dynamic group may give a rank to a newcomer
         # once its holder left: this RRef is not the newcomer's).
@@ -63,8 +70,9 @@ class RRef(Generic[T]):
         return r
 
     @classmethod
-    def _user(cls, owner: int, rref_id: Id, fork_id: Id, confirmed: bool,
-              creation: torch.futures.Future[Any] | None = None) -> RRef[Any]:
+    def _user(
+        cls, owner: int, rref_id: Id, fork_id: Id, confirmed: bool, creation: torch.futures.Future[Any] | None = None
+    ) -> RRef[Any]:
         r = cls.__new__(cls)
         r._init(owner, rref_id, fork_id, confirmed, creation)
         return r
@@ -213,7 +221,8 @@ def _check_attribute(rref_type: type, name: str) -> None:
             return
         raise AttributeError(
             f"{e}. The RRef proxies call attributes of the value's type; reach others with a function run on "
-            "the owner: rpc_sync(rref.owner(), f, args=(rref,)) where f uses rref.local_value()") from None
+            "the owner: rpc_sync(rref.owner(), f, args=(rref,)) where f uses rref.local_value()"
+        ) from None
 
 
 class _Proxy:
@@ -246,8 +255,9 @@ class _Proxy:
         return call
 
 
-def _invoke(rref: RRef[Any], mode: str, timeout: float, name: str, args: tuple[Any, ...],
-            kwargs: dict[str, Any]) -> Any:
+def _invoke(
+    rref: RRef[Any], mode: str, timeout: float, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
     # The call names the RRef by id instead of forking it (no fork/accept messages); holding
     # the RRef until the answer keeps the owner's value alive meanwhile.
     call_args = (rref._rref_id, name, args, kwargs)
@@ -257,8 +267,9 @@ def _invoke(rref: RRef[Any], mode: str, timeout: float, name: str, args: tuple[A
     return fut.wait() if mode == "sync" else fut
 
 
-def _invoke_when_typed(rref: RRef[Any], timeout: float, name: str, args: tuple[Any, ...],
-                       kwargs: dict[str, Any]) -> torch.futures.Future[Any]:
+def _invoke_when_typed(
+    rref: RRef[Any], timeout: float, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> torch.futures.Future[Any]:
     """``rref.rpc_async().name(...)`` before the type is known: ask for it, check, call,
     without blocking; the returned future gets the call's outcome (or the check's error).
     An RpcFuture: a pool thread that waits on it hands its duties over first."""
@@ -287,8 +298,14 @@ def _pass_outcome(target: torch.futures.Future[Any], source: torch.futures.Futur
 
 
 # -- remote(): creating a value on its owner ---------------------------------------------------------
-def remote(to: Any, func: Any, args: tuple[Any, ...] | None = None, kwargs: dict[str, Any] | None = None,
-           timeout: float = UNSET_RPC_TIMEOUT, _keepalive: Any = None) -> RRef[Any]:
+def remote(
+    to: Any,
+    func: Any,
+    args: tuple[Any, ...] | None = None,
+    kwargs: dict[str, Any] | None = None,
+    timeout: float = UNSET_RPC_TIMEOUT,
+    _keepalive: Any = None,
+) -> RRef[Any]:
     """Run ``func`` on ``to`` and return an RRef to its result, owned by ``to``, at once.
     Errors inside ``func`` surface at ``to_here()`` with their type."""
     agent = _agent_mod.current_agent()
@@ -302,12 +319,30 @@ def remote(to: Any, func: Any, args: tuple[Any, ...] | None = None, kwargs: dict
     extras = {wire.EXTRA_RREF_CREATE: rref_id}
     if dst == agent.me.id:
         handle = RRef._owner_handle(rref_id)  # registers the entry; the value follows
-        calls.invoke_async(dst, _on_create, (rref_id, None, func) + call_args, None, timeout, "remote",
-                           user_func=func, keepalive=_keepalive, extras=extras)
+        calls.invoke_async(
+            dst,
+            _on_create,
+            (rref_id, None, func) + call_args,
+            None,
+            timeout,
+            "remote",
+            user_func=func,
+            keepalive=_keepalive,
+            extras=extras,
+        )
         return handle
     fork_id = new_id()
-    creation = calls.invoke_async(dst, _on_create, (rref_id, fork_id, func) + call_args, None, timeout, "remote",
-                                  user_func=func, keepalive=_keepalive, extras=extras)
+    creation = calls.invoke_async(
+        dst,
+        _on_create,
+        (rref_id, fork_id, func) + call_args,
+        None,
+        timeout,
+        "remote",
+        user_func=func,
+        keepalive=_keepalive,
+        extras=extras,
+    )
     return _new_user_for_remote(dst, rref_id, fork_id, creation)
 
 

@@ -7,6 +7,7 @@ no message for them; deletes still waiting after ``_DELETE_DELAY`` go in one
 ``_on_user_deletes`` call per owner. ``delete_all_user_rrefs`` deletes every live user RRef
 at shutdown, and ``flush`` lets tests wait until owners have applied every delete.
 """
+
 from __future__ import annotations
 
 import queue
@@ -169,8 +170,9 @@ def delete_all_user_rrefs(timeout: float) -> None:
             continue
         rref._deleted = True
         try:
-            futs.append(agent.send_request(rref._owner_id, _on_user_delete, (rref._rref_id, fork_id), {},
-                                           timeout=timeout))
+            futs.append(
+                agent.send_request(rref._owner_id, _on_user_delete, (rref._rref_id, fork_id), {}, timeout=timeout)
+            )
         except RpcError:
             pass
     with _ctx.lock:

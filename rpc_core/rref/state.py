@@ -8,6 +8,7 @@ live handles, forks waiting for confirmation, and deletes waiting to be sent.
 The ``_on_*`` functions are the owner's side of the protocol (see ``rref``): each runs as an
 ordinary RPC on the owner, reached by reference.
 """
+
 from __future__ import annotations
 
 import collections
@@ -181,8 +182,9 @@ def reset() -> None:
 
 # -- the owner's handlers (run as RPCs) ------------------------------------------------------------
 @async_execution
-def _on_create(rref_id: Id, fork_id: Id | None, func: Any, args: tuple[Any, ...],
-               kwargs: dict[str, Any]) -> torch.futures.Future[Any]:
+def _on_create(
+    rref_id: Id, fork_id: Id | None, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> torch.futures.Future[Any]:
     e = _ctx.entry(rref_id)
     if fork_id is not None:
         with _ctx.lock:
@@ -270,8 +272,9 @@ def _on_invoke(rref_id: Id, name: str, args: tuple[Any, ...], kwargs: dict[str, 
     return _call_method(obj, name, args, kwargs)
 
 
-def _call_later(value: torch.futures.Future[Any], name: str, args: tuple[Any, ...],
-                kwargs: dict[str, Any]) -> torch.futures.Future[Any]:
+def _call_later(
+    value: torch.futures.Future[Any], name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> torch.futures.Future[Any]:
     """``_call_method`` on ``value``'s result once it is there; a creation error, or the
     method's, reaches the caller as it was raised (not wrapped as then() would)."""
     out: torch.futures.Future[Any] = torch.futures.Future()

@@ -18,10 +18,28 @@ the handshake's errors and limits. Inside, bottom-up:
 A new transport (shared memory, RDMA) is one module beside ``tcp`` and ``unix`` and one
 line in ``registry.TRANSPORTS``; the handshake stays common.
 """
+
 from .base import DEFER_ANSWER, DEFER_BATCH, Address, Capabilities, Connection, Frame, Incoming, Listener, Transport
 from .handshake import Admission, HandshakeTimeout, PeerClosed, handshake_timeout
 from .registry import TCP, TRANSPORTS, close, dial, listen
 
-__all__ = ["Address", "Admission", "Capabilities", "Connection", "DEFER_ANSWER", "DEFER_BATCH", "Frame",
-           "HandshakeTimeout", "Incoming", "Listener", "PeerClosed", "TCP", "TRANSPORTS", "Transport", "close", "dial",
-           "handshake_timeout", "listen"]
+__all__ = [
+    "Address",
+    "Admission",
+    "Capabilities",
+    "Connection",
+    "DEFER_ANSWER",
+    "DEFER_BATCH",
+    "Frame",
+    "HandshakeTimeout",
+    "Incoming",
+    "Listener",
+    "PeerClosed",
+    "TCP",
+    "TRANSPORTS",
+    "Transport",
+    "close",
+    "dial",
+    "handshake_timeout",
+    "listen",
+]

@@ -11,6 +11,7 @@ tried in: a new transport is one module here plus one line there.
 Workers advertise one address, ``(host, port)``, the TCP listener's; every other transport
 derives its endpoint from it (the Unix one names its socket after the port).
 """
+
 from __future__ import annotations
 
 import socket
@@ -56,8 +57,16 @@ class Connection(Protocol):
     bytes_cma_sent: int
     bytes_cma_received: int
 
-    def send(self, kind: int, flags: int, msg_id: int, head: bytes, body: bytes, buffers: Sequence[memoryview] = (),
-             defer: int = 0) -> None:
+    def send(
+        self,
+        kind: int,
+        flags: int,
+        msg_id: int,
+        head: bytes,
+        body: bytes,
+        buffers: Sequence[memoryview] = (),
+        defer: int = 0,
+    ) -> None:
         """Write one frame (``defer``: may queue a small one, see ``sending``); OSError if broken."""
 
     def recv(self) -> Frame:
@@ -171,8 +180,14 @@ class Transport(ABC):
             sock.close()
             raise
 
-    def accept(self, sock: socket.socket, peer: Address, secret: bytes, deadline: float,
-               admission: handshake.Admission | None = None) -> Incoming:
+    def accept(
+        self,
+        sock: socket.socket,
+        peer: Address,
+        secret: bytes,
+        deadline: float,
+        admission: handshake.Admission | None = None,
+    ) -> Incoming:
         """Run the acceptor's side of the handshake on ``sock`` (from ``listen``'s listener)
         and read the dialer's first frame, all by ``deadline``. Raises AuthenticationError /
         ProtocolError / PeerClosed / OSError; the caller closes ``sock`` then."""

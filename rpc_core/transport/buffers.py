@@ -5,6 +5,7 @@ Headers, heads and small bodies are parsed out of one reusable buffer of ``READ_
 bytes; a tensor buffer of at least ``DIRECT_READ`` bytes is received directly into its
 new storage, so its bytes are copied once, by the kernel.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -64,6 +65,7 @@ class ReadBuffer:
     bytes_received: int
 
     if TYPE_CHECKING:  # polling.Waiting's
+
         def _recv_into(self, view: memoryview) -> int: ...
 
     def _init_read_buffer(self) -> None:

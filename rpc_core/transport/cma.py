@@ -7,6 +7,7 @@ Reading another process's memory needs ptrace rights over it (same user, and a Y
 ``ptrace_scope`` / seccomp policy that allows it); the handshake proves them with a probe
 rather than guessing, so every failure here just means "use TCP".
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -29,8 +30,14 @@ def _load() -> Callable[..., int] | None:
         fn = ctypes.CDLL(None, use_errno=True).process_vm_readv
     except (OSError, AttributeError):  # not Linux, or a libc without it
         return None
-    fn.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong,
-                   ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.c_ulong]
+    fn.argtypes = [
+        ctypes.c_int,
+        ctypes.POINTER(_IoVec),
+        ctypes.c_ulong,
+        ctypes.POINTER(_IoVec),
+        ctypes.c_ulong,
+        ctypes.c_ulong,
+    ]
     fn.restype = ctypes.c_ssize_t
     return fn
 
@@ -57,8 +64,11 @@ def _read_span(pid: int, remote: int, local: int, n: int) -> None:
         k = readv(pid, ctypes.byref(lv), 1, ctypes.byref(rv), 1, 0)
         if k <= 0:
             err = ctypes.get_errno() if k < 0 else 0
-            raise OSError(err, f"process_vm_readv from pid {pid} at {remote + done:#x} "
-                               f"({n - done} of {n} bytes left): {os.strerror(err) if err else 'no progress'}")
+            raise OSError(
+                err,
+                f"process_vm_readv from pid {pid} at {remote + done:#x} "
+                f"({n - done} of {n} bytes left): {os.strerror(err) if err else 'no progress'}",
+            )
         done += k
 
 

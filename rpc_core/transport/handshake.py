@@ -11,6 +11,7 @@ caller has less time): every receive gets only the time that is left, so a peer 
 trickles bytes cannot keep a connection half-open. An acceptor also bounds how many
 connections may be unauthenticated at once (``Admission``).
 """
+
 from __future__ import annotations
 
 import logging
@@ -141,8 +142,7 @@ def run_dialer(sock: socket.socket, secret: bytes, deadline: float, peer: str) -
     except PeerClosed:
         # Not a rejection (that comes as a VERDICT of 0): closed to make room for newer
         # connections (see Admission), or the worker went away.
-        raise PeerClosed(f"{peer} closed the connection before its verdict on our "
-                         "authentication") from None
+        raise PeerClosed(f"{peer} closed the connection before its verdict on our authentication") from None
     if not ok:
         raise AuthenticationError(
             f"worker at {peer} rejected our authentication: the shared "
@@ -151,8 +151,7 @@ def run_dialer(sock: socket.socket, secret: bytes, deadline: float, peer: str) -
         )
     if not wire.macs_equal(mac_a, wire.acceptor_mac(secret, nonce_c, nonce_a)):
         raise AuthenticationError(
-            f"worker at {peer} could not prove it knows the shared secret; "
-            "refusing to talk to it"
+            f"worker at {peer} could not prove it knows the shared secret; refusing to talk to it"
         )
     link = _exchange_cma(sock, deadline)
     sock.settimeout(None)
@@ -236,7 +235,12 @@ class Admission:
                     "rpc_core %s: %d unauthenticated connections (handshake in progress) at once; closed the "
                     "oldest, from %s:%s, to make room (%d so far). Something connects and does not complete "
                     "the handshake: a port scanner, a client of another protocol, or a stopped process.",
-                    self._where, MAX_PENDING_HANDSHAKES, peer_host, peer_port, evicted)
+                    self._where,
+                    MAX_PENDING_HANDSHAKES,
+                    peer_host,
+                    peer_port,
+                    evicted,
+                )
         return True
 
     def authenticated(self, sock: socket.socket) -> bool:

@@ -29,6 +29,7 @@ hogs, more workers than cores) hold the average above the limit within a few loo
 socket and the connection's queue of small frames (which it writes before it waits:
 their answers may be what it waits for).
 """
+
 from __future__ import annotations
 
 import enum
@@ -144,6 +145,7 @@ class Waiting:
     _end: int
 
     if TYPE_CHECKING:  # sending.Sender's
+
         def _flush_small(self) -> None: ...
 
     def _recv_into(self, view: memoryview) -> int:

@@ -5,6 +5,7 @@ A worker listens on every enabled transport (``listen``); a dial tries the trans
 reach the peer, same-host ones first, TCP last (``dial``). A new transport is a module
 beside ``tcp`` and ``unix`` (a ``base.Transport``) plus its line in ``TRANSPORTS``.
 """
+
 from __future__ import annotations
 
 import logging
@@ -41,8 +42,14 @@ def close(listeners: Collection[Listener]) -> None:
         listener.close()
 
 
-def dial(address: Address, secret: bytes, deadline: float, local_hosts: Collection[str],
-         introduce: Callable[[Connection], None], same_host_only: bool = False) -> Connection | None:
+def dial(
+    address: Address,
+    secret: bytes,
+    deadline: float,
+    local_hosts: Collection[str],
+    introduce: Callable[[Connection], None],
+    same_host_only: bool = False,
+) -> Connection | None:
     """A connection to the worker advertised at ``address``, authenticated and introduced
     (``introduce`` sends the first frame), by ``deadline``: over the first transport in
     ``TRANSPORTS`` that reaches it and works. A same-host transport that fails otherwise than
@@ -67,6 +74,7 @@ def dial(address: Address, secret: bytes, deadline: float, local_hosts: Collecti
                 conn.close()  # before the peer could count it as ours (it has no identity frame)
             if not t.same_host:
                 raise
-            log.debug("rpc_core: no %s connection to %s (%r); trying the next transport", t.kind,
-                      t.describe(address), e)
+            log.debug(
+                "rpc_core: no %s connection to %s (%r); trying the next transport", t.kind, t.describe(address), e
+            )
     return None

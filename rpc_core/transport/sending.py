@@ -9,6 +9,7 @@ send lock: a RELEASE (or any queued frame) that cannot be written at once is wri
 the current sender when it is done, so two peers sending large frames to each other
 cannot deadlock.
 """
+
 from __future__ import annotations
 
 import collections
@@ -37,7 +38,6 @@ _HEADER = wire.FRAME_HEADER.size
 # 128 KB 0.57-0.63 vs 0.57, 256 KB 1.17-1.19 vs 0.88-1.00, 512 KB 1.91-2.19 vs 1.61-1.69:
 # below ~128 KB the RELEASE frame and the remote page pinning cost more than TCP's copies.
 CMA_MIN = 256 << 10
-
 
 
 def _address(b: memoryview) -> int:
@@ -71,6 +71,7 @@ class Sender:
     _released: set[int]
 
     if TYPE_CHECKING:  # stream.Connection's: its reader role and failure
+
         def _take_role(self, done: Callable[[], Any], failed: Callable[[BaseException], BaseException]) -> Any: ...
         def _read_frame(self) -> tuple[wire.FrameHeader, bytes, bytes, list[torch.UntypedStorage]] | None: ...
         def _drop_role(self) -> None: ...
@@ -86,8 +87,16 @@ class Sender:
         # must not wait for the send lock) and deferred requests (see send).
         self._small_q: collections.deque[bytes] = collections.deque()
 
-    def send(self, kind: int, flags: int, msg_id: int, head: bytes, body: bytes, buffers: Sequence[memoryview] = (),
-             defer: int = 0) -> None:
+    def send(
+        self,
+        kind: int,
+        flags: int,
+        msg_id: int,
+        head: bytes,
+        body: bytes,
+        buffers: Sequence[memoryview] = (),
+        defer: int = 0,
+    ) -> None:
         """Write one frame. ``defer`` (a ``DEFER_*`` mode): a small tensor-free frame may
         instead be queued, and whoever next reads the socket writes everything queued in one
         go before it waits for bytes (a burst of ``rpc_async`` calls, or of their answers,
@@ -126,8 +135,9 @@ class Sender:
             self._outstanding.add(token)
             self._no_poll += quiet
         try:
-            header = wire.pack_header(kind, flags | wire.REMOTE, len(head), len(body), msg_id,
-                                      [len(b) for b in buffers]) + wire.pack_remote_table(token, addrs)
+            header = wire.pack_header(
+                kind, flags | wire.REMOTE, len(head), len(body), msg_id, [len(b) for b in buffers]
+            ) + wire.pack_remote_table(token, addrs)
             self._write(header, head, body, [b for b, a in zip(buffers, addrs, strict=True) if not a])
             self._await_release(token)
         finally:
@@ -146,8 +156,11 @@ class Sender:
             # segments loopback TCP delivers (and wakes the reader for) one by one.
             parts: list[memoryview] = [memoryview(b"".join([header, head, body, *buffers]))]
         else:
-            parts = [memoryview(header + head), memoryview(body)] if len(body) >= DIRECT_READ else [
-                memoryview(header + head + body)]
+            parts = (
+                [memoryview(header + head), memoryview(body)]
+                if len(body) >= DIRECT_READ
+                else [memoryview(header + head + body)]
+            )
             parts.extend(b for b in buffers if len(b))
         with self._send_lock:
             if self._small_q:
@@ -209,8 +222,13 @@ class Sender:
     def _await_release(self, token: int) -> None:
         """Return once the peer released ``token``; raise PeerClosed if the connection fails
         first. Reads the socket itself while nobody else does."""
-        if self._take_role(lambda: True if token in self._released else NOTHING, lambda e: PeerClosed(
-                f"the connection failed before the peer copied our buffers: {e}")) is not NOTHING:
+        if (
+            self._take_role(
+                lambda: True if token in self._released else NOTHING,
+                lambda e: PeerClosed(f"the connection failed before the peer copied our buffers: {e}"),
+            )
+            is not NOTHING
+        ):
             return
         try:
             while True:

@@ -18,6 +18,7 @@ The connection is put together from one module per concern: ``sending`` (writing
 deferral, RELEASE waits), ``polling`` (how a reader waits for bytes), ``buffers`` (the read
 buffer and fresh tensor storage); this module holds the reader role and frame parsing.
 """
+
 from __future__ import annotations
 
 import collections
@@ -71,8 +72,14 @@ class Connection(Sender, Waiting, ReadBuffer):
     pairs); ``kind``, ``peer``: the transport's name and the peer's, for statistics and messages.
     """
 
-    def __init__(self, sock: socket.socket, link: Link = NO_LINK, kind: str = "tcp", peer: str = "",
-                 capabilities: Capabilities | None = None) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        link: Link = NO_LINK,
+        kind: str = "tcp",
+        peer: str = "",
+        capabilities: Capabilities | None = None,
+    ) -> None:
         self.sock = sock
         self.kind = kind
         self.peer = peer
@@ -85,8 +92,9 @@ class Connection(Sender, Waiting, ReadBuffer):
         self.peer_pid = link.peer_pid
         self.cma_send = link.send
         self.cma_recv = link.recv
-        self.capabilities = capabilities if capabilities is not None else Capabilities(
-            link.send or link.recv, link.send, link.recv)
+        self.capabilities = (
+            capabilities if capabilities is not None else Capabilities(link.send or link.recv, link.send, link.recv)
+        )
         # Reader role and RELEASE bookkeeping, all under _lock. Threads that wait for the role
         # (or a RELEASE, or a frame read by someone else) wait on _state and are counted in
         # _role_waiters: a reader gives the role back once per frame, and waking nobody
@@ -247,8 +255,9 @@ class Connection(Sender, Waiting, ReadBuffer):
                 try:
                     cma.read(self.peer_pid, addrs[i], st.data_ptr(), n)
                 except OSError as e:
-                    raise ProtocolError(f"cannot copy the {n}-byte buffer the peer announced at "
-                                        f"{addrs[i]:#x}: {e}") from None
+                    raise ProtocolError(
+                        f"cannot copy the {n}-byte buffer the peer announced at {addrs[i]:#x}: {e}"
+                    ) from None
                 self.bytes_received += n
                 self.bytes_cma_received += n
             elif n:

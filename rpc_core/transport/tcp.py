@@ -1,4 +1,5 @@
 """TCP: the transport that reaches every worker, and whose address workers advertise."""
+
 from __future__ import annotations
 
 import socket

@@ -6,6 +6,7 @@ needs no file and no new field in the rendezvous. ``RPC_CORE_UDS=0`` keeps them 
 In one network namespace both names belong to one process, or the handshake fails; a peer
 in another namespace (or on another host) finds no socket of that name, and TCP is used.
 """
+
 from __future__ import annotations
 
 import socket

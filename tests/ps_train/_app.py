@@ -1,5 +1,6 @@
 """Helpers for the end-to-end ps_train tests: configs composed the way ``python -m ps_train``
 composes them, runs with a hard time limit, and readers for what a run leaves behind."""
+
 from __future__ import annotations
 
 import json
@@ -31,8 +32,16 @@ QUICK = ["train.eval_every=0", "train.log_every=1", "logging.progress=false"]
 
 # The uninterrupted sync run (conftest's ``sync_baseline``) other runs are compared with.
 BASELINE_STEPS = 8
-BASELINE = ("mode=sync", "model=mlp", "data=digits", "cluster.num_servers=2", "cluster.num_trainers=2",
-            f"train.steps={BASELINE_STEPS}", "checkpoint.every=4", "checkpoint.keep=0")
+BASELINE = (
+    "mode=sync",
+    "model=mlp",
+    "data=digits",
+    "cluster.num_servers=2",
+    "cluster.num_trainers=2",
+    f"train.steps={BASELINE_STEPS}",
+    "checkpoint.every=4",
+    "checkpoint.keep=0",
+)
 
 
 def make_cfg(*overrides: str) -> Config:
@@ -57,10 +66,12 @@ def final_weights(run_dir: Path) -> dict[tuple[str, int, str], torch.Tensor]:
     ckpt = latest_checkpoint(run_dir)
     assert ckpt is not None, f"{run_dir} has no complete checkpoint"
     _, states = load_checkpoint(ckpt)
-    return {(server, int(shard), key): t
-            for server, state in states.items()
-            for shard, sd in state["shards"].items()
-            for key, t in sd.items()}
+    return {
+        (server, int(shard), key): t
+        for server, state in states.items()
+        for shard, sd in state["shards"].items()
+        for key, t in sd.items()
+    }
 
 
 def assert_same_weights(a: dict[Any, torch.Tensor], b: dict[Any, torch.Tensor], exact: bool = True) -> None:
@@ -85,13 +96,20 @@ def hparams_plugin(tb_dir: Path) -> dict[str, bytes]:
     return ea.PluginTagToContent("hparams")
 
 
-def cli(*args: str, cwd: Path, env: dict[str, str] | None = None,
-        timeout: float = CLI_TIMEOUT) -> subprocess.CompletedProcess:
+def cli(
+    *args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = CLI_TIMEOUT
+) -> subprocess.CompletedProcess:
     """``python -m ps_train <args>`` in ``cwd`` (so default run folders land there)."""
     full_env = dict(os.environ, **(env or {}))
     full_env.pop(FAULT_ENV, None)
-    return subprocess.run([sys.executable, "-m", "ps_train", *args], cwd=cwd, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "ps_train", *args],
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def rendezvous_port(run_dir: Path, role: str = "ps0") -> int:

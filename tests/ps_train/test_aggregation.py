@@ -1,5 +1,6 @@
 """The update arithmetic on its own: sync averaging (``combine``) and the staleness-aware
 learning rate of async/ssp updates (``lr_scale``, ``scaled_lr``)."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -103,10 +104,14 @@ def test_bad_staleness_or_rule_is_a_clear_error():
         lr_scale(3, "inverse")
 
 
-@pytest.mark.parametrize("make", [
-    lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9),
-    lambda params, lr: torch.optim.Adam(params, lr=lr),
-], ids=["sgd_momentum", "adam"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9),
+        lambda params, lr: torch.optim.Adam(params, lr=lr),
+    ],
+    ids=["sgd_momentum", "adam"],
+)
 def test_a_step_under_scaled_lr_is_a_step_at_the_scaled_rate_and_the_rate_comes_back(make):
     lr, factors = 0.1, [1.0, 0.25, 0.5, 1 / 3]
     scaled = torch.nn.Parameter(torch.ones(5))

@@ -1,5 +1,6 @@
 """End to end through ``ps_train.app.run``: the run folder, TensorBoard events, every mode
 with 2 trainers, every model, the digits and synthetic data loaders."""
+
 import math
 import re
 
@@ -36,10 +37,23 @@ def test_smoke_run_folder_has_metrics_logs_tensorboard_and_provenance(tmp_path):
         assert "rendezvous at tcp://127.0.0.1:" in log and f"{role} finished" in log
 
     t0 = scalars(run_dir / "tb" / "trainer0")
-    for tag in ("train/loss", "train/accuracy", "train/lr", "train/samples_per_s", "test/accuracy", "test/loss",
-                "rpc/forward_latency_ms/ps0", "rpc/forward_latency_ms/ps1", "rpc/bytes_sent/ps0",
-                "rpc/bytes_sent/ps1", "rpc/bytes_received/ps0", "rpc/bytes_received/ps1",
-                "server/updates/shard0", "server/updates/shard1", "hparam/test_accuracy"):
+    for tag in (
+        "train/loss",
+        "train/accuracy",
+        "train/lr",
+        "train/samples_per_s",
+        "test/accuracy",
+        "test/loss",
+        "rpc/forward_latency_ms/ps0",
+        "rpc/forward_latency_ms/ps1",
+        "rpc/bytes_sent/ps0",
+        "rpc/bytes_sent/ps1",
+        "rpc/bytes_received/ps0",
+        "rpc/bytes_received/ps1",
+        "server/updates/shard0",
+        "server/updates/shard1",
+        "hparam/test_accuracy",
+    ):
         assert tag in t0, f"trainer0 events lack {tag}; have {sorted(t0)}"
     assert [s for s, _ in t0["train/loss"]] == [1, 2, 3, 4]
     assert [v for _, v in t0["train/loss"]] == pytest.approx(metrics["losses"]["trainer0"], rel=1e-6)
@@ -86,8 +100,17 @@ def test_async_mode_two_trainers_cnn_applies_every_gradient_without_inplace_erro
 @pytest.mark.timeout(90)
 def test_ssp_mode_keeps_trainers_within_the_staleness_bound_on_synthetic_data(tmp_path):
     run_dir = tmp_path / "run"
-    metrics = run_app(run_dir, "mode=ssp", "mode.staleness=1", "model=mlp", "data=synthetic",
-                      "data.shape=[1,12,12]", "data.train_size=512", "data.test_size=64", "train.steps=6")
+    metrics = run_app(
+        run_dir,
+        "mode=ssp",
+        "mode.staleness=1",
+        "model=mlp",
+        "data=synthetic",
+        "data.shape=[1,12,12]",
+        "data.train_size=512",
+        "data.test_size=64",
+        "train.steps=6",
+    )
     check_metrics(metrics, steps=6)
     assert metrics["mode"] == "ssp"
     assert metrics["max_steps_ahead"] <= 1
@@ -100,9 +123,17 @@ def test_ssp_mode_keeps_trainers_within_the_staleness_bound_on_synthetic_data(tm
 
 @pytest.mark.timeout(90)
 def test_resnet18_trains_on_tiny_synthetic_cifar_sized_images(tmp_path):
-    metrics = run_app(tmp_path / "run", "model=resnet18", "data=synthetic", "data.shape=[3,32,32]",
-                      "data.train_size=32", "data.test_size=8", "train.batch_size=4", "train.steps=2",
-                      "checkpoint.keep=1")
+    metrics = run_app(
+        tmp_path / "run",
+        "model=resnet18",
+        "data=synthetic",
+        "data.shape=[3,32,32]",
+        "data.train_size=32",
+        "data.test_size=8",
+        "train.batch_size=4",
+        "train.steps=2",
+        "checkpoint.keep=1",
+    )
     check_metrics(metrics, steps=2, batch=4)
     assert metrics["server_updates"] == [2, 2]
     weights = final_weights(tmp_path / "run")  # 6 stages in 2 shards, BatchNorm statistics included

@@ -38,9 +38,14 @@ def _state(value: float):
 
 def test_save_and_load_round_trip(tmp_path):
     rng = capture_rng_state()
-    ckpt = save_checkpoint(tmp_path, 7, {"shard0": _state(1.0), "shard1": _state(2.0)},
-                           trainer_positions={"trainer0": {"epoch": 1, "offset": 64}},
-                           rng_states={"trainer0": rng}, extra={"mode": "sync"})
+    ckpt = save_checkpoint(
+        tmp_path,
+        7,
+        {"shard0": _state(1.0), "shard1": _state(2.0)},
+        trainer_positions={"trainer0": {"epoch": 1, "offset": 64}},
+        rng_states={"trainer0": rng},
+        extra={"mode": "sync"},
+    )
     assert ckpt == checkpoint_dir(tmp_path, 7) == tmp_path / "checkpoints" / "step_000000007"
     assert sorted(p.name for p in ckpt.iterdir()) == [MANIFEST_NAME, "shard0.pt", "shard1.pt"]
     assert latest_checkpoint(tmp_path) == ckpt
@@ -177,9 +182,13 @@ def test_resume_from_checkpoint_equals_uninterrupted_training(tmp_path):
     torch.manual_seed(42)
     shards, opt, it = fresh()
     first = _train(shards, opt, it, 4)
-    save_checkpoint(tmp_path, 4, {s.name: {"model": s.module.state_dict()} for s in shards} | {
-        "optimizer": {"state": opt.state_dict()}}, trainer_positions={"trainer0": it.state_dict()},
-        rng_states={"trainer0": capture_rng_state()})
+    save_checkpoint(
+        tmp_path,
+        4,
+        {s.name: {"model": s.module.state_dict()} for s in shards} | {"optimizer": {"state": opt.state_dict()}},
+        trainer_positions={"trainer0": it.state_dict()},
+        rng_states={"trainer0": capture_rng_state()},
+    )
     torch.manual_seed(999)  # whatever happens in between must not matter
 
     shards, opt, it = fresh()

@@ -1,5 +1,6 @@
 """``python -m ps_train`` as a Hydra app: bad configs fail before any role starts, naming the
 field; ``--help`` and ``--cfg job`` work as Hydra users expect."""
+
 import pytest
 import yaml
 

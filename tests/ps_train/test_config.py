@@ -50,8 +50,11 @@ def test_every_group_has_its_options():
 
 
 # Options that only go with a partner option (the DLRM model trains on CTR data only).
-PARTNERS = {("model", "dlrm"): "data=synthetic_ctr", ("data", "synthetic_ctr"): "model=dlrm",
-            ("data", "criteo"): "model=dlrm"}
+PARTNERS = {
+    ("model", "dlrm"): "data=synthetic_ctr",
+    ("data", "synthetic_ctr"): "model=dlrm",
+    ("data", "criteo"): "model=dlrm",
+}
 
 
 @pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
@@ -66,10 +69,19 @@ def test_every_group_option_composes_and_validates(group, option, monkeypatch):
     section = getattr(cfg, group)
     if group in ("model", "data", "optim", "mode"):
         assert section.name == option
-    schema = {"mlp": MLPConfig, "cnn": CNNConfig, "resnet18": ResNetConfig, "digits": DigitsConfig,
-              "synthetic": SyntheticConfig, "mnist": VisionDataConfig, "fashion_mnist": VisionDataConfig,
-              "cifar10": VisionDataConfig, "dlrm": DLRMConfig, "synthetic_ctr": SyntheticCtrConfig,
-              "criteo": CriteoConfig}
+    schema = {
+        "mlp": MLPConfig,
+        "cnn": CNNConfig,
+        "resnet18": ResNetConfig,
+        "digits": DigitsConfig,
+        "synthetic": SyntheticConfig,
+        "mnist": VisionDataConfig,
+        "fashion_mnist": VisionDataConfig,
+        "cifar10": VisionDataConfig,
+        "dlrm": DLRMConfig,
+        "synthetic_ctr": SyntheticCtrConfig,
+        "criteo": CriteoConfig,
+    }
     if option in schema:
         assert type(section) is schema[option]
 
@@ -99,14 +111,17 @@ def test_env_cluster_reads_launcher_environment(monkeypatch):
     assert (cfg.cluster.launcher, cfg.cluster.master_addr, cfg.cluster.master_port) == ("env", "10.0.0.7", 29611)
 
 
-@pytest.mark.parametrize("override,pattern", [
-    ("optim.learning_rate=0.1", r"optim.learning_rate"),  # typo in a key
-    ("cluster.num_servers=two", r"cluster.num_servers"),  # wrong type
-    ("train.batch_size=3.5", r"train.batch_size"),
-    ("logging.tensorboard=maybe", r"logging.tensorboard"),
-    ("model.channels=[8,16]", r"model.channels"),  # a cnn field while model=mlp
-    ("model=mlpp", r"model/mlpp"),  # unknown group option
-])
+@pytest.mark.parametrize(
+    "override,pattern",
+    [
+        ("optim.learning_rate=0.1", r"optim.learning_rate"),  # typo in a key
+        ("cluster.num_servers=two", r"cluster.num_servers"),  # wrong type
+        ("train.batch_size=3.5", r"train.batch_size"),
+        ("logging.tensorboard=maybe", r"logging.tensorboard"),
+        ("model.channels=[8,16]", r"model.channels"),  # a cnn field while model=mlp
+        ("model=mlpp", r"model/mlpp"),  # unknown group option
+    ],
+)
 def test_typos_and_wrong_types_fail_in_hydra(override, pattern):
     with pytest.raises(HydraException) as info:
         compose_cfg(override)
@@ -114,46 +129,49 @@ def test_typos_and_wrong_types_fail_in_hydra(override, pattern):
     assert re.search(pattern, text), text
 
 
-@pytest.mark.parametrize("overrides,field", [
-    (["cluster.num_trainers=0"], "cluster.num_trainers"),
-    (["cluster.num_servers=0"], "cluster.num_servers"),
-    (["cluster.num_servers=4"], "cluster.num_servers: 4 servers but model 'mlp' has only 3 stages"),
-    (["model=resnet18", "cluster.num_servers=7"], "cluster.num_servers"),
-    (["mode=ssp", "mode.staleness=-1"], "mode.staleness: -1 must be >= 0"),
-    (["mode.staleness=2"], "mode.staleness: only used by mode=ssp"),
-    (["mode.aggregate=avg"], "mode.aggregate: unknown rule 'avg'; choose one of ['mean', 'sum']"),
-    (["mode=async", "mode.aggregate=sum"], "mode.aggregate: only used by mode=sync"),
-    (["mode=ssp", "mode.staleness_rule=inverse"], "mode.staleness_rule: unknown rule 'inverse'"),
-    (["mode.staleness_rule=none"], "mode.staleness_rule: only used by mode=async and mode=ssp"),
-    (["model.name=transformer"], "model.name: unknown model 'transformer'"),
-    (["model.name=cnn"], "model.name: 'cnn' does not match"),
-    (["data.name=imagenet"], "data.name: unknown dataset 'imagenet'"),
-    (["optim.name=lbfgs"], "optim.name: unknown optimizer 'lbfgs'"),
-    (["optim=adam", "optim.momentum=0.9"], "optim.momentum: adam has no momentum"),
-    (["optim.lr=0"], "optim.lr"),
-    (["cluster.placement=random"], "cluster.placement"),
-    (["cluster.launcher=slurmx"], "cluster.launcher"),
-    (["cluster.master_port=70000"], "cluster.master_port"),
-    (["train.epochs=3"], "train.steps/train.epochs: set exactly one"),
-    (["train.batch_size=0"], "train.batch_size"),
-    (["model=cnn", "model.channels=[4,4,4,4]"], "model.channels: 4 conv blocks"),
-    (["model=cnn", "data=synthetic", "data.shape=[64]"], "model.channels"),
-    (["model.dropout=1.5"], "model.dropout"),
-    (["backend=tensorpipe"], "backend"),
-    (["experiment=a/b"], "experiment"),
-    (["resume=/nonexistent/run"], "resume: '/nonexistent/run' does not exist"),
-    (["logging.level=LOUD"], "logging.level"),
-    (["checkpoint.keep=-1"], "checkpoint.keep"),
-    (["model=dlrm"], "data: model 'dlrm' and data 'digits' do not go together"),
-    (["data=synthetic_ctr"], "data: model 'mlp' and data 'synthetic_ctr' do not go together"),
-    (["model=dlrm", "data=synthetic_ctr", "model.table_optim=adam"], "model.table_optim: unknown 'adam'"),
-    (["model=dlrm", "data=synthetic_ctr", "model.table_sharding=hash"], "model.table_sharding: unknown 'hash'"),
-    (["model=dlrm", "data=synthetic_ctr", "model.embedding_dim=0"], "model.embedding_dim"),
-    (["model=dlrm", "data=synthetic_ctr", "model.table_lr=0"], "model.table_lr"),
-    (["model=dlrm", "data=synthetic_ctr", "data.table_sizes=[10,1]"], "data.table_sizes"),
-    (["model=dlrm", "data=synthetic_ctr", "data.num_dense=0"], "data.num_dense"),
-    (["model=dlrm", "data=criteo", "data.num_tables=8"], "Criteo has 26 categorical features"),
-])
+@pytest.mark.parametrize(
+    "overrides,field",
+    [
+        (["cluster.num_trainers=0"], "cluster.num_trainers"),
+        (["cluster.num_servers=0"], "cluster.num_servers"),
+        (["cluster.num_servers=4"], "cluster.num_servers: 4 servers but model 'mlp' has only 3 stages"),
+        (["model=resnet18", "cluster.num_servers=7"], "cluster.num_servers"),
+        (["mode=ssp", "mode.staleness=-1"], "mode.staleness: -1 must be >= 0"),
+        (["mode.staleness=2"], "mode.staleness: only used by mode=ssp"),
+        (["mode.aggregate=avg"], "mode.aggregate: unknown rule 'avg'; choose one of ['mean', 'sum']"),
+        (["mode=async", "mode.aggregate=sum"], "mode.aggregate: only used by mode=sync"),
+        (["mode=ssp", "mode.staleness_rule=inverse"], "mode.staleness_rule: unknown rule 'inverse'"),
+        (["mode.staleness_rule=none"], "mode.staleness_rule: only used by mode=async and mode=ssp"),
+        (["model.name=transformer"], "model.name: unknown model 'transformer'"),
+        (["model.name=cnn"], "model.name: 'cnn' does not match"),
+        (["data.name=imagenet"], "data.name: unknown dataset 'imagenet'"),
+        (["optim.name=lbfgs"], "optim.name: unknown optimizer 'lbfgs'"),
+        (["optim=adam", "optim.momentum=0.9"], "optim.momentum: adam has no momentum"),
+        (["optim.lr=0"], "optim.lr"),
+        (["cluster.placement=random"], "cluster.placement"),
+        (["cluster.launcher=slurmx"], "cluster.launcher"),
+        (["cluster.master_port=70000"], "cluster.master_port"),
+        (["train.epochs=3"], "train.steps/train.epochs: set exactly one"),
+        (["train.batch_size=0"], "train.batch_size"),
+        (["model=cnn", "model.channels=[4,4,4,4]"], "model.channels: 4 conv blocks"),
+        (["model=cnn", "data=synthetic", "data.shape=[64]"], "model.channels"),
+        (["model.dropout=1.5"], "model.dropout"),
+        (["backend=tensorpipe"], "backend"),
+        (["experiment=a/b"], "experiment"),
+        (["resume=/nonexistent/run"], "resume: '/nonexistent/run' does not exist"),
+        (["logging.level=LOUD"], "logging.level"),
+        (["checkpoint.keep=-1"], "checkpoint.keep"),
+        (["model=dlrm"], "data: model 'dlrm' and data 'digits' do not go together"),
+        (["data=synthetic_ctr"], "data: model 'mlp' and data 'synthetic_ctr' do not go together"),
+        (["model=dlrm", "data=synthetic_ctr", "model.table_optim=adam"], "model.table_optim: unknown 'adam'"),
+        (["model=dlrm", "data=synthetic_ctr", "model.table_sharding=hash"], "model.table_sharding: unknown 'hash'"),
+        (["model=dlrm", "data=synthetic_ctr", "model.embedding_dim=0"], "model.embedding_dim"),
+        (["model=dlrm", "data=synthetic_ctr", "model.table_lr=0"], "model.table_lr"),
+        (["model=dlrm", "data=synthetic_ctr", "data.table_sizes=[10,1]"], "data.table_sizes"),
+        (["model=dlrm", "data=synthetic_ctr", "data.num_dense=0"], "data.num_dense"),
+        (["model=dlrm", "data=criteo", "data.num_tables=8"], "Criteo has 26 categorical features"),
+    ],
+)
 def test_invalid_combinations_name_the_field(overrides, field):
     with pytest.raises(ConfigError) as info:
         from_dictconfig(compose_cfg(*overrides))
@@ -176,12 +194,14 @@ def test_all_problems_are_reported_at_once():
 
 
 def test_valid_alternatives_pass():
-    for overrides in (["train.steps=null", "train.epochs=2"], ["mode=ssp", "mode.staleness=0"],
-                      ["model=resnet18", "data=cifar10", "cluster.num_servers=6", "cluster.placement=round_robin"],
-                      ["model=cnn", "data=synthetic", "data.shape=[3,16,16]", "optim=adamw"],
-                      # tables live on every server, so any number of servers will do
-                      ["model=dlrm", "data=synthetic_ctr", "cluster.num_servers=5", "optim=adam",
-                       "model.table_optim=sparse_adam"]):
+    for overrides in (
+        ["train.steps=null", "train.epochs=2"],
+        ["mode=ssp", "mode.staleness=0"],
+        ["model=resnet18", "data=cifar10", "cluster.num_servers=6", "cluster.placement=round_robin"],
+        ["model=cnn", "data=synthetic", "data.shape=[3,16,16]", "optim=adamw"],
+        # tables live on every server, so any number of servers will do
+        ["model=dlrm", "data=synthetic_ctr", "cluster.num_servers=5", "optim=adam", "model.table_optim=sparse_adam"],
+    ):
         from_dictconfig(compose_cfg(*overrides))
 
 

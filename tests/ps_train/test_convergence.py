@@ -1,5 +1,6 @@
 """Many trainers still converge: the default experiment with 8 async trainers, whose updates
 are several updates stale, reaches the accuracy of the 2-trainer default."""
+
 import pytest
 
 from tests.ps_train._app import run_app
@@ -14,8 +15,9 @@ def test_default_experiment_with_eight_async_trainers_reaches_90_percent(tmp_pat
     # (and 0.90 beside 4 CPU hogs): the order of async updates follows the scheduler. 150
     # steps (~30 passes over each trainer's partition) gave 0.96-0.97 beside 4 hogs, which
     # keeps the 0.90 target with a margin.
-    metrics = run_app(tmp_path, "mode=async", "cluster.num_trainers=8", "train.steps=150",
-                      "logging.tensorboard=false", timeout=150)
+    metrics = run_app(
+        tmp_path, "mode=async", "cluster.num_trainers=8", "train.steps=150", "logging.tensorboard=false", timeout=150
+    )
     assert metrics["mode"] == "async" and metrics["num_trainers"] == 8
     assert metrics["max_staleness"] >= 2  # the updates were stale: the rule had work to do
     assert metrics["test_accuracy"] >= 0.90, metrics["test_accuracy"]

@@ -8,6 +8,7 @@ One module, though past 400 lines: the tests of the CTR data path (ps_train/ctr/
 kept together. Its four sections are independent: the next one to grow moves to a module of
 its own.
 """
+
 import gzip
 import logging
 import math
@@ -40,8 +41,12 @@ SMALL = dict(num_dense=4, table_sizes=[20, 100, 400], zipf_alpha=1.05, test_frac
 
 
 def _equal(a: CtrSplit, b: CtrSplit) -> bool:
-    return (torch.equal(a.dense, b.dense) and torch.equal(a.ids, b.ids) and torch.equal(a.labels, b.labels)
-            and a.table_sizes == b.table_sizes)
+    return (
+        torch.equal(a.dense, b.dense)
+        and torch.equal(a.ids, b.ids)
+        and torch.equal(a.labels, b.labels)
+        and a.table_sizes == b.table_sizes
+    )
 
 
 def test_synthetic_same_seed_same_data_other_seed_other_data():
@@ -180,7 +185,7 @@ def _random_rows(rng, n):
 
 def _write(path, rows, gz=False):
     text = "".join(_line(*r) for r in rows).encode()
-    with (gzip.open(path, "wb") if gz else open(path, "wb")) as f:
+    with gzip.open(path, "wb") if gz else open(path, "wb") as f:
         f.write(text)
     return str(path)
 
@@ -188,8 +193,9 @@ def _write(path, rows, gz=False):
 def _expected(rows, sizes):
     labels = np.array([r[0] for r in rows], dtype=np.float32)
     dense = np.array([[math.log(max(v or 0, 0) + 1) for v in r[1]] for r in rows], dtype=np.float32)
-    ids = np.array([[0 if c is None else 1 + int(c, 16) % (s - 1) for c, s in zip(r[2], sizes, strict=True)]
-                    for r in rows])
+    ids = np.array(
+        [[0 if c is None else 1 + int(c, 16) % (s - 1) for c, s in zip(r[2], sizes, strict=True)] for r in rows]
+    )
     return dense, ids, labels
 
 
@@ -264,22 +270,25 @@ def _bad(kind):
     raise AssertionError(kind)
 
 
-@pytest.mark.parametrize("kind, problem", [
-    ("too few fields", "39 tab-separated fields instead of 40"),
-    ("too many fields", "41 tab-separated fields instead of 40"),
-    ("empty line", "1 tab-separated fields instead of 40"),
-    ("label", "the label is '2', not 0 or 1"),
-    ("empty label", "the label is '', not 0 or 1"),
-    ("integer", "integer feature I5 (field 6) is '1.5', not an integer"),
-    ("integer with spaces", "integer feature I5 (field 6) is ' 5', not an integer"),
-    ("huge integer", "integer feature I13 (field 14) is too large"),
-    ("hex", "categorical feature C7 (field 21) is '68fd1eXY', not a hex string"),
-])
+@pytest.mark.parametrize(
+    "kind, problem",
+    [
+        ("too few fields", "39 tab-separated fields instead of 40"),
+        ("too many fields", "41 tab-separated fields instead of 40"),
+        ("empty line", "1 tab-separated fields instead of 40"),
+        ("label", "the label is '2', not 0 or 1"),
+        ("empty label", "the label is '', not 0 or 1"),
+        ("integer", "integer feature I5 (field 6) is '1.5', not an integer"),
+        ("integer with spaces", "integer feature I5 (field 6) is ' 5', not an integer"),
+        ("huge integer", "integer feature I13 (field 14) is too large"),
+        ("hex", "categorical feature C7 (field 21) is '68fd1eXY', not a hex string"),
+    ],
+)
 @pytest.mark.parametrize("gz", [False, True])
 def test_malformed_line_error_names_file_line_and_problem(tmp_path, kind, problem, gz):
     path = tmp_path / ("day_0.gz" if gz else "day_0")
     text = (GOOD + GOOD + _bad(kind) + GOOD).encode()
-    with (gzip.open(path, "wb") if gz else open(path, "wb")) as f:
+    with gzip.open(path, "wb") if gz else open(path, "wb") as f:
         f.write(text)
     good = _write(tmp_path / "first.tsv", [(0, [1] * 13, ["0"] * 26)] * 4)
     with pytest.raises(CriteoFormatError) as info:
@@ -363,7 +372,8 @@ def test_auc_equals_sklearn_with_ties(seed):
     scores = np.round(rng.normal(size=n) + labels * rng.random(), 1)  # many ties
     assert auc(scores, labels) == pytest.approx(roc_auc_score(labels, scores), abs=1e-12)
     assert auc(torch.from_numpy(scores).float().unsqueeze(1), torch.from_numpy(labels)) == pytest.approx(
-        roc_auc_score(labels, scores.astype(np.float32)), abs=1e-12)
+        roc_auc_score(labels, scores.astype(np.float32)), abs=1e-12
+    )
 
 
 def test_auc_extremes():
@@ -494,7 +504,8 @@ def test_interaction_takes_its_share_of_the_logit_variance_and_is_not_additive()
     swapped[:, 0] = swapped[::-1, 0]
     assert gen.logits(dense[[i, j]], swapped).sum() != pytest.approx(z[[i, j]].sum(), abs=1e-9)
     assert additive.logits(dense[[i, j]], swapped).sum() == pytest.approx(
-        additive.logits(dense[[i, j]], ids[[i, j]]).sum(), abs=1e-9)
+        additive.logits(dense[[i, j]], ids[[i, j]]).sum(), abs=1e-9
+    )
 
 
 def test_interaction_needs_two_tables_and_a_share_below_one():

@@ -5,6 +5,7 @@ hashed into tables of any size, must equal what the reader gives for the same fi
 order, malformed-line errors and counts, .gz, folders of day files), and a run from the
 prepared folder must end with the same test metrics as a run from the TSV files.
 """
+
 import gzip
 import io
 import json
@@ -39,7 +40,7 @@ def _prepare(src, dst, **kw):
 
 def _all(folder, sizes):
     data = PreparedCriteo(str(folder))
-    return MappedCtrSplit(data, 0, len(data), sizes)[0:len(data)]
+    return MappedCtrSplit(data, 0, len(data), sizes)[0 : len(data)]
 
 
 def _assert_same(got, split):
@@ -52,8 +53,11 @@ def _day_files(tmp_path):
     day0, day1 = _random_rows(rng, 300), _random_rows(rng, 200)
     # Edge cases: all missing, negatives, big integers, upper-case, short and zero-padded hex.
     day0[0] = (1, [None] * 13, [None] * 26)
-    day0[1] = (0, [-5, 0, 1, 2**40, 10**17, 10**25, 123456789012345678901234567890] + [7] * 6,
-               ["0000000A", "ffffffff", "1", "00000000000000000000ffffffff"] + ["68fd1e64"] * 22)
+    day0[1] = (
+        0,
+        [-5, 0, 1, 2**40, 10**17, 10**25, 123456789012345678901234567890] + [7] * 6,
+        ["0000000A", "ffffffff", "1", "00000000000000000000ffffffff"] + ["68fd1e64"] * 22,
+    )
     day0[2] = (1, [-1] * 13, ["FFFFFFFF", "0", "abc", "DeadBeef"] + [None] * 22)
     folder = tmp_path / "criteo"
     folder.mkdir()
@@ -71,7 +75,9 @@ def test_prepared_arrays_equal_the_readers_for_any_table_sizes(tmp_path):
     assert (m.rows, m.lines, m.malformed, m.skip_malformed) == (500, 500, 0, False)
     assert [os.path.basename(s.path) for s in m.sources] == ["day_0", "day_1.gz"]
     assert [(s.lines, s.rows, s.size) for s in m.sources] == [
-        (300, 300, os.path.getsize(folder / "day_0")), (200, 200, os.path.getsize(folder / "day_1.gz"))]
+        (300, 300, os.path.getsize(folder / "day_0")),
+        (200, 200, os.path.getsize(folder / "day_1.gz")),
+    ]
     # One block for everything, one thread, gives the same folder contents.
     whole = prepare_criteo(folder, tmp_path / "whole", workers=1, progress=False)
     for name, spec in m.arrays.items():
@@ -112,23 +118,44 @@ def test_manifest_records_format_arrays_and_sources(tmp_path):
     raw = json.loads((tmp_path / "prep" / MANIFEST_NAME).read_text())
     assert raw["version"] == PREPARED_VERSION and raw["format"] == "ps_train/criteo-prepared"
     assert {k: (v["dtype"], v["shape"]) for k, v in raw["arrays"].items()} == {
-        "labels": ("<f4", [500]), "dense": ("<f4", [500, 13]), "hashes": ("<u4", [500, 26]),
-        "missing": ("<u4", [500])}
+        "labels": ("<f4", [500]),
+        "dense": ("<f4", [500, 13]),
+        "hashes": ("<u4", [500, 26]),
+        "missing": ("<u4", [500]),
+    }
     st = os.stat(folder / "day_0")
-    assert raw["sources"][0] == {"path": str(folder / "day_0"), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-                                 "lines": 300, "rows": 300, "malformed": 0}
+    assert raw["sources"][0] == {
+        "path": str(folder / "day_0"),
+        "size": st.st_size,
+        "mtime_ns": st.st_mtime_ns,
+        "lines": 300,
+        "rows": 300,
+        "malformed": 0,
+    }
     hashes = np.load(tmp_path / "prep" / "hashes.npy", mmap_mode="r")
     missing = np.load(tmp_path / "prep" / "missing.npy")
     assert hashes[1, 1] == 0xFFFFFFFF and hashes[2, 3] == 0xDEADBEEF and missing[0] == (1 << 26) - 1
 
 
-@pytest.mark.parametrize("kind", ["too few fields", "too many fields", "empty line", "label", "empty label",
-                                  "integer", "integer with spaces", "huge integer", "hex"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "too few fields",
+        "too many fields",
+        "empty line",
+        "label",
+        "empty label",
+        "integer",
+        "integer with spaces",
+        "huge integer",
+        "hex",
+    ],
+)
 @pytest.mark.parametrize("gz", [False, True])
 def test_a_malformed_line_gives_the_readers_error_and_no_folder(tmp_path, kind, gz):
     path = tmp_path / ("day_0.gz" if gz else "day_0")
     text = (GOOD * 200 + _bad(kind) + GOOD).encode()
-    with (gzip.open(path, "wb") if gz else open(path, "wb")) as f:
+    with gzip.open(path, "wb") if gz else open(path, "wb") as f:
         f.write(text)
     good = _write(tmp_path / "first.tsv", [(0, [1] * 13, ["0"] * 26)] * 4)
     with pytest.raises(CriteoFormatError) as want:
@@ -141,16 +168,30 @@ def test_a_malformed_line_gives_the_readers_error_and_no_folder(tmp_path, kind, 
 
 
 ODD_LINES = [
-    "\n", "\r\n", GOOD.replace("\n", "\r\n"), GOOD.replace("\n", "\r\r\n"), GOOD.replace("68fd1e64", "68fd\r1e64", 1),
-    _line(1, [" 5"] + [1] * 12, ["0"] * 26), _line(1, ["+5"] + [1] * 12, ["0"] * 26),
-    _line(1, ["0x10"] + [1] * 12, ["0"] * 26), _line(1, ["--5"] + [1] * 12, ["0"] * 26),
-    _line(1, ["-"] + [1] * 12, ["0"] * 26), _line(1, ["5-"] + [1] * 12, ["0"] * 26),
+    "\n",
+    "\r\n",
+    GOOD.replace("\n", "\r\n"),
+    GOOD.replace("\n", "\r\r\n"),
+    GOOD.replace("68fd1e64", "68fd\r1e64", 1),
+    _line(1, [" 5"] + [1] * 12, ["0"] * 26),
+    _line(1, ["+5"] + [1] * 12, ["0"] * 26),
+    _line(1, ["0x10"] + [1] * 12, ["0"] * 26),
+    _line(1, ["--5"] + [1] * 12, ["0"] * 26),
+    _line(1, ["-"] + [1] * 12, ["0"] * 26),
+    _line(1, ["5-"] + [1] * 12, ["0"] * 26),
     _line(1, ["-0"] + ["9" * 19] + ["0" * 30 + "7"] + [1] * 10, ["0"] * 26),
-    _line(1, [1] * 13, ["0x10"] + ["0"] * 25), _line(1, [1] * 13, [" 68fd1e6"] + ["0"] * 25),
-    _line(1, [1] * 13, ["68fd1e6g"] + ["0"] * 25), _line(1, [1] * 13, ["68FD1E64"] * 26),
-    _line(1, [1] * 13, ["\x00" * 8] + ["0"] * 25), _line(1, [1] * 13, ["\xff" * 4] + ["0"] * 25),
-    _line("1 ", [1] * 13, ["0"] * 26), _line(1, [1] * 13, ["NA", "null", "nan"] + ["0"] * 23),
-    _line(1, ["NA"] + [1] * 12, ["0"] * 26), '1\t"2"' + "\t" * 38 + "\n", "\t" * 39 + "\n", "0" + "\t" * 39 + "\n",
+    _line(1, [1] * 13, ["0x10"] + ["0"] * 25),
+    _line(1, [1] * 13, [" 68fd1e6"] + ["0"] * 25),
+    _line(1, [1] * 13, ["68fd1e6g"] + ["0"] * 25),
+    _line(1, [1] * 13, ["68FD1E64"] * 26),
+    _line(1, [1] * 13, ["\x00" * 8] + ["0"] * 25),
+    _line(1, [1] * 13, ["\xff" * 4] + ["0"] * 25),
+    _line("1 ", [1] * 13, ["0"] * 26),
+    _line(1, [1] * 13, ["NA", "null", "nan"] + ["0"] * 23),
+    _line(1, ["NA"] + [1] * 12, ["0"] * 26),
+    '1\t"2"' + "\t" * 38 + "\n",
+    "\t" * 39 + "\n",
+    "0" + "\t" * 39 + "\n",
 ]
 
 
@@ -191,8 +232,11 @@ def test_empty_lines_and_all_empty_columns_in_a_tokenized_block(ending):
 def test_a_hex_value_above_32_bits_is_malformed_in_prepared_data(tmp_path):
     path = tmp_path / "day_0"
     path.write_text(GOOD + _line(1, [1] * 13, ["1" + "0" * 8] + ["0"] * 25))
-    with pytest.raises(CriteoFormatError, match=r"day_0, line 2: categorical feature C1 \(field 15\) is '100000000', "
-                                                r"above 32 bits"):
+    with pytest.raises(
+        CriteoFormatError,
+        match=r"day_0, line 2: categorical feature C1 \(field 15\) is '100000000', "
+        r"above 32 bits",
+    ):
         _prepare(path, tmp_path / "prep")
     m = _prepare(path, tmp_path / "prep", skip_malformed=True)
     assert (m.rows, m.malformed) == (1, 1)
@@ -279,7 +323,7 @@ def test_read_manifest_names_what_is_wrong(tmp_path):
     with pytest.raises(PreparedDataError, match=r"was made from .*day_0 .*which has changed since"):
         load_ctr_data(CriteoConfig(prepared=str(dst), table_rows=100))
     (folder / "day_0").unlink()  # a source gone (e.g. the folder copied elsewhere) is fine
-    train, test, best = load_ctr_data(CriteoConfig(prepared=str(dst), table_rows=100))
+    train, test, best, _ = load_ctr_data(CriteoConfig(prepared=str(dst), table_rows=100))
     assert (len(train) + len(test), best) == (500, None)
 
 
@@ -287,8 +331,8 @@ def test_prepared_splits_batches_equal_those_of_the_tsv_files(tmp_path):
     folder = _day_files(tmp_path)
     _prepare(folder, tmp_path / "prep")
     cfg = dict(table_sizes=SIZES, test_fraction=0.3)
-    train, test, _ = load_ctr_data(CriteoConfig(root=str(folder), **cfg))
-    mtrain, mtest, _ = load_ctr_data(CriteoConfig(prepared=str(tmp_path / "prep"), **cfg))
+    train, test, _, _ = load_ctr_data(CriteoConfig(root=str(folder), **cfg))
+    mtrain, mtest, _, _ = load_ctr_data(CriteoConfig(prepared=str(tmp_path / "prep"), **cfg))
     ftrain, ftest, _ = load_criteo(str(folder), SIZES, 0.3)
     assert (len(mtrain), len(mtest)) == (len(train), len(test)) == (len(ftrain), len(ftest)) == (350, 150)
     assert mtrain.table_sizes == SIZES and mtrain.num_dense == 13
@@ -330,14 +374,16 @@ def test_cli_prepares_reports_and_fails_with_the_readers_message(tmp_path):
     folder = _day_files(tmp_path)
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     cmd = [sys.executable, "-m", "ps_train.prepare", "criteo"]
-    ok = subprocess.run([*cmd, str(folder), str(tmp_path / "prep")], capture_output=True, text=True, env=env,
-                        timeout=100)
+    ok = subprocess.run(
+        [*cmd, str(folder), str(tmp_path / "prep")], capture_output=True, text=True, env=env, timeout=100
+    )
     assert ok.returncode == 0, ok.stderr
     assert "lines/s" in ok.stderr and "500 rows from 500 lines of 2 file(s)" in ok.stderr
     assert "data.prepared=" in ok.stderr and "\r" not in ok.stderr  # not a terminal: whole lines
     (folder / "day_2").write_text(GOOD + _bad("label"))
-    bad = subprocess.run([*cmd, str(folder), str(tmp_path / "prep2")], capture_output=True, text=True, env=env,
-                         timeout=100)
+    bad = subprocess.run(
+        [*cmd, str(folder), str(tmp_path / "prep2")], capture_output=True, text=True, env=env, timeout=100
+    )
     assert bad.returncode == 1 and f"{folder / 'day_2'}, line 2: the label is '2'" in bad.stderr
     assert not (tmp_path / "prep2").exists()
 
@@ -350,11 +396,21 @@ def test_a_run_from_prepared_arrays_ends_like_a_run_from_the_tsv_files(tmp_path)
     _write(data / "day_0", _random_rows(rng, 700))
     _write(data / "day_1.gz", _random_rows(rng, 500), gz=True)
     _prepare(data, tmp_path / "prep")
-    common = ("model=dlrm", "data=criteo", "data.table_rows=50", "train.batch_size=32", "train.steps=12",
-              "cluster.num_servers=2", "cluster.num_trainers=2", "mode=sync", "checkpoint.every=0")
+    common = (
+        "model=dlrm",
+        "data=criteo",
+        "data.table_rows=50",
+        "train.batch_size=32",
+        "train.steps=12",
+        "cluster.num_servers=2",
+        "cluster.num_trainers=2",
+        "mode=sync",
+        "checkpoint.every=0",
+    )
     tsv = run_app(tmp_path / "tsv", *common, f"data.root={data}", timeout=240)
-    mapped = run_app(tmp_path / "mapped", *common, f"data.prepared={tmp_path / 'prep'}", "data.root=/nonexistent",
-                     timeout=240)
+    mapped = run_app(
+        tmp_path / "mapped", *common, f"data.prepared={tmp_path / 'prep'}", "data.root=/nonexistent", timeout=240
+    )
     a, b = read_json(tmp_path / "tsv" / "metrics.json"), read_json(tmp_path / "mapped" / "metrics.json")
     assert tsv["steps"] == mapped["steps"] == 12
     for key in ("test_auc", "test_log_loss", "test_loss", "test_accuracy"):
@@ -388,8 +444,22 @@ def test_memory_does_not_grow_with_the_input(tmp_path):
     (tmp_path / "small.tsv").write_text(text * 15)
     (tmp_path / "large.tsv").write_text(text * 300)
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    rss = {name: _peak_rss_mb([sys.executable, "-m", "ps_train.prepare", "criteo", str(tmp_path / f"{name}.tsv"),
-                               str(tmp_path / f"prep-{name}"), "--quiet", "--block-mb", "1"], env)
-           for name in ("small", "large")}
+    rss = {
+        name: _peak_rss_mb(
+            [
+                sys.executable,
+                "-m",
+                "ps_train.prepare",
+                "criteo",
+                str(tmp_path / f"{name}.tsv"),
+                str(tmp_path / f"prep-{name}"),
+                "--quiet",
+                "--block-mb",
+                "1",
+            ],
+            env,
+        )
+        for name in ("small", "large")
+    }
     assert read_manifest(str(tmp_path / "prep-large")).rows == 300_000
     assert rss["large"] - rss["small"] < 30, rss

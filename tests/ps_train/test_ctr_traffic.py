@@ -1,10 +1,12 @@
 """The DLRM benchmark's ideal bytes per step (benchmarks/_ctr_traffic.py): the formula on a
 case computed by hand, and the replay of a run's batches against an independent count."""
+
 from __future__ import annotations
 
 import math
 
 import pytest
+import torch
 
 from benchmarks._ctr_traffic import replay_ideal_bytes, step_ideal_bytes
 from ps_train.config import CtrDataConfig, DLRMConfig
@@ -19,8 +21,11 @@ def test_formula_on_a_hand_computed_step() -> None:
     bottom = 3 * (1 * 4 + 2 * 4 + 2 * 4)  # dense [3, 1] in, x [3, 2] out, dx [3, 2] in = 60
     z = 2 + 3  # x and the 3 pairwise dots of (x, e0, e1)
     top = 3 * (z * 4 + 4 + 4 + z * 4)  # z [3, 5] in, logit [3, 1] out, dlogit in, dz [3, 5] out = 144
-    assert step_ideal_bytes([2, 1], dim=2, batch=3, num_dense=1, num_tables=2, hosts_bottom=True,
-                            hosts_top=True) == rows + bottom + top == 276
+    assert (
+        step_ideal_bytes([2, 1], dim=2, batch=3, num_dense=1, num_tables=2, hosts_bottom=True, hosts_top=True)
+        == rows + bottom + top
+        == 276
+    )
     assert step_ideal_bytes([2, 1], 2, 3, 1, 2, hosts_bottom=False, hosts_top=False) == 72
     assert step_ideal_bytes([0, 0], 2, 3, 1, 2, hosts_bottom=False, hosts_top=True) == 144
     with pytest.raises(ValueError, match="lists 1 tables, expected num_tables=2"):
@@ -29,28 +34,41 @@ def test_formula_on_a_hand_computed_step() -> None:
 
 def test_replay_counts_each_servers_distinct_rows_of_every_batch() -> None:
     steps = 3
-    cfg = make_cfg("model=dlrm", "data=synthetic_ctr", "data.num_samples=400", "data.table_sizes=[10,7]",
-                   "data.num_dense=3", "model.embedding_dim=4", "model.bottom_mlp=[8]", "model.top_mlp=[8]",
-                   "model.table_sharding=range", "train.batch_size=8", "cluster.num_servers=2",
-                   "cluster.num_trainers=2")
+    cfg = make_cfg(
+        "model=dlrm",
+        "data=synthetic_ctr",
+        "data.num_samples=400",
+        "data.table_sizes=[10,7]",
+        "data.num_dense=3",
+        "model.embedding_dim=4",
+        "model.bottom_mlp=[8]",
+        "model.top_mlp=[8]",
+        "model.table_sharding=range",
+        "train.batch_size=8",
+        "cluster.num_servers=2",
+        "cluster.num_trainers=2",
+    )
     assert isinstance(cfg.data, CtrDataConfig) and isinstance(cfg.model, DLRMConfig)
     got = replay_ideal_bytes(cfg, steps)
 
     # Independently: distinct ids per table and owner (range sharding: the first ceil(n / 2)
     # rows on ps0), from the batches each trainer takes; bottom MLP on ps0, top MLP on ps1.
-    train, _, _ = load_ctr_data(cfg.data)
+    train = load_ctr_data(cfg.data).train
     sizes, d, B = cfg.data.sizes(), 4, 8
     rows = [0, 0]
     for k in range(2):
         batches = CtrBatchIterator(train, k, 2, B, cfg.seed)
         for _ in range(steps):
             ids = next(batches)[1]
+            assert isinstance(ids, torch.Tensor)  # one-hot data
             for t, n in enumerate(sizes):
                 for i in set(ids[:, t].tolist()):
                     rows[i // math.ceil(n / 2)] += 1
     z = d + 3  # x and the pairwise dots of (x, e0, e1)
-    want = {"ps0": (rows[0] * (8 + 8 * d) + 2 * steps * B * 4 * (3 + 2 * d)) / (2 * steps),
-            "ps1": (rows[1] * (8 + 8 * d) + 2 * steps * B * 4 * (2 * z + 2)) / (2 * steps)}
+    want = {
+        "ps0": (rows[0] * (8 + 8 * d) + 2 * steps * B * 4 * (3 + 2 * d)) / (2 * steps),
+        "ps1": (rows[1] * (8 + 8 * d) + 2 * steps * B * 4 * (2 * z + 2)) / (2 * steps),
+    }
     assert got.ideal_per_step == pytest.approx(want, rel=1e-12)
     assert got.rows_per_step == sum(rows) / (2 * steps)
     assert got.trainer_steps == 2 * steps

@@ -53,15 +53,34 @@ def make_cifar_files(root, per_batch=3, seed=0):
     written = {}
     names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
     for name in names:
-        entry = {"batch_label": name, "data": rng.integers(0, 256, size=(per_batch, 3072), dtype=np.uint8),
-                 "labels": rng.integers(0, 10, size=per_batch).tolist(),
-                 "filenames": [f"{name}_{i}.png" for i in range(per_batch)]}
+        entry = {
+            "batch_label": name,
+            "data": rng.integers(0, 256, size=(per_batch, 3072), dtype=np.uint8),
+            "labels": rng.integers(0, 10, size=per_batch).tolist(),
+            "filenames": [f"{name}_{i}.png" for i in range(per_batch)],
+        }
         with open(os.path.join(folder, name), "wb") as f:
             pickle.dump(entry, f)
         written[name] = entry
     with open(os.path.join(folder, "batches.meta"), "wb") as f:
-        pickle.dump({"label_names": ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog",
-                                     "horse", "ship", "truck"], "num_vis": 3072}, f)
+        pickle.dump(
+            {
+                "label_names": [
+                    "airplane",
+                    "automobile",
+                    "bird",
+                    "cat",
+                    "deer",
+                    "dog",
+                    "frog",
+                    "horse",
+                    "ship",
+                    "truck",
+                ],
+                "num_vis": 3072,
+            },
+            f,
+        )
     return folder, written
 
 
@@ -81,8 +100,9 @@ def trust_generated_cifar(monkeypatch, folder):
 # ----------------------------------------------------------------------------- tests
 
 
-@pytest.mark.parametrize("name,folder,mean,std", [("mnist", "MNIST", 0.1307, 0.3081),
-                                                  ("fashion_mnist", "FashionMNIST", 0.2860, 0.3530)])
+@pytest.mark.parametrize(
+    "name,folder,mean,std", [("mnist", "MNIST", 0.1307, 0.3081), ("fashion_mnist", "FashionMNIST", 0.2860, 0.3530)]
+)
 def test_mnist_family_loads_through_torchvision(tmp_path, name, folder, mean, std):
     arrays = make_mnist_files(tmp_path, folder)
     train, test = load_data(VisionDataConfig(name=name, root=str(tmp_path)))
@@ -114,13 +134,17 @@ def test_cifar10_loads_through_torchvision_with_checksums(tmp_path, monkeypatch)
 
 def test_cifar10_with_wrong_checksums_is_reported(tmp_path):
     make_cifar_files(tmp_path)  # not the real release: torchvision's md5 check fails
-    with pytest.raises(DatasetNotFoundError, match=r"could not load the files in "
-                                                   r".*cifar-10-batches-py.*data.download=true"):
+    with pytest.raises(
+        DatasetNotFoundError,
+        match=r"could not load the files in "
+        r".*cifar-10-batches-py.*data.download=true",
+    ):
         load_data(VisionDataConfig(name="cifar10", root=str(tmp_path)))
 
 
-@pytest.mark.parametrize("name,where", [("mnist", "MNIST/raw"), ("fashion_mnist", "FashionMNIST/raw"),
-                                        ("cifar10", "cifar-10-batches-py")])
+@pytest.mark.parametrize(
+    "name,where", [("mnist", "MNIST/raw"), ("fashion_mnist", "FashionMNIST/raw"), ("cifar10", "cifar-10-batches-py")]
+)
 def test_missing_files_say_where_and_how(tmp_path, name, where):
     with pytest.raises(DatasetNotFoundError) as info:
         load_data(VisionDataConfig(name=name, root=str(tmp_path)))
@@ -149,8 +173,10 @@ def test_synthetic_is_seeded_and_shaped():
     train, test = load_data(cfg)
     assert train.images.shape == (40, 3, 8, 8) and len(test) == 8 and train.num_classes == cfg.class_count() == 4
     assert torch.equal(load_data(cfg)[0].images, train.images)
-    assert not torch.equal(load_data(SyntheticConfig(shape=[3, 8, 8], num_classes=4, train_size=40,
-                                                     test_size=8, data_seed=4))[0].images, train.images)
+    assert not torch.equal(
+        load_data(SyntheticConfig(shape=[3, 8, 8], num_classes=4, train_size=40, test_size=8, data_seed=4))[0].images,
+        train.images,
+    )
     flat, _ = load_data(SyntheticConfig(shape=[20], train_size=5, test_size=5))
     assert flat[0:2][0].shape == (2, 20)
 

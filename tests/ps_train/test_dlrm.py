@@ -4,6 +4,7 @@ every mode, with checkpoints and resume, and reports the CTR metrics.
 The oracle is ``ps_train.ctr.model.DLRM``, whose tables are ``nn.EmbeddingBag(sparse=True)``: one
 process, the same initial values, the same batches in the same order, the same optimizers.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -22,21 +23,32 @@ from ps_train.config import (
     CtrDataConfig,
     DLRMConfig,
     optimizer_spec,
-    table_optimizer_spec,
 )
 from ps_train.ctr import CriteoFormatError, CtrSplit
 from ps_train.ctr.batches import CtrBatchIterator
 from ps_train.ctr.loading import load_ctr_data
 from ps_train.ctr.metrics import auc
 from ps_train.ctr.model import DLRM
+from ps_train.ctr.optimizers import table_optimizer_spec
 from ps_train.ctr.rows import RowSharding
 from tests.ps_train._app import make_cfg, read_json, run_app, scalars
 
 # Small and quick, with few rows per table so a batch uses rows several times (the
 # trainer deduplicates them) and every server owns rows that batches use.
-SMALL = ("model=dlrm", "data=synthetic_ctr", "data.num_samples=3000", "data.num_tables=3", "data.table_rows=40",
-         "data.table_sizes=[40,7,300]", "data.num_dense=5", "model.embedding_dim=4", "model.bottom_mlp=[8]",
-         "model.top_mlp=[8]", "train.batch_size=32", "checkpoint.every=0")
+SMALL = (
+    "model=dlrm",
+    "data=synthetic_ctr",
+    "data.num_samples=3000",
+    "data.num_tables=3",
+    "data.table_rows=40",
+    "data.table_sizes=[40,7,300]",
+    "data.num_dense=5",
+    "model.embedding_dim=4",
+    "model.bottom_mlp=[8]",
+    "model.top_mlp=[8]",
+    "train.batch_size=32",
+    "checkpoint.every=0",
+)
 
 
 def ctr_parts(cfg: Config) -> tuple[CtrDataConfig, DLRMConfig]:
@@ -50,7 +62,7 @@ def reference_run(cfg: Config, steps: int) -> tuple[dict[str, list[float]], DLRM
     the servers' sync rule (``ps_train.modes.sync``: sum of the trainers' gradients;
     with ``mode.aggregate=mean``, where that option exists, their mean)."""
     data, m = ctr_parts(cfg)
-    train, _, _ = load_ctr_data(data)
+    train = load_ctr_data(data).train
     model = DLRM(data.dense_count(), data.sizes(), m.embedding_dim, m.bottom_mlp, m.top_mlp, cfg.seed)
     cls, kwargs = optimizer_spec(cfg.optim)
     dense_opt = cls([*model.bottom.parameters(), *model.top.parameters()], **kwargs)
@@ -110,19 +122,44 @@ ATOL = 1e-6
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("setup", [
-    ("cluster.num_trainers=1", "cluster.num_servers=2", "optim=sgd", "model.table_optim=adagrad",
-     "model.table_sharding=range"),
-    ("cluster.num_trainers=2", "cluster.num_servers=2", "optim=sgd", "model.table_optim=adagrad",
-     "model.table_sharding=range"),
-    # ps2 holds table rows only; Adam on the MLPs, lazy Adam on the tables.
-    ("cluster.num_trainers=2", "cluster.num_servers=3", "optim=adam", "optim.lr=0.01", "model.table_optim=sparse_adam",
-     "model.table_sharding=mod"),
-    ("cluster.num_trainers=2", "cluster.num_servers=2", "optim=sgd", "model.table_optim=sgd"),
-    # The same application on torch.distributed.rpc.
-    ("cluster.num_trainers=2", "cluster.num_servers=2", "optim=sgd", "model.table_optim=adagrad", "backend=torch"),
-], ids=["1trainer-sgd-adagrad-range", "2trainers-sgd-adagrad-range", "2trainers-3servers-adam-sparseadam-mod",
-        "2trainers-sgd-sgd", "torch-backend"])
+@pytest.mark.parametrize(
+    "setup",
+    [
+        (
+            "cluster.num_trainers=1",
+            "cluster.num_servers=2",
+            "optim=sgd",
+            "model.table_optim=adagrad",
+            "model.table_sharding=range",
+        ),
+        (
+            "cluster.num_trainers=2",
+            "cluster.num_servers=2",
+            "optim=sgd",
+            "model.table_optim=adagrad",
+            "model.table_sharding=range",
+        ),
+        # ps2 holds table rows only; Adam on the MLPs, lazy Adam on the tables.
+        (
+            "cluster.num_trainers=2",
+            "cluster.num_servers=3",
+            "optim=adam",
+            "optim.lr=0.01",
+            "model.table_optim=sparse_adam",
+            "model.table_sharding=mod",
+        ),
+        ("cluster.num_trainers=2", "cluster.num_servers=2", "optim=sgd", "model.table_optim=sgd"),
+        # The same application on torch.distributed.rpc.
+        ("cluster.num_trainers=2", "cluster.num_servers=2", "optim=sgd", "model.table_optim=adagrad", "backend=torch"),
+    ],
+    ids=[
+        "1trainer-sgd-adagrad-range",
+        "2trainers-sgd-adagrad-range",
+        "2trainers-3servers-adam-sparseadam-mod",
+        "2trainers-sgd-sgd",
+        "torch-backend",
+    ],
+)
 @pytest.mark.filterwarnings("ignore:Sparse invariant checks")  # the reference's Adagrad, see table_server
 def test_sync_dlrm_equals_single_process_embedding_bags(tmp_path: Path, setup: tuple[str, ...]) -> None:
     steps = 8
@@ -153,8 +190,9 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path: Path) -> N
             assert torch.equal(x, y), f"{server} table {t}"
         assert str(a[server]["tables"]["optimizer"]) == str(b[server]["tables"]["optimizer"])
     with pytest.raises(ConfigError, match=r"data.table_sizes: the checkpoint has \[40, 7, 300\]"):
-        run_app(tmp_path / "other", *cfg, "train.steps=6", "data.table_sizes=[40,7,301]",
-                f"resume={tmp_path / 'first'}")
+        run_app(
+            tmp_path / "other", *cfg, "train.steps=6", "data.table_sizes=[40,7,301]", f"resume={tmp_path / 'first'}"
+        )
 
 
 @pytest.mark.timeout(240)
@@ -162,8 +200,16 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path: Path) -> N
 def test_async_and_ssp_train_and_report_ctr_metrics(tmp_path: Path, mode: str) -> None:
     steps = 40
     extra = ("mode.staleness=1",) if mode == "ssp" else ()
-    m = run_app(tmp_path, *SMALL, f"mode={mode}", *extra, f"train.steps={steps}", "train.batch_size=64",
-                "model.table_lr=0.2", timeout=150)
+    m = run_app(
+        tmp_path,
+        *SMALL,
+        f"mode={mode}",
+        *extra,
+        f"train.steps={steps}",
+        "train.batch_size=64",
+        "model.table_lr=0.2",
+        timeout=150,
+    )
     # Every trainer's update reaches every server: dense shards and table rows alike.
     assert m["server_updates"] == [2 * steps, 2 * steps]
     assert all(n > 0 for n in m["table_rows_updated"].values())
@@ -176,8 +222,14 @@ def test_async_and_ssp_train_and_report_ctr_metrics(tmp_path: Path, mode: str) -
     assert m["samples_per_s"] > 0 and m["rows_pulled_per_step"] > 0
     assert read_json(tmp_path / "metrics.json")["test_auc"] == m["test_auc"]
     tags = scalars(tmp_path / "tb" / "trainer0")
-    for tag in ("test/auc", "test/log_loss", "train/rows_pulled", "train/rows_pushed", "rpc/bytes_sent/ps0",
-                "hparam/test_auc"):
+    for tag in (
+        "test/auc",
+        "test/log_loss",
+        "train/rows_pulled",
+        "train/rows_pushed",
+        "rpc/bytes_sent/ps0",
+        "hparam/test_auc",
+    ):
         assert tag in tags, f"{tag} missing from TensorBoard"
 
 
@@ -197,15 +249,30 @@ def test_criteo_malformed_line_fails_naming_file_line_and_flag_or_is_skipped(tmp
     cfg = CriteoConfig(root=str(tmp_path), table_rows=20)
     with pytest.raises(CriteoFormatError, match=r"day_0, line 7: the label is 'x'.*data.skip_malformed=true"):
         load_ctr_data(cfg)
-    train, test, best = load_ctr_data(CriteoConfig(root=str(tmp_path), table_rows=20, skip_malformed=True))
+    train, test, best, skipped = load_ctr_data(CriteoConfig(root=str(tmp_path), table_rows=20, skip_malformed=True))
     assert (len(train) + len(test), best) == (49, None)
+    assert skipped == (
+        f"data=criteo: skipped 1 malformed of 50 lines (day_0: 1); first: {tmp_path / 'day_0'}, "
+        "line 7: the label is 'x', not 0 or 1"
+    )
+    assert load_ctr_data(CriteoConfig(root=str(tmp_path), table_rows=20, skip_malformed=True)).skipped == skipped
 
 
 @pytest.mark.timeout(180)
 def test_criteo_files_train_end_to_end(tmp_path: Path) -> None:
     _criteo_file(tmp_path / "day_0", 400)
-    m = run_app(tmp_path / "run", "model=dlrm", "data=criteo", f"data.root={tmp_path}", "data.table_rows=50",
-                "train.batch_size=16", "train.steps=5", "cluster.num_trainers=1", "checkpoint.every=0", timeout=120)
+    m = run_app(
+        tmp_path / "run",
+        "model=dlrm",
+        "data=criteo",
+        f"data.root={tmp_path}",
+        "data.table_rows=50",
+        "train.batch_size=16",
+        "train.steps=5",
+        "cluster.num_trainers=1",
+        "checkpoint.every=0",
+        timeout=120,
+    )
     assert m["steps"] == 5 and "test_best_auc" not in m and 0.0 <= m["test_auc"] <= 1.0
 
 
@@ -217,8 +284,8 @@ def test_default_dlrm_run_reaches_the_generators_best_auc_single_process() -> No
     cfg = make_cfg("model=dlrm", "data=synthetic_ctr")
     assert cfg.train.steps is not None
     _, model = reference_run(cfg, cfg.train.steps)
-    _, test, best = load_ctr_data(ctr_parts(cfg)[0])
+    _, test, best, _ = load_ctr_data(ctr_parts(cfg)[0])
     assert best is not None and isinstance(test, CtrSplit)
     with torch.no_grad():
-        z = torch.cat([model(test.dense[i:i + 8192], test.ids[i:i + 8192]) for i in range(0, len(test), 8192)])
+        z = torch.cat([model(test.dense[i : i + 8192], test.ids[i : i + 8192]) for i in range(0, len(test), 8192)])
     assert best - auc(z, test.labels) < 0.02

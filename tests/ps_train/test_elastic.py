@@ -1,6 +1,7 @@
 """cluster.elastic=true (async/ssp): a dead trainer is replaced and continues its partition
 while the others train on; a trainer started with ``join=<run dir>`` enters the running job;
 ``train/num_trainers`` (ps0's TensorBoard folder) shows the membership over time."""
+
 import os
 import subprocess
 import sys
@@ -19,8 +20,13 @@ from tests.ps_train._app import BASELINE, cli, make_cfg, read_json, run_app, sca
 
 STEPS, KILL_AT, BATCH = 16, 6, 32
 HEARTBEAT = 3.0  # s: RPC_CORE_HEARTBEAT_TIMEOUT of the frozen-joiner job (30 s by default)
-ELASTIC = ("mode=async", "cluster.elastic=true", f"train.steps={STEPS}", f"train.batch_size={BATCH}",
-           "checkpoint.every=0")
+ELASTIC = (
+    "mode=async",
+    "cluster.elastic=true",
+    f"train.steps={STEPS}",
+    f"train.batch_size={BATCH}",
+    "checkpoint.every=0",
+)
 
 
 def curve(run_dir):
@@ -31,10 +37,25 @@ def start_job(tmp_path, run_dir, env, *overrides, steps=2500):
     """A local elastic job of ``steps`` steps (long enough for a second interpreter to start
     and join while it trains), returned once trainer0 printed its first progress line, with
     the lines it printed so far."""
-    job = subprocess.Popen([sys.executable, "-m", "ps_train", "cluster.elastic=true", f"train.steps={steps}",
-                            "train.eval_every=0", "train.log_every=50", "checkpoint.every=0",
-                            f"hydra.run.dir={run_dir}", *overrides],
-                           cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    job = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ps_train",
+            "cluster.elastic=true",
+            f"train.steps={steps}",
+            "train.eval_every=0",
+            "train.log_every=50",
+            "checkpoint.every=0",
+            f"hydra.run.dir={run_dir}",
+            *overrides,
+        ],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     seen = []
     for line in job.stdout:  # blocks until the job prints; ends if it exits
         seen.append(line)
@@ -70,9 +91,17 @@ def test_a_killed_trainer_is_replaced_and_its_partition_trained_while_the_run_go
     assert len(metrics["losses"]["trainer1"]) == STEPS - KILL_AT
     assert len(metrics["losses"]["trainer0"]) == STEPS
     events = [(e["trainer"], e["event"], e["num_trainers"]) for e in metrics["membership"]]
-    assert events[:4] == [("trainer0", "joined", 1), ("trainer1", "joined", 2), ("trainer1", "left", 1),
-                          ("trainer1", "joined", 2)] or events[:4] == [
-        ("trainer1", "joined", 1), ("trainer0", "joined", 2), ("trainer1", "left", 1), ("trainer1", "joined", 2)]
+    assert events[:4] == [
+        ("trainer0", "joined", 1),
+        ("trainer1", "joined", 2),
+        ("trainer1", "left", 1),
+        ("trainer1", "joined", 2),
+    ] or events[:4] == [
+        ("trainer1", "joined", 1),
+        ("trainer0", "joined", 2),
+        ("trainer1", "left", 1),
+        ("trainer1", "joined", 2),
+    ]
     assert curve(run_dir)[:4] == [1.0, 2.0, 1.0, 2.0]  # the dip while trainer1 was away
     assert metrics["test_accuracy"] > 0.5
     assert not (run_dir / "elastic.json").exists()  # the job is over: nobody can join it
@@ -103,9 +132,13 @@ def test_in_ssp_a_joiner_that_freezes_is_removed_by_heartbeats_and_the_job_finis
     job, seen = start_job(tmp_path, run_dir, env, "mode=ssp", "mode.staleness=0", steps=2500)
     joiner = None
     try:
-        joiner = subprocess.Popen([sys.executable, "-m", "ps_train", f"join={run_dir}"], cwd=tmp_path,
-                                  env=dict(env, **{FAULT_ENV: "trainer2@+2:freeze"}), stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL)
+        joiner = subprocess.Popen(
+            [sys.executable, "-m", "ps_train", f"join={run_dir}"],
+            cwd=tmp_path,
+            env=dict(env, **{FAULT_ENV: "trainer2@+2:freeze"}),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         out, _ = job.communicate(timeout=240)
         assert joiner.poll() is None, "the joiner was to stay frozen, not exit"
     finally:
@@ -164,13 +197,19 @@ def test_sync_mode_restarts_the_run_when_a_trainer_dies(tmp_path, monkeypatch):
     assert "replacements" not in metrics
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["cluster.elastic=true"], r"cluster.elastic=true needs mode=async or mode=ssp \(got mode=sync\): every sync "
-                               r"round waits for every trainer's gradient"),
-    (["cluster.elastic=true", "mode=async", "backend=torch"], "cluster.elastic=true needs backend=rpc_core"),
-    (["cluster.elastic=true", "mode=ssp", "cluster=env"], "cluster.elastic=true needs cluster.launcher=local"),
-    (["join=/nonexistent"], r"join: '/nonexistent' is not the run folder of a running cluster.elastic=true job"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["cluster.elastic=true"],
+            r"cluster.elastic=true needs mode=async or mode=ssp \(got mode=sync\): every sync "
+            r"round waits for every trainer's gradient",
+        ),
+        (["cluster.elastic=true", "mode=async", "backend=torch"], "cluster.elastic=true needs backend=rpc_core"),
+        (["cluster.elastic=true", "mode=ssp", "cluster=env"], "cluster.elastic=true needs cluster.launcher=local"),
+        (["join=/nonexistent"], r"join: '/nonexistent' is not the run folder of a running cluster.elastic=true job"),
+    ],
+)
 def test_elastic_settings_are_checked_before_anything_starts(overrides, message):
     with pytest.raises(ConfigError, match=message):
         make_cfg(*overrides)
@@ -217,8 +256,9 @@ def test_elastic_batches_move_to_the_partition_of_each_epoch_and_say_where_they_
 
     data = TensorSplit(torch.arange(40.0).view(40, 1), torch.zeros(40, dtype=torch.int64), 1)
     plan = {1: Assignment(1, 0, 4)}
-    batches = ElasticBatches(lambda slot, world: BatchIterator(data, slot, world, 5, seed=0), plan.get,
-                             Assignment(0, 1, 2), offset=10)
+    batches = ElasticBatches(
+        lambda slot, world: BatchIterator(data, slot, world, 5, seed=0), plan.get, Assignment(0, 1, 2), offset=10
+    )
     x, _ = next(batches)  # the rest of epoch 0's slot 1 of 2: samples 10..19 of that partition
     assert batches.position() == {"epoch": 0, "slot": 1, "world": 2, "offset": 15}
     next(batches)

@@ -1,5 +1,6 @@
 """Launching: a dead role stops the run naming it (and resuming works), torchrun-style env
 ranks, Hydra -m sweeps with a port and folder per job."""
+
 import os
 import re
 import subprocess
@@ -9,7 +10,7 @@ import time
 import pytest
 
 from ps_train.faults import FAULT_ENV
-from ps_train.launch.local import RoleFailed
+from ps_train.launch.failures import RoleFailed
 from ps_train.launch.ports import free_port
 from tests.ps_train._app import (
     BASELINE,
@@ -57,7 +58,8 @@ def killed_at(log_text):
 
 @pytest.mark.timeout(120)
 def test_killed_trainer_stops_the_run_naming_it_and_the_checkpoint_and_resume_matches_uninterrupted(
-        tmp_path, monkeypatch, sync_baseline):
+    tmp_path, monkeypatch, sync_baseline
+):
     killed = tmp_path / "killed"
     monkeypatch.setenv(FAULT_ENV, f"trainer1@{KILL_STEP}")
     with pytest.raises(RoleFailed) as err:
@@ -93,8 +95,11 @@ def test_killed_server_stops_the_run_naming_it(tmp_path, monkeypatch):
 
 @pytest.mark.timeout(60)
 def test_run_that_exceeds_its_timeout_is_stopped_naming_the_roles_still_running(tmp_path):
-    with pytest.raises(RoleFailed, match=r"did not finish within its time limit; roles still running: "
-                                         r"\['ps0', 'ps1', 'trainer0', 'trainer1'\]"):
+    with pytest.raises(
+        RoleFailed,
+        match=r"did not finish within its time limit; roles still running: "
+        r"\['ps0', 'ps1', 'trainer0', 'trainer1'\]",
+    ):
         run_app(tmp_path / "run", "train.steps=100000", timeout=3.0)
 
 
@@ -102,13 +107,35 @@ def test_run_that_exceeds_its_timeout_is_stopped_naming_the_roles_still_running(
 def test_env_launcher_runs_four_ranks_started_from_torchrun_style_variables(tmp_path):
     run_dir = tmp_path / "job"  # every rank is told the same run folder
     port = free_port()
-    args = [sys.executable, "-m", "ps_train", "cluster=env", f"hydra.run.dir={run_dir}", "train.steps=3", *QUICK,
-            *LIGHT]
-    common = dict(os.environ, WORLD_SIZE="4", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                  RPC_CORE_AUTH_SECRET=os.urandom(16).hex())
+    args = [
+        sys.executable,
+        "-m",
+        "ps_train",
+        "cluster=env",
+        f"hydra.run.dir={run_dir}",
+        "train.steps=3",
+        *QUICK,
+        *LIGHT,
+    ]
+    common = dict(
+        os.environ,
+        WORLD_SIZE="4",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RPC_CORE_AUTH_SECRET=os.urandom(16).hex(),
+    )
     common.pop(FAULT_ENV, None)
-    procs = [subprocess.Popen(args, cwd=tmp_path, env=dict(common, RANK=str(r), LOCAL_RANK=str(r)),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(4)]
+    procs = [
+        subprocess.Popen(
+            args,
+            cwd=tmp_path,
+            env=dict(common, RANK=str(r), LOCAL_RANK=str(r)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(4)
+    ]
     finish_ok(procs, time.monotonic() + 100)
     metrics = read_json(run_dir / "metrics.json")  # written by trainer0 (rank 2)
     assert metrics["steps"] == 3 and metrics["num_trainers"] == 2 and metrics["server_updates"] == [3, 3]
@@ -121,15 +148,36 @@ def test_env_launcher_runs_four_ranks_started_from_torchrun_style_variables(tmp_
 @pytest.mark.timeout(120)
 def test_ranks_that_start_later_than_the_rpc_timeout_still_meet_within_the_init_timeout(tmp_path):
     run_dir = tmp_path / "job"
-    args = [sys.executable, "-m", "ps_train", "cluster=env", f"hydra.run.dir={run_dir}", "train.steps=2",
-            "cluster.rpc_timeout=2", "cluster.init_timeout=60", *QUICK, *LIGHT]
-    common = dict(os.environ, WORLD_SIZE="4", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-                  RPC_CORE_AUTH_SECRET=os.urandom(16).hex())
+    args = [
+        sys.executable,
+        "-m",
+        "ps_train",
+        "cluster=env",
+        f"hydra.run.dir={run_dir}",
+        "train.steps=2",
+        "cluster.rpc_timeout=2",
+        "cluster.init_timeout=60",
+        *QUICK,
+        *LIGHT,
+    ]
+    common = dict(
+        os.environ,
+        WORLD_SIZE="4",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        RPC_CORE_AUTH_SECRET=os.urandom(16).hex(),
+    )
     common.pop(FAULT_ENV, None)
 
     def start(rank):
-        return subprocess.Popen(args, cwd=tmp_path, env=dict(common, RANK=str(rank)), stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+        return subprocess.Popen(
+            args,
+            cwd=tmp_path,
+            env=dict(common, RANK=str(rank)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
 
     procs = [start(0), start(1)]
     try:
@@ -154,10 +202,30 @@ def test_torchrun_starts_a_four_rank_job_although_its_own_store_holds_master_por
     port = free_port()
     env = dict(os.environ, RPC_CORE_AUTH_SECRET=os.urandom(16).hex())
     env.pop(FAULT_ENV, None)
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=4",
-                        "--master-addr=127.0.0.1", f"--master-port={port}", "--max-restarts=0",
-                        "-m", "ps_train", "cluster=env", f"hydra.run.dir={run_dir}", "train.steps=2", *QUICK, *LIGHT],
-                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=100)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=1",
+            "--nproc-per-node=4",
+            "--master-addr=127.0.0.1",
+            f"--master-port={port}",
+            "--max-restarts=0",
+            "-m",
+            "ps_train",
+            "cluster=env",
+            f"hydra.run.dir={run_dir}",
+            "train.steps=2",
+            *QUICK,
+            *LIGHT,
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert read_json(run_dir / "metrics.json")["server_updates"] == [2, 2]
     ports = {rendezvous_port(run_dir, role) for role in ("ps0", "ps1", "trainer0", "trainer1")}

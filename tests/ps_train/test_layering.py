@@ -5,6 +5,7 @@ else of ps_train but the update modes, which import nothing else.
 The import graph is read from the source (``ast``), counting imports inside functions too:
 a deferred import is still a dependency, and deferring one is how cycles used to hide.
 """
+
 from __future__ import annotations
 
 import ast
@@ -108,8 +109,7 @@ def test_the_graph_sees_ps_train_and_its_imports():
 def test_no_import_cycles():
     graph = import_graph()
     cycles = _cycles(graph)
-    assert not cycles, "ps_train modules import each other in cycles: " + "; ".join(
-        _describe(graph, c) for c in cycles)
+    assert not cycles, "ps_train modules import each other in cycles: " + "; ".join(_describe(graph, c) for c in cycles)
 
 
 def test_no_import_cycles_between_packages():
@@ -119,15 +119,21 @@ def test_no_import_cycles_between_packages():
     assert {"ps_train.roles", "ps_train.ctr", "ps_train.launch", "ps_train.models"} <= set(graph)
     cycles = _cycles(graph)
     assert not cycles, "ps_train's packages import each other in cycles: " + "; ".join(
-        _describe(graph, c) for c in cycles)
+        _describe(graph, c) for c in cycles
+    )
 
 
 def test_only_the_entry_points_import_the_launcher():
     graph = import_graph()
-    importers = sorted(m for m, targets in graph.items() if not _within(LAUNCHER, m) and m not in ENTRY_POINTS
-                       and any(_within(LAUNCHER, t) for t in targets))
-    assert not importers, (f"{importers} import {LAUNCHER}; only {sorted(ENTRY_POINTS)} may (what the "
-                           "launcher starts must not depend on it)")
+    importers = sorted(
+        m
+        for m, targets in graph.items()
+        if not _within(LAUNCHER, m) and m not in ENTRY_POINTS and any(_within(LAUNCHER, t) for t in targets)
+    )
+    assert not importers, (
+        f"{importers} import {LAUNCHER}; only {sorted(ENTRY_POINTS)} may (what the "
+        "launcher starts must not depend on it)"
+    )
 
 
 def test_the_config_imports_nothing_else_of_ps_train_but_the_modes():
@@ -137,10 +143,20 @@ def test_the_config_imports_nothing_else_of_ps_train_but_the_modes():
     # which import nothing else of ps_train.
     graph = import_graph()
     below = ("ps_train.config", "ps_train.modes")
-    outside = {f"{m} -> {t}" for m, targets in graph.items() if _within("ps_train.config", m) for t in targets
-               if not any(_within(p, t) for p in below)}
+    outside = {
+        f"{m} -> {t}"
+        for m, targets in graph.items()
+        if _within("ps_train.config", m)
+        for t in targets
+        if not any(_within(p, t) for p in below)
+    }
     assert not outside, f"the config imports other ps_train modules: {sorted(outside)}"
-    outside = {f"{m} -> {t}" for m, targets in graph.items() if _within("ps_train.modes", m) for t in targets
-               if not _within("ps_train.modes", t)}
+    outside = {
+        f"{m} -> {t}"
+        for m, targets in graph.items()
+        if _within("ps_train.modes", m)
+        for t in targets
+        if not _within("ps_train.modes", t)
+    }
     assert not outside, f"the modes import other ps_train modules: {sorted(outside)}"
     assert "ps_train.modes" in graph["ps_train.config.run"]  # the rule above is not empty

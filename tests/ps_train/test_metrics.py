@@ -60,8 +60,12 @@ def test_restarted_attempt_supersedes_the_failed_one_even_within_the_same_second
 
 
 def test_hparams_with_final_metrics_in_the_run_folder(tmp_path):
-    config = {"optim": {"name": "sgd", "lr": 0.05}, "model": {"hidden_sizes": [128, 64]},
-              "resume": None, "cluster": {"num_servers": 2}}
+    config = {
+        "optim": {"name": "sgd", "lr": 0.05},
+        "model": {"hidden_sizes": [128, 64]},
+        "resume": None,
+        "cluster": {"num_servers": 2},
+    }
     with TensorBoardWriter(tmp_path) as w:
         w.add_hparams(config, {"final/test_accuracy": 0.97, "final/samples_per_s": 1234.0})
     # One folder per run (no timestamped sub-run), so runs/ compares runs row by row.
@@ -131,16 +135,18 @@ def test_latency_stats():
     assert stats.mean_s == 0.0
     for s, b in ((0.001, 100), (0.003, 300)):
         stats.record(s, b)
-    assert stats.summary("rpc/ps0/") == pytest.approx({"rpc/ps0/latency_ms": 2.0, "rpc/ps0/max_latency_ms": 3.0,
-                                                       "rpc/ps0/calls": 2.0, "rpc/ps0/bytes": 400.0})
+    assert stats.summary("rpc/ps0/") == pytest.approx(
+        {"rpc/ps0/latency_ms": 2.0, "rpc/ps0/max_latency_ms": 3.0, "rpc/ps0/calls": 2.0, "rpc/ps0/bytes": 400.0}
+    )
     stats.reset()
     assert stats.count == 0 and stats.bytes == 0
 
 
 def test_metrics_json_is_strict_and_atomic(tmp_path):
     path = tmp_path / "run" / "metrics.json"
-    write_metrics_json(path, {"test_accuracy": 0.95, "test_loss": math.nan, "steps": 300,
-                              "per_trainer": {"trainer0": math.inf}})
+    write_metrics_json(
+        path, {"test_accuracy": 0.95, "test_loss": math.nan, "steps": 300, "per_trainer": {"trainer0": math.inf}}
+    )
     data = json.loads(path.read_text())
     assert data == {"test_accuracy": 0.95, "test_loss": None, "steps": 300, "per_trainer": {"trainer0": None}}
     write_metrics_json(path, {"steps": 301})

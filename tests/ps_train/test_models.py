@@ -1,5 +1,6 @@
 """Models: stages compose to the whole network, build deterministically, and number what
 the config says (``ModelConfig.num_stages``)."""
+
 import pytest
 import torch
 from torch import nn
@@ -8,8 +9,13 @@ from ps_train.config import CNNConfig, MLPConfig, ResNetConfig
 from ps_train.models import build_stages, reference_model
 
 SHAPES = [(1, 8, 8), (1, 28, 28), (3, 32, 32)]
-CONFIGS = [MLPConfig(), MLPConfig(hidden_sizes=[], dropout=0.0), MLPConfig(hidden_sizes=[16, 16, 8], dropout=0.3),
-           CNNConfig(), CNNConfig(channels=[4, 8, 8], fc_size=16, dropout=0.2)]
+CONFIGS = [
+    MLPConfig(),
+    MLPConfig(hidden_sizes=[], dropout=0.0),
+    MLPConfig(hidden_sizes=[16, 16, 8], dropout=0.3),
+    CNNConfig(),
+    CNNConfig(channels=[4, 8, 8], fc_size=16, dropout=0.2),
+]
 
 
 def _params(modules):

@@ -1,4 +1,5 @@
 """The update modes: one object per mode, found by name, and nothing else of ps_train naming one."""
+
 from __future__ import annotations
 
 import ast
@@ -29,8 +30,9 @@ def test_a_run_gets_the_object_of_its_mode(name, cls):
     assert type(mode) is cls
     # Only sync on rpc_core sends the next forward before its update is answered.
     assert mode.pipelined == (name == "sync")
-    assert make_mode(validate(Config(mode=ModeConfig(name=name, staleness=staleness), backend="torch"))).pipelined \
-        is False
+    assert (
+        make_mode(validate(Config(mode=ModeConfig(name=name, staleness=staleness), backend="torch"))).pipelined is False
+    )
 
 
 def test_an_unknown_mode_is_named_with_the_choices():
@@ -43,8 +45,11 @@ def test_an_unknown_mode_is_named_with_the_choices():
 def test_an_option_a_mode_does_not_read_names_the_modes_that_do():
     with pytest.raises(ConfigError, match=r"mode.staleness: only used by mode=ssp \(got 3 with mode=async\)"):
         validate(Config(mode=ModeConfig(name="async", staleness=3)))
-    with pytest.raises(ConfigError, match=r"mode.staleness_rule: only used by mode=async and mode=ssp \(got none "
-                                          r"with mode=sync, whose gradients are never stale"):
+    with pytest.raises(
+        ConfigError,
+        match=r"mode.staleness_rule: only used by mode=async and mode=ssp \(got none "
+        r"with mode=sync, whose gradients are never stale",
+    ):
         validate(Config(mode=ModeConfig(name="sync", staleness_rule="none")))
 
 
@@ -57,8 +62,13 @@ def _mode_name_comparisons(path: Path, root: Path = PACKAGE_DIR.parent) -> list[
             continue
         operands = [node.left, *node.comparators]
         names = {c.value for o in operands for c in ast.walk(o) if isinstance(c, ast.Constant)} & set(MODE_NAMES)
-        reads_mode = any(isinstance(o, ast.Attribute) and o.attr == "name" and isinstance(o.value, ast.Attribute)
-                         and o.value.attr == "mode" for o in operands)
+        reads_mode = any(
+            isinstance(o, ast.Attribute)
+            and o.attr == "name"
+            and isinstance(o.value, ast.Attribute)
+            and o.value.attr == "mode"
+            for o in operands
+        )
         if names or reads_mode:
             found.append(f"{path.relative_to(root)}:{node.lineno}: {ast.unparse(node)}")
     return found
@@ -66,14 +76,22 @@ def _mode_name_comparisons(path: Path, root: Path = PACKAGE_DIR.parent) -> list[
 
 def test_no_module_outside_the_modes_branches_on_a_mode_name():
     # A mode's behaviour is its object's: the server, the trainer and the config ask it.
-    found = [hit for path in sorted(PACKAGE_DIR.rglob("*.py")) if PACKAGE_DIR / "modes" not in path.parents
-             for hit in _mode_name_comparisons(path)]
+    found = [
+        hit
+        for path in sorted(PACKAGE_DIR.rglob("*.py"))
+        if PACKAGE_DIR / "modes" not in path.parents
+        for hit in _mode_name_comparisons(path)
+    ]
     assert not found, "mode names compared outside ps_train.modes:\n  " + "\n  ".join(found)
 
 
 def test_the_scan_sees_comparisons_with_a_mode_name(tmp_path):
     src = tmp_path / "x.py"
-    src.write_text("def f(cfg, rule):\n"
-                   "    return cfg.mode.name == x or rule in ('ssp',) or rule == 'scale' or cfg.backend == 'torch'\n")
+    src.write_text(
+        "def f(cfg, rule):\n"
+        "    return cfg.mode.name == x or rule in ('ssp',) or rule == 'scale' or cfg.backend == 'torch'\n"
+    )
     assert [hit.split(": ")[1] for hit in _mode_name_comparisons(src, tmp_path)] == [
-        "cfg.mode.name == x", "rule in ('ssp',)"]
+        "cfg.mode.name == x",
+        "rule in ('ssp',)",
+    ]

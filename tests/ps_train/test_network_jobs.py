@@ -14,6 +14,7 @@ applies), with torchrun-style variables and MASTER_ADDR the first host's address
 
 Needs root, ip and iptables; skipped, with the reason, where unavailable.
 """
+
 from __future__ import annotations
 
 import os
@@ -64,8 +65,14 @@ class Job:
     def __init__(self, net: Network, run_dir: Path, *overrides: str, env: dict[str, str] | None = None) -> None:
         self.run_dir = run_dir
         common = {k: v for k, v in os.environ.items() if k != "PS_TRAIN_FAULT"}
-        common.update(WORLD_SIZE=str(len(ROLES)), MASTER_ADDR=net.address(0), MASTER_PORT=str(MASTER_PORT),
-                      RPC_CORE_AUTH_SECRET=os.urandom(16).hex(), PYTHONFAULTHANDLER="1", **(env or {}))
+        common.update(
+            WORLD_SIZE=str(len(ROLES)),
+            MASTER_ADDR=net.address(0),
+            MASTER_PORT=str(MASTER_PORT),
+            RPC_CORE_AUTH_SECRET=os.urandom(16).hex(),
+            PYTHONFAULTHANDLER="1",
+            **(env or {}),
+        )
         args = ["cluster=env", *QUICK, *LIGHT, *BASELINE, *overrides, f"hydra.run.dir={run_dir}"]
         self.outputs = [run_dir.parent / f"{run_dir.name}.{role}.out" for role in ROLES]
         self.procs: list[subprocess.Popen[bytes]] = []
@@ -73,10 +80,27 @@ class Job:
             with open(out, "wb") as f:
                 # unshare: pid 1 of a pid namespace (a peer's pid names nothing here); its child
                 # is killed with it (--kill-child), so killing the Popen ends the rank.
-                self.procs.append(subprocess.Popen(
-                    ["ip", "netns", "exec", net.hosts[rank], "unshare", "--pid", "--kill-child",
-                     sys.executable, "-m", "ps_train", *args],
-                    cwd=run_dir.parent, env=dict(common, RANK=str(rank)), stdout=f, stderr=subprocess.STDOUT))
+                self.procs.append(
+                    subprocess.Popen(
+                        [
+                            "ip",
+                            "netns",
+                            "exec",
+                            net.hosts[rank],
+                            "unshare",
+                            "--pid",
+                            "--kill-child",
+                            sys.executable,
+                            "-m",
+                            "ps_train",
+                            *args,
+                        ],
+                        cwd=run_dir.parent,
+                        env=dict(common, RANK=str(rank)),
+                        stdout=f,
+                        stderr=subprocess.STDOUT,
+                    )
+                )
 
     def wait(self, timeout: float) -> list[float]:
         """Wait up to ``timeout`` s for every rank to exit; when each was seen gone (monotonic)."""
@@ -88,8 +112,9 @@ class Job:
             except subprocess.TimeoutExpired:
                 self.dump_stacks()
                 self.kill()
-                raise AssertionError(f"{ROLES[rank]} did not exit within {timeout:g} s; outputs:\n"
-                                     + self.describe()) from None
+                raise AssertionError(
+                    f"{ROLES[rank]} did not exit within {timeout:g} s; outputs:\n" + self.describe()
+                ) from None
             gone.append(time.monotonic())
         return gone
 
@@ -146,8 +171,9 @@ def wait_for_line(path: Path, text: str, timeout: float, job: Job) -> None:
 
 def listeners(net: Network, host: int) -> list[str]:
     """The local addresses of the TCP sockets listening in ``host``'s namespace (the relay's aside)."""
-    out = subprocess.run(["ip", "netns", "exec", net.hosts[host], "ss", "-Htln"], capture_output=True, text=True,
-                         timeout=20, check=True).stdout
+    out = subprocess.run(
+        ["ip", "netns", "exec", net.hosts[host], "ss", "-Htln"], capture_output=True, text=True, timeout=20, check=True
+    ).stdout
     return [line.split()[3] for line in out.splitlines() if not line.split()[3].endswith(f":{RELAY_PORT}")]
 
 
@@ -191,7 +217,8 @@ def test_a_sync_job_on_delayed_lossy_links_with_a_server_blip_ends_as_on_loopbac
 
 @pytest.mark.timeout(720)
 def test_a_server_cut_off_longer_than_the_heartbeat_stops_every_rank_and_a_restart_completes(
-        net, tmp_path, sync_baseline):
+    net, tmp_path, sync_baseline
+):
     net.reset()
     net.shape(delay=0.005, jitter=0.001)  # slower steps: the cut lands well before the end
     run_dir = tmp_path / "job"

@@ -9,6 +9,7 @@ running interpreter's site directories, added to the new environment by a ``.pth
 works whether the tests run on a system Python or inside a virtual environment (whose
 packages ``--system-site-packages`` would not give: it gives the base interpreter's).
 """
+
 import os
 import shutil
 import site
@@ -24,8 +25,7 @@ STEP_TIMEOUT = 60  # seconds for one subprocess; each takes a few seconds on 2 b
 
 
 def _run(cmd, cwd, env):
-    r = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True,
-                       timeout=STEP_TIMEOUT)
+    r = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=STEP_TIMEOUT)
     assert r.returncode == 0, f"{cmd} failed ({r.returncode}):\n{r.stdout}\n{r.stderr}"
     return r
 
@@ -46,8 +46,23 @@ def test_wheel_installs_into_a_fresh_venv_and_runs_from_another_directory(tmp_pa
     for pkg in ("rpc_core", "ps_train"):
         shutil.copytree(REPO / pkg, src / pkg, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     dist = tmp_path / "dist"
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
-          "-q", "-w", dist, src], cwd=tmp_path, env=env)
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-index",
+            "-q",
+            "-w",
+            dist,
+            src,
+        ],
+        cwd=tmp_path,
+        env=env,
+    )
     wheels = list(dist.glob("*.whl"))
     assert len(wheels) == 1, wheels
 
@@ -66,27 +81,42 @@ def test_wheel_installs_into_a_fresh_venv_and_runs_from_another_directory(tmp_pa
     site_dirs = [d for d in site.getsitepackages() if os.path.isdir(d)]
     if site.ENABLE_USER_SITE and os.path.isdir(site.getusersitepackages()):
         site_dirs.append(site.getusersitepackages())
-    venv_site = Path(_run([py, "-s", "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-                          cwd=tmp_path, env=env).stdout.strip())
+    venv_site = Path(
+        _run(
+            [py, "-s", "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], cwd=tmp_path, env=env
+        ).stdout.strip()
+    )
     assert venv_site.resolve().is_relative_to(venv.resolve()), venv_site
     # a .pth line that starts with "import" is run; one line, so its statements are joined by ";"
     (venv_site / "_test_environment.pth").write_text(
-        "import site; " + "; ".join(f"site.addsitedir({d!r})" for d in site_dirs) + "\n")
-    _run([py, "-s", "-m", "pip", "install", "--no-deps", "--force-reinstall", "--no-index", "-q",
-          wheels[0]], cwd=tmp_path, env=env)
+        "import site; " + "; ".join(f"site.addsitedir({d!r})" for d in site_dirs) + "\n"
+    )
+    _run(
+        [py, "-s", "-m", "pip", "install", "--no-deps", "--force-reinstall", "--no-index", "-q", wheels[0]],
+        cwd=tmp_path,
+        env=env,
+    )
 
     work = tmp_path / "elsewhere"
     work.mkdir()
-    r = _run([py, "-s", "-c", "import ps_train, rpc_core; print(ps_train.__file__); print(rpc_core.__file__)"],
-             cwd=work, env=env)
+    r = _run(
+        [py, "-s", "-c", "import ps_train, rpc_core; print(ps_train.__file__); print(rpc_core.__file__)"],
+        cwd=work,
+        env=env,
+    )
     for f in r.stdout.split():
         assert Path(f).resolve().is_relative_to(venv.resolve()), f"imported {f}, not the venv's copy"
-    conf = venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages" \
-        / "ps_train" / "conf"
+    conf = (
+        venv
+        / "lib"
+        / f"python{sys.version_info.major}.{sys.version_info.minor}"
+        / "site-packages"
+        / "ps_train"
+        / "conf"
+    )
     assert (conf / "config.yaml").is_file() and (conf / "model" / "mlp.yaml").is_file()
 
-    r = _run([py, "-s", "-m", "ps_train", "--cfg", "job", "model=cnn", "cluster.num_servers=3"],
-             cwd=work, env=env)
+    r = _run([py, "-s", "-m", "ps_train", "--cfg", "job", "model=cnn", "cluster.num_servers=3"], cwd=work, env=env)
     cfg = yaml.safe_load(r.stdout)
     assert cfg["model"]["name"] == "cnn" and cfg["data"]["name"] == "digits"
     assert cfg["cluster"]["num_servers"] == 3 and cfg["cluster"]["launcher"] == "local"

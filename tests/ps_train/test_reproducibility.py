@@ -1,6 +1,7 @@
 """Sync mode is exact: it equals single-process torch (averaging, or summing, the trainers'
 gradients), repeats bit for bit, survives a resume, and gives the same numbers on
 torch.distributed.rpc (backend=torch)."""
+
 import contextlib
 import subprocess
 import sys
@@ -61,8 +62,9 @@ def single_process_run(cfg, steps, union_batch=False):
             for p in model.parameters():
                 p.grad.div_(T)  # the servers' division of that sum, bit for bit
         opt.step()
-    weights = {(f"ps{s.server}", s.index, key): t.detach().clone()
-               for s in shards for key, t in s.module.state_dict().items()}
+    weights = {
+        (f"ps{s.server}", s.index, key): t.detach().clone() for s in shards for key, t in s.module.state_dict().items()
+    }
     return losses, weights
 
 
@@ -114,8 +116,14 @@ def test_two_sync_runs_give_identical_losses_and_weights_with_dropout(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_resume_from_run_dir_continues_exactly_like_an_uninterrupted_run(tmp_path):
-    cfg = ("mode=sync", "model=mlp", "model.dropout=0.3", "optim.momentum=0.9", "checkpoint.every=2",
-           "checkpoint.keep=0")
+    cfg = (
+        "mode=sync",
+        "model=mlp",
+        "model.dropout=0.3",
+        "optim.momentum=0.9",
+        "checkpoint.every=2",
+        "checkpoint.keep=0",
+    )
     whole = run_app(tmp_path / "whole", *cfg, "train.steps=6")
     first = run_app(tmp_path / "first", *cfg, "train.steps=4")
     assert first["losses"]["trainer0"] == whole["losses"]["trainer0"][:4]
@@ -156,9 +164,17 @@ def test_sync_mode_with_eight_trainers_stays_exact_run_after_run(tmp_path):
     # processes than cores: a release that overtook its update failed runs now and then.
     # The longer, repeated version is benchmarks/stress_sync.py.
     steps = 100
-    cfg = ("mode=sync", "model=mlp", "data=digits", "cluster.num_servers=2", "cluster.num_trainers=8",
-           f"train.steps={steps}", f"checkpoint.every={steps}", "checkpoint.keep=0",
-           f"train.log_every={steps}")  # a log line settles the step: none before the end
+    cfg = (
+        "mode=sync",
+        "model=mlp",
+        "data=digits",
+        "cluster.num_servers=2",
+        "cluster.num_trainers=8",
+        f"train.steps={steps}",
+        f"checkpoint.every={steps}",
+        "checkpoint.keep=0",
+        f"train.log_every={steps}",
+    )  # a log line settles the step: none before the end
     losses, weights = single_process_run(make_cfg(*cfg), steps)
     for run in ("a", "b"):
         with cpu_hogs(2):  # a busy machine: threads start late, and requests overtake each other
@@ -171,8 +187,12 @@ def test_sync_mode_with_eight_trainers_stays_exact_run_after_run(tmp_path):
 def cpu_hogs(n):
     """``n`` processes that spin on a core each until the block ends (bounded by a timeout
     of their own, should the test process die)."""
-    hogs = [subprocess.Popen([sys.executable, "-c", "import time\nend = time.monotonic() + 300\n"
-                              "while time.monotonic() < end: pass"]) for _ in range(n)]
+    hogs = [
+        subprocess.Popen(
+            [sys.executable, "-c", "import time\nend = time.monotonic() + 300\nwhile time.monotonic() < end: pass"]
+        )
+        for _ in range(n)
+    ]
     try:
         yield
     finally:

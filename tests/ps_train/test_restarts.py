@@ -1,5 +1,6 @@
 """cluster.max_restarts: a run whose role dies or freezes restarts from its latest checkpoint
 in the same run folder and, in sync mode, ends exactly like an uninterrupted run."""
+
 import os
 import re
 import signal
@@ -11,8 +12,8 @@ import pytest
 
 from ps_train.config import ConfigError
 from ps_train.faults import FAULT_ENV, Fault, parse_faults
+from ps_train.launch.failures import RoleFailed
 from ps_train.launch.heartbeat import process_state
-from ps_train.launch.local import RoleFailed
 from ps_train.launch.ports import free_port
 from ps_train.launch.restarts import RESTARTS_FILE, start_checkpoint
 from tests.ps_train._app import (
@@ -49,22 +50,25 @@ def assert_like_the_baseline(run_dir, metrics, sync_baseline):
 
 @pytest.mark.timeout(180)
 def test_killed_server_is_restarted_from_the_latest_checkpoint_and_ends_like_an_uninterrupted_run(
-        tmp_path, monkeypatch, sync_baseline, caplog):
+    tmp_path, monkeypatch, sync_baseline, caplog
+):
     run_dir = tmp_path / "run"
     monkeypatch.setenv(FAULT_ENV, f"ps1@{FAIL_STEP}#0")  # the first attempt only
     with caplog.at_level("WARNING", logger="ps_train"):
         metrics = run_app(run_dir, *BASELINE, "cluster.max_restarts=1", timeout=150)
     checkpoint = str(run_dir / "checkpoints" / "step_000000004")
-    assert metrics["restarts"] == [{"role": "ps1", "reason": "killed by signal SIGKILL", "from_step": RESUMED_FROM,
-                                    "checkpoint": checkpoint}]
-    assert (f"restart 1 of 1: ps1 failed (killed by signal SIGKILL); stopped the other roles; restarting the run "
-            f"from its checkpoint after step 4 ({checkpoint})") in caplog.text
+    assert metrics["restarts"] == [
+        {"role": "ps1", "reason": "killed by signal SIGKILL", "from_step": RESUMED_FROM, "checkpoint": checkpoint}
+    ]
+    assert (
+        f"restart 1 of 1: ps1 failed (killed by signal SIGKILL); stopped the other roles; restarting the run "
+        f"from its checkpoint after step 4 ({checkpoint})"
+    ) in caplog.text
     assert_like_the_baseline(run_dir, metrics, sync_baseline)
 
 
 @pytest.mark.timeout(180)
-def test_frozen_server_is_detected_by_its_missing_heartbeat_and_the_run_restarted(tmp_path, monkeypatch,
-                                                                                  sync_baseline):
+def test_frozen_server_is_detected_by_its_missing_heartbeat_and_the_run_restarted(tmp_path, monkeypatch, sync_baseline):
     run_dir = tmp_path / "run"
     monkeypatch.setenv(FAULT_ENV, f"ps1@{FAIL_STEP}:freeze#0")  # SIGSTOP: alive, silent
     metrics = run_app(run_dir, *BASELINE, "cluster.max_restarts=1", "cluster.role_timeout=5", timeout=150)
@@ -92,8 +96,10 @@ def test_a_run_that_keeps_failing_stops_after_max_restarts_naming_the_role(tmp_p
 
 
 def test_fault_specs_parse_and_bad_ones_say_the_format():
-    assert parse_faults("ps1@5:freeze#0, trainer1@7") == [Fault("ps1", 5, "freeze", 0),
-                                                          Fault("trainer1", 7, "kill", None)]
+    assert parse_faults("ps1@5:freeze#0, trainer1@7") == [
+        Fault("ps1", 5, "freeze", 0),
+        Fault("trainer1", 7, "kill", None),
+    ]
     assert parse_faults("trainer2@+3:freeze") == [Fault("trainer2", 3, "freeze", None, relative=True)]
     with pytest.raises(ValueError, match=r"'ps1@x' is not <role>@\[\+\]<step>\[:kill\|:freeze\]\[#<attempt>\]"):
         parse_faults("ps1@x")
@@ -101,12 +107,15 @@ def test_fault_specs_parse_and_bad_ones_say_the_format():
         parse_faults("ps1@2:explode")
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["cluster.max_restarts=-1"], "cluster.max_restarts: -1 must be >= 0"),
-    (["cluster.role_timeout=-1"], "cluster.role_timeout: -1.0 must be >= 0 seconds"),
-    (["cluster.init_timeout=0"], "cluster.init_timeout: 0.0 must be > 0 seconds"),
-    (["cluster=env", "cluster.max_restarts=2"], r"let torchrun restart them \(torchrun --max-restarts=N"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["cluster.max_restarts=-1"], "cluster.max_restarts: -1 must be >= 0"),
+        (["cluster.role_timeout=-1"], "cluster.role_timeout: -1.0 must be >= 0 seconds"),
+        (["cluster.init_timeout=0"], "cluster.init_timeout: 0.0 must be > 0 seconds"),
+        (["cluster=env", "cluster.max_restarts=2"], r"let torchrun restart them \(torchrun --max-restarts=N"),
+    ],
+)
 def test_restart_settings_are_checked_before_anything_starts(overrides, message):
     with pytest.raises(ConfigError, match=message):
         make_cfg(*overrides)
@@ -133,10 +142,25 @@ def job_env(**extra):
 def test_torchrun_max_restarts_restarts_the_job_and_it_resumes_from_the_latest_checkpoint(tmp_path, sync_baseline):
     run_dir = tmp_path / "job"
     env = job_env(**{FAULT_ENV: f"ps1@{FAIL_STEP}#0"})  # TORCHELASTIC_RESTART_COUNT=0 only
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=4",
-                        "--master-addr=127.0.0.1", f"--master-port={free_port()}", "--max-restarts=1",
-                        *ENV_ARGS, f"hydra.run.dir={run_dir}"],
-                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=280)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=1",
+            "--nproc-per-node=4",
+            "--master-addr=127.0.0.1",
+            f"--master-port={free_port()}",
+            "--max-restarts=1",
+            *ENV_ARGS,
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "killing ps1" in (run_dir / "logs" / "ps1.log").read_text()  # the fault did fire
     metrics = read_json(run_dir / "metrics.json")
@@ -154,11 +178,20 @@ def test_torchrun_max_restarts_restarts_the_job_and_it_resumes_from_the_latest_c
 def test_env_ranks_of_a_job_whose_server_died_exit_promptly_non_zero_with_one_line_naming_it(tmp_path):
     # No torchrun: nothing kills the survivors for them.
     run_dir = tmp_path / "job"
-    common = job_env(WORLD_SIZE="4", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-                               **{FAULT_ENV: f"ps1@{FAIL_STEP}"})
-    procs = [subprocess.Popen([sys.executable, *ENV_ARGS, f"hydra.run.dir={run_dir}"], cwd=tmp_path,
-                              env=dict(common, RANK=str(r)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for r in range(4)]
+    common = job_env(
+        WORLD_SIZE="4", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), **{FAULT_ENV: f"ps1@{FAIL_STEP}"}
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, *ENV_ARGS, f"hydra.run.dir={run_dir}"],
+            cwd=tmp_path,
+            env=dict(common, RANK=str(r)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(4)
+    ]
     outputs, exited = [], []
     try:
         for p in procs:
@@ -223,11 +256,20 @@ def test_process_state_tells_a_stopped_process_from_a_sleeping_one():
 @pytest.mark.timeout(200)
 def test_env_ranks_of_a_job_whose_server_froze_exit_within_the_rpc_timeout_naming_it(tmp_path):
     run_dir = tmp_path / "job"
-    common = job_env(WORLD_SIZE="4", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-                     **{FAULT_ENV: f"ps1@{FAIL_STEP}:freeze"})
-    procs = [subprocess.Popen([sys.executable, *ENV_ARGS, "cluster.rpc_timeout=5", f"hydra.run.dir={run_dir}"],
-                              cwd=tmp_path, env=dict(common, RANK=str(r)), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(4)]
+    common = job_env(
+        WORLD_SIZE="4", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), **{FAULT_ENV: f"ps1@{FAIL_STEP}:freeze"}
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, *ENV_ARGS, "cluster.rpc_timeout=5", f"hydra.run.dir={run_dir}"],
+            cwd=tmp_path,
+            env=dict(common, RANK=str(r)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(4)
+    ]
     survivors = [procs[r] for r in (0, 2, 3)]
     outputs, exited = [], []
     try:
@@ -239,8 +281,11 @@ def test_env_ranks_of_a_job_whose_server_froze_exit_within_the_rpc_timeout_namin
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    froze = float(re.search(r"freezing ps1 \(pid \d+\) at step \d+ at unix time ([0-9.]+)",
-                            (run_dir / "logs" / "ps1.log").read_text()).group(1))
+    froze = float(
+        re.search(
+            r"freezing ps1 \(pid \d+\) at step \d+ at unix time ([0-9.]+)", (run_dir / "logs" / "ps1.log").read_text()
+        ).group(1)
+    )
     for rank, p, (_, err), t in zip((0, 2, 3), survivors, outputs, exited, strict=True):
         assert p.returncode == 1, err[-3000:]
         [line] = [x for x in err.splitlines() if x.startswith("error: ")]

@@ -1,5 +1,7 @@
-"""Row-sharded tables: ownership, seeded block initialisation, and the trainer's lookup
-(deduplicate, split by server, reassemble) against one ``nn.EmbeddingBag(sparse=True)``."""
+"""Row-sharded tables: ownership, seeded block initialisation, each server's fused storage,
+and the trainer's one-hot lookup (deduplicate, split by server, reassemble) against one
+``nn.EmbeddingBag(sparse=True)``. Multi-hot bags: ``test_fused_tables.py``."""
+
 from __future__ import annotations
 
 import copy
@@ -8,8 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ps_train.ctr.bags import Bags
 from ps_train.ctr.model import DLRM, interact
-from ps_train.ctr.rows import INIT_BLOCK, RowSharding, assemble, init_rows, plan_lookup
+from ps_train.ctr.plan import BagPlanner, combine
+from ps_train.ctr.rows import INIT_BLOCK, FusedLayout, RowSharding, init_rows
+from ps_train.ctr.shards import TableShards
 
 
 @pytest.mark.parametrize("kind", ["range", "mod"])
@@ -54,10 +59,16 @@ def test_the_same_seed_gives_the_same_table_for_any_number_of_servers(kind: str)
 
 
 def test_a_lookup_asks_each_server_only_for_its_distinct_rows() -> None:
-    sh = RowSharding("mod", 10, 2)
-    plan = plan_lookup(torch.tensor([3, 4, 3, 9, 4, 3]), sh)
-    assert plan.num_unique == 3
-    assert [loc.tolist() for loc in plan.local] == [[2], [1, 4]]  # 4 on server 0; 3 and 9 on server 1
+    # Two tables of 10 and 6 rows, mod 2: server 0's storage holds table 0's rows 0, 2, .., 8
+    # (storage rows 0..4), then table 1's 0, 2, 4 (storage rows 5..7).
+    planner = BagPlanner(FusedLayout("mod", (10, 6), 2), dim=4, pooling=["sum", "sum"])
+    ids = torch.tensor([[3, 5], [4, 5], [3, 0], [9, 1], [4, 0], [3, 5]])  # [B=6, T=2]
+    plan = planner.plan(Bags.one_hot(ids))
+    # server 0: id 4 (table 0) -> storage row 2, id 0 (table 1) -> 5; server 1: ids 3 and 9 of
+    # table 0 -> rows 1 and 4, ids 1 and 5 of table 1 -> 5 + 0 and 5 + 2. Each row once, no pooling.
+    assert [r.rows.tolist() for r in plan.requests] == [[2, 5], [1, 4, 5, 7]]
+    assert all(len(r.offsets) == 0 and r.weights is None for r in plan.requests)
+    assert plan.answers == [2, 4]
 
 
 @pytest.mark.parametrize("kind", ["range", "mod"])
@@ -71,13 +82,12 @@ def test_sharded_lookups_train_like_one_embedding_bag(kind: str) -> None:
     ref_bags = [bag for bag in ref.tables if isinstance(bag, torch.nn.EmbeddingBag)]
     assert len(ref_bags) == len(sizes)
     bottom, top = copy.deepcopy(ref.bottom), copy.deepcopy(ref.top)
-    shardings = [RowSharding(kind, n, servers) for n in sizes]
-    shards: list[list[torch.Tensor]] = [
-        [init_rows(1, t, n, dim, sh.global_ids(s)).requires_grad_() for s in range(servers)]
-        for t, (n, sh) in enumerate(zip(sizes, shardings, strict=True))]
+    layout = FusedLayout(kind, tuple(sizes), servers)
+    shardings = layout.shardings()
+    shards = [TableShards(sizes, dim, kind, s, servers, seed=1) for s in range(servers)]
+    planner = BagPlanner(layout, dim, ["sum"] * len(sizes))
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
-    opt = torch.optim.SGD([p for table in shards for p in table] + list(bottom.parameters()) + list(top.parameters()),
-                          lr=0.5)
+    opt = torch.optim.SGD([p.weight for p in shards] + list(bottom.parameters()) + list(top.parameters()), lr=0.5)
     g = torch.Generator().manual_seed(0)
     for _ in range(3):
         dense = torch.randn(16, 5, generator=g)
@@ -90,61 +100,60 @@ def test_sharded_lookups_train_like_one_embedding_bag(kind: str) -> None:
         ref_loss.backward()
 
         opt.zero_grad(set_to_none=True)
-        embs = []
-        for t, sh in enumerate(shardings):
-            plan = plan_lookup(ids[:, t], sh)
-            rows = [F.embedding(plan.local[s], shards[t][s], sparse=True) for s in range(servers)]  # "server" side
-            embs.append(assemble(plan, rows))
-        logits = top(interact(bottom(dense), torch.stack(embs, dim=1))).squeeze(1)
+        plan = planner.plan(Bags.one_hot(ids))
+        answers = [shards[s].lookup(*plan.requests[s]) for s in range(servers)]  # the "servers"
+        logits = top(interact(bottom(dense), combine(plan, answers))).squeeze(1)
         loss = F.binary_cross_entropy_with_logits(logits, labels)
         loss.backward()
         assert loss.item() == ref_loss.item()
-        for t, sh in enumerate(shardings):
-            for s in range(servers):
-                grad = shards[t][s].grad
+        for s in range(servers):
+            grad = shards[s].weight.grad
+            assert grad is not None and grad.layout == torch.sparse_coo
+            got = grad.to_dense()
+            for t, sh in enumerate(shardings):
                 ref_grad = ref_bags[t].weight.grad
                 assert ref_grad is not None
                 want = ref_grad.coalesce().to_dense()[sh.global_ids(s)]
-                if grad is None:  # the batch used none of this shard's rows
-                    assert not want.any()
-                    continue
-                assert grad.layout == torch.sparse_coo
-                torch.testing.assert_close(grad.coalesce().to_dense(), want, rtol=0, atol=1e-7)
+                lo, hi = shards[s].row_offsets[t], shards[s].row_offsets[t + 1]
+                torch.testing.assert_close(got[lo:hi], want, rtol=0, atol=1e-7)
         ref_opt.step()
         opt.step()
     for t, sh in enumerate(shardings):
         for s in range(servers):
-            torch.testing.assert_close(shards[t][s].detach(), ref_bags[t].weight.detach()[sh.global_ids(s)],
-                                       rtol=0, atol=1e-7)
+            torch.testing.assert_close(
+                shards[s].table(t), ref_bags[t].weight.detach()[sh.global_ids(s)], rtol=0, atol=1e-7
+            )
 
 
 def test_a_servers_table_shards_hold_its_rows_and_train_only_the_touched_ones() -> None:
-    from ps_train.ctr.shards import TableShards
-
     sizes, dim = [INIT_BLOCK + 3, 10], 2
     parts = [TableShards(sizes, dim, "range", s, 2, seed=5) for s in range(2)]
     for t, n in enumerate(sizes):
-        whole = torch.cat([p.weights[t].detach() for p in parts])
+        whole = torch.cat([p.table(t) for p in parts])
         assert torch.equal(whole, init_rows(5, t, n, dim, torch.arange(n)))
     assert sum(p.nbytes() for p in parts) == sum(sizes) * dim * 4
-    before = parts[1].weights[0].detach().clone()
+    assert parts[1].row_offsets == [0, INIT_BLOCK // 2 + 1, INIT_BLOCK // 2 + 1 + 5]  # one storage, table after table
+    before = parts[1].weight.detach().clone()
     opt = torch.optim.SparseAdam(list(parts[1].parameters()), lr=0.1)
-    rows = parts[1].lookup([torch.tensor([0, 2, 0]), torch.tensor([1])])
-    (rows[0].sum() + rows[1].sum()).backward()
-    assert parts[1].weights[0].grad.layout == torch.sparse_coo
+    # Rows 0 and 2 of table 0, row 1 of table 1 (storage row 32770), as three single rows.
+    second = parts[1].row_offsets[1] + 1
+    out = parts[1].lookup(torch.tensor([0, 2, second]), torch.zeros(0, dtype=torch.int64), None)
+    assert torch.equal(out, parts[1].weight.detach()[[0, 2, second]])
+    out.sum().backward()
+    grad = parts[1].weight.grad
+    assert grad is not None and grad.layout == torch.sparse_coo
+    assert grad.coalesce().indices()[0].tolist() == [0, 2, second]
     opt.step()
-    moved = (parts[1].weights[0].detach() != before).any(dim=1)
-    assert torch.nonzero(moved).flatten().tolist() == [0, 2]  # lazy: untouched rows keep their values
+    moved = (parts[1].weight.detach() != before).any(dim=1)
+    assert torch.nonzero(moved).flatten().tolist() == [0, 2, second]  # lazy: untouched rows keep their values
     with pytest.raises(IndexError, match="outside this server's"):
-        parts[1].lookup([torch.tensor([10**6]), torch.tensor([0])])
-    with pytest.raises(ValueError, match="names 1 tables"):
-        parts[1].lookup([torch.tensor([0])])
+        parts[1].lookup(torch.tensor([10**6]), torch.zeros(0, dtype=torch.int64), None)
+    with pytest.raises(ValueError, match="nondecreasing"):
+        parts[1].lookup(torch.tensor([0, 1]), torch.tensor([1, 0]), None)
 
 
 @pytest.mark.parametrize("kind", ["range", "mod"])
 def test_servers_build_the_same_tables_for_any_number_of_servers(kind: str) -> None:
-    from ps_train.ctr.shards import TableShards
-
     sizes, dim = [2 * INIT_BLOCK + 7, 5], 3
     one = TableShards(sizes, dim, kind, 0, 1, seed=9)
     for servers in (2, 3):
@@ -152,5 +161,5 @@ def test_servers_build_the_same_tables_for_any_number_of_servers(kind: str) -> N
         for t, n in enumerate(sizes):
             rebuilt = torch.empty(n, dim)
             for s, part in enumerate(parts):
-                rebuilt[RowSharding(kind, n, servers).global_ids(s)] = part.weights[t].detach()
-            assert torch.equal(rebuilt, one.weights[t].detach()), f"{servers} servers, table {t}"
+                rebuilt[RowSharding(kind, n, servers).global_ids(s)] = part.table(t)
+            assert torch.equal(rebuilt, one.table(t)), f"{servers} servers, table {t}"

@@ -1,5 +1,6 @@
 """ParameterServer and its update modes without RPC: the parts of sync mode that threads could make
 nondeterministic, and the async update rule."""
+
 import copy
 import threading
 
@@ -21,8 +22,14 @@ from ps_train.roles.server import ParameterServer
 
 @pytest.mark.timeout(60)
 def test_sync_forwards_with_batchnorm_run_in_trainer_order_whatever_order_requests_arrive():
-    cfg = validate(Config(model=ResNetConfig(), data=SyntheticConfig(shape=[3, 8, 8]),
-                          cluster=ClusterConfig(num_servers=1, num_trainers=2), train=TrainConfig(steps=1)))
+    cfg = validate(
+        Config(
+            model=ResNetConfig(),
+            data=SyntheticConfig(shape=[3, 8, 8]),
+            cluster=ClusterConfig(num_servers=1, num_trainers=2),
+            train=TrainConfig(steps=1),
+        )
+    )
     ps = ParameterServer(cfg, rank=0)
     assert ps.has_running_stats  # so sync mode runs its forwards in trainer order
     module = ps.shards[0]
@@ -98,13 +105,20 @@ def test_a_failed_sync_update_fails_its_round_and_what_waits_for_it_naming_it(mo
 @pytest.mark.parametrize(("aggregate", "divisor"), [("mean", 3), ("sum", 1)])
 def test_a_sync_round_steps_once_with_the_mean_or_the_sum_of_the_trainers_gradients(monkeypatch, aggregate, divisor):
     # Plain SGD: a step with gradient g moves each weight by -lr * g.
-    cfg = validate(Config(cluster=ClusterConfig(num_servers=1, num_trainers=3), optim=OptimConfig(momentum=0.0),
-                          mode=ModeConfig(name="sync", aggregate=aggregate), train=TrainConfig(steps=1)))
+    cfg = validate(
+        Config(
+            cluster=ClusterConfig(num_servers=1, num_trainers=3),
+            optim=OptimConfig(momentum=0.0),
+            mode=ModeConfig(name="sync", aggregate=aggregate),
+            train=TrainConfig(steps=1),
+        )
+    )
     ps = ParameterServer(cfg, rank=0)
     before = [p.detach().clone() for p in ps.params]
     # Trainer k's gradient (context k) is k + 1 everywhere.
-    monkeypatch.setattr(ps, "gradients",
-                        lambda context_id: {p: torch.full_like(p, context_id + 1.0) for p in ps.params})
+    monkeypatch.setattr(
+        ps, "gradients", lambda context_id: {p: torch.full_like(p, context_id + 1.0) for p in ps.params}
+    )
     rounds = [ps.update(k, k, 0) for k in (2, 0, 1)]
     assert all(r.done() for r in rounds) and ps.version == 1
     for p, w in zip(ps.params, before, strict=True):
@@ -115,9 +129,14 @@ def test_a_sync_round_steps_once_with_the_mean_or_the_sum_of_the_trainers_gradie
 @pytest.mark.parametrize(("rule", "factors"), [("scale", [1, 1, 1 / 2, 1 / 3, 1 / 3]), ("none", [1, 1, 1, 1, 1])])
 def test_an_async_update_steps_at_the_learning_rate_its_staleness_gives(monkeypatch, rule, factors):
     # Plain SGD with a gradient of ones: an update at rate r moves each weight by -r.
-    cfg = validate(Config(cluster=ClusterConfig(num_servers=2, num_trainers=4, placement="round_robin"),
-                          optim=OptimConfig(momentum=0.0), mode=ModeConfig(name="async", staleness_rule=rule),
-                          train=TrainConfig(steps=2)))
+    cfg = validate(
+        Config(
+            cluster=ClusterConfig(num_servers=2, num_trainers=4, placement="round_robin"),
+            optim=OptimConfig(momentum=0.0),
+            mode=ModeConfig(name="async", staleness_rule=rule),
+            train=TrainConfig(steps=2),
+        )
+    )
     ps = ParameterServer(cfg, rank=0)  # the MLP's shards 0 (input [B, 64]) and 2 (input [B, 64])
     assert sorted(ps.shards) == [0, 2]
     before = [p.detach().clone() for p in ps.params]

@@ -1,5 +1,6 @@
 """Stage sharding: shards composed in order equal the single-process model; placement is
 deterministic, contiguous where asked, and explains its errors."""
+
 import itertools
 import random
 
@@ -20,12 +21,16 @@ from ps_train.stage_sharding import (
 
 
 @pytest.mark.parametrize("strategy", ["round_robin", "balanced"])
-@pytest.mark.parametrize("cfg,shape,servers", [
-    (MLPConfig(hidden_sizes=[32, 16], dropout=0.25), (1, 8, 8), 2),
-    (MLPConfig(hidden_sizes=[32, 16], dropout=0.25), (1, 8, 8), 3),
-    (CNNConfig(channels=[4, 8], fc_size=16, dropout=0.25), (1, 28, 28), 3),
-    (ResNetConfig(), (3, 8, 8), 4),
-], ids=["mlp2", "mlp3", "cnn3", "resnet4"])
+@pytest.mark.parametrize(
+    "cfg,shape,servers",
+    [
+        (MLPConfig(hidden_sizes=[32, 16], dropout=0.25), (1, 8, 8), 2),
+        (MLPConfig(hidden_sizes=[32, 16], dropout=0.25), (1, 8, 8), 3),
+        (CNNConfig(channels=[4, 8], fc_size=16, dropout=0.25), (1, 28, 28), 3),
+        (ResNetConfig(), (3, 8, 8), 4),
+    ],
+    ids=["mlp2", "mlp3", "cnn3", "resnet4"],
+)
 def test_shards_equal_single_process_model_forward_and_backward(cfg, shape, servers, strategy):
     # Oracle: two independent copies built from one seed; copy A is the plain model, copy B
     # is split into shards and run shard by shard, as trainers do over RPC.
@@ -56,7 +61,11 @@ def test_round_robin_places_stage_i_on_server_i_mod_n_and_merges_neighbours():
     assert [(s.server, s.stage_indices) for s in shards] == [(0, [0, 1]), (1, [2, 3])]
     shards = build_shards(stages, place_stages(stages, 2, "round_robin"))
     assert [(s.name, s.server, s.stage_indices) for s in shards] == [
-        ("shard0", 0, [0]), ("shard1", 1, [1]), ("shard2", 0, [2]), ("shard3", 1, [3])]
+        ("shard0", 0, [0]),
+        ("shard1", 1, [1]),
+        ("shard2", 0, [2]),
+        ("shard3", 1, [3]),
+    ]
     assert [s.index for s in shards_of_server(shards, 0)] == [0, 2]
     # Shards share the stage modules (no copies): servers own exactly what they host.
     assert shards[0].module[0] is stages[0]
@@ -83,8 +92,10 @@ def test_balanced_bounds_match_brute_force():
         assert bounds[0] == 0 and bounds[-1] == n and len(bounds) == k + 1
         assert all(a < b for a, b in zip(bounds, bounds[1:], strict=False))
         got = max(sum(w[a:b]) for a, b in zip(bounds, bounds[1:], strict=False))
-        best = min(max(sum(w[a:b]) for a, b in zip((0, *cuts), (*cuts, n), strict=True))
-                   for cuts in itertools.combinations(range(1, n), k - 1))
+        best = min(
+            max(sum(w[a:b]) for a, b in zip((0, *cuts), (*cuts, n), strict=True))
+            for cuts in itertools.combinations(range(1, n), k - 1)
+        )
         assert got == best
 
 

@@ -1,4 +1,5 @@
 """Shared checks for rpc_core tests that run in the pytest process itself."""
+
 import pytest
 
 

@@ -4,6 +4,7 @@ secrets and malformed bytes. Bodies run on worker processes (tests/_world.py).
 
 One module, though past 400 lines: one test module per module under test (here the worker),
 its sections the worker's concerns."""
+
 import logging
 import os
 import pickle
@@ -103,8 +104,11 @@ def _sleep(seconds):
 def _body_shutdown_timeout(ctx):
     if ctx.rank == 0:
         rpc_core.rpc_async(1, _sleep, args=(3.0,))
-        with pytest.raises(RuntimeError, match=r"graceful shutdown of 'worker0' failed.*shutdown timed out after "
-                                               r"0\.5 s"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"graceful shutdown of 'worker0' failed.*shutdown timed out after "
+            r"0\.5 s",
+        ):
             rpc_core.shutdown(timeout=0.5)
     else:
         # worker0 gave up and left: this worker's shutdown then fails naming it, promptly

@@ -14,6 +14,7 @@ pytest test per case checks it. The killed-worker case gets its own 3-worker wor
 One module, though past 400 lines: the cases share that world (its start-up is most of the
 run time) and the oracle's helpers (``verify``, ``call``, ``leaves``).
 """
+
 from __future__ import annotations
 
 import os
@@ -257,8 +258,12 @@ def assert_close(got: torch.Tensor | None, want: torch.Tensor | None, what: str)
         assert torch.allclose(got, want, rtol=1e-6, atol=1e-9), f"{what}: {got} != {want}"
 
 
-def check_grads(grads: dict[torch.Tensor, torch.Tensor], inputs: Sequence[torch.Tensor],
-                expected: Sequence[torch.Tensor | None], scale: float = 1.0) -> None:
+def check_grads(
+    grads: dict[torch.Tensor, torch.Tensor],
+    inputs: Sequence[torch.Tensor],
+    expected: Sequence[torch.Tensor | None],
+    scale: float = 1.0,
+) -> None:
     for i, (t, e) in enumerate(zip(inputs, expected, strict=True)):
         assert t.grad is None, f"input {i}: .grad was set ({t.grad})"
         assert_close(grads.get(t), None if e is None else e * scale, f"input {i}")
@@ -266,8 +271,13 @@ def check_grads(grads: dict[torch.Tensor, torch.Tensor], inputs: Sequence[torch.
     assert len(grads) == want, f"context holds {len(grads)} gradients, expected {want}"
 
 
-def verify(forward: Callable[..., Any], specs: Sequence[Any], seed: int = 0,
-           remote_checks: Sequence[Callable[[bool, int], Any]] = (), backward_times: int = 1) -> None:
+def verify(
+    forward: Callable[..., Any],
+    specs: Sequence[Any],
+    seed: int = 0,
+    remote_checks: Sequence[Callable[[bool, int], Any]] = (),
+    backward_times: int = 1,
+) -> None:
     """Run ``forward(dist, *leaves)`` locally with torch autograd and distributed with
     dist autograd; compare the gradients of the inputs (and whatever ``remote_checks``
     return: called with (dist, context_id) they give a list of gradients, or of
@@ -298,6 +308,7 @@ def verify(forward: Callable[..., Any], specs: Sequence[Any], seed: int = 0,
 # ---------------------------------------------------------------------------------------------
 def case_builtin_ops() -> None:
     for how in ("sync", "async", "remote"):
+
         def fwd(dist: bool, a: torch.Tensor, b: torch.Tensor, how: str = how) -> torch.Tensor:
             x = call(dist, how, W1, torch.mul, a, b)
             y = call(dist, how, W2, torch.matmul, a, b.t())  # a non-contiguous argument
@@ -309,6 +320,7 @@ def case_builtin_ops() -> None:
 
 def case_python_udf() -> None:
     for how in ("sync", "async", "remote"):
+
         def fwd(dist: bool, a: torch.Tensor, b: torch.Tensor, how: str = how) -> torch.Tensor:
             return call(dist, how, W1, udf, a, b, scale=3.0).sum() + call(dist, how, W2, udf, b, a).pow(2).sum()
 
@@ -460,12 +472,12 @@ def case_gradients_for_the_caller_ride_on_answers() -> None:
         here, there = requests_received(), rpc.rpc_sync(W1, requests_received)
         dist_autograd.backward(cid, [loss])
         assert requests_received() == here, "backward sent the trainer a gradient call"
-        # worker1 got the root pass's two gradient calls (x and y came in two answers), one more
-        # for x once y's answer brought back x's part through the nested call (x was an
-        # argument there; its two parts there are added up first), and the call that reads
-        # its count: none from worker2
+        # worker1 got the root pass's one gradient call (x and y came in two answers; a pass
+        # sends one call per worker), one more for x once y's answer brought back x's part
+        # through the nested call (x was an argument there; its two parts there are added up
+        # first), and the call that reads its count: none from worker2
         got = rpc.rpc_sync(W1, requests_received) - there
-        assert got == 4, f"worker1 received {got} requests, expected 4"
+        assert got == 3, f"worker1 received {got} requests, expected 3"
         assert set(dist_autograd.get_gradients(cid)) == {a, b}
 
 
@@ -537,6 +549,7 @@ class Traced(torch.Tensor):
 def case_tensor_subclass_leaf() -> None:
     """A leaf of a subclass that overrides torch functions: its gradient as in plain torch
     (backward passes over such tensors go through torch's public functions, as in torch)."""
+
     def make() -> torch.Tensor:
         g = torch.Generator().manual_seed(21)
         return torch.rand(3, 3, generator=g, dtype=F64).as_subclass(Traced).requires_grad_()
@@ -584,8 +597,9 @@ def case_module_shards() -> None:
 
     def shard_grads(dist: bool, cid: int) -> list[Any]:
         if not dist:
-            return ([p.grad for p in list(shards["l1"].parameters()) + list(shards["l2"].parameters())]
-                    + [shards["lp"].grad])
+            return [p.grad for p in list(shards["l1"].parameters()) + list(shards["l2"].parameters())] + [
+                shards["lp"].grad
+            ]
         got = rpc.rpc_sync(W1, module_grads, args=(shards["d1"], cid))
         got += rpc.rpc_sync(W2, module_grads, args=(shards["d2"], cid))
         got.append(rpc.rpc_sync(W3, tensor_grad, args=(shards["dp"], cid)))
@@ -892,7 +906,7 @@ def case_no_leaks() -> None:
 
 
 CASES: dict[str, Callable[[], None]] = {
-    name[len("case_"):]: fn for name, fn in list(globals().items()) if name.startswith("case_")
+    name[len("case_") :]: fn for name, fn in list(globals().items()) if name.startswith("case_")
 }
 
 

@@ -2,6 +2,7 @@
 rpc_core/transport/stream.py): real processes on 127.0.0.1, with RPC_CORE_CMA on and off; a peer
 that dies while we wait for its RELEASE; two peers sending large frames to each other at
 once; and descriptors a lying peer could send."""
+
 import ctypes
 import mmap
 import os
@@ -57,8 +58,9 @@ def _random(n, dtype, seed):
 def _tensors():
     """Sizes across the threshold, views at offsets, non-contiguous views, shared storages,
     and (last) many buffers in one message."""
-    out = [_random(n // 4, torch.float32, i) for i, n in enumerate(
-        [MIN // 2, MIN - 4, MIN, MIN + 4, 3 << 20, 20 << 20])]
+    out = [
+        _random(n // 4, torch.float32, i) for i, n in enumerate([MIN // 2, MIN - 4, MIN, MIN + 4, 3 << 20, 20 << 20])
+    ]
     big = _random(6 << 20, torch.float64, 10)
     out.append(big[1001:])  # a view at an odd offset, shipping the whole storage
     out.append(_random(1 << 20, torch.int16, 11).view(1024, 1024)[3:, 5:].t())  # non-contiguous
@@ -176,8 +178,12 @@ def test_sender_waiting_for_release_fails_promptly_when_the_peer_is_killed(reade
     listener.bind(("127.0.0.1", 0))
     listener.listen(1)
     listener.settimeout(IO_TIMEOUT)
-    proc = subprocess.Popen([sys.executable, "-c", _STUCK_PEER, str(listener.getsockname()[1]), "s3cret", ROOT],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _STUCK_PEER, str(listener.getsockname()[1]), "s3cret", ROOT],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         sock, _ = listener.accept()
         conn = stream.Connection(sock, handshake.run_acceptor(sock, b"s3cret", timeout=IO_TIMEOUT))
@@ -212,9 +218,11 @@ def pair():
     listener.listen(1)
     listener.settimeout(IO_TIMEOUT)
     with ThreadPoolExecutor(1) as pool:
+
         def accept():
             s, _ = listener.accept()
             return stream.Connection(s, handshake.run_acceptor(s, b"k", timeout=IO_TIMEOUT))
+
         accepted = pool.submit(accept)
         dialed = transport.TCP.dial(listener.getsockname(), b"k", timeout=IO_TIMEOUT)
         a = accepted.result(IO_TIMEOUT)
@@ -226,8 +234,11 @@ def pair():
 
 
 def _remote_frame(lens, addrs, token=1, body=b"b"):
-    return (wire.pack_header(wire.REQUEST, wire.REMOTE, 0, len(body), 1, list(lens))
-            + wire.pack_remote_table(token, list(addrs)) + body)
+    return (
+        wire.pack_header(wire.REQUEST, wire.REMOTE, 0, len(body), 1, list(lens))
+        + wire.pack_remote_table(token, list(addrs))
+        + body
+    )
 
 
 def _maxrss_mb():

@@ -11,6 +11,7 @@ its own. Two promises are checked here:
 - an idle worker holds no context: releases that no request carries go out on their own
   within a short bound.
 """
+
 from __future__ import annotations
 
 import threading

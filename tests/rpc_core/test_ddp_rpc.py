@@ -8,6 +8,7 @@ swaps them for torch's to get the torch program, runs both, and checks each agai
 same training in one process of plain torch (the DDP layer's gradient is the trainers'
 mean, the embedding gets both trainers' gradients).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -27,8 +28,9 @@ STEPS = 4
 TORCH_IMPORTS = {
     "import rpc_core as rpc": "import torch.distributed.rpc as rpc",
     "import rpc_core.autograd as dist_autograd": "import torch.distributed.autograd as dist_autograd",
-    "from rpc_core import RRef, TensorPipeRpcBackendOptions":
-        "from torch.distributed.rpc import RRef, TensorPipeRpcBackendOptions",
+    "from rpc_core import RRef, TensorPipeRpcBackendOptions": (
+        "from torch.distributed.rpc import RRef, TensorPipeRpcBackendOptions"
+    ),
     "from rpc_core.nn import RemoteModule": "from torch.distributed.nn import RemoteModule",
     "from rpc_core.optim import DistributedOptimizer": "from torch.distributed.optim import DistributedOptimizer",
 }
@@ -63,8 +65,9 @@ def _run(ctx: Any, module_dir: str, module_name: str, pg_port: int) -> Any:
 def run_program(module_dir: str, module_name: str) -> dict[str, Any]:
     port = free_port()
     env = {"RPC_CORE_AUTH_SECRET": secrets.token_hex(16)}
-    results = run_world(_run, 4, args=(module_dir, module_name, free_port()), init=False, env=env, port=port,
-                        timeout=240)
+    results = run_world(
+        _run, 4, args=(module_dir, module_name, free_port()), init=False, env=env, port=port, timeout=240
+    )
     return results[2]
 
 

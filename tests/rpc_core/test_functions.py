@@ -1,6 +1,7 @@
 """``functions.async_execution`` (rpc_core/functions.py, agent.py): the callee answers from the
 returned Future's callback, so waiting calls hold no server thread. Bodies run on worker
 processes (tests/_world.py)."""
+
 import threading
 from typing import Any
 

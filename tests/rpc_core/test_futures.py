@@ -1,4 +1,5 @@
 """How a call's error reaches its waiters: rebuilt with its type, marked with where it was raised."""
+
 from __future__ import annotations
 
 import copy

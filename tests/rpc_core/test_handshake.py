@@ -1,6 +1,7 @@
 """The connection handshake (rpc_core/transport/handshake.py) has one deadline, and a worker holds a
 bounded number of connections that have not authenticated yet: a client that trickles bytes
 or stays silent cannot keep a connection, or a worker's capacity to accept, forever."""
+
 import logging
 import os
 import pickle
@@ -92,7 +93,7 @@ def _trickle(sock, data, pace, bound):
         except ConnectionResetError:
             return time.monotonic() - start
         try:
-            sock.sendall(data[i:i + 1])
+            sock.sendall(data[i : i + 1])
         except (BrokenPipeError, ConnectionResetError):
             return time.monotonic() - start
     return None
@@ -143,7 +144,7 @@ def _trickling_acceptor(listener, stop):
             if stop.wait(0.2):
                 return
             try:
-                sock.sendall(hello[i:i + 1])
+                sock.sendall(hello[i : i + 1])
             except OSError:
                 return
 

@@ -1,6 +1,7 @@
 """Heartbeats (rpc_core/agent/heartbeats.py) on loopback: a stopped peer is reported by name within
 the heartbeat timeout, a live one never, however long its calls run; heartbeats go out on
 idle connections only. The emulated-network cases are in test_network.py."""
+
 from __future__ import annotations
 
 import os
@@ -24,6 +25,7 @@ _beats = [0]
 def _count_beats():
     """On the callee: count the heartbeat calls it answers (the caller names the function by
     its qualified name, so the callee runs whatever its module holds under that name)."""
+
     def counted():
         _beats[0] += 1
 

@@ -1,5 +1,6 @@
 """Environment variables (rpc_core/knobs.py): one rule for booleans, clear errors, read when
 needed, and every variable rpc_core reads is listed there and in the README."""
+
 import pathlib
 import re
 
@@ -13,8 +14,19 @@ BOOLEANS = [knobs.UDS, knobs.CMA, knobs.MALLOC_TUNE]
 
 
 @pytest.mark.parametrize("knob", BOOLEANS, ids=lambda k: k.name)
-@pytest.mark.parametrize("raw, value", [("1", True), ("true", True), ("Yes", True), (" ON ", True),
-                                        ("0", False), ("false", False), ("NO", False), ("off", False)])
+@pytest.mark.parametrize(
+    "raw, value",
+    [
+        ("1", True),
+        ("true", True),
+        ("Yes", True),
+        (" ON ", True),
+        ("0", False),
+        ("false", False),
+        ("NO", False),
+        ("off", False),
+    ],
+)
 def test_booleans_accept_the_same_words_everywhere(monkeypatch, knob, raw, value):
     monkeypatch.setenv(knob.name, raw)
     assert knobs.flag(knob) is value
@@ -35,9 +47,16 @@ def test_anything_else_is_an_error_naming_the_variable_and_the_words(monkeypatch
         knobs.flag(knob)
 
 
-@pytest.mark.parametrize("name, raw", [("RPC_CORE_SPIN_US", "-1"), ("RPC_CORE_SPIN_US", "fast"),
-                                       ("RPC_CORE_HANDSHAKE_TIMEOUT", "0"), ("RPC_CORE_HANDSHAKE_TIMEOUT", "nan"),
-                                       ("RPC_CORE_HANDSHAKE_TIMEOUT", "inf")])
+@pytest.mark.parametrize(
+    "name, raw",
+    [
+        ("RPC_CORE_SPIN_US", "-1"),
+        ("RPC_CORE_SPIN_US", "fast"),
+        ("RPC_CORE_HANDSHAKE_TIMEOUT", "0"),
+        ("RPC_CORE_HANDSHAKE_TIMEOUT", "nan"),
+        ("RPC_CORE_HANDSHAKE_TIMEOUT", "inf"),
+    ],
+)
 def test_numbers_out_of_range_are_errors_naming_the_variable(monkeypatch, name, raw):
     monkeypatch.setenv(name, raw)
     read = knobs.spin_seconds if name == "RPC_CORE_SPIN_US" else knobs.handshake_timeout
@@ -116,6 +135,9 @@ def test_a_bad_value_stops_init_rpc_at_once(monkeypatch):
 
     monkeypatch.setenv("RPC_CORE_CMA", "maybe")
     with pytest.raises(ValueError, match="RPC_CORE_CMA='maybe'"):
-        rpc_core.init_rpc("worker0", rank=0, world_size=1,
-                          rpc_backend_options=rpc_core.RpcBackendOptions(init_method="tcp://127.0.0.1:1",
-                                                                         auth_secret="k"))
+        rpc_core.init_rpc(
+            "worker0",
+            rank=0,
+            world_size=1,
+            rpc_backend_options=rpc_core.RpcBackendOptions(init_method="tcp://127.0.0.1:1", auth_secret="k"),
+        )

@@ -6,6 +6,7 @@ there is no import cycle, that every import points to a lower layer of
 ``rpc_core._LAYERS``, that a package's modules never import the package's ``__init__``,
 and that rpc_core depends on none of the application's libraries.
 """
+
 from __future__ import annotations
 
 import ast
@@ -43,11 +44,11 @@ def _resolve(importer: str, node: ast.ImportFrom, modules: dict[str, Path]) -> s
         base = importer.split(".") if importer else []
         if not _is_package(importer, modules):
             base = base[:-1]
-        base = base[:len(base) - (node.level - 1)] if node.level > 1 else base
+        base = base[: len(base) - (node.level - 1)] if node.level > 1 else base
         target = ".".join(base + ([node.module] if node.module else []))
         return target
     if node.module is not None and (node.module == PACKAGE or node.module.startswith(PACKAGE + ".")):
-        return node.module[len(PACKAGE) + 1:]
+        return node.module[len(PACKAGE) + 1 :]
     return None
 
 
@@ -71,7 +72,7 @@ def imports(root: Path) -> tuple[list[Edge], list[tuple[str, str, int]]]:
             if isinstance(node, ast.Import):
                 for alias in node.names:
                     if alias.name == PACKAGE or alias.name.startswith(PACKAGE + "."):
-                        targets.append(alias.name[len(PACKAGE) + 1:])
+                        targets.append(alias.name[len(PACKAGE) + 1 :])
                     else:
                         external.append((name, alias.name, node.lineno))
             elif isinstance(node, ast.ImportFrom):
@@ -121,8 +122,11 @@ def upward_imports(edges: Sequence[Edge], layers: Sequence[Sequence[str]]) -> li
 
 def own_package_imports(edges: Sequence[Edge]) -> list[str]:
     """Explicit imports of a module's own package __init__ (``from . import x`` where x is not a module)."""
-    return [f"{_label(a)} (line {line}) imports its own package {_label(b)}"
-            for a, b, line in sorted(set(edges)) if a and (b == "" or b in _ancestors(a))]
+    return [
+        f"{_label(a)} (line {line}) imports its own package {_label(b)}"
+        for a, b, line in sorted(set(edges))
+        if a and (b == "" or b in _ancestors(a))
+    ]
 
 
 def problems(root: Path, layers: Sequence[Sequence[str]]) -> dict[str, list[str]]:
@@ -137,8 +141,13 @@ def problems(root: Path, layers: Sequence[Sequence[str]]) -> dict[str, list[str]
         "declared twice": sorted({_label(m) for m in declared if declared.count(m) > 1}),
         "upward": upward_imports(edges, layers),
         "own package": own_package_imports(edges),
-        "forbidden": sorted({f"{_label(a)} (line {line}) imports {ext}" for a, ext, line in external
-                             if any(ext == f or ext.startswith(f + ".") for f in FORBIDDEN)}),
+        "forbidden": sorted(
+            {
+                f"{_label(a)} (line {line}) imports {ext}"
+                for a, ext, line in external
+                if any(ext == f or ext.startswith(f + ".") for f in FORBIDDEN)
+            }
+        ),
     }
 
 
@@ -190,8 +199,12 @@ def _imported_modules(path: Path) -> list[tuple[str, int]]:
 
 def test_rpc_core_tests_and_their_harness_do_not_load_the_application() -> None:
     files = [TESTS / name for name in HARNESS] + sorted((TESTS / "rpc_core").glob("*.py"))
-    found = [f"{path.relative_to(TESTS.parent)} (line {line}) imports {name}" for path in files
-             for name, line in _imported_modules(path) if name == "ps_train" or name.startswith("ps_train.")]
+    found = [
+        f"{path.relative_to(TESTS.parent)} (line {line}) imports {name}"
+        for path in files
+        for name, line in _imported_modules(path)
+        if name == "ps_train" or name.startswith("ps_train.")
+    ]
     assert not found, "\n  ".join(["rpc_core's tests import the application:", *found])
 
 
@@ -206,27 +219,35 @@ def _package(tmp_path: Path, files: dict[str, str]) -> Path:
 
 
 def test_the_checker_sees_function_level_relative_and_absolute_imports(tmp_path: Path) -> None:
-    root = _package(tmp_path, {
-        "__init__.py": "from . import low, high\n",
-        "low.py": "def f():\n    from .high import g  # upward, inside a function\n",
-        "high.py": "import rpc_core.low\nfrom rpc_core import low as _low\nimport hydra\n",
-        "sub/__init__.py": "from .a import x\n",
-        "sub/a.py": "from . import x\nfrom .. import low\n",
-    })
+    root = _package(
+        tmp_path,
+        {
+            "__init__.py": "from . import low, high\n",
+            "low.py": "def f():\n    from .high import g  # upward, inside a function\n",
+            "high.py": "import rpc_core.low\nfrom rpc_core import low as _low\nimport hydra\n",
+            "sub/__init__.py": "from .a import x\n",
+            "sub/a.py": "from . import x\nfrom .. import low\n",
+        },
+    )
     found = problems(root, (("low",), ("high",), ("sub.a",), ("sub",), ("",)))
     assert found["cycles"] == ["rpc_core.high <-> rpc_core.low", "rpc_core.sub <-> rpc_core.sub.a"]
-    assert found["upward"] == ["rpc_core.low (line 2) imports rpc_core.high: layer 1, above its 0",
-                               "rpc_core.sub.a (line 1) imports rpc_core.sub: layer 3, above its 2"]
+    assert found["upward"] == [
+        "rpc_core.low (line 2) imports rpc_core.high: layer 1, above its 0",
+        "rpc_core.sub.a (line 1) imports rpc_core.sub: layer 3, above its 2",
+    ]
     assert found["own package"] == ["rpc_core.sub.a (line 1) imports its own package rpc_core.sub"]
     assert found["forbidden"] == ["rpc_core.high (line 3) imports hydra"]
     assert found["undeclared"] == [] and found["declared twice"] == []
 
 
 def test_importing_a_submodule_counts_as_importing_its_package(tmp_path: Path) -> None:
-    root = _package(tmp_path, {
-        "__init__.py": "",
-        "sub/__init__.py": "from .. import top\n",
-        "sub/a.py": "",
-        "top.py": "from .sub import a\n",  # runs sub/__init__, which imports top
-    })
+    root = _package(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "sub/__init__.py": "from .. import top\n",
+            "sub/a.py": "",
+            "top.py": "from .sub import a\n",  # runs sub/__init__, which imports top
+        },
+    )
     assert problems(root, (("sub.a",), ("sub",), ("top",), ("",)))["cycles"] == ["rpc_core.sub <-> rpc_core.top"]

@@ -4,6 +4,7 @@
 Every test runs real worker processes on loopback (tests/_world.py, ``init=False``: each body
 founds or joins itself). Processes order their steps through a small board of named events
 on rank 0 (``_post`` / ``_wait_for``, ordinary RPCs), never by sleeping."""
+
 import importlib
 import os
 import signal
@@ -97,8 +98,10 @@ def _body_join_and_call(ctx, founded):
         assert rpc_core.get_worker_info("worker2") == WorkerInfo("worker2", 2)
         out = {r: rpc_core.rpc_sync(f"worker{r}", torch.add, args=(torch.ones(2), r)).tolist() for r in (1, 2)}
         # an existing member (worker1) calls the newest (worker2) by name, and the reverse
-        across = (rpc_core.rpc_sync("worker1", _call, args=("worker2", _whoami)),
-                  rpc_core.rpc_sync("worker2", _call, args=("worker1", _whoami)))
+        across = (
+            rpc_core.rpc_sync("worker1", _call, args=("worker2", _whoami)),
+            rpc_core.rpc_sync("worker2", _call, args=("worker1", _whoami)),
+        )
         _post("done")
         return out, across
     name = ctx.name
@@ -146,8 +149,12 @@ def _body_rrefs(ctx):
         _wait_for("worker1 in")
         mine = rpc_core.RRef(torch.full((3,), 7.0))
         theirs = rpc_core.remote("worker1", _make, args=(4,))  # owned by the newcomer
-        got = (theirs.to_here().tolist(), rpc_core.rpc_sync("worker1", _sum_of, args=(mine,)).item(),
-               theirs.owner(), theirs.rpc_sync().sum().item())
+        got = (
+            theirs.to_here().tolist(),
+            rpc_core.rpc_sync("worker1", _sum_of, args=(mine,)).item(),
+            theirs.owner(),
+            theirs.rpc_sync().sum().item(),
+        )
         del theirs, mine
         _post("done")
         return got
@@ -372,8 +379,12 @@ def _body_collisions(ctx):
     _init(ctx, "waiter", 2)
     rpc_core.rpc_sync("worker0", _wait_for, args=("worker1 in",))
     rpc_core.shutdown()
-    tries = [_refused(ctx, "worker1", 5), _refused(ctx, "fresh", 1), _refused(ctx, "worker0", 6),
-             _refused(ctx, "intruder", 7, auth_secret="not-the-secret")]
+    tries = [
+        _refused(ctx, "worker1", 5),
+        _refused(ctx, "fresh", 1),
+        _refused(ctx, "worker0", 6),
+        _refused(ctx, "intruder", 7, auth_secret="not-the-secret"),
+    ]
     _init(ctx, "late", 2)  # the same rank, after its first holder (this process) left
     names = _names()
     rpc_core.rpc_sync("worker0", _post, args=("tried",))
@@ -538,8 +549,7 @@ def test_join_call_and_leave_behave_as_on_torch_rpc():
     outcomes = {}
     for backend in ("torch.distributed.rpc", "rpc_core"):
         founded, left = _mp_context().Event(), _mp_context().Event()
-        outcomes[backend] = run_world(_body_both_backends, 2, init=False, args=(backend, founded, left),
-                                      timeout=200.0)
+        outcomes[backend] = run_world(_body_both_backends, 2, init=False, args=(backend, founded, left), timeout=200.0)
     for backend, ((infos, echo0, error, after), echo1) in outcomes.items():
         assert infos == [(0, "w0"), (1, "w1")] and after == [(0, "w0")], backend
         assert (echo0, echo1) == ("w1", "w0"), backend

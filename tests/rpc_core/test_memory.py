@@ -1,6 +1,7 @@
 """rpc_core.memory: glibc's malloc thresholds are fixed so a worker reuses freed tensor
 memory instead of faulting it back in every step. Each case runs in a fresh interpreter
 (the setting is process-wide), counting minor page faults (getrusage) as the oracle."""
+
 import os
 import platform
 import subprocess

@@ -1,6 +1,7 @@
 """Nested calls (rpc_core/agent/agent.py, agent/pool.py): a callee may call back into its caller, in cycles
 deeper than ``num_worker_threads``, and fan out widely with async execution, without
 deadlocking for want of threads. Worlds run with 1-2 worker threads to make that bite."""
+
 import torch
 
 import rpc_core

@@ -1,6 +1,7 @@
 """rpc_core across an emulated network (tests/netns.py): workers on hosts of their own, links
 with delay, jitter, loss and rate limits, cut and healed; frozen and killed peers; bad input
 from another host. Needs root, ip and iptables; skipped, with the reason, where unavailable."""
+
 from __future__ import annotations
 
 import os
@@ -173,8 +174,11 @@ def _body_shaped(ctx, x, steps, lr):
     # Two shards of a model (32 -> 16 -> 4), distributed backward and optimizer.
     m1 = rpc_core.remote(1, _linear, args=(1, 32, 16))
     m2 = rpc_core.remote(2, _linear, args=(2, 16, 4))
-    opt = DistributedOptimizer(torch.optim.SGD, rpc_core.rpc_sync(1, _param_rrefs, args=(m1,))
-                               + rpc_core.rpc_sync(2, _param_rrefs, args=(m2,)), lr=lr)
+    opt = DistributedOptimizer(
+        torch.optim.SGD,
+        rpc_core.rpc_sync(1, _param_rrefs, args=(m1,)) + rpc_core.rpc_sync(2, _param_rrefs, args=(m2,)),
+        lr=lr,
+    )
     losses = []
     for _ in range(steps):
         with dist_autograd.context() as cid:
@@ -224,12 +228,14 @@ def _body_long_cut(ctx):
         held = rpc_core.rpc_async(1, _block, timeout=0)
         control("cut", 0, 1)
         start = time.monotonic()
-        outcomes = _concurrently([
-            held.wait,
-            lambda: rref.to_here(timeout=0),
-            lambda: rpc_core.rpc_sync(1, _whoami, timeout=0),
-            lambda: dist_autograd.backward(cid, [h.sum()]),
-        ])
+        outcomes = _concurrently(
+            [
+                held.wait,
+                lambda: rref.to_here(timeout=0),
+                lambda: rpc_core.rpc_sync(1, _whoami, timeout=0),
+                lambda: dist_autograd.backward(cid, [h.sum()]),
+            ]
+        )
         seconds = time.monotonic() - start
     control("heal")
     after = rpc_core.rpc_sync(1, _whoami), rref.to_here().tolist()  # a new connection, same workers
@@ -242,7 +248,8 @@ def _body_long_cut(ctx):
 @pytest.mark.timeout(90)
 def test_a_cut_longer_than_the_heartbeat_fails_pending_calls_by_name_and_a_new_call_reconnects(net):
     (outcomes, seconds, after), peer_outcome = run_hosts(
-        net, _body_long_cut, 2, timeout=40, options={"heartbeat_timeout": HEARTBEAT})
+        net, _body_long_cut, 2, timeout=40, options={"heartbeat_timeout": HEARTBEAT}
+    )
     _assert_unavailable(outcomes, "worker1", 1.5 * HEARTBEAT + SLACK)
     _assert_unavailable([peer_outcome], "worker0", 1.5 * HEARTBEAT + SLACK + 5)
     assert seconds >= HEARTBEAT * 0.9  # not before the timeout
@@ -274,8 +281,9 @@ def _body_short_cut(ctx, outage):
 @pytest.mark.timeout(60)
 def test_a_cut_shorter_than_the_heartbeat_loses_nothing_and_runs_nothing_twice(net):
     heartbeat = 5.0  # well past the outage plus TCP's retransmission backoff (1.4 s for a 1 s outage)
-    (sync, counted), held = run_hosts(net, _body_short_cut, 2, args=(1.0,), timeout=50,
-                                      options={"heartbeat_timeout": heartbeat})
+    (sync, counted), held = run_hosts(
+        net, _body_short_cut, 2, args=(1.0,), timeout=50, options={"heartbeat_timeout": heartbeat}
+    )
     assert sync == "worker1" and held == "worker0"
     assert counted == 20  # each call ran once
 
@@ -296,11 +304,13 @@ def _body_frozen(ctx):
         h = rpc_core.rpc_sync(1, torch.mul, args=(w, 2))
         control("stop", 1)
         try:
-            outcomes = _concurrently([
-                lambda: rpc_core.rpc_sync(1, _whoami, timeout=0),
-                lambda: rref.to_here(timeout=0),
-                lambda: dist_autograd.backward(cid, [h.sum()]),
-            ])
+            outcomes = _concurrently(
+                [
+                    lambda: rpc_core.rpc_sync(1, _whoami, timeout=0),
+                    lambda: rref.to_here(timeout=0),
+                    lambda: dist_autograd.backward(cid, [h.sum()]),
+                ]
+            )
             _gate.set()  # answers worker1's call: the answer waits in the network for it
         finally:
             control("cont", 1)
@@ -336,8 +346,9 @@ def _body_frozen_shutdown(ctx):
 
 @pytest.mark.timeout(90)
 def test_shutdown_ends_naming_a_peer_that_stays_frozen(net):
-    results = run_hosts(net, _body_frozen_shutdown, 3, timeout=80, may_die={1},
-                        options={"heartbeat_timeout": HEARTBEAT})
+    results = run_hosts(
+        net, _body_frozen_shutdown, 3, timeout=80, may_die={1}, options={"heartbeat_timeout": HEARTBEAT}
+    )
     for kind, message, seconds in (results[0], results[2]):
         assert kind == "RpcError" and "worker 'worker1'" in message, (kind, message)
         assert seconds < 1.5 * HEARTBEAT + SLACK + 5, seconds  # rank 0 waits up to 5 s for peers to close
@@ -405,7 +416,8 @@ def test_silent_and_trickling_unauthenticated_clients_on_another_host_are_closed
     deadline = 1.5
     closed_after, _ = run_hosts(net, _body_idle_client, 2, args=(deadline,), init=False, timeout=60)
     assert deadline * 0.9 <= closed_after < deadline + SLACK, closed_after
-    (unauthenticated, identity), _ = run_hosts(net, test_handshake._body_trickle, 2, args=(deadline,), init=False,
-                                               timeout=60)
+    (unauthenticated, identity), _ = run_hosts(
+        net, test_handshake._body_trickle, 2, args=(deadline,), init=False, timeout=60
+    )
     assert unauthenticated is not None and unauthenticated < deadline + 4
     assert identity is not None and identity < deadline + 4

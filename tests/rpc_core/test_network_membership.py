@@ -7,6 +7,7 @@ with ``WorkerLeftError`` naming it), and a rank reused after a leave is a new me
 Processes order their steps with multiprocessing events handed to them at start, since a
 worker outside the group has no RPC to wait with. Needs root, ip and iptables; skipped,
 with the reason, where unavailable."""
+
 from __future__ import annotations
 
 import time
@@ -89,8 +90,10 @@ def _body(ctx: Any, events: dict[str, Any]) -> Any:
         _init(ctx, "worker0", 0)
         events["founded"].set()
         _wait(events, "w1_left")
-        gone = [_left_error(lambda: rpc_core.rpc_sync("worker1", _whoami)),
-                _left_error(lambda: rpc_core.rpc_sync(1, _whoami))]
+        gone = [
+            _left_error(lambda: rpc_core.rpc_sync("worker1", _whoami)),
+            _left_error(lambda: rpc_core.rpc_sync(1, _whoami)),
+        ]
         events["checked"].set()
         _wait(events, "done")
         return gone, [w.name for w in rpc_core._get_current_rpc_agent().get_worker_infos()], _tcp_only()
@@ -106,17 +109,21 @@ def _body(ctx: Any, events: dict[str, Any]) -> Any:
         events["w1_left"].set()
         _wait(events, "checked")
         _init(ctx, "worker1", 1)
-        again = [rpc_core.rpc_sync("worker0", _call, args=("worker1", _who_and_when)),
-                 rpc_core.rpc_sync("worker2", _call, args=("worker1", _who_and_when))]
+        again = [
+            rpc_core.rpc_sync("worker0", _call, args=("worker1", _who_and_when)),
+            rpc_core.rpc_sync("worker2", _call, args=("worker1", _who_and_when)),
+        ]
         events["w1_back"].set()
         _wait(events, "done")
         return first, again, tcp
     # rank 2: joins a group of two; worker1 (not the registry) must already know it by name
     _wait(events, "w1_in")
     _init(ctx, "worker2", 2)
-    first = [rpc_core.rpc_sync("worker0", _call, args=("worker2", _whoami)),
-             rpc_core.rpc_sync("worker1", _call, args=("worker2", _whoami)),
-             rpc_core.rpc_sync("worker1", _whoami)]
+    first = [
+        rpc_core.rpc_sync("worker0", _call, args=("worker2", _whoami)),
+        rpc_core.rpc_sync("worker1", _call, args=("worker2", _whoami)),
+        rpc_core.rpc_sync("worker1", _whoami),
+    ]
     stale = rpc_core.remote("worker1", _make, args=(3,))  # owned by worker1's first incarnation
     owned = stale.to_here().tolist()
     events["w2_in"].set()

@@ -8,6 +8,7 @@ after every step; parameters without a gradient (an unused parameter in a used s
 whole unused shard) must not move. Errors while constructing or stepping must reach the
 caller with their type. All of it runs in one 4-worker world (tests/_world.py).
 """
+
 from __future__ import annotations
 
 import traceback
@@ -111,7 +112,8 @@ def run_config(optim_cls: type, args: tuple, kwargs: dict[str, Any]) -> None:
         now = [d0.detach().clone()] + [w for r in (r1, r2, r3) for w in r.rpc_sync().weights()]
         for i, (got, want) in enumerate(zip(now, local_history[step], strict=True)):
             assert got.dtype == want.dtype and torch.allclose(got, want, rtol=1e-9, atol=1e-12), (
-                f"step {step}, parameter {i}: distributed {got} != local {want}")
+                f"step {step}, parameter {i}: distributed {got} != local {want}"
+            )
         assert d0.grad is None, "DistributedOptimizer left a .grad behind on the trainer"
     # Parameters with no gradient in any context did not move; the others did.
     unused = {3, 6} | {7, 8, 9}  # Shard.unused of s1 and s2, all of s3 (p0 is index 0)

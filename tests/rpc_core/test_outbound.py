@@ -1,5 +1,6 @@
 """Who reads answers: the caller waiting for one reads it itself; a background thread reads
 only for calls nobody waits on (rpc_core/agent/outbound.py)."""
+
 import threading
 import time
 

@@ -4,6 +4,7 @@
 process per rank launched like torchrun would (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT),
 first as written on torch.distributed.rpc (the oracle), then with ``torch.distributed.rpc``
 replaced by ``rpc_core`` in its imports. Both must print the same result and exit cleanly."""
+
 import os
 import pathlib
 import re
@@ -25,10 +26,26 @@ def _start(script: pathlib.Path, world_size: int, extra_env=None) -> list:
     port = free_port()
     procs = []
     for rank in range(world_size):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", **(extra_env or {}))
-        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, cwd=str(script.parent),
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            PYTHONPATH=str(REPO),
+            OMP_NUM_THREADS="1",
+            **(extra_env or {}),
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script)],
+                env=env,
+                cwd=str(script.parent),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     return procs
 
 

@@ -3,6 +3,7 @@
 The bodies and the functions they call over RPC are module-level so that worker processes
 (and RPC, which ships functions by reference) can import them.
 """
+
 from __future__ import annotations
 
 import json
@@ -57,8 +58,10 @@ def _summary(prof) -> dict:
     avg = prof.key_averages()
     return {
         "avg": [(e.key, e.count, e.node_id, e.cpu_time_total) for e in avg],
-        "events": [(e.name, e.node_id, e.time_range.start, e.time_range.end, e.is_remote, e.is_async)
-                   for e in prof.function_events],
+        "events": [
+            (e.name, e.node_id, e.time_range.start, e.time_range.end, e.is_remote, e.is_async)
+            for e in prof.function_events
+        ],
         "table": avg.table(),
     }
 
@@ -118,8 +121,9 @@ def _features_body(ctx):
     assert torch.equal(fetched, torch.zeros(4)) and torch.equal(via_proxy, x) and torch.equal(grad, x)
     out = _summary(prof)
     out["wrappers"], out["raised"] = len(api.call_wrappers), raised
-    out["tanh_shapes"] = [e.input_shapes for e in prof.key_averages(group_by_input_shape=True)
-                          if e.key.endswith("#remote_op: aten::tanh")]
+    out["tanh_shapes"] = [
+        e.input_shapes for e in prof.key_averages(group_by_input_shape=True) if e.key.endswith("#remote_op: aten::tanh")
+    ]
     rpc_core._barrier([f"worker{r}" for r in range(ctx.world_size)])
     return out
 
@@ -173,8 +177,11 @@ def _check_trace_format(evs) -> None:
 def _remote_ops(trace_events) -> set:
     """What a tool that reads torch's RPC traces does: remote events by their name,
     ``{rpc event}#remote_op: {op}``, and the node whose row they are on."""
-    return {(*e["name"].split("#remote_op: ", 1), e["pid"]) for e in trace_events
-            if "#remote_op: " in e.get("name", "") and e["ph"] == "X"}
+    return {
+        (*e["name"].split("#remote_op: ", 1), e["pid"])
+        for e in trace_events
+        if "#remote_op: " in e.get("name", "") and e["ph"] == "X"
+    }
 
 
 def test_recipe_table_and_trace(tmp_path):
@@ -206,8 +213,11 @@ def test_recipe_table_and_trace(tmp_path):
     procs = {e["pid"]: e["args"]["name"] for e in evs if e.get("name") == "process_name"}
     assert procs == {0: "node_id: 0 (worker0)", 1: "node_id: 1 (worker1)"}
     on1 = {(e["name"], e["args"].get("rpc"), e["args"].get("op")) for e in evs if e["pid"] == 1 and e["ph"] == "X"}
-    for rpc, op in ((f"rpc_async#aten::add{W0_W1}", "aten::add"), (f"rpc_async#aten::mul{W0_W1}", "aten::mul"),
-                    (f"rpc_async#udf_with_ops{W0_W1}", "aten::sigmoid")):
+    for rpc, op in (
+        (f"rpc_async#aten::add{W0_W1}", "aten::add"),
+        (f"rpc_async#aten::mul{W0_W1}", "aten::mul"),
+        (f"rpc_async#udf_with_ops{W0_W1}", "aten::sigmoid"),
+    ):
         assert (f"{rpc}#remote_op: {op}", rpc, op) in on1
     # Every event under the name function_events and key_averages() show, so a tool that
     # reads torch's traces for "#remote_op:" finds each remote op, on its node's row.
@@ -223,8 +233,10 @@ def test_nested_async_scopes_remote_and_backward():
     out, w1, w2 = run_world(_features_body, 3, timeout=120)
     avg = _avg(out)
     keys = set(avg)
-    chain = ("rpc_sync#nested_async(worker0 -> worker1)#remote_op: "
-             "rpc_async#aten::add(worker1 -> worker2)#remote_op: aten::add")
+    chain = (
+        "rpc_sync#nested_async(worker0 -> worker1)#remote_op: "
+        "rpc_async#aten::add(worker1 -> worker2)#remote_op: aten::add"
+    )
     assert (chain, 2) in keys, out["table"]
     assert ("rpc_sync#nested_async(worker0 -> worker1)#remote_op: rpc_async#aten::add(worker1 -> worker2)", 1) in keys
     assert (f"rpc_async#udf_with_scope{W0_W1}#remote_op: user_scope_on_callee", 1) in keys, out["table"]

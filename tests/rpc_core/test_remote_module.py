@@ -5,6 +5,7 @@ Oracle: a training step through a RemoteModule (forward over RPC, distributed ba
 same step on a local copy of it. Bodies and module classes are module-level: worker
 processes import them, and RPC ships them by reference.
 """
+
 from __future__ import annotations
 
 import pickle
@@ -70,13 +71,22 @@ def _step_body(ctx: Any) -> dict[str, Any]:
         local_opt.zero_grad()
         nn.functional.mse_loss(local_b(local_a(x, shift=0.5)), y).backward()
         local_opt.step()
-    got = {**{f"a.{k}": v for k, v in _state(by_name.get_module_rref()).items()},
-           **{f"b.{k}": v for k, v in _state(by_rank.get_module_rref()).items()}}
-    want = {**{f"a.{k}": v for k, v in local_a.state_dict().items()},
-            **{f"b.{k}": v for k, v in local_b.state_dict().items()}}
+    got = {
+        **{f"a.{k}": v for k, v in _state(by_name.get_module_rref()).items()},
+        **{f"b.{k}": v for k, v in _state(by_rank.get_module_rref()).items()},
+    }
+    want = {
+        **{f"a.{k}": v for k, v in local_a.state_dict().items()},
+        **{f"b.{k}": v for k, v in local_b.state_dict().items()},
+    }
     direct = len(by_name.remote_parameters(recurse=False))
-    return {"diffs": {k: float((got[k] - want[k]).abs().max()) for k in want}, "loss": float(loss),
-            "n_params": len(params), "direct": direct, "owners": sorted({p.owner_name() for p in params})}
+    return {
+        "diffs": {k: float((got[k] - want[k]).abs().max()) for k in want},
+        "loss": float(loss),
+        "n_params": len(params),
+        "direct": direct,
+        "owners": sorted({p.owner_name() for p in params}),
+    }
 
 
 @pytest.mark.timeout(180)
@@ -106,9 +116,14 @@ def _modes_and_rpc_body(ctx: Any) -> dict[str, Any]:
     # A RemoteModule inside an RPC: worker2 gets a handle to the same module on worker1.
     m.eval()
     via_worker2 = rpc_sync("worker2", _forward_of_received, args=(m, x))
-    return {"same_handle": returned is m, "training": m.training, "eval_equal": torch.equal(eval_remote, eval_local),
-            "flags": (remote_flag_after_eval, remote_flag_after_train),
-            "via_worker2": torch.equal(via_worker2, eval_local), "repr": repr(m)}
+    return {
+        "same_handle": returned is m,
+        "training": m.training,
+        "eval_equal": torch.equal(eval_remote, eval_local),
+        "flags": (remote_flag_after_eval, remote_flag_after_train),
+        "via_worker2": torch.equal(via_worker2, eval_local),
+        "repr": repr(m),
+    }
 
 
 @pytest.mark.timeout(180)
@@ -181,8 +196,11 @@ def test_the_unsupported_methods_are_torchs() -> None:
     """The same nn.Module methods raise as on torch's RemoteModule (read from its code)."""
     from torch.distributed.nn.api.remote_module import _RemoteModule
 
-    torch_unsupported = {name for name, f in vars(_RemoteModule).items()
-                         if "_raise_not_supported" in getattr(getattr(f, "__code__", None), "co_names", ())}
+    torch_unsupported = {
+        name
+        for name, f in vars(_RemoteModule).items()
+        if "_raise_not_supported" in getattr(getattr(f, "__code__", None), "co_names", ())
+    }
     assert torch_unsupported == set(rm_mod._UNSUPPORTED)
 
 

@@ -4,6 +4,7 @@ each way it goes wrong.
 Failing rendezvous never creates an agent, so most of these run ``init_rpc`` in threads of the
 pytest process itself (one thread per would-be worker); the conftest fixture checks that no
 agent is left behind. The successful paths run in worker processes."""
+
 import socket
 from concurrent.futures import ThreadPoolExecutor
 
@@ -37,8 +38,13 @@ def _run_threads(*calls):
 # -- names ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "name, message",
-    [("abc*", "Worker name must match"), (" ", "Worker name must match"), ("", "must be non-empty"),
-     ("a" * 128, "shorter than 128"), ("tab\t", "Worker name must match")],
+    [
+        ("abc*", "Worker name must match"),
+        (" ", "Worker name must match"),
+        ("", "must be non-empty"),
+        ("a" * 128, "shorter than 128"),
+        ("tab\t", "Worker name must match"),
+    ],
 )
 def test_invalid_worker_names_are_rejected(name, message):
     with pytest.raises(ValueError, match=message):
@@ -77,7 +83,9 @@ def test_duplicate_name_fails_on_every_worker_saying_so():
 def test_duplicate_rank_fails_saying_which_rank():
     port = free_port()
     errors = _run_threads(
-        (_init, "a", 0, 3, _opts(port)), (_init, "b", 1, 3, _opts(port)), (_init, "c", 1, 3, _opts(port)),
+        (_init, "a", 0, 3, _opts(port)),
+        (_init, "b", 1, 3, _opts(port)),
+        (_init, "c", 1, 3, _opts(port)),
     )
     for e in errors:
         assert isinstance(e, RendezvousError), e
@@ -87,7 +95,8 @@ def test_duplicate_rank_fails_saying_which_rank():
 def test_world_size_disagreement_is_reported_to_the_joiner():
     port = free_port()
     host_err, joiner_err = _run_threads(
-        (_init, "a", 0, 2, _opts(port, init_timeout=1.0)), (_init, "b", 1, 3, _opts(port)),
+        (_init, "a", 0, 2, _opts(port, init_timeout=1.0)),
+        (_init, "b", 1, 3, _opts(port)),
     )
     assert isinstance(joiner_err, RendezvousError) and "world_size mismatch" in str(joiner_err)
     assert "says 3, rank 0 says 2" in str(joiner_err)
@@ -108,8 +117,11 @@ def test_missing_world_size_and_rank_says_a_dynamic_worker_needs_its_rank():
 # -- init_method ------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "env, missing",
-    [({}, "MASTER_ADDR and MASTER_PORT"), ({"MASTER_ADDR": "127.0.0.1"}, "needs MASTER_PORT"),
-     ({"MASTER_PORT": "29500"}, "needs MASTER_ADDR")],
+    [
+        ({}, "MASTER_ADDR and MASTER_PORT"),
+        ({"MASTER_ADDR": "127.0.0.1"}, "needs MASTER_PORT"),
+        ({"MASTER_PORT": "29500"}, "needs MASTER_ADDR"),
+    ],
 )
 def test_env_init_method_names_the_missing_variables(monkeypatch, env, missing):
     monkeypatch.delenv("MASTER_ADDR", raising=False)
@@ -129,9 +141,13 @@ def test_env_master_port_must_be_a_number(monkeypatch):
 
 @pytest.mark.parametrize(
     "init_method, message",
-    [("tcp://127.0.0.1", "no port"), ("tcp://[::1]", "no port"), ("tcp://:29500", "no host"),
-     ("tcp://127.0.0.1:99999", "out of range"),
-     ("tcp://127.0.0.1:x", "not a number")],
+    [
+        ("tcp://127.0.0.1", "no port"),
+        ("tcp://[::1]", "no port"),
+        ("tcp://:29500", "no host"),
+        ("tcp://127.0.0.1:99999", "out of range"),
+        ("tcp://127.0.0.1:x", "not a number"),
+    ],
 )
 def test_malformed_tcp_init_method_says_what_is_wrong(init_method, message):
     with pytest.raises(RendezvousError, match=message):
@@ -168,9 +184,66 @@ def test_world_that_never_fills_fails_every_worker_that_did_join():
 
 def test_worker_that_cannot_reach_rank_0_times_out_saying_where_it_looked():
     port = free_port()
-    with pytest.raises(RendezvousError, match=rf"could not reach the rendezvous at 127\.0\.0\.1:{port}.*is rank 0 "
-                                              r"running"):
+    with pytest.raises(
+        RendezvousError,
+        match=rf"could not reach the rendezvous at 127\.0\.0\.1:{port}.*is rank 0 "
+        r"running",
+    ):
         _init("b", 1, 2, _opts(port, init_timeout=0.5))
+
+
+# -- while it waits, each worker says whom it waits for ------------------------------------------------------
+def _waiting_lines(caplog, who):
+    return [
+        r for r in caplog.records if r.name == "rpc_core" and r.getMessage().startswith(f"rpc_core rendezvous: {who}")
+    ]
+
+
+def test_a_rank_that_never_starts_is_named_in_the_log_while_the_others_wait(monkeypatch, caplog):
+    monkeypatch.setenv("RPC_CORE_RENDEZVOUS_LOG_INTERVAL", "0.3")
+    caplog.set_level("INFO", logger="rpc_core")
+    port = free_port()
+    # rank 2 of 3 never starts
+    errors = _run_threads(
+        (_init, "a", 0, 3, _opts(port, init_timeout=2.0)), (_init, "b", 1, 3, _opts(port, init_timeout=2.0))
+    )
+    assert all(isinstance(e, RendezvousError) for e in errors), errors
+    on0 = _waiting_lines(caplog, "rank 0 ('a')")
+    on1 = _waiting_lines(caplog, "worker 'b' (rank 1)")
+    assert on0 and on1, [r.getMessage() for r in caplog.records]
+    # rank 1 arrives at once: from then on, rank 0's lines name the rank that never came
+    last = on0[-1].getMessage()
+    assert f"at 127.0.0.1:{port} is waiting for ranks [2] (2 of 3 arrived)" in last, last
+    assert "s of 2 s (init_timeout)" in last, last
+    assert all(
+        f"has reached rank 0 at 127.0.0.1:{port} and is waiting for the roster, which rank 0 sends once "
+        "all 3 workers have arrived" in r.getMessage()
+        for r in on1
+    ), on1[0].getMessage()
+    # one line per interval at most, INFO at first, WARNING once half of init_timeout is gone
+    for lines in (on0, on1):
+        assert len(lines) <= 2.0 / 0.3 + 1, [r.getMessage() for r in lines]
+        assert lines[0].levelname == "INFO" and lines[-1].levelname == "WARNING"
+
+
+def test_a_joiner_that_cannot_reach_rank_0_says_so_while_it_waits(monkeypatch, caplog):
+    monkeypatch.setenv("RPC_CORE_RENDEZVOUS_LOG_INTERVAL", "0.2")
+    caplog.set_level("INFO", logger="rpc_core")
+    port = free_port()
+    with pytest.raises(RendezvousError, match="could not reach the rendezvous"):
+        rendezvous("d1", 1, None, f"tcp://127.0.0.1:{port}", b"s", 1.0)  # joins a dynamic group nobody founded
+    lines = _waiting_lines(caplog, "worker 'd1' (rank 1)")
+    assert lines and all(
+        f"is waiting for rank 0 at 127.0.0.1:{port}, which it cannot reach yet" in r.getMessage() for r in lines
+    ), [r.getMessage() for r in caplog.records]
+
+
+def test_no_waiting_lines_with_the_interval_at_0(monkeypatch, caplog):
+    monkeypatch.setenv("RPC_CORE_RENDEZVOUS_LOG_INTERVAL", "0")
+    caplog.set_level("INFO", logger="rpc_core")
+    with pytest.raises(RendezvousError, match="missing ranks"):
+        _init("a", 0, 2, _opts(free_port(), init_timeout=0.5))
+    assert not _waiting_lines(caplog, "")
 
 
 # -- authentication at rendezvous -----------------------------------------------------------------------
@@ -207,8 +280,7 @@ def _body_env_rendezvous(ctx):
 
 def test_env_init_method_reads_master_addr_and_master_port():
     port = free_port()
-    got = run_world(_body_env_rendezvous, 2, init=False,
-                    env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    got = run_world(_body_env_rendezvous, 2, init=False, env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     assert got == ["trainer:1_x-y", "trainer:0_x-y"]
 
 
@@ -234,7 +306,7 @@ def _body_silent_during_rendezvous(ctx, n_silent):
         # turned away, and rank 0 goes on waiting for the real ones.
         with pytest.raises(RendezvousError, match="world_size mismatch"):
             rdzv("probe", 1, 99, ctx.init_method, ctx.secret.encode(), IO_TIMEOUT)
-        address = ctx.init_method[len("tcp://"):].rsplit(":", 1)
+        address = ctx.init_method[len("tcp://") :].rsplit(":", 1)
         for _ in range(n_silent):  # connect, then say nothing
             silent.append(socket.create_connection((address[0], int(address[1])), timeout=IO_TIMEOUT))
     start = time.monotonic()

@@ -4,6 +4,7 @@ to empty once users let go). Bodies run on worker processes (tests/_world.py).
 
 One module, though past 400 lines: one test module for the RRef group, whose bodies share
 the helpers at the top (table checks, flushes)."""
+
 import gc
 import io
 import os
@@ -21,8 +22,7 @@ from rpc_core import RpcTimeoutError, RRef, WorkerInfo
 from rpc_core import rref as rref_mod
 from tests._world import run_world
 
-EMPTY = {"num_owner_rrefs": 0, "num_forks": 0, "num_user_rrefs": 0, "num_pending_users": 0,
-         "num_pending_children": 0}
+EMPTY = {"num_owner_rrefs": 0, "num_forks": 0, "num_user_rrefs": 0, "num_pending_users": 0, "num_pending_children": 0}
 
 
 # -- helpers every body can call --------------------------------------------------------------------
@@ -154,10 +154,13 @@ def _body_api(ctx):
         assert torch.equal(rref.to_here(), torch.full((2,), 2.0))
         rref._get_future().wait()
         assert rref.confirmed_by_owner()
-        with pytest.raises(RuntimeError, match=r"^For UserRRef\(rref_id=GloballyUniqueId\(created_on=0, local_id=\d+"
-                                               r"\), fork_id=GloballyUniqueId\(created_on=0, local_id=\d+\)\), "
-                                               r"can't call localValue\(\) on user WorkerInfo\(id=0, name=worker0\)\. "
-                                               r"Call it on owner WorkerInfo\(id=1, name=worker1\); to_here\(\)"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"^For UserRRef\(rref_id=GloballyUniqueId\(created_on=0, local_id=\d+"
+            r"\), fork_id=GloballyUniqueId\(created_on=0, local_id=\d+\)\), "
+            r"can't call localValue\(\) on user WorkerInfo\(id=0, name=worker0\)\. "
+            r"Call it on owner WorkerInfo\(id=1, name=worker1\); to_here\(\)",
+        ):
             rref.local_value()
         assert repr(rref).startswith("UserRRef(RRefId = GloballyUniqueId(created_on=0, local_id=")
         # the owner sees its own value through the same RRef
@@ -175,8 +178,9 @@ def _body_api(ctx):
         assert to_self.is_owner() and to_self.to_here() == 5 and to_self.local_value() == 5
 
         for r in (rref, own):
-            with pytest.raises(RuntimeError, match="Can not pickle rref in python pickler, rref can only be pickled "
-                                                   "when using RPC"):
+            with pytest.raises(
+                RuntimeError, match="Can not pickle rref in python pickler, rref can only be pickled when using RPC"
+            ):
                 pickle.dumps(r)
             with pytest.raises(RuntimeError, match="Can not pickle rref"):
                 torch.save(r, io.BytesIO())

@@ -2,6 +2,7 @@
 storage sharing, and their bytes travel out of band, received straight into tensor memory.
 
 Every round trip here goes through a real connection (a socket pair), as a message would."""
+
 import pickle
 from concurrent.futures import ThreadPoolExecutor
 
@@ -49,10 +50,24 @@ def _same_tensor(a, b):
 
 @pytest.mark.parametrize(
     "dtype",
-    [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
-     torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool,
-     # not in the head's dtype table: these travel as the dtype object itself
-     torch.uint16, torch.uint32, torch.float8_e4m3fn],
+    [
+        torch.float32,
+        torch.float64,
+        torch.float16,
+        torch.bfloat16,
+        torch.complex64,
+        torch.complex128,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.bool,
+        # not in the head's dtype table: these travel as the dtype object itself
+        torch.uint16,
+        torch.uint32,
+        torch.float8_e4m3fn,
+    ],
 )
 def test_dtype_shape_and_values_are_preserved(dtype):
     t = (torch.arange(24) % 5).reshape(2, 3, 4).to(dtype)
@@ -63,7 +78,7 @@ def test_dtype_shape_and_values_are_preserved(dtype):
 
 def test_a_dtype_code_outside_the_table_is_a_clear_error_not_a_crash():
     s = ser.serialize(torch.ones(3))
-    (buffer, code, size, stride, offset, flags), = s.metas
+    ((buffer, code, size, stride, offset, flags),) = s.metas
     bad = ser.encode_head([(buffer, 999, size, stride, offset, flags)], None)
     with pytest.raises(ValueError, match="dtype code 999"):
         ser.deserialize(bad, s.body, ser.loopback(s.buffers))
@@ -71,8 +86,14 @@ def test_a_dtype_code_outside_the_table_is_a_clear_error_not_a_crash():
 
 @pytest.mark.parametrize(
     "make",
-    [lambda: torch.tensor(3.5), lambda: torch.empty(0), lambda: torch.empty(2, 0, 3), lambda: torch.ones(1, 1, 1, 1),
-     lambda: torch.arange(10.0)[7], lambda: torch.zeros(1 << 16)[40000]],
+    [
+        lambda: torch.tensor(3.5),
+        lambda: torch.empty(0),
+        lambda: torch.empty(2, 0, 3),
+        lambda: torch.ones(1, 1, 1, 1),
+        lambda: torch.arange(10.0)[7],
+        lambda: torch.zeros(1 << 16)[40000],
+    ],
     ids=["0-dim", "empty", "empty-2d", "unit-dims", "0-dim-view-at-offset", "0-dim-view-of-large-storage"],
 )
 def test_scalar_and_empty_shapes_are_preserved(make):
@@ -240,16 +261,19 @@ def test_lambdas_and_local_functions_cannot_be_sent():
             ser.serialize((fn, (), {}))
 
 
-@pytest.mark.parametrize("make", [
-    lambda: torch.randn(16),
-    lambda: torch.randn(3, 5, dtype=torch.float64),
-    lambda: torch.nn.Parameter(torch.randn(4, 2)),
-    lambda: torch.randn(6, requires_grad=True),
-    lambda: torch.arange(10, dtype=torch.int16).reshape(2, 5),
-    lambda: torch.zeros(0),  # no bytes: the general path
-    lambda: torch.randn(4, 4).t(),  # not contiguous: the general path
-    lambda: torch.randn(10)[2:5],  # part of a storage: the general path
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.randn(16),
+        lambda: torch.randn(3, 5, dtype=torch.float64),
+        lambda: torch.nn.Parameter(torch.randn(4, 2)),
+        lambda: torch.randn(6, requires_grad=True),
+        lambda: torch.arange(10, dtype=torch.int16).reshape(2, 5),
+        lambda: torch.zeros(0),  # no bytes: the general path
+        lambda: torch.randn(4, 4).t(),  # not contiguous: the general path
+        lambda: torch.randn(10)[2:5],  # part of a storage: the general path
+    ],
+)
 def test_one_tensor_packs_exactly_as_the_general_grouping_would(make):
     t = make()
     metas, buffers, _ = ser._pack_tensors([t])

@@ -8,6 +8,7 @@ gradient for a tensor the caller sent travels back sparse. ``DistributedOptimize
 SGD, Adagrad and SparseAdam on those gradients exactly as the same optimizer does in one
 process (the oracle).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -195,8 +196,9 @@ def grad_world() -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("name", [o[0] for o in OPTIMIZERS])
-def test_distributed_optimizer_steps_sparse_gradients_like_the_local_optimizer(grad_world: dict[str, Any],
-                                                                               name: str) -> None:
+def test_distributed_optimizer_steps_sparse_gradients_like_the_local_optimizer(
+    grad_world: dict[str, Any], name: str
+) -> None:
     _, opt_cls, kwargs = next(o for o in OPTIMIZERS if o[0] == name)
     want_grads, want_table = _local_run(opt_cls, kwargs)
     got_grads, got_table = grad_world[name]

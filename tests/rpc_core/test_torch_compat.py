@@ -6,6 +6,7 @@ what its ``except``/regex handlers saw. The test runs it on torch (the oracle) a
 RPC imports swapped for rpc_core's (nothing else changed), and expects the same reports,
 except where docs/torch_compatibility.md lists a difference, which the test then asserts.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -26,8 +27,9 @@ SWAPS = {
     "import torch.distributed.rpc as rpc": "import rpc_core as rpc",
     "from torch.distributed.rpc import RRef": "from rpc_core import RRef",
 }
-pytestmark = pytest.mark.skipif(not torch.distributed.rpc.is_available(),
-                                reason="this torch build has no torch.distributed.rpc to compare with")
+pytestmark = pytest.mark.skipif(
+    not torch.distributed.rpc.is_available(), reason="this torch build has no torch.distributed.rpc to compare with"
+)
 
 
 def source(lib: str) -> str:
@@ -36,8 +38,9 @@ def source(lib: str) -> str:
         for old, new in SWAPS.items():
             assert src.count(old) == 1, f"{PROGRAM.name} should contain {old!r} once"
             src = src.replace(old, new)
-        left = [line for line in src.splitlines()
-                if line.startswith(("import torch.distributed", "from torch.distributed"))]
+        left = [
+            line for line in src.splitlines() if line.startswith(("import torch.distributed", "from torch.distributed"))
+        ]
         assert not left, f"imports not swapped: {left}"
     return src
 
@@ -45,8 +48,9 @@ def source(lib: str) -> str:
 def _body(ctx: Any, module_dir: str, module_name: str, call: str, args: tuple[Any, ...]) -> Any:
     sys.path.insert(0, module_dir)
     program = importlib.import_module(module_name)
-    return getattr(program, call)(*args) if call != "run_worker" else program.run_worker(ctx.rank, ctx.world_size,
-                                                                                          *args)
+    return (
+        getattr(program, call)(*args) if call != "run_worker" else program.run_worker(ctx.rank, ctx.world_size, *args)
+    )
 
 
 def run(tmp_path: pathlib.Path, lib: str, call: str, *args: Any, world_size: int = 2) -> Any:
@@ -55,8 +59,9 @@ def run(tmp_path: pathlib.Path, lib: str, call: str, *args: Any, world_size: int
     (tmp_path / f"{name}.py").write_text(source(lib))
     port = free_port()
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RPC_CORE_AUTH_SECRET": secrets.token_hex(16)}
-    return run_world(_body, world_size, args=(str(tmp_path), name, call, args), init=False, env=env, port=port,
-                     timeout=150)[0]
+    return run_world(
+        _body, world_size, args=(str(tmp_path), name, call, args), init=False, env=env, port=port, timeout=150
+    )[0]
 
 
 @pytest.fixture(scope="module")
@@ -88,26 +93,35 @@ def test_failed_calls_reach_handlers_as_on_torch(reports: dict[str, dict[str, An
 
 
 @pytest.mark.timeout(400)
-def test_wait_all_raises_the_failure_and_waits_for_the_rest(reports: dict[str, dict[str, Any]]) -> None:
-    """The difference left on purpose (docs/torch_compatibility.md): a Future completed from
-    Python cannot carry an error that torch's C++ side sees, so torch's wait_all raises the
-    failure at once, while rpc_core's raises the same error once the other calls ended.
-    Once all ended, collect_all's future raises the failure on both."""
-    ours, theirs = reports["rpc_core"]["wait_all_with_a_failed_call"], reports["torch"]["wait_all_with_a_failed_call"]
-    assert theirs == {"returned_early": True, "error": "caught ValueError", "slow": "released",
-                      "collect_all": "caught ValueError"}
-    assert ours == dict(theirs, returned_early=False)
+def test_wait_all_and_collect_all_raise_a_failed_call_without_waiting_for_the_others(
+    reports: dict[str, dict[str, Any]],
+) -> None:
+    """torch's wait_all and collect_all exit at the first failed RPC; so do rpc_core's (which
+    replace torch's: docs/torch_compatibility.md), raising the same class. The other call
+    is released only after both raised, so it was not done when they did."""
+    got = same(reports, "wait_all_with_a_failed_call")
+    assert got == {
+        "wait_all": "caught ValueError",
+        "slow done when wait_all raised": False,
+        "collect_all": "caught ValueError",
+        "slow done when collect_all raised": False,
+        "collect_all, both ended": "caught ValueError",
+        "slow": "released",
+    }
 
 
 @pytest.mark.timeout(400)
 def test_errors_torch_raises_as_runtime_error(reports: dict[str, dict[str, Any]], tmp_path: pathlib.Path) -> None:
-    """An @async_execution function that returns no Future, and invalid worker names, raise
-    RuntimeError with torch's message (rpc_core's classes also derive from TypeError/ValueError)."""
+    """An @async_execution function that returns no Future, invalid worker names and options
+    raise RuntimeError with torch's message (rpc_core's classes also derive from
+    TypeError/ValueError)."""
     got = same(reports, "async_execution_wrong_type")
     assert set(got.values()) == {"caught RuntimeError"}, got
-    names = {lib: run(tmp_path / lib, lib, "invalid_names", free_port(), world_size=1) for lib in ("torch", "rpc_core")}
-    assert names["rpc_core"] == names["torch"]
-    assert set(names["rpc_core"].values()) == {"caught RuntimeError"}, names
+    bad = {
+        lib: run(tmp_path / lib, lib, "invalid_arguments", free_port(), world_size=1) for lib in ("torch", "rpc_core")
+    }
+    assert bad["rpc_core"] == bad["torch"]
+    assert set(bad["rpc_core"].values()) == {"caught RuntimeError"}, bad
     import rpc_core
 
     with pytest.raises(ValueError, match="Worker name must match"):  # what rpc_core raised before

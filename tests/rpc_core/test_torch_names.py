@@ -1,6 +1,7 @@
 """docs/torch_compatibility.md against both libraries: every public name of torch's RPC
 modules has a row, and each row's verdict holds (a name marked same/differs exists in
 rpc_core, one marked not supported or torch's does not)."""
+
 from __future__ import annotations
 
 import importlib
@@ -13,8 +14,25 @@ import pytest
 
 DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "torch_compatibility.md"
 # Imports that torch's modules happen to hold: not API.
-NOT_API = {"Any", "Generator", "TYPE_CHECKING", "annotations", "dist", "dist_autograd", "functools", "logger",
-           "logging", "numbers", "optim", "os", "threading", "timedelta", "torch", "urlparse", "warnings"}
+NOT_API = {
+    "Any",
+    "Generator",
+    "TYPE_CHECKING",
+    "annotations",
+    "dist",
+    "dist_autograd",
+    "functools",
+    "logger",
+    "logging",
+    "numbers",
+    "optim",
+    "os",
+    "threading",
+    "timedelta",
+    "torch",
+    "urlparse",
+    "warnings",
+}
 VERDICTS = {"same", "differs", "not supported", "torch's"}
 
 
@@ -47,9 +65,14 @@ SECTIONS = doc_rows()
 
 
 def test_the_doc_covers_torchs_modules() -> None:
-    assert [t for t, _ in SECTIONS] == ["torch.distributed.rpc", "torch.distributed.rpc.constants",
-                                        "torch.distributed.rpc.functions", "torch.distributed.autograd",
-                                        "torch.distributed.optim", "torch.distributed.nn"]
+    assert [t for t, _ in SECTIONS] == [
+        "torch.distributed.rpc",
+        "torch.distributed.rpc.constants",
+        "torch.distributed.rpc.functions",
+        "torch.distributed.autograd",
+        "torch.distributed.optim",
+        "torch.distributed.nn",
+    ]
 
 
 @pytest.mark.parametrize("theirs,ours", list(SECTIONS))
@@ -75,8 +98,12 @@ def test_private_names_torch_programs_use() -> None:
 
     import rpc_core
 
-    for name in ("_DEFAULT_INIT_METHOD", "_DEFAULT_NUM_WORKER_THREADS", "_DEFAULT_RPC_TIMEOUT_SEC",
-                 "_UNSET_RPC_TIMEOUT"):
+    for name in (
+        "_DEFAULT_INIT_METHOD",
+        "_DEFAULT_NUM_WORKER_THREADS",
+        "_DEFAULT_RPC_TIMEOUT_SEC",
+        "_UNSET_RPC_TIMEOUT",
+    ):
         assert getattr(rpc_core, name) == getattr(trpc, name), name
     assert rpc_core.PyRRef is rpc_core.RRef
     assert rpc_core._is_current_rpc_agent_set() is False

@@ -12,6 +12,7 @@ model, torch itself fails ("modified by an inplace operation": one trainer's opt
 bumps the version of weights another trainer's backward still needs; pytorch/tutorials#2095,
 pytorch/examples#856), and so does rpc_core, with the same message.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -38,8 +39,9 @@ def swapped_source() -> str:
     for old, new in IMPORT_SWAPS.items():
         assert src.count(old) == 1, f"{PROGRAM.name} should contain {old!r} once"
         src = src.replace(old, new)
-    left = [line for line in src.splitlines()
-            if line.startswith(("import torch.distributed", "from torch.distributed"))]
+    left = [
+        line for line in src.splitlines() if line.startswith(("import torch.distributed", "from torch.distributed"))
+    ]
     assert not left, f"imports not swapped: {left}"
     return src
 
@@ -98,8 +100,9 @@ def test_torch_ps_tutorial_runs_on_rpc_core(tmp_path: pathlib.Path) -> None:
 RL_PROGRAM = pathlib.Path(__file__).with_name("torch_rl_program.py")
 RL_SWAPS = {
     "import torch.distributed.rpc as rpc": "import rpc_core as rpc",
-    "from torch.distributed.rpc import RRef, remote, rpc_async, rpc_sync":
-        "from rpc_core import RRef, remote, rpc_async, rpc_sync",
+    "from torch.distributed.rpc import RRef, remote, rpc_async, rpc_sync": (
+        "from rpc_core import RRef, remote, rpc_async, rpc_sync"
+    ),
 }
 
 
@@ -121,8 +124,11 @@ def rl_source(swap: bool) -> str:
         for old, new in RL_SWAPS.items():
             assert src.count(old) == 1, f"{RL_PROGRAM.name} should contain {old!r} once"
             src = src.replace(old, new)
-        left = [line for line in src.splitlines()
-                if line.startswith(("import torch.distributed.", "from torch.distributed."))]
+        left = [
+            line
+            for line in src.splitlines()
+            if line.startswith(("import torch.distributed.", "from torch.distributed."))
+        ]
         assert not left, f"imports not swapped: {left}"
     return src
 

@@ -1,5 +1,6 @@
 """TorchScript values in rpc_core messages: a module-level scripted function as the called
 function (by reference) and scripted modules as arguments and results, as torch RPC allows."""
+
 from __future__ import annotations
 
 import warnings
@@ -35,16 +36,18 @@ def _body(ctx: Any) -> dict[str, Any]:
     if ctx.rank != 0:
         return {}
     x = torch.arange(4.0)
-    out: dict[str, Any] = {"function": torch.equal(rpc_core.rpc_sync("worker1", scripted_affine, args=(x, 2.0)),
-                                                   scripted_affine(x, 2.0))}
+    out: dict[str, Any] = {
+        "function": torch.equal(rpc_core.rpc_sync("worker1", scripted_affine, args=(x, 2.0)), scripted_affine(x, 2.0))
+    }
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         local = torch.jit.script(torch.nn.Linear(4, 3))
     y, kind = rpc_core.rpc_sync("worker1", run_scripted, args=(local, x))
     out["module_arg"] = torch.equal(y, local(x)) and kind == "RecursiveScriptModule"
     returned = rpc_core.rpc_sync("worker1", make_scripted, args=(4,))
-    out["module_result"] = (isinstance(returned, torch.jit.ScriptModule)
-                            and torch.equal(returned(x), make_scripted(4)(x)))
+    out["module_result"] = isinstance(returned, torch.jit.ScriptModule) and torch.equal(
+        returned(x), make_scripted(4)(x)
+    )
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

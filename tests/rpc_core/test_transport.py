@@ -4,6 +4,7 @@ handshake, framing, and what a connection does with malformed bytes. Real TCP so
 
 One module, though past 400 lines: one test module per module under test (here the
 transport), sharing its socket-pair helpers."""
+
 import os
 import resource
 import socket
@@ -177,8 +178,9 @@ def test_a_same_host_worker_is_dialled_over_the_first_transport_that_reaches_it(
         assert incoming.conn.recv()[2] == b"over " + want.encode()
         # Only same-host transports: none left when they are off.
         second = pool.submit(_accept_on, by_kind["unix"], b"s3cret") if uds == "1" else None
-        only_local = transport.dial(listeners[0].address, b"s3cret", time.monotonic() + IO_TIMEOUT, {"localhost"},
-                                    _intro, same_host_only=True)
+        only_local = transport.dial(
+            listeners[0].address, b"s3cret", time.monotonic() + IO_TIMEOUT, {"localhost"}, _intro, same_host_only=True
+        )
         if second is not None:
             assert only_local.kind == "unix"
             only_local.close()
@@ -409,8 +411,7 @@ def test_a_reader_on_a_machine_without_a_spare_core_blocks_without_polling(pool,
     assert not yields
 
 
-def test_a_reader_polls_while_its_waits_are_short_and_blocks_at_once_after_long_ones(pool, pair, yields,
-                                                                                       spare_core):
+def test_a_reader_polls_while_its_waits_are_short_and_blocks_at_once_after_long_ones(pool, pair, yields, spare_core):
     a, b = pair
     # Fresh connection: no long waits seen, so the first wait starts by polling, gives
     # up after the budget, blocks, and still gets the frame whole.

@@ -1,4 +1,5 @@
 """The wire protocol's layout and bounds (rpc_core/protocol/wire.py), checked without sockets."""
+
 import struct
 
 import pytest
@@ -19,7 +20,7 @@ def test_frame_header_round_trips_with_buffer_lengths():
     assert len(raw) == wire.FRAME_HEADER.size + 3 * wire.BUFFER_LEN.size
     h = wire.FrameHeader(*wire.FRAME_HEADER.unpack(raw[: wire.FRAME_HEADER.size]))
     assert h == wire.FrameHeader(wire.RESPONSE, wire.CONTROL, 3, 7, 1 << 31, 2**64 - 1)
-    lens = struct.unpack("<3Q", raw[wire.FRAME_HEADER.size:])
+    lens = struct.unpack("<3Q", raw[wire.FRAME_HEADER.size :])
     assert lens == (0, 5, 1 << 30)
     wire.check_header(h)
     wire.check_buffer_lens(lens, h)

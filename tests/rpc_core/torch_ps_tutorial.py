@@ -7,6 +7,7 @@ loaders and starts the processes), print output is kept short, ``dropout2`` is
 ``nn.Dropout`` (``Dropout2d`` on a 2-D input only warns and does the same), and
 ``run_training_loop``/``run_worker`` return the accuracy.
 """
+
 from threading import Lock
 
 import torch

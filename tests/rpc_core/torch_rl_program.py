@@ -9,6 +9,7 @@ the observers' ``run_episode``; each observer calls back ``Agent.select_action``
 Differences: a small seeded environment with CartPole's interface instead of gym, a fixed
 number of episodes, no argparse, and ``run_worker`` returns what the agent saw.
 """
+
 import torch
 import torch.distributed.rpc as rpc
 import torch.nn as nn
@@ -115,8 +116,10 @@ class Agent:
         self.rewards[ob_id].append(reward)
 
     def run_episode(self, n_steps=0):
-        futs = [rpc_async(ob_rref.owner(), _call_method, args=(Observer.run_episode, ob_rref, self.agent_rref, n_steps))
-                for ob_rref in self.ob_rrefs]
+        futs = [
+            rpc_async(ob_rref.owner(), _call_method, args=(Observer.run_episode, ob_rref, self.agent_rref, n_steps))
+            for ob_rref in self.ob_rrefs
+        ]
         for fut in futs:
             fut.wait()
 

@@ -3,6 +3,7 @@
 test_port.py runs this file unchanged on torch.distributed.rpc, and again with its imports
 changed to rpc_core, and expects the same output. Launch one process per rank with RANK,
 WORLD_SIZE, MASTER_ADDR and MASTER_PORT set (as torchrun would)."""
+
 import json
 import os
 

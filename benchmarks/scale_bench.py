@@ -1,0 +1,163 @@
+"""Scale: what each ps_train process holds, and how long a job takes to start, as trainers grow.
+
+    python benchmarks/scale_bench.py [--trainers 2 8 16 32] [--servers 2] [--steps 20]
+                                     [--json scale.json] [--timeout 900]
+
+For each (trainers, servers) it runs ``python -m ps_train cluster.num_trainers=N
+cluster.num_servers=S train.steps=K mode=async`` on this machine (loopback) and, while it
+runs, looks at every role process every 0.25 s (``benchmarks/_procs.py``): threads, peak
+resident memory, and its connections by the role at the other end. It reports per role kind
+the most seen at any look, and the start-up time: from the first role's ``starting`` line to
+the last role's ``joined the job`` line in the logs (torch is already imported then: roles
+are forked from a preloaded forkserver). The machine's load average is recorded with each
+run: on a shared machine timings are only as good as the load they ran under.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _procs import role_kind, sample_roles  # noqa: E402
+
+_PID = re.compile(r"starting (\S+) \(rank \d+ of \d+, pid (\d+)\)")
+_STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
+_CONFIG = [
+    "mode=async",
+    "train.eval_every=0",
+    "logging.progress=false",
+    "logging.tensorboard=false",
+    "checkpoint.every=0",
+]
+
+
+def _load() -> float:
+    with open("/proc/loadavg") as f:
+        return float(f.read().split()[0])
+
+
+def _stamp(line: str) -> float | None:
+    m = _STAMP.match(line)
+    return datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp() if m else None
+
+
+def _pids(logs: Path) -> dict[str, int]:
+    found = {}
+    for log in logs.glob("*.log"):
+        try:
+            m = _PID.search(log.read_text(errors="replace"))
+        except OSError:
+            continue
+        if m:
+            found[m.group(1)] = int(m.group(2))
+    return found
+
+
+def _startup(logs: Path) -> float | None:
+    """Seconds from the first role's start to the last role's joining (all ranks up)."""
+    starts, joins = [], []
+    for log in logs.glob("*.log"):
+        if log.name.startswith("__"):
+            continue
+        for line in log.read_text(errors="replace").splitlines():
+            t = _stamp(line)
+            if t is None:
+                continue
+            if _PID.search(line):
+                starts.append(t)
+            elif "joined the job" in line:
+                joins.append(t)
+    return max(joins) - min(starts) if starts and joins else None
+
+
+def run_job(trainers: int, servers: int, steps: int, timeout: float, extra: list[str]) -> dict[str, Any]:
+    run_dir = Path(tempfile.mkdtemp(prefix=f"scale_t{trainers}_s{servers}_"))
+    cmd = [
+        sys.executable,
+        "-m",
+        "ps_train",
+        *_CONFIG,
+        f"cluster.num_trainers={trainers}",
+        f"cluster.num_servers={servers}",
+        f"train.steps={steps}",
+        f"hydra.run.dir={run_dir}",
+        *extra,
+    ]
+    load_before, t0 = _load(), time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    worst: dict[str, dict[str, int]] = {}
+    trainer_peers: Counter[str] = Counter()  # the most connections any trainer had to each kind
+    pids: dict[str, int] = {}
+    while proc.poll() is None and time.monotonic() - t0 < timeout:
+        if len(pids) < trainers + servers:
+            pids = _pids(run_dir / "logs")
+        for role, s in sample_roles(pids).items():
+            kind = role_kind(role)
+            w = worst.setdefault(kind, {"threads": 0, "rss_peak_mb": 0, "connections": 0})
+            w["threads"] = max(w["threads"], s.threads)
+            w["rss_peak_mb"] = max(w["rss_peak_mb"], s.rss_peak_kb // 1024)
+            w["connections"] = max(w["connections"], sum(s.peers.values()))
+            if kind == "trainer":
+                by_kind: Counter[str] = Counter()
+                for peer, n in s.peers.items():
+                    by_kind[role_kind(peer)] += n
+                for k, n in by_kind.items():
+                    trainer_peers[k] = max(trainer_peers[k], n)
+        time.sleep(0.25)  # sampling period of the probe, not a wait for an event
+    if proc.poll() is None:
+        proc.kill()
+    out = proc.communicate()[0]
+    return {
+        "trainers": trainers,
+        "servers": servers,
+        "steps": steps,
+        "exit_code": proc.returncode,
+        "wall_s": round(time.monotonic() - t0, 2),
+        "startup_s": _startup(run_dir / "logs"),
+        "roles_seen": len(pids),
+        "per_kind": worst,
+        "trainer_connections_to": dict(trainer_peers),
+        "load_before": load_before,
+        "load_after": _load(),
+        "run_dir": str(run_dir),
+        "tail": out.strip().splitlines()[-2:] if proc.returncode else [],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trainers", type=int, nargs="+", default=[2, 8, 16, 32])
+    ap.add_argument("--servers", type=int, nargs="+", default=[2])
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds per job")
+    ap.add_argument("--json", type=Path, default=None, help="write every result here")
+    ap.add_argument("extra", nargs="*", help="more ps_train overrides")
+    args = ap.parse_args()
+    results = []
+    for servers in args.servers:
+        for trainers in args.trainers:
+            print(f"[scale] {trainers} trainers + {servers} servers ...", flush=True)
+            r = run_job(trainers, servers, args.steps, args.timeout, args.extra)
+            results.append(r)
+            print(
+                f"[scale]   exit {r['exit_code']}, wall {r['wall_s']} s, start-up {r['startup_s']} s, "
+                f"load {r['load_before']:.1f}->{r['load_after']:.1f}; per kind {r['per_kind']}; "
+                f"a trainer's connections to {r['trainer_connections_to']}",
+                flush=True,
+            )
+            if args.json:
+                args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""One process of a run: its role (a parameter server or a trainer), from start to shutdown.
+
+``run_rank`` is what every process runs: forked by the local launcher
+(``ps_train.launch.local``), or started by torchrun or SLURM with ``cluster.launcher=env``
+(``ps_train.app``). It builds the role -- a server with the model's parts (its embedding
+tables, ``ps_train.ctr.table_server``), or the model's trainer (``ps_train.ctr.trainer``) --
+joins the group, runs it, and shuts down.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ps_train import backend
+from ps_train.config import Config
+from ps_train.elastic.membership import keep_membership, serve_elastic
+from ps_train.elastic.trainer import join_group, wait_for_servers
+from ps_train.launch.failures import role_name
+from ps_train.metrics import mark_attempt
+from rpc_core import tune_malloc
+
+__all__ = ["run_rank"]
+
+log = logging.getLogger("ps_train")
+
+
+def _setup_logging(run_dir: str, name: str, level: str) -> None:
+    logs = Path(run_dir) / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(logs / f"{name}.log")
+    handler.setFormatter(logging.Formatter(f"%(asctime)s [{name}] %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+
+
+def run_rank(
+    cfg: Config,
+    rank: int,
+    master_addr: str,
+    master_port: int,
+    secret: str | None,
+    run_dir: str,
+    resume: str | None = None,
+    init_method: str | None = None,
+    attempt: int = 0,
+    joiner: bool = False,
+) -> dict[str, Any] | None:
+    """Run one role until the whole job is done; returns the metrics on trainer0.
+
+    ``resume``: a complete checkpoint dir (see ``checkpoint.files.resolve_resume``) to start from.
+    ``init_method``: where the ranks meet, if not ``tcp://master_addr:master_port``.
+    ``attempt``: how many times the run was restarted before this start (TensorBoard shows it).
+    ``joiner``: a trainer joining a running elastic job (``join=``): it takes the first free
+    trainer rank from ``rank`` on.
+    """
+    S, T = cfg.cluster.num_servers, cfg.cluster.num_trainers
+    name = role_name(rank, S)
+    torch.set_num_threads(1)  # many small processes on few cores: intra-op threads only fight
+    # rpc_core owns the malloc policy (rpc_core.memory; RPC_CORE_MALLOC_TUNE=0 or the user's
+    # own MALLOC_*/GLIBC_TUNABLES settings turn it off). init_rpc applies it on rpc_core, but
+    # torch's init_rpc does not: calling it here gives both backends the same allocator, and
+    # before the server builds its model rather than after.
+    malloc_tuned = tune_malloc()
+    _setup_logging(run_dir, name, cfg.logging.level)
+    log.info(
+        "malloc thresholds: %s",
+        "fixed by rpc_core.memory"
+        if malloc_tuned
+        else "glibc's defaults or the environment's (RPC_CORE_MALLOC_TUNE=0, MALLOC_*, GLIBC_TUNABLES, or not glibc)",
+    )
+    backend.select(cfg.backend)
+    rpc = backend.rpc()
+    from ps_train.checkpoint.protocol import checkpoint_hook, load_resume_state, load_server_state
+    from ps_train.ctr.table_server import make_table_server
+    from ps_train.ctr.trainer import trainer_class
+    from ps_train.roles import server as server_mod
+
+    resume_state = load_resume_state(resume, server=name if rank < S else None) if resume else None
+    if rank < S:
+        # Before init_rpc: trainers may ask for it at once. The model's tables, if any, are its own part.
+        ps = server_mod.create(cfg, rank, make_table_server(cfg, rank))
+        if resume_state is not None:
+            load_server_state(ps, resume_state)
+        if rank == 0 and cfg.cluster.elastic:
+            keep_membership(ps, cfg, run_dir, resume_state)  # ps_train.elastic.membership
+    init_method = init_method or f"tcp://{master_addr}:{master_port}"
+    opts = backend.make_options(
+        init_method, cfg.cluster.rpc_timeout, cfg.cluster.num_worker_threads, secret, cfg.cluster.init_timeout
+    )
+    log.info(
+        "starting %s (rank %d of %d, pid %d) on the %s backend, rendezvous at %s%s",
+        name,
+        rank,
+        S + T,
+        os.getpid(),
+        cfg.backend,
+        init_method,
+        f", resuming from {resume} (step {resume_state['step']})" if resume_state else "",
+    )
+    if cfg.cluster.elastic:  # a dynamic group: trainers can leave and join (ps_train.elastic.trainer)
+        rank = join_group(lambda r: role_name(r, S), rank, opts, cfg.cluster.init_timeout, next_free=joiner)
+        if joiner:
+            name = role_name(rank, S)
+            _setup_logging(run_dir, name, cfg.logging.level)
+            log.info("joined the running job as %s (rank %d)", name, rank)
+    else:
+        rpc.init_rpc(name, rank=rank, world_size=S + T, rpc_backend_options=opts)
+        backend.restore_rpc_timeout(cfg.cluster.rpc_timeout)
+        log.info("%s joined the job: all %d ranks are up", name, S + T)  # benchmarks/scale_bench.py reads it
+    result = None
+    try:
+        if rank >= S:
+            start, data_state = 0, None
+            if resume_state is not None:
+                start = resume_state["step"]
+                data_state = resume_state["trainer_positions"].get(name)
+            if cfg.cluster.elastic:
+                wait_for_servers(S, cfg.cluster.init_timeout)
+            t = trainer_class(cfg)(cfg, rank - S, run_dir, start_step=start, data_state=data_state)
+            mark_attempt(t.writer, t.step, attempt if t.index == 0 else None)  # see ps_train.launch.restarts
+            result = t.run(on_step=checkpoint_hook(cfg, run_dir))
+        elif cfg.cluster.elastic:
+            serve_elastic(ps)  # ps_train.elastic.membership
+    except BaseException:
+        _abandon(rpc)
+        raise
+    rpc.shutdown()
+    if rank < S and ps.membership is not None:
+        ps.membership.close()  # after shutdown: ps0 records every trainer's leave first
+    log.info("%s finished", name)
+    return result
+
+
+def _abandon(rpc: Any) -> None:
+    """Shut down a failed role without waiting for its peers: a graceful shutdown would wait
+    for every peer (forever, for a frozen one) and its error would hide the role's own."""
+    try:
+        rpc.shutdown(graceful=False)
+    except Exception:  # the role's own error is what matters; it is being raised
+        log.exception("shutting down after the failure failed too")
