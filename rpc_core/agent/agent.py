@@ -3,8 +3,8 @@
     roster.py       who is in the group (and, in a dynamic group, who joined and left)
     completion.py   calls this worker made, until each is answered, fails or times out
     dispatch.py     running the requests that arrive, and answering them
-    connections.py  dialling and accepting connections, and losing them (departures.py: a
-                    member's that left, read until its last answers arrived)
+    connections.py  dialling and accepting connections, and losing them (departures.py: one
+                    to a member that left is read until its last answers arrive)
     heartbeats.py   noticing peers that went silent while calls wait on them
     deadlines.py    the timer thread: call deadlines, lazy-answer kicks, call_later
     middleware.py   the hooks of higher layers (RRefs, distributed autograd, the profiler)
