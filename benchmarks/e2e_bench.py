@@ -5,6 +5,7 @@ Usage (from the repo root)::
     python benchmarks/e2e_bench.py                 # MLP and CNN, 1+1 and 2+2 (~2-4 min per round)
     python benchmarks/e2e_bench.py --quick         # fewer steps (~1.5-2 min; startup dominates)
     python benchmarks/e2e_bench.py --only cnn --rounds 3 --json benchmarks/results/e2e.json
+    python benchmarks/e2e_bench.py --messages      # requests per step and server, every mode (~3-5 min)
 
 Options:
     --quick               fewer training steps (see "Steps" below)
@@ -24,6 +25,12 @@ Options:
                           /dev/shm when it exists, else the system temp dir); deleted at the
                           end unless --keep-runs or a run failed (its logs are kept)
     --keep-runs           keep every run folder
+    --messages            instead of the comparison: ps_train on rpc_core, MLP 1+1 and 2+2, in
+                          every mode (sync, async, ssp with mode.staleness=2), with the update
+                          riding on the backward (cluster.update_in_backward=true, the default)
+                          and with a separate update call (false); prints the requests each
+                          server served per trainer step (see "Messages" below) and samples/s;
+                          --steps sets the steps per trainer (default 300)
 
 What is trained. The same config three ways, for ``model=mlp`` (hidden [128, 64]) and
 ``model=cnn`` (channels [32, 64], fc 128) from ``ps_train/config/``'s defaults:
@@ -74,6 +81,15 @@ Ratios: rpc_core/torch = ps_train rpc_core / ps_train torch; rpc_core/single = p
 rpc_core / single-process, both in samples/s (higher is better). The targets are
 printed below the table with whether this run met them: MLP 1+1 rpc_core/torch >= 3,
 MLP 2+2 rpc_core/torch >= 1.5, CNN 1+1 rpc_core/single >= 0.85 and rpc_core/torch > 1.
+
+Messages. rpc_core counts the requests each worker served (``connection_stats().requests_received``:
+every call, the distributed backward's gradient calls included, heartbeats not); each server
+reports its count in ``stats()`` and metrics.json lists them (``server_requests``, taken
+before the final evaluation). Requests per trainer step and server = that count / (steps x
+trainers), the largest over the servers. A request is one message out and its answer one
+back. The count includes a run's one-off calls (the trainers fetching the server RRefs,
+trainer0's status and checkpoint calls at the end: under 10 per server), which add under
+0.03 at 300 steps. The comparison table prints the same figure of its rpc_core runs (sync).
 
 Runs happen one after the other, never concurrently. The machine's load average is printed
 with the table: the cores are shared, so compare ratios from one invocation, not absolute
@@ -130,7 +146,16 @@ TARGETS = [
 # ------------------------------------------------------------------------------ configs
 
 
-def make_config(model: str, servers: int, trainers: int, backend: str, steps: int, batch_size: int = BATCH_SIZE):
+def make_config(
+    model: str,
+    servers: int,
+    trainers: int,
+    backend: str,
+    steps: int,
+    batch_size: int = BATCH_SIZE,
+    mode: str = "sync",
+    update_in_backward: bool = True,
+):
     """The validated ps_train ``Config`` every implementation trains (see module docstring)."""
     from ps_train.config import (
         CheckpointConfig,
@@ -139,6 +164,7 @@ def make_config(model: str, servers: int, trainers: int, backend: str, steps: in
         Config,
         LoggingConfig,
         MLPConfig,
+        ModeConfig,
         SyntheticConfig,
         TrainConfig,
         validate,
@@ -149,7 +175,10 @@ def make_config(model: str, servers: int, trainers: int, backend: str, steps: in
         backend=backend,
         model=MLPConfig() if model == "mlp" else CNNConfig(),
         data=SyntheticConfig(shape=[1, 28, 28], num_classes=10),
-        cluster=ClusterConfig(num_servers=servers, num_trainers=trainers, launcher="local"),
+        cluster=ClusterConfig(
+            num_servers=servers, num_trainers=trainers, launcher="local", update_in_backward=update_in_backward
+        ),
+        mode=ModeConfig(name=mode, staleness=2 if mode == "ssp" else 0),
         train=TrainConfig(steps=steps, epochs=None, batch_size=batch_size, eval_every=0, log_every=steps),
         checkpoint=CheckpointConfig(every=0),
         logging=LoggingConfig(tensorboard=False, progress=False, level="WARNING"),
@@ -181,7 +210,16 @@ def _failure_reason(exc: BaseException, run_dir: str) -> str:
 
 
 def run_ps_train(
-    model: str, servers: int, trainers: int, backend: str, steps: int, run_root: str, timeout: float, log
+    model: str,
+    servers: int,
+    trainers: int,
+    backend: str,
+    steps: int,
+    run_root: str,
+    timeout: float,
+    log,
+    mode: str = "sync",
+    update_in_backward: bool = True,
 ) -> dict:
     """One ``ps_train.app.run``; returns ``{"status", "samples_per_s", ...}``, never raises."""
     res: dict[str, Any] = {"status": "ok", "samples_per_s": None, "error": None, "run_dir": None}
@@ -191,7 +229,7 @@ def run_ps_train(
     try:
         from ps_train import app
 
-        cfg = make_config(model, servers, trainers, backend, steps)
+        cfg = make_config(model, servers, trainers, backend, steps, mode=mode, update_in_backward=update_in_backward)
         # The roles inherit our stdout and print their "done" line there: send it to stderr
         # with the other progress messages, so stdout carries only the table.
         sys.stdout.flush()
@@ -216,6 +254,10 @@ def run_ps_train(
             steps=metrics.get("steps"),
             backend=metrics.get("backend"),
             losses=metrics.get("losses", {}).get("trainer0"),
+            # rpc_core: requests each server served per trainer step (see "Messages")
+            requests_per_step=[n / (steps * trainers) for n in metrics["server_requests"]]
+            if "server_requests" in metrics
+            else None,
         )
         if metrics.get("backend") not in (None, backend):
             raise RuntimeError(f"asked for backend={backend} but metrics.json says {metrics.get('backend')}")
@@ -334,6 +376,12 @@ def merge(results: list[dict]) -> dict:
     }
 
 
+def requests_per_step(results: list[dict]) -> float | None:
+    """The most requests a server served per trainer step, over the runs that succeeded."""
+    got = [max(r["requests_per_step"]) for r in results if r["status"] == "ok" and r.get("requests_per_step")]
+    return max(got) if got else None
+
+
 def loss_check(single: list[dict], core: list[dict]) -> float | None:
     """Largest |loss difference| between a 1+1 ps_train run and the single-process run."""
     ref = next((r["losses"] for r in single if r["status"] == "ok" and r.get("losses")), None)
@@ -371,6 +419,7 @@ def build_rows(models, raw) -> list[dict]:
                     "rpc_core": core["per_round"],
                 },
                 "errors": {"single": single["errors"], "torch": torch_["errors"], "rpc_core": core["errors"]},
+                "rpc_core_requests_per_step": requests_per_step(raw[(model, servers, trainers, "rpc_core")]),
             }
             if (servers, trainers) == (1, 1):
                 row["max_loss_diff_vs_single"] = {
@@ -450,6 +499,9 @@ def render(rows, targets, info) -> str:
         "  so * marks the same single-process figure repeated in the 2+2 row "
         "(rpc_core/single there = 2 trainers' total vs one process)."
     )
+    counted = [f"{r['config']} {r['rpc_core_requests_per_step']:.2f}" for r in rows if r["rpc_core_requests_per_step"]]
+    if counted:
+        out.append("rpc_core requests per trainer step and server (the busiest server): " + ", ".join(counted))
     for r in rows:
         d = r.get("max_loss_diff_vs_single")
         if d:
@@ -498,6 +550,81 @@ def render(rows, targets, info) -> str:
     return "\n".join(out)
 
 
+# ------------------------------------------------------------------------------- messages
+
+MESSAGE_MODES = ("sync", "async", "ssp")
+MESSAGE_TARGET = 2.0  # requests per trainer step and server, every mode, update in the backward
+
+
+def run_messages(steps: int, run_root: str, timeout: float, log) -> tuple[list[dict], bool]:
+    """``--messages``: every mode, update in the backward and not, MLP 1+1 and 2+2; the rows
+    for ``render_messages`` and whether every run succeeded."""
+    rows = []
+    ok = True
+    for servers, trainers in CLUSTERS:
+        for mode in MESSAGE_MODES:
+            for in_backward in (True, False):
+                log(f"mlp {servers}+{trainers} mode={mode} cluster.update_in_backward={str(in_backward).lower()}")
+                res = run_ps_train(
+                    "mlp", servers, trainers, "rpc_core", steps, run_root, timeout, log, mode, in_backward
+                )
+                ok = ok and res["status"] == "ok"
+                if res["status"] == "ok" and res.get("run_dir"):
+                    shutil.rmtree(res["run_dir"], ignore_errors=True)
+                rows.append(
+                    {
+                        "config": f"mlp {servers}+{trainers}",
+                        "mode": mode,
+                        "update_in_backward": in_backward,
+                        "per_server": res.get("requests_per_step"),
+                        "samples_per_s": res["samples_per_s"],
+                        "error": res["error"],
+                    }
+                )
+    return rows, ok
+
+
+def render_messages(rows: list[dict], steps: int, loadavg: list[str] | None) -> str:
+    head = ["config", "mode", "update in backward", "requests/step, per server", "busiest", "samples/s"]
+    body = []
+    for r in rows:
+        per = r["per_server"]
+        body.append(
+            [
+                r["config"],
+                r["mode"],
+                "yes" if r["update_in_backward"] else "no",
+                " ".join(f"ps{i} {v:.2f}" for i, v in enumerate(per)) if per else ("error" if r["error"] else "-"),
+                f"{max(per):.2f}" if per else "-",
+                fmt(r["samples_per_s"]) if r["samples_per_s"] else "-",
+            ]
+        )
+    widths = [max(len(str(x[i])) for x in [head] + body) for i in range(len(head))]
+    out = ["| " + " | ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)) + " |"]
+    out.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    out += ["| " + " | ".join(str(c).ljust(w) for c, w in zip(b, widths, strict=True)) + " |" for b in body]
+    out.append("")
+    out.append(
+        f"ps_train on rpc_core, model=mlp, batch {BATCH_SIZE}, {steps} steps per trainer; requests each server "
+        "served / (steps x trainers), one-off calls of the run included (see --help, Messages)."
+    )
+    riding = [max(r["per_server"]) for r in rows if r["update_in_backward"] and r["per_server"]]
+    if riding:
+        worst = max(riding)
+        verdict = "met" if worst <= MESSAGE_TARGET + 0.05 else "MISSED"
+        out.append(
+            f"target: <= {MESSAGE_TARGET:g} requests per trainer step and server in every mode with the update "
+            f"in the backward (one-off calls allowed for: +0.05): busiest {worst:.2f}  {verdict}"
+        )
+    if loadavg:
+        out.append(f"machine: {os.cpu_count()} CPUs, load average {loadavg[0]} at start, {loadavg[1]} at end.")
+    for r in rows:
+        if r["error"]:
+            flag = str(r["update_in_backward"]).lower()
+            out.append(f"error: {r['config']} mode={r['mode']} update_in_backward={flag}: {r['error']}")
+    return "\n".join(out)
+
+
 # ----------------------------------------------------------------------------------- main
 
 
@@ -516,6 +643,7 @@ def main(argv=None) -> int:
     ap.add_argument("--single-threads", type=int, default=1)
     ap.add_argument("--run-root", default=None, metavar="DIR")
     ap.add_argument("--keep-runs", action="store_true")
+    ap.add_argument("--messages", action="store_true")
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error("--rounds must be >= 1")
@@ -541,6 +669,22 @@ def main(argv=None) -> int:
     run_root = tempfile.mkdtemp(prefix="ps_train_e2e_", dir=base)
     log(f"run folders under {run_root}")
     loadavg_start = os.getloadavg() if hasattr(os, "getloadavg") else None
+    if args.messages:
+        n = args.steps or 300
+        msg_rows, all_ok = run_messages(n, run_root, timeout, log)
+        end = os.getloadavg() if hasattr(os, "getloadavg") else None
+        print(
+            render_messages(
+                msg_rows, n, [f"{loadavg_start[0]:.2f}", f"{end[0]:.2f}"] if loadavg_start and end else None
+            )
+        )
+        if all_ok and not args.keep_runs:
+            shutil.rmtree(run_root, ignore_errors=True)
+        if args.json:
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+            with open(args.json, "w") as f:
+                json.dump({"command": " ".join(sys.argv), "steps": n, "rows": msg_rows}, f, indent=2)
+        return 0 if all_ok else 1
 
     raw: dict = {}
     for model in models:

@@ -141,8 +141,10 @@ def _set_rpc_timeout(rpc_timeout: float) -> None:
 # -- rpc_core's own: for applications built on it (not in torch) ----------------------------------------
 def connection_stats() -> ConnectionStats:
     """Bytes this worker sent and received so far over its open connections, both ways (calls
-    to itself not included), and how many of them are same-host Unix sockets or may copy by
-    cross-memory attach. Raises RpcNotInitializedError before ``init_rpc``."""
+    to itself not included), how many of them are same-host Unix sockets or may copy by
+    cross-memory attach, and how many requests it sent and received (every call, gradient
+    calls of the distributed backward included; its heartbeats and handshakes not).
+    Raises RpcNotInitializedError before ``init_rpc``."""
     return current_agent().connections.connection_stats()
 
 

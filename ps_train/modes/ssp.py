@@ -6,7 +6,8 @@ completed (``clock``); the answer comes once every counted trainer completed at 
 many minus ``mode.staleness``, and says how far ahead it was then. A trainer that finished
 no longer holds the others back; in an elastic run only the trainers in the job count
 (``Membership.counted``), and one that leaves releases those it held back at once. Updates
-are async's.
+are async's. When the update rides on the backward (``in_backward``), ps0's clock does too: its
+answer comes back with the backward (``ClockedUpdate``), so a step sends ps0 no clock call.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ from typing import Any, NamedTuple
 import torch
 
 from ps_train.modes.asynchronous import AsyncMode
-from ps_train.modes.base import ModeOptions, ModeServer, ModeTrainer, RunConfig
+from ps_train.modes.base import ModeOptions, ModeServer, ModeTrainer, RunConfig, UpdateRequest
 
-__all__ = ["SspMode"]
+__all__ = ["SspMode", "ClockedUpdate"]
 
 _FINISHED = 1 << 60  # the steps a finished trainer counts as having completed
 
@@ -29,6 +30,14 @@ class ClockWaiter(NamedTuple):
 
     completed: int
     future: torch.futures.Future[Any]
+
+
+class ClockedUpdate(NamedTuple):
+    """ps0's answer to an update that rode on the backward: the update's staleness, and the
+    clock's (how far the trainer was ahead of the slowest when it was let go on)."""
+
+    staleness: int
+    steps_ahead: int
 
 
 class SspMode(AsyncMode):
@@ -71,6 +80,16 @@ class SspMode(AsyncMode):
         for w in ready:
             w.future.set_result(max(0, w.completed - slowest))
 
+    def in_backward(self, server: ModeServer, context_id: int, request: UpdateRequest) -> torch.futures.Future[Any]:
+        """The update, and on ps0 also the clock of the step it completes: the trainer's
+        backward returns once it may go on (the clock's wait holds no thread)."""
+        update = super().in_backward(server, context_id, request)
+        if server.rank != 0:
+            return update
+        staleness = update.wait()  # async's update answers at once
+        clock = self.clock(server, request.trainer, request.step + 1)
+        return clock.then(lambda f: ClockedUpdate(staleness, f.value()))
+
     def trainer_finished(self, server: ModeServer, trainer: int) -> None:
         self.clock(server, trainer, _FINISHED)
 
@@ -82,6 +101,11 @@ class SspMode(AsyncMode):
 
     # -- trainer side ---------------------------------------------------------------------------
     def settled(self, trainer: ModeTrainer, results: list[Any], step: int) -> dict[str, float]:
+        first = results[0]
+        if isinstance(first, ClockedUpdate):  # the clock's answer came with the backward
+            out = super().settled(trainer, [first.staleness, *results[1:]], step)
+            out["steps_ahead"] = float(first.steps_ahead)
+            return out
         out = super().settled(trainer, results, step)
         # Waits while this trainer is more than mode.staleness steps ahead of the slowest;
         # returns how far ahead it is when released.

@@ -238,6 +238,7 @@ class ParameterServer:
             conns = connection_stats()
             out["bytes_sent"] = conns.bytes_sent
             out["bytes_received"] = conns.bytes_received
+            out["requests_received"] = conns.requests_received  # calls served so far (benchmarks/e2e_bench.py)
         return out
 
     def state_dict(self) -> dict[str, Any]:

@@ -7,11 +7,18 @@ Each trainer owns a partition of the training data. Per step (batch x: [B, *in_s
         for shard in shards:                        # forward order; each on its server
             h = server[shard].forward(shard, h)     # [B, features_k] over RPC
         loss = cross_entropy(h, y)                  # logits h: [B, num_classes]
-        dist_autograd.backward(ctx, [loss])         # gradients land on the servers
-        every server: update(ctx, me, step)         # sync: its answer waits for all trainers
+        dist_autograd.backward(ctx, [loss])         # gradients land on the servers, and
+                                                    # each server's update rides on it (rpc_core)
+        backend=torch or cluster.update_in_backward=false:
+            every server: update(ctx, me, step)     # sync: its answer waits for all trainers
         x, y = next batch                           # while the servers update
         wait for the updates                        # before the next forward
-    ssp: ps0.clock(me, step + 1)                    # wait if too far ahead
+    ssp: ps0.clock(me, step + 1)                    # wait if too far ahead (rpc_core: in the backward)
+
+On rpc_core (``cluster.update_in_backward=true``, the default) the update request rides on
+the backward (``rpc_core.autograd.hooks``): each server applies it as soon as its part of
+the backward is done and the answer comes back with the backward, so a step sends each
+server two requests, the forward and the gradient call.
 
 The update requests are sent asynchronously and waited for only after the next batch is
 ready (``settle``), so the trainer's end-of-step work (metrics, the next batch) overlaps
@@ -146,9 +153,9 @@ class Trainer:
         self._in_flight: InFlight | None = None
         self.mode = make_mode(cfg)  # what an update asks for and waits for (ps_train.modes)
         self.pipelined = self.mode.pipelined  # see module docstring
-        # cluster.update_in_backward (rpc_core): the update rides on the backward
-        # (rpc_core.autograd.hooks); torch's RPC has no such extension, so there, and by default,
-        # the trainer sends its update requests after the backward.
+        # cluster.update_in_backward (rpc_core, the default): the update rides on the backward
+        # (rpc_core.autograd.hooks); torch's RPC has no such extension, so there, and with
+        # cluster.update_in_backward=false, the trainer sends its update requests after the backward.
         self.in_backward = cfg.cluster.update_in_backward and backend.name() == "rpc_core"
 
     def load(self) -> None:
@@ -399,6 +406,13 @@ class Trainer:
             "num_servers": cfg.cluster.num_servers,
             "num_trainers": cfg.cluster.num_trainers,
             "server_updates": [s["version"] for s in server_stats],
+            # rpc_core: requests each server served until the final evaluation (every call
+            # since the trainers started; backend=torch keeps no count)
+            **(
+                {"server_requests": [s["requests_received"] for s in server_stats]}
+                if "requests_received" in server_stats[0]
+                else {}
+            ),
             "max_staleness": max([s["max_staleness"] for s in server_stats] + [0]),
             "max_steps_ahead": max(s["max_steps_ahead"] for s in all_stats),
             "losses": {s["trainer"]: s["losses"] for s in all_stats},

@@ -51,7 +51,9 @@ _HELLO_ID = 0  # msg_id of the identity frame a dialer sends first
 
 
 class ConnectionStats(NamedTuple):
-    """Byte counts summed over a worker's open connections (calls to self not included)."""
+    """Byte counts summed over a worker's open connections (calls to self not included), and
+    the requests (calls: each one message out, its answer one back) it sent and served so far,
+    its own control messages (heartbeats, handshakes) not counted."""
 
     bytes_sent: int
     bytes_received: int
@@ -60,6 +62,8 @@ class ConnectionStats(NamedTuple):
     connections: int  # how many connections were summed
     unix_connections: int = 0  # of those, how many are same-host Unix sockets (the rest TCP)
     cma_connections: int = 0  # of those, how many may copy tensors by cross-memory attach, either way
+    requests_sent: int = 0  # calls this worker made (rpc_sync/rpc_async/remote, gradient and cleanup calls)
+    requests_received: int = 0  # requests it received to serve (calls to self included)
 
 
 class _Loss(NamedTuple):
@@ -425,7 +429,8 @@ class Connections:
                 self._incoming_cv.wait(max(0.0, deadline - time.monotonic()))
 
     def connection_stats(self) -> ConnectionStats:
-        """Bytes sent and received so far over this worker's open connections, both ways."""
+        """Bytes sent and received so far over this worker's open connections, both ways, and
+        the requests sent and received."""
         with self._lock:
             conns = {id(c): c for c in [*self.out.values(), *self._incoming] if not isinstance(c, _Loopback)}
         cs: list[Connection] = list(conns.values())
@@ -437,6 +442,8 @@ class Connections:
             len(cs),
             sum(c.kind == "unix" for c in cs),
             sum(c.capabilities.cma_send or c.capabilities.cma_recv for c in cs),
+            self._pending.n_sent,
+            self._dispatch.n_received,
         )
 
     def close(self) -> None:

@@ -590,13 +590,15 @@ def _body_connection_stats(ctx):
     return before, after
 
 
-def test_connection_stats_count_the_bytes_of_a_call_both_ways():
+def test_connection_stats_count_the_bytes_and_the_requests_of_a_call():
     before, after = run_world(_body_connection_stats, 2)[0]
     assert after.connections >= 1 and after.connections == before.connections
     assert after.bytes_sent - before.bytes_sent >= 1 << 20, (before, after)
     assert after.bytes_received - before.bytes_received >= 1 << 20, (before, after)
     # By cross-memory attach or through the socket, both count (cma is the part that went by address).
     assert after.bytes_cma_sent - before.bytes_cma_sent <= after.bytes_sent - before.bytes_sent
+    # One call: one request sent, none served here.
+    assert (after.requests_sent - before.requests_sent, after.requests_received - before.requests_received) == (1, 0)
 
 
 def test_connection_stats_need_an_initialised_worker():

@@ -1,0 +1,45 @@
+"""The update rides on the trainer's distributed backward (``cluster.update_in_backward``, the
+default on rpc_core): a trainer step costs each server one forward and one gradient call,
+in every mode (ssp's clock answers with ps0's part of the backward), counted by rpc_core
+(``connection_stats().requests_received``, metrics.json ``server_requests``)."""
+
+import pytest
+
+from tests.ps_train._app import run_app
+
+STEPS, TRAINERS = 30, 2
+# Calls of a run besides its steps: each trainer fetches every server's RRef, trainer0 asks
+# every server for its stats at the last step and at the end, saves the final checkpoint.
+ONE_OFF = 16
+
+
+def requests_per_server(tmp_path, mode: str, in_backward: bool) -> list[int]:
+    metrics = run_app(
+        tmp_path / "run",
+        f"mode={mode}",
+        "model=mlp",
+        "data=digits",
+        "cluster.num_servers=2",
+        f"cluster.num_trainers={TRAINERS}",
+        f"cluster.update_in_backward={str(in_backward).lower()}",
+        f"train.steps={STEPS}",
+        f"train.log_every={STEPS}",
+        "checkpoint.every=0",
+        timeout=150,
+    )
+    return metrics["server_requests"]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", ["sync", "ssp"])
+def test_a_step_sends_each_server_two_requests(tmp_path, mode):
+    for server, n in enumerate(requests_per_server(tmp_path, mode, True)):
+        assert 2 * STEPS * TRAINERS <= n <= 2 * STEPS * TRAINERS + ONE_OFF, f"ps{server}: {n} requests"
+
+
+@pytest.mark.timeout(180)
+def test_with_the_update_call_an_ssp_step_sends_ps0_four(tmp_path):
+    # forward, gradient call, update call, clock: what the update in the backward saves.
+    ps0, ps1 = requests_per_server(tmp_path, "ssp", False)
+    assert 4 * STEPS * TRAINERS <= ps0 <= 4 * STEPS * TRAINERS + ONE_OFF
+    assert 3 * STEPS * TRAINERS <= ps1 <= 3 * STEPS * TRAINERS + ONE_OFF
