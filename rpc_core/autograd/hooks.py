@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 
@@ -56,8 +56,8 @@ def on_backward_done(key: str, fn: Hook) -> Callable[[], None]:
     """On a worker that owns parameters: run ``fn(context_id, payload)`` once the backward of
     a context whose caller set a ``key`` payload (``set_backward_info``) is done here (every
     gradient of the context accumulated: ``get_gradients(context_id)`` is complete). ``fn``
-    returns a value or a ``torch.futures.Future`` of one; it comes back to the caller of
-    ``backward``. Returns a function that removes the hook."""
+    returns a value or a future of one (``torch.futures.Future``, or what its ``then``
+    returns); it comes back to the caller of ``backward``. Returns a function that removes the hook."""
     if not callable(fn):
         raise TypeError(f"on_backward_done({key!r}, fn): fn must be callable, got {type(fn).__name__}")
     with _hooks_lock:
@@ -164,8 +164,8 @@ def run_hooks(ctx: _context.DistAutogradContext) -> torch.futures.Future[dict[st
     try:
         for key, fn, payload in todo:
             value = fn(ctx.context_id, payload)
-            if isinstance(value, torch.futures.Future):
-                pending.append((key, value))
+            if isinstance(value, torch._C.Future):  # a torch.futures.Future, or a chained one (then())
+                pending.append((key, cast("torch.futures.Future[Any]", value)))  # waited on alike
             else:
                 values[key] = value
     except BaseException as e:  # noqa: BLE001 - the backward's caller gets it, naming this worker

@@ -171,8 +171,9 @@ def test_a_trainer_joins_a_running_job_and_its_updates_reach_the_servers(tmp_pat
     finally:
         if job.poll() is None:
             job.kill()
+    # The job first: when it fails, the launcher kills its roles and the joiner fails with it.
+    assert job.returncode == 0, "".join(seen) + out + "\njoiner:\n" + joiner.stderr
     assert joiner.returncode == 0, joiner.stderr
-    assert job.returncode == 0, "".join(seen) + out
     metrics = read_json(run_dir / "metrics.json")
     joined = [e for e in metrics["membership"] if e["trainer"] == "trainer2"]
     assert joined and joined[0]["event"] == "joined" and joined[0]["num_trainers"] == 3

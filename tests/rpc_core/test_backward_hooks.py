@@ -115,9 +115,12 @@ def run_config(name: str, optim_cls: type, kwargs: dict[str, Any], in_backward: 
             assert torch.equal(g, w), f"{name} step {step}, parameter {i}: distributed {g} != local {w}"
 
 
-def _staleness_hook(context_id: int, payload: dict[str, int]) -> dict[str, Any]:
+def _staleness_hook(context_id: int, payload: dict[str, int]) -> Any:
     grads = dist_autograd.get_gradients(context_id)
-    return {"step": payload["step"], "grads": len(grads)}
+    counted: torch.futures.Future[int] = torch.futures.Future()
+    counted.set_result(len(grads))
+    # A chained future (``then`` makes a torch._C.Future, not a torch.futures.Future) is waited for too.
+    return counted.then(lambda f: {"step": payload["step"], "grads": f.value()})
 
 
 def _failing_hook(context_id: int, payload: Any) -> None:
