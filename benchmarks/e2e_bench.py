@@ -30,7 +30,8 @@ Options:
                           riding on the backward (cluster.update_in_backward=true, the default)
                           and with a separate update call (false); prints the requests each
                           server served per trainer step (see "Messages" below) and samples/s;
-                          --steps sets the steps per trainer (default 300)
+                          --steps sets the steps per trainer (default 300), --cluster S+T
+                          (repeatable) the sizes instead of 1+1 and 2+2
 
 What is trained. The same config three ways, for ``model=mlp`` (hidden [128, 64]) and
 ``model=cnn`` (channels [32, 64], fc 128) from ``ps_train/config/``'s defaults:
@@ -556,12 +557,14 @@ MESSAGE_MODES = ("sync", "async", "ssp")
 MESSAGE_TARGET = 2.0  # requests per trainer step and server, every mode, update in the backward
 
 
-def run_messages(steps: int, run_root: str, timeout: float, log) -> tuple[list[dict], bool]:
+def run_messages(
+    steps: int, run_root: str, timeout: float, log, clusters: tuple[tuple[int, int], ...] = CLUSTERS
+) -> tuple[list[dict], bool]:
     """``--messages``: every mode, update in the backward and not, MLP 1+1 and 2+2; the rows
     for ``render_messages`` and whether every run succeeded."""
     rows = []
     ok = True
-    for servers, trainers in CLUSTERS:
+    for servers, trainers in clusters:
         for mode in MESSAGE_MODES:
             for in_backward in (True, False):
                 log(f"mlp {servers}+{trainers} mode={mode} cluster.update_in_backward={str(in_backward).lower()}")
@@ -644,6 +647,7 @@ def main(argv=None) -> int:
     ap.add_argument("--run-root", default=None, metavar="DIR")
     ap.add_argument("--keep-runs", action="store_true")
     ap.add_argument("--messages", action="store_true")
+    ap.add_argument("--cluster", action="append", default=None, metavar="S+T")
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error("--rounds must be >= 1")
@@ -671,7 +675,12 @@ def main(argv=None) -> int:
     loadavg_start = os.getloadavg() if hasattr(os, "getloadavg") else None
     if args.messages:
         n = args.steps or 300
-        msg_rows, all_ok = run_messages(n, run_root, timeout, log)
+        try:
+            pairs = [c.split("+") for c in args.cluster or ()]
+            sizes = tuple((int(a), int(b)) for a, b in pairs) if pairs else CLUSTERS
+        except ValueError:
+            ap.error(f"--cluster takes servers+trainers, e.g. 1+1; got {args.cluster}")
+        msg_rows, all_ok = run_messages(n, run_root, timeout, log, sizes)
         end = os.getloadavg() if hasattr(os, "getloadavg") else None
         print(
             render_messages(
