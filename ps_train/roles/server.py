@@ -181,10 +181,12 @@ class ParameterServer:
             return
         for p in self.dense_params:
             p.grad = grads.get(p)
-        if self.optimizer is not None:
+        # A part none of whose parameters has a gradient is left alone (mode=hybrid steps
+        # the tables and the dense shards apart): its optimizer counts no step.
+        if self.optimizer is not None and any(p.grad is not None for p in self.dense_params):
             with scaled_lr(self.optimizer, lr_factor):
                 self.optimizer.step()
-        if self.tables is not None:
+        if self.tables is not None and any(p in grads for p in self.tables.params):
             self.tables.step(grads, lr_factor)
         for p in self.dense_params:
             p.grad = None
