@@ -163,6 +163,8 @@ class DLRMConfig(ModelConfig):
     table_optim: str = "adagrad"  # sgd | adagrad | sparse_adam | rowwise_adagrad: touched rows only (ctr.optimizers)
     table_lr: float | None = None  # null: optim.lr
     pooling: list[str] = field(default_factory=list)  # per table sum | mean; []: sum; one value: every table
+    cache_rows: int = 0  # hot rows each trainer caches (ps_train.ctr.cache); 0: no cache
+    cache_staleness: int = 1  # steps a cached row serves before it is pulled again
 
     def num_stages(self) -> int:
         return 2  # bottom MLP, top MLP
@@ -215,6 +217,11 @@ class DLRMConfig(ModelConfig):
         p.need(
             self.table_lr is None or self.table_lr > 0,
             f"model.table_lr: {self.table_lr} must be > 0 (or null for optim.lr)",
+        )
+        p.need(self.cache_rows >= 0, f"model.cache_rows: {self.cache_rows} must be >= 0 (0: no row cache)")
+        p.need(
+            self.cache_staleness >= 1,
+            f"model.cache_staleness: {self.cache_staleness} must be >= 1 (steps a cached row serves)",
         )
         return p
 
