@@ -27,9 +27,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ps_train.config import Config, CtrDataConfig, DLRMConfig
-from ps_train.ctr.bags import Bags, as_bags
+from ps_train.ctr.bags import Bags
 from ps_train.ctr.batches import CtrBatch, CtrBatchIterator, iter_ctr_eval_batches
 from ps_train.ctr.cache import CacheSplit, RowCache
+from ps_train.ctr.jagged import KeyedJagged, to_bags
 from ps_train.ctr.loading import load_ctr_data
 from ps_train.ctr.metrics import ctr_metrics, format_ctr_metrics
 from ps_train.ctr.model import interact
@@ -61,6 +62,7 @@ class CtrTrainer(Trainer):
         )
         sizes = cfg.data.sizes()
         layout = FusedLayout(cfg.model.table_sharding, tuple(sizes), cfg.cluster.num_servers)
+        self.feature_names = cfg.model.feature_list(len(sizes))  # KeyedJagged keys, table order
         self.planner = BagPlanner(layout, cfg.model.embedding_dim, cfg.model.pooling_list(len(sizes)))
         self.cache = (  # hot rows kept here for up to model.cache_staleness steps (ps_train.ctr.cache)
             RowCache(
@@ -78,7 +80,7 @@ class CtrTrainer(Trainer):
     # -- one step ---------------------------------------------------------------------------------
     def step_loss(self, batch: CtrBatch) -> tuple[Tensor, dict[str, float]]:
         dense, ids, labels = batch
-        plan = self.planner.plan(as_bags(ids))
+        plan = self.planner.plan(to_bags(ids, self.feature_names))
         requests = plan.requests
         splits: list[CacheSplit] = []
         if self.cache is not None:  # cached rows are not asked for
@@ -122,9 +124,10 @@ class CtrTrainer(Trainer):
         return push
 
     # -- evaluation -------------------------------------------------------------------------------
-    def predict(self, dense: Tensor, ids: Tensor | Bags) -> Tensor:
-        """Logits [B] of the current model (no autograd): what evaluation scores."""
-        plan = self.planner.plan(as_bags(ids))
+    def predict(self, dense: Tensor, ids: Tensor | Bags | KeyedJagged) -> Tensor:
+        """Logits [B] of the current model (no autograd): what evaluation scores. ``ids``
+        as a batch carries them, or a ``KeyedJagged`` / TorchRec ``KeyedJaggedTensor``."""
+        plan = self.planner.plan(to_bags(ids, self.feature_names))
         futs = [server.rpc_async().read_rows(*plan.requests[s]) for s, server in enumerate(self.servers)]
         (bottom, bottom_server), (top, top_server) = self.shard_servers
         x = self.servers[bottom_server].rpc_sync().predict(bottom, dense)
