@@ -17,7 +17,7 @@ import subprocess
 from collections import Counter
 from dataclasses import dataclass, field
 
-__all__ = ["RoleSample", "sample_roles", "role_kind"]
+__all__ = ["RoleSample", "sample_roles", "role_kind", "cpu_seconds"]
 
 _SOCKET = re.compile(r"socket:\[(\d+)\]")
 
@@ -41,7 +41,7 @@ def _status(pid: int) -> dict[str, str]:
         return dict(line.split(":", 1) for line in f if ":" in line)
 
 
-def _cpu_seconds(pid: int) -> float:
+def cpu_seconds(pid: int) -> float:
     """utime + stime of /proc/<pid>/stat (fields 14 and 15), in seconds."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
@@ -109,7 +109,7 @@ def sample_roles(pids: dict[str, int]) -> dict[str, RoleSample]:
     for role, pid in pids.items():
         try:
             st = _status(pid)
-            cpu = _cpu_seconds(pid)
+            cpu = cpu_seconds(pid)
         except OSError:
             continue  # exited
         s = RoleSample(int(st["Threads"]), int(st.get("VmHWM", "0 kB").split()[0]), cpu)

@@ -15,11 +15,13 @@ run: on a shared machine timings are only as good as the load they ran under.
 
 For the cost model (``benchmarks/scale_model.py``) each run also records, from the run's
 ``metrics.json``: samples/s, steps, the training wall time, each server's updates and bytes
-per trainer step (rpc_core's byte counters); and from /proc: each role's CPU seconds (user +
-kernel) at its last look and at the first look after all ranks joined (their difference is
-the role's CPU while training: setup before the join is left out, trainer0's final
-evaluation and the shutdown are not), the load average over the run, and the cores the run
-actually got (the roles' CPU while training over the training wall time).
+per trainer step (rpc_core's byte counters); from /proc: each role's CPU seconds (user +
+kernel) at its last look and at the first look after all ranks joined, the load average over
+the run, and the cores the run got (the roles' CPU since the join over the training wall
+time). And the *steady window* (``steady``): at each of trainer0's progress lines (every 10
+steps) every role's CPU seconds are read at once; between the first and the last line, the
+steps, seconds, each role's CPU, samples/s and cores used, free of start-up, the first steps,
+trainer0's final evaluation and the shutdown. The model fits on that window when it exists.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from datetime import datetime
@@ -38,13 +41,15 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _procs import role_kind, sample_roles  # noqa: E402
+from _procs import cpu_seconds, role_kind, sample_roles  # noqa: E402
 
 _PID = re.compile(r"starting (\S+) \(rank \d+ of \d+, pid (\d+)\)")
+_PROGRESS = re.compile(r"^\[trainer0\] step (\d+)/")
 _STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 _CONFIG = [
     "train.eval_every=0",
-    "logging.progress=false",
+    "logging.progress=true",  # trainer0's "step N/M" lines mark the steady window
+    "train.log_every=10",
     "logging.tensorboard=false",
     "checkpoint.every=0",
 ]
@@ -103,6 +108,52 @@ def _startup(logs: Path) -> float | None:
     return max(joins) - min(starts) if starts and joins else None
 
 
+class _Marks:
+    """Reads the job's console; at each of trainer0's progress lines, notes the time and every
+    role's CPU seconds right away: the steady window between the first and the last such line
+    leaves out start-up, the first steps, trainer0's final evaluation and the shutdown."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.pids: dict[str, int] = {}
+        self.lines: list[str] = []
+        self.marks: list[tuple[int, float, dict[str, float]]] = []  # (trainer0's step, time, role -> CPU s)
+        if proc.stdout is None:
+            raise ValueError("_Marks needs the job's stdout as a pipe (Popen(stdout=PIPE))")
+        self._out = proc.stdout
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        for line in self._out:
+            self.lines.append(line.rstrip("\n"))
+            m = _PROGRESS.match(line)
+            if m:
+                now, cpu = time.monotonic(), {}
+                for role, pid in list(self.pids.items()):
+                    try:
+                        cpu[role] = cpu_seconds(pid)
+                    except OSError:
+                        continue
+                self.marks.append((int(m.group(1)), now, cpu))
+
+    def join(self) -> None:
+        self._thread.join(timeout=30)
+
+    def steady(self, trainers: int, batch: int | None) -> dict[str, Any] | None:
+        """The window's steps (trainer0's), seconds, each role's CPU seconds, samples/s and cores."""
+        if len(self.marks) < 2 or batch is None:
+            return None
+        (s0, t0, c0), (s1, t1, c1) = self.marks[0], self.marks[-1]
+        cpu = {r: round(c1[r] - c0[r], 3) for r in c1 if r in c0}
+        return {
+            "steps": s1 - s0,
+            "seconds": round(t1 - t0, 3),
+            "cpu_s": cpu,
+            "samples_per_s": trainers * batch * (s1 - s0) / (t1 - t0),
+            "cores_used": round(sum(cpu.values()) / (t1 - t0), 3),
+        }
+
+
 def run_job(trainers: int, servers: int, steps: int, timeout: float, mode: str, extra: list[str]) -> dict[str, Any]:
     run_dir = Path(tempfile.mkdtemp(prefix=f"scale_t{trainers}_s{servers}_"))
     cmd = [
@@ -123,12 +174,13 @@ def run_job(trainers: int, servers: int, steps: int, timeout: float, mode: str, 
     cpu_joined: dict[str, float] = {}  # role -> CPU seconds at the first look after all joined
     cpu_last: dict[str, float] = {}  # role -> CPU seconds at its last look
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    marks = _Marks(proc)
     worst: dict[str, dict[str, int]] = {}
     trainer_peers: Counter[str] = Counter()  # the most connections any trainer had to each kind
     pids: dict[str, int] = {}
     while proc.poll() is None and time.monotonic() - t0 < timeout:
         if len(pids) < trainers + servers:
-            pids = _pids(run_dir / "logs")
+            pids = marks.pids = _pids(run_dir / "logs")
         all_joined = all_joined or (len(pids) == trainers + servers and _startup(run_dir / "logs") is not None)
         loads.append(_load())
         for role, s in sample_roles(pids).items():
@@ -149,8 +201,10 @@ def run_job(trainers: int, servers: int, steps: int, timeout: float, mode: str, 
         time.sleep(0.25)  # sampling period of the probe, not a wait for an event
     if proc.poll() is None:
         proc.kill()
-    out = proc.communicate()[0]
+    proc.wait()
+    marks.join()
     m = _metrics(run_dir)
+    batch = m["samples"] // (trainers * m["steps"]) if m.get("samples") and m.get("steps") else None
     cpu = {
         role: {"total_s": round(c, 2), "training_s": round(c - cpu_joined.get(role, 0.0), 2)}
         for role, c in sorted(cpu_last.items())
@@ -161,6 +215,7 @@ def run_job(trainers: int, servers: int, steps: int, timeout: float, mode: str, 
         "overrides": extra,
         **m,
         "role_cpu": cpu,
+        "steady": marks.steady(trainers, batch),
         "cores_used": round(sum(c["training_s"] for c in cpu.values()) / train_wall, 3) if train_wall else None,
         "load_mean": round(sum(loads) / len(loads), 2) if loads else None,
         "uptime_before": uptime_before,
@@ -178,7 +233,7 @@ def run_job(trainers: int, servers: int, steps: int, timeout: float, mode: str, 
         "load_before": load_before,
         "load_after": _load(),
         "run_dir": str(run_dir),
-        "tail": out.strip().splitlines()[-2:] if proc.returncode else [],
+        "tail": marks.lines[-2:] if proc.returncode else [],
     }
 
 
