@@ -93,20 +93,29 @@ class Prediction:
 
 
 def observation_from_run(run: dict[str, Any]) -> Observation | None:
-    """A ``scale_bench.py`` record as the model sees it; None if the run has no figures."""
-    cpu, per = run.get("role_cpu") or {}, run.get("server_bytes_per_step")
+    """A ``scale_bench.py`` record as the model sees it; None if the run has no figures.
+
+    Its steady window (``steady``: between trainer0's first and last progress line) when it
+    has one; else the whole run since all ranks joined, where trainer0's final evaluation
+    counts too, so a trainer's CPU is taken from the others when there are others."""
+    cpu, per, steady = run.get("role_cpu") or {}, run.get("server_bytes_per_step"), run.get("steady")
     if not run.get("samples_per_s") or not per or not cpu or not run.get("cores_used"):
         return None
-    t, s, steps = int(run["trainers"]), int(run["servers"]), int(run["steps"])
-    # trainer0 also runs the final evaluation: with other trainers, take theirs.
-    names = [f"trainer{k}" for k in range(1 if t > 1 else 0, t)]
-    trainer = statistics.mean(cpu[n]["training_s"] for n in names) / steps
-    servers = tuple(cpu[f"ps{r}"]["training_s"] / (t * steps) for r in range(s))
-    nbytes = tuple(per[f"ps{r}"]["sent"] + per[f"ps{r}"]["received"] for r in range(s))
+    t, s = int(run["trainers"]), int(run["servers"])
     load = run.get("load_mean") or run.get("load_before") or 0.0
-    return Observation(
-        run["mode"], t, s, steps, float(run["samples_per_s"]), trainer, servers, nbytes, run["cores_used"], load
-    )
+    nbytes = tuple(per[f"ps{r}"]["sent"] + per[f"ps{r}"]["received"] for r in range(s))
+    if steady and steady["steps"] > 0:
+        d, steps = steady["cpu_s"], steady["steps"]
+        trainer = statistics.mean(d[f"trainer{k}"] for k in range(t)) / steps
+        servers = tuple(d[f"ps{r}"] / (t * steps) for r in range(s))
+        rate, cores = float(steady["samples_per_s"]), float(steady["cores_used"])
+    else:
+        steps = int(run["steps"])
+        names = [f"trainer{k}" for k in range(1 if t > 1 else 0, t)]
+        trainer = statistics.mean(cpu[n]["training_s"] for n in names) / steps
+        servers = tuple(cpu[f"ps{r}"]["training_s"] / (t * steps) for r in range(s))
+        rate, cores = float(run["samples_per_s"]), float(run["cores_used"])
+    return Observation(run["mode"], t, s, steps, rate, trainer, servers, nbytes, cores, load)
 
 
 def _lstsq(columns: list[list[float]], y: list[float]) -> list[float]:

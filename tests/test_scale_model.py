@@ -133,3 +133,10 @@ def test_a_scale_bench_record_becomes_an_observation() -> None:
     # trainer0's CPU (it also evaluates) is left out when there are others; the server's is per trainer step.
     assert (o.trainer_cpu_per_step, o.server_cpu_per_step, o.server_bytes_per_step) == (0.01, (0.02,), (400.0,))
     assert observation_from_run({**run, "samples_per_s": None}) is None
+    # With a steady window, its figures: every trainer's CPU over its steps, its rate and cores.
+    cpu = {"ps0": 0.8, "trainer0": 0.2, "trainer1": 0.4}
+    window = {"steps": 20, "seconds": 2.0, "cpu_s": cpu, "samples_per_s": 700.0, "cores_used": 0.7}
+    o = observation_from_run({**run, "steady": window})
+    assert o is not None
+    assert (o.trainer_cpu_per_step, o.server_cpu_per_step) == (pytest.approx(0.015), (pytest.approx(0.02),))
+    assert (o.samples_per_s, o.cores_used, o.server_bytes_per_step) == (700.0, 0.7, (400.0,))
