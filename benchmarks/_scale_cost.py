@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from _scale_shapes import WORKLOADS, ServerLoad, Workload, server_loads
+from _scale_shapes import ServerLoad, Workload, mlp, server_loads
 
 __all__ = [
     "Observation",
@@ -57,6 +57,7 @@ class Observation:
     server_bytes_per_step: tuple[float, ...]  # sent + received per trainer step, per server
     cores_used: float  # all roles' CPU while training / training wall time
     load: float  # the machine's load average during the run
+    workload: Workload  # what the run trained (an MLP: its hidden sizes and batch)
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,9 @@ def observation_from_run(run: dict[str, Any]) -> Observation | None:
     if not run.get("samples_per_s") or not per or not cpu or not run.get("cores_used"):
         return None
     t, s = int(run["trainers"]), int(run["servers"])
+    workload = _mlp_of(run)
+    if workload is None:
+        return None
     load = run.get("load_mean") or run.get("load_before") or 0.0
     nbytes = tuple(per[f"ps{r}"]["sent"] + per[f"ps{r}"]["received"] for r in range(s))
     if steady and steady["steps"] > 0:
@@ -115,7 +119,22 @@ def observation_from_run(run: dict[str, Any]) -> Observation | None:
         trainer = statistics.mean(cpu[n]["training_s"] for n in names) / steps
         servers = tuple(cpu[f"ps{r}"]["training_s"] / (t * steps) for r in range(s))
         rate, cores = float(run["samples_per_s"]), float(run["cores_used"])
-    return Observation(run["mode"], t, s, steps, rate, trainer, servers, nbytes, cores, load)
+    return Observation(run["mode"], t, s, steps, rate, trainer, servers, nbytes, cores, load, workload)
+
+
+def _mlp_of(run: dict[str, Any]) -> Workload | None:
+    """The MLP a run trained, from its overrides and its samples per trainer step; None for
+    another model (the fit takes MLP runs only)."""
+    hidden: tuple[int, ...] = (128, 64)
+    for o in run.get("overrides") or []:
+        key, _, value = o.partition("=")
+        if key == "model" and value != "mlp":
+            return None
+        if key == "model.hidden_sizes":
+            hidden = tuple(int(v) for v in value.strip("[]").split(",") if v.strip())
+    steps = run.get("steps") or 0
+    batch = run["samples"] // (run["trainers"] * steps) if run.get("samples") and steps else 32
+    return mlp(hidden, batch)
 
 
 def _lstsq(columns: list[list[float]], y: list[float]) -> list[float]:
@@ -132,19 +151,16 @@ def _lstsq(columns: list[list[float]], y: list[float]) -> list[float]:
     return [max(float(v), 0.0) for v in coef]
 
 
-def fit(obs: list[Observation], flop_rate: float = 5e9, workload: Workload | None = None) -> Constants:
-    """Constants that reproduce ``obs`` (runs of ``workload``, the default MLP by default)."""
-    w = workload or WORKLOADS["mlp"]
-    loads = {o.servers: server_loads(w, o.servers) for o in obs}
-    pts = [
-        (ld, o.server_bytes_per_step[r], o.server_cpu_per_step[r]) for o in obs for r, ld in enumerate(loads[o.servers])
-    ]
+def fit(obs: list[Observation], flop_rate: float = 5e9) -> Constants:
+    """Constants that reproduce ``obs``."""
+    loads = {id(o): server_loads(o.workload, o.servers) for o in obs}
+    pts = [(ld, o.server_bytes_per_step[r], o.server_cpu_per_step[r]) for o in obs for r, ld in enumerate(loads[id(o)])]
     beta, gamma = _lstsq([[ld.bytes for ld, _, _ in pts], [ld.messages for ld, _, _ in pts]], [b for _, b, _ in pts])
     a, b = _lstsq(
         [[ld.messages for ld, _, _ in pts], [wb for _, wb, _ in pts]],
         [cpu - ld.flops / flop_rate for ld, _, cpu in pts],
     )
-    msgs = [sum(ld.messages for ld in loads[o.servers]) for o in obs]
+    msgs = [sum(ld.messages for ld in loads[id(o)]) for o in obs]
     c0, c1 = _lstsq([[1.0] * len(obs), [float(m) for m in msgs]], [o.trainer_cpu_per_step for o in obs])
     c = Constants(beta, gamma, a, b, c0, c1, flop_rate, DEFAULT_JITTER)
     sync = [o for o in obs if o.mode == "sync" and o.trainers > 1]
@@ -153,7 +169,8 @@ def fit(obs: list[Observation], flop_rate: float = 5e9, workload: Workload | Non
         def error(j: float) -> float:
             cj = Constants(**{**c.__dict__, "jitter": j})
             return sum(
-                math.log(predict(cj, w, measured_as_cluster(o)).samples_per_s / o.samples_per_s) ** 2 for o in sync
+                math.log(predict(cj, o.workload, measured_as_cluster(o)).samples_per_s / o.samples_per_s) ** 2
+                for o in sync
             )
 
         best = min((k / 20 for k in range(0, 101)), key=error)  # 0 to 5, coarse, then finer around it

@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-__all__ = ["Stage", "Workload", "ServerLoad", "server_loads", "WORKLOADS"]
+__all__ = ["Stage", "Workload", "ServerLoad", "server_loads", "mlp", "WORKLOADS"]
 
 FLOAT = 4  # bytes
 
@@ -93,9 +93,10 @@ def server_loads(w: Workload, servers: int) -> list[ServerLoad]:
     return out
 
 
-def _mlp() -> Workload:
-    # The default: digits (8x8 = 64 features), hidden [128, 64], 10 classes, batch 32.
-    return Workload("mlp", 32, (_linear(64, 128), _linear(128, 64), _linear(64, 10)))
+def mlp(hidden: tuple[int, ...] = (128, 64), batch: int = 32) -> Workload:
+    """model=mlp on digits (8x8 = 64 features, 10 classes): the default is hidden [128, 64], batch 32."""
+    widths = (64, *hidden, 10)
+    return Workload("mlp", batch, tuple(_linear(i, o) for i, o in zip(widths, widths[1:], strict=False)))
 
 
 def _cnn() -> Workload:
@@ -117,4 +118,4 @@ def _dlrm_large() -> Workload:
     return Workload("dlrm_large", 512, bottom + top, 2.0 * rows * 64 * FLOAT, 4.0 * rows * 64)
 
 
-WORKLOADS = {w.name: w for w in (_mlp(), _cnn(), _dlrm_large())}
+WORKLOADS = {w.name: w for w in (mlp(), _cnn(), _dlrm_large())}

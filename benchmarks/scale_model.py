@@ -33,7 +33,7 @@ from _scale_cost import (  # noqa: E402
     observation_from_run,
     predict,
 )
-from _scale_shapes import WORKLOADS  # noqa: E402
+from _scale_shapes import WORKLOADS, server_loads  # noqa: E402
 
 PLAN_TRAINERS = (64, 256, 1024)
 PLAN_LINKS_GBIT = (10, 25, 100)
@@ -87,11 +87,12 @@ def validation_rows(c: Constants, obs: list[Observation]) -> list[dict[str, Any]
     """Predicted vs measured samples/s of each run, with the cores it got as the machine."""
     rows = []
     for o in obs:
-        p = predict(c, WORKLOADS["mlp"], measured_as_cluster(o))
+        p = predict(c, o.workload, measured_as_cluster(o))
         err = (p.samples_per_s - o.samples_per_s) / o.samples_per_s
         rows.append(
             {
                 "mode": o.mode,
+                "model": f"mlp {[st.out_floats for st in o.workload.stages[:-1]]}, batch {o.workload.batch}",
                 "trainers": o.trainers,
                 "servers": o.servers,
                 "cores_used": o.cores_used,
@@ -107,11 +108,12 @@ def validation_rows(c: Constants, obs: list[Observation]) -> list[dict[str, Any]
 
 def cmd_validate(args: argparse.Namespace) -> None:
     rows = validation_rows(_constants(args.constants), _runs(args.runs))
-    print("| mode | T | S | cores got | load | measured samples/s | predicted | error | binds |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| model | mode | T | S | cores got | load | measured samples/s | predicted | error | binds |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['mode']} | {r['trainers']} | {r['servers']} | {r['cores_used']:.2f} | {r['load']:.0f} | "
+            f"| {r['model']} | {r['mode']} | {r['trainers']} | {r['servers']} | "
+            f"{r['cores_used']:.2f} | {r['load']:.0f} | "
             f"{r['measured']:,.0f} | {r['predicted']:,.0f} | {r['error']:+.0%} | {r['binding']} |"
         )
     worst = max(abs(r["error"]) for r in rows)
@@ -135,17 +137,24 @@ def cmd_plan(args: argparse.Namespace) -> None:
     lat = args.latency_us * 1e-6
     print(f"one-way latency {args.latency_us} us, one core per trainer and per server (one Python process each)\n")
     print("## Servers needed (async: the fewest for 95% of the best), samples/s with them")
-    print("| model | trainers | " + " | ".join(f"{g} Gbit/s" for g in PLAN_LINKS_GBIT) + " |")
-    print("|---|---|" + "---|" * len(PLAN_LINKS_GBIT))
-    for name in WORKLOADS:
+    print("| model | trainers | link | servers | samples/s | of T lone trainers | binds | busiest server's link used |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, w in WORKLOADS.items():
         for t in PLAN_TRAINERS:
-            cells = []
+            rows = []
             for g in PLAN_LINKS_GBIT:
                 s, p = servers_needed(c, name, t, g * 1e9, lat)
-                lone = predict(c, WORKLOADS[name], Cluster(1, s, g * 1e9, lat, 1.0, 1.0, None, "async"))
+                lone = predict(c, w, Cluster(1, s, g * 1e9, lat, 1.0, 1.0, None, "async"))
                 share = p.samples_per_s / (t * lone.samples_per_s)  # of what the trainers alone would do
-                cells.append(f"{s}: {p.samples_per_s:,.0f}/s, {share:.0%} of T lone trainers ({p.binding})")
-            print(f"| {name} | {t} | " + " | ".join(cells) + " |")
+                wire = max(c.beta * ld.bytes + c.gamma * ld.messages for ld in server_loads(w, s))
+                used = p.steps_per_s * t * wire / 2 * 8 / (g * 1e9)  # one way
+                rows.append((g, f"{s} | {p.samples_per_s:,.0f} | {share:.1%} | {p.binding}", used))
+            if len({r[1] for r in rows}) == 1:  # the link does not change the answer: one row
+                used = ", ".join(f"{r[2]:.1%}" for r in rows)
+                print(f"| {name} | {t} | {'/'.join(str(g) for g in PLAN_LINKS_GBIT)} Gbit/s | {rows[0][1]} | {used} |")
+            else:
+                for g, text, used in rows:
+                    print(f"| {name} | {t} | {g} Gbit/s | {text} | {used:.1%} |")
     print("\n## Sync vs async, 10 Gbit/s, servers as many as the model has stages (the most that help a dense model)")
     print("| model | servers | trainers | async samples/s | sync samples/s | async/sync | sync binds |")
     print("|---|---|---|---|---|---|---|")

@@ -12,7 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from _scale_cost import Cluster, Constants, Observation, fit, observation_from_run, predict  # noqa: E402
-from _scale_shapes import WORKLOADS, server_loads  # noqa: E402
+from _scale_shapes import WORKLOADS, mlp, server_loads  # noqa: E402
 
 MLP = WORKLOADS["mlp"]
 TRUE = Constants(
@@ -42,7 +42,7 @@ def _synthetic(c: Constants, trainers: int, servers: int, cores: float, mode: st
     wire, cpu = _server_cpu(c, servers)
     trainer = c.trainer_cpu_base + c.trainer_cpu_per_message * sum(ld.messages for ld in loads)
     p = predict(c, MLP, Cluster(trainers, servers, math.inf, 0.0, 1.0, 1.0, cores, mode))
-    return Observation(mode, trainers, servers, 50, p.samples_per_s, trainer, tuple(cpu), tuple(wire), cores, 1.0)
+    return Observation(mode, trainers, servers, 50, p.samples_per_s, trainer, tuple(cpu), tuple(wire), cores, 1.0, MLP)
 
 
 def test_bytes_of_an_mlp_step_by_hand() -> None:
@@ -123,6 +123,8 @@ def test_a_scale_bench_record_becomes_an_observation() -> None:
         "servers": 1,
         "steps": 10,
         "samples_per_s": 640.0,
+        "samples": 640,
+        "overrides": ["model.hidden_sizes=[16,16]"],
         "server_bytes_per_step": {"ps0": {"sent": 100.0, "received": 300.0}},
         "role_cpu": {n: {"training_s": v} for n, v in (("ps0", 0.4), ("trainer0", 9.0), ("trainer1", 0.1))},
         "cores_used": 0.5,
@@ -132,7 +134,9 @@ def test_a_scale_bench_record_becomes_an_observation() -> None:
     assert o is not None
     # trainer0's CPU (it also evaluates) is left out when there are others; the server's is per trainer step.
     assert (o.trainer_cpu_per_step, o.server_cpu_per_step, o.server_bytes_per_step) == (0.01, (0.02,), (400.0,))
+    assert o.workload == mlp((16, 16), 32)  # its overrides and samples / (trainers x steps)
     assert observation_from_run({**run, "samples_per_s": None}) is None
+    assert observation_from_run({**run, "overrides": ["model=cnn"]}) is None  # the fit takes MLPs
     # With a steady window, its figures: every trainer's CPU over its steps, its rate and cores.
     cpu = {"ps0": 0.8, "trainer0": 0.2, "trainer1": 0.4}
     window = {"steps": 20, "seconds": 2.0, "cpu_s": cpu, "samples_per_s": 700.0, "cores_used": 0.7}
