@@ -148,19 +148,27 @@ def cmd_plan(args: argparse.Namespace) -> None:
                 share = p.samples_per_s / (t * lone.samples_per_s)  # of what the trainers alone would do
                 wire = max(c.beta * ld.bytes + c.gamma * ld.messages for ld in server_loads(w, s))
                 used = p.steps_per_s * t * wire / 2 * 8 / (g * 1e9)  # one way
-                rows.append((g, f"{s} | {p.samples_per_s:,.0f} | {share:.1%} | {p.binding}", used))
+                rows.append(
+                    (
+                        g,
+                        f"{s} | {p.samples_per_s:,.0f} | {share:.0%} | {p.binding}"
+                        if share >= 0.01
+                        else f"{s} | {p.samples_per_s:,.0f} | <1% | {p.binding}",
+                        used,
+                    )
+                )
             if len({r[1] for r in rows}) == 1:  # the link does not change the answer: one row
                 used = ", ".join(f"{r[2]:.1%}" for r in rows)
                 print(f"| {name} | {t} | {'/'.join(str(g) for g in PLAN_LINKS_GBIT)} Gbit/s | {rows[0][1]} | {used} |")
             else:
                 for g, text, used in rows:
                     print(f"| {name} | {t} | {g} Gbit/s | {text} | {used:.1%} |")
-    print("\n## Sync vs async, 10 Gbit/s, servers as many as the model has stages (the most that help a dense model)")
+    print("\n## Sync vs async, 10 Gbit/s, with the servers the table above gives 64 trainers")
     print("| model | servers | trainers | async samples/s | sync samples/s | async/sync | sync binds |")
     print("|---|---|---|---|---|---|---|")
     curves: dict[str, list[tuple[int, float, float]]] = {}
     for name, w in WORKLOADS.items():
-        s = len(w.stages) if not w.table_bytes else 64
+        s = servers_needed(c, name, 64, 10e9, lat)[0]
         curve = []
         for k in range(0, 13):
             t = 2**k
