@@ -8,8 +8,9 @@ shapes) and ``f_s`` flops on server ``s`` (``_scale_shapes.server_loads``):
 - server CPU:                     ``u_s = a * m_s + b * w_s + f_s / F``  (F: FLOP/s, assumed)
 - trainer CPU:                    ``c = c0 + c1 * sum_s m_s``
 - a trainer's own step (serial):  ``c + sum over its shards' servers of u_s + round trips x
-  2 x latency + its bytes one way / bandwidth``; round trips = 2 x shards + 1 (forward and
-  backward through each shard, then the update to all servers at once).
+  2 x latency + its bytes both ways / bandwidth`` (each answer follows its request); round
+  trips = 2 x shards + 1 (forward and backward through each shard, then the update to all
+  servers at once).
 
 Async: each trainer steps at the least of ``1 / serial step``, ``cores_s / (T u_s)`` (server
 CPU), ``B / (T w_s / 2)`` (server link) and, all ranks on one machine of ``C`` cores,
@@ -207,7 +208,8 @@ def _serial(c: Constants, w: Workload, cl: Cluster) -> tuple[float, dict[str, fl
         "trainer CPU": trainer / kt,
         "server compute on the path": (on_path + max(off_path, default=0.0)) / ks,
         "round trips": (2 * shards + 1 + (1 if w.table_bytes else 0)) * 2 * cl.latency_s,
-        "trainer link": sum(wire) / 2 * 8 / cl.link_bps,
+        # Requests and their answers follow one another on a step's path: both ways count.
+        "trainer link": sum(wire) * 8 / cl.link_bps,
     }
     return sum(parts.values()), parts
 

@@ -137,7 +137,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
     lat = args.latency_us * 1e-6
     print(f"one-way latency {args.latency_us} us, one core per trainer and per server (one Python process each)\n")
     print("## Servers needed (async: the fewest for 95% of the best), samples/s with them")
-    print("| model | trainers | link | servers | samples/s | of T lone trainers | binds | busiest server's link used |")
+    print("| model | trainers | link | servers | samples/s | binds | of T lone trainers | busiest server's link used |")
     print("|---|---|---|---|---|---|---|---|")
     for name, w in WORKLOADS.items():
         for t in PLAN_TRAINERS:
@@ -148,21 +148,14 @@ def cmd_plan(args: argparse.Namespace) -> None:
                 share = p.samples_per_s / (t * lone.samples_per_s)  # of what the trainers alone would do
                 wire = max(c.beta * ld.bytes + c.gamma * ld.messages for ld in server_loads(w, s))
                 used = p.steps_per_s * t * wire / 2 * 8 / (g * 1e9)  # one way
-                rows.append(
-                    (
-                        g,
-                        f"{s} | {p.samples_per_s:,.0f} | {share:.0%} | {p.binding}"
-                        if share >= 0.01
-                        else f"{s} | {p.samples_per_s:,.0f} | <1% | {p.binding}",
-                        used,
-                    )
-                )
+                rows.append((g, f"{s} | {p.samples_per_s:,.0f} | {p.binding}", f"{share:.1%}", f"{used:.1%}"))
             if len({r[1] for r in rows}) == 1:  # the link does not change the answer: one row
-                used = ", ".join(f"{r[2]:.1%}" for r in rows)
-                print(f"| {name} | {t} | {'/'.join(str(g) for g in PLAN_LINKS_GBIT)} Gbit/s | {rows[0][1]} | {used} |")
+                shares, uses = (", ".join(r[k] for r in rows) for k in (2, 3))
+                links = "/".join(str(g) for g in PLAN_LINKS_GBIT)
+                print(f"| {name} | {t} | {links} Gbit/s | {rows[0][1]} | {shares} | {uses} |")
             else:
-                for g, text, used in rows:
-                    print(f"| {name} | {t} | {g} Gbit/s | {text} | {used:.1%} |")
+                for g, text, share_text, used_text in rows:
+                    print(f"| {name} | {t} | {g} Gbit/s | {text} | {share_text} | {used_text} |")
     print("\n## Sync vs async, 10 Gbit/s, with the servers the table above gives 64 trainers")
     print("| model | servers | trainers | async samples/s | sync samples/s | async/sync | sync binds |")
     print("|---|---|---|---|---|---|---|")
