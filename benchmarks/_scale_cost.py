@@ -13,7 +13,7 @@ shapes) and ``f_s`` flops on server ``s`` (``_scale_shapes.server_loads``):
   servers at once).
 
 Async: each trainer steps at the least of ``1 / serial step``, ``cores_s / (T u_s)`` (server
-CPU), ``B / (T w_s / 2)`` (server link) and, all ranks on one machine of ``C`` cores,
+CPU), ``B / (T x server s's bytes the busier way)`` (server link) and, all ranks on one machine of ``C`` cores,
 ``C / (T (c + sum_s u_s))``. Sync: a step waits for all trainers, so the servers' work for
 the T trainers adds to the trainer's instead of overlapping it, plus the slowest of T
 trainers: ``jitter x serial step x sqrt(2 ln T)`` (the expected maximum of T normal times).
@@ -39,6 +39,7 @@ __all__ = [
     "fit",
     "predict",
     "measured_as_cluster",
+    "busier_way",
 ]
 
 DEFAULT_JITTER = 0.1  # coefficient of variation of a trainer's step time, when no sync run fits it
@@ -197,6 +198,14 @@ def _costs(c: Constants, w: Workload, servers: int) -> tuple[list[ServerLoad], l
     return loads, wire, cpu, trainer
 
 
+def busier_way(c: Constants, w: Workload, servers: int) -> list[float]:
+    """Each server's wire bytes per trainer step the busier way (in or out): what its link's
+    rate bounds. A request's framing counts half each way."""
+    return [
+        c.beta * max(ld.received, ld.bytes - ld.received) + c.gamma * ld.messages / 2 for ld in server_loads(w, servers)
+    ]
+
+
 def _serial(c: Constants, w: Workload, cl: Cluster) -> tuple[float, dict[str, float]]:
     """A trainer's step alone: its total seconds and their parts."""
     loads, wire, cpu, trainer = _costs(c, w, cl.servers)
@@ -225,7 +234,7 @@ def predict(c: Constants, w: Workload, cl: Cluster) -> Prediction:
     serial, parts = _serial(c, w, cl)
     t = cl.trainers
     server_cpu = t * max(cpu) / ks  # seconds of the busiest server's CPU per step of every trainer
-    server_link = t * max(wire) / 2 * 8 / cl.link_bps
+    server_link = t * max(busier_way(c, w, cl.servers)) * 8 / cl.link_bps
     machine = t * (trainer + sum(cpu)) / cl.shared_cores if cl.shared_cores else 0.0
     if cl.mode == "async":
         times = {"server CPU": server_cpu, "server link": server_link, "machine cores": machine}

@@ -44,6 +44,7 @@ class ServerLoad:
     """One server's share of one trainer step."""
 
     bytes: float  # payload both ways, from the shapes (the fit scales it to the wire)
+    received: float  # of which the server receives (the rest it sends)
     messages: int  # requests it serves
     flops: float  # arithmetic it does
     shard: bool  # holds stages (is on the trainer's serial path)
@@ -76,15 +77,19 @@ def server_loads(w: Workload, servers: int) -> list[ServerLoad]:
     for r in range(servers):
         extra = 2 if w.table_bytes else 0  # a DLRM step's lookup and its gradient
         if r >= len(groups):
-            out.append(ServerLoad(table_share, 1 + extra, w.table_flops / servers, False))
+            out.append(ServerLoad(table_share, table_share / 2, 1 + extra, w.table_flops / servers, False))
             continue
         a, b = groups[r]
         first, last = w.stages[a], w.stages[b - 1]
-        floats = first.in_floats + 2 * last.out_floats + (first.in_floats if a > 0 else 0)
+        # In: the activation and, in the backward, the output's gradient. Out: the output and
+        # the input's gradient (none for the data). Rows and their gradients: half each way.
+        floats_in = first.in_floats + last.out_floats
+        floats = floats_in + last.out_floats + (first.in_floats if a > 0 else 0)
         flops = 3.0 * sum(s.flops for s in w.stages[a:b])  # forward + backward ~ 3 forwards
         out.append(
             ServerLoad(
                 w.batch * floats * FLOAT + table_share,
+                w.batch * floats_in * FLOAT + table_share / 2,
                 3 + extra,
                 w.batch * flops + w.table_flops / servers,
                 True,

@@ -28,12 +28,13 @@ from _scale_cost import (  # noqa: E402
     Constants,
     Observation,
     Prediction,
+    busier_way,
     fit,
     measured_as_cluster,
     observation_from_run,
     predict,
 )
-from _scale_shapes import WORKLOADS, server_loads  # noqa: E402
+from _scale_shapes import WORKLOADS  # noqa: E402
 
 PLAN_TRAINERS = (64, 256, 1024)
 PLAN_LINKS_GBIT = (10, 25, 100)
@@ -146,8 +147,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
                 s, p = servers_needed(c, name, t, g * 1e9, lat)
                 lone = predict(c, w, Cluster(1, s, g * 1e9, lat, 1.0, 1.0, None, "async"))
                 share = p.samples_per_s / (t * lone.samples_per_s)  # of what the trainers alone would do
-                wire = max(c.beta * ld.bytes + c.gamma * ld.messages for ld in server_loads(w, s))
-                used = p.steps_per_s * t * wire / 2 * 8 / (g * 1e9)  # one way
+                used = p.steps_per_s * t * max(busier_way(c, w, s)) * 8 / (g * 1e9)
                 rows.append((g, f"{s} | {p.samples_per_s:,.0f} | {p.binding}", f"{share:.1%}", f"{used:.1%}"))
             if len({r[1] for r in rows}) == 1:  # the link does not change the answer: one row
                 shares, uses = (", ".join(r[k] for r in rows) for k in (2, 3))

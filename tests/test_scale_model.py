@@ -92,12 +92,17 @@ def test_async_binding_switches_from_the_trainers_step_to_server_cpu_at_t_star()
 
 
 def test_link_binds_below_the_bandwidth_the_formula_gives() -> None:
-    # Server link binds instead of its CPU when T w / 2 x 8 / B > T u, i.e. B < 4 w / u.
+    # One server: it receives x [32, 64] and the logits' gradient [32, 10], sends the logits.
+    [load] = server_loads(MLP, 1)
+    assert load.received == 32 * 4 * (64 + 10)
     [w], [u] = _server_cpu(TRUE, 1)
-    b_switch = 4 * w / u
+    one_way = TRUE.beta * load.received + TRUE.gamma * load.messages / 2
+    # Its link binds instead of its CPU when T one_way x 8 / B > T u, i.e. B < 8 one_way / u.
+    b_switch = 8 * one_way / u
     slow = predict(TRUE, MLP, Cluster(64, 1, 0.9 * b_switch, 0.0, 1.0, 1.0, None, "async"))
     fast = predict(TRUE, MLP, Cluster(64, 1, 1.1 * b_switch, 0.0, 1.0, 1.0, None, "async"))
     assert (slow.binding, fast.binding) == ("server link", "server CPU")
+    assert slow.samples_per_s == pytest.approx(MLP.batch * 0.9 * b_switch / (8 * one_way))
 
 
 def test_latency_binds_a_lone_trainer_on_a_long_link_and_sync_pays_the_barrier() -> None:
