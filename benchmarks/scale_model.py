@@ -150,7 +150,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
                 used = p.steps_per_s * t * max(busier_way(c, w, s)) * 8 / (g * 1e9)
                 rows.append((g, f"{s} | {p.samples_per_s:,.0f} | {p.binding}", f"{share:.1%}", f"{used:.1%}"))
             if len({r[1] for r in rows}) == 1:  # the link does not change the answer: one row
-                shares, uses = (", ".join(r[k] for r in rows) for k in (2, 3))
+                shares, uses = ", ".join(r[2] for r in rows), ", ".join(r[3] for r in rows)
                 links = "/".join(str(g) for g in PLAN_LINKS_GBIT)
                 print(f"| {name} | {t} | {links} Gbit/s | {rows[0][1]} | {shares} | {uses} |")
             else:
