@@ -8,7 +8,7 @@ shapes) and ``f_s`` flops on server ``s`` (``_scale_shapes.server_loads``):
 - server CPU:                     ``u_s = a * m_s + b * w_s + f_s / F``  (F: FLOP/s, assumed)
 - trainer CPU:                    ``c = c0 + c1 * sum_s m_s``
 - a trainer's own step (serial):  ``c + sum over its shards' servers of u_s + round trips x
-  2 x latency + its bytes both ways / bandwidth`` (each answer follows its request); round
+  2 x latency + its bytes the busier way / bandwidth``; round
   trips = 2 x shards + 1 (forward and backward through each shard, then the update to all
   servers at once).
 
@@ -206,6 +206,14 @@ def busier_way(c: Constants, w: Workload, servers: int) -> list[float]:
     ]
 
 
+def _trainer_ways(c: Constants, loads: list[ServerLoad]) -> tuple[float, float]:
+    """A trainer's wire bytes per step out (what its servers receive) and in (what they send)."""
+    framing = c.gamma * sum(ld.messages for ld in loads) / 2
+    out = c.beta * sum(ld.received for ld in loads) + framing
+    back = c.beta * sum(ld.bytes - ld.received for ld in loads) + framing
+    return out, back
+
+
 def _serial(c: Constants, w: Workload, cl: Cluster) -> tuple[float, dict[str, float]]:
     """A trainer's step alone: its total seconds and their parts."""
     loads, wire, cpu, trainer = _costs(c, w, cl.servers)
@@ -217,8 +225,8 @@ def _serial(c: Constants, w: Workload, cl: Cluster) -> tuple[float, dict[str, fl
         "trainer CPU": trainer / kt,
         "server compute on the path": (on_path + max(off_path, default=0.0)) / ks,
         "round trips": (2 * shards + 1 + (1 if w.table_bytes else 0)) * 2 * cl.latency_s,
-        # Requests and their answers follow one another on a step's path: both ways count.
-        "trainer link": sum(wire) * 8 / cl.link_bps,
+        # The busier way of the trainer's link: what the servers receive, or what they send.
+        "trainer link": max(_trainer_ways(c, loads)) * 8 / cl.link_bps,
     }
     return sum(parts.values()), parts
 
