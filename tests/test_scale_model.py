@@ -103,6 +103,12 @@ def test_link_binds_below_the_bandwidth_the_formula_gives() -> None:
     fast = predict(TRUE, MLP, Cluster(64, 1, 1.1 * b_switch, 0.0, 1.0, 1.0, None, "async"))
     assert (slow.binding, fast.binding) == ("server link", "server CPU")
     assert slow.samples_per_s == pytest.approx(MLP.batch * 0.9 * b_switch / (8 * one_way))
+    # One trainer on a slow link: its own step binds, the busier way of its link (what it sends:
+    # the server's in, with half of each request's framing) over the rate, after its CPU.
+    alone = predict(TRUE, MLP, Cluster(1, 1, 1e5, 0.0, 1.0, 1.0, None, "async"))
+    cpu = TRUE.trainer_cpu_base + 3 * TRUE.trainer_cpu_per_message + u
+    assert alone.binding == "trainer link"
+    assert 1 / alone.steps_per_s == pytest.approx(cpu + one_way * 8 / 1e5)
 
 
 def test_latency_binds_a_lone_trainer_on_a_long_link_and_sync_pays_the_barrier() -> None:
