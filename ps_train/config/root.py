@@ -105,6 +105,11 @@ class Config:
         p += m.input_problems(shape, d.name)
         if isinstance(m, DLRMConfig) and isinstance(d, CtrDataConfig):
             p += m.table_problems(len(d.sizes()), d.has_id_weights())
+            p.need(
+                m.cache_rows == 0 or not c.update_in_backward,
+                "model.cache_rows: a trainer pushes its cached rows' gradients before its update request, "
+                "and cluster.update_in_backward=true sends the update with the backward; set one of them off",
+            )
         p += batch_problems(d.train_samples(), c.num_trainers, self.train.batch_size)
         p += run_problems(self)  # the mode's own, with the other groups
         return p

@@ -23,10 +23,12 @@ __all__ = [
 
 @dataclass
 class ModeConfig:
-    name: str = "sync"  # sync | async | ssp (ps_train.modes)
-    staleness: int = 0  # ssp only: max steps a trainer may run ahead of the slowest
-    aggregate: str = "mean"  # sync only: mean (as DDP) or sum of the trainers' gradients
-    staleness_rule: str = "scale"  # async/ssp only: scale (lr / staleness) or none
+    name: str = "sync"  # sync | async | ssp | hybrid (ps_train.modes)
+    # ssp: max steps a trainer may run ahead of the slowest; hybrid: how many steps of the
+    # other trainers' table updates a lookup may miss
+    staleness: int = 0
+    aggregate: str = "mean"  # sync/hybrid only: mean (as DDP) or sum of the trainers' (dense) gradients
+    staleness_rule: str = "scale"  # async/ssp/hybrid only: scale (lr / staleness) or none
 
     def problems(self) -> Problems:
         # Each mode checks the options it reads; one it does not read must keep its default

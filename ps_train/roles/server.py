@@ -107,6 +107,9 @@ class ParameterServer:
         self.updates = {i: 0 for i in self.shards}
         self.membership: Membership | None = None  # ps0 of a cluster.elastic=true job (ps_train.elastic.membership)
         self._released = threading.Event()  # elastic: trainer0 is done with the servers
+        # autograd context -> (rows [H], gradients [H, d]) pushed for it by a trainer's row cache
+        self._pushed: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._pushed_lock = threading.Lock()
 
     # -- forward ----------------------------------------------------------------------------------
     def forward(self, shard: int, x: torch.Tensor, trainer: int = -1, step: int = -1) -> torch.Tensor:
@@ -170,9 +173,28 @@ class ParameterServer:
 
     # -- updates ----------------------------------------------------------------------------------
     def gradients(self, context_id: int) -> dict[torch.Tensor, torch.Tensor]:
-        """This server's parameters' gradients in autograd context ``context_id``."""
+        """This server's parameters' gradients in autograd context ``context_id``, with the
+        table rows' gradients a trainer pushed for it (``push_gradients``) added."""
         grads = backend.dist_autograd().get_gradients(context_id)
-        return {p: grads[p] for p in self.params if p in grads}
+        out: dict[torch.Tensor, torch.Tensor] = {p: grads[p] for p in self.params if p in grads}
+        with self._pushed_lock:
+            pushed = self._pushed.pop(context_id, [])
+        if pushed:
+            storage = self._tables().params[0]  # the fused storage of every table (ps_train.ctr.shards)
+            for rows, values in pushed:
+                g = torch.sparse_coo_tensor(rows.unsqueeze(0), values, tuple(storage.shape), check_invariants=False)
+                out[storage] = out[storage] + g if storage in out else g
+        return out
+
+    def push_gradients(self, context_id: int, rows: torch.Tensor, values: torch.Tensor) -> None:
+        """A trainer's gradients of table rows it read from its cache (``ps_train.ctr.cache``):
+        ``values`` [H, d] of its storage rows ``rows`` [H], for its autograd context
+        ``context_id``; its update (sent after this returns) applies them with the rest."""
+        tables = self._tables()
+        if len(tables.params) != 1 or values.shape[1:] != tables.params[0].shape[1:]:
+            raise ValueError(f"ps{self.rank}: pushed row gradients {tuple(values.shape)} do not fit the tables")
+        with self._pushed_lock:
+            self._pushed.setdefault(context_id, []).append((rows, values))
 
     def step(self, grads: Mapping[torch.Tensor, torch.Tensor], lr_factor: float = 1.0) -> None:
         """One optimizer step with ``grads`` at ``lr_factor`` times the configured rates. The
@@ -181,10 +203,12 @@ class ParameterServer:
             return
         for p in self.dense_params:
             p.grad = grads.get(p)
-        if self.optimizer is not None:
+        # A part none of whose parameters has a gradient is left alone (mode=hybrid steps
+        # the tables and the dense shards apart): its optimizer counts no step.
+        if self.optimizer is not None and any(p.grad is not None for p in self.dense_params):
             with scaled_lr(self.optimizer, lr_factor):
                 self.optimizer.step()
-        if self.tables is not None:
+        if self.tables is not None and any(p in grads for p in self.tables.params):
             self.tables.step(grads, lr_factor)
         for p in self.dense_params:
             p.grad = None
