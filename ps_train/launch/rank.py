@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from ps_train import backend
 from ps_train.config import Config
 from ps_train.elastic.membership import keep_membership, serve_elastic
 from ps_train.elastic.trainer import join_group, wait_for_servers
+from ps_train.faults import die, fault_at
 from ps_train.launch.failures import role_name
 from ps_train.metrics import mark_attempt
 from rpc_core import tune_malloc
@@ -51,6 +53,7 @@ def run_rank(
     init_method: str | None = None,
     attempt: int = 0,
     joiner: bool = False,
+    joined: Callable[[int], None] | None = None,
 ) -> dict[str, Any] | None:
     """Run one role until the whole job is done; returns the metrics on trainer0.
 
@@ -58,7 +61,8 @@ def run_rank(
     ``init_method``: where the ranks meet, if not ``tcp://master_addr:master_port``.
     ``attempt``: how many times the run was restarted before this start (TensorBoard shows it).
     ``joiner``: a trainer joining a running elastic job (``join=``): it takes the first free
-    trainer rank from ``rank`` on.
+    trainer rank from ``rank`` on. ``joined(rank)``: called once this process is in an elastic
+    job's group, with the rank it took (a joiner's launcher replaces it at that rank).
     """
     S, T = cfg.cluster.num_servers, cfg.cluster.num_trainers
     name = role_name(rank, S)
@@ -110,10 +114,14 @@ def run_rank(
             name = role_name(rank, S)
             setup_role_logging(run_dir, name, cfg.logging.level)
             log.info("joined the running job as %s (rank %d)", name, rank)
+        if joined is not None:
+            joined(rank)
     else:
         rpc.init_rpc(name, rank=rank, world_size=S + T, rpc_backend_options=opts)
         backend.restore_rpc_timeout(cfg.cluster.rpc_timeout)
         log.info("%s joined the job: all %d ranks are up", name, S + T)  # benchmarks/scale_bench.py reads it
+    if rank < S and resume_state is not None and fault_at(name, resume_state["step"], "restore"):
+        die(name, resume_state["step"])  # a test fault: in the middle of a restart's recovery
     result = None
     try:
         if rank >= S:

@@ -31,7 +31,7 @@ from typing import Any
 
 from ps_train.checkpoint.files import latest_checkpoint, read_manifest
 from ps_train.config import RESUME_AUTO, Config
-from ps_train.elastic.files import read_replacements
+from ps_train.elastic.files import read_replacements, remove_job_file
 from ps_train.files import atomic_write_text
 from ps_train.launch.failures import RoleFailed
 from ps_train.launch.local import launch_local
@@ -99,6 +99,14 @@ def run_local(cfg: Config, run_dir: str, resume: str | None, timeout: float | No
 
     ``timeout`` bounds all attempts together; running out of time is not restarted.
     """
+    try:
+        return _run_local(cfg, run_dir, resume, timeout)
+    finally:
+        if cfg.cluster.elastic:  # the job is over: nobody can join it (kept between attempts)
+            remove_job_file(run_dir)
+
+
+def _run_local(cfg: Config, run_dir: str, resume: str | None, timeout: float | None) -> dict[str, Any]:
     deadline = None if timeout is None else time.monotonic() + timeout
     restarts: list[Restart] = []
     while True:
