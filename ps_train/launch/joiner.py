@@ -1,7 +1,7 @@
 """A trainer that joins a running elastic job (``python -m ps_train join=<run dir>``), kept in it.
 
 The join command is its trainer's own small launcher: it runs the trainer in a child process
-(forked from a forkserver, as the local launcher's roles are) and watches it, so that a joiner
+(forked from it) and watches it, so that a joiner
 fails and recovers as a launched trainer does:
 
 - **killed** (a signal: SIGKILL, the OOM killer): replaced at once by a new process with the
@@ -21,6 +21,7 @@ fails and recovers as a launched trainer does:
 from __future__ import annotations
 
 import logging
+import multiprocessing as mp
 import os
 import time
 from multiprocessing.connection import Connection
@@ -30,7 +31,7 @@ from ps_train.config import from_dictconfig
 from ps_train.elastic.files import read_job_file
 from ps_train.faults import ATTEMPT_ENV, REPLACED_ENV
 from ps_train.launch.failures import RoleError, RoleFailed, role_name
-from ps_train.launch.local import BLAME_GRACE, context, exit_with_parent, report_error
+from ps_train.launch.local import BLAME_GRACE, exit_with_parent, report_error
 from ps_train.launch.rank import run_rank
 
 __all__ = ["keep_joined", "JOB_POLL"]
@@ -93,7 +94,9 @@ def _run_trainer(job: dict[str, Any], rank: int | None, job_dir: str) -> _Outcom
     env = dict(os.environ, **{ATTEMPT_ENV: str(int(job.get("attempt", 0)))})
     if rank is not None:
         env[REPLACED_ENV] = "1"
-    ctx = context()
+    # Forked from this process, which has imported torch and ps_train already: a replacement
+    # or a rejoin starts in a fraction of a second (this process runs no threads to fork).
+    ctx = mp.get_context("fork")
     got, send = ctx.Pipe(duplex=False)
     proc = ctx.Process(
         target=_child, args=(job, first, rank is None, job_dir, env, os.getcwd(), send), name="joiner", daemon=False
@@ -108,6 +111,7 @@ def _run_trainer(job: dict[str, Any], rank: int | None, job_dir: str) -> _Outcom
             break
         if isinstance(msg, _Joined):
             joined = msg.rank
+            log.info("%s joined the job (attempt %d)", role_name(joined, cluster["num_servers"]), job.get("attempt", 0))
         elif isinstance(msg, RoleError):
             error = msg
     proc.join()

@@ -156,6 +156,9 @@ def launch_local(
     # master_port=0: a free port for this run, so concurrent runs and -m sweep jobs never clash.
     port = cfg.cluster.master_port or free_port(cfg.cluster.master_addr)
     secret = secrets.token_hex(16)  # per run: only this run's processes can talk to each other
+    cfg_dict = config_to_dict(cfg)
+    if cfg.cluster.elastic:  # before the line below: whoever reads that line can join
+        write_job_file(run_dir, cfg.cluster.master_addr, port, secret, cfg_dict, attempt)
     log.info(
         "starting %d servers + %d trainers on %s:%d; logs in %s/logs", S, T, cfg.cluster.master_addr, port, run_dir
     )
@@ -163,7 +166,6 @@ def launch_local(
     # Pipes, not queues: a queue's semaphores outlive a launcher that leaves with os._exit
     # (python -m ps_train after a failure), and the resource tracker warns about them.
     results_in, results_out = ctx.Pipe(duplex=False)  # trainer0's metrics
-    cfg_dict = config_to_dict(cfg)
     env, cwd = dict(os.environ, **{ATTEMPT_ENV: str(attempt)}), os.getcwd()
     board = HeartbeatBoard(ctx, S + T, cfg.cluster.role_timeout)
     errors_in, errors_out = ctx.Pipe(duplex=False)  # RoleErrors from the roles that fail (see _report)
@@ -222,8 +224,6 @@ def launch_local(
     collector = threading.Thread(target=collect, name="metrics-collector", daemon=True)
     collector.start()
     try:
-        if cfg.cluster.elastic:
-            write_job_file(run_dir, cfg.cluster.master_addr, port, secret, cfg_dict, attempt)
         for rank in range(S + T):
             procs[rank] = start(rank)
         _Watch(procs, S, run_dir, deadline, board, errors_in, replace if cfg.cluster.elastic else None).run()
