@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, help="also write the summary here")
     args = ap.parse_args(argv)
     out = (args.out / time.strftime("%Y-%m-%d_%H-%M-%S")).resolve()
-    limit = max(120.0, 4 * 60 * args.minutes)
+    limit = max(600.0, 4 * 60 * args.minutes)  # start-up alone takes minutes on a crowded machine
     config = job_config(args.mode, args.model, args.trainers, args.max_restarts)
     print(f"load average at the start: {' '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
 

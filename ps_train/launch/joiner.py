@@ -40,6 +40,9 @@ log = logging.getLogger("ps_train")
 
 JOB_POLL = 0.2  # s between looks at elastic.json while the job's launcher restarts it
 RESTART_GRACE = 60.0  # s beyond cluster.role_timeout a job may take to start its next attempt
+# s to wait for a next attempt after an error that names no other role: most likely the
+# trainer's own, but the job may be restarting too (its launcher stops the old roles first)
+OWN_ERROR_GRACE = 20.0
 
 
 class _Joined(NamedTuple):
@@ -176,7 +179,7 @@ def keep_joined(job_dir: str) -> None:
             continue
         # An error: the job's failure (a server it lost), or its own.
         blames_other = out.error is not None and out.error.peer is not None
-        patience = role_timeout + BLAME_GRACE + RESTART_GRACE if blames_other else BLAME_GRACE
+        patience = role_timeout + BLAME_GRACE + RESTART_GRACE if blames_other else OWN_ERROR_GRACE
         now = _next_attempt(job_dir, attempt, patience)
         what = out.error.error if out.error is not None else f"exit code {out.exitcode}"
         if now and int(now.get("attempt", attempt)) > attempt:
