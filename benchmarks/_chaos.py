@@ -86,9 +86,9 @@ class Kill:
 class Killer(threading.Thread):
     """Kills a random role of the job in ``run_dir`` every Exp(``mtbf``) seconds.
 
-    ``servers`` / ``trainers``: how many of each the job has; a kill takes a server with
-    probability ``server_share``, else a trainer, each uniformly. A drawn role that is not
-    running (its run is restarting) is drawn again at the next tick. Stops after
+    ``servers`` / ``trainers``: how many of each the job has; a kill takes a running server
+    with probability ``server_share``, else a running trainer, each uniformly. When no role
+    runs (the job restarts) it kills at the next tick that finds one. Stops after
     ``max_failures`` kills, or when ``stop`` is set. ``max_gap``: gaps longer than this many
     seconds are cut to it (a bounded test needs its kills inside a short job).
     """
@@ -117,10 +117,21 @@ class Killer(threading.Thread):
         gap = self.rng.expovariate(1.0 / self.mtbf)
         return gap if self.max_gap is None else min(gap, self.max_gap)
 
-    def _victim(self) -> str:
-        if self.servers and self.rng.random() < self.server_share:
-            return f"ps{self.rng.randrange(self.servers)}"
-        return f"trainer{self.rng.randrange(self.trainers)}"
+    def _victim(self, running: dict[str, int]) -> str | None:
+        """A role to kill among those ``running`` (name -> pid): a server with probability
+        ``server_share`` (if one runs), else a trainer, each uniformly. Drawn from the running
+        ones, so that roles that start late (trainers, after the servers) are not spared."""
+        servers = sorted(r for r in running if r.startswith("ps"))
+        trainers = sorted(r for r in running if not r.startswith("ps"))
+        if not servers and not trainers:
+            return None
+        pick_server = bool(servers) and (not trainers or self.rng.random() < self.server_share)
+        return self.rng.choice(servers if pick_server else trainers)
+
+    def _running(self) -> dict[str, int]:
+        roles = [f"ps{k}" for k in range(self.servers)] + [f"trainer{k}" for k in range(self.trainers)]
+        pids = {role: current_pid(self.run_dir, role) for role in roles}
+        return {role: pid for role, pid in pids.items() if pid is not None}
 
     def run(self) -> None:
         t0 = time.monotonic()
@@ -130,10 +141,11 @@ class Killer(threading.Thread):
                 return  # the job ended
             if time.monotonic() - t0 < due:
                 continue
-            role = self._victim()
-            pid = current_pid(self.run_dir, role)
-            if pid is None:
-                continue  # not running now (starting or restarting): draw again at the next tick
+            running = self._running()
+            role = self._victim(running)
+            if role is None:
+                continue  # nothing runs now (the job restarts): look again at the next tick
+            pid = running[role]
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:

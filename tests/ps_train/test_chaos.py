@@ -31,12 +31,15 @@ def test_a_sync_job_killed_at_random_three_times_ends_as_the_uninterrupted_one(t
 
 
 def test_the_killer_draws_its_gaps_and_victims_from_its_seed(tmp_path):
+    running = {"ps0": 1, "ps1": 2, "trainer0": 3, "trainer1": 4, "trainer2": 5}
     a, b = (Killer(tmp_path, servers=2, trainers=3, mtbf=10.0, seed=7) for _ in range(2))
-    draws = [[(k._gap(), k._victim()) for _ in range(50)] for k in (a, b)]
+    draws = [[(k._gap(), k._victim(running)) for _ in range(50)] for k in (a, b)]
     assert draws[0] == draws[1]
     gaps = [g for g, _ in draws[0]]
     assert 5.0 < sum(gaps) / len(gaps) < 20.0  # exponential with mean 10 s
-    assert {v for _, v in draws[0]} == {"ps0", "ps1", "trainer0", "trainer1", "trainer2"}
-    capped = Killer(tmp_path, servers=0, trainers=1, mtbf=10.0, seed=7, max_gap=1.0)
+    assert {v for _, v in draws[0]} == set(running)
+    capped = Killer(tmp_path, servers=2, trainers=1, mtbf=10.0, seed=7, max_gap=1.0)
     assert max(capped._gap() for _ in range(50)) <= 1.0
-    assert {capped._victim() for _ in range(10)} == {"trainer0"}
+    # Only what runs is drawn: the servers alone while the trainers start; nothing, nobody.
+    assert {capped._victim({"ps0": 1, "ps1": 2}) for _ in range(20)} == {"ps0", "ps1"}
+    assert capped._victim({}) is None
