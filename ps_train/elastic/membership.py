@@ -174,6 +174,10 @@ class Membership:
                 answer = self._fix(epoch, trainer)
             elif epoch >= 0 and trainer in self.epochs[epoch]:
                 answer = self._assignment(epoch, trainer)
+            elif epoch >= 0 and (later := [e for e in sorted(self.epochs) if e > epoch and trainer in self.epochs[e]]):
+                # Fixed without it (it was dead, or not yet in the job), and so were later ones,
+                # e.g. a replacement that lags behind: the first epoch that takes it.
+                answer = self._assignment(later[0], trainer)
             else:
                 self.waiting.append((trainer, fut))
                 return fut
@@ -183,9 +187,9 @@ class Membership:
     def _fix(self, epoch: int, asking: int) -> Assignment | None:
         # Caller holds self.cond.
         members = sorted((self.launched - self.finished) | (self.present - self.finished) | {asking})
+        # Kept for the whole job (a few ints an epoch): a replacement that lags behind asks for
+        # old epochs, and one fixed again with other members would overlap what was trained.
         self.epochs[epoch] = members
-        for old in [e for e in self.epochs if e < epoch - 2]:
-            del self.epochs[old]  # an old epoch can be asked for only by a trainer resuming in it
         log.info("epoch %d: trainers %s", epoch, members)
         still = []
         for trainer, fut in self.waiting:

@@ -20,7 +20,9 @@ from collections import Counter
 
 import pytest
 
+from ps_train.elastic.membership import Assignment, Membership
 from ps_train.faults import FAULT_ENV
+from ps_train.metrics import NullWriter
 from ps_train.sample_log import SAMPLE_LOG_ENV, read_sample_log
 from tests.ps_train._app import read_json
 
@@ -163,3 +165,25 @@ def test_a_server_killed_in_an_elastic_job_restarts_it_and_the_joiner_comes_back
         assert counts["trainer2"] > 0, server
     assert "trainer2" in metrics["losses"]
     assert not (run_dir / "elastic.json").exists()
+
+
+class _Info:
+    def __init__(self, name, rank):
+        self.name, self.id = name, rank
+
+
+def test_a_lagging_replacement_gets_the_epochs_as_they_were_fixed_and_skips_those_without_it():
+    m = Membership(launched=2, num_servers=1, writer=NullWriter(), version=lambda: 0)
+    for name, rank in (("trainer0", 1), ("trainer1", 2), ("trainer2", 3)):
+        m.changed(_Info(name, rank), True)
+    assert m.assignment(0, 0).wait() == Assignment(0, 0, 3)
+    m.changed(_Info("trainer2", 3), False)  # the joiner dies: epochs 1..5 are fixed without it
+    for epoch in range(1, 6):
+        assert m.assignment(0, epoch).wait() == Assignment(epoch, 0, 2)
+    m.changed(_Info("trainer2", 3), True)  # its replacement, still in epoch 0
+    assert m.assignment(2, 0).wait() == Assignment(0, 2, 3)  # epoch 0 as it was fixed, long ago
+    waiting = m.assignment(2, 1)  # 1..5 were fixed without it: the next epoch that takes it
+    assert not waiting.done()
+    assert m.assignment(1, 6).wait() == Assignment(6, 1, 3)
+    assert waiting.wait() == Assignment(6, 2, 3)
+    assert m.assignment(2, 3).wait() == Assignment(6, 2, 3)  # asked again: no epoch fixed anew
