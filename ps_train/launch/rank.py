@@ -61,8 +61,9 @@ def run_rank(
     ``init_method``: where the ranks meet, if not ``tcp://master_addr:master_port``.
     ``attempt``: how many times the run was restarted before this start (TensorBoard shows it).
     ``joiner``: a trainer joining a running elastic job (``join=``): it takes the first free
-    trainer rank from ``rank`` on. ``joined(rank)``: called once this process is in an elastic
-    job's group, with the rank it took (a joiner's launcher replaces it at that rank).
+    trainer rank from ``rank`` on. ``joined(rank)``: called once this trainer is in an elastic
+    job's group with every server, with the rank it took (a joiner's launcher replaces it at
+    that rank).
     """
     S, T = cfg.cluster.num_servers, cfg.cluster.num_trainers
     name = role_name(rank, S)
@@ -114,8 +115,6 @@ def run_rank(
             name = role_name(rank, S)
             setup_role_logging(run_dir, name, cfg.logging.level)
             log.info("joined the running job as %s (rank %d)", name, rank)
-        if joined is not None:
-            joined(rank)
     else:
         rpc.init_rpc(name, rank=rank, world_size=S + T, rpc_backend_options=opts)
         backend.restore_rpc_timeout(cfg.cluster.rpc_timeout)
@@ -131,6 +130,8 @@ def run_rank(
                 data_state = resume_state["trainer_positions"].get(name)
             if cfg.cluster.elastic:
                 wait_for_servers(S, cfg.cluster.init_timeout)
+                if joined is not None:
+                    joined(rank)
             t = trainer_class(cfg)(cfg, rank - S, run_dir, start_step=start, data_state=data_state)
             mark_attempt(t.writer, t.step, attempt if t.index == 0 else None)  # see ps_train.launch.restarts
             result = t.run(on_step=checkpoint_hook(cfg, run_dir))
