@@ -20,9 +20,11 @@ fails and recovers as a launched trainer does:
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import multiprocessing as mp
 import os
+import signal
 import time
 from multiprocessing.connection import Connection
 from typing import Any, NamedTuple
@@ -38,6 +40,7 @@ __all__ = ["keep_joined", "JOB_POLL"]
 
 log = logging.getLogger("ps_train")
 
+_PR_SET_PDEATHSIG = 1  # prctl(2)
 JOB_POLL = 0.2  # s between looks at elastic.json while the job's launcher restarts it
 RESTART_GRACE = 60.0  # s beyond cluster.role_timeout a job may take to start its next attempt
 # s to wait for a next attempt after an error that names no other role: most likely the
@@ -55,12 +58,22 @@ class _Outcome(NamedTuple):
     error: RoleError | None
 
 
+def _killed_with_parent() -> None:
+    """Linux: the kernel SIGKILLs this process when the join command dies, even if it is
+    stopped (a frozen trainer runs no thread that could notice); elsewhere a no-op."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+    except (OSError, AttributeError):
+        pass
+
+
 def _child(
     job: dict[str, Any], rank: int, next_free: bool, run_dir: str, env: dict[str, str], cwd: str, out: Connection
 ) -> None:
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
+    _killed_with_parent()
     exit_with_parent()
     cfg_dict = job["config"]
     name = [role_name(rank, cfg_dict["cluster"]["num_servers"])]
