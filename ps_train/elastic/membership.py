@@ -41,6 +41,7 @@ import torch
 from ps_train import backend
 from ps_train.config import Config
 from ps_train.metrics import MetricsWriter, make_writer
+from ps_train.observe.console import CONSOLE
 from rpc_core.functions import async_execution
 
 __all__ = [
@@ -117,7 +118,8 @@ class Membership:
                 self.writer.add_scalar("train/num_trainers", count, self._version())
                 self.writer.flush()
             ready = self._reports_ready()
-        log.info("%s %s the job; %d trainer(s) now", info.name, "joined" if joined else "left", count)
+        # On the console too (ps_train.observe.console), also with logging=quiet.
+        log.warning("%s %s the job; %d trainer(s) now", info.name, "joined" if joined else "left", count, extra=CONSOLE)
         for listener in self.listeners:
             listener(trainer, joined)
         self._resolve(ready)
