@@ -45,7 +45,6 @@ import numpy as np
 import torch
 
 from ps_train.ctr.split import CtrSplit, time_split
-from ps_train.observe.console import CONSOLE
 
 __all__ = [
     "CriteoFormatError",
@@ -347,7 +346,7 @@ def read_criteo(
     stats.samples = len(labels)
     note = stats.skipped_note()
     if note:
-        log.warning("%s", note, extra=CONSOLE)
+        log.warning("%s", note)
     if stats.samples == 0:
         raise ValueError(
             f"data=criteo: no valid samples in {', '.join(files)} ({stats.lines} lines, {stats.malformed} malformed)"

@@ -21,7 +21,6 @@ from torch import Tensor
 from ps_train.config.prepared import CriteoManifest, PreparedDataError, read_manifest
 from ps_train.ctr.criteo import EMPTY_ROW, NUM_CAT_FEATURES, NUM_INT_FEATURES, _table_sizes
 from ps_train.ctr.split import held_out_count
-from ps_train.observe.console import CONSOLE
 
 __all__ = ["PreparedCriteo", "MappedCtrSplit", "load_prepared", "skipped_note"]
 
@@ -134,7 +133,7 @@ def load_prepared(
     data = PreparedCriteo(folder, manifest)
     note = skipped_note(data.manifest, folder, skip_malformed)
     if note:
-        log.warning("%s", note, extra=CONSOLE)
+        log.warning("%s", note)
     n = len(data)
     n_test = held_out_count(n, test_fraction)
     return (MappedCtrSplit(data, 0, n - n_test, table_sizes), MappedCtrSplit(data, n - n_test, n, table_sizes))
