@@ -88,6 +88,7 @@ def run_rank(
     from ps_train.roles import server as server_mod
 
     resume_state = load_resume_state(resume, server=name if rank < S else None) if resume else None
+    sampler: ServerMetrics | None = None
     if rank < S:
         # Before init_rpc: trainers may ask for it at once. The model's tables, if any, are its own part.
         ps = server_mod.create(cfg, rank, make_table_server(cfg, rank))
@@ -95,6 +96,8 @@ def run_rank(
             load_server_state(ps, resume_state)
         if rank == 0 and cfg.cluster.elastic:
             keep_membership(ps, cfg, run_dir, resume_state)  # ps_train.elastic.membership
+        # Before init_rpc: trainers may send updates as soon as it returns, and every one counts.
+        sampler = _server_metrics(cfg, ps, run_dir, name)
     init_method = init_method or f"tcp://{master_addr}:{master_port}"
     opts = backend.make_options(
         init_method, cfg.cluster.rpc_timeout, cfg.cluster.num_worker_threads, secret, cfg.cluster.init_timeout
@@ -120,7 +123,6 @@ def run_rank(
         backend.restore_rpc_timeout(cfg.cluster.rpc_timeout)
         log.info("%s joined the job: all %d ranks are up", name, S + T)  # benchmarks/scale_bench.py reads it
     result = None
-    sampler = _server_metrics(cfg, ps, run_dir, name) if rank < S else None
     try:
         if rank >= S:
             start, data_state = 0, None

@@ -111,7 +111,7 @@ class ServerMetrics:
         self._t = clock()
         self._prev = server.counters.snapshot()
         self._prev_tables = server.table_counts()
-        self._prev_bytes = self._bytes()
+        self._prev_bytes = self._bytes() or ByteCounts(0, 0)  # none yet before init_rpc
         # A resumed server starts at its checkpoint's version: earlier points after it are superseded.
         mark_session_start(writer, server.version + 1)
 
@@ -159,7 +159,7 @@ class ServerMetrics:
             out["server/rows_read_per_s"] = (tables["rows_read"] - self._prev_tables.get("rows_read", 0)) / dt
             out["server/rows_updated_per_s"] = (tables["rows_updated"] - self._prev_tables.get("rows_updated", 0)) / dt
             out["server/rows_live"] = float(tables["rows_live"])
-        if moved is not None and self._prev_bytes is not None:
+        if moved is not None:
             # Counts are over open connections: one that closed takes its bytes along.
             out["server/bytes_in_per_s"] = max(0, moved.received - self._prev_bytes.received) / dt
             out["server/bytes_out_per_s"] = max(0, moved.sent - self._prev_bytes.sent) / dt

@@ -29,7 +29,7 @@ import copy
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -209,12 +209,13 @@ class ParameterServer:
     ) -> torch.futures.Future[Any]:
         """Apply trainer ``trainer``'s step-``step`` gradients (in its context ``context_id``)
         as the mode does; ``position`` (elastic, on ps0): its data position after this step."""
-        return self.counted(self.mode.update(self, context_id, trainer, step, position))
+        return self.counted(lambda: self.mode.update(self, context_id, trainer, step, position))
 
-    def counted(self, answer: torch.futures.Future[Any]) -> torch.futures.Future[Any]:
-        """An update request's ``answer``, counted as one contribution (and, async/ssp, its
-        staleness: the answer's value) for the sampled metrics."""
-        self.counters.contributed()
+    def counted(self, update: Callable[[], torch.futures.Future[Any]]) -> torch.futures.Future[Any]:
+        """Run an update request (``update()``: its answer), counted as one contribution (and,
+        async/ssp, its staleness: the answer's value) for the sampled metrics."""
+        self.counters.contributed()  # first: the update it completes may be sampled at once
+        answer = update()
         if self.stale_updates:
             counters = self.counters
 
@@ -338,7 +339,7 @@ def create(cfg: Config, rank: int, tables: TablePart | None = None) -> Parameter
 
 def _update_in_backward(context_id: int, request: UpdateRequest) -> torch.futures.Future[Any]:
     server = local_server()
-    return server.counted(server.mode.in_backward(server, context_id, request))
+    return server.counted(lambda: server.mode.in_backward(server, context_id, request))
 
 
 def _failed(f: torch.futures.Future[Any]) -> bool:
