@@ -165,7 +165,9 @@ class ServerMetrics:
             out["server/bytes_out_per_s"] = max(0, moved.sent - self._prev_bytes.sent) / dt
         out["server/peak_rss_mb"] = peak_rss_bytes() / 2**20
         self.writer.add_scalars(out, step)
-        self._t, self._prev, self._prev_tables = now, snap, tables
+        self._t, self._prev_tables = now, tables
+        if updates:  # gradients that came while no update applied count toward the next round
+            self._prev = snap
         if moved is not None:
             self._prev_bytes = moved
         return out
