@@ -204,3 +204,25 @@ def test_an_async_run_shows_its_servers_dashboard_and_traces(tmp_path, capfd):
         assert re.search(rf"^  {role}: {n} updates \(.* ms each\), .* MB in / .* MB out, peak RSS", out, re.M), out
     for role in ("trainer0", "trainer1"):
         assert re.search(rf"^  {role}: 12 steps, [\d,]+ samples/s, .* MB in", out, re.M), out
+
+
+def test_a_role_with_logging_quiet_still_shows_marked_warnings(tmp_path, capfd):
+    from ps_train.launch.rank import setup_role_logging
+
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        setup_role_logging(str(tmp_path), "ps0", "WARNING")  # logging=quiet's level
+        log = logging.getLogger("ps_train")
+        log.warning("trainer2 joined the job; 3 trainer(s) now", extra=CONSOLE)
+        log.warning("a warning for the log only")
+        log.info("below the level", extra=CONSOLE)
+    finally:
+        for h in root.handlers:
+            h.close()
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    err = capfd.readouterr().err
+    assert err.splitlines() == ["[ps0] warning: trainer2 joined the job; 3 trainer(s) now"]
+    text = (tmp_path / "logs" / "ps0.log").read_text()
+    assert "trainer2 joined the job" in text and "a warning for the log only" in text
