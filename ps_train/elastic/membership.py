@@ -295,10 +295,18 @@ class ElasticServer(Protocol):
         """Return once trainer0 has written the run's results."""
 
 
-def keep_membership(ps: ElasticServer, cfg: Config, run_dir: str, resume_state: dict[str, Any] | None) -> None:
+def keep_membership(
+    ps: ElasticServer,
+    cfg: Config,
+    run_dir: str,
+    resume_state: dict[str, Any] | None,
+    writer: MetricsWriter | None = None,
+) -> None:
     """ps0 of an elastic run, before ``init_rpc``: the trainer membership (ps_train.elastic.membership),
-    ready before any trainer can ask for it; it knows where this attempt started."""
-    writer = make_writer(cfg.logging.tensorboard, f"{run_dir}/tb/ps0", filename_suffix=".ps0")
+    ready before any trainer can ask for it; it knows where this attempt started. ``writer``:
+    ps0's TensorBoard writer, if the process has one already (one writer per folder)."""
+    if writer is None:
+        writer = make_writer(cfg.logging.tensorboard, f"{run_dir}/tb/ps0", filename_suffix=".ps0")
     ps.membership = Membership(cfg.cluster.num_trainers, cfg.cluster.num_servers, writer, lambda: ps.version)
     if resume_state is not None:
         ps.membership.start = (resume_state["step"], dict(resume_state["trainer_positions"]))

@@ -21,7 +21,7 @@ from ps_train.config import Config
 from ps_train.elastic.membership import keep_membership, serve_elastic
 from ps_train.elastic.trainer import join_group, wait_for_servers
 from ps_train.launch.failures import role_name
-from ps_train.metrics import make_writer, mark_attempt
+from ps_train.metrics import MetricsWriter, make_writer, mark_attempt
 from ps_train.observe.console import ConsoleHandler
 from ps_train.observe.dashboard import write_dashboard
 from ps_train.observe.server_metrics import ServerMetrics, rpc_byte_counts
@@ -94,10 +94,17 @@ def run_rank(
         ps = server_mod.create(cfg, rank, make_table_server(cfg, rank))
         if resume_state is not None:
             load_server_state(ps, resume_state)
-        if rank == 0 and cfg.cluster.elastic:
-            keep_membership(ps, cfg, run_dir, resume_state)  # ps_train.elastic.membership
+        # One TensorBoard writer per folder: TensorBoard reads a folder's event files one after
+        # the other, so a second writer's session mark would drop the first one's later points.
+        keeps_membership = rank == 0 and cfg.cluster.elastic
+        sampled = cfg.logging.server_every > 0
+        writer = make_writer(
+            cfg.logging.tensorboard and (sampled or keeps_membership), f"{run_dir}/tb/{name}", f".{name}"
+        )
+        if keeps_membership:
+            keep_membership(ps, cfg, run_dir, resume_state, writer)  # ps_train.elastic.membership
         # Before init_rpc: trainers may send updates as soon as it returns, and every one counts.
-        sampler = _server_metrics(cfg, ps, run_dir, name)
+        sampler = _server_metrics(cfg, ps, writer) if sampled and cfg.logging.tensorboard else None
     init_method = init_method or f"tcp://{master_addr}:{master_port}"
     opts = backend.make_options(
         init_method, cfg.cluster.rpc_timeout, cfg.cluster.num_worker_threads, secret, cfg.cluster.init_timeout
@@ -152,11 +159,8 @@ def run_rank(
     return result
 
 
-def _server_metrics(cfg: Config, server: Any, run_dir: str, name: str) -> ServerMetrics | None:
-    """The timer that samples this server's counters into ``tb/<name>/`` (started here)."""
-    if not cfg.logging.tensorboard or cfg.logging.server_every <= 0:
-        return None
-    writer = make_writer(True, f"{run_dir}/tb/{name}", filename_suffix=f".{name}")
+def _server_metrics(cfg: Config, server: Any, writer: MetricsWriter) -> ServerMetrics:
+    """The timer that samples this server's counters into ``writer`` (``tb/<name>/``), started."""
     sampler = ServerMetrics(
         server,
         writer,
