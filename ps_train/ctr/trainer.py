@@ -125,6 +125,7 @@ class CtrTrainer(Trainer):
         # Per trainer step: divided by the steps every trainer took (this run's, if resumed).
         steps = sum(max(s["steps"] - self._first_step, 1) for s in all_stats)
         out: dict[str, Any] = {
+            **super().extra_metrics(all_stats, server_stats),  # server_bytes_per_step
             "rows_pulled_per_step": sum(s["rows_pulled"] for s in all_stats) / steps,
             "rows_pushed_per_step": sum(s["rows_pushed"] for s in all_stats) / steps,
             "table_bytes": {f"ps{r}": s["table_bytes"] for r, s in enumerate(server_stats)},
@@ -133,11 +134,6 @@ class CtrTrainer(Trainer):
             # waits in its loop for the others' start-up (loading data), the others may.
             "trainer_wall_time_s": {f"trainer{k}": s["wall_time_s"] for k, s in enumerate(all_stats)},
         }
-        if all("bytes_sent" in s for s in server_stats):
-            out["server_bytes_per_step"] = {
-                f"ps{r}": {"sent": s["bytes_sent"] / steps, "received": s["bytes_received"] / steps}
-                for r, s in enumerate(server_stats)
-            }
         return out
 
 

@@ -267,8 +267,19 @@ class Trainer:
 
     def extra_metrics(self, all_stats: list[dict[str, Any]], server_stats: list[dict[str, Any]]) -> dict[str, Any]:
         """metrics.json entries beyond the common ones, from every trainer's ``totals()``
-        (``all_stats``, in trainer order) and every server's ``stats()``."""
-        return {}
+        (``all_stats``, in trainer order) and every server's ``stats()``: here each server's
+        bytes per trainer step, both ways (rpc_core's byte counters; ``benchmarks/scale_model.py``
+        fits its link terms to them)."""
+        if not all("bytes_sent" in s for s in server_stats):
+            return {}  # backend=torch has no byte counters
+        # Per trainer step: divided by the steps every trainer took (this run's, if resumed).
+        steps = sum(max(s["steps"] - self._first_step, 1) for s in all_stats)
+        return {
+            "server_bytes_per_step": {
+                f"ps{r}": {"sent": s["bytes_sent"] / steps, "received": s["bytes_received"] / steps}
+                for r, s in enumerate(server_stats)
+            }
+        }
 
     # -- the loop ---------------------------------------------------------------------------------
     def run(self, on_step: StepHook | None = None) -> dict[str, Any] | None:

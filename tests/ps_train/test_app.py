@@ -31,6 +31,10 @@ def test_smoke_run_folder_has_metrics_logs_tensorboard_and_provenance(tmp_path):
     assert metrics == read_json(run_dir / "metrics.json")
     assert metrics["mode"] == "sync" and metrics["backend"] == "rpc_core"
     assert metrics["server_updates"] == [4, 4]  # one aggregated update per step on each server
+    # Each server's bytes per trainer step (rpc_core's counters): at least the activation that
+    # enters its shard, x [32, 64] on ps0 and the first hidden layer's [32, 128] on ps1, float32.
+    per = metrics["server_bytes_per_step"]
+    assert per["ps0"]["received"] >= 32 * 64 * 4 and per["ps1"]["received"] >= 32 * 128 * 4
 
     for role in ROLES:  # every role logged where it joined and that it finished
         log = (run_dir / "logs" / f"{role}.log").read_text()
