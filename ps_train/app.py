@@ -124,15 +124,11 @@ def run(
 def join_job(job_dir: str) -> None:
     """``join=<run dir>``: run one more trainer for the running elastic job there, with the
     job's own config, until the job is over (its logs and TensorBoard events go to that run
-    folder, under the name it gets: the first free ``trainer<k>``)."""
-    from ps_train.config import from_dictconfig
-    from ps_train.elastic.files import read_job_file
+    folder, under the name it gets: the first free ``trainer<k>``). A killed trainer is
+    replaced, and after a restart of the job a new one joins it (``ps_train.launch.joiner``)."""
+    from ps_train.launch.joiner import keep_joined
 
-    job = read_job_file(job_dir)
-    cfg = from_dictconfig(job["config"])
-    S, T = cfg.cluster.num_servers, cfg.cluster.num_trainers
-    log.info("joining the elastic job in %s at %s:%d", job_dir, job["master_addr"], job["master_port"])
-    run_rank(cfg, S + T, job["master_addr"], int(job["master_port"]), job["secret"], job_dir, joiner=True)
+    keep_joined(job_dir)
 
 
 def env_init_method(cfg: Config, place: EnvRank) -> str:

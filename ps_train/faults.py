@@ -5,8 +5,10 @@ comma-separated faults ``<role>@<step>[:<action>][#<attempt>]``:
 
 - ``<role>@<step>``: that role SIGKILLs itself -- a trainer right after finishing step
   ``<step>``, a server right after applying its ``<step>``-th update; ``<role>@+<n>``: after
-  its ``<n>``-th step or update in this process (a trainer that joined a running job or
-  replaces a dead one starts at a later step);
+  its ``<n>``-th step or update in this process (a trainer that joined a running job starts at
+  a later step); not in a process that replaces a dead one (``PS_TRAIN_REPLACED`` set by the
+  launcher that started it), which would otherwise die at the same point of its own steps
+  again and again;
 - ``:freeze`` instead SIGSTOPs it: the process stays alive but does nothing, not even its
   heartbeat, as a hung machine or a stopped VM would (``:kill`` is the default);
 - at a point inside a step instead of after it (each SIGKILLs the role there):
@@ -14,7 +16,9 @@ comma-separated faults ``<role>@<step>[:<action>][#<attempt>]``:
   applied it, and dies before the other servers get it: a step that reached some servers and
   not others; ``:checkpoint`` (trainer0) dies while writing the step's checkpoint, once the
   servers wrote their files and before the manifest that completes it; ``:eval`` (trainer0)
-  dies in the middle of the step's evaluation, after its first batch;
+  dies in the middle of the step's evaluation, after its first batch; ``:restore`` (a server)
+  dies in the middle of a restarted run's recovery: it loaded the step-``<step>`` checkpoint
+  and met the other roles, which are starting from it, and it has applied no update yet;
 - ``#<attempt>`` limits the fault to one attempt of a restarted run (0 = the first; see
   ``cluster.max_restarts``); without it the fault fires in every attempt, so a run that
   restarts from a checkpoint before that step meets it again.
@@ -41,6 +45,7 @@ from typing import NamedTuple
 __all__ = [
     "FAULT_ENV",
     "ATTEMPT_ENV",
+    "REPLACED_ENV",
     "Fault",
     "current_attempt",
     "parse_faults",
@@ -53,16 +58,25 @@ log = logging.getLogger("ps_train")
 
 FAULT_ENV = "PS_TRAIN_FAULT"
 ATTEMPT_ENV = "PS_TRAIN_ATTEMPT"
+REPLACED_ENV = "PS_TRAIN_REPLACED"  # "1" in a trainer started in place of a dead one
 _ACTIONS = {
     "kill": signal.SIGKILL,
     "freeze": signal.SIGSTOP,
     "partial": signal.SIGKILL,
     "checkpoint": signal.SIGKILL,
     "eval": signal.SIGKILL,
+    "restore": signal.SIGKILL,
 }
 # Where in a step each action fires: "step" after it (maybe_inject_fault), the others where the
 # role asks (fault_at): "partial" in the trainer's update, "checkpoint" and "eval" in trainer0's.
-_POINTS = {"kill": "step", "freeze": "step", "partial": "partial", "checkpoint": "checkpoint", "eval": "eval"}
+_POINTS = {
+    "kill": "step",
+    "freeze": "step",
+    "partial": "partial",
+    "checkpoint": "checkpoint",
+    "eval": "eval",
+    "restore": "restore",
+}
 _SPEC = re.compile(
     r"(?P<role>[A-Za-z0-9_]+)@(?P<rel>\+?)(?P<step>\d+)(?::(?P<action>[a-z]+))?"
     r"(?:#(?P<attempt>\d+))?"
@@ -72,7 +86,7 @@ _SPEC = re.compile(
 class Fault(NamedTuple):
     role: str
     step: int
-    action: str  # kill | freeze | partial | checkpoint | eval
+    action: str  # kill | freeze | partial | checkpoint | eval | restore
     attempt: int | None  # None: every attempt
     relative: bool = False  # ``step`` counts this process's steps (1 = its first), not the run's
 
@@ -89,7 +103,7 @@ def parse_faults(spec: str) -> list[Fault]:
         if m is None or action not in _ACTIONS:
             raise ValueError(
                 f"{FAULT_ENV}={spec!r}: {part!r} is not "
-                "<role>@[+]<step>[:kill|:freeze|:partial|:checkpoint|:eval][#<attempt>] "
+                "<role>@[+]<step>[:kill|:freeze|:partial|:checkpoint|:eval|:restore][#<attempt>] "
                 "(e.g. ps1@5, trainer0@3:freeze#0, trainer2@+2:freeze or trainer1@5:partial)"
             )
         attempt = m.group("attempt")
@@ -117,8 +131,12 @@ def _armed(role: str, step: int, point: str) -> Fault | None:
     if not spec:
         return None
     attempt = current_attempt()
-    nth = step - _first_step.setdefault(role, step) + 1  # this process's n-th step of the role
+    # This process's n-th step of the role; only steps count (``restore`` comes before any).
+    first = _first_step.setdefault(role, step) if point == "step" else _first_step.get(role, step)
+    nth = step - first + 1
     for fault in parse_faults(spec):
+        if fault.relative and os.environ.get(REPLACED_ENV):
+            continue
         if (
             fault.role == role
             and (nth if fault.relative else step) == fault.step
@@ -139,7 +157,7 @@ def maybe_inject_fault(role: str, step: int) -> None:
 
 def fault_at(role: str, step: int, point: str) -> bool:
     """Whether ``PS_TRAIN_FAULT`` asks ``role`` to die at ``point`` (``partial``, ``checkpoint``,
-    ``eval``) of step ``step`` in this attempt; the role then does what the point needs and
+    ``eval``, ``restore``) of step ``step`` in this attempt; the role then does what the point needs and
     calls ``die``."""
     return _armed(role, step, point) is not None
 

@@ -39,7 +39,7 @@ class SampleLog:
         """``batches`` just gave the next step's batch (its ``last_batch``: ``(epoch, ids [B])``)."""
         if self.path is None:
             return
-        last = getattr(batches, "last_batch", None)  # elastic batches do not note theirs
+        last = getattr(batches, "last_batch", None)
         self._next = None if last is None else (int(last[0]), [int(i) for i in last[1]])
 
     def trained(self, step: int) -> None:

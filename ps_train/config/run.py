@@ -15,6 +15,7 @@ __all__ = [
     "TrainConfig",
     "CheckpointConfig",
     "LoggingConfig",
+    "ProfileConfig",
     "MODE_NAMES",
     "AGGREGATES",
     "STALENESS_RULES",
@@ -83,6 +84,8 @@ class LoggingConfig:
     tensorboard: bool = True
     progress: bool = True  # periodic one-line status (step, loss, samples/s)
     level: str = "INFO"
+    # Seconds between a server's TensorBoard samples (tb/ps<r>/: updates/s, staleness, bytes, ...); 0 = none.
+    server_every: float = 1.0
 
     def problems(self) -> Problems:
         p = Problems()
@@ -90,4 +93,23 @@ class LoggingConfig:
             isinstance(logging.getLevelName(self.level.upper()), int),
             f"logging.level: unknown level {self.level!r}; use DEBUG, INFO, WARNING or ERROR",
         )
+        p.need(
+            self.server_every >= 0, f"logging.server_every: {self.server_every} must be >= 0 (0 = no server metrics)"
+        )
+        return p
+
+
+@dataclass
+class ProfileConfig:
+    """``profile.enabled=true``: each trainer records ``steps`` steps after ``warmup`` with
+    rpc_core.profiler; every role writes traces/<role>.json (ps_train.observe.traces)."""
+
+    enabled: bool = False
+    warmup: int = 5
+    steps: int = 5
+
+    def problems(self) -> Problems:
+        p = Problems()
+        p.need(self.warmup >= 1, f"profile.warmup: {self.warmup} must be >= 1 (steps before the recorded ones)")
+        p.need(self.steps >= 1, f"profile.steps: {self.steps} must be >= 1")
         return p

@@ -53,6 +53,9 @@ class TableServer:
         self.optimizer = make_table_optimizer(model.table_optim, self.params, cfg.optim, model.table_lr)
         self.rows_updated = 0  # rows the optimizer changed so far, summed over tables and steps
         self.rows_read = 0  # rows trainers looked up for training so far
+        # Rows updated at least once by this process (server/rows_live in TensorBoard): 1 byte per row.
+        self._row_seen = torch.zeros(self.shards.weight.shape[0], dtype=torch.bool)
+        self.rows_live = 0
 
     def lookup(self, rows: Tensor, offsets: Tensor, weights: Tensor | None) -> Tensor:
         """Training lookup of a ``ServerRequest`` (``ps_train.ctr.plan``): one vector per single
@@ -75,6 +78,9 @@ class TableServer:
                 # Duplicate indices (one entry per trainer in sync mode) are one row.
                 grad = grad.coalesce()
                 self.rows_updated += grad._nnz()
+                seen = grad.indices()[0]
+                self.rows_live += int((~self._row_seen[seen]).sum())
+                self._row_seen[seen] = True
             coalesced.append(grad)
         self.optimizer.step(coalesced, lr_factor)
 
@@ -86,6 +92,7 @@ class TableServer:
             "table_bytes": self.nbytes(),
             "table_rows_updated": self.rows_updated,
             "table_rows_read": self.rows_read,
+            "table_rows_live": self.rows_live,
         }
 
     def state_dict(self, copy: bool = True) -> dict[str, Any]:

@@ -1,9 +1,11 @@
 """What an elastic run (``cluster.elastic=true``) keeps in its run folder.
 
-- ``elastic.json``: where the running job meets (address, port), its auth secret and its
-  resolved config, for trainers that join it (``python -m ps_train join=<run dir>``). Only
-  the owner may read it (mode 0600): whoever has the secret can run code in the job. The
-  local launcher writes it when the job starts and removes it when the job ends.
+- ``elastic.json``: where the running job meets (address, port), its auth secret, its
+  resolved config and which attempt of the job that is (0, then 1, 2, ... after each restart,
+  ``cluster.max_restarts``), for trainers that join it (``python -m ps_train join=<run dir>``).
+  Only the owner may read it (mode 0600): whoever has the secret can run code in the job. The
+  local launcher writes it when each attempt starts (a restart rewrites it: a joiner sees a
+  newer attempt and joins that) and removes it when the job ends.
 - ``replacements.json``: every trainer the local launcher replaced, as it happens (role,
   reason, attempt); ``metrics.json`` lists them as ``replacements``.
 """
@@ -31,11 +33,17 @@ __all__ = [
 REPLACEMENTS_FILE = "replacements.json"
 
 
-def write_job_file(run_dir: str, addr: str, port: int, secret: str, config: dict[str, Any]) -> None:
+def write_job_file(run_dir: str, addr: str, port: int, secret: str, config: dict[str, Any], attempt: int = 0) -> None:
     path = Path(run_dir) / ELASTIC_FILE
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # never readable by others, not even briefly
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # never readable by others, not even briefly
     with os.fdopen(fd, "w") as f:
-        json.dump({"master_addr": addr, "master_port": port, "secret": secret, "config": config}, f, indent=2)
+        json.dump(
+            {"master_addr": addr, "master_port": port, "secret": secret, "attempt": attempt, "config": config},
+            f,
+            indent=2,
+        )
+    os.replace(tmp, path)  # a joiner reading it meanwhile sees the old attempt's or the new one's, whole
 
 
 def read_job_file(run_dir: str) -> dict[str, Any]:

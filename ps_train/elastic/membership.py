@@ -41,6 +41,7 @@ import torch
 from ps_train import backend
 from ps_train.config import Config
 from ps_train.metrics import MetricsWriter, make_writer
+from ps_train.observe.console import CONSOLE
 from rpc_core.functions import async_execution
 
 __all__ = [
@@ -117,7 +118,8 @@ class Membership:
                 self.writer.add_scalar("train/num_trainers", count, self._version())
                 self.writer.flush()
             ready = self._reports_ready()
-        log.info("%s %s the job; %d trainer(s) now", info.name, "joined" if joined else "left", count)
+        # On the console too (ps_train.observe.console), also with logging=quiet.
+        log.warning("%s %s the job; %d trainer(s) now", info.name, "joined" if joined else "left", count, extra=CONSOLE)
         for listener in self.listeners:
             listener(trainer, joined)
         self._resolve(ready)
@@ -174,6 +176,10 @@ class Membership:
                 answer = self._fix(epoch, trainer)
             elif epoch >= 0 and trainer in self.epochs[epoch]:
                 answer = self._assignment(epoch, trainer)
+            elif epoch >= 0 and (later := [e for e in sorted(self.epochs) if e > epoch and trainer in self.epochs[e]]):
+                # Fixed without it (it was dead, or not yet in the job), and so were later ones,
+                # e.g. a replacement that lags behind: the first epoch that takes it.
+                answer = self._assignment(later[0], trainer)
             else:
                 self.waiting.append((trainer, fut))
                 return fut
@@ -183,9 +189,9 @@ class Membership:
     def _fix(self, epoch: int, asking: int) -> Assignment | None:
         # Caller holds self.cond.
         members = sorted((self.launched - self.finished) | (self.present - self.finished) | {asking})
+        # Kept for the whole job (a few ints an epoch): a replacement that lags behind asks for
+        # old epochs, and one fixed again with other members would overlap what was trained.
         self.epochs[epoch] = members
-        for old in [e for e in self.epochs if e < epoch - 2]:
-            del self.epochs[old]  # an old epoch can be asked for only by a trainer resuming in it
         log.info("epoch %d: trainers %s", epoch, members)
         still = []
         for trainer, fut in self.waiting:
@@ -293,10 +299,18 @@ class ElasticServer(Protocol):
         """Return once trainer0 has written the run's results."""
 
 
-def keep_membership(ps: ElasticServer, cfg: Config, run_dir: str, resume_state: dict[str, Any] | None) -> None:
+def keep_membership(
+    ps: ElasticServer,
+    cfg: Config,
+    run_dir: str,
+    resume_state: dict[str, Any] | None,
+    writer: MetricsWriter | None = None,
+) -> None:
     """ps0 of an elastic run, before ``init_rpc``: the trainer membership (ps_train.elastic.membership),
-    ready before any trainer can ask for it; it knows where this attempt started."""
-    writer = make_writer(cfg.logging.tensorboard, f"{run_dir}/tb/ps0", filename_suffix=".ps0")
+    ready before any trainer can ask for it; it knows where this attempt started. ``writer``:
+    ps0's TensorBoard writer, if the process has one already (one writer per folder)."""
+    if writer is None:
+        writer = make_writer(cfg.logging.tensorboard, f"{run_dir}/tb/ps0", filename_suffix=".ps0")
     ps.membership = Membership(cfg.cluster.num_trainers, cfg.cluster.num_servers, writer, lambda: ps.version)
     if resume_state is not None:
         ps.membership.start = (resume_state["step"], dict(resume_state["trainer_positions"]))

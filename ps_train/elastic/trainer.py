@@ -24,6 +24,7 @@ from ps_train import backend
 from ps_train.config import Config
 from ps_train.elastic import membership
 from ps_train.elastic.membership import Assignment
+from ps_train.observe.console import CONSOLE
 from rpc_core.errors import WorkerLeftError
 
 __all__ = ["ElasticBatches", "ElasticRole", "join_group", "wait_for_servers", "JOINER_STEPS"]
@@ -122,6 +123,12 @@ class ElasticBatches:
             self._start(nxt, 0)
         return next(self.inner)
 
+    @property
+    def last_batch(self) -> tuple[int, Any] | None:
+        """(epoch, training-split indices [batch_size]) of the last batch, for the debug record
+        of trained samples (``ps_train.sample_log``)."""
+        return None if self.inner is None else getattr(self.inner, "last_batch", None)
+
     def position(self) -> dict[str, int]:
         """JSON-safe: where the next batch comes from (epoch, slot, world, samples used)."""
         if self.current is None:
@@ -170,8 +177,9 @@ class ElasticRole:
 
         point = self._ps0(membership.resume_point, trainer.index)
         if self.joiner:
-            trainer.step = self._ps0(membership.join_step)
             trainer.steps = JOINER_STEPS
+        if self.joiner and "position" not in point:
+            trainer.step = self._ps0(membership.join_step)
             first = self._ps0(membership.assignment, trainer.index, -1)
             offset = 0
             log.info(
@@ -182,7 +190,8 @@ class ElasticRole:
                 if first
                 else "the job is over already",
             )
-        elif "position" in point:  # a replacement: continue after the predecessor's last step
+        elif "position" in point:  # a replacement (of a launched trainer or a joiner): continue after
+            # the predecessor's last step
             trainer.step, pos = point["step"], point["position"]
             first, offset = Assignment(pos["epoch"], pos["slot"], pos["world"]), pos["offset"]
             log.warning(
@@ -194,6 +203,7 @@ class ElasticRole:
                 first.slot,
                 first.world,
                 offset,
+                extra=CONSOLE,
             )
         else:  # where the attempt started (step 0 or its checkpoint's)
             trainer.step, data_state = point["step"], point["data_state"]

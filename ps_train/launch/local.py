@@ -38,12 +38,13 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from ps_train.config import Config, config_to_dict, from_dictconfig
-from ps_train.elastic.files import record_replacement, remove_job_file, write_job_file
-from ps_train.faults import ATTEMPT_ENV
+from ps_train.elastic.files import record_replacement, write_job_file
+from ps_train.faults import ATTEMPT_ENV, REPLACED_ENV
 from ps_train.launch.failures import FailedRole, RoleError, RoleFailed, failure_report, first_cause, role_name
 from ps_train.launch.heartbeat import HeartbeatBoard, process_state, start_heartbeat
 from ps_train.launch.ports import free_port
 from ps_train.launch.rank import run_rank, setup_role_logging
+from ps_train.observe.console import CONSOLE
 
 log = logging.getLogger("ps_train")
 
@@ -69,7 +70,7 @@ _PRELOAD = [
 ]  # the first torch.optim optimizer imports it: ~2.5 s of CPU per server
 
 
-def _exit_with_parent() -> None:
+def exit_with_parent() -> None:
     """A role must not outlive its launcher (e.g. killed by a test timeout)."""
     parent = mp.parent_process()
     if parent is None:
@@ -104,13 +105,13 @@ def _child(
         os.environ.clear()
         os.environ.update(env)
         os.chdir(cwd)
-        _exit_with_parent()
+        exit_with_parent()
         cfg = from_dictconfig(cfg_dict)
         out = run_rank(cfg, rank, cfg.cluster.master_addr, port, secret, run_dir, resume, attempt=attempt)
         if out is not None:
             results.send(out)  # returns once it is all in the pipe (the launcher reads as it comes)
     except BaseException as e:  # noqa: BLE001 - any failure of a role is reported, then it exits 1
-        _report(name, run_dir, cfg_dict["logging"]["level"], e, errors)
+        report_error(name, run_dir, cfg_dict["logging"]["level"], e, errors)
         os._exit(1)
     # Done: skip the interpreter teardown (torch's takes seconds on a busy machine, and
     # rpc threads have nothing left to do).
@@ -120,7 +121,7 @@ def _child(
     os._exit(0)
 
 
-def _report(name: str, run_dir: str, level: str, error: BaseException, errors: Connection) -> None:
+def report_error(name: str, run_dir: str, level: str, error: BaseException, errors: Connection) -> None:
     """A failed role's traceback goes to its log, and only there; the launcher gets one
     ``RoleError`` and tells the user, once for the whole run (``failures.failure_report``)."""
     if not logging.getLogger().handlers:  # it failed before run_rank set up its log
@@ -134,7 +135,7 @@ def _report(name: str, run_dir: str, level: str, error: BaseException, errors: C
     logging.shutdown()
 
 
-def _context() -> Any:
+def context() -> Any:
     if "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(_PRELOAD)
@@ -156,21 +157,23 @@ def launch_local(
     # master_port=0: a free port for this run, so concurrent runs and -m sweep jobs never clash.
     port = cfg.cluster.master_port or free_port(cfg.cluster.master_addr)
     secret = secrets.token_hex(16)  # per run: only this run's processes can talk to each other
+    cfg_dict = config_to_dict(cfg)
+    if cfg.cluster.elastic:  # before the line below: whoever reads that line can join
+        write_job_file(run_dir, cfg.cluster.master_addr, port, secret, cfg_dict, attempt)
     log.info(
         "starting %d servers + %d trainers on %s:%d; logs in %s/logs", S, T, cfg.cluster.master_addr, port, run_dir
     )
-    ctx = _context()
+    ctx = context()
     # Pipes, not queues: a queue's semaphores outlive a launcher that leaves with os._exit
     # (python -m ps_train after a failure), and the resource tracker warns about them.
     results_in, results_out = ctx.Pipe(duplex=False)  # trainer0's metrics
-    cfg_dict = config_to_dict(cfg)
     env, cwd = dict(os.environ, **{ATTEMPT_ENV: str(attempt)}), os.getcwd()
     board = HeartbeatBoard(ctx, S + T, cfg.cluster.role_timeout)
     errors_in, errors_out = ctx.Pipe(duplex=False)  # RoleErrors from the roles that fail (see _report)
     procs = {}
     deadline = None if timeout is None else time.monotonic() + timeout
 
-    def start(rank: int, resume: str | None = resume) -> Any:
+    def start(rank: int, resume: str | None = resume, env: dict[str, str] = env) -> Any:
         p = ctx.Process(
             target=_child,
             args=(
@@ -197,16 +200,18 @@ def launch_local(
     def replace(rank: int, reason: str) -> Any:
         """Elastic: start a trainer in place of a dead one (it continues where ps0 says)."""
         rows = record_replacement(run_dir, role_name(rank, S), reason, attempt)
-        log.warning(
+        log.warning(  # on the console with any logging level (ps_train.observe.console)
             "replacement %d: %s failed (%s); the other roles go on; starting a new %s that continues "
             "its partition after its last step the servers applied",
             len(rows),
             role_name(rank, S),
             reason,
             role_name(rank, S),
+            extra=CONSOLE,
         )
         board.restart(rank)
-        return start(rank, resume=None)  # ps0 says where it starts; the attempt's checkpoint may be pruned by now
+        # ps0 says where it starts (the attempt's checkpoint may be pruned by now).
+        return start(rank, resume=None, env=dict(env, **{REPLACED_ENV: "1"}))
 
     # Read trainer0's metrics as they come: a long run's (per-step losses) fill the pipe, and
     # trainer0 cannot exit before they are read.
@@ -221,14 +226,10 @@ def launch_local(
     collector = threading.Thread(target=collect, name="metrics-collector", daemon=True)
     collector.start()
     try:
-        if cfg.cluster.elastic:
-            write_job_file(run_dir, cfg.cluster.master_addr, port, secret, cfg_dict)
         for rank in range(S + T):
             procs[rank] = start(rank)
         _Watch(procs, S, run_dir, deadline, board, errors_in, replace if cfg.cluster.elastic else None).run()
     finally:
-        if cfg.cluster.elastic:
-            remove_job_file(run_dir)
         for p in procs.values():
             if p.is_alive():
                 p.kill()  # a role of a failed run holds nothing worth a graceful stop

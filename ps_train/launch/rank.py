@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +21,13 @@ from ps_train import backend
 from ps_train.config import Config
 from ps_train.elastic.membership import keep_membership, serve_elastic
 from ps_train.elastic.trainer import join_group, wait_for_servers
+from ps_train.faults import die, fault_at
 from ps_train.launch.failures import role_name
-from ps_train.metrics import mark_attempt
+from ps_train.metrics import MetricsWriter, make_writer, mark_attempt
+from ps_train.observe.console import ConsoleHandler
+from ps_train.observe.dashboard import write_dashboard
+from ps_train.observe.server_metrics import ServerMetrics, rpc_byte_counts
+from ps_train.observe.traces import ProfileWindow, write_served
 from rpc_core import tune_malloc
 
 __all__ = ["run_rank", "setup_role_logging"]
@@ -30,13 +36,14 @@ log = logging.getLogger("ps_train")
 
 
 def setup_role_logging(run_dir: str, name: str, level: str) -> None:
-    """This process logs to ``<run_dir>/logs/<name>.log`` only."""
+    """This process logs to ``<run_dir>/logs/<name>.log``; records marked for the console
+    (``ps_train.observe.console.CONSOLE``) also go to stderr, one line each."""
     logs = Path(run_dir) / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(logs / f"{name}.log")
     handler.setFormatter(logging.Formatter(f"%(asctime)s [{name}] %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
-    root.handlers[:] = [handler]
+    root.handlers[:] = [handler, ConsoleHandler(name)]
     root.setLevel(level)
 
 
@@ -51,6 +58,7 @@ def run_rank(
     init_method: str | None = None,
     attempt: int = 0,
     joiner: bool = False,
+    joined: Callable[[int], None] | None = None,
 ) -> dict[str, Any] | None:
     """Run one role until the whole job is done; returns the metrics on trainer0.
 
@@ -58,7 +66,9 @@ def run_rank(
     ``init_method``: where the ranks meet, if not ``tcp://master_addr:master_port``.
     ``attempt``: how many times the run was restarted before this start (TensorBoard shows it).
     ``joiner``: a trainer joining a running elastic job (``join=``): it takes the first free
-    trainer rank from ``rank`` on.
+    trainer rank from ``rank`` on. ``joined(rank)``: called once this trainer is in an elastic
+    job's group with every server, with the rank it took (a joiner's launcher replaces it at
+    that rank).
     """
     S, T = cfg.cluster.num_servers, cfg.cluster.num_trainers
     name = role_name(rank, S)
@@ -77,19 +87,29 @@ def run_rank(
     )
     backend.select(cfg.backend)
     rpc = backend.rpc()
-    from ps_train.checkpoint.protocol import checkpoint_hook, load_resume_state, load_server_state
+    from ps_train.checkpoint.protocol import load_resume_state, load_server_state
     from ps_train.ctr.table_server import make_table_server
     from ps_train.ctr.trainer import trainer_class
     from ps_train.roles import server as server_mod
 
     resume_state = load_resume_state(resume, server=name if rank < S else None) if resume else None
+    sampler: ServerMetrics | None = None
     if rank < S:
         # Before init_rpc: trainers may ask for it at once. The model's tables, if any, are its own part.
         ps = server_mod.create(cfg, rank, make_table_server(cfg, rank))
         if resume_state is not None:
             load_server_state(ps, resume_state)
-        if rank == 0 and cfg.cluster.elastic:
-            keep_membership(ps, cfg, run_dir, resume_state)  # ps_train.elastic.membership
+        # One TensorBoard writer per folder: TensorBoard reads a folder's event files one after
+        # the other, so a second writer's session mark would drop the first one's later points.
+        keeps_membership = rank == 0 and cfg.cluster.elastic
+        sampled = cfg.logging.server_every > 0
+        writer = make_writer(
+            cfg.logging.tensorboard and (sampled or keeps_membership), f"{run_dir}/tb/{name}", f".{name}"
+        )
+        if keeps_membership:
+            keep_membership(ps, cfg, run_dir, resume_state, writer)  # ps_train.elastic.membership
+        # Before init_rpc: trainers may send updates as soon as it returns, and every one counts.
+        sampler = _server_metrics(cfg, ps, writer) if sampled and cfg.logging.tensorboard else None
     init_method = init_method or f"tcp://{master_addr}:{master_port}"
     opts = backend.make_options(
         init_method, cfg.cluster.rpc_timeout, cfg.cluster.num_worker_threads, secret, cfg.cluster.init_timeout
@@ -114,6 +134,8 @@ def run_rank(
         rpc.init_rpc(name, rank=rank, world_size=S + T, rpc_backend_options=opts)
         backend.restore_rpc_timeout(cfg.cluster.rpc_timeout)
         log.info("%s joined the job: all %d ranks are up", name, S + T)  # benchmarks/scale_bench.py reads it
+    if rank < S and resume_state is not None and fault_at(name, resume_state["step"], "restore"):
+        die(name, resume_state["step"])  # a test fault: in the middle of a restart's recovery
     result = None
     try:
         if rank >= S:
@@ -123,19 +145,66 @@ def run_rank(
                 data_state = resume_state["trainer_positions"].get(name)
             if cfg.cluster.elastic:
                 wait_for_servers(S, cfg.cluster.init_timeout)
+                if joined is not None:
+                    joined(rank)
             t = trainer_class(cfg)(cfg, rank - S, run_dir, start_step=start, data_state=data_state)
             mark_attempt(t.writer, t.step, attempt if t.index == 0 else None)  # see ps_train.launch.restarts
-            result = t.run(on_step=checkpoint_hook(cfg, run_dir))
+            if t.index == 0:
+                write_dashboard(cfg, run_dir)  # custom-scalars layout and HParams, once per run
+            result = t.run(on_step=_step_hooks(cfg, run_dir, rank))
         elif cfg.cluster.elastic:
             serve_elastic(ps)  # ps_train.elastic.membership
     except BaseException:
         _abandon(rpc)
         raise
     rpc.shutdown()
+    if sampler is not None:
+        sampler.close()
+    if rank < S and cfg.profile.enabled:
+        write_served(run_dir, name, rank, S + T)  # what it ran for the trainers' profiled steps
     if rank < S and ps.membership is not None:
         ps.membership.close()  # after shutdown: ps0 records every trainer's leave first
     log.info("%s finished", name)
     return result
+
+
+def _server_metrics(cfg: Config, server: Any, writer: MetricsWriter) -> ServerMetrics:
+    """The timer that samples this server's counters into ``writer`` (``tb/<name>/``), started."""
+    sampler = ServerMetrics(
+        server,
+        writer,
+        cfg.logging.server_every,
+        staleness=server.stale_updates,
+        byte_counts=rpc_byte_counts if backend.name() == "rpc_core" else None,
+    )
+    sampler.start()
+    return sampler
+
+
+def _step_hooks(cfg: Config, run_dir: str, rank: int) -> Any:
+    """What runs after each trainer step: the checkpoint protocol and, with
+    ``profile.enabled``, the profiled window (``ps_train.observe.traces``)."""
+    from ps_train.checkpoint.protocol import checkpoint_hook
+
+    checkpoint = checkpoint_hook(cfg, run_dir)
+    if not cfg.profile.enabled:
+        return checkpoint
+    rpc = backend.rpc()
+    world = cfg.cluster.num_servers + cfg.cluster.num_trainers
+    window = ProfileWindow(
+        run_dir,
+        rank,
+        world,
+        cfg.profile.warmup,
+        cfg.profile.steps,
+        lambda worker, fn, args: rpc.rpc_sync(worker, fn, args=args),
+    )
+
+    def hooks(trainer: Any, step: int) -> None:
+        window(trainer, step)  # first: a checkpoint is not part of the profiled steps
+        checkpoint(trainer, step)
+
+    return hooks
 
 
 def _abandon(rpc: Any) -> None:

@@ -31,11 +31,12 @@ from typing import Any
 
 from ps_train.checkpoint.files import latest_checkpoint, read_manifest
 from ps_train.config import RESUME_AUTO, Config
-from ps_train.elastic.files import read_replacements
+from ps_train.elastic.files import read_replacements, remove_job_file
 from ps_train.files import atomic_write_text
 from ps_train.launch.failures import RoleFailed
 from ps_train.launch.local import launch_local
 from ps_train.metrics import write_metrics_json
+from ps_train.observe.console import CONSOLE
 from rpc_core.errors import failed_worker
 
 __all__ = [
@@ -99,6 +100,14 @@ def run_local(cfg: Config, run_dir: str, resume: str | None, timeout: float | No
 
     ``timeout`` bounds all attempts together; running out of time is not restarted.
     """
+    try:
+        return _run_local(cfg, run_dir, resume, timeout)
+    finally:
+        if cfg.cluster.elastic:  # the job is over: nobody can join it (kept between attempts)
+            remove_job_file(run_dir)
+
+
+def _run_local(cfg: Config, run_dir: str, resume: str | None, timeout: float | None) -> dict[str, Any]:
     deadline = None if timeout is None else time.monotonic() + timeout
     restarts: list[Restart] = []
     while True:
@@ -129,6 +138,7 @@ def run_local(cfg: Config, run_dir: str, resume: str | None, timeout: float | No
                 restart.role,
                 restart.reason,
                 where,
+                extra=CONSOLE,
             )
     metrics["restarts"] = [dataclasses.asdict(r) for r in restarts]
     if cfg.cluster.elastic:  # trainers replaced without a restart (ps_train.elastic.files)
@@ -200,5 +210,6 @@ def record_env_restart(run_dir: str, attempt: int, checkpoint: str | None) -> di
         role,
         reason,
         f"its checkpoint after step {restart['from_step']} ({checkpoint})" if checkpoint else "step 0",
+        extra=CONSOLE,
     )
     return restart

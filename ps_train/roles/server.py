@@ -28,7 +28,8 @@ from __future__ import annotations
 import copy
 import logging
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -43,7 +44,9 @@ from ps_train.faults import maybe_inject_fault
 from ps_train.metrics import peak_rss_bytes
 from ps_train.modes import make_mode
 from ps_train.modes.aggregation import scaled_lr
+from ps_train.modes.asynchronous import AsyncMode
 from ps_train.modes.base import UPDATE_IN_BACKWARD, UpdateRequest
+from ps_train.observe.server_metrics import UpdateCounters
 from ps_train.stage_sharding import model_shards, shards_of_server
 from rpc_core.functions import async_execution
 
@@ -70,7 +73,9 @@ class TablePart(Protocol):
         """Update the rows ``grads`` (sparse, by table weight) name, at ``lr_factor`` times the
         rate; the caller holds the server's lock."""
 
-    def stats(self) -> dict[str, int]: ...
+    def stats(self) -> dict[str, int]:
+        """Cumulative counts, among them ``table_rows_read``, ``table_rows_updated``,
+        ``table_rows_live`` (rows updated at least once)."""
 
     def state_dict(self, copy: bool = True) -> dict[str, Any]: ...
 
@@ -110,6 +115,9 @@ class ParameterServer:
         # autograd context -> (rows [H], gradients [H, d]) pushed for it by a trainer's row cache
         self._pushed: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._pushed_lock = threading.Lock()
+        # Per update, for the sampled TensorBoard metrics (ps_train.observe.server_metrics).
+        self.counters = UpdateCounters()
+        self.stale_updates = isinstance(self.mode, AsyncMode)  # async and ssp answer with the staleness
 
     # -- forward ----------------------------------------------------------------------------------
     def forward(self, shard: int, x: torch.Tensor, trainer: int = -1, step: int = -1) -> torch.Tensor:
@@ -201,6 +209,7 @@ class ParameterServer:
         caller (the mode) holds ``self.lock``."""
         if self.optimizer is None and self.tables is None:
             return
+        t0 = time.perf_counter()
         for p in self.dense_params:
             p.grad = grads.get(p)
         # A part none of whose parameters has a gradient is left alone (mode=hybrid steps
@@ -215,6 +224,7 @@ class ParameterServer:
         self.version += 1
         for i in self.updates:
             self.updates[i] += 1
+        self.counters.applied(time.perf_counter() - t0)
         maybe_inject_fault(f"ps{self.rank}", self.version)  # test-only, see ps_train.faults
 
     @async_execution
@@ -223,7 +233,22 @@ class ParameterServer:
     ) -> torch.futures.Future[Any]:
         """Apply trainer ``trainer``'s step-``step`` gradients (in its context ``context_id``)
         as the mode does; ``position`` (elastic, on ps0): its data position after this step."""
-        return self.mode.update(self, context_id, trainer, step, position)
+        return self.counted(lambda: self.mode.update(self, context_id, trainer, step, position))
+
+    def counted(self, update: Callable[[], torch.futures.Future[Any]]) -> torch.futures.Future[Any]:
+        """Run an update request (``update()``: its answer), counted as one contribution (and,
+        async/ssp, its staleness: the answer's value) for the sampled metrics."""
+        self.counters.contributed()  # first: the update it completes may be sampled at once
+        answer = update()
+        if self.stale_updates:
+            counters = self.counters
+
+            def record(f: torch.futures.Future[Any]) -> None:
+                if f.done() and not _failed(f):
+                    counters.stale(int(f.value()))
+
+            answer.add_done_callback(record)
+        return answer
 
     @async_execution
     def clock(self, trainer: int, completed: int) -> torch.futures.Future[Any]:
@@ -247,12 +272,24 @@ class ParameterServer:
         self.mode.trainer_finished(self, trainer)
 
     # -- state ------------------------------------------------------------------------------------
+    def table_counts(self) -> dict[str, int]:
+        """Cumulative table counts for the sampled metrics (empty without tables)."""
+        if self.tables is None:
+            return {}
+        st = self.tables.stats()
+        return {
+            "rows_read": st["table_rows_read"],
+            "rows_updated": st["table_rows_updated"],
+            "rows_live": st.get("table_rows_live", 0),
+        }
+
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "version": self.version,
             "updates": dict(self.updates),
             **self.mode.stats(),
             "peak_rss_bytes": peak_rss_bytes(),
+            "update_seconds": self.counters.snapshot().update_seconds,
         }
         if self.tables is not None:
             out.update(self.tables.stats())
@@ -327,7 +364,15 @@ def create(cfg: Config, rank: int, tables: TablePart | None = None) -> Parameter
 
 def _update_in_backward(context_id: int, request: UpdateRequest) -> torch.futures.Future[Any]:
     server = local_server()
-    return server.mode.in_backward(server, context_id, request)
+    return server.counted(lambda: server.mode.in_backward(server, context_id, request))
+
+
+def _failed(f: torch.futures.Future[Any]) -> bool:
+    try:
+        f.value()
+    except Exception:  # noqa: BLE001 - whatever failed the update, its requester sees it; not counted
+        return True
+    return False
 
 
 def local_server() -> ParameterServer:

@@ -54,7 +54,7 @@ import torch
 import torch.nn.functional as F
 
 from ps_train import backend
-from ps_train.config import Config, config_to_dict
+from ps_train.config import Config
 from ps_train.data import BatchIterator, iter_eval_batches, load_data, total_steps
 from ps_train.elastic.membership import stop_requested
 from ps_train.elastic.trainer import ElasticRole
@@ -62,13 +62,15 @@ from ps_train.faults import die, fault_at, maybe_inject_fault
 from ps_train.metrics import (
     LatencyStats,
     ThroughputMeter,
-    flatten_hparams,
     make_writer,
     peak_rss_bytes,
     write_metrics_json,
 )
 from ps_train.modes import make_mode
 from ps_train.modes.base import UPDATE_IN_BACKWARD, UpdateRequest, resolved
+from ps_train.observe.console import summary_lines
+from ps_train.observe.dashboard import end_session
+from ps_train.observe.server_metrics import rpc_byte_counts
 from ps_train.sample_log import SampleLog
 from ps_train.stage_sharding import model_shards
 from rpc_core.functions import async_execution
@@ -301,6 +303,7 @@ class Trainer:
             last = self._loop(batch, losses, on_step)
             self.settle()
         wall = time.perf_counter() - t_start
+        moved = rpc_byte_counts()
         self.mode.trainer_done(self)  # ssp: this trainer no longer holds the others back
         mine = {
             "steps": self.step,
@@ -311,6 +314,7 @@ class Trainer:
             "max_steps_ahead": self.max_steps_ahead,
             "trainer": self.name,
             **self.totals(),
+            **({"bytes_received": moved.received, "bytes_sent": moved.sent} if moved is not None else {}),
         }
         if self.elastic is not None:
             self.elastic.finish(mine)  # to ps0: this trainer may leave the group right after
@@ -434,17 +438,10 @@ class Trainer:
             **self.extra_metrics(all_stats, server_stats),
             **(self.elastic.extra_metrics(server_stats) if self.elastic is not None else {}),
         }
-        w = self.writer
         for key, value in ev.items():
-            w.add_scalar(f"test/{key}", value, self.step)
-        w.add_hparams(
-            flatten_hparams(config_to_dict(cfg)),
-            {
-                **{f"hparam/test_{key}": value for key, value in ev.items()},
-                "hparam/samples_per_s": metrics["samples_per_s"],
-            },
-        )
-        w.close()
+            self.writer.add_scalar(f"test/{key}", value, self.step)
+        self.writer.close()
+        end_session(cfg, self.run_dir)  # the HParams table reads these test/* points (ps_train.observe.dashboard)
         write_metrics_json(f"{self.run_dir}/metrics.json", metrics)
         if self.elastic is not None:
             self.elastic.release_servers()
@@ -454,6 +451,7 @@ class Trainer:
             f"{wall:.1f}s",
             flush=True,
         )
+        print("\n".join(summary_lines(all_stats, server_stats)), flush=True)
         return metrics
 
 

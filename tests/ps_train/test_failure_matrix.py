@@ -134,3 +134,20 @@ def test_the_same_trainer_dead_twice_is_restarted_twice(tmp_path, monkeypatch, s
     assert [r["role"] for r in metrics["restarts"]] == ["trainer1", "trainer1"]
     assert_ends_like_the_baseline(run_dir, metrics, sync_baseline, [4, 4])
     assert scalars(run_dir / "tb" / "trainer0")["train/restarts"] == [(0, 0.0), (4, 1.0), (4, 2.0)]
+
+
+@pytest.mark.timeout(240)
+def test_a_server_dead_while_the_run_recovers_from_a_trainer_failure_is_one_more_restart(
+    tmp_path, monkeypatch, sync_baseline
+):
+    # trainer1 dies after step 5; in the restarted attempt ps1 loads the step-4 checkpoint,
+    # meets the others, which are starting from it, and dies before it applies any update.
+    run_dir, metrics = restarted_run(tmp_path, monkeypatch, "trainer1@5#0,ps1@4:restore#1", restarts=2)
+    assert [(r["role"], r["reason"]) for r in metrics["restarts"]] == [
+        ("trainer1", "killed by signal SIGKILL"),
+        ("ps1", "killed by signal SIGKILL"),
+    ]
+    assert "killing ps1 (pid" in (run_dir / "logs" / "ps1.log").read_text()
+    # The recovery that failed left nothing behind: the third attempt resumes from the same
+    # checkpoint and ends as the uninterrupted run.
+    assert_ends_like_the_baseline(run_dir, metrics, sync_baseline, [4, 4])

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from ps_train.config import ConfigError
-from ps_train.faults import FAULT_ENV, Fault, parse_faults
+from ps_train.faults import ATTEMPT_ENV, FAULT_ENV, REPLACED_ENV, Fault, fault_at, parse_faults
 from ps_train.launch.failures import RoleFailed
 from ps_train.launch.heartbeat import process_state
 from ps_train.launch.ports import free_port
@@ -104,12 +104,23 @@ def test_fault_specs_parse_and_bad_ones_say_the_format():
     assert parse_faults("trainer1@5:partial#0") == [Fault("trainer1", 5, "partial", 0)]
     with pytest.raises(
         ValueError,
-        match=r"'ps1@x' is not <role>@\[\+\]<step>\[:kill\|:freeze\|:partial\|:checkpoint\|:eval\]"
+        match=r"'ps1@x' is not <role>@\[\+\]<step>\[:kill\|:freeze\|:partial\|:checkpoint\|:eval\|:restore\]"
         r"\[#<attempt>\]",
     ):
         parse_faults("ps1@x")
     with pytest.raises(ValueError, match="'ps1@2:explode' is not"):
         parse_faults("ps1@2:explode")
+
+
+def test_a_fault_fires_at_its_point_and_attempt_and_a_replacement_skips_relative_ones(monkeypatch):
+    monkeypatch.setenv(FAULT_ENV, "ps1@4:restore#1,trainer7@+1:partial")
+    monkeypatch.setenv(ATTEMPT_ENV, "1")
+    assert fault_at("ps1", 4, "restore") and not fault_at("ps1", 4, "partial") and not fault_at("ps0", 4, "restore")
+    assert fault_at("trainer7", 3, "partial")  # its first step in this process
+    monkeypatch.setenv(REPLACED_ENV, "1")  # a process started in place of a dead one
+    assert not fault_at("trainer7", 3, "partial")
+    monkeypatch.setenv(ATTEMPT_ENV, "0")
+    assert not fault_at("ps1", 4, "restore")
 
 
 @pytest.mark.parametrize(

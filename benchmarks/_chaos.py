@@ -1,0 +1,211 @@
+"""The parts of the chaos benchmark the test suite runs too: a job run with a hard time
+limit, a kill loop with a mean time between failures, and what a run that survived it lost.
+
+``Killer`` SIGKILLs a random role of a running ``python -m ps_train`` job, servers and
+trainers, at random moments: the gaps between kills are drawn from an exponential
+distribution with mean ``mtbf`` seconds (a Poisson process of failures, seeded, as
+torchft's punisher does), so a kill lands at a random point of a step, of a checkpoint
+write, of an evaluation or of a restart's start-up. Roles are found by the pid each logs
+when it starts (``logs/<role>.log``): after a restart or a replacement the new process is the
+one killed next.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["JobRun", "Kill", "Killer", "run_job", "current_pid", "checkpoint_problems", "lost_updates", "metric"]
+
+_PID = re.compile(r"starting (\S+) \(rank \d+ of \d+, pid (\d+)\)")
+_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclasses.dataclass
+class JobRun:
+    returncode: int  # -1: timed out (killed by the benchmark)
+    wall_s: float
+    tail: str  # the end of its console output
+    metrics: dict[str, Any]  # metrics.json ({} if the job wrote none)
+
+
+def run_job(run_dir: Path, overrides: list[str], timeout: float, env: dict[str, str] | None = None) -> JobRun:
+    """``python -m ps_train <overrides> hydra.run.dir=<run_dir>``, killed after ``timeout`` s."""
+    cmd = [sys.executable, "-m", "ps_train", *overrides, f"hydra.run.dir={run_dir}"]
+    full_env = dict(os.environ, **(env or {}))
+    full_env.pop("PS_TRAIN_FAULT", None)
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=_ROOT)
+        rc, tail = proc.returncode, (proc.stdout + proc.stderr)[-3000:]
+    except subprocess.TimeoutExpired:
+        rc, tail = -1, f"timed out after {timeout:g} s"
+    wall = time.perf_counter() - t0
+    path = run_dir / "metrics.json"
+    metrics = json.loads(path.read_text()) if path.is_file() else {}
+    return JobRun(rc, wall, tail, metrics)
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie its launcher has yet to reap (killing that would kill nothing)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def current_pid(run_dir: Path, role: str) -> int | None:
+    """The pid of the process that holds ``role`` now (the last start its log names), if alive."""
+    log = run_dir / "logs" / f"{role}.log"
+    try:
+        text = log.read_text()
+    except OSError:
+        return None
+    pids = [int(m.group(2)) for m in _PID.finditer(text) if m.group(1) == role]
+    return pids[-1] if pids and _alive(pids[-1]) else None
+
+
+@dataclasses.dataclass
+class Kill:
+    time_s: float  # since the killer started
+    role: str
+    pid: int
+
+
+class Killer(threading.Thread):
+    """Kills a random role of the job in ``run_dir`` every Exp(``mtbf``) seconds.
+
+    ``servers`` / ``trainers``: how many of each the job has; a kill takes a running server
+    with probability ``server_share``, else a running trainer, each uniformly. When no role
+    runs (the job restarts) it kills at the next tick that finds one. Stops after
+    ``max_failures`` kills, or when ``stop`` is set. ``max_gap``: gaps longer than this many
+    seconds are cut to it (a bounded test needs its kills inside a short job).
+    """
+
+    TICK = 0.1  # s: the killer's clock; a kill lands within this of its time
+
+    def __init__(
+        self,
+        run_dir: Path,
+        servers: int,
+        trainers: int,
+        mtbf: float,
+        seed: int,
+        server_share: float = 0.3,
+        max_failures: int | None = None,
+        max_gap: float | None = None,
+    ) -> None:
+        super().__init__(daemon=True, name="chaos-killer")
+        self.run_dir, self.servers, self.trainers = run_dir, servers, trainers
+        self.mtbf, self.server_share, self.max_failures, self.max_gap = mtbf, server_share, max_failures, max_gap
+        self.rng = random.Random(seed)
+        self.stop = threading.Event()
+        self.kills: list[Kill] = []
+
+    def _gap(self) -> float:
+        gap = self.rng.expovariate(1.0 / self.mtbf)
+        return gap if self.max_gap is None else min(gap, self.max_gap)
+
+    def _victim(self, running: dict[str, int]) -> str | None:
+        """A role to kill among those ``running`` (name -> pid): a server with probability
+        ``server_share`` (if one runs), else a trainer, each uniformly. Drawn from the running
+        ones, so that roles that start late (trainers, after the servers) are not spared."""
+        servers = sorted(r for r in running if r.startswith("ps"))
+        trainers = sorted(r for r in running if not r.startswith("ps"))
+        if not servers and not trainers:
+            return None
+        pick_server = bool(servers) and (not trainers or self.rng.random() < self.server_share)
+        return self.rng.choice(servers if pick_server else trainers)
+
+    def _running(self) -> dict[str, int]:
+        roles = [f"ps{k}" for k in range(self.servers)] + [f"trainer{k}" for k in range(self.trainers)]
+        pids = {role: current_pid(self.run_dir, role) for role in roles}
+        return {role: pid for role, pid in pids.items() if pid is not None}
+
+    def run(self) -> None:
+        t0 = time.monotonic()
+        due = self._gap()
+        while self.max_failures is None or len(self.kills) < self.max_failures:
+            if self.stop.wait(max(0.0, min(self.TICK, due - (time.monotonic() - t0)))):
+                return  # the job ended
+            if time.monotonic() - t0 < due:
+                continue
+            running = self._running()
+            role = self._victim(running)
+            if role is None:
+                continue  # nothing runs now (the job restarts): look again at the next tick
+            pid = running[role]
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+            now = time.monotonic() - t0
+            self.kills.append(Kill(round(now, 2), role, pid))
+            print(f"  [{now:7.1f} s] killed {role} (pid {pid})", flush=True)
+            due = now + self._gap()
+
+
+def run_with_killer(
+    run_dir: Path, overrides: list[str], timeout: float, killer_args: dict[str, Any]
+) -> tuple[JobRun, list[Kill]]:
+    """Run the job while a ``Killer(run_dir, **killer_args)`` kills its roles."""
+    killer = Killer(run_dir, **killer_args)
+    killer.start()
+    try:
+        job = run_job(run_dir, overrides, timeout)
+    finally:
+        killer.stop.set()
+        killer.join()
+    return job, killer.kills
+
+
+def checkpoint_problems(run_dir: Path, steps: int) -> tuple[list[str], list[str]]:
+    """Problems with the complete checkpoints left in ``run_dir`` (none: all load with
+    matching hashes, the last at step ``steps``), and the saves that never completed (trainer0
+    killed while writing one: without a manifest nothing ever resumes from it)."""
+    sys.path.insert(0, str(_ROOT))
+    from ps_train.checkpoint.files import is_complete, latest_checkpoint, load_checkpoint
+
+    problems, interrupted = [], []
+    root = run_dir / "checkpoints"
+    for d in sorted(root.iterdir()) if root.is_dir() else []:
+        if not is_complete(d):
+            interrupted.append(d.name)
+            continue
+        try:
+            load_checkpoint(d)  # every shard file, hash-verified
+        except Exception as e:  # noqa: BLE001 - any failure to load is the finding
+            problems.append(f"{d.name}: does not load: {e}")
+    last = latest_checkpoint(run_dir)
+    if last is None or not last.name.endswith(f"{steps:09d}"):
+        problems.append(f"the latest complete checkpoint is {last}, not the one after the last step {steps}")
+    return problems, interrupted
+
+
+def lost_updates(metrics: dict[str, Any], trainers: int, steps: int) -> dict[str, tuple[int, int]]:
+    """Elastic async/ssp: per server, the launched trainers' updates (missing, applied twice)
+    in the job's last attempt, against ``steps - from_step`` each (the servers count from the
+    checkpoint the attempt resumed from). ``(0, 0)`` everywhere: nothing lost."""
+    restarts = metrics.get("restarts", [])
+    expected = steps - (restarts[-1]["from_step"] if restarts else 0)
+    out = {}
+    for server, counts in metrics.get("updates_by_trainer", {}).items():
+        diffs = [counts.get(f"trainer{t}", 0) - expected for t in range(trainers)]
+        out[server] = (sum(-d for d in diffs if d < 0), sum(d for d in diffs if d > 0))
+    return out
+
+
+def metric(metrics: dict[str, Any], name: str) -> float:
+    value = metrics.get(name)
+    return float("nan") if value is None else float(value)
