@@ -1,5 +1,5 @@
-"""The update rides on the trainer's distributed backward (``cluster.update_in_backward``, the
-default on rpc_core): a trainer step costs each server one forward and one gradient call,
+"""The update rides on the trainer's distributed backward (``cluster.update_in_backward=true``
+on rpc_core): a trainer step costs each server one forward and one gradient call,
 in every mode (ssp's clock answers with ps0's part of the backward), counted by rpc_core
 (``connection_stats().requests_received``, metrics.json ``server_requests``)."""
 
