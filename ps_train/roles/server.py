@@ -27,16 +27,17 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import threading
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 from torch.func import functional_call
 
 from ps_train import backend
-from ps_train.checkpoint.files import ShardFile, save_shard_state
+from ps_train.checkpoint.files import SaveStarted, ShardFile, save_shard_state
 from ps_train.config import Config, optimizer_spec
 from ps_train.elastic.membership import Membership
 from ps_train.faults import maybe_inject_fault
@@ -46,6 +47,9 @@ from ps_train.modes.aggregation import scaled_lr
 from ps_train.modes.base import UPDATE_IN_BACKWARD, UpdateRequest
 from ps_train.stage_sharding import model_shards, shards_of_server
 from rpc_core.functions import async_execution
+
+if TYPE_CHECKING:
+    from ps_train.ctr.table_server import TableSnapshot
 
 log = logging.getLogger("ps_train.server")
 
@@ -75,6 +79,12 @@ class TablePart(Protocol):
     def state_dict(self, copy: bool = True) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def begin_snapshot(self, name: str, base: str | None) -> TableSnapshot:
+        """Freeze the rows for checkpoint ``name`` (differential on ``base`` if it can); the
+        caller holds the server's lock."""
+
+    def end_snapshot(self, written: bool) -> None: ...
 
 
 class ParameterServer:
@@ -107,6 +117,7 @@ class ParameterServer:
         self.updates = {i: 0 for i in self.shards}
         self.membership: Membership | None = None  # ps0 of a cluster.elastic=true job (ps_train.elastic.membership)
         self._released = threading.Event()  # elastic: trainer0 is done with the servers
+        self._saving: tuple[str, torch.futures.Future[list[ShardFile]]] | None = None  # (folder, files written)
 
     # -- forward ----------------------------------------------------------------------------------
     def forward(self, shard: int, x: torch.Tensor, trainer: int = -1, step: int = -1) -> torch.Tensor:
@@ -244,9 +255,11 @@ class ParameterServer:
         with self.lock:
             return self._state(copy_tables=True)
 
-    def _state(self, copy_tables: bool) -> dict[str, Any]:
-        # Caller holds self.lock.
-        tables = self.tables.state_dict(copy=copy_tables) if self.tables is not None else None
+    def _state(self, copy_tables: bool | None) -> dict[str, Any]:
+        # Caller holds self.lock. copy_tables=None: without the tables.
+        tables = None
+        if self.tables is not None and copy_tables is not None:
+            tables = self.tables.state_dict(copy=copy_tables)
         return {
             "shards": {i: copy.deepcopy(m.state_dict()) for i, m in self.shards.items()},
             "optimizer": copy.deepcopy(self.optimizer.state_dict()) if self.optimizer else None,
@@ -256,15 +269,61 @@ class ParameterServer:
             "tables": tables,
         }
 
-    def save_state(self, ckpt_dir: str) -> ShardFile:
-        """Write this server's shards and optimizer state into the checkpoint folder
-        ``ckpt_dir`` as ``ps<rank>.pt``; returns the file's manifest entry. The checkpoint
-        coordinator (``ps_train.checkpoint.protocol``) calls it through the server's RRef."""
-        if self.tables is None:
-            return save_shard_state(ckpt_dir, f"ps{self.rank}", self.state_dict())
-        # Tables are too large to copy: updates wait while they are written out.
-        with self.lock:
-            return save_shard_state(ckpt_dir, f"ps{self.rank}", self._state(copy_tables=False))
+    def begin_save(self, ckpt_dir: str, base: str | None = None) -> SaveStarted:
+        """Start writing this server's part of the checkpoint in folder ``ckpt_dir``
+        (``ps<rank>.pt``; with tables also ``ps<rank>.rows``) as it is now; returns once that
+        state is fixed, and ``finish_save`` once the files are written. The tables are
+        written by a thread while updates go on (``TableServer.begin_snapshot``): only the
+        rows changed since checkpoint ``base`` (a folder name) if this server counted the
+        changes from there, else all. The checkpoint coordinator
+        (``ps_train.checkpoint.protocol``) calls both through the server's RRef."""
+        name = f"ps{self.rank}"
+        done: torch.futures.Future[list[ShardFile]] = torch.futures.Future()
+        if self.saving():
+            raise RuntimeError(f"{name}: asked for checkpoint {ckpt_dir} while {self._saving} is being written")
+        if self.tables is None:  # a few MB of dense shards: written now
+            done.set_result([save_shard_state(ckpt_dir, name, self.state_dict())])
+            self._saving = (ckpt_dir, done)
+            return SaveStarted(name, None)
+        tables = self.tables
+        with self.lock:  # only the small state is copied while updates wait
+            state = self._state(copy_tables=None)
+            snapshot = tables.begin_snapshot(os.path.basename(os.path.normpath(ckpt_dir)), base)
+        state["tables"] = snapshot.state
+        self._saving = (ckpt_dir, done)
+
+        def write() -> None:
+            try:
+                rows = snapshot.write(ckpt_dir, name)
+                files = [save_shard_state(ckpt_dir, name, state), rows]
+            except BaseException as e:
+                tables.end_snapshot(written=False)
+                log.exception("%s: writing its checkpoint into %s failed", name, ckpt_dir)
+                done.set_exception(e)  # type: ignore[arg-type]  # torch's stub names the result type
+                return
+            tables.end_snapshot(written=True)
+            log.info(
+                "%s: wrote %d rows of its tables into %s (%d blocks copied aside meanwhile)",
+                name,
+                snapshot.rows.rows,
+                ckpt_dir,
+                snapshot.rows.blocks_copied_aside,
+            )
+            done.set_result(files)
+
+        threading.Thread(target=write, name=f"{name}-checkpoint", daemon=True).start()
+        return SaveStarted(name, snapshot.base)
+
+    def saving(self) -> bool:
+        """A checkpoint's files are still being written."""
+        return self._saving is not None and not self._saving[1].done()
+
+    @async_execution
+    def finish_save(self, ckpt_dir: str) -> torch.futures.Future[list[ShardFile]]:
+        """Resolves to the files ``begin_save(ckpt_dir)`` wrote, once they are written."""
+        if self._saving is None or self._saving[0] != ckpt_dir:
+            raise RuntimeError(f"ps{self.rank}: no checkpoint {ckpt_dir} begun (begin_save first)")
+        return self._saving[1]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         with self.lock:
