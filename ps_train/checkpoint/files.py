@@ -357,7 +357,7 @@ def checkpoint_chain(ckpt_dir: str | os.PathLike[str], shard: str) -> list[tuple
 
 def resume_hint(broken: Path) -> str:
     """Where to resume from when a chain through ``broken`` cannot be restored."""
-    older = [p for s, p in _step_dirs(broken.parent) if p < broken and is_complete(p)]
+    older = [p for _, p in _step_dirs(broken.parent.parent) if p < broken and is_complete(p)]
     full = [p for p in older if not read_manifest(p).bases]
     if full:
         return f"resume from an earlier checkpoint, e.g. resume={full[-1]} (a full one)"

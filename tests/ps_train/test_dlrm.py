@@ -16,9 +16,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ps_train.checkpoint.files import latest_checkpoint, read_manifest
-from ps_train.checkpoint.protocol import load_resume_state
-from ps_train.checkpoint.rows_file import load_rows
 from ps_train.config import (
     Config,
     ConfigError,
@@ -34,7 +31,7 @@ from ps_train.ctr.metrics import auc
 from ps_train.ctr.model import DLRM
 from ps_train.ctr.optimizers import TORCH_TABLE_OPTIMIZERS, make_table_optimizer, table_optimizer_spec
 from ps_train.ctr.rows import FusedLayout, RowSharding
-from tests.ps_train._app import make_cfg, read_json, run_app, scalars
+from tests.ps_train._app import make_cfg, read_json, run_app, saved_tables, scalars
 
 # Small and quick, with few rows per table so a batch uses rows several times (the
 # trainer deduplicates them) and every server owns rows that batches use.
@@ -104,19 +101,6 @@ def reference_run(cfg: Config, steps: int) -> tuple[dict[str, list[float]], DLRM
         dense_opt.step()
         table_step()
     return losses, model
-
-
-def saved_tables(run_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
-    """Every server's table columns (``weight`` and the optimizer's per-row state) in the
-    run's latest checkpoint, restored from its rows files as a resuming server would."""
-    ckpt = latest_checkpoint(run_dir)
-    assert ckpt is not None, f"{run_dir} has no complete checkpoint"
-    servers = [f.name for f in read_manifest(ckpt).shards]
-    out = {}
-    for server in servers:
-        state = load_resume_state(str(ckpt), server)["servers"][server]
-        out[server] = load_rows(state["tables"]["rows_files"])
-    return out
 
 
 def assert_tables_equal(run_dir: Path, cfg: Config, model: DLRM, atol: float) -> None:
