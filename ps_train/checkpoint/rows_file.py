@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ps_train.files import atomic_write
+from ps_train.files import HashingWriter, atomic_write
 
 __all__ = [
     "RowsHeader",
@@ -82,16 +82,17 @@ def write_rows_file(path: Path, header: RowsHeader, chunks: Iterable[RowChunk]) 
     """Write ``chunks`` under ``header`` atomically; the file's size and SHA-256."""
     encoded = header.to_json().encode("utf-8")
 
-    def write(f: BinaryIO) -> None:
+    def write(f: HashingWriter) -> None:
         f.write(MAGIC + struct.pack("<I", len(encoded)) + encoded)
         for chunk in chunks:
             f.write(struct.pack("<q", len(chunk.rows)))
-            f.write(chunk.rows.contiguous().numpy().tobytes())
+            # Views of the chunk's tensors, not copies: [n] int64, then [n, *shape] per column.
+            f.write(chunk.rows.contiguous().numpy().data)
             for v in chunk.values:
-                f.write(v.contiguous().numpy().tobytes())
+                f.write(v.contiguous().numpy().data)
         f.write(struct.pack("<q", _END))
 
-    return atomic_write(path, write)
+    return atomic_write(path, lambda f: None, sequential=write)
 
 
 def _read_exact(f: BinaryIO, n: int, path: Path) -> bytes:
