@@ -96,11 +96,12 @@ class ShardFile:
 
 @dataclass(frozen=True)
 class SaveStarted:
-    """A server's answer to the coordinator's "save now": its shard, and the checkpoint its
-    rows file builds on (None: a full one)."""
+    """A server's answer to the coordinator's "save now": its shard, the checkpoint its rows
+    file builds on (None: a full one or none), and whether it is still writing."""
 
     shard: str
     base: str | None
+    background: bool  # its files are still being written (tables); False: already written
 
 
 @dataclass

@@ -1,14 +1,16 @@
 """The checkpoint protocol between roles: saving a running job, and resuming from it.
 
 ``ps_train.checkpoint.files`` defines what a checkpoint is on disk; this module decides who
-writes which part, and when. trainer0 coordinates: after step k (every
+writes which part, and when. trainer0 coordinates (``Checkpointer``): after step k (every
 ``checkpoint.every`` steps, and at the end) it asks each server, through the server's RRef,
-to write its shards' weights and optimizer state (``ParameterServer.save_state``), then
-writes the manifest tying the files to step k, every trainer's data position and the RNG
-states. In sync mode the servers cannot move while trainer0 is busy checkpointing (step
-k+1 needs trainer0's gradients), so the checkpoint is exactly the state after step k. In
-async/ssp modes each shard is saved as it is at that moment and every trainer resumes from
-trainer0's step.
+to fix its state and write it (``ParameterServer.begin_save``): its shards' weights and
+optimizer state at once, its embedding tables (model=dlrm) by a thread while training goes on,
+all rows or only those changed since the previous checkpoint (``checkpoint.differential``).
+Once every server's files are written (``finish_save``), a thread of trainer0 writes the
+manifest tying them to step k, every trainer's data position and the RNG states. In sync mode
+the servers cannot move while trainer0 is busy asking (step k+1 needs trainer0's gradients),
+so the checkpoint is exactly the state after step k. In async/ssp modes each shard is saved
+as it is at that moment and every trainer resumes from trainer0's step.
 """
 
 from __future__ import annotations
@@ -162,14 +164,9 @@ class Checkpointer:
 
         self._thread = threading.Thread(target=complete, name=f"checkpoint-{step}", daemon=True)
         self._thread.start()
-        if wait:
+        if wait or not any(s.background for s in started):  # nothing left to wait for: complete it now
             self.wait()
         return ckpt
-
-
-def save(trainer: CheckpointingTrainer, step: int) -> Path:
-    """trainer0: write a complete full checkpoint of the job after ``step`` (and wait for it)."""
-    return Checkpointer().save(trainer, step, wait=True)
 
 
 def checkpoint_hook(cfg: Config, run_dir: str) -> Callable[[CheckpointingTrainer, int], None]:

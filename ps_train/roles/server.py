@@ -284,7 +284,7 @@ class ParameterServer:
         if self.tables is None:  # a few MB of dense shards: written now
             done.set_result([save_shard_state(ckpt_dir, name, self.state_dict())])
             self._saving = (ckpt_dir, done)
-            return SaveStarted(name, None)
+            return SaveStarted(name, None, background=False)
         tables = self.tables
         with self.lock:  # only the small state is copied while updates wait
             state = self._state(copy_tables=None)
@@ -312,7 +312,7 @@ class ParameterServer:
             done.set_result(files)
 
         threading.Thread(target=write, name=f"{name}-checkpoint", daemon=True).start()
-        return SaveStarted(name, snapshot.base)
+        return SaveStarted(name, snapshot.base, background=True)
 
     def saving(self) -> bool:
         """A checkpoint's files are still being written."""

@@ -174,7 +174,9 @@ DIFFERENTIAL = ("checkpoint.differential=true", "checkpoint.full_every=3")
 @pytest.mark.timeout(300)
 def test_a_run_killed_and_resumed_from_a_differential_chain_ends_like_the_uninterrupted_run(tmp_path, monkeypatch):
     whole = run_app(tmp_path / "whole", *RUN, timeout=150)  # full checkpoints only
-    monkeypatch.setenv(FAULT_ENV, "ps1@7#0")  # ps1 dies applying step 7: the run restarts from step 6
+    # trainer0 dies while the step-8 checkpoint is written (the servers wrote their files, the
+    # manifest is missing): the run restarts from step 6, a chain of steps 2 (full), 4 and 6.
+    monkeypatch.setenv(FAULT_ENV, "trainer0@8:checkpoint#0")
     run_dir = tmp_path / "killed"
     killed = run_app(run_dir, *RUN, *DIFFERENTIAL, "cluster.max_restarts=1", timeout=200)
     ckpts = run_dir / "checkpoints"
@@ -184,7 +186,7 @@ def test_a_run_killed_and_resumed_from_a_differential_chain_ends_like_the_uninte
         "step_000000002": {},
         "step_000000004": {"ps0": "step_000000002", "ps1": "step_000000002"},
         "step_000000006": {"ps0": "step_000000004", "ps1": "step_000000004"},
-        "step_000000008": {},  # the first after a restart is full
+        "step_000000008": {},  # written again by the resumed run: the first after a restart is full
     }
     for trainer, losses in whole["losses"].items():
         assert killed["losses"][trainer] == losses[6:]  # the resumed attempt's steps 7 and 8
