@@ -129,7 +129,8 @@ class Checkpointer:
         # trainer.servers[r] is ps<r>'s RRef; every server fixes its state now, at once.
         begun = [server.rpc_async().begin_save(str(ckpt), base) for server in trainer.servers]
         started: list[SaveStarted] = [f.wait() for f in begun]
-        written = [server.rpc_async().finish_save(str(ckpt)) for server in trainer.servers]
+        # No RPC timeout: writing gigabytes of rows may take longer than any call should.
+        written = [server.rpc_async(timeout=0).finish_save(str(ckpt)) for server in trainer.servers]
         pos = data_position(cfg, len(trainer.train_set), step)
         positions = {}
         for k in range(cfg.cluster.num_trainers):

@@ -134,12 +134,11 @@ class TableServer:
             raise RuntimeError(f"checkpoint {name}: the tables of {self.snapshot.name} are still being written")
         differential = base is not None and base == self.since
         changed, self.changed = self.changed, torch.zeros_like(self.changed)
-        selected = changed.nonzero().squeeze(1) if differential else None
         columns = self.columns()
         self.snapshot = TableSnapshot(
             name,
             base if differential else None,
-            RowSnapshot(columns, selected, hot=changed),
+            RowSnapshot(columns, changed if differential else None, hot=changed),
             RowsHeader.of(columns, full=not differential),
             {
                 "format": "rows",

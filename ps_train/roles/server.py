@@ -303,11 +303,11 @@ class ParameterServer:
                 return
             tables.end_snapshot(written=True)
             log.info(
-                "%s: wrote %d rows of its tables into %s (%d blocks copied aside meanwhile)",
+                "%s: wrote %d rows of its tables into %s (%d copied aside by updates meanwhile)",
                 name,
                 snapshot.rows.rows,
                 ckpt_dir,
-                snapshot.rows.blocks_copied_aside,
+                snapshot.rows.rows_copied_aside,
             )
             done.set_result(files)
 

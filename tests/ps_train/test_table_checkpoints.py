@@ -83,7 +83,7 @@ def test_a_snapshot_written_while_updates_go_on_holds_the_rows_of_its_moment(tmp
     assert not full.differential and full.rows.rows == ts.shards.weight.shape[0]
     at_full = _columns(ts)
     _write_while_training(ts, full, tmp_path / "full.rows", g, hot=True)
-    assert full.rows.blocks_copied_aside == 0  # the hot block was written first, before any update
+    assert full.rows.rows_copied_aside == 0  # the hot block was written first, before any update
     assert not torch.equal(ts.shards.weight.detach(), at_full["weight"])  # training went on
     restored = load_rows([tmp_path / "full.rows"])
     assert restored.keys() == at_full.keys()
@@ -97,7 +97,7 @@ def test_a_snapshot_written_while_updates_go_on_holds_the_rows_of_its_moment(tmp
     assert diff.differential and diff.rows.rows == changed < ts.shards.weight.shape[0] // 10
     at_diff = _columns(ts)
     _write_while_training(ts, diff, tmp_path / "diff.rows", g, hot=False)
-    assert diff.rows.blocks_copied_aside > 0  # updates met blocks not yet written: copied aside
+    assert diff.rows.rows_copied_aside > 0  # updates met rows not yet written: copied aside
     chain = load_rows([tmp_path / "full.rows", tmp_path / "diff.rows"])
     for k in at_diff:
         assert torch.equal(chain[k], at_diff[k]), k
@@ -171,14 +171,14 @@ RUN = (
 DIFFERENTIAL = ("checkpoint.differential=true", "checkpoint.full_every=3")
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)  # two small runs and a restart: ~1 min on a quiet machine
 def test_a_run_killed_and_resumed_from_a_differential_chain_ends_like_the_uninterrupted_run(tmp_path, monkeypatch):
-    whole = run_app(tmp_path / "whole", *RUN, timeout=150)  # full checkpoints only
+    whole = run_app(tmp_path / "whole", *RUN, timeout=240)  # full checkpoints only
     # trainer0 dies while the step-8 checkpoint is written (the servers wrote their files, the
     # manifest is missing): the run restarts from step 6, a chain of steps 2 (full), 4 and 6.
     monkeypatch.setenv(FAULT_ENV, "trainer0@8:checkpoint#0")
     run_dir = tmp_path / "killed"
-    killed = run_app(run_dir, *RUN, *DIFFERENTIAL, "cluster.max_restarts=1", timeout=200)
+    killed = run_app(run_dir, *RUN, *DIFFERENTIAL, "cluster.max_restarts=1", timeout=300)
     ckpts = run_dir / "checkpoints"
     assert [r["from_step"] for r in killed["restarts"]] == [6]
     bases = {p.name: read_manifest(p).bases for p in sorted(ckpts.iterdir())}
