@@ -55,6 +55,16 @@ class TableSnapshot:
     def differential(self) -> bool:
         return self.base is not None
 
+    @property
+    def row_count(self) -> int:
+        """Rows the file holds."""
+        return self.rows.rows
+
+    @property
+    def rows_copied_aside(self) -> int:
+        """Rows updates copied aside before the writer got to them, so far."""
+        return self.rows.rows_copied_aside
+
     def write(self, ckpt_dir: str, shard_name: str) -> ShardFile:
         file = f"{shard_name}.rows"
         size, digest = write_rows_file(Path(ckpt_dir) / file, self.header, self.rows.chunks())

@@ -30,7 +30,7 @@ import logging
 import os
 import threading
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -48,12 +48,30 @@ from ps_train.modes.base import UPDATE_IN_BACKWARD, UpdateRequest
 from ps_train.stage_sharding import model_shards, shards_of_server
 from rpc_core.functions import async_execution
 
-if TYPE_CHECKING:
-    from ps_train.ctr.table_server import TableSnapshot
-
 log = logging.getLogger("ps_train.server")
 
 _server: ParameterServer | None = None
+
+
+class TableCheckpoint(Protocol):
+    """A checkpoint of a server's tables being written (``ps_train.ctr.table_server.TableSnapshot``)."""
+
+    @property
+    def base(self) -> str | None:
+        """The checkpoint it builds on (None: it holds every row)."""
+
+    @property
+    def state(self) -> dict[str, Any]:
+        """What goes into the server's ``.pt`` file for the tables."""
+
+    @property
+    def row_count(self) -> int: ...
+
+    @property
+    def rows_copied_aside(self) -> int: ...
+
+    def write(self, ckpt_dir: str, shard_name: str) -> ShardFile:
+        """Write the rows file; returns its manifest entry."""
 
 
 class TablePart(Protocol):
@@ -80,7 +98,7 @@ class TablePart(Protocol):
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
-    def begin_snapshot(self, name: str, base: str | None) -> TableSnapshot:
+    def begin_snapshot(self, name: str, base: str | None) -> TableCheckpoint:
         """Freeze the rows for checkpoint ``name`` (differential on ``base`` if it can); the
         caller holds the server's lock."""
 
@@ -305,9 +323,9 @@ class ParameterServer:
             log.info(
                 "%s: wrote %d rows of its tables into %s (%d copied aside by updates meanwhile)",
                 name,
-                snapshot.rows.rows,
+                snapshot.row_count,
                 ckpt_dir,
-                snapshot.rows.rows_copied_aside,
+                snapshot.rows_copied_aside,
             )
             done.set_result(files)
 
