@@ -49,6 +49,7 @@ def run(shape: str, kind: str, steps: int, every: int, run_dir: Path, timeout: f
         f"train.steps={steps}",
         "train.log_every=1",
         "logging.progress=false",
+        "cluster.role_timeout=600",  # a shared machine under load starts processes slowly
         "checkpoint.final=false",
         "checkpoint.keep=0",
         f"checkpoint.every={0 if kind == 'none' else every}",
