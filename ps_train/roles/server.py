@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import sys
 import threading
 from collections.abc import Mapping
 from typing import Any, Protocol
@@ -311,6 +312,7 @@ class ParameterServer:
         self._saving = (ckpt_dir, done)
 
         def write() -> None:
+            _lowest_priority()
             try:
                 rows = snapshot.write(ckpt_dir, name)
                 files = [save_shard_state(ckpt_dir, name, state), rows]
@@ -359,6 +361,18 @@ class ParameterServer:
                         f"ps{self.rank}: the checkpoint holds no embedding tables; resume a model=dlrm run"
                     )
                 self.tables.load_state_dict(state["tables"])
+
+
+def _lowest_priority() -> None:
+    """Give the calling thread the lowest CPU priority (nice 19), so a checkpoint's writer
+    takes the CPU time training leaves (it then takes longer on a saturated machine). Linux
+    only: there a thread has its own nice value, set through its thread id."""
+    if sys.platform != "linux":
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except OSError:  # e.g. a sandbox without setpriority: the writer keeps normal priority
+        log.debug("could not lower the checkpoint writer's priority", exc_info=True)
 
 
 _remove_hook: Any = None
