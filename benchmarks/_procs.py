@@ -1,5 +1,6 @@
 """What each role process of a running job holds, read from /proc (Linux): threads, resident
-memory (peak), and its connections, each attributed to the role at its other end.
+memory (peak), CPU time so far, and its connections, each attributed to the role at its other
+end.
 
 A connection is an established TCP or Unix stream socket. Its other end is found by the
 socket's peer: for TCP the process that holds the socket with the swapped ports
@@ -16,7 +17,7 @@ import subprocess
 from collections import Counter
 from dataclasses import dataclass, field
 
-__all__ = ["RoleSample", "sample_roles", "role_kind"]
+__all__ = ["RoleSample", "sample_roles", "role_kind", "cpu_seconds"]
 
 _SOCKET = re.compile(r"socket:\[(\d+)\]")
 
@@ -27,6 +28,7 @@ class RoleSample:
 
     threads: int
     rss_peak_kb: int  # VmHWM: the most it was resident so far
+    cpu_s: float = 0.0  # user + kernel CPU seconds of all its threads so far
     peers: Counter[str] = field(default_factory=Counter)  # role at the other end -> connections
 
 
@@ -37,6 +39,13 @@ def role_kind(role: str) -> str:
 def _status(pid: int) -> dict[str, str]:
     with open(f"/proc/{pid}/status") as f:
         return dict(line.split(":", 1) for line in f if ":" in line)
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of /proc/<pid>/stat (fields 14 and 15), in seconds."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _socket_inodes(pid: int) -> set[int]:
@@ -100,9 +109,10 @@ def sample_roles(pids: dict[str, int]) -> dict[str, RoleSample]:
     for role, pid in pids.items():
         try:
             st = _status(pid)
+            cpu = cpu_seconds(pid)
         except OSError:
             continue  # exited
-        s = RoleSample(int(st["Threads"]), int(st.get("VmHWM", "0 kB").split()[0]))
+        s = RoleSample(int(st["Threads"]), int(st.get("VmHWM", "0 kB").split()[0]), cpu)
         for ino in inodes[role]:
             if ino in tcp:
                 lp, rp = tcp[ino]

@@ -33,4 +33,7 @@ is the point of these modes), so losses, final weights, staleness values and dro
 steps are in lockstep but whose updates within a step are applied as they arrive. A resumed
 async/ssp run restarts every trainer at trainer0's checkpointed step from shards saved as
 they were at that moment; it continues training correctly but not along the same path.
+
+``mode=hybrid`` (model=dlrm) is ``mode=sync`` bit for bit with one trainer; with more, its
+dense rounds are sync's but the table rows are updated in arrival order, as async's.
 """

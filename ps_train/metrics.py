@@ -13,7 +13,7 @@ import os
 import resource
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from ps_train.files import atomic_write_text
@@ -41,6 +41,8 @@ class MetricsWriter(Protocol):
 
     def add_scalars(self, values: Mapping[str, float], step: int) -> None: ...
 
+    def add_histogram(self, tag: str, values: Sequence[float], step: int) -> None: ...
+
     def add_hparams(self, hparams: Mapping[str, Any], metrics: Mapping[str, float]) -> None: ...
 
     def flush(self) -> None: ...
@@ -55,6 +57,9 @@ class NullWriter:
         pass
 
     def add_scalars(self, values: Mapping[str, float], step: int) -> None:
+        pass
+
+    def add_histogram(self, tag: str, values: Sequence[float], step: int) -> None:
         pass
 
     def add_hparams(self, hparams: Mapping[str, Any], metrics: Mapping[str, float]) -> None:
@@ -96,6 +101,11 @@ class TensorBoardWriter:
         for tag, value in values.items():
             self.add_scalar(tag, value, step)
 
+    def add_histogram(self, tag: str, values: Sequence[float], step: int) -> None:
+        import numpy as np
+
+        self._writer.add_histogram(tag, np.asarray(values, dtype=np.float64), global_step=int(step), bins="auto")
+
     def add_hparams(self, hparams: Mapping[str, Any], metrics: Mapping[str, float]) -> None:
         """Record hyper-parameters with the final metrics for TensorBoard's HPARAMS tab.
 
@@ -112,6 +122,14 @@ class TensorBoardWriter:
             file_writer.add_summary(summary)
         for tag, value in metrics.items():
             self.add_scalar(tag, value, 0)
+
+    def add_custom_scalars(self, layout: Mapping[str, Mapping[str, list[Any]]]) -> None:
+        """A custom-scalars layout: ``{category: {chart title: ["Multiline", [tag regexes]]}}``."""
+        self._writer.add_custom_scalars({c: dict(charts) for c, charts in layout.items()})
+
+    def add_summary(self, summary: Any) -> None:
+        """A ready ``Summary`` protocol buffer (e.g. the HParams plugin's records)."""
+        self._writer._get_file_writer().add_summary(summary)
 
     def flush(self) -> None:
         self._writer.flush()

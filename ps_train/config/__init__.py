@@ -55,6 +55,7 @@ from ps_train.config.run import (
     CheckpointConfig,
     LoggingConfig,
     ModeConfig,
+    ProfileConfig,
     TrainConfig,
 )
 
@@ -77,6 +78,7 @@ __all__ = [
     "TrainConfig",
     "CheckpointConfig",
     "LoggingConfig",
+    "ProfileConfig",
     "Config",
     "ConfigError",
     "MODEL_NAMES",

@@ -163,6 +163,9 @@ class DLRMConfig(ModelConfig):
     table_optim: str = "adagrad"  # sgd | adagrad | sparse_adam | rowwise_adagrad: touched rows only (ctr.optimizers)
     table_lr: float | None = None  # null: optim.lr
     pooling: list[str] = field(default_factory=list)  # per table sum | mean; []: sum; one value: every table
+    feature_names: list[str] = field(default_factory=list)  # each table's feature (KeyedJagged keys); []: f0, f1, ...
+    cache_rows: int = 0  # hot rows each trainer caches (ps_train.ctr.cache); 0: no cache
+    cache_staleness: int = 1  # steps a cached row serves before it is pulled again
 
     def num_stages(self) -> int:
         return 2  # bottom MLP, top MLP
@@ -173,9 +176,19 @@ class DLRMConfig(ModelConfig):
             return ["sum"] * num_tables
         return [self.pooling[0]] * num_tables if len(self.pooling) == 1 else list(self.pooling)
 
+    def feature_list(self, num_tables: int) -> list[str]:
+        """Every table's feature name (``model.feature_names``, or ``f0``, ``f1``, ...)."""
+        return list(self.feature_names) if self.feature_names else [f"f{t}" for t in range(num_tables)]
+
     def table_problems(self, num_tables: int, id_weights: bool) -> Problems:
         """Problems of these settings with the data's ``num_tables`` tables."""
         p = Problems()
+        p.need(
+            not self.feature_names
+            or (len(self.feature_names) == num_tables and len(set(self.feature_names)) == num_tables),
+            f"model.feature_names: {self.feature_names} must name each of the {num_tables} tables' feature once "
+            "(or [] for f0, f1, ...)",
+        )
         p.need(
             len(self.pooling) in (0, 1, num_tables),
             f"model.pooling: {self.pooling} lists {len(self.pooling)} values for {num_tables} tables; give [] "
@@ -215,6 +228,11 @@ class DLRMConfig(ModelConfig):
         p.need(
             self.table_lr is None or self.table_lr > 0,
             f"model.table_lr: {self.table_lr} must be > 0 (or null for optim.lr)",
+        )
+        p.need(self.cache_rows >= 0, f"model.cache_rows: {self.cache_rows} must be >= 0 (0: no row cache)")
+        p.need(
+            self.cache_staleness >= 1,
+            f"model.cache_staleness: {self.cache_staleness} must be >= 1 (steps a cached row serves)",
         )
         return p
 

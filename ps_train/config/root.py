@@ -13,7 +13,7 @@ from ps_train.config.cluster import ClusterConfig
 from ps_train.config.data import CtrDataConfig, DataConfig, DigitsConfig
 from ps_train.config.model import DLRMConfig, MLPConfig, ModelConfig
 from ps_train.config.optim import OptimConfig
-from ps_train.config.run import CheckpointConfig, LoggingConfig, ModeConfig, TrainConfig
+from ps_train.config.run import CheckpointConfig, LoggingConfig, ModeConfig, ProfileConfig, TrainConfig
 from ps_train.modes import elastic_problems, run_problems
 
 __all__ = ["Config", "BACKENDS", "ELASTIC_FILE", "RESUME_AUTO", "validate", "config_to_dict", "batch_problems"]
@@ -40,6 +40,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
     def problems(self) -> Problems:
         """Every problem of the config: the top-level fields', each group's, and those of
@@ -63,8 +64,12 @@ class Config:
         p += self._elastic_problems()
         if self.model.matches_schema() and self.data.matches_schema():
             p += self._model_vs_data_and_cluster()
-        for group in (self.optim, self.mode, self.train, self.checkpoint, self.logging):
+        for group in (self.optim, self.mode, self.train, self.checkpoint, self.logging, self.profile):
             p += group.problems()
+        p.need(
+            not self.profile.enabled or self.backend == "rpc_core",
+            "profile.enabled=true needs backend=rpc_core (its profiler records the servers' side of each RPC)",
+        )
         return p
 
     def _elastic_problems(self) -> Problems:
@@ -105,6 +110,11 @@ class Config:
         p += m.input_problems(shape, d.name)
         if isinstance(m, DLRMConfig) and isinstance(d, CtrDataConfig):
             p += m.table_problems(len(d.sizes()), d.has_id_weights())
+            p.need(
+                m.cache_rows == 0 or not c.update_in_backward,
+                "model.cache_rows: a trainer pushes its cached rows' gradients before its update request, "
+                "and cluster.update_in_backward=true sends the update with the backward; set one of them off",
+            )
         p += batch_problems(d.train_samples(), c.num_trainers, self.train.batch_size)
         p += run_problems(self)  # the mode's own, with the other groups
         return p

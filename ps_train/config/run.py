@@ -15,6 +15,7 @@ __all__ = [
     "TrainConfig",
     "CheckpointConfig",
     "LoggingConfig",
+    "ProfileConfig",
     "MODE_NAMES",
     "AGGREGATES",
     "STALENESS_RULES",
@@ -23,10 +24,12 @@ __all__ = [
 
 @dataclass
 class ModeConfig:
-    name: str = "sync"  # sync | async | ssp (ps_train.modes)
-    staleness: int = 0  # ssp only: max steps a trainer may run ahead of the slowest
-    aggregate: str = "mean"  # sync only: mean (as DDP) or sum of the trainers' gradients
-    staleness_rule: str = "scale"  # async/ssp only: scale (lr / staleness) or none
+    name: str = "sync"  # sync | async | ssp | hybrid (ps_train.modes)
+    # ssp: max steps a trainer may run ahead of the slowest; hybrid: how many steps of the
+    # other trainers' table updates a lookup may miss
+    staleness: int = 0
+    aggregate: str = "mean"  # sync/hybrid only: mean (as DDP) or sum of the trainers' (dense) gradients
+    staleness_rule: str = "scale"  # async/ssp/hybrid only: scale (lr / staleness) or none
 
     def problems(self) -> Problems:
         # Each mode checks the options it reads; one it does not read must keep its default
@@ -89,6 +92,8 @@ class LoggingConfig:
     tensorboard: bool = True
     progress: bool = True  # periodic one-line status (step, loss, samples/s)
     level: str = "INFO"
+    # Seconds between a server's TensorBoard samples (tb/ps<r>/: updates/s, staleness, bytes, ...); 0 = none.
+    server_every: float = 1.0
 
     def problems(self) -> Problems:
         p = Problems()
@@ -96,4 +101,23 @@ class LoggingConfig:
             isinstance(logging.getLevelName(self.level.upper()), int),
             f"logging.level: unknown level {self.level!r}; use DEBUG, INFO, WARNING or ERROR",
         )
+        p.need(
+            self.server_every >= 0, f"logging.server_every: {self.server_every} must be >= 0 (0 = no server metrics)"
+        )
+        return p
+
+
+@dataclass
+class ProfileConfig:
+    """``profile.enabled=true``: each trainer records ``steps`` steps after ``warmup`` with
+    rpc_core.profiler; every role writes traces/<role>.json (ps_train.observe.traces)."""
+
+    enabled: bool = False
+    warmup: int = 5
+    steps: int = 5
+
+    def problems(self) -> Problems:
+        p = Problems()
+        p.need(self.warmup >= 1, f"profile.warmup: {self.warmup} must be >= 1 (steps before the recorded ones)")
+        p.need(self.steps >= 1, f"profile.steps: {self.steps} must be >= 1")
         return p

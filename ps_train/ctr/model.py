@@ -18,11 +18,13 @@ from the config like any model's stages) and splits each table by rows across se
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from ps_train.ctr.bags import Bags, as_bags
+from ps_train.ctr.bags import Bags
+from ps_train.ctr.jagged import KeyedJagged, to_bags
 from ps_train.ctr.rows import init_rows
 from ps_train.models import interaction_size, mlp
 
@@ -52,8 +54,11 @@ class DLRM(nn.Module):
         top: Sequence[int],
         seed: int,
         pooling: Sequence[str] | None = None,
+        feature_names: Sequence[str] | None = None,
     ) -> None:
         super().__init__()
+        # What each table's feature is called in KeyedJagged batches (ps_train.ctr.jagged).
+        self.feature_names = list(feature_names) if feature_names else [f"f{t}" for t in range(len(table_sizes))]
         torch.manual_seed(seed)
         self.bottom = mlp([num_dense, *bottom, dim], last_relu=True)
         self.top = mlp([interaction_size(len(table_sizes), dim), *top, 1], last_relu=False)
@@ -73,9 +78,10 @@ class DLRM(nn.Module):
             if isinstance(bag, nn.EmbeddingBag) and isinstance(bag.weight, nn.Parameter)
         ]
 
-    def forward(self, dense: Tensor, ids: Tensor | Bags) -> Tensor:
-        """dense [B, num_dense] float, ids [B, T] int64 or ``Bags`` -> logits [B]."""
+    def forward(self, dense: Tensor, ids: Tensor | Bags | KeyedJagged | Any) -> Tensor:
+        """dense [B, num_dense] float, ids [B, T] int64, ``Bags``, or a ``KeyedJagged`` /
+        TorchRec ``KeyedJaggedTensor`` keyed by ``feature_names`` -> logits [B]."""
         x = self.bottom(dense)
-        bags = as_bags(ids)
+        bags = to_bags(ids, self.feature_names)
         emb = torch.stack([bag(*bags.table(t)) for t, bag in enumerate(self.tables)], dim=1)  # [B, T, d]
         return self.top(interact(x, emb)).squeeze(1)

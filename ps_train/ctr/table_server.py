@@ -100,6 +100,9 @@ class TableServer:
         self.changed = torch.zeros(self.shards.weight.shape[0], dtype=torch.bool)
         self.since: str | None = None
         self.snapshot: TableSnapshot | None = None
+        # Rows updated at least once by this process (server/rows_live in TensorBoard): 1 byte per row.
+        self._row_seen = torch.zeros(self.shards.weight.shape[0], dtype=torch.bool)
+        self.rows_live = 0
 
     def lookup(self, rows: Tensor, offsets: Tensor, weights: Tensor | None) -> Tensor:
         """Training lookup of a ``ServerRequest`` (``ps_train.ctr.plan``): one vector per single
@@ -127,6 +130,8 @@ class TableServer:
                 if snapshot is not None:
                     snapshot.rows.before_update(rows)
                 self.changed[rows] = True
+                self.rows_live += int((~self._row_seen[rows]).sum())
+                self._row_seen[rows] = True
             coalesced.append(grad)
         self.optimizer.step(coalesced, lr_factor)
 
@@ -175,6 +180,7 @@ class TableServer:
             "table_bytes": self.nbytes(),
             "table_rows_updated": self.rows_updated,
             "table_rows_read": self.rows_read,
+            "table_rows_live": self.rows_live,
         }
 
     def state_dict(self, copy: bool = True) -> dict[str, Any]:

@@ -19,6 +19,7 @@ base ``Trainer``'s. No trainer ever holds a table: only the vectors of its batch
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,8 +27,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ps_train.config import Config, CtrDataConfig, DLRMConfig
-from ps_train.ctr.bags import Bags, as_bags
+from ps_train.ctr.bags import Bags
 from ps_train.ctr.batches import CtrBatch, CtrBatchIterator, iter_ctr_eval_batches
+from ps_train.ctr.cache import CacheSplit, RowCache
+from ps_train.ctr.jagged import KeyedJagged, to_bags
 from ps_train.ctr.loading import load_ctr_data
 from ps_train.ctr.metrics import ctr_metrics, format_ctr_metrics
 from ps_train.ctr.model import interact
@@ -59,18 +62,35 @@ class CtrTrainer(Trainer):
         )
         sizes = cfg.data.sizes()
         layout = FusedLayout(cfg.model.table_sharding, tuple(sizes), cfg.cluster.num_servers)
+        self.feature_names = cfg.model.feature_list(len(sizes))  # KeyedJagged keys, table order
         self.planner = BagPlanner(layout, cfg.model.embedding_dim, cfg.model.pooling_list(len(sizes)))
+        self.cache = (  # hot rows kept here for up to model.cache_staleness steps (ps_train.ctr.cache)
+            RowCache(
+                cfg.model.cache_rows,
+                cfg.model.cache_staleness,
+                [layout.row_offsets(s)[-1] for s in range(cfg.cluster.num_servers)],
+                cfg.model.embedding_dim,
+            )
+            if cfg.model.cache_rows > 0
+            else None
+        )
         self.rows_pulled = 0  # vectors looked up for training (distinct rows, partial bags), all servers and steps
         self.rows_pushed = 0  # vectors whose gradient went back
 
     # -- one step ---------------------------------------------------------------------------------
     def step_loss(self, batch: CtrBatch) -> tuple[Tensor, dict[str, float]]:
         dense, ids, labels = batch
-        plan = self.planner.plan(as_bags(ids))
+        plan = self.planner.plan(to_bags(ids, self.feature_names))
+        requests = plan.requests
+        splits: list[CacheSplit] = []
+        if self.cache is not None:  # cached rows are not asked for
+            self.cache.begin_step(self.step)
+            splits = [self.cache.split(s, req) for s, req in enumerate(plan.requests)]
+            requests = [sp.request for sp in splits]
         # Every server's lookup leaves at once; the bottom MLP's forward runs meanwhile.
         t0 = time.perf_counter()
         futs = [
-            self.rpc.rpc_async(f"ps{s}", _lookup, args=(*plan.requests[s], self.index, self.step))
+            self.rpc.rpc_async(f"ps{s}", _lookup, args=(*requests[s], self.index, self.step))
             for s in range(len(self.servers))
         ]
         (bottom, bottom_server), (top, top_server) = self.shard_servers
@@ -78,19 +98,36 @@ class CtrTrainer(Trainer):
         rows = [f.wait() for f in futs]
         for s in range(len(rows)):
             self.latency[s].record(time.perf_counter() - t0)
+        pulled = sum(len(r) for r in rows)
+        if self.cache is not None:
+            context_id = self.dist_autograd._current_context()._context_id()
+            rows = [
+                self.cache.assemble(s, splits[s], rows[s], self._pusher(s, context_id, splits[s].hit_rows))
+                for s in range(len(rows))
+            ]
         emb = combine(plan, rows)  # [B, T, d]
         logit = self._call(top_server, "forward", top, interact(x, emb), self.index, self.step).squeeze(1)  # [B]
-        pulled = sum(plan.answers)
+        pushed = sum(plan.answers)  # every vector, pulled or cached, gets a gradient
         self.rows_pulled += pulled
-        self.rows_pushed += pulled  # every row pulled is used by the loss, so gets a gradient
+        self.rows_pushed += pushed
         loss = F.binary_cross_entropy_with_logits(logit, labels)
         acc = ((logit.detach() > 0) == (labels > 0.5)).float().mean().item()
-        return loss, {"accuracy": acc, "rows_pulled": float(pulled), "rows_pushed": float(pulled)}
+        return loss, {"accuracy": acc, "rows_pulled": float(pulled), "rows_pushed": float(pushed)}
+
+    def _pusher(self, server: int, context_id: int, rows: Tensor) -> Callable[[Tensor], None]:
+        """What the backward calls with the gradient [H, d] of the cached ``rows`` of
+        ``server``: it sends them there for this step's update, and returns once they are in."""
+
+        def push(grad: Tensor) -> None:
+            self.rpc.rpc_sync(f"ps{server}", _push_gradients, args=(context_id, rows, grad))
+
+        return push
 
     # -- evaluation -------------------------------------------------------------------------------
-    def predict(self, dense: Tensor, ids: Tensor | Bags) -> Tensor:
-        """Logits [B] of the current model (no autograd): what evaluation scores."""
-        plan = self.planner.plan(as_bags(ids))
+    def predict(self, dense: Tensor, ids: Tensor | Bags | KeyedJagged) -> Tensor:
+        """Logits [B] of the current model (no autograd): what evaluation scores. ``ids``
+        as a batch carries them, or a ``KeyedJagged`` / TorchRec ``KeyedJaggedTensor``."""
+        plan = self.planner.plan(to_bags(ids, self.feature_names))
         futs = [server.rpc_async().read_rows(*plan.requests[s]) for s, server in enumerate(self.servers)]
         (bottom, bottom_server), (top, top_server) = self.shard_servers
         x = self.servers[bottom_server].rpc_sync().predict(bottom, dense)
@@ -119,25 +156,28 @@ class CtrTrainer(Trainer):
         self.writer.add_scalar("train/rows_pushed", last["rows_pushed"], step)
 
     def totals(self) -> dict[str, Any]:
-        return {**super().totals(), "rows_pulled": self.rows_pulled, "rows_pushed": self.rows_pushed}
+        hits = self.cache.hits if self.cache is not None else 0
+        return {
+            **super().totals(),
+            "rows_pulled": self.rows_pulled,
+            "rows_pushed": self.rows_pushed,
+            "cache_hits": hits,
+        }
 
     def extra_metrics(self, all_stats: list[dict[str, Any]], server_stats: list[dict[str, Any]]) -> dict[str, Any]:
         # Per trainer step: divided by the steps every trainer took (this run's, if resumed).
         steps = sum(max(s["steps"] - self._first_step, 1) for s in all_stats)
         out: dict[str, Any] = {
+            **super().extra_metrics(all_stats, server_stats),  # server_bytes_per_step
             "rows_pulled_per_step": sum(s["rows_pulled"] for s in all_stats) / steps,
             "rows_pushed_per_step": sum(s["rows_pushed"] for s in all_stats) / steps,
+            "cache_hits_per_step": sum(s.get("cache_hits", 0) for s in all_stats) / steps,
             "table_bytes": {f"ps{r}": s["table_bytes"] for r, s in enumerate(server_stats)},
             "table_rows_updated": {f"ps{r}": s["table_rows_updated"] for r, s in enumerate(server_stats)},
             # Each trainer's own loop time: in sync mode the trainer that started last never
             # waits in its loop for the others' start-up (loading data), the others may.
             "trainer_wall_time_s": {f"trainer{k}": s["wall_time_s"] for k, s in enumerate(all_stats)},
         }
-        if all("bytes_sent" in s for s in server_stats):
-            out["server_bytes_per_step"] = {
-                f"ps{r}": {"sent": s["bytes_sent"] / steps, "received": s["bytes_received"] / steps}
-                for r, s in enumerate(server_stats)
-            }
         return out
 
 
@@ -151,6 +191,13 @@ def _lookup(rows: Tensor, offsets: Tensor, weights: Tensor | None, trainer: int,
     from ps_train.roles.server import local_server
 
     return local_server().lookup(rows, offsets, weights, trainer, step)
+
+
+def _push_gradients(context_id: int, rows: Tensor, grad: Tensor) -> None:
+    """Runs on a server: a trainer's gradients of rows it read from its cache."""
+    from ps_train.roles.server import local_server
+
+    local_server().push_gradients(context_id, rows, grad)
 
 
 def trainer_class(cfg: Config) -> type[Trainer]:

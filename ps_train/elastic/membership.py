@@ -41,6 +41,7 @@ import torch
 from ps_train import backend
 from ps_train.config import Config
 from ps_train.metrics import MetricsWriter, make_writer
+from ps_train.observe.console import CONSOLE
 from rpc_core.functions import async_execution
 
 __all__ = [
@@ -117,7 +118,8 @@ class Membership:
                 self.writer.add_scalar("train/num_trainers", count, self._version())
                 self.writer.flush()
             ready = self._reports_ready()
-        log.info("%s %s the job; %d trainer(s) now", info.name, "joined" if joined else "left", count)
+        # On the console too (ps_train.observe.console), also with logging=quiet.
+        log.warning("%s %s the job; %d trainer(s) now", info.name, "joined" if joined else "left", count, extra=CONSOLE)
         for listener in self.listeners:
             listener(trainer, joined)
         self._resolve(ready)
@@ -293,10 +295,18 @@ class ElasticServer(Protocol):
         """Return once trainer0 has written the run's results."""
 
 
-def keep_membership(ps: ElasticServer, cfg: Config, run_dir: str, resume_state: dict[str, Any] | None) -> None:
+def keep_membership(
+    ps: ElasticServer,
+    cfg: Config,
+    run_dir: str,
+    resume_state: dict[str, Any] | None,
+    writer: MetricsWriter | None = None,
+) -> None:
     """ps0 of an elastic run, before ``init_rpc``: the trainer membership (ps_train.elastic.membership),
-    ready before any trainer can ask for it; it knows where this attempt started."""
-    writer = make_writer(cfg.logging.tensorboard, f"{run_dir}/tb/ps0", filename_suffix=".ps0")
+    ready before any trainer can ask for it; it knows where this attempt started. ``writer``:
+    ps0's TensorBoard writer, if the process has one already (one writer per folder)."""
+    if writer is None:
+        writer = make_writer(cfg.logging.tensorboard, f"{run_dir}/tb/ps0", filename_suffix=".ps0")
     ps.membership = Membership(cfg.cluster.num_trainers, cfg.cluster.num_servers, writer, lambda: ps.version)
     if resume_state is not None:
         ps.membership.start = (resume_state["step"], dict(resume_state["trainer_positions"]))

@@ -24,6 +24,7 @@ from ps_train import backend
 from ps_train.config import Config
 from ps_train.elastic import membership
 from ps_train.elastic.membership import Assignment
+from ps_train.observe.console import CONSOLE
 from rpc_core.errors import WorkerLeftError
 
 __all__ = ["ElasticBatches", "ElasticRole", "join_group", "wait_for_servers", "JOINER_STEPS"]
@@ -194,6 +195,7 @@ class ElasticRole:
                 first.slot,
                 first.world,
                 offset,
+                extra=CONSOLE,
             )
         else:  # where the attempt started (step 0 or its checkpoint's)
             trainer.step, data_state = point["step"], point["data_state"]

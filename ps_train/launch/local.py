@@ -44,6 +44,7 @@ from ps_train.launch.failures import FailedRole, RoleError, RoleFailed, failure_
 from ps_train.launch.heartbeat import HeartbeatBoard, process_state, start_heartbeat
 from ps_train.launch.ports import free_port
 from ps_train.launch.rank import run_rank, setup_role_logging
+from ps_train.observe.console import CONSOLE
 
 log = logging.getLogger("ps_train")
 
@@ -197,13 +198,14 @@ def launch_local(
     def replace(rank: int, reason: str) -> Any:
         """Elastic: start a trainer in place of a dead one (it continues where ps0 says)."""
         rows = record_replacement(run_dir, role_name(rank, S), reason, attempt)
-        log.warning(
+        log.warning(  # on the console with any logging level (ps_train.observe.console)
             "replacement %d: %s failed (%s); the other roles go on; starting a new %s that continues "
             "its partition after its last step the servers applied",
             len(rows),
             role_name(rank, S),
             reason,
             role_name(rank, S),
+            extra=CONSOLE,
         )
         board.restart(rank)
         return start(rank, resume=None)  # ps0 says where it starts; the attempt's checkpoint may be pruned by now

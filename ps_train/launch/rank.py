@@ -21,7 +21,11 @@ from ps_train.config import Config
 from ps_train.elastic.membership import keep_membership, serve_elastic
 from ps_train.elastic.trainer import join_group, wait_for_servers
 from ps_train.launch.failures import role_name
-from ps_train.metrics import mark_attempt
+from ps_train.metrics import MetricsWriter, make_writer, mark_attempt
+from ps_train.observe.console import ConsoleHandler
+from ps_train.observe.dashboard import write_dashboard
+from ps_train.observe.server_metrics import ServerMetrics, rpc_byte_counts
+from ps_train.observe.traces import ProfileWindow, write_served
 from rpc_core import tune_malloc
 
 __all__ = ["run_rank", "setup_role_logging"]
@@ -30,13 +34,14 @@ log = logging.getLogger("ps_train")
 
 
 def setup_role_logging(run_dir: str, name: str, level: str) -> None:
-    """This process logs to ``<run_dir>/logs/<name>.log`` only."""
+    """This process logs to ``<run_dir>/logs/<name>.log``; records marked for the console
+    (``ps_train.observe.console.CONSOLE``) also go to stderr, one line each."""
     logs = Path(run_dir) / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(logs / f"{name}.log")
     handler.setFormatter(logging.Formatter(f"%(asctime)s [{name}] %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
-    root.handlers[:] = [handler]
+    root.handlers[:] = [handler, ConsoleHandler(name)]
     root.setLevel(level)
 
 
@@ -77,19 +82,29 @@ def run_rank(
     )
     backend.select(cfg.backend)
     rpc = backend.rpc()
-    from ps_train.checkpoint.protocol import checkpoint_hook, load_resume_state, load_server_state
+    from ps_train.checkpoint.protocol import load_resume_state, load_server_state
     from ps_train.ctr.table_server import make_table_server
     from ps_train.ctr.trainer import trainer_class
     from ps_train.roles import server as server_mod
 
     resume_state = load_resume_state(resume, server=name if rank < S else None) if resume else None
+    sampler: ServerMetrics | None = None
     if rank < S:
         # Before init_rpc: trainers may ask for it at once. The model's tables, if any, are its own part.
         ps = server_mod.create(cfg, rank, make_table_server(cfg, rank))
         if resume_state is not None:
             load_server_state(ps, resume_state)
-        if rank == 0 and cfg.cluster.elastic:
-            keep_membership(ps, cfg, run_dir, resume_state)  # ps_train.elastic.membership
+        # One TensorBoard writer per folder: TensorBoard reads a folder's event files one after
+        # the other, so a second writer's session mark would drop the first one's later points.
+        keeps_membership = rank == 0 and cfg.cluster.elastic
+        sampled = cfg.logging.server_every > 0
+        writer = make_writer(
+            cfg.logging.tensorboard and (sampled or keeps_membership), f"{run_dir}/tb/{name}", f".{name}"
+        )
+        if keeps_membership:
+            keep_membership(ps, cfg, run_dir, resume_state, writer)  # ps_train.elastic.membership
+        # Before init_rpc: trainers may send updates as soon as it returns, and every one counts.
+        sampler = _server_metrics(cfg, ps, writer) if sampled and cfg.logging.tensorboard else None
     init_method = init_method or f"tcp://{master_addr}:{master_port}"
     opts = backend.make_options(
         init_method, cfg.cluster.rpc_timeout, cfg.cluster.num_worker_threads, secret, cfg.cluster.init_timeout
@@ -125,17 +140,62 @@ def run_rank(
                 wait_for_servers(S, cfg.cluster.init_timeout)
             t = trainer_class(cfg)(cfg, rank - S, run_dir, start_step=start, data_state=data_state)
             mark_attempt(t.writer, t.step, attempt if t.index == 0 else None)  # see ps_train.launch.restarts
-            result = t.run(on_step=checkpoint_hook(cfg, run_dir))
+            if t.index == 0:
+                write_dashboard(cfg, run_dir)  # custom-scalars layout and HParams, once per run
+            result = t.run(on_step=_step_hooks(cfg, run_dir, rank))
         elif cfg.cluster.elastic:
             serve_elastic(ps)  # ps_train.elastic.membership
     except BaseException:
         _abandon(rpc)
         raise
     rpc.shutdown()
+    if sampler is not None:
+        sampler.close()
+    if rank < S and cfg.profile.enabled:
+        write_served(run_dir, name, rank, S + T)  # what it ran for the trainers' profiled steps
     if rank < S and ps.membership is not None:
         ps.membership.close()  # after shutdown: ps0 records every trainer's leave first
     log.info("%s finished", name)
     return result
+
+
+def _server_metrics(cfg: Config, server: Any, writer: MetricsWriter) -> ServerMetrics:
+    """The timer that samples this server's counters into ``writer`` (``tb/<name>/``), started."""
+    sampler = ServerMetrics(
+        server,
+        writer,
+        cfg.logging.server_every,
+        staleness=server.stale_updates,
+        byte_counts=rpc_byte_counts if backend.name() == "rpc_core" else None,
+    )
+    sampler.start()
+    return sampler
+
+
+def _step_hooks(cfg: Config, run_dir: str, rank: int) -> Any:
+    """What runs after each trainer step: the checkpoint protocol and, with
+    ``profile.enabled``, the profiled window (``ps_train.observe.traces``)."""
+    from ps_train.checkpoint.protocol import checkpoint_hook
+
+    checkpoint = checkpoint_hook(cfg, run_dir)
+    if not cfg.profile.enabled:
+        return checkpoint
+    rpc = backend.rpc()
+    world = cfg.cluster.num_servers + cfg.cluster.num_trainers
+    window = ProfileWindow(
+        run_dir,
+        rank,
+        world,
+        cfg.profile.warmup,
+        cfg.profile.steps,
+        lambda worker, fn, args: rpc.rpc_sync(worker, fn, args=args),
+    )
+
+    def hooks(trainer: Any, step: int) -> None:
+        window(trainer, step)  # first: a checkpoint is not part of the profiled steps
+        checkpoint(trainer, step)
+
+    return hooks
 
 
 def _abandon(rpc: Any) -> None:

@@ -36,6 +36,7 @@ from ps_train.files import atomic_write_text
 from ps_train.launch.failures import RoleFailed
 from ps_train.launch.local import launch_local
 from ps_train.metrics import write_metrics_json
+from ps_train.observe.console import CONSOLE
 from rpc_core.errors import failed_worker
 
 __all__ = [
@@ -129,6 +130,7 @@ def run_local(cfg: Config, run_dir: str, resume: str | None, timeout: float | No
                 restart.role,
                 restart.reason,
                 where,
+                extra=CONSOLE,
             )
     metrics["restarts"] = [dataclasses.asdict(r) for r in restarts]
     if cfg.cluster.elastic:  # trainers replaced without a restart (ps_train.elastic.files)
@@ -200,5 +202,6 @@ def record_env_restart(run_dir: str, attempt: int, checkpoint: str | None) -> di
         role,
         reason,
         f"its checkpoint after step {restart['from_step']} ({checkpoint})" if checkpoint else "step 0",
+        extra=CONSOLE,
     )
     return restart

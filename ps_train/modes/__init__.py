@@ -1,8 +1,9 @@
-"""The update modes, by name: ``mode=sync|async|ssp``.
+"""The update modes, by name: ``mode=sync|async|ssp|hybrid``.
 
 A mode is one object holding both sides of the update protocol and its config checks
 (``ps_train.modes.base.Mode``): ``sync`` (``SyncMode``), ``async`` (``AsyncMode``, in
-``asynchronous.py``: ``async`` is a Python keyword) and ``ssp`` (``SspMode``). A new mode is
+``asynchronous.py``: ``async`` is a Python keyword), ``ssp`` (``SspMode``) and ``hybrid``
+(``HybridMode``: dense parameters in sync, embedding rows async). A new mode is
 one module here, one line in ``MODES`` and ``ps_train/conf/mode/<name>.yaml``; nothing else
 of ps_train names a mode. ``aggregation`` holds the update arithmetic they share.
 
@@ -17,6 +18,7 @@ from collections.abc import Mapping
 from ps_train.modes.aggregation import AGGREGATES, STALENESS_RULES
 from ps_train.modes.asynchronous import AsyncMode
 from ps_train.modes.base import Mode, ModeOptions, RunConfig
+from ps_train.modes.hybrid import HybridMode
 from ps_train.modes.ssp import SspMode
 from ps_train.modes.sync import SyncMode
 
@@ -32,7 +34,7 @@ __all__ = [
     "run_problems",
 ]
 
-MODES: dict[str, type[Mode]] = {mode.name: mode for mode in (SyncMode, AsyncMode, SspMode)}
+MODES: dict[str, type[Mode]] = {mode.name: mode for mode in (SyncMode, AsyncMode, SspMode, HybridMode)}
 MODE_NAMES = tuple(MODES)
 
 

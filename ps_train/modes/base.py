@@ -1,6 +1,6 @@
 """What an update mode is: both sides of the update protocol, and the configs it accepts.
 
-A mode (``mode=sync|async|ssp``) decides
+A mode (``mode=sync|async|ssp|hybrid``) decides
 
 - on a server: when a read of its parameters (a forward, a lookup of table rows) may run
   and on which copy of them (``forward``, ``lookup``); how a trainer's gradients become
@@ -97,6 +97,9 @@ class ModelFacts(Protocol):
     def num_stages(self) -> int: ...
 
     def has_batch_norm(self) -> bool: ...
+
+    def needs_ctr_data(self) -> bool:
+        """Whether it has embedding tables besides its dense stages (model=dlrm)."""
 
 
 class RunConfig(Protocol):

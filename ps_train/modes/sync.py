@@ -22,7 +22,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch import Tensor
@@ -51,7 +51,7 @@ class FailedRound(NamedTuple):
 
 class SyncMode(Mode):
     name = "sync"
-    options = ("aggregate",)
+    options: ClassVar[tuple[str, ...]] = ("aggregate",)
     unused_reasons = {"staleness_rule": ", whose gradients are never stale; see mode.aggregate"}
     not_elastic = (
         "every sync round waits for every trainer's gradient, so a dead trainer stops the round; use "

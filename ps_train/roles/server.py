@@ -30,7 +30,8 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -45,7 +46,9 @@ from ps_train.faults import maybe_inject_fault
 from ps_train.metrics import peak_rss_bytes
 from ps_train.modes import make_mode
 from ps_train.modes.aggregation import scaled_lr
+from ps_train.modes.asynchronous import AsyncMode
 from ps_train.modes.base import UPDATE_IN_BACKWARD, UpdateRequest
+from ps_train.observe.server_metrics import UpdateCounters
 from ps_train.stage_sharding import model_shards, shards_of_server
 from rpc_core.functions import async_execution
 
@@ -93,7 +96,9 @@ class TablePart(Protocol):
         """Update the rows ``grads`` (sparse, by table weight) name, at ``lr_factor`` times the
         rate; the caller holds the server's lock."""
 
-    def stats(self) -> dict[str, int]: ...
+    def stats(self) -> dict[str, int]:
+        """Cumulative counts, among them ``table_rows_read``, ``table_rows_updated``,
+        ``table_rows_live`` (rows updated at least once)."""
 
     def state_dict(self, copy: bool = True) -> dict[str, Any]: ...
 
@@ -137,6 +142,12 @@ class ParameterServer:
         self.membership: Membership | None = None  # ps0 of a cluster.elastic=true job (ps_train.elastic.membership)
         self._released = threading.Event()  # elastic: trainer0 is done with the servers
         self._saving: tuple[str, torch.futures.Future[list[ShardFile]]] | None = None  # (folder, files written)
+        # autograd context -> (rows [H], gradients [H, d]) pushed for it by a trainer's row cache
+        self._pushed: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._pushed_lock = threading.Lock()
+        # Per update, for the sampled TensorBoard metrics (ps_train.observe.server_metrics).
+        self.counters = UpdateCounters()
+        self.stale_updates = isinstance(self.mode, AsyncMode)  # async and ssp answer with the staleness
 
     # -- forward ----------------------------------------------------------------------------------
     def forward(self, shard: int, x: torch.Tensor, trainer: int = -1, step: int = -1) -> torch.Tensor:
@@ -200,27 +211,50 @@ class ParameterServer:
 
     # -- updates ----------------------------------------------------------------------------------
     def gradients(self, context_id: int) -> dict[torch.Tensor, torch.Tensor]:
-        """This server's parameters' gradients in autograd context ``context_id``."""
+        """This server's parameters' gradients in autograd context ``context_id``, with the
+        table rows' gradients a trainer pushed for it (``push_gradients``) added."""
         grads = backend.dist_autograd().get_gradients(context_id)
-        return {p: grads[p] for p in self.params if p in grads}
+        out: dict[torch.Tensor, torch.Tensor] = {p: grads[p] for p in self.params if p in grads}
+        with self._pushed_lock:
+            pushed = self._pushed.pop(context_id, [])
+        if pushed:
+            storage = self._tables().params[0]  # the fused storage of every table (ps_train.ctr.shards)
+            for rows, values in pushed:
+                g = torch.sparse_coo_tensor(rows.unsqueeze(0), values, tuple(storage.shape), check_invariants=False)
+                out[storage] = out[storage] + g if storage in out else g
+        return out
+
+    def push_gradients(self, context_id: int, rows: torch.Tensor, values: torch.Tensor) -> None:
+        """A trainer's gradients of table rows it read from its cache (``ps_train.ctr.cache``):
+        ``values`` [H, d] of its storage rows ``rows`` [H], for its autograd context
+        ``context_id``; its update (sent after this returns) applies them with the rest."""
+        tables = self._tables()
+        if len(tables.params) != 1 or values.shape[1:] != tables.params[0].shape[1:]:
+            raise ValueError(f"ps{self.rank}: pushed row gradients {tuple(values.shape)} do not fit the tables")
+        with self._pushed_lock:
+            self._pushed.setdefault(context_id, []).append((rows, values))
 
     def step(self, grads: Mapping[torch.Tensor, torch.Tensor], lr_factor: float = 1.0) -> None:
         """One optimizer step with ``grads`` at ``lr_factor`` times the configured rates. The
         caller (the mode) holds ``self.lock``."""
         if self.optimizer is None and self.tables is None:
             return
+        t0 = time.perf_counter()
         for p in self.dense_params:
             p.grad = grads.get(p)
-        if self.optimizer is not None:
+        # A part none of whose parameters has a gradient is left alone (mode=hybrid steps
+        # the tables and the dense shards apart): its optimizer counts no step.
+        if self.optimizer is not None and any(p.grad is not None for p in self.dense_params):
             with scaled_lr(self.optimizer, lr_factor):
                 self.optimizer.step()
-        if self.tables is not None:
+        if self.tables is not None and any(p in grads for p in self.tables.params):
             self.tables.step(grads, lr_factor)
         for p in self.dense_params:
             p.grad = None
         self.version += 1
         for i in self.updates:
             self.updates[i] += 1
+        self.counters.applied(time.perf_counter() - t0)
         maybe_inject_fault(f"ps{self.rank}", self.version)  # test-only, see ps_train.faults
 
     @async_execution
@@ -229,7 +263,22 @@ class ParameterServer:
     ) -> torch.futures.Future[Any]:
         """Apply trainer ``trainer``'s step-``step`` gradients (in its context ``context_id``)
         as the mode does; ``position`` (elastic, on ps0): its data position after this step."""
-        return self.mode.update(self, context_id, trainer, step, position)
+        return self.counted(lambda: self.mode.update(self, context_id, trainer, step, position))
+
+    def counted(self, update: Callable[[], torch.futures.Future[Any]]) -> torch.futures.Future[Any]:
+        """Run an update request (``update()``: its answer), counted as one contribution (and,
+        async/ssp, its staleness: the answer's value) for the sampled metrics."""
+        self.counters.contributed()  # first: the update it completes may be sampled at once
+        answer = update()
+        if self.stale_updates:
+            counters = self.counters
+
+            def record(f: torch.futures.Future[Any]) -> None:
+                if f.done() and not _failed(f):
+                    counters.stale(int(f.value()))
+
+            answer.add_done_callback(record)
+        return answer
 
     @async_execution
     def clock(self, trainer: int, completed: int) -> torch.futures.Future[Any]:
@@ -253,12 +302,24 @@ class ParameterServer:
         self.mode.trainer_finished(self, trainer)
 
     # -- state ------------------------------------------------------------------------------------
+    def table_counts(self) -> dict[str, int]:
+        """Cumulative table counts for the sampled metrics (empty without tables)."""
+        if self.tables is None:
+            return {}
+        st = self.tables.stats()
+        return {
+            "rows_read": st["table_rows_read"],
+            "rows_updated": st["table_rows_updated"],
+            "rows_live": st.get("table_rows_live", 0),
+        }
+
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "version": self.version,
             "updates": dict(self.updates),
             **self.mode.stats(),
             "peak_rss_bytes": peak_rss_bytes(),
+            "update_seconds": self.counters.snapshot().update_seconds,
         }
         if self.tables is not None:
             out.update(self.tables.stats())
@@ -393,7 +454,15 @@ def create(cfg: Config, rank: int, tables: TablePart | None = None) -> Parameter
 
 def _update_in_backward(context_id: int, request: UpdateRequest) -> torch.futures.Future[Any]:
     server = local_server()
-    return server.mode.in_backward(server, context_id, request)
+    return server.counted(lambda: server.mode.in_backward(server, context_id, request))
+
+
+def _failed(f: torch.futures.Future[Any]) -> bool:
+    try:
+        f.value()
+    except Exception:  # noqa: BLE001 - whatever failed the update, its requester sees it; not counted
+        return True
+    return False
 
 
 def local_server() -> ParameterServer:

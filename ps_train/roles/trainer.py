@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from ps_train import backend
-from ps_train.config import Config, config_to_dict
+from ps_train.config import Config
 from ps_train.data import BatchIterator, iter_eval_batches, load_data, total_steps
 from ps_train.elastic.membership import stop_requested
 from ps_train.elastic.trainer import ElasticRole
@@ -55,13 +55,15 @@ from ps_train.faults import die, fault_at, maybe_inject_fault
 from ps_train.metrics import (
     LatencyStats,
     ThroughputMeter,
-    flatten_hparams,
     make_writer,
     peak_rss_bytes,
     write_metrics_json,
 )
 from ps_train.modes import make_mode
 from ps_train.modes.base import UPDATE_IN_BACKWARD, UpdateRequest, resolved
+from ps_train.observe.console import summary_lines
+from ps_train.observe.dashboard import end_session
+from ps_train.observe.server_metrics import rpc_byte_counts
 from ps_train.sample_log import SampleLog
 from ps_train.stage_sharding import model_shards
 from rpc_core.functions import async_execution
@@ -265,8 +267,19 @@ class Trainer:
 
     def extra_metrics(self, all_stats: list[dict[str, Any]], server_stats: list[dict[str, Any]]) -> dict[str, Any]:
         """metrics.json entries beyond the common ones, from every trainer's ``totals()``
-        (``all_stats``, in trainer order) and every server's ``stats()``."""
-        return {}
+        (``all_stats``, in trainer order) and every server's ``stats()``: here each server's
+        bytes per trainer step, both ways (rpc_core's byte counters; ``benchmarks/scale_model.py``
+        fits its link terms to them)."""
+        if not all("bytes_sent" in s for s in server_stats):
+            return {}  # backend=torch has no byte counters
+        # Per trainer step: divided by the steps every trainer took (this run's, if resumed).
+        steps = sum(max(s["steps"] - self._first_step, 1) for s in all_stats)
+        return {
+            "server_bytes_per_step": {
+                f"ps{r}": {"sent": s["bytes_sent"] / steps, "received": s["bytes_received"] / steps}
+                for r, s in enumerate(server_stats)
+            }
+        }
 
     # -- the loop ---------------------------------------------------------------------------------
     def run(self, on_step: StepHook | None = None) -> dict[str, Any] | None:
@@ -283,6 +296,7 @@ class Trainer:
             last = self._loop(batch, losses, on_step)
             self.settle()
         wall = time.perf_counter() - t_start
+        moved = rpc_byte_counts()
         self.mode.trainer_done(self)  # ssp: this trainer no longer holds the others back
         mine = {
             "steps": self.step,
@@ -293,6 +307,7 @@ class Trainer:
             "max_steps_ahead": self.max_steps_ahead,
             "trainer": self.name,
             **self.totals(),
+            **({"bytes_received": moved.received, "bytes_sent": moved.sent} if moved is not None else {}),
         }
         if self.elastic is not None:
             self.elastic.finish(mine)  # to ps0: this trainer may leave the group right after
@@ -409,17 +424,10 @@ class Trainer:
             **self.extra_metrics(all_stats, server_stats),
             **(self.elastic.extra_metrics(server_stats) if self.elastic is not None else {}),
         }
-        w = self.writer
         for key, value in ev.items():
-            w.add_scalar(f"test/{key}", value, self.step)
-        w.add_hparams(
-            flatten_hparams(config_to_dict(cfg)),
-            {
-                **{f"hparam/test_{key}": value for key, value in ev.items()},
-                "hparam/samples_per_s": metrics["samples_per_s"],
-            },
-        )
-        w.close()
+            self.writer.add_scalar(f"test/{key}", value, self.step)
+        self.writer.close()
+        end_session(cfg, self.run_dir)  # the HParams table reads these test/* points (ps_train.observe.dashboard)
         write_metrics_json(f"{self.run_dir}/metrics.json", metrics)
         if self.elastic is not None:
             self.elastic.release_servers()
@@ -429,6 +437,7 @@ class Trainer:
             f"{wall:.1f}s",
             flush=True,
         )
+        print("\n".join(summary_lines(all_stats, server_stats)), flush=True)
         return metrics
 
 

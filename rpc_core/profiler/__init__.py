@@ -47,6 +47,9 @@ class _EventList(EventList):
     """torch's EventList, with full-width names in tables and a per-node chrome trace."""
 
     node_names: dict[int, str] = {}
+    # Wall-clock microseconds (time.time() * 1e6) that the events' times count from: a trace
+    # of several processes lines up their events with it.
+    base_us: float = 0.0
 
     def table(
         self,
@@ -83,6 +86,7 @@ class _EventList(EventList):
             with_flops=self._with_flops,
         )
         out.node_names = self.node_names
+        out.base_us = self.base_us
         return out
 
     def export_chrome_trace(self, path: str) -> None:
@@ -250,6 +254,7 @@ class profile:
             with_flops=self.with_flops,
         )
         result.node_names = self._names
+        result.base_us = base
         result._build_tree()  # type: ignore[no-untyped-call]
         if self.acc_events and self._function_events is not None:
             result[:0] = list(self._function_events)

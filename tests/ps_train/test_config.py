@@ -46,14 +46,16 @@ def test_every_group_has_its_options():
     assert names["model"] == {"mlp", "cnn", "resnet18", "dlrm"}
     assert names["data"] == {"digits", "mnist", "fashion_mnist", "cifar10", "synthetic", "synthetic_ctr", "criteo"}
     assert {"local", "env"} <= names["cluster"] and {"sgd", "adam"} <= names["optim"]
-    assert names["mode"] == {"sync", "async", "ssp"}
+    assert names["mode"] == {"sync", "async", "ssp", "hybrid"}
 
 
-# Options that only go with a partner option (the DLRM model trains on CTR data only).
+# Options that only go with partner options (the DLRM model trains on CTR data only; the
+# hybrid mode splits a model's dense parameters from its tables).
 PARTNERS = {
-    ("model", "dlrm"): "data=synthetic_ctr",
-    ("data", "synthetic_ctr"): "model=dlrm",
-    ("data", "criteo"): "model=dlrm",
+    ("model", "dlrm"): ("data=synthetic_ctr",),
+    ("data", "synthetic_ctr"): ("model=dlrm",),
+    ("data", "criteo"): ("model=dlrm",),
+    ("mode", "hybrid"): ("model=dlrm", "data=synthetic_ctr"),
 }
 
 
@@ -61,7 +63,7 @@ PARTNERS = {
 def test_every_group_option_composes_and_validates(group, option, monkeypatch):
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     monkeypatch.delenv("MASTER_PORT", raising=False)
-    partner = [PARTNERS[group, option]] if (group, option) in PARTNERS else []
+    partner = list(PARTNERS.get((group, option), ()))
     cfg = from_dictconfig(compose_cfg(f"{group}={option}", *partner))
     if group == "preset":  # a preset sets fields of several groups, and names its runs' folder
         assert cfg.experiment == option

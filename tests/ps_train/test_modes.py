@@ -11,43 +11,52 @@ import ps_train
 from ps_train.config import Config, ConfigError, ModeConfig, validate
 from ps_train.modes import MODE_NAMES, MODES, make_mode
 from ps_train.modes.asynchronous import AsyncMode
+from ps_train.modes.hybrid import HybridMode
 from ps_train.modes.ssp import SspMode
 from ps_train.modes.sync import SyncMode
+from tests.ps_train._app import make_cfg
 
 PACKAGE_DIR = Path(ps_train.__file__).resolve().parent
 
 
 def test_every_mode_has_its_config_file_and_every_config_file_a_mode():
     files = {p.stem for p in (PACKAGE_DIR / "conf" / "mode").glob("*.yaml")}
-    assert files == set(MODE_NAMES) == {"sync", "async", "ssp"}
+    assert files == set(MODE_NAMES) == {"sync", "async", "ssp", "hybrid"}
     assert all(MODES[name].name == name for name in MODE_NAMES)
 
 
-@pytest.mark.parametrize(("name", "cls"), [("sync", SyncMode), ("async", AsyncMode), ("ssp", SspMode)])
+@pytest.mark.parametrize(
+    ("name", "cls"), [("sync", SyncMode), ("async", AsyncMode), ("ssp", SspMode), ("hybrid", HybridMode)]
+)
 def test_a_run_gets_the_object_of_its_mode(name, cls):
     staleness = 2 if name == "ssp" else 0
-    mode = make_mode(validate(Config(mode=ModeConfig(name=name, staleness=staleness))))
+    model = ("model=dlrm", "data=synthetic_ctr") if name == "hybrid" else ()  # hybrid needs tables
+    mode = make_mode(make_cfg(*model, f"mode={name}", f"mode.staleness={staleness}"))
     assert type(mode) is cls
-    # Only sync on rpc_core sends the next forward before its update is answered.
-    assert mode.pipelined == (name == "sync")
-    assert (
-        make_mode(validate(Config(mode=ModeConfig(name=name, staleness=staleness), backend="torch"))).pipelined is False
-    )
+    # Only sync and hybrid (its dense rounds) on rpc_core send the next forward before
+    # their update is answered.
+    assert mode.pipelined == (name in ("sync", "hybrid"))
+    on_torch = make_cfg(*model, f"mode={name}", f"mode.staleness={staleness}", "backend=torch")
+    assert make_mode(on_torch).pipelined is False
 
 
 def test_an_unknown_mode_is_named_with_the_choices():
-    with pytest.raises(ConfigError, match=r"mode.name: unknown mode 'bsp'; choose one of \['sync', 'async', 'ssp'\]"):
+    with pytest.raises(
+        ConfigError, match=r"mode.name: unknown mode 'bsp'; choose one of \['sync', 'async', 'ssp', 'hybrid'\]"
+    ):
         validate(Config(mode=ModeConfig(name="bsp")))
     with pytest.raises(ValueError, match="unknown mode 'bsp'"):
         make_mode(Config(mode=ModeConfig(name="bsp")))
 
 
 def test_an_option_a_mode_does_not_read_names_the_modes_that_do():
-    with pytest.raises(ConfigError, match=r"mode.staleness: only used by mode=ssp \(got 3 with mode=async\)"):
+    with pytest.raises(
+        ConfigError, match=r"mode.staleness: only used by mode=ssp and mode=hybrid \(got 3 with mode=async\)"
+    ):
         validate(Config(mode=ModeConfig(name="async", staleness=3)))
     with pytest.raises(
         ConfigError,
-        match=r"mode.staleness_rule: only used by mode=async and mode=ssp \(got none "
+        match=r"mode.staleness_rule: only used by mode=async and mode=ssp and mode=hybrid \(got none "
         r"with mode=sync, whose gradients are never stale",
     ):
         validate(Config(mode=ModeConfig(name="sync", staleness_rule="none")))

@@ -17,7 +17,7 @@ from tests.netns import CPU_CGROUPS, Network, unavailable_reason
 from tests.ps_train._app import QUICK, read_json
 
 ROLES = ("ps0", "ps1", "trainer0", "trainer1")  # rank r on host r
-LIMITED, SLOW = 2, 3  # trainer0's link is shaped; trainer1 gets a tenth of a core
+LIMITED, SLOW = 2, 3  # trainer0's link is shaped; trainer1 gets a quarter of a core
 # A budget below what a rank gets while the others wait for it (the suite runs one test at a
 # time: trainer1 starts alone on a core), so the quota binds from its first import; at a tenth
 # of a core the start alone (~9 s of CPU for torch, Hydra and ps_train) took 90 s.

@@ -1,0 +1,115 @@
+"""DLRM under two update modes, side by side: samples/s and test AUC (default: sync vs hybrid).
+
+Usage (from the repo root)::
+
+    python benchmarks/mode_bench.py                          # sync vs hybrid, 4 trainers, 2 rounds
+    python benchmarks/mode_bench.py --modes sync hybrid async --rounds 3 --json out.json
+    python benchmarks/mode_bench.py --extra mode.staleness=2  # overrides for every run
+
+Each run is ``python -m ps_train model=dlrm data=synthetic_ctr`` with ``--trainers`` trainers
+and 2 servers, one pass over ``--samples`` synthetic samples (steps = 0.9 x samples /
+(trainers x 256)), no periodic evaluation; the modes alternate within a round so a change
+in the machine's load hits both. Figures per run: ``samples_per_s`` (all trainers' samples
+over the longest training loop, from ``metrics.json``), ``test_auc`` and the 1-minute load
+average before and after it (``/proc/loadavg``). Printed as a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load1() -> float:
+    with open("/proc/loadavg") as f:
+        return float(f.read().split()[0])
+
+
+def one_run(mode: str, args: argparse.Namespace, run_dir: str) -> dict[str, Any]:
+    steps = int(0.9 * args.samples / (args.trainers * 256))
+    cmd = [
+        sys.executable,
+        "-m",
+        "ps_train",
+        "model=dlrm",
+        "data=synthetic_ctr",
+        f"data.num_samples={args.samples}",
+        f"cluster.num_trainers={args.trainers}",
+        "cluster.num_servers=2",
+        f"train.steps={steps}",
+        "train.eval_every=0",
+        "checkpoint.every=0",
+        "logging.progress=false",
+        f"mode={mode}",
+        *(args.extra if mode in args.extra_modes else []),
+        f"hydra.run.dir={run_dir}",
+    ]
+    before = load1()
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=_ROOT, capture_output=True, text=True, timeout=args.timeout)
+    if proc.returncode != 0:
+        return {"mode": mode, "status": "error", "stderr": proc.stderr[-2000:]}
+    with open(os.path.join(run_dir, "metrics.json")) as f:
+        m = json.load(f)
+    return {
+        "mode": mode,
+        "status": "ok",
+        "steps": steps,
+        "samples_per_s": m["samples_per_s"],
+        "test_auc": m["test_auc"],
+        "test_best_auc": m.get("test_best_auc"),
+        "max_staleness": m["max_staleness"],
+        "load1_before": before,
+        "load1_after": load1(),
+        "total_s": time.perf_counter() - t0,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--modes", nargs="+", default=["sync", "hybrid"])
+    p.add_argument("--trainers", type=int, default=4)
+    p.add_argument("--samples", type=int, default=200_000)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--extra", nargs="*", default=["mode.staleness=1"], help="overrides for --extra-modes")
+    p.add_argument("--extra-modes", nargs="*", default=["hybrid"])
+    p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    results = []
+    with tempfile.TemporaryDirectory(prefix="mode_bench_") as root:
+        for r in range(args.rounds):
+            for mode in args.modes:
+                res = one_run(mode, args, os.path.join(root, f"{mode}_{r}"))
+                print(json.dumps(res), file=sys.stderr, flush=True)
+                results.append(res)
+    print("| mode | runs | samples/s (each) | median | test AUC (each) | max staleness | load1 before/after |")
+    print("|---|---|---|---|---|---|---|")
+    for mode in args.modes:
+        ok = [r for r in results if r["mode"] == mode and r["status"] == "ok"]
+        if not ok:
+            print(f"| {mode} | 0 | error | | | | |")
+            continue
+        rates = ", ".join(f"{r['samples_per_s']:,.0f}" for r in ok)
+        median = statistics.median(r["samples_per_s"] for r in ok)
+        aucs = ", ".join(f"{r['test_auc']:.4f}" for r in ok)
+        loads = ", ".join(f"{r['load1_before']:.1f}/{r['load1_after']:.1f}" for r in ok)
+        stale = max(r["max_staleness"] for r in ok)
+        print(f"| {mode} | {len(ok)} | {rates} | {median:,.0f} | {aucs} | {stale} | {loads} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "runs": results}, f, indent=1)
+    return 0 if all(r["status"] == "ok" for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

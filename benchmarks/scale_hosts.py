@@ -1,0 +1,131 @@
+"""A ps_train job on emulated hosts with shaped links (tests/netns.py), against the cost model.
+
+    sudo python benchmarks/scale_hosts.py --constants benchmarks/scale_constants.json \\
+        [--rate-kbit 200] [--trainers 1] [--servers 1] [--steps 60] [--json hosts.json]
+
+One rank per host (network namespaces on a bridge, ``cluster=env``), every host's link held to
+``--rate-kbit`` both ways by a token bucket. The rate is chosen low enough that moving a
+step's bytes takes far longer than its CPU, so that the run checks the model's link terms
+rather than this shared machine's cores. Prints the measured samples/s (``metrics.json``) next
+to the model's prediction for the same cluster (a core per host, no delay: ``tbf`` queues, it
+adds no latency of its own) and writes both with the run's byte counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]
+from _scale_cost import Cluster, Constants, predict  # noqa: E402
+from _scale_shapes import mlp  # noqa: E402
+
+from tests.netns import Network, unavailable_reason  # noqa: E402
+
+JOB = [
+    "mode=async",
+    "model=mlp",
+    "data=digits",
+    "train.eval_every=0",
+    "logging.progress=false",
+    "logging.tensorboard=false",
+    "checkpoint.every=0",
+]
+
+
+def run(trainers: int, servers: int, steps: int, rate_kbit: float, timeout: float) -> dict:
+    reason = unavailable_reason()
+    if reason is not None:
+        raise SystemExit(f"no emulated hosts here: {reason}")
+    world = servers + trainers
+    net = Network(world)
+    run_dir = Path(tempfile.mkdtemp(prefix="scale_hosts_"))
+    try:
+        for host in range(world):
+            # Queue for up to 5 s: at these rates a step's request waits that long in the bucket.
+            net.limit_link(host, f"{rate_kbit}kbit", burst="8kb", latency="5s")
+        env = {k: v for k, v in os.environ.items() if k != "PS_TRAIN_FAULT"}
+        env.update(
+            WORLD_SIZE=str(world),
+            MASTER_ADDR=net.address(0),
+            MASTER_PORT="29500",
+            RPC_CORE_AUTH_SECRET=os.urandom(16).hex(),
+        )
+        args = [
+            sys.executable,
+            "-m",
+            "ps_train",
+            "cluster=env",
+            *JOB,
+            f"cluster.num_servers={servers}",
+            f"cluster.num_trainers={trainers}",
+            f"train.steps={steps}",
+            f"hydra.run.dir={run_dir}",
+        ]
+        procs = []
+        for rank in range(world):
+            out = open(run_dir / f"rank{rank}.out", "wb")  # noqa: SIM115 (closed with the process below)
+            cmd = net.command(rank, "unshare", "--pid", "--kill-child", *args)
+            procs.append(
+                (subprocess.Popen(cmd, env=dict(env, RANK=str(rank)), stdout=out, stderr=subprocess.STDOUT), out)
+            )
+        deadline = time.monotonic() + timeout
+        while any(p.poll() is None for p, _ in procs) and time.monotonic() < deadline:
+            time.sleep(0.5)  # polling the ranks' exit, not waiting for an event
+        for p, out in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+            out.close()
+        codes = [p.returncode for p, _ in procs]
+    finally:
+        net.close()
+    if codes != [0] * world:
+        raise SystemExit(f"the job failed (exit codes {codes}); outputs in {run_dir}")
+    return json.loads((run_dir / "metrics.json").read_text())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--constants", type=Path, required=True)
+    ap.add_argument("--rate-kbit", type=float, default=200.0)
+    ap.add_argument("--trainers", type=int, default=1)
+    ap.add_argument("--servers", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    m = run(args.trainers, args.servers, args.steps, args.rate_kbit, args.timeout)
+    c = Constants(**json.loads(args.constants.read_text()))
+    cl = Cluster(args.trainers, args.servers, args.rate_kbit * 1e3, 0.0, 1.0, 1.0, None, "async")
+    p = predict(c, mlp(), cl)
+    err = (p.samples_per_s - m["samples_per_s"]) / m["samples_per_s"]
+    print(
+        f"[hosts] T={args.trainers} S={args.servers} at {args.rate_kbit:g} kbit/s: measured "
+        f"{m['samples_per_s']:,.1f} samples/s, predicted {p.samples_per_s:,.1f} ({err:+.0%}), binds: {p.binding}; "
+        f"bytes per step per server {m.get('server_bytes_per_step')}"
+    )
+    if args.json:
+        record = {
+            "trainers": args.trainers,
+            "servers": args.servers,
+            "rate_kbit": args.rate_kbit,
+            "steps": m["steps"],
+            "measured_samples_per_s": m["samples_per_s"],
+            "predicted_samples_per_s": p.samples_per_s,
+            "binding": p.binding,
+            "server_bytes_per_step": m.get("server_bytes_per_step"),
+            "wall_time_s": m["wall_time_s"],
+        }
+        args.json.write_text(json.dumps(record, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""TensorBoard in a real browser on a finished run: the servers' scalars, the custom-scalars
+page and the HParams table with the declared columns. Runs where Playwright and its
+Chromium are installed (``pip install playwright && playwright install chromium``); skips,
+saying so, elsewhere."""
+
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from ps_train.observe.dashboard import SWEPT
+from tests.ps_train._app import run_app
+
+
+def _browser_or_skip():
+    try:
+        from playwright.sync_api import sync_playwright  # type: ignore[import-not-found]
+    except ImportError:
+        pytest.skip("Playwright is not installed (pip install playwright && playwright install chromium)")
+    if shutil.which("tensorboard") is None:
+        pytest.skip("the tensorboard command is not on PATH")
+    return sync_playwright
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(300)
+def test_tensorboard_shows_server_scalars_custom_scalars_and_hparams(tmp_path):
+    sync_playwright = _browser_or_skip()
+    with sync_playwright() as p:
+        try:
+            browser = p.chromium.launch()
+        except Exception as e:  # noqa: BLE001 - any launch failure means no usable Chromium here
+            pytest.skip(f"Playwright's Chromium does not start here: {e}")
+        run_app(tmp_path / "runs" / "run", "mode=async", "train.steps=8", "logging.server_every=0.2", timeout=180)
+        port = _free_port()
+        tb = subprocess.Popen(
+            [sys.executable, "-m", "tensorboard.main", "--logdir", str(tmp_path / "runs"), "--port", str(port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            url = f"http://127.0.0.1:{port}"
+            for line in tb.stderr:  # it names its address once it serves
+                if f":{port}" in line:
+                    break
+            else:
+                pytest.fail("TensorBoard exited before it served the run")
+            page = browser.new_page()
+            page.goto(f"{url}/#timeseries")
+            page.get_by_text("server/updates_per_s").first.wait_for(timeout=60_000)
+            page.goto(f"{url}/#custom_scalars")
+            page.get_by_text("updates applied/s per server").first.wait_for(timeout=60_000)
+            page.goto(f"{url}/#hparams")
+            for column in ("mode.name", "optim.lr", "cluster.num_servers"):
+                assert column in SWEPT
+                page.get_by_text(column).first.wait_for(timeout=60_000)
+            assert page.get_by_text("checkpoint.every").count() == 0
+        finally:
+            tb.terminate()
+            tb.wait(10)
+            browser.close()
