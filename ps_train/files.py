@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
-__all__ = ["atomic_write", "atomic_write_bytes", "atomic_write_text", "file_sha256"]
+__all__ = ["HashingWriter", "atomic_write", "atomic_write_bytes", "atomic_write_text", "file_sha256"]
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
@@ -22,17 +22,40 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
     atomic_write(Path(path), lambda f: f.write(data))
 
 
-def atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> tuple[int, str]:
+class HashingWriter:
+    """A write-only file that hashes what goes through it (``size``, ``hexdigest``)."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self._f, self._h, self.size = f, hashlib.sha256(), 0
+
+    def write(self, data: bytes | memoryview) -> int:
+        self._h.update(data)
+        self.size += memoryview(data).nbytes
+        return self._f.write(data)
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
+def atomic_write(
+    path: Path, write: Callable[[BinaryIO], object], sequential: Callable[[HashingWriter], object] | None = None
+) -> tuple[int, str]:
     """Write ``path`` through ``write(file)`` into a temporary file, fsync it, rename it over
-    ``path`` (readers see the old file or the whole new one); the new file's size and sha256."""
+    ``path`` (readers see the old file or the whole new one); the new file's size and sha256.
+    ``sequential`` instead of ``write``: a writer that only appends, hashed as it writes
+    (no second pass over a file of gigabytes)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            write(f)
+            hashing = HashingWriter(f) if sequential is not None else None
+            if hashing is not None and sequential is not None:
+                sequential(hashing)
+            else:
+                write(f)
             f.flush()
             os.fsync(f.fileno())  # contents on disk before the rename makes them visible
-        size, digest = file_sha256(tmp)
+        size, digest = (hashing.size, hashing.hexdigest()) if hashing is not None else file_sha256(tmp)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

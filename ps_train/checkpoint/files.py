@@ -4,7 +4,14 @@ Layout::
 
     <run_dir>/checkpoints/step_000000200/
         shard0.pt  shard1.pt ...     one per shard, written by the server hosting it
+        ps0.rows  ps1.rows ...       embedding tables (model=dlrm): rows, full or differential
         manifest.json                written last, by the coordinator
+
+A rows file (``ps_train.checkpoint.rows_file``) is *full* (every row of the server's tables)
+or *differential*: only the rows changed since an earlier checkpoint, its *base*, named in
+the manifest's ``bases`` (shard -> base folder). Restoring a differential one reads its
+*chain* (``checkpoint_chain``): the latest full rows file, then each differential one after
+it, in order; pruning keeps every checkpoint a kept one builds on.
 
 A checkpoint exists only once its manifest does. Every file is written to a temporary name
 and moved into place with ``os.replace`` (atomic on POSIX, ``ps_train.files``), and the manifest records each
@@ -55,6 +62,9 @@ __all__ = [
     "list_checkpoints",
     "latest_checkpoint",
     "resolve_resume",
+    "SaveStarted",
+    "checkpoint_chain",
+    "resume_hint",
     "prune_checkpoints",
     "save_checkpoint",
     "load_checkpoint",
@@ -64,7 +74,8 @@ __all__ = [
 
 MANIFEST_NAME = "manifest.json"
 CHECKPOINTS_DIRNAME = "checkpoints"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: rows files and bases; a version-1 checkpoint has none and still loads
+_READABLE_VERSIONS = (1, 2)
 _STEP_DIR = re.compile(r"step_(\d+)")
 _SHARD_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
@@ -83,6 +94,16 @@ class ShardFile:
     sha256: str
 
 
+@dataclass(frozen=True)
+class SaveStarted:
+    """A server's answer to the coordinator's "save now": its shard, the checkpoint its rows
+    file builds on (None: a full one or none), and whether it is still writing."""
+
+    shard: str
+    base: str | None
+    background: bool  # its files are still being written (tables); False: already written
+
+
 @dataclass
 class Manifest:
     step: int  # global step the checkpoint was taken after
@@ -92,6 +113,8 @@ class Manifest:
     # role name -> capture_rng_state()
     rng_states: dict[str, dict[str, Any]] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)  # e.g. mode, per-shard update counts
+    row_files: list[ShardFile] = field(default_factory=list)  # embedding rows, one per server with tables
+    bases: dict[str, str] = field(default_factory=dict)  # shard -> the folder its differential rows build on
     format_version: int = FORMAT_VERSION
     created_unix: float = field(default_factory=time.time)
 
@@ -102,6 +125,7 @@ class Manifest:
     def from_json(cls, text: str) -> Manifest:
         raw = json.loads(text)
         raw["shards"] = [ShardFile(**s) for s in raw["shards"]]
+        raw["row_files"] = [ShardFile(**s) for s in raw.get("row_files", [])]
         return cls(**raw)
 
 
@@ -147,10 +171,10 @@ def load_shard_state(ckpt_dir: str | os.PathLike[str], entry: ShardFile, verify:
 def write_manifest(ckpt_dir: str | os.PathLike[str], manifest: Manifest) -> Path:
     """Publish the checkpoint: call only after every shard file is saved."""
     ckpt = Path(ckpt_dir)
-    names = [s.name for s in manifest.shards]
+    names = [s.name for s in manifest.shards + manifest.row_files]
     if len(set(names)) != len(names):
         raise ValueError(f"manifest lists a shard twice: {names}")
-    for s in manifest.shards:
+    for s in manifest.shards + manifest.row_files:
         if not (ckpt / s.file).is_file():
             raise CheckpointError(f"cannot write manifest in {ckpt}: shard file {s.file} was not saved")
     path = ckpt / MANIFEST_NAME
@@ -166,8 +190,10 @@ def read_manifest(ckpt_dir: str | os.PathLike[str]) -> Manifest:
         raise CheckpointError(f"{ckpt_dir} is not a complete checkpoint: no {MANIFEST_NAME}") from None
     except (ValueError, TypeError, KeyError) as e:
         raise CheckpointError(f"{path} is not a valid manifest: {e}") from e
-    if manifest.format_version != FORMAT_VERSION:
-        raise CheckpointError(f"{path}: format version {manifest.format_version}, this ps_train reads {FORMAT_VERSION}")
+    if manifest.format_version not in _READABLE_VERSIONS:
+        raise CheckpointError(
+            f"{path}: format version {manifest.format_version}, this ps_train reads {list(_READABLE_VERSIONS)}"
+        )
     return manifest
 
 
@@ -178,7 +204,7 @@ def is_complete(ckpt_dir: str | os.PathLike[str]) -> bool:
         manifest = read_manifest(ckpt_dir)
     except CheckpointError:
         return False
-    for s in manifest.shards:
+    for s in manifest.shards + manifest.row_files:
         path = Path(ckpt_dir) / s.file
         if not path.is_file() or path.stat().st_size != s.bytes:
             return False
@@ -233,6 +259,8 @@ def prune_checkpoints(run_dir: str | os.PathLike[str], keep: int) -> list[Path]:
         return []
     newest = complete[-1][0]
     keep_set = {p for _, p in complete[-keep:]} if keep else {p for _, p in complete}
+    for p in list(keep_set):  # and what they build on
+        keep_set.update(_bases_of(p))
     removed = []
     for step, p in dirs:
         if p in keep_set or step >= newest:
@@ -274,6 +302,67 @@ def load_checkpoint(ckpt_dir: str | os.PathLike[str]) -> tuple[Manifest, dict[st
     """The manifest and every shard's state (hash-verified), keyed by shard name."""
     manifest = read_manifest(ckpt_dir)
     return manifest, {s.name: load_shard_state(ckpt_dir, s) for s in manifest.shards}
+
+
+def _bases_of(ckpt: Path) -> set[Path]:
+    """Every checkpoint ``ckpt``'s differential rows build on, directly or not (best effort:
+    a broken link is reported when restoring, ``checkpoint_chain``)."""
+    found: set[Path] = set()
+    todo = [ckpt]
+    while todo:
+        try:
+            manifest = read_manifest(todo.pop())
+        except CheckpointError:
+            continue
+        for base in manifest.bases.values():
+            p = ckpt.parent / base
+            if p not in found:
+                found.add(p)
+                todo.append(p)
+    return found
+
+
+def checkpoint_chain(ckpt_dir: str | os.PathLike[str], shard: str) -> list[tuple[Path, ShardFile]]:
+    """The rows files that restore ``shard``'s tables as of checkpoint ``ckpt_dir``: its
+    latest full one, then every differential one up to ``ckpt_dir``'s, each with the
+    checkpoint folder it is in. Raises ``CheckpointError`` naming the first broken link
+    (a base folder missing or incomplete, a rows file missing, truncated or not listed)
+    and what to resume from instead."""
+    chain: list[tuple[Path, ShardFile]] = []
+    ckpt = Path(ckpt_dir)
+    seen: set[Path] = set()
+    while True:
+        manifest = read_manifest(ckpt)
+        entry = {s.name: s for s in manifest.row_files}.get(f"{shard}.rows")
+        if entry is None:
+            raise CheckpointError(f"checkpoint {ckpt} has no rows file for {shard} (its manifest lists none)")
+        path = ckpt / entry.file
+        if not path.is_file() or path.stat().st_size != entry.bytes:
+            raise CheckpointError(f"{path} is missing or truncated ({entry.bytes} bytes expected); {resume_hint(ckpt)}")
+        chain.append((ckpt, entry))
+        seen.add(ckpt)
+        base = manifest.bases.get(shard)
+        if base is None:
+            return chain[::-1]
+        previous = ckpt.parent / base
+        if previous in seen or not _STEP_DIR.fullmatch(base):
+            raise CheckpointError(f"{ckpt / MANIFEST_NAME}: {shard}'s base {base!r} is not an earlier checkpoint")
+        if not is_complete(previous):
+            raise CheckpointError(
+                f"checkpoint {ckpt} holds only the rows {shard} changed since {previous}, which is "
+                f"{'incomplete' if previous.is_dir() else 'missing'} (its {MANIFEST_NAME} or a file it lists); "
+                f"{resume_hint(previous)}"
+            )
+        ckpt = previous
+
+
+def resume_hint(broken: Path) -> str:
+    """Where to resume from when a chain through ``broken`` cannot be restored."""
+    older = [p for _, p in _step_dirs(broken.parent.parent) if p < broken and is_complete(p)]
+    full = [p for p in older if not read_manifest(p).bases]
+    if full:
+        return f"resume from an earlier checkpoint, e.g. resume={full[-1]} (a full one)"
+    return "no earlier full checkpoint is left: train from the start"
 
 
 def capture_rng_state() -> dict[str, Any]:

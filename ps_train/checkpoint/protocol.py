@@ -1,19 +1,22 @@
 """The checkpoint protocol between roles: saving a running job, and resuming from it.
 
 ``ps_train.checkpoint.files`` defines what a checkpoint is on disk; this module decides who
-writes which part, and when. trainer0 coordinates: after step k (every
+writes which part, and when. trainer0 coordinates (``Checkpointer``): after step k (every
 ``checkpoint.every`` steps, and at the end) it asks each server, through the server's RRef,
-to write its shards' weights and optimizer state (``ParameterServer.save_state``), then
-writes the manifest tying the files to step k, every trainer's data position and the RNG
-states. In sync mode the servers cannot move while trainer0 is busy checkpointing (step
-k+1 needs trainer0's gradients), so the checkpoint is exactly the state after step k. In
-async/ssp modes each shard is saved as it is at that moment and every trainer resumes from
-trainer0's step.
+to fix its state and write it (``ParameterServer.begin_save``): its shards' weights and
+optimizer state at once, its embedding tables (model=dlrm) by a thread while training goes on,
+all rows or only those changed since the previous checkpoint (``checkpoint.differential``).
+Once every server's files are written (``finish_save``), a thread of trainer0 writes the
+manifest tying them to step k, every trainer's data position and the RNG states. In sync mode
+the servers cannot move while trainer0 is busy asking (step k+1 needs trainer0's gradients),
+so the checkpoint is exactly the state after step k. In async/ssp modes each shard is saved
+as it is at that moment and every trainer resumes from trainer0's step.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Sequence, Sized
 from pathlib import Path
 from typing import Any, Protocol
@@ -21,17 +24,21 @@ from typing import Any, Protocol
 from ps_train.checkpoint.files import (
     CheckpointError,
     Manifest,
+    SaveStarted,
     begin_checkpoint,
     capture_rng_state,
+    checkpoint_chain,
     load_shard_state,
     prune_checkpoints,
     read_manifest,
     resolve_resume,
+    resume_hint,
     write_manifest,
 )
 from ps_train.config import Config, ConfigError, config_to_dict
 from ps_train.data import steps_per_epoch
 from ps_train.faults import die, fault_at
+from ps_train.files import file_sha256
 
 log = logging.getLogger("ps_train.checkpoint")
 
@@ -84,57 +91,118 @@ def data_position(cfg: Config, n_items: int, step: int) -> dict[str, int]:
     return {"epoch": step // spe, "offset": (step % spe) * cfg.train.batch_size}
 
 
-def save(trainer: CheckpointingTrainer, step: int) -> Path:
-    """trainer0: write a complete checkpoint of the job after ``step``."""
-    cfg = trainer.cfg
-    trainer.settle()  # the servers have applied step ``step``'s update
-    ckpt = begin_checkpoint(trainer.run_dir, step)
-    # Every server writes its own file at once; trainer.servers[r] is ps<r>'s RRef.
-    futs = [server.rpc_async().save_state(str(ckpt)) for server in trainer.servers]
-    shards = [f.wait() for f in futs]
-    if fault_at(f"trainer{trainer.index}", step, "checkpoint"):  # test-only, see ps_train.faults
-        die(f"trainer{trainer.index}", step)
-    pos = data_position(cfg, len(trainer.train_set), step)
-    positions = {}
-    for k in range(cfg.cluster.num_trainers):
-        positions[f"trainer{k}"] = dict(pos, rank=k, world=cfg.cluster.num_trainers, seed=cfg.seed)
-    write_manifest(
-        ckpt,
-        Manifest(
+class Checkpointer:
+    """trainer0's checkpoints of one run: when to write a full one or a differential one, and
+    the one being completed in the background.
+
+    ``save`` fixes the job's state after a step (each server's ``begin_save``: in sync mode
+    nothing can move meanwhile, see the module docstring) and returns; the servers write
+    their files while training goes on, and a thread here writes the manifest once they
+    are all written. One checkpoint is in flight at a time: the next ``save`` (and the last
+    step) waits for the previous one, and raises its error if it failed."""
+
+    def __init__(self) -> None:
+        self.last: Path | None = None  # the newest checkpoint this process completed
+        self.differential_since_full = 0  # differential checkpoints written after it
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def wait(self) -> None:
+        """Until the checkpoint in flight (if any) is complete; raises if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise CheckpointError(f"writing a checkpoint failed: {error}") from error
+
+    def save(self, trainer: CheckpointingTrainer, step: int, wait: bool = False) -> Path:
+        """Checkpoint the job after ``step``; ``wait``: return once it is complete."""
+        cfg = trainer.cfg
+        trainer.settle()  # the servers have applied step ``step``'s update
+        self.wait()
+        ckpt = begin_checkpoint(trainer.run_dir, step)
+        c = cfg.checkpoint
+        base = None
+        if c.differential and self.last is not None and self.differential_since_full + 1 < c.full_every:
+            base = self.last.name
+        # trainer.servers[r] is ps<r>'s RRef; every server fixes its state now, at once.
+        begun = [server.rpc_async().begin_save(str(ckpt), base) for server in trainer.servers]
+        started: list[SaveStarted] = [f.wait() for f in begun]
+        # No RPC timeout: writing gigabytes of rows may take longer than any call should.
+        written = [server.rpc_async(timeout=0).finish_save(str(ckpt)) for server in trainer.servers]
+        pos = data_position(cfg, len(trainer.train_set), step)
+        positions = {}
+        for k in range(cfg.cluster.num_trainers):
+            positions[f"trainer{k}"] = dict(pos, rank=k, world=cfg.cluster.num_trainers, seed=cfg.seed)
+        manifest = Manifest(
             step=step,
-            shards=shards,
+            shards=[],
             trainer_positions=positions,
             rng_states={"trainer0": capture_rng_state()},
             extra={"mode": cfg.mode.name, "backend": cfg.backend, "config": config_to_dict(cfg)},
-        ),
-    )
-    prune_checkpoints(trainer.run_dir, cfg.checkpoint.keep)
-    log.info("checkpoint after step %d: %s", step, ckpt)
-    return ckpt
+            bases={s.shard: s.base for s in started if s.base is not None},
+        )
+
+        def complete() -> None:
+            try:
+                files = [file for f in written for file in f.wait()]
+                if fault_at(f"trainer{trainer.index}", step, "checkpoint"):  # test-only, see ps_train.faults
+                    die(f"trainer{trainer.index}", step)
+                manifest.shards = [f for f in files if f.file.endswith(".pt")]
+                manifest.row_files = [f for f in files if not f.file.endswith(".pt")]
+                write_manifest(ckpt, manifest)
+                prune_checkpoints(trainer.run_dir, c.keep)
+            except Exception as e:
+                self.last = None  # the next one is full
+                self._error = e
+                log.exception("checkpoint after step %d (%s) failed", step, ckpt)
+                return
+            self.last = ckpt
+            self.differential_since_full = self.differential_since_full + 1 if manifest.bases else 0
+            kind = f"differential on {base}" if manifest.bases else "full"
+            log.info("checkpoint after step %d: %s (%s)", step, ckpt, kind)
+
+        self._thread = threading.Thread(target=complete, name=f"checkpoint-{step}", daemon=True)
+        self._thread.start()
+        if wait or not any(s.background for s in started):  # nothing left to wait for: complete it now
+            self.wait()
+        return ckpt
 
 
 def checkpoint_hook(cfg: Config, run_dir: str) -> Callable[[CheckpointingTrainer, int], None]:
     """The per-step callback trainer0 runs: checkpoint every ``checkpoint.every`` steps and
-    after the last step (unless ``checkpoint.final`` is false)."""
+    after the last step (unless ``checkpoint.final`` is false), full or differential
+    (``checkpoint.differential``, ``checkpoint.full_every``); the last step waits until the
+    checkpoint in flight is complete."""
+    checkpointer = Checkpointer()
 
     def hook(trainer: CheckpointingTrainer, step: int) -> None:
         if trainer.index != 0:
             return
         every = cfg.checkpoint.every
-        if (every and step % every == 0) or (step == trainer.steps and cfg.checkpoint.final):
-            save(trainer, step)
+        last = step == trainer.steps
+        if (every and step % every == 0) or (last and cfg.checkpoint.final):
+            checkpointer.save(trainer, step, wait=last)
+        elif last:
+            checkpointer.wait()
 
     return hook
 
 
 def load_resume_state(path: str, server: str | None = None) -> dict[str, Any]:
-    """Read the latest complete checkpoint under ``path`` (a run dir or checkpoint dir).
+    """Read the latest complete checkpoint under ``path`` (a run dir or checkpoint dir) and
+    check that every server's chain of rows files is there (``checkpoint_chain``).
 
-    ``server``: also load that server's state file (``ps0``, ...), hash-verified; trainers
-    need only the manifest.
+    ``server``: also load that server's state file (``ps0``, ...), hash-verified, and name
+    its rows files (hash-verified too) in its ``tables`` entry; trainers need only the
+    manifest.
     """
     ckpt = resolve_resume(path)
     manifest = read_manifest(ckpt)
+    chains = {
+        f.name.removesuffix(".rows"): checkpoint_chain(ckpt, f.name.removesuffix(".rows")) for f in manifest.row_files
+    }
     servers = {}
     if server is not None:
         entry = {s.name: s for s in manifest.shards}.get(server)
@@ -144,7 +212,16 @@ def load_resume_state(path: str, server: str | None = None) -> dict[str, Any]:
                 f"{sorted(s.name for s in manifest.shards)}); resume with the same "
                 "cluster.num_servers"
             )
-        servers[server] = load_shard_state(ckpt, entry)
+        state = load_shard_state(ckpt, entry)
+        if server in chains:
+            for folder, rows in chains[server]:
+                if file_sha256(folder / rows.file)[1] != rows.sha256:
+                    raise CheckpointError(
+                        f"{folder / rows.file} does not match its manifest's SHA-256 (corrupt or "
+                        f"overwritten); {resume_hint(folder)}"
+                    )
+            state["tables"]["rows_files"] = [str(folder / rows.file) for folder, rows in chains[server]]
+        servers[server] = state
     return {
         "checkpoint": str(ckpt),
         "step": manifest.step,

@@ -71,11 +71,19 @@ class CheckpointConfig:
     every: int = 100  # steps; 0 = only at the end
     keep: int = 2  # newest complete checkpoints to keep; 0 = keep all
     final: bool = True  # also after the last step; false: none there (benchmarks, runs never resumed)
+    # Embedding tables (model=dlrm): write only the rows changed since the previous checkpoint,
+    # and every full_every-th checkpoint all of them (docs/ctr.md#checkpoints).
+    differential: bool = False
+    full_every: int = 4
 
     def problems(self) -> Problems:
         p = Problems()
         p.need(self.every >= 0, f"checkpoint.every: {self.every} must be >= 0 (0 = only at the end)")
         p.need(self.keep >= 0, f"checkpoint.keep: {self.keep} must be >= 0 (0 = keep all)")
+        p.need(
+            self.full_every >= 1,
+            f"checkpoint.full_every: {self.full_every} must be >= 1 (1 = every checkpoint full)",
+        )
         return p
 
 

@@ -24,6 +24,7 @@ A custom optimizer (FTRL, ...) is a ``TableOptimizer`` subclass here, an entry i
 
 from __future__ import annotations
 
+import copy
 import functools
 import warnings
 from abc import ABC, abstractmethod
@@ -35,6 +36,8 @@ from torch import Tensor, nn
 
 from ps_train.config import ConfigError, OptimConfig
 from ps_train.modes.aggregation import scaled_lr
+
+_ROW_MARK = "<rows>:"  # scalar_state's stand-in for a per-row tensor
 
 __all__ = [
     "TableOptimizer",
@@ -71,6 +74,49 @@ class TableOptimizer(ABC):
     @abstractmethod
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
+    def row_state(self) -> dict[str, Tensor]:
+        """The live per-row state tensors, each [rows, ...] aligned with a table's rows (a
+        checkpoint writes them row by row, with the rows: ``ps_train.ctr.snapshot``)."""
+        return {}
+
+    def scalar_state(self) -> dict[str, Any]:
+        """``state_dict`` without the per-row tensors (a copy; each such tensor is replaced by
+        a marker naming it), small enough to copy while updates wait."""
+        live = {id(t): name for name, t in self.row_state().items()}
+
+        def strip(x: Any) -> Any:
+            if isinstance(x, Tensor) and id(x) in live:
+                return _ROW_MARK + live[id(x)]
+            if isinstance(x, dict):
+                return {k: strip(v) for k, v in x.items()}
+            if isinstance(x, list | tuple):
+                return type(x)(strip(v) for v in x)
+            return copy.deepcopy(x)
+
+        return strip(self.state_dict())
+
+    def load_scalar_state(self, state: dict[str, Any]) -> None:
+        """Load a ``scalar_state``, keeping the live per-row tensors (fill them afterwards:
+        ``row_state`` names them)."""
+        live = self.row_state()
+
+        def fill(x: Any) -> Any:
+            if isinstance(x, str) and x.startswith(_ROW_MARK):
+                name = x.removeprefix(_ROW_MARK)
+                if name not in live:
+                    raise ValueError(
+                        f"the checkpoint has optimizer row state {name!r}, this {type(self).__name__} has "
+                        f"{sorted(live)}; resume with the same model.table_optim"
+                    )
+                return live[name]
+            if isinstance(x, dict):
+                return {k: fill(v) for k, v in x.items()}
+            if isinstance(x, list | tuple):
+                return type(x)(fill(v) for v in x)
+            return x
+
+        self.load_state_dict(fill(state))
+
 
 class TorchTableOptimizer(TableOptimizer):
     """A ``torch.optim`` optimizer that takes sparse gradients and updates only the rows they
@@ -79,6 +125,15 @@ class TorchTableOptimizer(TableOptimizer):
     def __init__(self, tables: Sequence[nn.Parameter], cls: type[torch.optim.Optimizer], **kwargs: Any) -> None:
         super().__init__(tables)
         self.optimizer = cls(self.tables, **kwargs)
+        if cls is torch.optim.SparseAdam:
+            # The state torch creates at the first step, created now, so that a checkpoint
+            # taken before it has the same per-row tensors as any later one.
+            for p in self.tables:
+                self.optimizer.state[p].update(
+                    step=0,
+                    exp_avg=torch.zeros_like(p, memory_format=torch.preserve_format),
+                    exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format),
+                )
 
     def step(self, grads: Sequence[Tensor | None], lr_factor: float = 1.0) -> None:
         for p, g in zip(self.tables, grads, strict=True):
@@ -95,6 +150,15 @@ class TorchTableOptimizer(TableOptimizer):
 
     def state_dict(self) -> dict[str, Any]:
         return self.optimizer.state_dict()
+
+    def row_state(self) -> dict[str, Tensor]:
+        # Torch's state dict names a parameter by its index in the optimizer.
+        return {
+            f"{k}.{i}": v
+            for i, p in enumerate(self.tables)
+            for k, v in self.optimizer.state[p].items()
+            if isinstance(v, Tensor) and v.dim() >= 1 and v.shape[0] == p.shape[0]
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state)
@@ -177,6 +241,9 @@ class RowsAdagrad(RowsOptimizer):
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "sum": self.sums}
 
+    def row_state(self) -> dict[str, Tensor]:
+        return {f"sum.{i}": s for i, s in enumerate(self.sums)}
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._load_tensors(state, "sum", self.sums)
         super().load_state_dict(state)
@@ -210,6 +277,9 @@ class RowWiseAdagrad(RowsOptimizer):
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "sum": self.sums}
+
+    def row_state(self) -> dict[str, Tensor]:
+        return {f"sum.{i}": s for i, s in enumerate(self.sums)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._load_tensors(state, "sum", self.sums)

@@ -10,6 +10,10 @@ table optimizer (``model.table_optim``, ``ps_train.ctr.optimizers``). The gradie
 (``TableShards.lookup``'s backward: the touched rows of the storage, each once), so a step
 is one coalesce and one optimizer step over the rows trainers used, whatever the number of
 tables, and the optimizer updates only those rows.
+
+Checkpoints (``begin_snapshot``) do not stop the updates: every update marks the rows it
+changes, and a checkpoint freezes the rows (all, or those changed since the previous
+checkpoint) copy-on-write by blocks while a thread writes them (``ps_train.ctr.snapshot``).
 """
 
 from __future__ import annotations
@@ -17,17 +21,55 @@ from __future__ import annotations
 import copy as copy_module
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from ps_train.checkpoint.files import ShardFile
+from ps_train.checkpoint.rows_file import RowsHeader, apply_rows_file, write_rows_file
 from ps_train.config import Config, CtrDataConfig, DLRMConfig
 from ps_train.ctr.optimizers import make_table_optimizer
 from ps_train.ctr.shards import TableShards
+from ps_train.ctr.snapshot import RowSnapshot
 
-__all__ = ["TableServer", "make_table_server"]
+__all__ = ["TableServer", "TableSnapshot", "make_table_server"]
+
+
+@dataclass
+class TableSnapshot:
+    """A checkpoint of a server's tables being written: ``differential`` (the rows changed
+    since checkpoint ``base``) or full; ``state`` goes into the server's ``.pt`` file, the
+    rows into ``ps<r>.rows`` (``write``)."""
+
+    name: str  # the checkpoint folder's name
+    base: str | None  # the checkpoint a differential one builds on
+    rows: RowSnapshot
+    header: RowsHeader
+    state: dict[str, Any]  # optimizer scalars, counters, the rows file's name
+
+    @property
+    def differential(self) -> bool:
+        return self.base is not None
+
+    @property
+    def row_count(self) -> int:
+        """Rows the file holds."""
+        return self.rows.rows
+
+    @property
+    def rows_copied_aside(self) -> int:
+        """Rows updates copied aside before the writer got to them, so far."""
+        return self.rows.rows_copied_aside
+
+    def write(self, ckpt_dir: str, shard_name: str) -> ShardFile:
+        file = f"{shard_name}.rows"
+        size, digest = write_rows_file(Path(ckpt_dir) / file, self.header, self.rows.chunks())
+        return ShardFile(f"{shard_name}.rows", file, size, digest)
+
 
 log = logging.getLogger("ps_train.server")
 
@@ -53,6 +95,11 @@ class TableServer:
         self.optimizer = make_table_optimizer(model.table_optim, self.params, cfg.optim, model.table_lr)
         self.rows_updated = 0  # rows the optimizer changed so far, summed over tables and steps
         self.rows_read = 0  # rows trainers looked up for training so far
+        # Rows changed since the checkpoint ``self.since`` (None: since no complete one; the
+        # next checkpoint is then full), one byte per row; and the snapshot being written.
+        self.changed = torch.zeros(self.shards.weight.shape[0], dtype=torch.bool)
+        self.since: str | None = None
+        self.snapshot: TableSnapshot | None = None
         # Rows updated at least once by this process (server/rows_live in TensorBoard): 1 byte per row.
         self._row_seen = torch.zeros(self.shards.weight.shape[0], dtype=torch.bool)
         self.rows_live = 0
@@ -78,11 +125,52 @@ class TableServer:
                 # Duplicate indices (one entry per trainer in sync mode) are one row.
                 grad = grad.coalesce()
                 self.rows_updated += grad._nnz()
-                seen = grad.indices()[0]
-                self.rows_live += int((~self._row_seen[seen]).sum())
-                self._row_seen[seen] = True
+                rows = grad.indices()[0]  # [U]: the storage rows this step changes
+                snapshot = self.snapshot
+                if snapshot is not None:
+                    snapshot.rows.before_update(rows)
+                self.changed[rows] = True
+                self.rows_live += int((~self._row_seen[rows]).sum())
+                self._row_seen[rows] = True
             coalesced.append(grad)
         self.optimizer.step(coalesced, lr_factor)
+
+    def columns(self) -> dict[str, Tensor]:
+        """The live per-row tensors a checkpoint holds: the rows and the optimizer's
+        per-row state, each [rows, ...]."""
+        return {"weight": self.shards.weight.detach(), **self.optimizer.row_state()}
+
+    def begin_snapshot(self, name: str, base: str | None) -> TableSnapshot:
+        """Freeze the tables for checkpoint ``name``: the rows changed since checkpoint
+        ``base`` if that is the one this server counted changes from, else all rows. The
+        caller holds the server's lock (no update runs) and then writes the snapshot
+        (``TableSnapshot.write``) while updates go on, and calls ``end_snapshot``."""
+        if self.snapshot is not None:
+            raise RuntimeError(f"checkpoint {name}: the tables of {self.snapshot.name} are still being written")
+        differential = base is not None and base == self.since
+        changed, self.changed = self.changed, torch.zeros_like(self.changed)
+        columns = self.columns()
+        self.snapshot = TableSnapshot(
+            name,
+            base if differential else None,
+            RowSnapshot(columns, changed if differential else None, hot=changed),
+            RowsHeader.of(columns, full=not differential),
+            {
+                "format": "rows",
+                "base": base if differential else None,
+                "optimizer": self.optimizer.scalar_state(),
+                "rows_updated": self.rows_updated,
+            },
+        )
+        self.since = name
+        return self.snapshot
+
+    def end_snapshot(self, written: bool) -> None:
+        """The snapshot's files are written (``written``), or failed: then the rows changed
+        since the previous checkpoint are no longer known, and the next checkpoint is full."""
+        self.snapshot = None
+        if not written:
+            self.since = None
 
     def nbytes(self) -> int:
         return self.shards.nbytes()
@@ -106,6 +194,14 @@ class TableServer:
         return {"weights": weights, "optimizer": opt, "rows_updated": self.rows_updated}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """``state``: a ``state_dict``, or a checkpoint's table entry (``begin_snapshot``'s
+        ``state``) with ``rows_files``, its chain of rows files, full one first."""
+        self.changed.zero_()
+        self.since = None
+        if state.get("format") == "rows":
+            self._load_rows(state["optimizer"], state["rows_files"])
+            self.rows_updated = int(state.get("rows_updated", 0))
+            return
         weights = state["weights"]
         shapes = [tuple(w.shape) for w in weights]
         mine = [tuple(self.shards.table(t).shape) for t in range(self.shards.num_tables)]
@@ -120,6 +216,14 @@ class TableServer:
                 self.shards.table(t).copy_(w)
         self.optimizer.load_state_dict(state["optimizer"])
         self.rows_updated = int(state.get("rows_updated", 0))
+
+    def _load_rows(self, optimizer: dict[str, Any], files: Sequence[str]) -> None:
+        if not files:
+            raise ValueError("a table checkpoint needs at least one rows file")
+        self.optimizer.load_scalar_state(optimizer)
+        columns = self.columns()
+        for i, path in enumerate(files):
+            apply_rows_file(path, columns, expect_full=i == 0)
 
 
 def make_table_server(cfg: Config, rank: int) -> TableServer | None:

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -37,7 +39,7 @@ from torch import nn
 from torch.func import functional_call
 
 from ps_train import backend
-from ps_train.checkpoint.files import ShardFile, save_shard_state
+from ps_train.checkpoint.files import SaveStarted, ShardFile, save_shard_state
 from ps_train.config import Config, optimizer_spec
 from ps_train.elastic.membership import Membership
 from ps_train.faults import maybe_inject_fault
@@ -53,6 +55,27 @@ from rpc_core.functions import async_execution
 log = logging.getLogger("ps_train.server")
 
 _server: ParameterServer | None = None
+
+
+class TableCheckpoint(Protocol):
+    """A checkpoint of a server's tables being written (``ps_train.ctr.table_server.TableSnapshot``)."""
+
+    @property
+    def base(self) -> str | None:
+        """The checkpoint it builds on (None: it holds every row)."""
+
+    @property
+    def state(self) -> dict[str, Any]:
+        """What goes into the server's ``.pt`` file for the tables."""
+
+    @property
+    def row_count(self) -> int: ...
+
+    @property
+    def rows_copied_aside(self) -> int: ...
+
+    def write(self, ckpt_dir: str, shard_name: str) -> ShardFile:
+        """Write the rows file; returns its manifest entry."""
 
 
 class TablePart(Protocol):
@@ -80,6 +103,12 @@ class TablePart(Protocol):
     def state_dict(self, copy: bool = True) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def begin_snapshot(self, name: str, base: str | None) -> TableCheckpoint:
+        """Freeze the rows for checkpoint ``name`` (differential on ``base`` if it can); the
+        caller holds the server's lock."""
+
+    def end_snapshot(self, written: bool) -> None: ...
 
 
 class ParameterServer:
@@ -112,6 +141,7 @@ class ParameterServer:
         self.updates = {i: 0 for i in self.shards}
         self.membership: Membership | None = None  # ps0 of a cluster.elastic=true job (ps_train.elastic.membership)
         self._released = threading.Event()  # elastic: trainer0 is done with the servers
+        self._saving: tuple[str, torch.futures.Future[list[ShardFile]]] | None = None  # (folder, files written)
         # autograd context -> (rows [H], gradients [H, d]) pushed for it by a trainer's row cache
         self._pushed: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._pushed_lock = threading.Lock()
@@ -306,9 +336,11 @@ class ParameterServer:
         with self.lock:
             return self._state(copy_tables=True)
 
-    def _state(self, copy_tables: bool) -> dict[str, Any]:
-        # Caller holds self.lock.
-        tables = self.tables.state_dict(copy=copy_tables) if self.tables is not None else None
+    def _state(self, copy_tables: bool | None) -> dict[str, Any]:
+        # Caller holds self.lock. copy_tables=None: without the tables.
+        tables = None
+        if self.tables is not None and copy_tables is not None:
+            tables = self.tables.state_dict(copy=copy_tables)
         return {
             "shards": {i: copy.deepcopy(m.state_dict()) for i, m in self.shards.items()},
             "optimizer": copy.deepcopy(self.optimizer.state_dict()) if self.optimizer else None,
@@ -318,15 +350,62 @@ class ParameterServer:
             "tables": tables,
         }
 
-    def save_state(self, ckpt_dir: str) -> ShardFile:
-        """Write this server's shards and optimizer state into the checkpoint folder
-        ``ckpt_dir`` as ``ps<rank>.pt``; returns the file's manifest entry. The checkpoint
-        coordinator (``ps_train.checkpoint.protocol``) calls it through the server's RRef."""
-        if self.tables is None:
-            return save_shard_state(ckpt_dir, f"ps{self.rank}", self.state_dict())
-        # Tables are too large to copy: updates wait while they are written out.
-        with self.lock:
-            return save_shard_state(ckpt_dir, f"ps{self.rank}", self._state(copy_tables=False))
+    def begin_save(self, ckpt_dir: str, base: str | None = None) -> SaveStarted:
+        """Start writing this server's part of the checkpoint in folder ``ckpt_dir``
+        (``ps<rank>.pt``; with tables also ``ps<rank>.rows``) as it is now; returns once that
+        state is fixed, and ``finish_save`` once the files are written. The tables are
+        written by a thread while updates go on (``TableServer.begin_snapshot``): only the
+        rows changed since checkpoint ``base`` (a folder name) if this server counted the
+        changes from there, else all. The checkpoint coordinator
+        (``ps_train.checkpoint.protocol``) calls both through the server's RRef."""
+        name = f"ps{self.rank}"
+        done: torch.futures.Future[list[ShardFile]] = torch.futures.Future()
+        if self.saving():
+            raise RuntimeError(f"{name}: asked for checkpoint {ckpt_dir} while {self._saving} is being written")
+        if self.tables is None:  # a few MB of dense shards: written now
+            done.set_result([save_shard_state(ckpt_dir, name, self.state_dict())])
+            self._saving = (ckpt_dir, done)
+            return SaveStarted(name, None, background=False)
+        tables = self.tables
+        with self.lock:  # only the small state is copied while updates wait
+            state = self._state(copy_tables=None)
+            snapshot = tables.begin_snapshot(os.path.basename(os.path.normpath(ckpt_dir)), base)
+        state["tables"] = snapshot.state
+        self._saving = (ckpt_dir, done)
+
+        def write() -> None:
+            _lowest_priority()
+            try:
+                rows = snapshot.write(ckpt_dir, name)
+                files = [save_shard_state(ckpt_dir, name, state), rows]
+            except BaseException as e:
+                tables.end_snapshot(written=False)
+                log.exception("%s: writing its checkpoint into %s failed", name, ckpt_dir)
+                done.set_exception(e)  # type: ignore[arg-type]  # torch's stub names the result type
+                return
+            tables.end_snapshot(written=True)
+            log.info(
+                "%s: wrote %d rows of its tables into %s (%d copied aside by updates meanwhile)",
+                name,
+                snapshot.row_count,
+                ckpt_dir,
+                snapshot.rows_copied_aside,
+            )
+            done.set_result(files)
+
+        threading.Thread(target=write, name=f"{name}-checkpoint", daemon=True).start()
+        return SaveStarted(name, snapshot.base, background=True)
+
+    def saving(self) -> bool:
+        """A checkpoint's files are still being written."""
+        return self._saving is not None and not self._saving[1].done()
+
+    @async_execution
+    def finish_save(self, ckpt_dir: str) -> torch.futures.Future[list[ShardFile]]:
+        """Resolves to the files ``begin_save(ckpt_dir)`` wrote, once they are written."""
+        if self._saving is None or self._saving[0] != ckpt_dir:
+            raise RuntimeError(f"ps{self.rank}: no checkpoint {ckpt_dir} begun (begin_save first)")
+        return self._saving[1]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         with self.lock:
@@ -344,6 +423,18 @@ class ParameterServer:
                         f"ps{self.rank}: the checkpoint holds no embedding tables; resume a model=dlrm run"
                     )
                 self.tables.load_state_dict(state["tables"])
+
+
+def _lowest_priority() -> None:
+    """Give the calling thread the lowest CPU priority (nice 19), so a checkpoint's writer
+    takes the CPU time training leaves (it then takes longer on a saturated machine). Linux
+    only: there a thread has its own nice value, set through its thread id."""
+    if sys.platform != "linux":
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except OSError:  # e.g. a sandbox without setpriority: the writer keeps normal priority
+        log.debug("could not lower the checkpoint writer's priority", exc_info=True)
 
 
 _remove_hook: Any = None

@@ -18,7 +18,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import ps_train
 import ps_train.config  # noqa: F401  (registers the schemas)
 from ps_train.app import run
-from ps_train.checkpoint.files import latest_checkpoint, load_checkpoint
+from ps_train.checkpoint.files import latest_checkpoint, load_checkpoint, read_manifest
+from ps_train.checkpoint.protocol import load_resume_state
+from ps_train.checkpoint.rows_file import load_rows
 from ps_train.config import Config, from_dictconfig
 from ps_train.faults import FAULT_ENV
 
@@ -72,6 +74,20 @@ def final_weights(run_dir: Path) -> dict[tuple[str, int, str], torch.Tensor]:
         for shard, sd in state["shards"].items()
         for key, t in sd.items()
     }
+
+
+def saved_tables(run_dir: Path, ckpt: Path | None = None) -> dict[str, dict[str, torch.Tensor]]:
+    """Every server's table columns (``weight`` and the optimizer's per-row state) in
+    checkpoint ``ckpt`` (default: the run's latest), restored from its chain of rows files
+    as a resuming server would."""
+    ckpt = ckpt or latest_checkpoint(run_dir)
+    assert ckpt is not None, f"{run_dir} has no complete checkpoint"
+    servers = [f.name for f in read_manifest(ckpt).shards]
+    out = {}
+    for server in servers:
+        state = load_resume_state(str(ckpt), server)["servers"][server]
+        out[server] = load_rows(state["tables"]["rows_files"])
+    return out
 
 
 def assert_same_weights(a: dict[Any, torch.Tensor], b: dict[Any, torch.Tensor], exact: bool = True) -> None:
