@@ -43,7 +43,7 @@ def test_help_lists_config_groups_and_examples(tmp_path):
     r = cli("--help", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("ps_train: parameter-server, model-parallel training")
-    for line in ("mode: async, ssp, sync", "cluster: env, local", "optim: adam, adamw, sgd"):
+    for line in ("mode: async, hybrid, ssp, sync", "cluster: env, local", "optim: adam, adamw, sgd"):
         assert line in r.stdout
     assert "python -m ps_train -m optim.lr=0.01,0.1 mode=sync,async" in r.stdout
     assert not (tmp_path / "runs").exists()

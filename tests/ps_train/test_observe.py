@@ -18,7 +18,7 @@ from ps_train.observe.console import CONSOLE, ConsoleHandler, summary_lines
 from ps_train.observe.dashboard import LAYOUT, METRICS, SWEPT
 from ps_train.observe.server_metrics import ByteCounts, ServerMetrics, UpdateCounters
 from ps_train.observe.traces import TraceError, TraceEvent, load_job_traces, write_trace
-from tests.ps_train._app import run_app, scalars
+from tests.ps_train._app import QUICK, cli, read_json, scalars
 
 
 def _accumulator(tb_dir: Path) -> EventAccumulator:
@@ -137,19 +137,25 @@ def test_summary_has_a_line_per_role():
 
 
 @pytest.mark.timeout(240)
-def test_an_async_run_shows_its_servers_dashboard_and_traces(tmp_path, capfd):
+def test_an_async_run_shows_its_servers_dashboard_and_traces(tmp_path):
+    # Run as a user does (``python -m ps_train``): the roles print the summary on the
+    # console of the command that started them.
     run_dir = tmp_path / "run"
-    m = run_app(
-        run_dir,
+    r = cli(
+        *QUICK,
         "mode=async",
         "train.steps=12",
         "logging.server_every=0.2",
         "profile.enabled=true",
         "profile.warmup=3",
         "profile.steps=3",
+        f"hydra.run.dir={run_dir}",
+        cwd=tmp_path,
         timeout=180,
     )
-    out = capfd.readouterr().out
+    assert r.returncode == 0, r.stdout + r.stderr
+    m = read_json(run_dir / "metrics.json")
+    out = r.stdout
     # The servers' own TensorBoard runs: the last sample is at the server's final version.
     for r in (0, 1):
         ea = _accumulator(run_dir / "tb" / f"ps{r}")
