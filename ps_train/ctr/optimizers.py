@@ -223,7 +223,24 @@ class RowsSGD(RowsOptimizer):
         weight.index_add_(0, rows, grad, alpha=-lr)
 
 
-class RowsAdagrad(RowsOptimizer):
+class _SummedRowsOptimizer(RowsOptimizer):
+    """A rows optimizer whose state is one accumulator per table (``self.sums``), kept in
+    checkpoints as ``sum`` and written row by row (``row_state``)."""
+
+    sums: list[Tensor]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "sum": self.sums}
+
+    def row_state(self) -> dict[str, Tensor]:
+        return {f"sum.{i}": s for i, s in enumerate(self.sums)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._load_tensors(state, "sum", self.sums)
+        super().load_state_dict(state)
+
+
+class RowsAdagrad(_SummedRowsOptimizer):
     """torch's Adagrad on sparse gradients (no lr decay or weight decay, accumulators from
     0), bit for bit: ``sum[rows] += g^2; w[rows] -= lr * g / (sqrt(sum[rows]) + eps)``.
     State: one accumulator per value, as large as the tables."""
@@ -238,18 +255,8 @@ class RowsAdagrad(RowsOptimizer):
         self.sums[t].index_copy_(0, rows, total)
         weight.index_add_(0, rows, grad / total.sqrt_().add_(self.eps), alpha=-lr)
 
-    def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "sum": self.sums}
 
-    def row_state(self) -> dict[str, Tensor]:
-        return {f"sum.{i}": s for i, s in enumerate(self.sums)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._load_tensors(state, "sum", self.sums)
-        super().load_state_dict(state)
-
-
-class RowWiseAdagrad(RowsOptimizer):
+class RowWiseAdagrad(_SummedRowsOptimizer):
     """Exact row-wise Adagrad, as FBGEMM's ``EXACT_ROWWISE_ADAGRAD`` (its CPU kernel) and
     TorchRec's ``RowWiseAdagrad`` define it: one accumulator per row; a step, over the
     distinct rows of the gradient (duplicate ids summed first)::
@@ -274,16 +281,6 @@ class RowWiseAdagrad(RowsOptimizer):
         self.sums[t].index_copy_(0, rows, total)
         step = total.sqrt_().add_(self.eps).reciprocal_().mul_(-lr)  # [U]: -lr / (sqrt(state) + eps)
         weight.index_add_(0, rows, grad * step.unsqueeze(1))
-
-    def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "sum": self.sums}
-
-    def row_state(self) -> dict[str, Tensor]:
-        return {f"sum.{i}": s for i, s in enumerate(self.sums)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._load_tensors(state, "sum", self.sums)
-        super().load_state_dict(state)
 
 
 # model.table_optim -> (torch class, OptimConfig fields it takes).
