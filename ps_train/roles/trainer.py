@@ -366,7 +366,7 @@ class Trainer:
                 log.info("step %d: %s", step, self.describe_eval(ev))
             if on_step is not None:
                 on_step(self, step)
-            maybe_inject_fault(self.name, step)  # test-only, see ps_train.faults
+            maybe_inject_fault(self.name, step, self.servers[0])  # test-only, see ps_train.faults
         return last
 
     def _log_train(self, step: int, last: dict[str, float]) -> None:

@@ -33,19 +33,33 @@ def curve(run_dir):
     return [value for _, value in scalars(run_dir / "tb" / "ps0")["train/num_trainers"]]
 
 
-def start_job(tmp_path, run_dir, env, *overrides, steps=2500):
-    """A local elastic job of ``steps`` steps (long enough for a second interpreter to start
-    and join while it trains), returned once trainer0 printed its first progress line, with
-    the lines it printed so far."""
+# A job a second interpreter joins: its launched trainers wait at step 1 until the joiner
+# (trainer2) waits for an epoch, so the first to begin (digits with 2 trainers: epoch 0 is 22
+# steps) takes it, and trainer0 waits at its last step until ps0 applied the joiner's first
+# ``n`` updates (ps_train.faults). The job lasts as long as the test needs, no longer.
+JOIN_STEPS = 40
+
+
+def joiner_holds(n):
+    return (
+        "trainer0@1:hold_waiting=trainer2,trainer1@1:hold_waiting=trainer2,"
+        f"trainer0@{JOIN_STEPS}:hold_steps=trainer2*{n}"
+    )
+
+
+def start_job(tmp_path, run_dir, env, *overrides):
+    """A local elastic job of ``JOIN_STEPS`` steps, returned once trainer0 printed its first
+    progress line (after its first step: the job trains when the joiner comes), with the
+    lines it printed so far."""
     job = subprocess.Popen(
         [
             sys.executable,
             "-m",
             "ps_train",
             "cluster.elastic=true",
-            f"train.steps={steps}",
+            f"train.steps={JOIN_STEPS}",
             "train.eval_every=0",
-            "train.log_every=50",
+            "train.log_every=1",
             "checkpoint.every=0",
             f"hydra.run.dir={run_dir}",
             *overrides,
@@ -127,9 +141,8 @@ def test_in_ssp_a_joiner_that_freezes_is_removed_by_heartbeats_and_the_job_finis
     run_dir = tmp_path / "job"
     # staleness 0: every trainer waits for the slowest, so a frozen joiner still counted would
     # hold the job forever; no launcher watches a joiner: ps0's heartbeats must find it.
-    env = dict(os.environ, RPC_CORE_HEARTBEAT_TIMEOUT=str(HEARTBEAT))
-    env.pop(FAULT_ENV, None)
-    job, seen = start_job(tmp_path, run_dir, env, "mode=ssp", "mode.staleness=0", steps=2500)
+    env = dict(os.environ, RPC_CORE_HEARTBEAT_TIMEOUT=str(HEARTBEAT), **{FAULT_ENV: joiner_holds(2)})
+    job, seen = start_job(tmp_path, run_dir, env, "mode=ssp", "mode.staleness=0")
     joiner = None
     try:
         joiner = subprocess.Popen(
@@ -151,7 +164,7 @@ def test_in_ssp_a_joiner_that_freezes_is_removed_by_heartbeats_and_the_job_finis
     events = [e["event"] for e in metrics["membership"] if e["trainer"] == "trainer2"]
     assert events == ["joined", "left"], metrics["membership"]
     for server, counts in metrics["updates_by_trainer"].items():
-        assert counts["trainer0"] == counts["trainer1"] == 2500, server
+        assert counts["trainer0"] == counts["trainer1"] == JOIN_STEPS, server
         assert counts["trainer2"] >= 1, server  # it trained before it froze
     ps0_log = (run_dir / "logs" / "ps0.log").read_text()
     assert "'trainer2' (rank 4) left the group without shutting down" in ps0_log
@@ -161,12 +174,11 @@ def test_in_ssp_a_joiner_that_freezes_is_removed_by_heartbeats_and_the_job_finis
 @pytest.mark.timeout(300)
 def test_a_trainer_joins_a_running_job_and_its_updates_reach_the_servers(tmp_path):
     run_dir = tmp_path / "job"
-    steps = 2500
-    env = dict(os.environ)
-    env.pop(FAULT_ENV, None)
-    job, seen = start_job(tmp_path, run_dir, env, "mode=async", steps=steps)
+    steps = JOIN_STEPS
+    env = dict(os.environ, **{FAULT_ENV: joiner_holds(1)})
+    job, seen = start_job(tmp_path, run_dir, env, "mode=async")
     try:
-        joiner = cli(f"join={run_dir}", cwd=tmp_path, timeout=240)
+        joiner = cli(f"join={run_dir}", cwd=tmp_path, timeout=240)  # cli runs it without a fault
         out, _ = job.communicate(timeout=240)
     finally:
         if job.poll() is None:

@@ -26,7 +26,19 @@ from ps_train.metrics import NullWriter
 from ps_train.sample_log import SAMPLE_LOG_ENV, read_sample_log
 from tests.ps_train._app import read_json
 
-STEPS = 1000  # per launched trainer (~45 epochs of digits with 2): the joiner must come while the job trains
+STEPS = 40  # per launched trainer; digits with 2 trainers: 22 steps an epoch
+# The launched trainers wait at step 1 until the joiner (trainer2) waits for an epoch, so the
+# next one takes it, and trainer0 waits at its last step until ps0 applied ``n`` of the joiner's
+# updates (ps_train.faults): the job lasts until the joiner trained, however long it took to come.
+JOINER_CAME = "trainer0@1:hold_waiting=trainer2{a},trainer1@1:hold_waiting=trainer2{a}"
+JOINER_TRAINED = "trainer0@" + str(STEPS) + ":hold_steps=trainer2*{n}{a}"
+
+
+def joiner_holds(n, attempt=None):
+    a = "" if attempt is None else f"#{attempt}"
+    return JOINER_CAME.format(a=a) + "," + JOINER_TRAINED.format(n=n, a=a)
+
+
 _PID = re.compile(r"starting (\S+) \(rank \d+ of \d+, pid (\d+)\)")
 
 
@@ -101,7 +113,8 @@ def steps_and_ids(run_dir, name):
 
 @pytest.mark.timeout(300)
 def test_a_killed_joiner_is_replaced_and_continues_its_partition(tmp_path):
-    job_env = clean_env(**{SAMPLE_LOG_ENV: "1"})
+    # The job ends once ps0 applied 4 updates of trainer2: the replacement's first among them.
+    job_env = clean_env(**{SAMPLE_LOG_ENV: "1", FAULT_ENV: joiner_holds(4)})
     # The joiner's trainer dies after its third step; the replacement (same name) does not.
     joiner_env = clean_env(**{SAMPLE_LOG_ENV: "1", FAULT_ENV: "trainer2@+3#0"})
     run_dir, job, joiner, seen = job_and_joiner(tmp_path, job_env, joiner_env)
@@ -142,8 +155,13 @@ def assert_at_least_once(run_dir, trainers, redone=None):
 
 @pytest.mark.timeout(300)
 def test_a_server_killed_in_an_elastic_job_restarts_it_and_the_joiner_comes_back(tmp_path):
-    env = clean_env()
-    run_dir, job, joiner, seen = job_and_joiner(tmp_path, env, env, "cluster.max_restarts=1", "checkpoint.every=0")
+    # Attempt 0 waits at trainer0's step 1 until ps1 is gone (the test kills it once the joiner
+    # is in); attempt 1 until the joiner came back, and at the end until it trained.
+    job_env = clean_env(**{FAULT_ENV: "trainer0@1:hold_leave=ps1#0," + joiner_holds(1, attempt=1)})
+    joiner_env = clean_env()
+    run_dir, job, joiner, seen = job_and_joiner(
+        tmp_path, job_env, joiner_env, "cluster.max_restarts=1", "checkpoint.every=0"
+    )
     joiner_seen: list[str] = []
     try:
         read_until(joiner, "trainer2 joined the job (attempt 0)", joiner_seen)

@@ -7,11 +7,13 @@ import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 
+from ps_train import faults
 from ps_train.config import ConfigError
-from ps_train.faults import ATTEMPT_ENV, FAULT_ENV, REPLACED_ENV, Fault, fault_at, parse_faults
+from ps_train.faults import ATTEMPT_ENV, FAULT_ENV, REPLACED_ENV, Fault, fault_at, maybe_inject_fault, parse_faults
 from ps_train.launch.failures import RoleFailed
 from ps_train.launch.heartbeat import process_state
 from ps_train.launch.ports import free_port
@@ -102,14 +104,86 @@ def test_fault_specs_parse_and_bad_ones_say_the_format():
     ]
     assert parse_faults("trainer2@+3:freeze") == [Fault("trainer2", 3, "freeze", None, relative=True)]
     assert parse_faults("trainer1@5:partial#0") == [Fault("trainer1", 5, "partial", 0)]
+    assert parse_faults("trainer0@1:hold_waiting=trainer2#1,trainer0@9:hold_steps=trainer2*3") == [
+        Fault("trainer0", 1, "hold_waiting", 1, peer="trainer2"),
+        Fault("trainer0", 9, "hold_steps", None, peer="trainer2", updates=3),
+    ]
     with pytest.raises(
         ValueError,
-        match=r"'ps1@x' is not <role>@\[\+\]<step>\[:kill\|:freeze\|:partial\|:checkpoint\|:eval\|:restore\]"
-        r"\[#<attempt>\]",
+        match=r"'ps1@x' is not <role>@\[\+\]<step>\[:kill\|:freeze\|:partial\|:checkpoint\|:eval\|:restore"
+        r"\|:hold_waiting=<name>\|:hold_steps=<name>\*<n>\|:hold_leave=<name>\]\[#<attempt>\]",
     ):
         parse_faults("ps1@x")
-    with pytest.raises(ValueError, match="'ps1@2:explode' is not"):
-        parse_faults("ps1@2:explode")
+    # A hold names whom it waits for (and :hold_steps how many updates); the others name nobody.
+    for bad in ("ps1@2:explode", "trainer0@1:hold_waiting", "trainer0@1:hold_steps=trainer2", "ps1@2:kill=ps0"):
+        with pytest.raises(ValueError, match=f"'{re.escape(bad)}' is not"):
+            parse_faults(bad)
+
+
+class _LocalRpc:
+    """``backend.rpc()`` for a hold in one process: a call to ps0 runs here, on ``_Server``."""
+
+    def __init__(self, server):
+        self.server = server
+
+    def rpc_sync(self, to, func, args):
+        assert to == "ps0"
+        return func(*args)
+
+    def _get_current_rpc_agent(self):
+        return self
+
+    def get_worker_infos(self):
+        return [SimpleNamespace(name=name) for name in ("ps0", "ps1", "trainer0", "trainer2")]
+
+
+class _Server:
+    """ps0's ParameterServer as a hold sees it (through ``_Ps0Ref``): each ``stats()`` answers
+    that one more update of trainer2 was applied."""
+
+    membership = None  # not an elastic run
+
+    def __init__(self):
+        self.asked = 0
+
+    def stats(self):
+        self.asked += 1
+        return {"updates_by_trainer": {"trainer0": 7, "trainer2": self.asked - 1}}
+
+
+class _Ps0Ref:
+    def __init__(self, server):
+        self.server = server
+
+    def owner(self):
+        return "ps0"
+
+    def local_value(self):
+        return self.server
+
+
+def test_a_hold_waits_until_ps0_sees_its_event_and_gives_up_after_its_timeout(monkeypatch, caplog):
+    server = _Server()
+    monkeypatch.setattr(faults.backend, "rpc", lambda: _LocalRpc(server))
+    monkeypatch.setenv(FAULT_ENV, "trainer0@4:hold_steps=trainer2*3")
+    maybe_inject_fault("trainer0", 3, _Ps0Ref(server))  # not its step: no hold, no question
+    assert server.asked == 0
+    with caplog.at_level("WARNING", logger="ps_train"):
+        maybe_inject_fault("trainer0", 4, _Ps0Ref(server))
+    assert server.asked == 4  # 0, 1, 2, then 3 updates of trainer2: it goes on
+    assert "holding trainer0 at step 4 until ps0 applied 3 update(s) of trainer2" in caplog.text
+    assert "ps0 applied 3 update(s) of trainer2; trainer0 trains on" in caplog.text
+    monkeypatch.setenv(FAULT_ENV, "trainer0@4:hold_leave=ps1,trainer1@4:hold_leave=ps3")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="ps_train"):
+        maybe_inject_fault("trainer1", 4, _Ps0Ref(server))  # ps3 is not in the group
+        assert "ps3 left the group; trainer1 trains on" in caplog.text
+        monkeypatch.setattr(faults, "HOLD_TIMEOUT", 0.0)
+        maybe_inject_fault("trainer0", 4, _Ps0Ref(server))  # ps1 stays
+    assert "gave up holding trainer0 after 0 s: not seen that ps1 left the group" in caplog.text
+    with pytest.raises(ValueError, match="ps1 cannot hold until ps3 left the group: only a trainer knows ps0"):
+        monkeypatch.setenv(FAULT_ENV, "ps1@4:hold_leave=ps3")
+        maybe_inject_fault("ps1", 4)  # a server has no ps0 to ask
 
 
 def test_a_fault_fires_at_its_point_and_attempt_and_a_replacement_skips_relative_ones(monkeypatch):
