@@ -1,13 +1,16 @@
 """The chaos benchmark's kill loop (``benchmarks/chaos_bench.py``), bounded: a sync job whose
 servers and trainers are SIGKILLed three times at random moments (``cluster.max_restarts``)
-ends with the weights of the same job uninterrupted, bit for bit."""
+ends with the weights of the same job uninterrupted, bit for bit: those of plain torch in one
+process (``_oracle``; an uninterrupted sync job has them, tests/ps_train/test_reproducibility.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks._chaos import Killer, checkpoint_problems, run_job, run_with_killer
-from benchmarks.chaos_bench import job_config, same_final_weights
+from benchmarks._chaos import Killer, checkpoint_problems, run_with_killer
+from benchmarks.chaos_bench import job_config
+from tests.ps_train._app import assert_same_weights, final_weights, make_cfg
+from tests.ps_train._oracle import single_process_run
 
 STEPS = 400
 
@@ -15,8 +18,6 @@ STEPS = 400
 @pytest.mark.timeout(300)
 def test_a_sync_job_killed_at_random_three_times_ends_as_the_uninterrupted_one(tmp_path):
     config = [*job_config("sync", "mlp", trainers=2, max_restarts=3), f"train.steps={STEPS}", "checkpoint.every=50"]
-    ref = run_job(tmp_path / "reference", config, timeout=120)
-    assert ref.returncode == 0, ref.tail
     # Gaps of at most 3 s: the job (several seconds an attempt) is hit by 2 or 3 of the kills.
     killer = {"servers": 2, "trainers": 2, "mtbf": 2.0, "seed": 3, "server_share": 0.5, "max_failures": 3}
     chaos, kills = run_with_killer(tmp_path / "chaos", config, 170, {**killer, "max_gap": 3.0})
@@ -27,7 +28,8 @@ def test_a_sync_job_killed_at_random_three_times_ends_as_the_uninterrupted_one(t
     assert {r["role"] for r in restarts} <= {k.role for k in kills}
     problems, _ = checkpoint_problems(tmp_path / "chaos", STEPS)
     assert problems == []
-    assert same_final_weights(tmp_path / "chaos", tmp_path / "reference")  # nothing lost, nothing twice
+    _, uninterrupted = single_process_run(make_cfg(*config), STEPS)
+    assert_same_weights(final_weights(tmp_path / "chaos"), uninterrupted, exact=True)  # nothing lost, nothing twice
 
 
 def test_the_killer_draws_its_gaps_and_victims_from_its_seed(tmp_path):
