@@ -85,11 +85,22 @@ class TablePart(Protocol):
     @property
     def params(self) -> list[nn.Parameter]: ...
 
-    def lookup(self, rows: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    def lookup(
+        self,
+        rows: torch.Tensor,
+        offsets: torch.Tensor,
+        weights: torch.Tensor | None,
+        ids: torch.Tensor | None = None,
+        step: int = -1,
+        trainer: int = 0,
+    ) -> torch.Tensor:
         """For training: one vector per row, or per bag of rows (summed, times ``weights``),
-        of the request (``ps_train.ctr.plan.ServerRequest``): [P, dim]."""
+        of the request (``ps_train.ctr.plan.ServerRequest``): [P, dim]; ``ids``: the raw ids
+        of its dynamic tables' rows, by ``trainer`` at ``step``."""
 
-    def read(self, rows: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    def read(
+        self, rows: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None, ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The same vectors without autograd, for evaluation."""
 
     def step(self, grads: Mapping[torch.Tensor, torch.Tensor], lr_factor: float = 1.0) -> None:
@@ -188,17 +199,28 @@ class ParameterServer:
             return cached[1](x)
 
     def lookup(
-        self, rows: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None, trainer: int = -1, step: int = -1
+        self,
+        rows: torch.Tensor,
+        offsets: torch.Tensor,
+        weights: torch.Tensor | None,
+        trainer: int = -1,
+        step: int = -1,
+        ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The vectors of a trainer's request to the tables held here (``TablePart.lookup``)."""
+        """The vectors of a trainer's request to the tables held here (``TablePart.lookup``);
+        ``ids``: the raw ids of its dynamic tables' rows."""
         tables = self._tables()
-        return self.mode.lookup(self, lambda: tables.lookup(rows, offsets, weights), trainer, step)
+        return self.mode.lookup(
+            self, lambda: tables.lookup(rows, offsets, weights, ids, step, max(trainer, 0)), trainer, step
+        )
 
-    def read_rows(self, rows: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    def read_rows(
+        self, rows: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None, ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``lookup`` for evaluation: no autograd, no step bookkeeping."""
         tables = self._tables()
         with self.lock:
-            return tables.read(rows, offsets, weights)
+            return tables.read(rows, offsets, weights, ids)
 
     def _tables(self) -> TablePart:
         if self.tables is None:
@@ -307,11 +329,15 @@ class ParameterServer:
         if self.tables is None:
             return {}
         st = self.tables.stats()
-        return {
+        out = {
             "rows_read": st["table_rows_read"],
             "rows_updated": st["table_rows_updated"],
             "rows_live": st.get("table_rows_live", 0),
         }
+        for key in ("live", "created", "evicted", "admitted"):  # dynamic tables only
+            if f"dynamic_rows_{key}" in st:
+                out[f"dynamic_rows_{key}"] = st[f"dynamic_rows_{key}"]
+        return out
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {
