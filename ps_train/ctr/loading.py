@@ -82,7 +82,7 @@ def load_ctr_data(cfg: CtrDataConfig, raw_ids: Sequence[int] = ()) -> CtrData:
 
 def hash_ids(split: CtrSplit, rows: Sequence[int], keep: Sequence[int] = ()) -> CtrSplit:
     """``split`` with table t's ids folded into ``rows[t]`` rows (id mod rows), except the
-    tables ``keep``, whose ids stay as drawn (and whose size is their largest id + 1)."""
+    tables ``keep``, whose ids stay as drawn."""
     T = split.num_tables
     mods = torch.tensor([1 << 62 if t in keep else int(n) for t, n in enumerate(rows)], dtype=torch.int64)
     ids = torch.remainder(split.ids, mods)  # [N, T]
@@ -92,10 +92,7 @@ def hash_ids(split: CtrSplit, rows: Sequence[int], keep: Sequence[int] = ()) -> 
         table = torch.repeat_interleave(torch.arange(len(lengths)) % T, lengths)  # [M]
         values = torch.remainder(bags.values.to(torch.int64), mods[table]).to(bags.values.dtype)
         bags = BagColumns(values, bags.offsets, bags.weights, T)
-    sizes = [
-        max(split.table_sizes[t], int(split.ids[:, t].max()) + 1 if len(split) else 1) if t in keep else int(n)
-        for t, n in enumerate(rows)
-    ]
+    sizes = [split.table_sizes[t] if t in keep else int(n) for t, n in enumerate(rows)]
     return CtrSplit(split.dense, ids, split.labels, sizes, bags)
 
 

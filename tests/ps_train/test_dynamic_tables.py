@@ -26,7 +26,7 @@ from ps_train.ctr.dynamic import DynamicSpec, DynamicTable
 from ps_train.ctr.model import DLRM
 from ps_train.ctr.rows import FusedLayout, dynamic_init_rows, dynamic_owner
 from ps_train.ctr.table_server import TableServer
-from tests.ps_train._app import make_cfg, run_app
+from tests.ps_train._app import make_cfg, run_app, scalars
 from tests.ps_train.test_dlrm import ATOL, SMALL, assert_losses_close, reference_run
 
 # Three tables: fixed a (40 rows), dynamic b (ids 0..299), fixed c (7 rows).
@@ -64,9 +64,11 @@ def dynamic_rows(run_dir: Path, cfg: Config, t: int) -> dict[int, dict[str, torc
     return out
 
 
-def oracle(cfg: Config, steps: int, dynamic: int) -> tuple[dict[str, list[float]], DLRM]:
-    """``reference_run`` with table ``dynamic`` initialised as the dynamic initialiser does,
-    one row per possible id (it rows the data can draw)."""
+def oracle(
+    cfg: Config, steps: int, dynamic: int, monkeypatch: pytest.MonkeyPatch
+) -> tuple[dict[str, list[float]], DLRM]:
+    """``reference_run`` with table ``dynamic`` initialised as the dynamic initialiser does:
+    one row per id the data can draw (its ``num_embeddings``), each id's initial row."""
     original = DLRM.__init__
 
     def init(self: DLRM, *args: Any, **kwargs: Any) -> None:
@@ -75,11 +77,16 @@ def oracle(cfg: Config, steps: int, dynamic: int) -> tuple[dict[str, list[float]
         with torch.no_grad():
             w.copy_(dynamic_init_rows(cfg.seed, dynamic, w.shape[0], w.shape[1], torch.arange(w.shape[0])))
 
-    DLRM.__init__ = init  # type: ignore[method-assign]
-    try:
+    with monkeypatch.context() as m:
+        m.setattr(DLRM, "__init__", init)
         return reference_run(cfg, steps)
-    finally:
-        DLRM.__init__ = original  # type: ignore[method-assign]
+
+
+def table_server(*overrides: str) -> tuple[TableServer, Config, DLRMConfig]:
+    """Server 0's tables of a one-server config, built in this process."""
+    cfg = make_cfg(*BASE, "cluster.num_servers=1", "cluster.num_trainers=1", *overrides)
+    assert isinstance(cfg.model, DLRMConfig) and isinstance(cfg.data, CtrDataConfig)
+    return TableServer(cfg.model, cfg.data, cfg, 0), cfg, cfg.model
 
 
 @pytest.mark.timeout(180)
@@ -99,12 +106,14 @@ def oracle(cfg: Config, steps: int, dynamic: int) -> tuple[dict[str, list[float]
     ],
     ids=["one-hot-2trainers", "multi-hot-pooled"],
 )
-def test_sync_run_equals_plain_torch_with_the_same_initial_rows(tmp_path: Path, setup: tuple[str, ...]) -> None:
+def test_sync_run_equals_plain_torch_with_the_same_initial_rows(
+    tmp_path: Path, setup: tuple[str, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
     steps = 8
     overrides = (*BASE, "cluster.num_servers=2", "optim=sgd", "mode=sync", f"train.steps={steps}", *setup)
     metrics = run_app(tmp_path, *overrides, timeout=120)
     cfg = make_cfg(*overrides)
-    losses, model = oracle(cfg, steps, dynamic=1)
+    losses, model = oracle(cfg, steps, 1, monkeypatch)
     assert_losses_close(metrics["losses"], losses, ATOL)
     want = model.table_weights()[1].detach()
     got = dynamic_rows(tmp_path, cfg, 1)
@@ -115,6 +124,11 @@ def test_sync_run_equals_plain_torch_with_the_same_initial_rows(tmp_path: Path, 
     assert sum(metrics["dynamic_rows_live"].values()) == len(got)
     assert sum(metrics["dynamic_rows_created"].values()) == len(got)
     assert sum(metrics["dynamic_rows_evicted"].values()) == 0
+    assert sum(metrics["dynamic_rows_admitted"].values()) == len(got)
+    for s in ("ps0", "ps1"):  # the servers' TensorBoard folders
+        tags = scalars(tmp_path / "tb" / s)
+        assert tags["server/dynamic_rows_live"][-1][1] == metrics["dynamic_rows_live"][s]
+        assert "server/dynamic_rows_created" in tags and "server/dynamic_rows_evicted" in tags
 
 
 # -- the policy, against a plain Python model ---------------------------------------------------
@@ -212,8 +226,7 @@ def test_admission_and_eviction_follow_the_policy(spec: DynamicSpec) -> None:
 
 @pytest.mark.filterwarnings("ignore:Sparse invariant checks")
 def test_a_reused_slot_starts_with_the_new_ids_row_and_fresh_optimizer_state() -> None:
-    cfg = make_cfg(*BASE, "cluster.num_servers=1", "cluster.num_trainers=1", "model.table_optim=adagrad", tables(40))
-    server = TableServer(cfg.model, cfg.data, cfg, 0)  # type: ignore[arg-type]
+    server, cfg, model = table_server("model.table_optim=adagrad", tables(40))
     base = server.shards.row_offsets[1]
     marker = torch.tensor([-2])  # table 1's marker row
     none = torch.zeros(0, dtype=torch.int64)
@@ -232,7 +245,7 @@ def test_a_reused_slot_starts_with_the_new_ids_row_and_fresh_optimizer_state() -
         train(step, step)
     reused = train(10, 2000)  # so id 1000, used least recently, gives its slot up
     assert 1000 not in server.dynamic[1].slots and reused == first
-    lr = cfg.model.table_lr or cfg.optim.lr  # type: ignore[union-attr]
+    lr = model.table_lr or cfg.optim.lr
     want = dynamic_init_rows(cfg.seed, 1, 300, 4, torch.tensor([2000]))[0]
     # One Adagrad step from fresh state: the sum is that step's squared gradient (1) alone.
     torch.testing.assert_close(server.optimizer.row_state()["sum.0"][base + reused], torch.ones(4))
@@ -244,8 +257,7 @@ def test_a_reused_slot_starts_with_the_new_ids_row_and_fresh_optimizer_state() -
 
 @pytest.mark.filterwarnings("ignore:Sparse invariant checks")
 def test_ids_not_admitted_yet_read_zeros_and_their_gradients_are_dropped() -> None:
-    cfg = make_cfg(*BASE, "cluster.num_servers=1", "cluster.num_trainers=1", tables(40, admit_after=2))
-    server = TableServer(cfg.model, cfg.data, cfg, 0)  # type: ignore[arg-type]
+    server, _, _ = table_server(tables(40, admit_after=2))
     marker, none = torch.tensor([-2, -2]), torch.zeros(0, dtype=torch.int64)
     default = server.default_row
     assert default is not None
