@@ -235,6 +235,7 @@ def test_a_reused_slot_starts_with_the_new_ids_row_and_fresh_optimizer_state() -
         out = server.lookup(marker, none, None, torch.tensor([x]), step)
         out.sum().backward()
         grad = server.shards.weight.grad
+        assert grad is not None
         server.step({server.shards.weight: grad})
         server.shards.weight.grad = None
         return int(server.dynamic[1].slots[x])
@@ -265,7 +266,9 @@ def test_ids_not_admitted_yet_read_zeros_and_their_gradients_are_dropped() -> No
         out = server.lookup(marker, none, None, torch.tensor([7, 7]), step)
         assert bool((out != 0).any()) == seen
         out.sum().backward()
-        server.step({server.shards.weight: server.shards.weight.grad})
+        grad = server.shards.weight.grad
+        assert grad is not None
+        server.step({server.shards.weight: grad})
         server.shards.weight.grad = None
         assert torch.equal(server.shards.weight.detach()[default], torch.zeros(4))
         assert server.rows_updated == (1 if seen else 0)
