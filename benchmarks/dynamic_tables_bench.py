@@ -19,7 +19,7 @@ Printed: each run's test AUC (and the data's best), the server's peak RSS
 (``docs/ctr.md#dynamic-tables-rows-keyed-by-raw-ids``) plus the server's RSS without them
 (``baseline``: the same run with tables of 2 rows), the dynamic rows live, created and
 evicted, and the 1-minute load average before and after each run. The defaults (2 tables,
-3M samples: 675 steps of 4,096) take ~10 minutes on the 2-core development machine; Zipf 0.8
+3M samples: 659 steps of 4,096) take 10-15 minutes on the 2-core development machine; Zipf 0.8
 (not the default 1.05) so that one pass meets more distinct ids than the cap holds.
 """
 
