@@ -11,6 +11,7 @@ on first use, admitted after k sightings, evicted by LRU or TTL.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
 from typing import Any
@@ -21,13 +22,15 @@ import torch
 from ps_train.checkpoint.files import latest_checkpoint
 from ps_train.checkpoint.protocol import load_resume_state
 from ps_train.checkpoint.rows_file import load_rows
-from ps_train.config import Config, ConfigError, CtrDataConfig, DLRMConfig
+from ps_train.config import Config, ConfigError, CriteoConfig, CtrDataConfig, DLRMConfig, SyntheticCtrConfig
+from ps_train.ctr import CtrSplit
 from ps_train.ctr.dynamic import DynamicSpec, DynamicTable
+from ps_train.ctr.loading import load_ctr_data
 from ps_train.ctr.model import DLRM
 from ps_train.ctr.rows import FusedLayout, dynamic_init_rows, dynamic_owner
 from ps_train.ctr.table_server import TableServer
 from tests.ps_train._app import make_cfg, run_app, scalars
-from tests.ps_train.test_dlrm import ATOL, SMALL, assert_losses_close, reference_run
+from tests.ps_train.test_dlrm import ATOL, SMALL, _criteo_file, assert_losses_close, reference_run
 
 # Three tables: fixed a (40 rows), dynamic b (ids 0..299), fixed c (7 rows).
 TABLES = (
@@ -344,3 +347,21 @@ def test_declared_tables_set_the_sizes_poolings_and_features() -> None:
     assert cfg.data.sizes() == [40, 300, 7]
     assert cfg.model.pooling == ["sum", "sum", "sum"] and cfg.model.feature_names == ["a", "b", "c"]
     assert cfg.model.dynamic_tables() == [1]
+
+
+def test_the_data_hands_dynamic_tables_raw_ids(tmp_path: Path) -> None:
+    # Criteo: the categorical's value + 1 (0: empty) instead of 1 + v % (rows - 1).
+    _criteo_file(tmp_path / "day_0", 40)
+    raw = load_ctr_data(CriteoConfig(root=str(tmp_path), table_rows=20), raw_ids=[0]).train
+    folded = load_ctr_data(CriteoConfig(root=str(tmp_path), table_rows=20)).train
+    assert isinstance(raw, CtrSplit) and isinstance(folded, CtrSplit)
+    assert int(raw.ids[:, 0].max()) >= 20  # 32-bit values, not rows of 20
+    assert torch.equal(torch.where(raw.ids[:, 0] > 0, 1 + (raw.ids[:, 0] - 1) % 19, 0), folded.ids[:, 0])
+    assert torch.equal(raw.ids[:, 1:], folded.ids[:, 1:])
+    # Synthetic: data.drawn_ids draws that many ids and folds them into fixed tables' rows only.
+    cfg = SyntheticCtrConfig(num_samples=2000, num_tables=2, table_rows=50, drawn_ids=10**7, zipf_alpha=0.5)
+    drawn = load_ctr_data(dataclasses.replace(cfg, table_rows=10**7, drawn_ids=0)).train
+    hashed = load_ctr_data(cfg, raw_ids=[1]).train
+    assert isinstance(drawn, CtrSplit) and isinstance(hashed, CtrSplit)
+    assert torch.equal(hashed.ids[:, 0], drawn.ids[:, 0] % 50) and int(drawn.ids[:, 0].max()) >= 50
+    assert torch.equal(hashed.ids[:, 1], drawn.ids[:, 1])
