@@ -95,8 +95,7 @@ def worker(cfg: Any, steps: int, out_path: str) -> None:
     dense_opt = cls([*model.dense_arch.parameters(), *model.over_arch.parameters()], **kwargs)
     train = load_ctr_data(cfg.data).train
     batches = CtrBatchIterator(train, 0, 1, cfg.train.batch_size, cfg.seed)
-    weighted = bool(getattr(cfg.data, "id_weights", False))
-    if weighted:
+    if cfg.data.has_id_weights():
         raise ValueError("the TorchRec row takes unweighted bags (ctr_bench's configurations have no id weights)")
     losses: list[float] = []
     samples = 0

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ps_train.config import OptimConfig, optimizer_spec
+from ps_train.config import CtrDataConfig, DLRMConfig, OptimConfig, optimizer_spec
 from ps_train.ctr.bags import Bags, as_bags
 from ps_train.ctr.batches import CtrBatchIterator
 from ps_train.ctr.jagged import is_keyed_jagged, keyed_jagged, to_bags
@@ -271,8 +271,9 @@ def test_a_rowwise_adagrad_run_trains_as_torchrec_fused_rowwise_adagrad(tmp_path
     metrics = run_app(tmp_path, *overrides, timeout=180)
     cfg = make_cfg(*overrides)
     data, m = cfg.data, cfg.model
+    assert isinstance(data, CtrDataConfig) and isinstance(m, DLRMConfig)
     T, K, lr = len(data.sizes()), cfg.cluster.num_trainers, m.table_lr or cfg.optim.lr
-    assert cfg.mode.aggregate == "mean" and data.id_weights
+    assert cfg.mode.aggregate == "mean" and data.has_id_weights()
     model = DLRM(data.dense_count(), data.sizes(), m.embedding_dim, m.bottom_mlp, m.top_mlp, cfg.seed)
     names = m.feature_list(T)
     fused = FusedEmbeddingBagCollection(
@@ -306,9 +307,9 @@ def test_a_rowwise_adagrad_run_trains_as_torchrec_fused_rowwise_adagrad(tmp_path
         total.backward()  # the fused tables update here
         dense_opt.step()
 
-    for k in losses:
-        worst = max(abs(a - b) for a, b in zip(metrics["losses"][k], losses[k], strict=True))
-        assert worst <= 1e-5, f"{k}: losses differ from TorchRec's by up to {worst:.3g}"
+    for trainer, want in losses.items():
+        worst = max(abs(a - b) for a, b in zip(metrics["losses"][trainer], want, strict=True))
+        assert worst <= 1e-5, f"{trainer}: losses differ from TorchRec's by up to {worst:.3g}"
     saved = saved_tables(tmp_path)
     layout = FusedLayout(m.table_sharding, tuple(data.sizes()), cfg.cluster.num_servers)
     for t, momentum in enumerate(_momentum(fused, T)):
