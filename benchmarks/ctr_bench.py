@@ -10,9 +10,11 @@ Usage (from the repo root)::
 
 Options:
     --quick               fewer steps (small 150, large 40 instead of 600 and 200)
-    --only small|large    run one configuration
+    --only small|large|multihot
+                          run one configuration
     --rounds N            run everything N times, reversing the order in every other round
-                          (single, torch, rpc_core, ... then ..., rpc_core, torch, single);
+                          (single, torchrec, torch, rpc_core, ... then ..., rpc_core, torch,
+                          torchrec, single);
                           the table shows the median per cell
     --json PATH           also write every figure, per round, with the machine and settings
     --timeout SECONDS     hard limit per run (default 900, quick 600)

@@ -169,6 +169,36 @@ def test_a_keyed_jagged_tensor_with_a_batch_size_per_key_is_refused_with_the_rea
         to_bags(kjt, NAMES)
 
 
+def test_weighted_mean_pooling_equals_fbgemms_forward_and_has_the_true_gradient() -> None:
+    """Weighted ids in mean-pooled tables: TorchRec's ``EmbeddingBagCollection``
+    (``nn.EmbeddingBag``) refuses them; its fused collection (FBGEMM) pools ``sum(w * row) /
+    ids``, as ps_train's servers do. FBGEMM's CPU backward of that leaves out the ``1 / ids``
+    (it hands each row ``w * upstream``, sum pooling's gradient), so the gradient is checked
+    against autograd of the same formula in plain torch instead."""
+    kjt = _kjt(3, BATCH, weighted=True)
+    ebc = torchrec.EmbeddingBagCollection(tables=_configs(("mean",) * 3), is_weighted=True, device=torch.device("cpu"))
+    with pytest.raises(NotImplementedError, match="per_sample_weights is only supported for mode='sum'"):
+        ebc(kjt)
+    fused = _fused(("mean",) * 3, weighted=True, lr=0.0)
+    pooled = fused(kjt).to_dict()
+    servers = _Servers(("mean",) * 3, "mod")
+    got = servers.pooled(kjt)
+    torch.testing.assert_close(got, torch.stack([pooled[n] for n in NAMES], dim=1), rtol=0, atol=1e-6)
+
+    upstream = torch.randn(got.shape, generator=torch.Generator().manual_seed(1))
+    (got * upstream).sum().backward()
+    ours = servers.tables([shard.weight.grad.to_dense() for shard in servers.shards if shard.weight.grad is not None])
+    features = kjt.to_dict()
+    for t, name in enumerate(NAMES):
+        table = _rows()[t].requires_grad_()
+        f = features[name]
+        per_bag = f.lengths().clamp(min=1).to(torch.float32).unsqueeze(1)  # [B, 1]
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), f.lengths().cumsum(0)[:-1]])
+        want = F.embedding_bag(f.values(), table, offsets, mode="sum", per_sample_weights=f.weights()) / per_bag
+        (grad,) = torch.autograd.grad((want * upstream[:, t]).sum(), [table])
+        torch.testing.assert_close(ours[t], grad, rtol=0, atol=1e-6, msg=f"table {t}")
+
+
 def _fused(pooling: Sequence[str], weighted: bool, lr: float) -> Any:
     """TorchRec's tables with FBGEMM's fused row-wise Adagrad, holding ps_train's initial rows."""
     fused = FusedEmbeddingBagCollection(
@@ -190,8 +220,11 @@ def _momentum(fused: Any, num_tables: int) -> list[Tensor]:
 
 @pytest.mark.parametrize(
     "pooling, weighted, kind",
-    [(("sum", "sum", "sum"), True, "mod"), (("mean", "mean", "mean"), False, "range")],
-    ids=["sum-weighted", "mean"],
+    [
+        (("sum", "sum", "sum"), True, "mod"),
+        (("mean", "mean", "mean"), False, "range"),
+    ],
+    ids=["sum-weighted", "mean"],  # weighted mean: test_weighted_mean_pooling_... below
 )
 def test_rowwise_adagrad_on_the_servers_equals_torchrecs_fused_rowwise_adagrad(
     pooling: tuple[str, ...], weighted: bool, kind: str
