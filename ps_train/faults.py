@@ -108,7 +108,8 @@ def parse_faults(spec: str) -> list[Fault]:
         if m is None or action not in _POINTS:
             raise ValueError(
                 f"{FAULT_ENV}={spec!r}: {part!r} is not "
-                "<role>@[+]<step>[:kill|:freeze|:stall|:partial|:checkpoint|:eval|:restore][#<attempt>] "
+                "<role>@[+]<step>[:kill|:freeze|:partial|:checkpoint|:eval|:restore][#<attempt>] "
+                "or, a trainer that lags, <role>@[+]<step>:stall[#<attempt>] "
                 "(e.g. ps1@5, trainer0@3:freeze#0, trainer2@+2:freeze or trainer1@5:partial)"
             )
         attempt = m.group("attempt")

@@ -45,7 +45,7 @@ def expected_ids(trainer: int, step: int) -> list[int]:
     return partition(n, trainer, TRAINERS, 0, epoch)[k * BATCH : (k + 1) * BATCH].tolist()
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(100)
 @pytest.mark.parametrize(
     "mode",
     [
@@ -59,7 +59,7 @@ def test_a_restart_resumes_each_trainer_from_its_own_step_and_loses_no_sample(tm
     run_dir = tmp_path / "run"
     monkeypatch.setenv(SAMPLE_LOG_ENV, "1")
     monkeypatch.setenv(FAULT_ENV, "trainer1@3:stall#0,trainer0@9#0")
-    metrics = run_app(run_dir, *RUN, *mode, timeout=120)
+    metrics = run_app(run_dir, *RUN, *mode, timeout=75)
 
     [restart] = metrics["restarts"]
     assert (restart["role"], restart["from_step"]) == ("trainer0", 8)
