@@ -1,7 +1,8 @@
 """A ps_train job on emulated hosts with shaped links (tests/netns.py), against the cost model.
 
     sudo python benchmarks/scale_hosts.py --constants benchmarks/scale_constants.json \\
-        [--rate-kbit 200] [--trainers 1] [--servers 1] [--steps 60] [--json hosts.json]
+        [--rate-kbit 200] [--trainers 1] [--servers 1] [--steps 60] [--json hosts.json] \\
+        [--cores 0.25] [--mode sync]
 
 One rank per host (network namespaces on a bridge, ``cluster=env``), every host's link held to
 ``--rate-kbit`` both ways by a token bucket. The rate is chosen low enough that moving a
@@ -9,6 +10,12 @@ step's bytes takes far longer than its CPU, so that the run checks the model's l
 rather than this shared machine's cores. Prints the measured samples/s (``metrics.json``) next
 to the model's prediction for the same cluster (a core per host, no delay: ``tbf`` queues, it
 adds no latency of its own) and writes both with the run's byte counts.
+
+``--cores C`` gives every host a CPU budget of C cores (a cgroup v1 ``cpu`` quota) and tells
+the model so: with a fast link (e.g. ``--rate-kbit 1000000``) the run then checks the CPU
+terms per host instead of the link's, and ``--mode sync`` the sync barrier's. The budget
+binds only while the machine has C cores to spare for every host at once (``--cores 0.25``
+with four hosts: one of its cores); the report says how many periods each host was held back.
 """
 
 from __future__ import annotations
@@ -30,7 +37,6 @@ from _scale_shapes import mlp  # noqa: E402
 from tests.netns import Network, unavailable_reason  # noqa: E402
 
 JOB = [
-    "mode=async",
     "model=mlp",
     "data=digits",
     "train.eval_every=0",
@@ -40,7 +46,9 @@ JOB = [
 ]
 
 
-def run(trainers: int, servers: int, steps: int, rate_kbit: float, timeout: float) -> dict:
+def run(
+    trainers: int, servers: int, steps: int, rate_kbit: float, timeout: float, cores: float | None, mode: str
+) -> dict:
     reason = unavailable_reason()
     if reason is not None:
         raise SystemExit(f"no emulated hosts here: {reason}")
@@ -51,6 +59,8 @@ def run(trainers: int, servers: int, steps: int, rate_kbit: float, timeout: floa
         for host in range(world):
             # Queue for up to 5 s: at these rates a step's request waits that long in the bucket.
             net.limit_link(host, f"{rate_kbit}kbit", burst="8kb", latency="5s")
+            if cores is not None:
+                net.limit_cpu(host, cores)
         env = {k: v for k, v in os.environ.items() if k != "PS_TRAIN_FAULT"}
         env.update(
             WORLD_SIZE=str(world),
@@ -64,6 +74,7 @@ def run(trainers: int, servers: int, steps: int, rate_kbit: float, timeout: floa
             "ps_train",
             "cluster=env",
             *JOB,
+            f"mode={mode}",
             f"cluster.num_servers={servers}",
             f"cluster.num_trainers={trainers}",
             f"train.steps={steps}",
@@ -85,11 +96,14 @@ def run(trainers: int, servers: int, steps: int, rate_kbit: float, timeout: floa
             p.wait()
             out.close()
         codes = [p.returncode for p, _ in procs]
+        throttled = [net.cpu_throttled(h) for h in range(world)] if cores is not None else []
     finally:
         net.close()
     if codes != [0] * world:
         raise SystemExit(f"the job failed (exit codes {codes}); outputs in {run_dir}")
-    return json.loads((run_dir / "metrics.json").read_text())
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    metrics["periods_throttled"] = throttled
+    return metrics
 
 
 def main() -> None:
@@ -101,22 +115,32 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--cores", type=float, default=None, help="CPU budget of every host (cores); default none")
+    ap.add_argument("--mode", choices=("async", "sync"), default="async")
     args = ap.parse_args()
-    m = run(args.trainers, args.servers, args.steps, args.rate_kbit, args.timeout)
+    if args.cores is not None and args.cores <= 0:
+        raise SystemExit(f"--cores must be > 0, got {args.cores}")
+    m = run(args.trainers, args.servers, args.steps, args.rate_kbit, args.timeout, args.cores, args.mode)
     c = Constants(**json.loads(args.constants.read_text()))
-    cl = Cluster(args.trainers, args.servers, args.rate_kbit * 1e3, 0.0, 1.0, 1.0, None, "async")
+    cores = args.cores if args.cores is not None else 1.0
+    cl = Cluster(args.trainers, args.servers, args.rate_kbit * 1e3, 0.0, cores, cores, None, args.mode)
     p = predict(c, mlp(), cl)
     err = (p.samples_per_s - m["samples_per_s"]) / m["samples_per_s"]
     print(
-        f"[hosts] T={args.trainers} S={args.servers} at {args.rate_kbit:g} kbit/s: measured "
+        f"[hosts] {args.mode} T={args.trainers} S={args.servers} at {args.rate_kbit:g} kbit/s, "
+        f"{cores:g} core(s) a host: measured "
         f"{m['samples_per_s']:,.1f} samples/s, predicted {p.samples_per_s:,.1f} ({err:+.0%}), binds: {p.binding}; "
-        f"bytes per step per server {m.get('server_bytes_per_step')}"
+        f"bytes per step per server {m.get('server_bytes_per_step')}; "
+        f"periods throttled per host {m['periods_throttled'] or '-'}"
     )
     if args.json:
         record = {
             "trainers": args.trainers,
             "servers": args.servers,
             "rate_kbit": args.rate_kbit,
+            "mode": args.mode,
+            "cores_per_host": args.cores,
+            "periods_throttled": m["periods_throttled"],
             "steps": m["steps"],
             "measured_samples_per_s": m["samples_per_s"],
             "predicted_samples_per_s": p.samples_per_s,

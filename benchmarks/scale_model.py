@@ -119,6 +119,38 @@ def cmd_validate(args: argparse.Namespace) -> None:
         )
     worst = max(abs(r["error"]) for r in rows)
     print(f"\nlargest error {worst:.0%} ({'within' if worst <= 0.25 else 'OUTSIDE'} the 25% target)")
+    _plot_validation(rows, args.png)
+
+
+def _pyplot(png: Path) -> Any:
+    """matplotlib's pyplot (headless), or None when it is not installed (then no ``png``)."""
+    try:
+        import matplotlib  # type: ignore[import-not-found, unused-ignore]
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # type: ignore[import-not-found, unused-ignore]
+    except ImportError:
+        print(f"\n(matplotlib is not installed, `pip install matplotlib`: no {png}; the table above is its data)")
+        return None
+    return plt
+
+
+def _plot_validation(rows: list[dict[str, Any]], png: Path | None) -> None:
+    """Measured against predicted samples/s, one point a run, with the +-25% band."""
+    if png is None or (plt := _pyplot(png)) is None:
+        return
+    fig, ax = plt.subplots(figsize=(4.5, 4.2))
+    lo = 0.8 * min(min(r["measured"], r["predicted"]) for r in rows)
+    hi = 1.25 * max(max(r["measured"], r["predicted"]) for r in rows)
+    ax.loglog([lo, hi], [lo, hi], color="black", linewidth=0.8, label="predicted = measured")
+    ax.fill_between([lo, hi], [lo * 0.75, hi * 0.75], [lo * 1.25, hi * 1.25], color="grey", alpha=0.2, label="+-25%")
+    ax.scatter([r["measured"] for r in rows], [r["predicted"] for r in rows], label="runs")
+    ax.set_xlabel("measured samples/s")
+    ax.set_ylabel("predicted samples/s")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    print(f"\nwrote {png}")
 
 
 def servers_needed(c: Constants, workload: str, trainers: int, link: float, latency: float) -> tuple[int, Prediction]:
@@ -180,15 +212,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
 
 def _plot(curves: dict[str, list[tuple[int, float, float]]], png: Path | None) -> None:
-    if png is None:
-        return
-    try:
-        import matplotlib  # type: ignore[import-not-found, unused-ignore]
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # type: ignore[import-not-found, unused-ignore]
-    except ImportError:
-        print(f"\n(matplotlib is not installed: no {png}; the tables above are the plot's data)")
+    if png is None or (plt := _pyplot(png)) is None:
         return
     fig, axes = plt.subplots(1, len(curves), figsize=(4 * len(curves), 3.2))
     for ax, (name, curve) in zip(axes, curves.items(), strict=True):
@@ -225,6 +249,7 @@ def main() -> None:
     v = sub.add_parser("validate", help="predicted vs measured samples/s")
     v.add_argument("constants", type=Path)
     v.add_argument("runs", type=Path, nargs="+")
+    v.add_argument("--png", type=Path, default=None, help="also plot measured against predicted")
     pl = sub.add_parser("plan", help="servers needed for 64/256/1024 trainers; sync vs async")
     pl.add_argument("constants", type=Path)
     pl.add_argument("--latency-us", type=float, default=50.0)

@@ -143,7 +143,8 @@ def connection_stats() -> ConnectionStats:
     """Bytes this worker sent and received so far over its open connections, both ways (calls
     to itself not included), how many of them are same-host Unix sockets or may copy by
     cross-memory attach, and how many requests it sent and received (every call, gradient
-    calls of the distributed backward included; its heartbeats and handshakes not).
+    calls of the distributed backward included; its heartbeats and handshakes not), and how
+    many of those it received are not answered yet (``requests_in_flight``).
     Raises RpcNotInitializedError before ``init_rpc``."""
     return current_agent().connections.connection_stats()
 

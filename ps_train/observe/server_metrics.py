@@ -11,8 +11,8 @@ optimizer step here), ``contributions_per_round`` (sync: trainer gradients per a
 update), ``staleness_mean`` and the ``staleness`` histogram (async/ssp: updates applied by
 others between a gradient's read and its update), ``rows_read_per_s``,
 ``rows_updated_per_s``, ``rows_live`` (tables: rows updated at least once since the role
-started), ``bytes_in_per_s``, ``bytes_out_per_s`` (rpc_core's connection counters) and
-``peak_rss_mb``.
+started), ``bytes_in_per_s``, ``bytes_out_per_s``, ``requests_in_flight`` (rpc_core's
+connection counters: the requests received and not answered when sampled) and ``peak_rss_mb``.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ class CounterSnapshot(NamedTuple):
 class ByteCounts(NamedTuple):
     received: int
     sent: int
+    requests_in_flight: int = 0  # requests received and not yet answered, at this moment
 
 
 class UpdateCounters:
@@ -163,6 +164,9 @@ class ServerMetrics:
             # Counts are over open connections: one that closed takes its bytes along.
             out["server/bytes_in_per_s"] = max(0, moved.received - self._prev_bytes.received) / dt
             out["server/bytes_out_per_s"] = max(0, moved.sent - self._prev_bytes.sent) / dt
+            # The queue when sampled: requests being served or waiting (sync: updates waiting
+            # for their round; ssp: clocks holding a trainer back), the sampler's own not counted.
+            out["server/requests_in_flight"] = float(moved.requests_in_flight)
         out["server/peak_rss_mb"] = peak_rss_bytes() / 2**20
         self.writer.add_scalars(out, step)
         self._t, self._prev_tables = now, tables
@@ -186,4 +190,4 @@ def rpc_byte_counts() -> ByteCounts | None:
         c = connection_stats()
     except RpcNotInitializedError:  # not yet, or no longer
         return None
-    return ByteCounts(c.bytes_received, c.bytes_sent)
+    return ByteCounts(c.bytes_received, c.bytes_sent, c.requests_in_flight)

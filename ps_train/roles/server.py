@@ -49,6 +49,7 @@ from ps_train.modes import make_mode
 from ps_train.modes.aggregation import scaled_lr
 from ps_train.modes.asynchronous import AsyncMode
 from ps_train.modes.base import UPDATE_IN_BACKWARD, UpdateRequest
+from ps_train.modes.ssp import ClockedUpdate
 from ps_train.observe.server_metrics import UpdateCounters
 from ps_train.stage_sharding import model_shards, shards_of_server
 from rpc_core.functions import async_execution
@@ -280,7 +281,8 @@ class ParameterServer:
 
             def record(f: torch.futures.Future[Any]) -> None:
                 if f.done() and not _failed(f):
-                    counters.stale(int(f.value()))
+                    answer = f.value()  # the staleness; ssp's ps0 in the backward: with the clock's answer
+                    counters.stale(int(answer.staleness if isinstance(answer, ClockedUpdate) else answer))
 
             answer.add_done_callback(record)
         return answer

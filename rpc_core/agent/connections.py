@@ -64,6 +64,9 @@ class ConnectionStats(NamedTuple):
     cma_connections: int = 0  # of those, how many may copy tensors by cross-memory attach, either way
     requests_sent: int = 0  # calls this worker made (rpc_sync/rpc_async/remote, gradient and cleanup calls)
     requests_received: int = 0  # requests it received to serve (calls to self included)
+    # Of those, received and not yet answered: running, queued for a thread, or waiting on a
+    # future (an @async_execution function's): the worker's queue at this moment.
+    requests_in_flight: int = 0
 
 
 class _Loss(NamedTuple):
@@ -444,6 +447,7 @@ class Connections:
             sum(c.capabilities.cma_send or c.capabilities.cma_recv for c in cs),
             self._pending.n_sent,
             self._dispatch.n_received,
+            max(0, self._dispatch.n_received - self._dispatch.n_answered),
         )
 
     def close(self) -> None:

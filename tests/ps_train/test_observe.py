@@ -57,7 +57,7 @@ def test_server_metrics_are_rates_over_the_sampled_interval(tmp_path):
             server.counters.stale(tau)
             server.version += 1
         server.rows.update(rows_read=300, rows_updated=120, rows_live=90)
-        moved.append(ByteCounts(1000 + 4000, 500 + 6000))
+        moved.append(ByteCounts(1000 + 4000, 500 + 6000, 3))
         clock.t += 2.0
         out = sampler.sample()
         clock.t += 1.0  # an idle second
@@ -70,6 +70,7 @@ def test_server_metrics_are_rates_over_the_sampled_interval(tmp_path):
     assert out["server/rows_live"] == 90.0
     assert out["server/bytes_in_per_s"] == pytest.approx(2000.0)
     assert out["server/bytes_out_per_s"] == pytest.approx(3000.0)
+    assert out["server/requests_in_flight"] == 3.0  # a level when sampled, not a rate
     assert out["server/peak_rss_mb"] > 10
     assert "server/contributions_per_round" not in out  # async/ssp: one gradient per update
     assert idle["server/updates_per_s"] == 0.0 and "server/staleness_mean" not in idle

@@ -5,7 +5,7 @@ in every mode (ssp's clock answers with ps0's part of the backward), counted by 
 
 import pytest
 
-from tests.ps_train._app import run_app
+from tests.ps_train._app import run_app, scalars
 
 STEPS, TRAINERS = 30, 2
 # Calls of a run besides its steps: each trainer fetches every server's RRef, trainer0 asks
@@ -35,6 +35,10 @@ def requests_per_server(tmp_path, mode: str, in_backward: bool) -> list[int]:
 def test_a_step_sends_each_server_two_requests(tmp_path, mode):
     for server, n in enumerate(requests_per_server(tmp_path, mode, True)):
         assert 2 * STEPS * TRAINERS <= n <= 2 * STEPS * TRAINERS + ONE_OFF, f"ps{server}: {n} requests"
+    if mode == "ssp":
+        # ps0's answer in the backward carries the clock's too; its staleness is still counted.
+        for server in ("ps0", "ps1"):
+            assert scalars(tmp_path / "run" / "tb" / server).get("server/staleness_mean"), server
 
 
 @pytest.mark.timeout(180)

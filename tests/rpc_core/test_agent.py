@@ -601,6 +601,44 @@ def test_connection_stats_count_the_bytes_and_the_requests_of_a_call():
     assert (after.requests_sent - before.requests_sent, after.requests_received - before.requests_received) == (1, 0)
 
 
+_held: "torch.futures.Future[int] | None" = None
+
+
+@rpc_core.functions.async_execution
+def _hold() -> "torch.futures.Future[int]":
+    global _held
+    _held = torch.futures.Future()
+    return _held
+
+
+def _release() -> None:
+    assert _held is not None
+    _held.set_result(7)
+
+
+def _in_flight() -> int:
+    return rpc_core.connection_stats().requests_in_flight
+
+
+def _body_requests_in_flight(ctx):
+    if ctx.rank != 0:
+        return None
+    rpc_core.rpc_sync(1, _in_flight)  # dials first
+    held = rpc_core.rpc_async(1, _hold)
+    while_held = rpc_core.rpc_sync(1, _in_flight)  # _hold waits on its future; this call runs
+    rpc_core.rpc_sync(1, _release)
+    assert held.wait() == 7
+    # The answer may reach us a moment before the callee counts it as sent: ask a few times.
+    after = [rpc_core.rpc_sync(1, _in_flight) for _ in range(50)]
+    return while_held, after
+
+
+def test_requests_in_flight_count_the_calls_a_worker_has_not_answered_yet():
+    while_held, after = run_world(_body_requests_in_flight, 2)[0]
+    assert while_held == 2  # the held call and the asking one
+    assert after[-1] == 1 and set(after) <= {1, 2}  # only the asking one
+
+
 def test_connection_stats_need_an_initialised_worker():
     with pytest.raises(rpc_core.RpcNotInitializedError):
         rpc_core.connection_stats()
