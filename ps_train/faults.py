@@ -11,6 +11,9 @@ comma-separated faults ``<role>@<step>[:<action>][#<attempt>]``:
   again and again;
 - ``:freeze`` instead SIGSTOPs it: the process stays alive but does nothing, not even its
   heartbeat, as a hung machine or a stopped VM would (``:kill`` is the default);
+- ``:stall`` (a trainer) stops training after the step and waits for the rest of the process's
+  life, alive and beating (not a failure the launcher sees): a trainer that lags far behind
+  the others (async/ssp) until the run fails for another reason and is restarted;
 - at a point inside a step instead of after it (each SIGKILLs the role there):
   ``:partial`` (a trainer) sends its step-``<step>`` update to ps0 only, waits until ps0
   applied it, and dies before the other servers get it: a step that reached some servers and
@@ -39,6 +42,7 @@ import logging
 import os
 import re
 import signal
+import threading
 import time
 from typing import NamedTuple
 
@@ -76,6 +80,7 @@ _POINTS = {
     "checkpoint": "checkpoint",
     "eval": "eval",
     "restore": "restore",
+    "stall": "step",
 }
 _SPEC = re.compile(
     r"(?P<role>[A-Za-z0-9_]+)@(?P<rel>\+?)(?P<step>\d+)(?::(?P<action>[a-z]+))?"
@@ -86,7 +91,7 @@ _SPEC = re.compile(
 class Fault(NamedTuple):
     role: str
     step: int
-    action: str  # kill | freeze | partial | checkpoint | eval | restore
+    action: str  # kill | freeze | stall | partial | checkpoint | eval | restore
     attempt: int | None  # None: every attempt
     relative: bool = False  # ``step`` counts this process's steps (1 = its first), not the run's
 
@@ -100,10 +105,11 @@ def parse_faults(spec: str) -> list[Fault]:
     for part in filter(None, (p.strip() for p in spec.split(","))):
         m = _SPEC.fullmatch(part)
         action = (m.group("action") or "kill") if m else ""
-        if m is None or action not in _ACTIONS:
+        if m is None or action not in _POINTS:
             raise ValueError(
                 f"{FAULT_ENV}={spec!r}: {part!r} is not "
                 "<role>@[+]<step>[:kill|:freeze|:partial|:checkpoint|:eval|:restore][#<attempt>] "
+                "or, a trainer that lags, <role>@[+]<step>:stall[#<attempt>] "
                 "(e.g. ps1@5, trainer0@3:freeze#0, trainer2@+2:freeze or trainer1@5:partial)"
             )
         attempt = m.group("attempt")
@@ -148,11 +154,22 @@ def _armed(role: str, step: int, point: str) -> Fault | None:
 
 
 def maybe_inject_fault(role: str, step: int) -> None:
-    """Kill or stop this process if ``PS_TRAIN_FAULT`` names ``role`` at ``step`` in this
-    attempt (``:kill`` or ``:freeze``, after the step); else do nothing."""
+    """Kill, stop or stall this process if ``PS_TRAIN_FAULT`` names ``role`` at ``step`` in
+    this attempt (``:kill``, ``:freeze`` or ``:stall``, after the step); else do nothing."""
     fault = _armed(role, step, "step")
-    if fault is not None:
-        die(role, step, "killing" if fault.action == "kill" else "freezing", _ACTIONS[fault.action])
+    if fault is None:
+        return
+    if fault.action == "stall":
+        log.warning(
+            "%s=%s: test fault injection, stalling %s (pid %d) after step %d until the run stops",
+            FAULT_ENV,
+            os.environ.get(FAULT_ENV),
+            role,
+            os.getpid(),
+            step,
+        )
+        threading.Event().wait()  # for ever: the launcher stops the process with the others
+    die(role, step, "killing" if fault.action == "kill" else "freezing", _ACTIONS[fault.action])
 
 
 def fault_at(role: str, step: int, point: str) -> bool:

@@ -173,8 +173,7 @@ class CtrTrainer(Trainer):
         }
 
     def extra_metrics(self, all_stats: list[dict[str, Any]], server_stats: list[dict[str, Any]]) -> dict[str, Any]:
-        # Per trainer step: divided by the steps every trainer took (this run's, if resumed).
-        steps = sum(max(s["steps"] - self._first_step, 1) for s in all_stats)
+        steps = self.steps_taken(all_stats)  # per trainer step
         out: dict[str, Any] = {
             **super().extra_metrics(all_stats, server_stats),  # server_bytes_per_step
             "rows_pulled_per_step": sum(s["rows_pulled"] for s in all_stats) / steps,
