@@ -195,13 +195,18 @@ def checkpoint_problems(run_dir: Path, steps: int) -> tuple[list[str], list[str]
 
 def lost_updates(metrics: dict[str, Any], trainers: int, steps: int) -> dict[str, tuple[int, int]]:
     """Elastic async/ssp: per server, the launched trainers' updates (missing, applied twice)
-    in the job's last attempt, against ``steps - from_step`` each (the servers count from the
-    checkpoint the attempt resumed from). ``(0, 0)`` everywhere: nothing lost."""
+    in the job's last attempt, against ``steps`` minus the steps each had in the checkpoint the
+    attempt resumed from (its own, from the manifest; the servers count from there).
+    ``(0, 0)`` everywhere: nothing lost."""
     restarts = metrics.get("restarts", [])
-    expected = steps - (restarts[-1]["from_step"] if restarts else 0)
+    resumed = {f"trainer{t}": 0 for t in range(trainers)}
+    if restarts and restarts[-1].get("checkpoint"):  # None: it started over from step 0
+        manifest = json.loads((Path(restarts[-1]["checkpoint"]) / "manifest.json").read_text())
+        for name in resumed:
+            resumed[name] = manifest["trainer_positions"].get(name, {}).get("step", restarts[-1]["from_step"])
     out = {}
     for server, counts in metrics.get("updates_by_trainer", {}).items():
-        diffs = [counts.get(f"trainer{t}", 0) - expected for t in range(trainers)]
+        diffs = [counts.get(name, 0) - (steps - done) for name, done in resumed.items()]
         out[server] = (sum(-d for d in diffs if d < 0), sum(d for d in diffs if d > 0))
     return out
 

@@ -1,5 +1,6 @@
 """ctr_bench's report: the tables (samples/s, bytes per step against the ideal, peak RSS)
-and the targets, PASS or FAIL, from every round's figures."""
+and the targets, PASS or FAIL, from every round's figures. The TorchRec column is "skipped"
+(the reason under the tables) where torchrec does not import."""
 
 from __future__ import annotations
 
@@ -50,6 +51,8 @@ def _x(v: float | None) -> str:
 
 def _cell(runs: list[dict[str, Any]]) -> tuple[float | None, str]:
     v = _median([r["samples_per_s"] for r in runs])
+    if v is None and runs and all(r["status"] == "skipped" for r in runs):
+        return None, "skipped"
     return v, (fmt(v) if v is not None else "error")
 
 
@@ -77,6 +80,7 @@ def render(
     rss_body: list[list[str]] = []
     for n in names:
         single, single_txt = _cell(raw[(n, "single")])
+        trec, trec_txt = _cell(raw.get((n, "torchrec"), []))
         for s, t in configs[n][1]:
             label = f"{n} {s}+{t}"
             cells = {b: _cell(raw[(n, s, t, b)]) for b in backends}
@@ -88,6 +92,8 @@ def render(
                 "rpc_core": core,
                 "rpc_core/torch": _ratio(core, torch_),
                 "rpc_core/single": _ratio(core, single),
+                "torchrec": trec,
+                "rpc_core/torchrec": _ratio(core, trec),
             }
             speed_body.append(
                 [
@@ -97,6 +103,8 @@ def render(
                     cells["rpc_core"][1],
                     _x(row["rpc_core/torch"]),
                     _x(row["rpc_core/single"]),
+                    trec_txt if (n, "torchrec") in raw else "-",
+                    _x(row["rpc_core/torchrec"]),
                 ]
             )
             if (s, t) == (1, 1):
@@ -158,12 +166,22 @@ def render(
             rss = max((r.get("peak_rss_bytes") or 0 for r in raw[(n, "single")]), default=0)
             notes.append(f"{n} single process: peak RSS {rss / 1e9:.2f} GB")
     out += _table(
-        ["config", "single process", "ps_train torch", "ps_train rpc_core", "rpc_core/torch", "rpc_core/single"],
+        [
+            "config",
+            "single process",
+            "ps_train torch",
+            "ps_train rpc_core",
+            "rpc_core/torch",
+            "rpc_core/single",
+            "TorchRec DLRM",
+            "rpc_core/TorchRec",
+        ],
         speed_body,
     )
     out += [
         "samples/s (median over rounds); ps_train: all trainers' samples over the loop of the trainer that "
-        "started last; single process: one trainer's batches, 1 thread",
+        "started last; single process: one trainer's batches, 1 thread; TorchRec DLRM: torchrec.models.dlrm.DLRM, "
+        "the same shapes and batches, tables fused with their optimizer (FBGEMM CPU), 1 thread",
         "",
     ]
     out += _table(["config", "server", "ideal B/step", "rpc_core B/step", "rpc_core/ideal", "torch B/step"], bytes_body)
@@ -184,8 +202,11 @@ def render(
         (" ".join(map(str, k)), i + 1, r["error"])
         for k, v in raw.items()
         for i, r in enumerate(v)
-        if r["status"] != "ok"
+        if r["status"] == "error"
     ]
+    skipped = sorted({r["skipped"] for v in raw.values() for r in v if r["status"] == "skipped"})
+    if skipped:
+        out += ["", "skipped:"] + [f"  {why}" for why in skipped]
     if errors:
         out += ["", "errors:"] + [f"  {k} (round {i}): {e}" for k, i, e in errors]
     warnings = [

@@ -1,4 +1,5 @@
-"""DLRM benchmark: ps_train's row-sharded tables on rpc_core vs backend=torch vs one process.
+"""DLRM benchmark: ps_train's row-sharded tables on rpc_core vs backend=torch vs one process
+(plain torch, and TorchRec's DLRM when torchrec is installed).
 
 Usage (from the repo root)::
 
@@ -9,9 +10,11 @@ Usage (from the repo root)::
 
 Options:
     --quick               fewer steps (small 150, large 40 instead of 600 and 200)
-    --only small|large    run one configuration
+    --only small|large|multihot
+                          run one configuration
     --rounds N            run everything N times, reversing the order in every other round
-                          (single, torch, rpc_core, ... then ..., rpc_core, torch, single);
+                          (single, torchrec, torch, rpc_core, ... then ..., rpc_core, torch,
+                          torchrec, single);
                           the table shows the median per cell
     --json PATH           also write every figure, per round, with the machine and settings
     --timeout SECONDS     hard limit per run (default 900, quick 600)
@@ -55,6 +58,9 @@ What is measured:
   or trainers, so a 2+2 row compares the 2 trainers' total with the one process. Sync mode
   with one trainer computes the same thing as the single process: the 1+1 row prints the
   largest per-step loss difference (float32 rounding of summed row gradients, ~1e-6).
+  TorchRec: ``torchrec.models.dlrm.DLRM`` with the same shapes, its tables fused with
+  ``model.table_optim`` (FBGEMM's CPU kernels), the same batches as KeyedJaggedTensors, one
+  thread (``benchmarks/_torchrec_dlrm.py``); "skipped", with the reason, without torchrec.
 - bytes per step: ``server_bytes_per_step`` of ``metrics.json`` (each server's bytes sent
   plus received per trainer step, from rpc_core's connection counters, start-up included),
   against the ideal of ``_ctr_traffic.py`` (formula in its docstring) computed from the
@@ -222,10 +228,17 @@ def run_ps_train(overrides: list[str], run_dir: str, timeout: float) -> dict[str
     return res
 
 
-def run_single(name: str, steps: int, timeout: float) -> dict[str, Any]:
-    """The single-process loop in a child process (its memory is returned when it exits)."""
+def run_single(name: str, steps: int, timeout: float, kind: str = "single") -> dict[str, Any]:
+    """A single-process loop (``kind``: ``single``, plain torch, or ``torchrec``) in a child
+    process (its memory is returned when it exits); ``status="skipped"`` without torchrec."""
+    if kind == "torchrec":
+        from _torchrec_dlrm import torchrec_missing
+
+        missing = torchrec_missing()
+        if missing:
+            return {"status": "skipped", "skipped": missing, "samples_per_s": None}
     with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
-        cmd = [sys.executable, os.path.abspath(__file__), "--single-worker", name, str(steps), out.name]
+        cmd = [sys.executable, os.path.abspath(__file__), f"--{kind}-worker", name, str(steps), out.name]
         try:
             proc = subprocess.run(cmd, timeout=timeout, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
         except subprocess.TimeoutExpired:
@@ -435,6 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tables-bag", type=int, default=1)
     ap.add_argument("--table-steps", type=int, default=None)
     ap.add_argument("--single-worker", nargs=3, metavar=("CONFIG", "STEPS", "OUT"), help=argparse.SUPPRESS)
+    ap.add_argument("--torchrec-worker", nargs=3, metavar=("CONFIG", "STEPS", "OUT"), help=argparse.SUPPRESS)
     ap.add_argument("--table-worker", nargs=4, metavar=("VARIANT", "STEPS", "BAG", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.table_worker:
@@ -448,6 +462,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.single_worker:
         name, steps, out = args.single_worker
         single_worker(name, int(steps), out)
+        return 0
+    if args.torchrec_worker:
+        from _torchrec_dlrm import worker as torchrec_worker
+
+        name, steps, out = args.torchrec_worker
+        torchrec_worker(compose(overrides_for(name, 1, 1, "rpc_core", int(steps))), int(steps), out)
         return 0
     if args.rounds < 1:
         ap.error("--rounds must be >= 1")
@@ -479,15 +499,15 @@ def main(argv: list[str] | None = None) -> int:
     raw: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     jobs: list[tuple[Any, ...]] = []
     for n in names:
-        jobs.append((n, "single"))
+        jobs += [(n, "single"), (n, "torchrec")]
         jobs += [(n, s, t, b) for s, t in CONFIGS[n][1] for b in BACKENDS]
     failed, kept = False, []
     for rnd in range(args.rounds):
         for job in jobs if rnd % 2 == 0 else jobs[::-1]:  # slow drift in load favours no side
             n = job[0]
             log(f"[round {rnd + 1}/{args.rounds}] {' '.join(map(str, job))}, {steps[n]} steps")
-            if job[1] == "single":
-                res = run_single(n, steps[n], timeout)
+            if job[1] in ("single", "torchrec"):
+                res = run_single(n, steps[n], timeout, job[1])
             else:
                 _, s, t, b = job
                 run_dir = tempfile.mkdtemp(prefix=f"{n}_{s}x{t}_{b}_", dir=run_root)
@@ -496,8 +516,12 @@ def main(argv: list[str] | None = None) -> int:
                     kept.append(run_dir)
                 else:
                     shutil.rmtree(run_dir, ignore_errors=True)
-            failed |= res["status"] != "ok"
-            log(f"    {res['samples_per_s']:,.0f} samples/s" if res["samples_per_s"] else f"    {res['error']}")
+            failed |= res["status"] == "error"
+            log(
+                f"    {res['samples_per_s']:,.0f} samples/s"
+                if res["samples_per_s"]
+                else f"    {res.get('error') or res.get('skipped')}"
+            )
             raw.setdefault(job, []).append(res)
     if not kept:
         shutil.rmtree(run_root, ignore_errors=True)

@@ -31,8 +31,9 @@ and the order in which the trainers' gradients are applied, depend on process ti
 is the point of these modes), so losses, final weights, staleness values and dropout masks
 (drawn in arrival order) differ from run to run -- even with ``mode.staleness=0``, whose
 steps are in lockstep but whose updates within a step are applied as they arrive. A resumed
-async/ssp run restarts every trainer at trainer0's checkpointed step from shards saved as
-they were at that moment; it continues training correctly but not along the same path.
+async/ssp run restarts every trainer after its own last step that the checkpoint's servers
+hold (``ps_train.checkpoint.positions``): no sample is skipped, a step in flight at the
+checkpoint is trained again; it continues training correctly but not along the same path.
 
 ``mode=hybrid`` (model=dlrm) is ``mode=sync`` bit for bit with one trainer; with more, its
 dense rounds are sync's but the table rows are updated in arrival order, as async's.

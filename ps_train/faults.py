@@ -11,6 +11,9 @@ comma-separated faults ``<role>@<step>[:<action>][#<attempt>]``:
   again and again;
 - ``:freeze`` instead SIGSTOPs it: the process stays alive but does nothing, not even its
   heartbeat, as a hung machine or a stopped VM would (``:kill`` is the default);
+- ``:stall`` (a trainer) stops training after the step and waits for the rest of the process's
+  life, alive and beating (not a failure the launcher sees): a trainer that lags far behind
+  the others (async/ssp) until the run fails for another reason and is restarted;
 - at a point inside a step instead of after it (each SIGKILLs the role there):
   ``:partial`` (a trainer) sends its step-``<step>`` update to ps0 only, waits until ps0
   applied it, and dies before the other servers get it: a step that reached some servers and
@@ -49,6 +52,7 @@ import logging
 import os
 import re
 import signal
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -94,6 +98,7 @@ _POINTS = {
     "eval": "eval",
     "restore": "restore",
     **{hold: "step" for hold in _HOLDS},
+    "stall": "step",
 }
 _SPEC = re.compile(
     r"(?P<role>[A-Za-z0-9_]+)@(?P<rel>\+?)(?P<step>\d+)"
@@ -101,7 +106,7 @@ _SPEC = re.compile(
     r"(?:#(?P<attempt>\d+))?"
 )
 _FORMAT = (
-    "<role>@[+]<step>[:kill|:freeze|:partial|:checkpoint|:eval|:restore"
+    "<role>@[+]<step>[:kill|:freeze|:stall|:partial|:checkpoint|:eval|:restore"
     "|:hold_waiting=<name>|:hold_steps=<name>*<n>|:hold_leave=<name>][#<attempt>]"
 )
 
@@ -109,7 +114,9 @@ _FORMAT = (
 class Fault(NamedTuple):
     role: str
     step: int
-    action: str  # kill | freeze | partial | checkpoint | eval | restore | hold_waiting | hold_steps | hold_leave
+    action: (
+        str  # kill | freeze | stall | partial | checkpoint | eval | restore | hold_waiting | hold_steps | hold_leave
+    )
     attempt: int | None  # None: every attempt
     relative: bool = False  # ``step`` counts this process's steps (1 = its first), not the run's
     peer: str | None = None  # a hold's worker: the one it waits for
@@ -128,10 +135,10 @@ def parse_faults(spec: str) -> list[Fault]:
         peer, count = (m.group("peer"), m.group("count")) if m else (None, None)
         # A hold names its peer (and :hold_steps a count); nothing else takes either.
         shape_ok = (peer is not None) == (action in _HOLDS) and (count is not None) == (action == "hold_steps")
-        if m is None or (action not in _ACTIONS and action not in _HOLDS) or not shape_ok:
+        if m is None or action not in _POINTS or not shape_ok:
             raise ValueError(
                 f"{FAULT_ENV}={spec!r}: {part!r} is not {_FORMAT} (e.g. ps1@5, trainer0@3:freeze#0, "
-                "trainer2@+2:freeze, trainer1@5:partial or trainer0@40:hold_steps=trainer2*1)"
+                "trainer2@+2:freeze, trainer1@5:partial, trainer1@3:stall or trainer0@40:hold_steps=trainer2*1)"
             )
         attempt = m.group("attempt")
         faults.append(
@@ -177,16 +184,26 @@ def _armed(role: str, step: int, point: str) -> Fault | None:
 
 
 def maybe_inject_fault(role: str, step: int, ps0: Any = None) -> None:
-    """Kill or stop this process if ``PS_TRAIN_FAULT`` names ``role`` at ``step`` in this
-    attempt (``:kill`` or ``:freeze``, after the step), or wait there (``:hold_*``); else do
-    nothing. ``ps0``: a trainer's RRef to ps0's server (what a hold asks)."""
+    """Kill, stop or stall this process if ``PS_TRAIN_FAULT`` names ``role`` at ``step`` in
+    this attempt (``:kill``, ``:freeze`` or ``:stall``, after the step), or wait there
+    (``:hold_*``); else do nothing. ``ps0``: a trainer's RRef to ps0's server (what a hold asks)."""
     fault = _armed(role, step, "step")
     if fault is None:
         return
     if fault.action in _HOLDS:
         _hold(fault, role, step, ps0)
-    else:
-        die(role, step, "killing" if fault.action == "kill" else "freezing", _ACTIONS[fault.action])
+        return
+    if fault.action == "stall":
+        log.warning(
+            "%s=%s: test fault injection, stalling %s (pid %d) after step %d until the run stops",
+            FAULT_ENV,
+            os.environ.get(FAULT_ENV),
+            role,
+            os.getpid(),
+            step,
+        )
+        threading.Event().wait()  # for ever: the launcher stops the process with the others
+    die(role, step, "killing" if fault.action == "kill" else "freezing", _ACTIONS[fault.action])
 
 
 class Ps0View(NamedTuple):

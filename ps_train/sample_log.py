@@ -4,10 +4,14 @@ With ``PS_TRAIN_SAMPLE_LOG=1`` in the launcher's environment (every role inherit
 trainer appends one JSON line per step it ran to ``<run_dir>/logs/<trainer>.samples.jsonl``:
 ``{"attempt": 0, "step": 5, "epoch": 0, "ids": [...]}`` -- the step (the run's count, from 1),
 the epoch its batch came from and the training-split indices of the batch's samples, in
-batch order. A restarted run appends its attempts' lines to the same file; with
-``restarts.json`` (the step each attempt resumed after) they say which samples the final
-model was trained on. ``tests/ps_train/test_failure_matrix.py`` checks with it that a sync
-run restarted after a failure trains every sample of an epoch exactly once.
+batch order. A line is written as the step's update goes out to the servers, before they
+answer: a step whose update some server applied is on record even if its trainer was held
+(ssp's clock, a checkpoint) or killed before the answers came. A restarted run appends its
+attempts' lines to the same file; with ``restarts.json`` (the step each attempt resumed after;
+async/ssp: each trainer's own step in that checkpoint's manifest) they say which samples the
+final model was trained on. ``tests/ps_train/test_failure_matrix.py`` checks with it that a sync
+run restarted after a failure trains every sample of an epoch exactly once,
+``tests/ps_train/test_async_restarts.py`` that an async or ssp one trains each at least once.
 
 Off, it costs one attribute test per step: the batch iterators note their last batch
 (``PartitionCursor.last_batch``) anyway.
@@ -28,7 +32,8 @@ SAMPLE_LOG_ENV = "PS_TRAIN_SAMPLE_LOG"
 
 
 class SampleLog:
-    """One trainer's record; ``fetched`` after each batch is drawn, ``trained`` after each step."""
+    """One trainer's record; ``fetched`` after each batch is drawn, ``trained`` as each step's
+    update goes out."""
 
     def __init__(self, run_dir: str, name: str) -> None:
         on = os.environ.get(SAMPLE_LOG_ENV, "") not in ("", "0")
@@ -43,7 +48,8 @@ class SampleLog:
         self._next = None if last is None else (int(last[0]), [int(i) for i in last[1]])
 
     def trained(self, step: int) -> None:
-        """Step ``step`` ran on the batch drawn last."""
+        """Step ``step`` ran its forward on the batch drawn last; its backward, which sends its
+        update, comes next."""
         if self.path is None or self._next is None:
             return
         epoch, ids = self._next

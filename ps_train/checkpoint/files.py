@@ -102,13 +102,17 @@ class SaveStarted:
     shard: str
     base: str | None
     background: bool  # its files are still being written (tables); False: already written
+    # async/ssp: by trainer name, the point after its last update the saved state holds
+    # (``ps_train.checkpoint.positions``, with ``step``); None: the mode keeps no such record (sync)
+    positions: dict[str, dict[str, int]] | None = None
 
 
 @dataclass
 class Manifest:
     step: int  # global step the checkpoint was taken after
     shards: list[ShardFile]
-    # trainer name -> BatchIterator.state_dict() ({"epoch", "offset", ...})
+    # trainer name -> BatchIterator.state_dict() ({"epoch", "offset", ...}) and "step", the steps
+    # it completed (async/ssp: its own; older checkpoints have no "step": the manifest's)
     trainer_positions: dict[str, dict[str, int]] = field(default_factory=dict)
     # role name -> capture_rng_state()
     rng_states: dict[str, dict[str, Any]] = field(default_factory=dict)

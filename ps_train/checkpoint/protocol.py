@@ -9,8 +9,13 @@ all rows or only those changed since the previous checkpoint (``checkpoint.diffe
 Once every server's files are written (``finish_save``), a thread of trainer0 writes the
 manifest tying them to step k, every trainer's data position and the RNG states. In sync mode
 the servers cannot move while trainer0 is busy asking (step k+1 needs trainer0's gradients),
-so the checkpoint is exactly the state after step k. In async/ssp modes each shard is saved
-as it is at that moment and every trainer resumes from trainer0's step.
+so the checkpoint is exactly the state after step k, and every trainer's position is the one
+after step k. In async/ssp modes the other trainers move on meanwhile: each server holds the
+updates that come between its ``begin_save`` and its ``finish_save`` (sent once every server's
+state is taken), and answers ``begin_save`` with its record of where each trainer stands
+(``ps_train.checkpoint.positions``); each trainer then resumes after its own last step that
+every saved server holds. So no sample a trainer had not trained in the saved state is
+skipped, and a trainer retrains at most its one step in flight at the snapshot.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from ps_train.checkpoint.files import (
     resume_hint,
     write_manifest,
 )
+from ps_train.checkpoint.positions import TrainerPositions, earliest, trainer_name
 from ps_train.config import Config, ConfigError, config_to_dict
 from ps_train.data import steps_per_epoch
 from ps_train.faults import die, fault_at
@@ -48,6 +54,9 @@ class RestoredServer(Protocol):
 
     @property
     def rank(self) -> int: ...
+
+    @property
+    def positions(self) -> TrainerPositions: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
@@ -81,14 +90,36 @@ class CheckpointingTrainer(Protocol):
 
 
 def load_server_state(ps: RestoredServer, resume_state: dict[str, Any]) -> None:
-    """Before the job starts: give server ``ps`` its saved state."""
+    """Before the job starts: give server ``ps`` its saved state, and where each trainer
+    starts (what its next checkpoint keeps for a trainer with no update yet)."""
     ps.load_state_dict(resume_state["servers"][f"ps{ps.rank}"])
+    ps.positions.start = {name: dict(p) for name, p in resume_state["trainer_positions"].items()}
 
 
 def data_position(cfg: Config, n_items: int, step: int) -> dict[str, int]:
-    """Where every trainer's batch iterator stands after ``step`` steps (the same for all)."""
+    """Where every trainer's batch iterator stands after ``step`` steps (sync: the same for all)."""
     spe = steps_per_epoch(n_items, cfg.cluster.num_trainers, cfg.train.batch_size)
     return {"epoch": step // spe, "offset": (step % spe) * cfg.train.batch_size}
+
+
+def trainer_positions(
+    cfg: Config, n_items: int, step: int, started: Sequence[SaveStarted]
+) -> dict[str, dict[str, int]]:
+    """The manifest's positions: by trainer name, its data position and completed ``step``.
+
+    sync (the servers keep no positions): every trainer after ``step``, trainer0's. async/ssp:
+    each trainer's own, after its last update every server's saved state holds (the fewest
+    steps among the servers' records); a trainer none of whose updates every server holds
+    starts from the beginning."""
+    T = cfg.cluster.num_trainers
+    records = [s.positions for s in started if s.positions is not None]
+    if not records:
+        pos = data_position(cfg, n_items, step)
+        return {trainer_name(k): dict(pos, rank=k, world=T, seed=cfg.seed, step=step) for k in range(T)}
+    out = earliest(records)
+    for k in range(T):
+        out.setdefault(trainer_name(k), dict(data_position(cfg, n_items, 0), rank=k, world=T, seed=cfg.seed, step=0))
+    return out
 
 
 class Checkpointer:
@@ -131,10 +162,7 @@ class Checkpointer:
         started: list[SaveStarted] = [f.wait() for f in begun]
         # No RPC timeout: writing gigabytes of rows may take longer than any call should.
         written = [server.rpc_async(timeout=0).finish_save(str(ckpt)) for server in trainer.servers]
-        pos = data_position(cfg, len(trainer.train_set), step)
-        positions = {}
-        for k in range(cfg.cluster.num_trainers):
-            positions[f"trainer{k}"] = dict(pos, rank=k, world=cfg.cluster.num_trainers, seed=cfg.seed)
+        positions = trainer_positions(cfg, len(trainer.train_set), step, started)
         manifest = Manifest(
             step=step,
             shards=[],
@@ -226,7 +254,8 @@ def load_resume_state(path: str, server: str | None = None) -> dict[str, Any]:
         "checkpoint": str(ckpt),
         "step": manifest.step,
         "servers": servers,
-        "trainer_positions": manifest.trainer_positions,
+        # Older checkpoints (and sync runs') hold every trainer at the manifest's step.
+        "trainer_positions": {name: {"step": manifest.step, **pos} for name, pos in manifest.trainer_positions.items()},
         "extra": manifest.extra,
     }
 

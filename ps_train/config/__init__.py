@@ -58,8 +58,12 @@ from ps_train.config.run import (
     ProfileConfig,
     TrainConfig,
 )
+from ps_train.config.tables import EVICTIONS, TABLE_KINDS, TableConfig
 
 __all__ = [
+    "TableConfig",
+    "TABLE_KINDS",
+    "EVICTIONS",
     "ModelConfig",
     "MLPConfig",
     "CNNConfig",

@@ -179,6 +179,10 @@ class CtrDataConfig(DataConfig):
         """Whether samples carry a weight per id (multi-hot synthetic data only)."""
         return False
 
+    def max_bag_sizes(self) -> list[int]:
+        """The most ids a sample's bag holds, per table (1: one-hot)."""
+        return [1] * len(self.sizes())
+
     def sample_shape(self) -> tuple[int, ...]:
         return (self.dense_count(),)
 
@@ -210,12 +214,18 @@ class SyntheticCtrConfig(CtrDataConfig):
     bag_sizes: list[int] = field(default_factory=list)
     bag_size_dist: str = "fixed"  # fixed: exactly bag_sizes[t] ids | uniform: 1..bag_sizes[t]
     id_weights: bool = False  # a weight in (0, 1] per id (pooled as nn.EmbeddingBag's per_sample_weights)
+    # Ids drawn per table, then hashed (id mod rows) into a fixed table's rows, as click logs'
+    # ids into a fixed table; 0: as many as the table's rows (no two ids share a row).
+    drawn_ids: int = 0
 
     def dense_count(self) -> int:
         return self.num_dense
 
     def has_id_weights(self) -> bool:
         return self.id_weights
+
+    def max_bag_sizes(self) -> list[int]:
+        return self.bag_size_list()
 
     def bag_size_list(self) -> list[int]:
         """Ids per bag of every table (the most, for ``uniform``): one per table."""
@@ -237,6 +247,10 @@ class SyntheticCtrConfig(CtrDataConfig):
         p.need(self.num_samples >= 4, f"data.num_samples: {self.num_samples} must be >= 4")
         p.need(self.num_dense >= 1, f"data.num_dense: {self.num_dense} must be >= 1 (model=dlrm's bottom MLP)")
         p.need(self.zipf_alpha >= 0, f"data.zipf_alpha: {self.zipf_alpha} must be >= 0")
+        p.need(
+            self.drawn_ids == 0 or self.drawn_ids >= 2,
+            f"data.drawn_ids: {self.drawn_ids} must be >= 2 (or 0: ids as the tables' rows)",
+        )
         p.need(0.0 < self.positive_rate < 1.0, f"data.positive_rate: {self.positive_rate} must be in (0, 1)")
         p.need(self.signal_std > 0, f"data.signal_std: {self.signal_std} must be > 0")
         p.need(0.0 <= self.interaction < 1.0, f"data.interaction: {self.interaction} must be in [0, 1)")

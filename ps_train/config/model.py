@@ -12,6 +12,7 @@ from omegaconf import MISSING
 
 from ps_train.config.base import Problems
 from ps_train.config.optim import TABLE_OPTIMIZER_NAMES
+from ps_train.config.tables import TableConfig
 
 __all__ = [
     "ModelConfig",
@@ -166,9 +167,35 @@ class DLRMConfig(ModelConfig):
     feature_names: list[str] = field(default_factory=list)  # each table's feature (KeyedJagged keys); []: f0, f1, ...
     cache_rows: int = 0  # hot rows each trainer caches (ps_train.ctr.cache); 0: no cache
     cache_staleness: int = 1  # steps a cached row serves before it is pulled again
+    # The tables one by one (TorchRec's EmbeddingBagConfig fields, ps_train.config.tables); []:
+    # fixed tables from data.num_tables/table_sizes, model.pooling and model.feature_names.
+    tables: list[TableConfig] = field(default_factory=list)
 
     def num_stages(self) -> int:
         return 2  # bottom MLP, top MLP
+
+    def dynamic_tables(self) -> list[int]:
+        """Indices of the tables declared ``kind: dynamic`` (ascending)."""
+        return [t for t, table in enumerate(self.tables) if table.dynamic]
+
+    def declared_problems(self) -> Problems:
+        """Problems of ``model.tables`` on their own (names, widths, dynamic settings)."""
+        p = Problems()
+        for t, table in enumerate(self.tables):
+            p += table.problems(f"model.tables[{t}]", self.embedding_dim)
+        names = [t.name for t in self.tables]
+        p.need(len(set(names)) == len(names), f"model.tables: table names {names} repeat; give each table its own name")
+        features = [t.feature() for t in self.tables]
+        p.need(
+            len(set(features)) == len(features),
+            f"model.tables: features {features} repeat; each table looks up a feature of its own",
+        )
+        p.need(
+            not self.dynamic_tables() or self.cache_rows == 0,
+            "model.cache_rows: the trainers' row cache names rows by their place in a server's storage, which "
+            "dynamic tables decide on the server; set model.cache_rows=0 or make every table kind: fixed",
+        )
+        return p
 
     def pooling_list(self, num_tables: int) -> list[str]:
         """Every table's pooling (``model.pooling`` spread over ``num_tables`` tables)."""
@@ -209,6 +236,7 @@ class DLRMConfig(ModelConfig):
 
     def problems(self) -> Problems:
         p = super().problems()
+        p += self.declared_problems()
         p.need(self.embedding_dim >= 1, f"model.embedding_dim: {self.embedding_dim} must be >= 1")
         p.need(all(h > 0 for h in self.bottom_mlp), f"model.bottom_mlp: {self.bottom_mlp} must all be > 0")
         p.need(all(h > 0 for h in self.top_mlp), f"model.top_mlp: {self.top_mlp} must all be > 0")

@@ -134,9 +134,75 @@ def batch_problems(samples: int | None, trainers: int, batch_size: int) -> Probl
     return p
 
 
+def apply_table_declarations(cfg: Config) -> Problems:
+    """A non-empty ``model.tables`` declares the tables: copy their sizes, poolings and feature
+    names to ``data.table_sizes`` / ``data.num_tables``, ``model.pooling`` and
+    ``model.feature_names``, where the rest of ps_train reads them. Those keys may only repeat
+    what the tables say (a saved config does); anything else is a problem naming what to drop."""
+    p = Problems()
+    m, d = cfg.model, cfg.data
+    if not isinstance(m, DLRMConfig) or not m.tables:
+        return p
+    if not isinstance(d, CtrDataConfig):
+        return p  # the model-vs-data check says what to change
+    sizes = [t.num_embeddings for t in m.tables]
+    pooling = [t.pooling for t in m.tables]
+    features = [t.feature() for t in m.tables]
+    data_default = type(d)()
+    drop = "model.tables declares the tables; drop"
+    p.need(not d.table_sizes or list(d.table_sizes) == sizes, f"data.table_sizes: {drop} data.table_sizes")
+    p.need(d.num_tables in (data_default.num_tables, len(sizes)), f"data.num_tables: {drop} data.num_tables")
+    p.need(
+        d.table_rows == data_default.table_rows,
+        f"data.table_rows: {drop} data.table_rows (give each table's num_embeddings)",
+    )
+    p.need(
+        not m.pooling or list(m.pooling) == pooling,
+        f"model.pooling: {drop} model.pooling (give each table's pooling)",
+    )
+    p.need(
+        not m.feature_names or list(m.feature_names) == features,
+        f"model.feature_names: {drop} model.feature_names (give each table's feature_names)",
+    )
+    if not p:
+        d.table_sizes, d.num_tables = sizes, len(sizes)
+        m.pooling, m.feature_names = pooling, features
+    return p
+
+
+def dynamic_table_problems(cfg: Config) -> Problems:
+    """What dynamic tables need of the rest of the config."""
+    p = Problems()
+    m, d = cfg.model, cfg.data
+    if not isinstance(m, DLRMConfig) or not isinstance(d, CtrDataConfig) or not m.dynamic_tables():
+        return p
+    p.need(
+        not cfg.checkpoint.differential,
+        "checkpoint.differential: differential checkpoints do not hold dynamic tables (their rows move "
+        "between slots); set checkpoint.differential=false, or make every model.tables entry kind: fixed",
+    )
+    bags = d.max_bag_sizes()
+    for t in m.dynamic_tables():
+        table = m.tables[t]
+        if table.max_rows is None or t >= len(bags):
+            continue
+        # Rows are evicted between steps only, so that a step's lookups never race with them:
+        # a server keeps free the slots one step's new ids may need.
+        need = cfg.cluster.num_trainers * cfg.train.batch_size * bags[t]
+        p.need(
+            table.max_rows > need,
+            f"model.tables[{t}].max_rows: {table.max_rows} slots per server cannot hold one step's new ids "
+            f"besides older rows (up to cluster.num_trainers x train.batch_size x ids per bag = {need}); "
+            f"raise it above {need}",
+        )
+    return p
+
+
 def validate(cfg: Config) -> Config:
     """Check every rule; raise ``ConfigError`` listing every problem, else return cfg."""
-    problems = cfg.problems()
+    problems = apply_table_declarations(cfg)
+    problems += cfg.problems()
+    problems += dynamic_table_problems(cfg)
     if problems:
         raise ConfigError(format_problems(problems))
     return cfg

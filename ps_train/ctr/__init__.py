@@ -14,7 +14,8 @@ Metrics (AUC, log loss) are in ``ps_train.ctr.metrics``.
 The rest of the package is the DLRM-style model on top of this data (model=dlrm, docs/ctr.md):
 ``model`` (the single-process reference and the interaction), ``rows`` (which server owns
 which row), ``shards`` and ``table_server`` (a server's rows and their optimizer, the server's
-``TablePart``), ``optimizers`` (the table optimizers), ``trainer`` (``CtrTrainer``).
+``TablePart``), ``dynamic`` (a dynamic table's slots, admission and eviction),
+``optimizers`` (the table optimizers), ``trainer`` (``CtrTrainer``).
 """
 
 from ps_train.ctr.batches import CtrBatch, CtrBatchIterator, iter_ctr_eval_batches

@@ -6,7 +6,8 @@ coalesced sparse gradient ``[rows_t, dim]`` whose ``indices()[0]`` are the uniqu
 momentum or weight decay, which would touch every row of a table each step -- and its
 state (``state_dict``) goes into the server's checkpoint file.
 
-- ``TableOptimizer``: the interface (``step``, ``state_dict``, ``load_state_dict``).
+- ``TableOptimizer``: the interface (``step``, ``state_dict``, ``load_state_dict``; and
+  ``reset_rows``, fresh state for a dynamic table's reused slots: its rows are the slots).
 - ``TorchTableOptimizer``: one of torch's optimizers that take sparse gradients
   (``TORCH_TABLE_OPTIMIZERS``: SGD, Adagrad, SparseAdam); ``sparse_adam`` runs on it.
 - ``RowsSGD``, ``RowsAdagrad``: torch's SGD and Adagrad on sparse gradients, bit for bit,
@@ -78,6 +79,13 @@ class TableOptimizer(ABC):
         """The live per-row state tensors, each [rows, ...] aligned with a table's rows (a
         checkpoint writes them row by row, with the rows: ``ps_train.ctr.snapshot``)."""
         return {}
+
+    def reset_rows(self, rows: Tensor) -> None:
+        """Forget the per-row state of ``rows`` (int64 [n]), as if they were never updated: a
+        dynamic table's slot reused for another id starts afresh (``ps_train.ctr.dynamic``)."""
+        with torch.no_grad():
+            for state in self.row_state().values():
+                state.index_fill_(0, rows, 0)
 
     def scalar_state(self) -> dict[str, Any]:
         """``state_dict`` without the per-row tensors (a copy; each such tensor is replaced by

@@ -14,6 +14,11 @@ request per server, built for all tables at once -- no loop over tables:
 - the request to server ``s`` (``ServerRequest``): its storage rows, single rows first,
   then the ids of every bag it pools; where each pooled bag starts; their weights.
 
+A dynamic table's ids (``ps_train.ctr.dynamic``) have no row a trainer could name: each goes
+to server ``dynamic_owner(id)`` as the marker ``-(1 + t)`` in ``rows`` and its raw id in
+``BagPlan.ids[s]`` (the request's negative rows' ids, in order), which the server turns into
+its slot; deduplication then keys rows by (server, row or marker, id).
+
 The server answers one vector per single row and per pooled bag (``TableShards.lookup``,
 one ``embedding_bag`` over its whole storage), and ``combine`` turns the answers into
 ``[B, T, d]`` with one ``embedding_bag`` per server: each final bag sums its single rows
@@ -25,7 +30,7 @@ returned, which the server expands to its rows.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -33,7 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ps_train.ctr.bags import Bags
-from ps_train.ctr.rows import FusedLayout
+from ps_train.ctr.rows import FusedLayout, dynamic_owner
 
 __all__ = ["ServerRequest", "BagPlan", "BagPlanner", "combine", "INDEX_BYTES", "FLOAT_BYTES"]
 
@@ -71,6 +76,7 @@ class BagPlan:
     divisor: Tensor | None
     num_tables: int
     batch_size: int
+    ids: list[Tensor | None] = field(default_factory=list)  # per server: raw ids of its dynamic rows, or None
 
 
 def _exclusive_cumsum(counts: Tensor) -> Tensor:
@@ -95,6 +101,8 @@ class BagPlanner:
         # Rows of every server laid end to end: one key per (server, row) for deduplication.
         self.server_start = torch.tensor([0] + [o[-1] for o in offsets], dtype=torch.int64).cumsum(0)  # [S + 1]
         self.mean = torch.tensor([p == "mean" for p in pooling])  # [T]
+        self.dynamic = torch.tensor([layout.is_dynamic(t) for t in range(T)])  # [T]
+        self.any_dynamic = bool(self.dynamic.any())
 
     def plan(self, bags: Bags) -> BagPlan:
         T, B, S = bags.num_tables, bags.batch_size, self.num_servers
@@ -104,19 +112,33 @@ class BagPlanner:
         bag_of = torch.repeat_interleave(torch.arange(T * B), lengths)  # [N]: each id's bag
         table = torch.div(bag_of, B, rounding_mode="floor")  # [N]
         v = bags.values
+        dyn = self.dynamic[table] if self.any_dynamic else None  # [N] bool: ids of dynamic tables
+        fixed_v = v if dyn is None else torch.where(dyn, 0, v)
         if self.mod:
-            owner, local = torch.remainder(v, S), torch.div(v, S, rounding_mode="floor")
+            owner, local = torch.remainder(fixed_v, S), torch.div(fixed_v, S, rounding_mode="floor")
         else:
             per = self.per[table]
-            owner = torch.div(v, per, rounding_mode="floor")
-            local = v - owner * per
+            owner = torch.div(fixed_v, per, rounding_mode="floor")
+            local = fixed_v - owner * per
         row = self.base[owner, table] + local  # [N]: the id's row in its owner's storage
-        key = self.server_start[owner] + row  # [N]: unique across servers, grouped by server
+        if dyn is None:
+            key = self.server_start[owner] + row  # [N]: unique across servers, grouped by server
+            key_start = self.server_start  # [S + 1]: server s's keys are key_start[s] .. key_start[s + 1] - 1
+            key_row, key_id = None, None
+        else:
+            # A dynamic id: its owner by hash, the marker -(1 + t) for a row, and the id itself.
+            owner = torch.where(dyn, dynamic_owner(v, S), owner)
+            row = torch.where(dyn, -1 - table, row)
+            ident = torch.where(dyn, v, 0)
+            # Keys: the rank of (owner, row, id) among the batch's distinct triples (sorted).
+            triples, key = torch.unique(torch.stack([owner, row, ident], 1), dim=0, return_inverse=True)
+            key_start = torch.searchsorted(triples[:, 0].contiguous(), torch.arange(S + 1))
+            key_row, key_id = triples[:, 1], triples[:, 2]
         pooled = self._pooled_tables(bags, lengths, bag_of, table, owner, key)[table]  # [N] bool
 
         single = ~pooled
         skeys, sinv = torch.unique(key[single], return_inverse=True)  # sorted, so grouped by server
-        bounds = torch.searchsorted(skeys, self.server_start).tolist()  # [S + 1]
+        bounds = torch.searchsorted(skeys, key_start).tolist()  # [S + 1]
         s_owner, s_bag = owner[single], bag_of[single]
         s_weight = bags.weights[single] if bags.weights is not None else None
         p_where = torch.nonzero(pooled, as_tuple=True)[0]
@@ -125,13 +147,20 @@ class BagPlanner:
         plan = BagPlan([], [], [], [], [], [], self._divisor(lengths), T, B)
         for s in range(S):
             lo, hi = bounds[s], bounds[s + 1]
-            singles = skeys[lo:hi] - int(self.server_start[s])  # [U_s]
             mine = p_where[p_owner == s]  # [M_s], in bag order
             p_bag = bag_of[mine]
             pbags, counts = torch.unique_consecutive(p_bag, return_counts=True)  # [P_s]
             offsets = (hi - lo) + _exclusive_cumsum(counts)
             weights = bags.weights[mine] if bags.weights is not None and len(mine) else None
-            plan.requests.append(ServerRequest(torch.cat([singles, row[mine]]), offsets, weights))
+            if key_row is None or key_id is None:
+                singles = skeys[lo:hi] - int(key_start[s])  # [U_s]
+                plan.requests.append(ServerRequest(torch.cat([singles, row[mine]]), offsets, weights))
+                plan.ids.append(None)
+            else:
+                rows_s = torch.cat([key_row[skeys[lo:hi]], row[mine]])
+                ids_s = torch.cat([key_id[skeys[lo:hi]], v[mine]])
+                plan.requests.append(ServerRequest(rows_s, offsets, weights))
+                plan.ids.append(ids_s[rows_s < 0])
             plan.answers.append((hi - lo) + len(pbags))
             plan.pooled_rows.append(len(mine))
             # Final bags' entries from server s: its single rows, once per id using them, and

@@ -15,6 +15,13 @@ number of servers.
 
 A server keeps its rows of every table in one storage (``FusedLayout``), so one gather
 serves a step's lookup of all tables; ``ps_train.ctr.plan`` is how a trainer asks for them.
+
+A *dynamic* table (``model.tables[i].kind=dynamic``, ``ps_train.ctr.dynamic``) has no row
+numbers: id ``x`` belongs to server ``dynamic_owner(x)`` (a fixed hash of the id, mod S),
+which keeps it in one of its ``max_rows`` slots of that table, created on first use with
+``dynamic_init_rows`` (a counter-based hash of (seed, table, id, column), so a row's initial
+value does not depend on when or in which order ids arrive). Its slots follow the fixed
+tables' rows in the storage, and one more row, always zero, is what ids without a row read.
 """
 
 from __future__ import annotations
@@ -22,10 +29,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["INIT_BLOCK", "RowSharding", "FusedLayout", "init_rows"]
+__all__ = ["INIT_BLOCK", "RowSharding", "FusedLayout", "init_rows", "dynamic_owner", "dynamic_init_rows"]
 
 # Rows drawn per seeded generator when a table is built: small enough that building a
 # shard never holds much more than the shard, large enough that seeding costs nothing.
@@ -111,24 +119,76 @@ def _block_seed(seed: int, table: int, block: int) -> int:
     return x
 
 
+_U64 = (1 << 64) - 1
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    # SplitMix64's finaliser: a bijection on uint64 with full avalanche (uint64 array ops wrap).
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def _as_u64(ids: Tensor) -> np.ndarray:
+    """int64 ids as uint64 (the same 64 bits), for hashing."""
+    return ids.to(torch.int64).contiguous().numpy().view(np.uint64)
+
+
+def dynamic_owner(ids: Tensor, num_servers: int) -> Tensor:
+    """The server of each id of a dynamic table (int64, same shape): a fixed hash of the id's
+    64 bits, mod ``num_servers``, so consecutive or strided ids spread over the servers."""
+    h = _mix64(_as_u64(ids) ^ np.uint64(0x5851F42D4C957F2D)) >> np.uint64(1)  # < 2**63: fits int64
+    return torch.from_numpy((h % np.uint64(num_servers)).astype(np.int64))
+
+
+def dynamic_init_rows(seed: int, table: int, num_embeddings: int, dim: int, ids: Tensor) -> Tensor:
+    """The initial rows of ids ``ids`` (int64 [n], any order, any 64-bit values) of dynamic
+    table ``table``: float32 [n, dim], uniform in +-sqrt(1 / num_embeddings) (DLRM's rule).
+    Value (i, j) is a hash of (seed, table, ids[i], j): the same id gets the same row whatever
+    the other ids, their order or the server."""
+    bound = math.sqrt(1.0 / num_embeddings)
+    key = _mix64(np.array([(seed * 0x9E3779B97F4A7C15 + table * 0xD1B54A32D192ED03) & _U64], dtype=np.uint64))
+    h = _mix64(_as_u64(ids) ^ key)  # [n]
+    cols = (np.arange(1, dim + 1, dtype=np.uint64) * np.uint64(0xBF58476D1CE4E5B9)).reshape(1, dim)
+    bits = _mix64(h.reshape(-1, 1) ^ cols) >> np.uint64(40)  # [n, dim]: 24 bits, exact in float32
+    u = torch.from_numpy(bits.astype(np.float32)).mul_(1.0 / (1 << 24))  # [0, 1)
+    return u.mul_(2 * bound).sub_(bound)
+
+
 @dataclass(frozen=True)
 class FusedLayout:
     """Where every table's rows live: table ``t`` split by ``kind`` over ``num_servers``
     servers, and each server's rows of all tables in one storage, table after table
     (``row_offsets``). Trainers and servers build the same layout from the config, so a
-    trainer names a row by its place in its server's storage."""
+    trainer names a row by its place in its server's storage.
+
+    ``dynamic_rows``: per table, its slots per server if it is dynamic, else 0 (empty: no
+    dynamic tables). With any, the storage ends with one zero row (``default_row``)."""
 
     kind: str
     table_sizes: tuple[int, ...]
     num_servers: int
+    dynamic_rows: tuple[int, ...] = ()
+
+    def is_dynamic(self, t: int) -> bool:
+        return bool(self.dynamic_rows) and self.dynamic_rows[t] > 0
 
     def shardings(self) -> list[RowSharding]:
         return [RowSharding(self.kind, n, self.num_servers) for n in self.table_sizes]
 
     def row_offsets(self, server: int) -> list[int]:
-        """[T + 1]: table t's rows on ``server`` are its storage rows
-        ``row_offsets[t] : row_offsets[t + 1]``; the last entry is the storage's row count."""
+        """[T + 1]: table t's rows (a dynamic table's slots) on ``server`` are its storage
+        rows ``row_offsets[t] : row_offsets[t + 1]``."""
         out = [0]
-        for sh in self.shardings():
-            out.append(out[-1] + sh.rows_of(server))
+        for t, sh in enumerate(self.shardings()):
+            out.append(out[-1] + (self.dynamic_rows[t] if self.is_dynamic(t) else sh.rows_of(server)))
         return out
+
+    def storage_rows(self, server: int) -> int:
+        """Rows of ``server``'s storage: every table's, and the default row if any table is dynamic."""
+        return self.row_offsets(server)[-1] + (1 if any(self.dynamic_rows) else 0)
+
+    def default_row(self, server: int) -> int | None:
+        """The storage row ids without a row read (zeros; never updated), or None."""
+        return self.row_offsets(server)[-1] if any(self.dynamic_rows) else None

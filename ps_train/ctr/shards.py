@@ -77,17 +77,28 @@ class TableShards(nn.Module):
     """Server ``server``'s rows of every table, in one parameter ``weight`` [rows, dim]."""
 
     def __init__(
-        self, table_sizes: Sequence[int], dim: int, kind: str, server: int, num_servers: int, seed: int
+        self,
+        table_sizes: Sequence[int],
+        dim: int,
+        kind: str,
+        server: int,
+        num_servers: int,
+        seed: int,
+        dynamic_rows: Sequence[int] = (),
     ) -> None:
         super().__init__()
         self.dim = dim
         self.server = server
-        self.layout = FusedLayout(kind, tuple(int(n) for n in table_sizes), num_servers)
+        self.layout = FusedLayout(kind, tuple(int(n) for n in table_sizes), num_servers, tuple(dynamic_rows))
         self.row_offsets = self.layout.row_offsets(server)  # [T + 1]
-        weight = torch.empty(self.row_offsets[-1], dim)
+        weight = torch.empty(self.layout.storage_rows(server), dim)
+        weight[self.row_offsets[-1] :] = 0  # the default row of ids without one (dynamic tables)
         # Table by table, block by block: the storage is the only large allocation.
         for t, (n, sh) in enumerate(zip(table_sizes, self.layout.shardings(), strict=True)):
             first = self.row_offsets[t]
+            if self.layout.is_dynamic(t):  # slots get their rows when ids arrive (ps_train.ctr.dynamic)
+                weight[first : self.row_offsets[t + 1]] = 0
+                continue
             for start in range(0, sh.rows_of(server), INIT_BLOCK):
                 stop = min(sh.rows_of(server), start + INIT_BLOCK)
                 weight[first + start : first + stop] = init_rows(seed, t, n, dim, sh.global_ids(server, start, stop))

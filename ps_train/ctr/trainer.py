@@ -48,11 +48,14 @@ class CtrTrainer(Trainer):
             raise ValueError(
                 f"CtrTrainer needs model=dlrm with CTR data, got model={cfg.model.name} data={cfg.data.name}"
             )
-        data = load_ctr_data(cfg.data)
+        data = load_ctr_data(cfg.data, raw_ids=cfg.model.dynamic_tables())
         self.train_set, self.test_set, self.best_auc = data.train, data.test, data.best_auc
         if data.skipped and self.index == 0:  # every trainer reads the same files: one says it on the console
             print(f"[{self.name}] {data.skipped}", flush=True)
-        if self.train_set.table_sizes != cfg.data.sizes():
+        raw = set(cfg.model.dynamic_tables())  # their ids are raw: the data's sizes say nothing there
+        if [n for t, n in enumerate(self.train_set.table_sizes) if t not in raw] != [
+            n for t, n in enumerate(cfg.data.sizes()) if t not in raw
+        ]:
             raise ValueError(
                 f"data={cfg.data.name}: the data's tables {self.train_set.table_sizes} differ from the "
                 f"config's {cfg.data.sizes()}"
@@ -61,7 +64,12 @@ class CtrTrainer(Trainer):
             self.train_set, self.data_slot, cfg.cluster.num_trainers, cfg.train.batch_size, cfg.seed
         )
         sizes = cfg.data.sizes()
-        layout = FusedLayout(cfg.model.table_sharding, tuple(sizes), cfg.cluster.num_servers)
+        dynamic = cfg.model.dynamic_tables()
+        # A dynamic table's slots per server: they come before later tables' rows in the storage.
+        dynamic_rows = tuple(int(cfg.model.tables[t].max_rows or 1) if t in dynamic else 0 for t in range(len(sizes)))
+        layout = FusedLayout(
+            cfg.model.table_sharding, tuple(sizes), cfg.cluster.num_servers, dynamic_rows if dynamic else ()
+        )
         self.feature_names = cfg.model.feature_list(len(sizes))  # KeyedJagged keys, table order
         self.planner = BagPlanner(layout, cfg.model.embedding_dim, cfg.model.pooling_list(len(sizes)))
         self.cache = (  # hot rows kept here for up to model.cache_staleness steps (ps_train.ctr.cache)
@@ -90,7 +98,7 @@ class CtrTrainer(Trainer):
         # Every server's lookup leaves at once; the bottom MLP's forward runs meanwhile.
         t0 = time.perf_counter()
         futs = [
-            self.rpc.rpc_async(f"ps{s}", _lookup, args=(*requests[s], self.index, self.step))
+            self.rpc.rpc_async(f"ps{s}", _lookup, args=(*requests[s], self.index, self.step, plan.ids[s]))
             for s in range(len(self.servers))
         ]
         (bottom, bottom_server), (top, top_server) = self.shard_servers
@@ -128,7 +136,7 @@ class CtrTrainer(Trainer):
         """Logits [B] of the current model (no autograd): what evaluation scores. ``ids``
         as a batch carries them, or a ``KeyedJagged`` / TorchRec ``KeyedJaggedTensor``."""
         plan = self.planner.plan(to_bags(ids, self.feature_names))
-        futs = [server.rpc_async().read_rows(*plan.requests[s]) for s, server in enumerate(self.servers)]
+        futs = [server.rpc_async().read_rows(*plan.requests[s], plan.ids[s]) for s, server in enumerate(self.servers)]
         (bottom, bottom_server), (top, top_server) = self.shard_servers
         x = self.servers[bottom_server].rpc_sync().predict(bottom, dense)
         emb = combine(plan, [f.wait() for f in futs])
@@ -165,8 +173,7 @@ class CtrTrainer(Trainer):
         }
 
     def extra_metrics(self, all_stats: list[dict[str, Any]], server_stats: list[dict[str, Any]]) -> dict[str, Any]:
-        # Per trainer step: divided by the steps every trainer took (this run's, if resumed).
-        steps = sum(max(s["steps"] - self._first_step, 1) for s in all_stats)
+        steps = self.steps_taken(all_stats)  # per trainer step
         out: dict[str, Any] = {
             **super().extra_metrics(all_stats, server_stats),  # server_bytes_per_step
             "rows_pulled_per_step": sum(s["rows_pulled"] for s in all_stats) / steps,
@@ -174,6 +181,12 @@ class CtrTrainer(Trainer):
             "cache_hits_per_step": sum(s.get("cache_hits", 0) for s in all_stats) / steps,
             "table_bytes": {f"ps{r}": s["table_bytes"] for r, s in enumerate(server_stats)},
             "table_rows_updated": {f"ps{r}": s["table_rows_updated"] for r, s in enumerate(server_stats)},
+            # Dynamic tables: rows held at the end, and created, evicted, admitted over the run.
+            **{
+                f"dynamic_rows_{key}": {f"ps{r}": s[f"dynamic_rows_{key}"] for r, s in enumerate(server_stats)}
+                for key in ("live", "created", "evicted", "admitted")
+                if all(f"dynamic_rows_{key}" in s for s in server_stats)
+            },
             # Each trainer's own loop time: in sync mode the trainer that started last never
             # waits in its loop for the others' start-up (loading data), the others may.
             "trainer_wall_time_s": {f"trainer{k}": s["wall_time_s"] for k, s in enumerate(all_stats)},
@@ -181,7 +194,9 @@ class CtrTrainer(Trainer):
         return out
 
 
-def _lookup(rows: Tensor, offsets: Tensor, weights: Tensor | None, trainer: int, step: int) -> Tensor:
+def _lookup(
+    rows: Tensor, offsets: Tensor, weights: Tensor | None, trainer: int, step: int, ids: Tensor | None = None
+) -> Tensor:
     """Runs on a server: the vectors of a ``ServerRequest`` (``ParameterServer.lookup``).
 
     Called as a function with ``rpc_async``, not through ``rref.rpc_async()``: torch's RRef
@@ -190,7 +205,7 @@ def _lookup(rows: Tensor, offsets: Tensor, weights: Tensor | None, trainer: int,
     gradients home."""
     from ps_train.roles.server import local_server
 
-    return local_server().lookup(rows, offsets, weights, trainer, step)
+    return local_server().lookup(rows, offsets, weights, trainer, step, ids)
 
 
 def _push_gradients(context_id: int, rows: Tensor, grad: Tensor) -> None:

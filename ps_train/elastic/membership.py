@@ -11,10 +11,11 @@ servers never wait for a trainer that is gone:
   trainers it held back at once. ps0 watches every member with rpc_core's heartbeats, so a
   trainer that freezes or is cut off is removed within ``RPC_CORE_HEARTBEAT_TIMEOUT`` (30 s)
   to 1.5 times that, as one that dies is at once (a joiner too, which no launcher watches);
-- **where each trainer stands**: with every update ps0 applies, the trainer sends the data
-  position after that step (``completed``); a replacement for a dead trainer (same name,
-  started by the local launcher) asks ``resume_point`` and continues with the next step of
-  the same partition, so every sample of it is trained once;
+- **where each trainer stands**: with every update, the trainer sends the data position
+  after that step, which ps0 notes as it applies it (its ``positions``, the record every
+  server keeps for checkpoints: ``ps_train.checkpoint.positions``); a replacement for a dead
+  trainer (same name, started by the local launcher) asks ``resume_point`` and continues with
+  the next step of the same partition, so every sample of it is trained once;
 - **partitions per epoch**: the first trainer to reach epoch ``e`` fixes its members
   (``assignment``): the launched trainers not yet finished (a dead one will be replaced)
   plus the joiners then present, in index order; trainer ``slot`` of ``world`` reads
@@ -39,6 +40,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from ps_train import backend
+from ps_train.checkpoint.positions import TrainerPositions, trainer_name
 from ps_train.config import Config
 from ps_train.metrics import MetricsWriter, make_writer
 from ps_train.observe.console import CONSOLE
@@ -68,9 +70,18 @@ class Assignment(NamedTuple):
 
 class Membership:
     """ps0's side. ``launched``: the trainers the launcher started (indices ``0..T-1``);
-    ``index_of``: a worker name's trainer index, None for a server."""
+    ``index_of``: a worker name's trainer index, None for a server; ``positions``: ps0's record
+    of where each trainer stands (``ParameterServer.positions``; its ``start``: where this
+    attempt started)."""
 
-    def __init__(self, launched: int, num_servers: int, writer: MetricsWriter, version: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        launched: int,
+        num_servers: int,
+        writer: MetricsWriter,
+        version: Callable[[], int],
+        positions: TrainerPositions | None = None,
+    ) -> None:
         self.launched = set(range(launched))
         self.num_servers = num_servers
         self.writer = writer
@@ -79,7 +90,7 @@ class Membership:
         self.present: set[int] = set()
         self.finished: set[int] = set()
         self.reports: dict[int, dict[str, Any]] = {}
-        self.positions: dict[int, tuple[int, dict[str, int]]] = {}  # trainer -> (next step, data position)
+        self.positions = positions if positions is not None else TrainerPositions()
         self.epochs: dict[int, list[int]] = {}  # epoch -> its trainers, slot order
         self.waiting: list[tuple[int, torch.futures.Future[Any]]] = []  # joiners waiting for an epoch
         self.report_waiters: list[torch.futures.Future[Any]] = []
@@ -88,8 +99,7 @@ class Membership:
         self.done = False
         self.closed = False  # the writer is: later changes are kept in ``events`` only
         self._t0 = time.monotonic()
-        # Where this attempt started: the resumed checkpoint's step and trainer data positions.
-        self.start: tuple[int, dict[str, dict[str, int]]] = (0, {})
+        self.start_step = 0  # the resumed checkpoint's step (trainer0's), 0 for a fresh run
 
     def index_of(self, rank: int) -> int | None:
         return rank - self.num_servers if rank >= self.num_servers else None
@@ -137,30 +147,25 @@ class Membership:
             return self.present - self.finished
 
     # -- positions -----------------------------------------------------------------------------
-    def completed(self, trainer: int, step: int, position: dict[str, int]) -> None:
-        """ps0 applied ``trainer``'s step ``step``; ``position``: its data position after it."""
-        with self.cond:
-            last = self.positions.get(trainer)
-            if last is None or step + 1 > last[0]:
-                self.positions[trainer] = (step + 1, dict(position))
-
     def resume_point(self, trainer: int) -> dict[str, Any]:
         """Where ``trainer`` starts: ``{"step", "position"}``, the step after its last one ps0
         applied and the data position after it (it is a replacement); else ``{"step",
-        "data_state"}``, where this attempt started (a checkpoint's step and position, or 0)."""
-        with self.cond:
-            if trainer in self.positions:
-                step, position = self.positions[trainer]
-                return {"step": step, "position": position}
-            step, positions = self.start
-            return {"step": step, "data_state": positions.get(f"trainer{trainer}")}
+        "data_state"}``, where this attempt started (its own step and position in the resumed
+        checkpoint, or step 0)."""
+        last = self.positions.last(trainer)
+        if last is not None:
+            return {"step": last.step, "position": last.position}
+        data_state = self.positions.start.get(trainer_name(trainer))
+        step = data_state.get("step", self.start_step) if data_state else self.start_step
+        return {"step": step, "data_state": data_state}
 
     def join_step(self) -> int:
         """A joiner's first step number: the slowest counted trainer's, so ssp's clock does not
         hold the others back until the joiner has caught up with steps it never had."""
+        steps = self.positions.steps()
         with self.cond:
-            steps = [self.positions[t][0] for t in self.present - self.finished if t in self.positions]
-            return min(steps, default=0)
+            counted = self.present - self.finished
+        return min((n for t, n in steps.items() if t in counted), default=0)
 
     # -- partitions ----------------------------------------------------------------------------
     def assignment(self, trainer: int, epoch: int) -> torch.futures.Future[Any]:
@@ -289,6 +294,10 @@ class ElasticServer(Protocol):
     membership: Membership | None  # ps0's, set by keep_membership
 
     @property
+    def positions(self) -> TrainerPositions:
+        """Where each trainer stands after its last update applied here."""
+
+    @property
     def version(self) -> int:
         """Updates it applied so far (the step of the membership curve)."""
 
@@ -297,6 +306,9 @@ class ElasticServer(Protocol):
 
     def wait_released(self) -> None:
         """Return once trainer0 has written the run's results."""
+
+    def member_left(self, name: str) -> None:
+        """``name`` left the group (trainer0 in the middle of a checkpoint: held updates go on)."""
 
 
 def keep_membership(
@@ -311,9 +323,11 @@ def keep_membership(
     ps0's TensorBoard writer, if the process has one already (one writer per folder)."""
     if writer is None:
         writer = make_writer(cfg.logging.tensorboard, f"{run_dir}/tb/ps0", filename_suffix=".ps0")
-    ps.membership = Membership(cfg.cluster.num_trainers, cfg.cluster.num_servers, writer, lambda: ps.version)
-    if resume_state is not None:
-        ps.membership.start = (resume_state["step"], dict(resume_state["trainer_positions"]))
+    ps.membership = Membership(
+        cfg.cluster.num_trainers, cfg.cluster.num_servers, writer, lambda: ps.version, positions=ps.positions
+    )
+    if resume_state is not None:  # ps.positions.start holds the trainers' own (load_server_state)
+        ps.membership.start_step = resume_state["step"]
     ps.membership.listeners.append(ps.trainer_changed)
     set_current(ps.membership)
 
@@ -322,6 +336,12 @@ def serve_elastic(ps: ElasticServer) -> None:
     """A server of an elastic run, in the group: ps0 follows its joins and leaves; every server
     stays until trainer0 has written the results (each member of a dynamic group leaves on
     its own, so a server's shutdown would not wait for the trainers)."""
+
+    def left(info: Any, joined: bool) -> None:
+        if not joined:
+            ps.member_left(info.name)
+
+    backend.rpc().add_membership_listener(left)
     if ps.membership is not None:
         follow(ps.membership)
     ps.wait_released()

@@ -6,9 +6,10 @@
   trainer rank.
 - ``ElasticBatches``: the trainer's batches, one epoch at a time, from the partition ps0
   assigns it for that epoch (``Assignment``: slot ``s`` of ``world``); the position after each
-  step goes to ps0 with the step's update, so a replacement continues with the next batch.
+  step goes to every server with the step's update (``ps_train.checkpoint.positions``), so a
+  replacement continues with the next batch after its predecessor's last step ps0 applied.
 - ``ElasticRole``: where a trainer starts -- a replacement after its predecessor's last step
-  that ps0 applied, a launched trainer at its checkpoint's step (or 0), a joiner at the
+  that ps0 applied, a launched trainer after its own step in the checkpoint (or 0), a joiner at the
   slowest trainer's step -- and how it hands in its totals at the end.
 """
 

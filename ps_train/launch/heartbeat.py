@@ -9,9 +9,11 @@ counter has not moved for ``cluster.role_timeout`` seconds is unresponsive, and 
 treats it like a dead one (stops the run, restarts it if ``cluster.max_restarts`` allows).
 
 Counters rather than timestamps: the launcher measures the silence on its own clock, so
-nothing assumes the processes share one. Until a role's first beat (a process forked
-while the forkserver still imports torch can take a while) the allowance is
-``startup_grace`` instead, never less than the timeout.
+nothing assumes the processes share one. Until a role's first beat the allowance is
+``startup_grace`` instead, never less than the timeout, counted from when the launcher
+started that role's process (``started``), not from the launch: the first process a launcher
+starts also starts its forkserver, which imports torch first (a minute on a busy machine), and
+that time is nobody's silence.
 
 A dead role is not this module's business: the launcher sees its process exit at once.
 """
@@ -21,7 +23,7 @@ from __future__ import annotations
 import ctypes
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +35,13 @@ MIN_STARTUP_GRACE = 60.0  # seconds before a role's first beat, at least
 class HeartbeatBoard:
     """Launcher side: one counter per rank, and when each last moved."""
 
-    def __init__(self, ctx: Any, num_roles: int, timeout: float) -> None:
+    def __init__(self, ctx: Any, num_roles: int, timeout: float, clock: Callable[[], float] = time.monotonic) -> None:
         # ctx: the multiprocessing context the roles are started with (its heap is shareable).
         self.timeout = timeout
         self.counters = ctx.RawArray(ctypes.c_uint64, num_roles)
         self.startup_grace = max(MIN_STARTUP_GRACE, 3 * timeout)
-        now = time.monotonic()
+        self._clock = clock  # the launcher's own clock (a test's, to step time)
+        now = clock()
         self._seen = [0] * num_roles
         self._moved = [now] * num_roles
 
@@ -56,16 +59,22 @@ class HeartbeatBoard:
         return self.interval if self.enabled else None
 
     def restart(self, rank: int) -> None:
-        """A new process takes ``rank`` (an elastic run's replacement trainer): it gets the
-        startup allowance again, counted from now."""
+        """A new process is about to take ``rank`` (an elastic run's replacement trainer): the
+        dead one's count must not pass for the new one's first beat (``started`` follows)."""
         self.counters[rank] = 0
-        self._seen[rank], self._moved[rank] = 0, time.monotonic()
+        self.started(rank)
+
+    def started(self, rank: int) -> None:
+        """The process for ``rank`` exists now (the launcher's ``Process.start`` returned: with
+        a forkserver, once it forked it): its startup allowance counts from now. It may have
+        beaten already; then its silence counts from now, with the usual timeout."""
+        self._seen[rank], self._moved[rank] = self.counters[rank], self._clock()
 
     def silent(self, ranks: Iterable[int]) -> list[tuple[int, float]]:
         """``(rank, seconds since its last beat)`` for each of ``ranks`` over its allowance."""
         if not self.enabled:
             return []
-        now = time.monotonic()
+        now = self._clock()
         late = []
         for rank in ranks:
             value = self.counters[rank]

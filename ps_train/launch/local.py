@@ -195,6 +195,7 @@ def launch_local(
             daemon=False,
         )
         p.start()
+        board.started(rank)  # its startup allowance counts from here, not from the forkserver's start
         return p
 
     def replace(rank: int, reason: str) -> Any:

@@ -140,9 +140,9 @@ def run_rank(
     try:
         if rank >= S:
             start, data_state = 0, None
-            if resume_state is not None:
-                start = resume_state["step"]
+            if resume_state is not None:  # async/ssp: each trainer after its own last step the checkpoint holds
                 data_state = resume_state["trainer_positions"].get(name)
+                start = data_state["step"] if data_state is not None else resume_state["step"]
             if cfg.cluster.elastic:
                 wait_for_servers(S, cfg.cluster.init_timeout)
                 if joined is not None:

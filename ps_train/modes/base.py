@@ -35,6 +35,7 @@ __all__ = [
     "ModeServer",
     "ModeTrainer",
     "TrainerMembership",
+    "PositionRecord",
     "UpdateRequest",
     "UPDATE_IN_BACKWARD",
     "resolved",
@@ -49,7 +50,8 @@ class UpdateRequest(NamedTuple):
 
     trainer: int
     step: int
-    position: dict[str, int] | None  # elastic: the trainer's data position after this step (ps0 keeps it)
+    # async/ssp and elastic: the trainer's data position after this step (every server notes it)
+    position: dict[str, int] | None
 
 
 # -- what a mode reads of the config (ps_train.config.Config and its groups) ------------------------
@@ -124,6 +126,11 @@ class TrainerMembership(Protocol):
 
     def counted(self) -> set[int]: ...
 
+
+class PositionRecord(Protocol):
+    """A server's record of each trainer's data position after its last update applied there
+    (``ps_train.checkpoint.positions.TrainerPositions``)."""
+
     def completed(self, trainer: int, step: int, position: dict[str, int]) -> None: ...
 
 
@@ -148,6 +155,11 @@ class ModeServer(Protocol):
     @property
     def membership(self) -> TrainerMembership | None:
         """ps0 of an elastic run: who trains; else None."""
+
+    @property
+    def positions(self) -> PositionRecord:
+        """Each trainer's data position after its last update applied here; the mode notes
+        it with the update, under ``lock``."""
 
     @property
     def dense_params(self) -> Sequence[Tensor]:
@@ -203,6 +215,10 @@ class Mode(ABC):
     not_elastic: ClassVar[str | None] = None
     # Trainer side: whether a trainer sends its next forward before its update is answered.
     pipelined = False
+    # Whether a checkpoint resumes each trainer from its own data position, as the servers
+    # noted it with its updates (async, ssp: trainers move apart); False: every trainer is at
+    # trainer0's step when trainer0 checkpoints (sync, whose rounds need every trainer).
+    per_trainer_positions: ClassVar[bool] = False
 
     def __init__(self, run: RunConfig) -> None:
         self.num_trainers = run.cluster.num_trainers
@@ -235,9 +251,7 @@ class Mode(ABC):
         on the server once the context's gradients are all there; the future's value comes
         back with the backward (``settled`` gets it). Every mode's ``update`` already takes the
         gradients by context; sync's answers once the round is applied."""
-        return self.update(
-            server, context_id, request.trainer, request.step, request.position if server.rank == 0 else None
-        )
+        return self.update(server, context_id, request.trainer, request.step, request.position)
 
     @abstractmethod
     def update(
@@ -245,12 +259,21 @@ class Mode(ABC):
     ) -> torch.futures.Future[Any]:
         """Trainer ``trainer``'s step-``step`` gradients (in its autograd context
         ``context_id``); the future's value goes back to the trainer (``settled``).
-        ``position`` (elastic, to ps0): the trainer's data position after this step."""
+        ``position`` (async/ssp, elastic): the trainer's data position after this step."""
         raise NotImplementedError
 
     def clock(self, server: ModeServer, trainer: int, completed: int) -> torch.futures.Future[Any]:
         """Resolves once trainer ``trainer``, having completed ``completed`` steps, may go on."""
         raise RuntimeError(f"mode={self.name} keeps no clock: its trainers never wait for each other between steps")
+
+    def hold_updates(self, server: ModeServer) -> None:
+        """Until ``release_updates``: apply no update here (a checkpoint takes every server's
+        state while none of them moves on; ``ParameterServer.begin_save``)."""
+        return  # sync: nothing moves while trainer0 checkpoints (its gradients complete every round)
+
+    def release_updates(self, server: ModeServer) -> None:
+        """Apply the updates held since ``hold_updates``, in arrival order, and go on."""
+        return
 
     def trainer_finished(self, server: ModeServer, trainer: int) -> None:
         """Trainer ``trainer`` ran its last step."""
@@ -276,11 +299,9 @@ class Mode(ABC):
     def send_update(
         self, trainer: ModeTrainer, context_id: int, step: int, position: dict[str, int] | None
     ) -> list[torch.futures.Future[Any]]:
-        """Ask every server to apply this step's gradients (``position``: to ps0 only)."""
-        return [
-            server.rpc_async().update(context_id, trainer.index, step, position if r == 0 else None)
-            for r, server in enumerate(trainer.servers)
-        ]
+        """Ask every server to apply this step's gradients (``position``: the trainer's data
+        position after the step, which every server notes)."""
+        return [server.rpc_async().update(context_id, trainer.index, step, position) for server in trainer.servers]
 
     @abstractmethod
     def settled(self, trainer: ModeTrainer, results: list[Any], step: int) -> dict[str, float]:

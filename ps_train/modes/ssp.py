@@ -86,9 +86,27 @@ class SspMode(AsyncMode):
         update = super().in_backward(server, context_id, request)
         if server.rank != 0:
             return update
-        staleness = update.wait()  # async's update answers at once
-        clock = self.clock(server, request.trainer, request.step + 1)
-        return clock.then(lambda f: ClockedUpdate(staleness, f.value()))
+        # The update answers at once, or once a checkpoint lets held updates go on
+        # (``hold_updates``): chained, so no thread waits for it.
+        answer: torch.futures.Future[Any] = torch.futures.Future()
+
+        def clocked(staleness: int, clock: torch.futures.Future[Any]) -> None:
+            try:
+                answer.set_result(ClockedUpdate(staleness, clock.value()))
+            except Exception as e:  # noqa: BLE001 - the trainer's backward raises it
+                answer.set_exception(e)
+
+        def updated(f: torch.futures.Future[Any]) -> None:
+            try:
+                staleness = f.value()
+            except Exception as e:  # noqa: BLE001 - the trainer's backward raises it
+                answer.set_exception(e)
+                return
+            clock = self.clock(server, request.trainer, request.step + 1)
+            clock.add_done_callback(lambda c: clocked(staleness, c))
+
+        update.add_done_callback(updated)
+        return answer
 
     def trainer_finished(self, server: ModeServer, trainer: int) -> None:
         self.clock(server, trainer, _FINISHED)

@@ -11,8 +11,10 @@ optimizer step here), ``contributions_per_round`` (sync: trainer gradients per a
 update), ``staleness_mean`` and the ``staleness`` histogram (async/ssp: updates applied by
 others between a gradient's read and its update), ``rows_read_per_s``,
 ``rows_updated_per_s``, ``rows_live`` (tables: rows updated at least once since the role
-started), ``bytes_in_per_s``, ``bytes_out_per_s``, ``requests_in_flight`` (rpc_core's
-connection counters: the requests received and not answered when sampled) and ``peak_rss_mb``.
+started), ``dynamic_rows_live``, ``dynamic_rows_created``, ``dynamic_rows_evicted``,
+``dynamic_rows_admitted`` (dynamic tables: rows held now, and cumulative counts),
+``bytes_in_per_s``, ``bytes_out_per_s``, ``requests_in_flight`` (rpc_core's connection
+counters: the requests received and not answered when sampled) and ``peak_rss_mb``.
 """
 
 from __future__ import annotations
@@ -160,6 +162,9 @@ class ServerMetrics:
             out["server/rows_read_per_s"] = (tables["rows_read"] - self._prev_tables.get("rows_read", 0)) / dt
             out["server/rows_updated_per_s"] = (tables["rows_updated"] - self._prev_tables.get("rows_updated", 0)) / dt
             out["server/rows_live"] = float(tables["rows_live"])
+            for key in ("live", "created", "evicted", "admitted"):  # dynamic tables: cumulative counts
+                if f"dynamic_rows_{key}" in tables:
+                    out[f"server/dynamic_rows_{key}"] = float(tables[f"dynamic_rows_{key}"])
         if moved is not None:
             # Counts are over open connections: one that closed takes its bytes along.
             out["server/bytes_in_per_s"] = max(0, moved.received - self._prev_bytes.received) / dt

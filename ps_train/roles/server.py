@@ -40,6 +40,7 @@ from torch.func import functional_call
 
 from ps_train import backend
 from ps_train.checkpoint.files import SaveStarted, ShardFile, save_shard_state
+from ps_train.checkpoint.positions import TrainerPositions
 from ps_train.config import Config, optimizer_spec
 from ps_train.elastic.membership import Membership
 from ps_train.faults import maybe_inject_fault
@@ -86,11 +87,22 @@ class TablePart(Protocol):
     @property
     def params(self) -> list[nn.Parameter]: ...
 
-    def lookup(self, rows: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    def lookup(
+        self,
+        rows: torch.Tensor,
+        offsets: torch.Tensor,
+        weights: torch.Tensor | None,
+        ids: torch.Tensor | None = None,
+        step: int = -1,
+        trainer: int = 0,
+    ) -> torch.Tensor:
         """For training: one vector per row, or per bag of rows (summed, times ``weights``),
-        of the request (``ps_train.ctr.plan.ServerRequest``): [P, dim]."""
+        of the request (``ps_train.ctr.plan.ServerRequest``): [P, dim]; ``ids``: the raw ids
+        of its dynamic tables' rows, by ``trainer`` at ``step``."""
 
-    def read(self, rows: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    def read(
+        self, rows: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None, ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The same vectors without autograd, for evaluation."""
 
     def step(self, grads: Mapping[torch.Tensor, torch.Tensor], lr_factor: float = 1.0) -> None:
@@ -141,8 +153,12 @@ class ParameterServer:
         self.version = 0  # updates applied so far: the version of every shard here (they step together)
         self.updates = {i: 0 for i in self.shards}
         self.membership: Membership | None = None  # ps0 of a cluster.elastic=true job (ps_train.elastic.membership)
+        # async/ssp: each trainer's data position after its last update applied here (the mode
+        # notes it under self.lock); a checkpoint saves it, ps0's membership reads it
+        self.positions = TrainerPositions()
         self._released = threading.Event()  # elastic: trainer0 is done with the servers
         self._saving: tuple[str, torch.futures.Future[list[ShardFile]]] | None = None  # (folder, files written)
+        self._holding = False  # updates are held for a checkpoint (begin_save .. finish_save)
         # autograd context -> (rows [H], gradients [H, d]) pushed for it by a trainer's row cache
         self._pushed: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._pushed_lock = threading.Lock()
@@ -189,17 +205,28 @@ class ParameterServer:
             return cached[1](x)
 
     def lookup(
-        self, rows: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None, trainer: int = -1, step: int = -1
+        self,
+        rows: torch.Tensor,
+        offsets: torch.Tensor,
+        weights: torch.Tensor | None,
+        trainer: int = -1,
+        step: int = -1,
+        ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The vectors of a trainer's request to the tables held here (``TablePart.lookup``)."""
+        """The vectors of a trainer's request to the tables held here (``TablePart.lookup``);
+        ``ids``: the raw ids of its dynamic tables' rows."""
         tables = self._tables()
-        return self.mode.lookup(self, lambda: tables.lookup(rows, offsets, weights), trainer, step)
+        return self.mode.lookup(
+            self, lambda: tables.lookup(rows, offsets, weights, ids, step, max(trainer, 0)), trainer, step
+        )
 
-    def read_rows(self, rows: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    def read_rows(
+        self, rows: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None, ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``lookup`` for evaluation: no autograd, no step bookkeeping."""
         tables = self._tables()
         with self.lock:
-            return tables.read(rows, offsets, weights)
+            return tables.read(rows, offsets, weights, ids)
 
     def _tables(self) -> TablePart:
         if self.tables is None:
@@ -309,11 +336,15 @@ class ParameterServer:
         if self.tables is None:
             return {}
         st = self.tables.stats()
-        return {
+        out = {
             "rows_read": st["table_rows_read"],
             "rows_updated": st["table_rows_updated"],
             "rows_live": st.get("table_rows_live", 0),
         }
+        for key in ("live", "created", "evicted", "admitted"):  # dynamic tables only
+            if f"dynamic_rows_{key}" in st:
+                out[f"dynamic_rows_{key}"] = st[f"dynamic_rows_{key}"]
+        return out
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -364,10 +395,17 @@ class ParameterServer:
         done: torch.futures.Future[list[ShardFile]] = torch.futures.Future()
         if self.saving():
             raise RuntimeError(f"{name}: asked for checkpoint {ckpt_dir} while {self._saving} is being written")
+        # async/ssp: no update applies here until finish_save, when every server's state is
+        # taken (ps_train.modes.asynchronous); sync: nothing can move anyway.
+        self.mode.hold_updates(self)
+        self._holding = True
+        positions = None
+        if self.mode.per_trainer_positions:  # the positions the parameters hold (nothing moves now)
+            positions = self.positions.snapshot()
         if self.tables is None:  # a few MB of dense shards: written now
             done.set_result([save_shard_state(ckpt_dir, name, self.state_dict())])
             self._saving = (ckpt_dir, done)
-            return SaveStarted(name, None, background=False)
+            return SaveStarted(name, None, background=False, positions=positions)
         tables = self.tables
         with self.lock:  # only the small state is copied while updates wait
             state = self._state(copy_tables=None)
@@ -396,7 +434,7 @@ class ParameterServer:
             done.set_result(files)
 
         threading.Thread(target=write, name=f"{name}-checkpoint", daemon=True).start()
-        return SaveStarted(name, snapshot.base, background=True)
+        return SaveStarted(name, snapshot.base, background=True, positions=positions)
 
     def saving(self) -> bool:
         """A checkpoint's files are still being written."""
@@ -404,10 +442,26 @@ class ParameterServer:
 
     @async_execution
     def finish_save(self, ckpt_dir: str) -> torch.futures.Future[list[ShardFile]]:
-        """Resolves to the files ``begin_save(ckpt_dir)`` wrote, once they are written."""
+        """Resolves to the files ``begin_save(ckpt_dir)`` wrote, once they are written; the
+        coordinator calls it once every server's state is taken, so the updates held since
+        ``begin_save`` (async/ssp) go on now."""
+        self._release_held()
         if self._saving is None or self._saving[0] != ckpt_dir:
             raise RuntimeError(f"ps{self.rank}: no checkpoint {ckpt_dir} begun (begin_save first)")
         return self._saving[1]
+
+    def _release_held(self) -> None:
+        if self._holding:
+            self._holding = False
+            self.mode.release_updates(self)
+
+    def member_left(self, name: str) -> None:
+        """Elastic: ``name`` left the group. trainer0 coordinates checkpoints: if it died
+        between ``begin_save`` and ``finish_save``, the updates held for its checkpoint go on
+        (that checkpoint stays incomplete)."""
+        if name == "trainer0" and self._holding:
+            log.warning("ps%d: trainer0 left while a checkpoint held the updates; they go on", self.rank)
+            self._release_held()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         with self.lock:

@@ -136,7 +136,7 @@ class Trainer:
         self.rpc = backend.rpc()
         self.dist_autograd = backend.dist_autograd()
         self.load()
-        if data_state is not None:
+        if data_state is not None and not cfg.cluster.elastic:  # elastic: ElasticRole places the batches
             self.batches.load_state_dict(data_state)
         self.steps = total_steps(
             cfg.train.steps, cfg.train.epochs, len(self.train_set), cfg.cluster.num_trainers, cfg.train.batch_size
@@ -200,8 +200,8 @@ class Trainer:
             ctx = scope.enter_context(self.dist_autograd.context())
             loss, out = self.step_loss(batch)
             self.settle()  # pipelined: the forward ran after the previous update, so this is done
-            # Elastic: ps0 also keeps the data position after this step (for a replacement).
-            pos = self.elastic.position() if self.elastic is not None else None
+            pos = self._position()
+            self.sample_log.trained(self.step + 1)  # as its update goes out (debug record, off by default)
             if self.in_backward:  # the update rides on the backward: done when it returns
                 self.dist_autograd.set_backward_info(ctx, UPDATE_IN_BACKWARD, UpdateRequest(self.index, self.step, pos))
                 self.dist_autograd.backward(ctx, [loss])
@@ -222,6 +222,18 @@ class Trainer:
         self._in_flight = InFlight(kept, futs, self.step)
         return {"loss": loss.item(), **out}
 
+    def _position(self) -> dict[str, int] | None:
+        """The data position after the step being trained, sent with its update: every server
+        notes it (async/ssp: a checkpoint resumes this trainer from it; elastic: a replacement
+        does, from ps0's). None in sync mode, where every trainer is at trainer0's step when
+        it checkpoints."""
+        if self.elastic is not None:
+            return self.elastic.position()
+        if self.mode.per_trainer_positions:
+            state: dict[str, int] = self.batches.state_dict()
+            return state
+        return None
+
     def _updates_in_backward(self, ctx: int, pos: dict[str, int] | None) -> list[torch.futures.Future[Any]]:
         """The servers' answers to the update that rode on the backward, in server order; a
         server the backward did not reach (no gradient of its parameters) gets the update
@@ -233,7 +245,7 @@ class Trainer:
             if UPDATE_IN_BACKWARD in got:
                 futs.append(resolved(got[UPDATE_IN_BACKWARD]))
             else:
-                futs.append(server.rpc_async().update(ctx, self.index, self.step, pos if r == 0 else None))
+                futs.append(server.rpc_async().update(ctx, self.index, self.step, pos))
         return futs
 
     def settle(self) -> dict[str, float]:
@@ -279,14 +291,19 @@ class Trainer:
         fits its link terms to them)."""
         if not all("bytes_sent" in s for s in server_stats):
             return {}  # backend=torch has no byte counters
-        # Per trainer step: divided by the steps every trainer took (this run's, if resumed).
-        steps = sum(max(s["steps"] - self._first_step, 1) for s in all_stats)
+        steps = self.steps_taken(all_stats)
         return {
             "server_bytes_per_step": {
                 f"ps{r}": {"sent": s["bytes_sent"] / steps, "received": s["bytes_received"] / steps}
                 for r, s in enumerate(server_stats)
             }
         }
+
+    def steps_taken(self, all_stats: list[dict[str, Any]]) -> int:
+        """The steps every trainer took in this run (a resumed one: from where each started;
+        async/ssp trainers resume at steps of their own), at least one each: what per-step
+        metrics divide by."""
+        return sum(max(s["steps"] - s.get("first_step", self._first_step), 1) for s in all_stats)
 
     # -- the loop ---------------------------------------------------------------------------------
     def run(self, on_step: StepHook | None = None) -> dict[str, Any] | None:
@@ -307,6 +324,7 @@ class Trainer:
         self.mode.trainer_done(self)  # ssp: this trainer no longer holds the others back
         mine = {
             "steps": self.step,
+            "first_step": self._first_step,
             "samples": self.meter.total,
             "wall_time_s": wall,
             "samples_per_s": self.meter.overall(),
@@ -347,7 +365,6 @@ class Trainer:
             last = self.train_step(batch)
             losses.append(last["loss"])
             self.step += 1
-            self.sample_log.trained(self.step)  # debug record, off by default
             self.meter.update(len(batch[-1]))  # every batch ends with its labels [B]
             step = self.step
             if step < self.steps:

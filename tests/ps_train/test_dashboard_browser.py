@@ -16,7 +16,7 @@ from tests.ps_train._app import run_app
 
 def _browser_or_skip():
     try:
-        from playwright.sync_api import sync_playwright  # type: ignore[import-not-found]
+        from playwright.sync_api import sync_playwright  # type: ignore[import-not-found, unused-ignore]
     except ImportError:
         pytest.skip("Playwright is not installed (pip install playwright && playwright install chromium)")
     if shutil.which("tensorboard") is None:

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from ps_train.checkpoint.files import latest_checkpoint, load_checkpoint
+from ps_train.checkpoint.positions import TrainerPositions
 from ps_train.config import Config, ConfigError, ModeConfig, validate
 from ps_train.modes import make_mode
 from ps_train.modes.hybrid import HybridMode
@@ -44,6 +45,7 @@ class FakeServer:
     version: int = 0
     has_running_stats: bool = False
     membership: None = None
+    positions: TrainerPositions = field(default_factory=TrainerPositions)
 
     def run_shard(self, shard: int, x: torch.Tensor, trainer: int, step: int) -> torch.Tensor:
         raise AssertionError("no forward in these tests")

@@ -110,7 +110,7 @@ def test_fault_specs_parse_and_bad_ones_say_the_format():
     ]
     with pytest.raises(
         ValueError,
-        match=r"'ps1@x' is not <role>@\[\+\]<step>\[:kill\|:freeze\|:partial\|:checkpoint\|:eval\|:restore"
+        match=r"'ps1@x' is not <role>@\[\+\]<step>\[:kill\|:freeze\|:stall\|:partial\|:checkpoint\|:eval\|:restore"
         r"\|:hold_waiting=<name>\|:hold_steps=<name>\*<n>\|:hold_leave=<name>\]\[#<attempt>\]",
     ):
         parse_faults("ps1@x")

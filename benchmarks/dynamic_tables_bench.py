@@ -1,0 +1,175 @@
+"""Dynamic tables against hashing: a server's peak RSS under its row cap, and test AUC.
+
+Usage (from the repo root)::
+
+    python benchmarks/dynamic_tables_bench.py                     # the figures in docs/benchmarks.md
+    python benchmarks/dynamic_tables_bench.py --samples 2000000 --tables 1 --json out.json
+
+Synthetic CTR data (``data=synthetic_ctr``) whose ``--tables`` tables draw ids from
+``--ids`` (10M) distinct ones with Zipf skew ``--zipf``, one server and one trainer, batches of
+``--batch``, one pass over ``--samples`` samples, row-wise Adagrad on the tables. Two runs:
+
+- **dynamic**: every table ``kind: dynamic`` with ``max_rows`` = ``--cap`` (1M) slots on the
+  server, LRU eviction: each id its own row while it is held;
+- **hashed**: fixed tables of ``--cap`` rows, the same drawn ids folded in (``id mod cap``,
+  ``data.drawn_ids``): the same memory, colliding ids share a row.
+
+Printed: each run's test AUC (and the data's best), the server's peak RSS
+(``peak_rss_bytes``) against the bound the cap implies, computed here from the sizes
+(``docs/ctr.md#dynamic-tables-rows-keyed-by-raw-ids``) plus the server's RSS without them
+(``baseline``: the same run with tables of 2 rows), the dynamic rows live, created and
+evicted, and the 1-minute load average before and after each run. The defaults (2 tables,
+3M samples: 659 steps of 4,096) take 10-15 minutes on the 2-core development machine; Zipf 0.8
+(not the default 1.05) so that one pass meets more distinct ids than the cap holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import tracemalloc
+from typing import Any
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load1() -> float:
+    with open("/proc/loadavg") as f:
+        return float(f.read().split()[0])
+
+
+def dict_bytes_per_entry() -> float:
+    """What the server's id -> slot dict costs per entry (large int keys, small int values),
+    measured here on 200,000 entries."""
+    tracemalloc.start()
+    d = {(1 << 40) + 7919 * i: i for i in range(200_000)}
+    size, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    return size / len(d)
+
+
+def run(kind: str, args: argparse.Namespace, run_dir: str) -> dict[str, Any]:
+    dim, cap = args.dim, args.cap
+    if kind == "dynamic":
+        entry = f"{{num_embeddings: {args.ids}, kind: dynamic, max_rows: {cap}}}"
+        data = []
+    elif kind == "hashed":
+        entry = f"{{num_embeddings: {cap}}}"
+        data = [f"data.drawn_ids={args.ids}"]
+    else:  # the same run with tables of 2 rows: the server's RSS without the tables
+        entry = "{num_embeddings: 2}"
+        data = [f"data.drawn_ids={args.ids}"]
+    tables = ", ".join(entry.replace("{", f"{{name: t{t}, ", 1) for t in range(args.tables))
+    steps = int((1 - 0.1) * args.samples / args.batch)
+    cmd = [
+        sys.executable,
+        "-m",
+        "ps_train",
+        "model=dlrm",
+        "data=synthetic_ctr",
+        f"data.num_samples={args.samples}",
+        f"data.zipf_alpha={args.zipf}",
+        *data,
+        f"model.tables=[{tables}]",
+        f"model.embedding_dim={dim}",
+        "model.table_optim=rowwise_adagrad",
+        f"model.table_lr={args.lr}",
+        "cluster.num_trainers=1",
+        "cluster.num_servers=1",
+        f"train.batch_size={args.batch}",
+        f"train.steps={steps}",
+        "train.eval_every=0",
+        "checkpoint.every=0",
+        "logging.progress=false",
+        "mode=sync",
+        f"hydra.run.dir={run_dir}",
+    ]
+    before = load1()
+    proc = subprocess.run(cmd, cwd=_ROOT, capture_output=True, text=True, timeout=args.timeout)
+    row: dict[str, Any] = {"kind": kind, "load_before": before, "load_after": load1()}
+    if proc.returncode != 0:
+        return {**row, "status": "error", "stderr": proc.stderr[-3000:]}
+    with open(os.path.join(run_dir, "metrics.json")) as f:
+        m = json.load(f)
+    row.update(
+        status="ok",
+        test_auc=m.get("test_auc"),
+        test_best_auc=m.get("test_best_auc"),
+        server_peak_rss=m["peak_rss_bytes"]["ps0"],
+        samples_per_s=m["samples_per_s"],
+        wall_time_s=m.get("wall_time_s"),
+    )
+    for key in ("live", "created", "evicted"):
+        if f"dynamic_rows_{key}" in m:
+            row[f"rows_{key}"] = m[f"dynamic_rows_{key}"]["ps0"]
+    return row
+
+
+def bound(args: argparse.Namespace, per_entry: float) -> dict[str, float]:
+    """What the cap implies per server, in bytes: rows, row-wise Adagrad, bookkeeping, dict."""
+    slots = args.tables * args.cap
+    return {
+        "rows": slots * args.dim * 4,
+        "rowwise_adagrad": slots * 4,
+        "bookkeeping": slots * 26,  # id, last use, free list (8 B each), two 1-byte marks
+        "dict": slots * per_entry,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ids", type=int, default=10_000_000, help="distinct ids per table")
+    ap.add_argument("--cap", type=int, default=1_000_000, help="dynamic: slots per server; hashed: rows")
+    ap.add_argument("--tables", type=int, default=2)
+    ap.add_argument("--samples", type=int, default=3_000_000)
+    ap.add_argument("--batch", type=int, default=4096)
+    ap.add_argument("--zipf", type=float, default=0.8)
+    ap.add_argument("--dim", type=int, default=16)
+    ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--only", choices=["dynamic", "hashed", "baseline"], nargs="*")
+    ap.add_argument("--json", help="also write the rows here")
+    args = ap.parse_args()
+    per_entry = dict_bytes_per_entry()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for kind in args.only or ("baseline", "dynamic", "hashed"):
+            rows.append(run(kind, args, os.path.join(tmp, kind)))
+            print(json.dumps(rows[-1]), flush=True)
+    b = bound(args, per_entry)
+    base = next((r["server_peak_rss"] for r in rows if r["kind"] == "baseline" and r["status"] == "ok"), None)
+    print(f"\n{args.tables} tables x {args.ids:,} ids, Zipf {args.zipf}, cap {args.cap:,} rows per table, d={args.dim}")
+    print(
+        f"bound from the cap: {', '.join(f'{k} {v / 2**20:.0f} MiB' for k, v in b.items())}"
+        f" (dict: {per_entry:.0f} B/entry); total {sum(b.values()) / 2**20:.0f} MiB"
+        + (
+            f" + server without tables {base / 2**20:.0f} MiB = {(sum(b.values()) + base) / 2**20:.0f} MiB"
+            if base
+            else ""
+        )
+    )
+    print(
+        "\n| run | test AUC (best) | server peak RSS | rows live / created / evicted | samples/s | load before/after |"
+    )
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        if r["status"] != "ok":
+            print(f"| {r['kind']} | error: {r['stderr'][-300:]!r} |")
+            continue
+        auc = f"{r['test_auc']:.4f} ({r['test_best_auc']:.4f})" if r.get("test_auc") is not None else "-"
+        live = f"{r['rows_live']:,} / {r['rows_created']:,} / {r['rows_evicted']:,}" if "rows_live" in r else "-"
+        print(
+            f"| {r['kind']} | {auc} | {r['server_peak_rss'] / 2**20:.0f} MiB | {live} | "
+            f"{r['samples_per_s']:.0f} | {r['load_before']:.1f} / {r['load_after']:.1f} |"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "bound": b, "dict_bytes_per_entry": per_entry, "runs": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
