@@ -18,7 +18,7 @@ def _browser_or_skip():
     try:
         from playwright.sync_api import sync_playwright  # type: ignore[import-not-found, unused-ignore]
     except ImportError:
-        pytest.skip("Playwright is not installed (pip install playwright && playwright install chromium)")
+        pytest.skip("Playwright is not installed (pip install playwright; its Chromium or a system one)")
     if shutil.which("tensorboard") is None:
         pytest.skip("the tensorboard command is not on PATH")
     return sync_playwright
