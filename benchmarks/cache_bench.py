@@ -22,17 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from typing import Any
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def load1() -> float:
-    with open("/proc/loadavg") as f:
-        return float(f.read().split()[0])
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _ctr_job import run_dlrm_job  # noqa: E402
 
 
 def one_run(zipf: float, cache: str | None, args: argparse.Namespace, run_dir: str) -> dict[str, Any]:
@@ -41,32 +36,21 @@ def one_run(zipf: float, cache: str | None, args: argparse.Namespace, run_dir: s
     if cache is not None:
         rows, staleness = cache.split(":")
         extra = [f"model.cache_rows={rows}", f"model.cache_staleness={staleness}"]
-    cmd = [
-        sys.executable,
-        "-m",
-        "ps_train",
-        "model=dlrm",
-        "data=synthetic_ctr",
+    overrides = [
         f"data.num_samples={args.samples}",
         f"data.zipf_alpha={zipf}",
         f"model.embedding_dim={args.dim}",
         f"cluster.num_trainers={args.trainers}",
         "cluster.num_servers=2",
         f"train.steps={steps}",
-        "train.eval_every=0",
-        "checkpoint.every=0",
-        "logging.progress=false",
         f"mode={args.mode}",
         *extra,
-        f"hydra.run.dir={run_dir}",
     ]
-    before = load1()
-    proc = subprocess.run(cmd, cwd=_ROOT, capture_output=True, text=True, timeout=args.timeout)
+    job = run_dlrm_job(run_dir, overrides, args.timeout)
     row: dict[str, Any] = {"zipf": zipf, "cache": cache or "off", "dim": args.dim}
-    if proc.returncode != 0:
-        return {**row, "status": "error", "stderr": proc.stderr[-2000:]}
-    with open(os.path.join(run_dir, "metrics.json")) as f:
-        m = json.load(f)
+    m = job.metrics
+    if m is None:
+        return {**row, "status": "error", "stderr": job.stderr[-2000:]}
     sent = sum(v["sent"] for v in m["server_bytes_per_step"].values())
     return {
         **row,
@@ -78,8 +62,8 @@ def one_run(zipf: float, cache: str | None, args: argparse.Namespace, run_dir: s
         "cache_hits_per_step": m["cache_hits_per_step"],
         "test_auc": m["test_auc"],
         "samples_per_s": m["samples_per_s"],
-        "load1_before": before,
-        "load1_after": load1(),
+        "load1_before": job.load1_before,
+        "load1_after": job.load1_after,
     }
 
 

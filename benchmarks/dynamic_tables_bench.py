@@ -28,18 +28,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import tracemalloc
 from typing import Any
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def load1() -> float:
-    with open("/proc/loadavg") as f:
-        return float(f.read().split()[0])
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _ctr_job import run_dlrm_job  # noqa: E402
 
 
 def dict_bytes_per_entry() -> float:
@@ -65,12 +60,7 @@ def run(kind: str, args: argparse.Namespace, run_dir: str) -> dict[str, Any]:
         data = [f"data.drawn_ids={args.ids}"]
     tables = ", ".join(entry.replace("{", f"{{name: t{t}, ", 1) for t in range(args.tables))
     steps = int((1 - 0.1) * args.samples / args.batch)
-    cmd = [
-        sys.executable,
-        "-m",
-        "ps_train",
-        "model=dlrm",
-        "data=synthetic_ctr",
+    overrides = [
         f"data.num_samples={args.samples}",
         f"data.zipf_alpha={args.zipf}",
         *data,
@@ -82,19 +72,13 @@ def run(kind: str, args: argparse.Namespace, run_dir: str) -> dict[str, Any]:
         "cluster.num_servers=1",
         f"train.batch_size={args.batch}",
         f"train.steps={steps}",
-        "train.eval_every=0",
-        "checkpoint.every=0",
-        "logging.progress=false",
         "mode=sync",
-        f"hydra.run.dir={run_dir}",
     ]
-    before = load1()
-    proc = subprocess.run(cmd, cwd=_ROOT, capture_output=True, text=True, timeout=args.timeout)
-    row: dict[str, Any] = {"kind": kind, "load_before": before, "load_after": load1()}
-    if proc.returncode != 0:
-        return {**row, "status": "error", "stderr": proc.stderr[-3000:]}
-    with open(os.path.join(run_dir, "metrics.json")) as f:
-        m = json.load(f)
+    job = run_dlrm_job(run_dir, overrides, args.timeout)
+    row: dict[str, Any] = {"kind": kind, "load_before": job.load1_before, "load_after": job.load1_after}
+    m = job.metrics
+    if m is None:
+        return {**row, "status": "error", "stderr": job.stderr[-3000:]}
     row.update(
         status="ok",
         test_auc=m.get("test_auc"),

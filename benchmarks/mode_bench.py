@@ -20,46 +20,28 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from typing import Any
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def load1() -> float:
-    with open("/proc/loadavg") as f:
-        return float(f.read().split()[0])
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _ctr_job import run_dlrm_job  # noqa: E402
 
 
 def one_run(mode: str, args: argparse.Namespace, run_dir: str) -> dict[str, Any]:
     steps = int(0.9 * args.samples / (args.trainers * 256))
-    cmd = [
-        sys.executable,
-        "-m",
-        "ps_train",
-        "model=dlrm",
-        "data=synthetic_ctr",
+    overrides = [
         f"data.num_samples={args.samples}",
         f"cluster.num_trainers={args.trainers}",
         "cluster.num_servers=2",
         f"train.steps={steps}",
-        "train.eval_every=0",
-        "checkpoint.every=0",
-        "logging.progress=false",
         f"mode={mode}",
         *(args.extra if mode in args.extra_modes else []),
-        f"hydra.run.dir={run_dir}",
     ]
-    before = load1()
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=_ROOT, capture_output=True, text=True, timeout=args.timeout)
-    if proc.returncode != 0:
-        return {"mode": mode, "status": "error", "stderr": proc.stderr[-2000:]}
-    with open(os.path.join(run_dir, "metrics.json")) as f:
-        m = json.load(f)
+    job = run_dlrm_job(run_dir, overrides, args.timeout)
+    m = job.metrics
+    if m is None:
+        return {"mode": mode, "status": "error", "stderr": job.stderr[-2000:]}
     return {
         "mode": mode,
         "status": "ok",
@@ -68,9 +50,9 @@ def one_run(mode: str, args: argparse.Namespace, run_dir: str) -> dict[str, Any]
         "test_auc": m["test_auc"],
         "test_best_auc": m.get("test_best_auc"),
         "max_staleness": m["max_staleness"],
-        "load1_before": before,
-        "load1_after": load1(),
-        "total_s": time.perf_counter() - t0,
+        "load1_before": job.load1_before,
+        "load1_after": job.load1_after,
+        "total_s": job.seconds,
     }
 
 
