@@ -43,26 +43,29 @@ def test_sync_mode_averages_like_one_process_on_the_union_of_the_trainers_batche
         torch.testing.assert_close(mine[k], weights[k], rtol=0, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
 
 
+def assert_run_equals_single_process(run_dir, cfg):
+    """Run ``cfg``; its per-step losses and final weights are single-process torch's, bit for
+    bit. Returns the run's metrics."""
+    metrics = run_app(run_dir, *cfg)
+    losses, weights = single_process_run(make_cfg(*cfg), BASELINE_STEPS)
+    assert metrics["losses"] == losses
+    assert_same_weights(final_weights(run_dir), weights, exact=True)
+    return metrics
+
+
 @pytest.mark.timeout(120)
 def test_sync_mode_with_the_update_in_the_backward_equals_single_process_torch_bit_for_bit(tmp_path):
     # rpc_core's backward hooks apply the update as each server's part of the backward ends:
     # the same gradients, summed in the same order, stepped by the same optimizer (that the
     # update then rides on the backward, 2 requests a step: tests/ps_train/test_update_in_backward.py).
-    cfg = (*BASELINE, "cluster.update_in_backward=true")
-    metrics = run_app(tmp_path / "in_backward", *cfg)
-    losses, weights = single_process_run(make_cfg(*cfg), BASELINE_STEPS)
-    assert metrics["losses"] == losses
-    assert_same_weights(final_weights(tmp_path / "in_backward"), weights, exact=True)
+    assert_run_equals_single_process(tmp_path / "in_backward", (*BASELINE, "cluster.update_in_backward=true"))
 
 
 @pytest.mark.timeout(120)
 def test_sync_mode_sum_equals_single_process_torch_summing_gradients_bit_for_bit(tmp_path):
     # mode.aggregate=sum: the rate grows with the trainers (twice the default's steps here).
     cfg = (*BASELINE, "mode.aggregate=sum")
-    metrics = run_app(tmp_path / "sum", *cfg)
-    losses, weights = single_process_run(make_cfg(*cfg), BASELINE_STEPS)
-    assert metrics["losses"] == losses
-    assert_same_weights(final_weights(tmp_path / "sum"), weights, exact=True)
+    metrics = assert_run_equals_single_process(tmp_path / "sum", cfg)
     mean_losses, _ = single_process_run(make_cfg(*BASELINE), BASELINE_STEPS)
     assert metrics["losses"]["trainer0"][1:] != mean_losses["trainer0"][1:]  # a different computation
 
