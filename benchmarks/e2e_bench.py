@@ -27,13 +27,13 @@ Options:
     --keep-runs           keep every run folder
     --messages            instead of the comparison: ps_train on rpc_core, MLP 1+1 and 2+2, in
                           every mode (sync, async, ssp with mode.staleness=2), with the update
-                          riding on the backward (cluster.update_in_backward=true, the default)
-                          and with a separate update call (false); prints the requests each
+                          riding on the backward (cluster.update_in_backward=true) and with a
+                          separate update call (false, the default); prints the requests each
                           server served per trainer step (see "Messages" below) and samples/s;
                           --steps sets the steps per trainer (default 300), --cluster S+T
                           (repeatable) the sizes instead of 1+1 and 2+2
 
-What is trained. The same config three ways, for ``model=mlp`` (hidden [128, 64]) and
+What is trained. The same config four ways, for ``model=mlp`` (hidden [128, 64]) and
 ``model=cnn`` (channels [32, 64], fc 128) from ``ps_train/config/``'s defaults:
 ``data=synthetic`` (MNIST-sized samples 1x28x28, 10 classes, 4096 training samples,
 ``data_seed=0``), batch 32 per trainer, ``optim=sgd`` (lr 0.05, momentum 0.9), ``mode=sync``,
@@ -44,9 +44,12 @@ count (trainer0's per-``log_every`` status RPCs to every server happen only once
 
 1. "ps_train rpc_core": ``ps_train.app.run(cfg, run_dir)`` with ``backend=rpc_core`` and
    ``cluster.launcher=local`` (it spawns one process per role and waits for them).
-2. "ps_train torch": the same with ``backend=torch`` (torch.distributed.rpc / autograd with
-   TensorPipe).
-3. "single-process": the model ``reference_model(build_stages(cfg.model, ..., seed=cfg.seed))``
+2. "ps_train rpc_core, in backward": the same with ``cluster.update_in_backward=true`` (each
+   server's update rides on the distributed backward: two requests per step and server
+   instead of three, see "Messages").
+3. "ps_train torch": the same with ``backend=torch`` (torch.distributed.rpc / autograd with
+   TensorPipe; the update is always its own call there).
+4. "single-process": the model ``reference_model(build_stages(cfg.model, ..., seed=cfg.seed))``
    (the same seeded initial weights the servers start from), the optimizer from
    ``optimizer_spec(cfg.optim)`` (the same SGD the servers use), batches from
    ``BatchIterator(train, rank=0, world=1, batch 32, seed)`` (the batches trainer0 of a 1+1
@@ -79,9 +82,10 @@ are noisier: use them to check that everything runs, not to judge the targets.
 Steps (per trainer): full run: mlp 2000, cnn 400; --quick: mlp 600, cnn 100.
 
 Ratios: rpc_core/torch = ps_train rpc_core / ps_train torch; rpc_core/single = ps_train
-rpc_core / single-process, both in samples/s (higher is better). The targets are
-printed below the table with whether this run met them: MLP 1+1 rpc_core/torch >= 3,
-MLP 2+2 rpc_core/torch >= 1.5, CNN 1+1 rpc_core/single >= 0.85 and rpc_core/torch > 1.
+rpc_core / single-process, both in samples/s (higher is better); "in backward" the same for
+the runs with the update in the backward. The targets are
+printed below the table with whether this run met them, for each rpc_core variant: MLP 1+1
+>= 3x torch and >= 0.6x single-process, MLP 2+2 >= 2x torch, CNN 1+1 >= 0.9x single-process.
 
 Messages. rpc_core counts the requests each worker served (``connection_stats().requests_received``:
 every call, the distributed backward's gradient calls included, heartbeats not); each server
@@ -130,17 +134,26 @@ from _format import fmt  # noqa: E402 (the benchmarks folder is on the path just
 
 MODELS = ("mlp", "cnn")
 CLUSTERS = ((1, 1), (2, 2))  # (num_servers, num_trainers)
-BACKENDS = ("torch", "rpc_core")
+# What ps_train runs: (backend, cluster.update_in_backward). torch has no update in the backward.
+VARIANTS = {"torch": ("torch", False), "rpc_core": ("rpc_core", False), "rpc_core_bw": ("rpc_core", True)}
+BACKENDS = tuple(VARIANTS)
 IMPLS = ("single",) + BACKENDS
+LABELS = {
+    "single": "single-process",
+    "torch": "torch",
+    "rpc_core": "rpc_core",
+    "rpc_core_bw": "rpc_core, update in backward",
+}
 BATCH_SIZE = 32
 STEPS = {"full": {"mlp": 2000, "cnn": 400}, "quick": {"mlp": 600, "cnn": 100}}
 
 # (model, servers, trainers, ratio, threshold, strictly greater, label)
+# Each is checked for both rpc_core variants (the update call and the update in the backward).
 TARGETS = [
-    ("mlp", 1, 1, "rpc_core/torch", 3.0, False, "MLP 1+1: rpc_core >= 3x the torch backend"),
-    ("mlp", 2, 2, "rpc_core/torch", 1.5, False, "MLP 2+2: rpc_core >= 1.5x the torch backend"),
-    ("cnn", 1, 1, "rpc_core/single", 0.85, False, "CNN 1+1: rpc_core >= 0.85x single-process"),
-    ("cnn", 1, 1, "rpc_core/torch", 1.0, True, "CNN 1+1: rpc_core faster than the torch backend"),
+    ("mlp", 1, 1, "/torch", 3.0, False, "MLP 1+1 >= 3x the torch backend"),
+    ("mlp", 1, 1, "/single", 0.6, False, "MLP 1+1 >= 0.6x single-process"),
+    ("mlp", 2, 2, "/torch", 2.0, False, "MLP 2+2 >= 2x the torch backend"),
+    ("cnn", 1, 1, "/single", 0.9, False, "CNN 1+1 >= 0.9x single-process"),
 ]
 
 
@@ -155,7 +168,7 @@ def make_config(
     steps: int,
     batch_size: int = BATCH_SIZE,
     mode: str = "sync",
-    update_in_backward: bool = True,
+    update_in_backward: bool = False,
 ):
     """The validated ps_train ``Config`` every implementation trains (see module docstring)."""
     from ps_train.config import (
@@ -220,7 +233,7 @@ def run_ps_train(
     timeout: float,
     log,
     mode: str = "sync",
-    update_in_backward: bool = True,
+    update_in_backward: bool = False,
 ) -> dict:
     """One ``ps_train.app.run``; returns ``{"status", "samples_per_s", ...}``, never raises."""
     res: dict[str, Any] = {"status": "ok", "samples_per_s": None, "error": None, "run_dir": None}
@@ -401,27 +414,24 @@ def build_rows(models, raw) -> list[dict]:
     for model in models:
         single = merge(raw[(model, "single")])
         for servers, trainers in CLUSTERS:
-            torch_ = merge(raw[(model, servers, trainers, "torch")])
-            core = merge(raw[(model, servers, trainers, "rpc_core")])
-            s, t, c = single["samples_per_s"], torch_["samples_per_s"], core["samples_per_s"]
-            row = {
+            merged = {"single": single} | {v: merge(raw[(model, servers, trainers, v)]) for v in BACKENDS}
+            row: dict[str, Any] = {
                 "model": model,
                 "servers": servers,
                 "trainers": trainers,
                 "config": f"{model} {servers}+{trainers}",
-                "single": s,
-                "torch": t,
-                "rpc_core": c,
-                "rpc_core/torch": c / t if c and t else None,
-                "rpc_core/single": c / s if c and s else None,
-                "per_round": {
-                    "single": single["per_round"],
-                    "torch": torch_["per_round"],
-                    "rpc_core": core["per_round"],
+                "per_round": {k: m["per_round"] for k, m in merged.items()},
+                "errors": {k: m["errors"] for k, m in merged.items()},
+                "requests_per_step": {
+                    v: requests_per_step(raw[(model, servers, trainers, v)]) for v in BACKENDS if v != "torch"
                 },
-                "errors": {"single": single["errors"], "torch": torch_["errors"], "rpc_core": core["errors"]},
-                "rpc_core_requests_per_step": requests_per_step(raw[(model, servers, trainers, "rpc_core")]),
             }
+            row |= {k: m["samples_per_s"] for k, m in merged.items()}
+            s, t = row["single"], row["torch"]
+            for v in ("rpc_core", "rpc_core_bw"):
+                c = row[v]
+                row[f"{v}/torch"] = c / t if c and t else None
+                row[f"{v}/single"] = c / s if c and s else None
             if (servers, trainers) == (1, 1):
                 row["max_loss_diff_vs_single"] = {
                     b: loss_check(raw[(model, "single")], raw[(model, 1, 1, b)]) for b in BACKENDS
@@ -433,18 +443,33 @@ def build_rows(models, raw) -> list[dict]:
 def evaluate_targets(rows) -> list[dict]:
     out = []
     by_key = {(r["model"], r["servers"], r["trainers"]): r for r in rows}
-    for model, servers, trainers, ratio, threshold, strict, label in TARGETS:
+    for model, servers, trainers, over, threshold, strict, label in TARGETS:
         row = by_key.get((model, servers, trainers))
         if row is None:
             continue
-        v = row[ratio]
-        met = None if v is None else (v > threshold if strict else v >= threshold)
-        out.append({"target": label, "ratio": ratio, "threshold": threshold, "strict": strict, "value": v, "met": met})
+        for variant in ("rpc_core", "rpc_core_bw"):
+            ratio = variant + over
+            v = row[ratio]
+            met = None if v is None else (v > threshold if strict else v >= threshold)
+            out.append(
+                {"target": f"{label} ({LABELS[variant]})", "ratio": ratio, "threshold": threshold}
+                | {"strict": strict, "value": v, "met": met}
+            )
     return out
 
 
 def render(rows, targets, info) -> str:
-    head = ["config", "single-process", "ps_train torch", "ps_train rpc_core", "rpc_core/torch", "rpc_core/single"]
+    head = [
+        "config",
+        "single-process",
+        "ps_train torch",
+        "ps_train rpc_core",
+        "rpc_core, in backward",
+        "rpc_core/torch",
+        "in backward/torch",
+        "rpc_core/single",
+        "in backward/single",
+    ]
     body = []
     for r in rows:
 
@@ -460,8 +485,11 @@ def render(rows, targets, info) -> str:
                 cell("single"),
                 cell("torch"),
                 cell("rpc_core"),
-                f"{r['rpc_core/torch']:.2f}x" if r["rpc_core/torch"] is not None else "-",
-                f"{r['rpc_core/single']:.2f}x" if r["rpc_core/single"] is not None else "-",
+                cell("rpc_core_bw"),
+            ]
+            + [
+                f"{r[k]:.2f}x" if r[k] is not None else "-"
+                for k in ("rpc_core/torch", "rpc_core_bw/torch", "rpc_core/single", "rpc_core_bw/single")
             ]
         )
     widths = [max(len(str(x[i])) for x in [head] + body) for i in range(len(head))]
@@ -485,7 +513,9 @@ def render(rows, targets, info) -> str:
     steps = ", ".join(f"{m} {n}" for m, n in info["steps"].items())
     out.append(
         f"samples/s (higher is better), batch {BATCH_SIZE} per trainer, steps per trainer: "
-        f"{steps}; mode=sync; " + (f"median of {info['rounds']} rounds." if info["rounds"] > 1 else "1 round.")
+        f"{steps}; mode=sync; rpc_core: the update as its own call (cluster.update_in_backward=false, "
+        "the default) and riding on the backward (true); "
+        + (f"median of {info['rounds']} rounds." if info["rounds"] > 1 else "1 round.")
     )
     out.append(
         "ps_train: metrics.json samples_per_s = samples of all trainers / longest trainer "
@@ -500,16 +530,17 @@ def render(rows, targets, info) -> str:
         "  so * marks the same single-process figure repeated in the 2+2 row "
         "(rpc_core/single there = 2 trainers' total vs one process)."
     )
-    counted = [f"{r['config']} {r['rpc_core_requests_per_step']:.2f}" for r in rows if r["rpc_core_requests_per_step"]]
-    if counted:
-        out.append("rpc_core requests per trainer step and server (the busiest server): " + ", ".join(counted))
+    for v in ("rpc_core", "rpc_core_bw"):
+        counted = [f"{r['config']} {r['requests_per_step'][v]:.2f}" for r in rows if r["requests_per_step"][v]]
+        if counted:
+            out.append(f"requests per trainer step and server (the busiest server), {LABELS[v]}: " + ", ".join(counted))
     for r in rows:
         d = r.get("max_loss_diff_vs_single")
         if d:
             parts = [f"{b} {d[b]:.2g}" if d[b] is not None else f"{b} -" for b in BACKENDS]
             out.append(f"loss check {r['model']} 1+1 vs single-process, max |per-step loss diff|: " + ", ".join(parts))
     if info["rounds"] > 1:
-        out.append("per round (spread of the noise), rpc_core/torch and rpc_core/single:")
+        out.append("per round (spread of the noise), /torch and /single, update call | in backward:")
         for r in rows:
             pr = r["per_round"]
 
@@ -518,7 +549,8 @@ def render(rows, targets, info) -> str:
                 return ", ".join(f"{a / b:.2f}" if a and b else "-" for a, b in zip(num, den, strict=True))
 
             out.append(
-                f"  {r['config']}: {ratios(pr['rpc_core'], pr['torch'])} | {ratios(pr['rpc_core'], pr['single'])}"
+                f"  {r['config']}: "
+                + " | ".join(ratios(pr[v], pr[d]) for d in ("torch", "single") for v in ("rpc_core", "rpc_core_bw"))
             )
     la = info.get("loadavg")
     if la:
@@ -541,7 +573,7 @@ def render(rows, targets, info) -> str:
         out.append("errors:")
         for config, impl, rnd, err in errors:
             model = config.split()[0]
-            where = f"{model} single-process" if impl == "single" else f"{config} ps_train {impl}"
+            where = f"{model} single-process" if impl == "single" else f"{config} ps_train {LABELS[impl]}"
             key = (where, rnd)
             if key in seen:
                 continue
@@ -721,8 +753,12 @@ def main(argv=None) -> int:
             else:
                 assert cluster is not None  # every ps_train job names its cluster
                 s, t = cluster
-                log(f"[round {rnd + 1}/{args.rounds}] {model} {s}+{t} ps_train backend={impl}, {n} steps")
-                res = run_ps_train(model, s, t, impl, n, run_root, timeout, log)
+                backend, in_backward = VARIANTS[impl]
+                log(
+                    f"[round {rnd + 1}/{args.rounds}] {model} {s}+{t} ps_train backend={backend} "
+                    f"update_in_backward={str(in_backward).lower()}, {n} steps"
+                )
+                res = run_ps_train(model, s, t, backend, n, run_root, timeout, log, update_in_backward=in_backward)
                 raw[(model, s, t, impl)].append(res)
                 if res["status"] != "ok" or args.keep_runs:
                     keep_dirs.append(res["run_dir"])
