@@ -193,6 +193,9 @@ class ParameterServer:
         with self.forward_lock:
             return functional_call(self.shards[shard], params, (x,))
 
+    def after_answer(self, fn: Callable[[], Any]) -> None:
+        backend.after_response(fn)
+
     def predict(self, shard: int, x: torch.Tensor) -> torch.Tensor:
         with self.lock, self.forward_lock:
             # An eval-mode copy, so evaluation never disturbs training forwards; reused by
@@ -308,6 +311,12 @@ class ParameterServer:
 
             answer.add_done_callback(record)
         return answer
+
+    @async_execution
+    def applied(self, step: int) -> torch.futures.Future[Any]:
+        """Resolves to this server's version once the step-``step`` update is applied here
+        (sync, whose update in the backward is applied after its answer: ``SyncMode.applied``)."""
+        return self.mode.applied(self, step)
 
     @async_execution
     def clock(self, trainer: int, completed: int) -> torch.futures.Future[Any]:
