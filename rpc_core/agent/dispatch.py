@@ -225,7 +225,9 @@ class Dispatch:
                     def answer(f: torch._C.Future[Any]) -> None:
                         self._respond_future(conn, src, h, f, extras)
                         if later:
-                            self._after_answer(conn, later)
+                            # On the thread that completed the future: if it is serving a
+                            # request, the work waits for that one's answer as well.
+                            self._after_answer(conn, later, defer=True)
 
                     fut.add_done_callback(answer)
             else:
@@ -239,15 +241,20 @@ class Dispatch:
         if after:
             self._after_answer(conn, after)
 
-    def _after_answer(self, conn: Any, work: list[Callable[[], Any]]) -> None:
+    def _after_answer(self, conn: Any, work: list[Callable[[], Any]], defer: bool = False) -> None:
         """Run what the request left for after its answer (``functions.after_response``),
         once the answer is on its way: an answer deferred behind the next request's bytes
-        (see ``_send_answer``) is written first."""
+        (see ``_send_answer``) is written first. ``defer``: if this thread is serving another
+        request, after that one's answer."""
         try:
             conn.flush_queued()
         except OSError:
             pass  # the connection broke: its reader reports that; the work is still this worker's
-        functions.run_after(work)
+        if defer:
+            for fn in work:
+                functions.after_response(fn)
+        else:
+            functions.run_after(work)
 
     def _respond_future(
         self, conn: Any, src: int, h: wire.FrameHeader, f: torch._C.Future[Any], extras: dict[str, Any]
