@@ -9,16 +9,17 @@ Each trainer owns a partition of the training data. Per step (batch x: [B, *in_s
         loss = cross_entropy(h, y)                  # logits h: [B, num_classes]
         dist_autograd.backward(ctx, [loss])         # gradients land on the servers, and
                                                     # each server's update rides on it (rpc_core)
-        backend=torch or cluster.update_in_backward=false:
+        backend=torch, or cluster.update_in_backward off:
             every server: update(ctx, me, step)     # sync: its answer waits for all trainers
         x, y = next batch                           # while the servers update
         wait for the updates                        # before the next forward
     ssp: ps0.clock(me, step + 1)                    # wait if too far ahead (rpc_core: in the backward)
 
-On rpc_core (``cluster.update_in_backward=true``, the default) the update request rides on
-the backward (``rpc_core.autograd.hooks``): each server applies it as soon as its part of
+On rpc_core with ``cluster.update_in_backward`` (by default in sync mode) the update request rides on
+the backward (``rpc_core.autograd.hooks``): each server takes it as soon as its part of
 the backward is done and the answer comes back with the backward, so a step sends each
-server two requests, the forward and the gradient call.
+server two requests, the forward and the gradient call (sync servers apply the round once
+that answer is written: ``ps_train.modes.sync``).
 
 The update requests are sent asynchronously and waited for only after the next batch is
 ready (``settle``), so the trainer's end-of-step work (metrics, the next batch) overlaps
@@ -109,6 +110,17 @@ def collect_stats(others: int) -> torch.futures.Future[Any]:
 StepHook = Callable[["Trainer", int], None]  # after each step: (trainer, step)
 
 
+def update_in_backward(cfg: Config, applies_after_answer: bool) -> bool:
+    """Whether the update rides on the backward (on rpc_core): ``cluster.update_in_backward``,
+    or when that is null (auto) where it trains faster: a mode whose servers apply the
+    update after answering (sync), without a hot-row cache (which pushes its rows' gradients
+    before the update request)."""
+    wanted = cfg.cluster.update_in_backward
+    if wanted is not None:
+        return wanted
+    return applies_after_answer and getattr(cfg.model, "cache_rows", 0) == 0
+
+
 class InFlight(NamedTuple):
     """A step whose update requests are sent but not yet settled."""
 
@@ -157,10 +169,10 @@ class Trainer:
         self._in_flight: InFlight | None = None
         self.mode = make_mode(cfg)  # what an update asks for and waits for (ps_train.modes)
         self.pipelined = self.mode.pipelined  # see module docstring
-        # cluster.update_in_backward (rpc_core, the default): the update rides on the backward
+        # cluster.update_in_backward (rpc_core): the update rides on the backward
         # (rpc_core.autograd.hooks); torch's RPC has no such extension, so there, and with
         # cluster.update_in_backward=false, the trainer sends its update requests after the backward.
-        self.in_backward = cfg.cluster.update_in_backward and backend.name() == "rpc_core"
+        self.in_backward = update_in_backward(cfg, self.mode.applies_after_answer) and backend.name() == "rpc_core"
 
     def load(self) -> None:
         """Set ``train_set``, ``test_set`` and ``batches`` (this trainer's batch iterator)."""
