@@ -116,8 +116,9 @@ _LAYERS: tuple[tuple[str, ...], ...] = (
     ("group.lifecycle", "group.registry"),  # init/shutdown hooks, barriers; joins and leaves
     ("group",),
     # autograd/: distributed autograd
-    ("autograd.context",),
-    ("autograd.hooks",),
+    ("autograd.context", "autograd.node_errors"),  # node_errors: "Error on Node <rank>: ..."
+    ("autograd.hooks", "autograd.local_pass"),  # local_pass: one worker's part of a pass
+    ("autograd.finish",),  # a worker's part done: its hooks run
     ("autograd.engine", "autograd.release"),
     ("autograd.recording",),
     ("autograd",),  # the distributed autograd package's face
