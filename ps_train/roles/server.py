@@ -109,6 +109,9 @@ class ParameterServer:
         """``shard``'s forward on ``params`` (from ``shard_copy``)."""
         return self.held.run_with(shard, params, x)
 
+    def after_answer(self, fn: Callable[[], Any]) -> None:
+        backend.after_response(fn)
+
     def predict(self, shard: int, x: torch.Tensor) -> torch.Tensor:
         return self.held.predict(shard, x)
 
@@ -216,6 +219,12 @@ class ParameterServer:
 
             answer.add_done_callback(record)
         return answer
+
+    @async_execution
+    def applied(self, step: int) -> torch.futures.Future[Any]:
+        """Resolves to this server's version once the step-``step`` update is applied here
+        (sync, whose update in the backward is applied after its answer: ``SyncMode.applied``)."""
+        return self.mode.applied(self, step)
 
     @async_execution
     def clock(self, trainer: int, completed: int) -> torch.futures.Future[Any]:

@@ -40,6 +40,8 @@ class InFlight(NamedTuple):
     scope: ExitStack | None  # its autograd context, still open (None: closed already, pipelined)
     futures: list[torch.futures.Future[Any]]  # every server's answer to its update request
     step: int
+    # The answers say the update was taken, not that it is applied (``Mode.applies_after_answer``).
+    accepted: bool = False
 
 
 class StepTrainer:
@@ -126,7 +128,7 @@ class StepTrainer:
         with ExitStack() as scope:  # a failure closes the context, seeing the error
             ctx = scope.enter_context(self.dist_autograd.context())
             loss, out = self.step_loss(batch)
-            self.settle()  # pipelined: the forward ran after the previous update, so this is done
+            self.settle(ordered=True)  # pipelined: the forward ran after the previous update, so this is done
             pos = self._position()
             self.sample_log.trained(self.step + 1)  # as its update goes out (debug record, off by default)
             if self.in_backward:  # the update rides on the backward: done when it returns
@@ -146,7 +148,7 @@ class StepTrainer:
                 futs = self.mode.send_update(self, ctx, self.step, pos)
             # Kept open until settle() (the servers read the gradients from it); pipelined: closed here.
             kept = None if self.pipelined else scope.pop_all()
-        self._in_flight = InFlight(kept, futs, self.step)
+        self._in_flight = InFlight(kept, futs, self.step, self.in_backward and self.mode.applies_after_answer)
         return {"loss": loss.item(), **out}
 
     def _position(self) -> dict[str, int] | None:
@@ -175,13 +177,18 @@ class StepTrainer:
                 futs.append(server.rpc_async().update(ctx, self.index, self.step, pos))
         return futs
 
-    def settle(self) -> dict[str, float]:
+    def settle(self, ordered: bool = False) -> dict[str, float]:
         """Wait until every server applied the last step's update (and, in ssp mode, until
-        this trainer may run ahead again); returns that step's update metrics."""
+        this trainer may run ahead again); returns that step's update metrics. ``ordered``:
+        right after the next step's forward, which every server ran only once the update
+        was applied there (``pipelined``), so an update answered before it was applied
+        (``InFlight.accepted``) needs no further word; elsewhere each server is asked."""
         if self._in_flight is None:
             return {}
-        scope, futs, step = self._in_flight
+        scope, futs, step, accepted = self._in_flight
         self._in_flight = None
+        if accepted and not ordered:
+            futs = [server.rpc_async().applied(step) for server in self.servers]
         with scope if scope is not None else nullcontext():  # then the step's context is closed
             results = torch.futures.wait_all(futs)
         out = self.mode.settled(self, results, step)  # staleness; ssp: waits while too far ahead

@@ -93,6 +93,9 @@ class _Loopback:
         else:
             self._on_answer(self._me, h, head, body, storages)
 
+    def flush_queued(self) -> None:
+        pass  # nothing is ever queued: send delivers at once
+
     def close(self) -> None:
         pass
 
