@@ -10,6 +10,13 @@ it, naming the step. Forwards through shards that update BatchNorm statistics ru
 order, so those statistics are the same every run; dropout masks are seeded by (seed, shard,
 trainer, step) (``ParameterServer.run_shard``).
 
+When the update rides on the backward (``in_backward``, ``cluster.update_in_backward=true``),
+the server takes the gradients and answers the backward at once; the contribution that
+completes a round applies it once that answer is written (``after_response``), in step
+order, while the trainers go on with their next batch: what the separate update call's
+pipelining overlaps, without its request. A trainer that must know the round is applied
+(before it logs, evaluates or checkpoints) asks each server (``applied``).
+
 Trainer side. Pipelined on rpc_core: the trainer leaves the step's autograd context and
 sends the next forward at once, collecting the update's answer later. rpc_core tells a
 worker that a context was released with the next message it sends there, which the worker
@@ -38,7 +45,6 @@ class Round:
     """One step's update on a server while trainers hand in their gradients."""
 
     grads: dict[int, dict[Tensor, Tensor]] = field(default_factory=dict)  # trainer -> its gradients
-    complete: bool = False  # every trainer's gradients are in: it is (being) applied
     # What every trainer of the step waits on: the server's version once the step is applied.
     done: torch.futures.Future[Any] = field(default_factory=torch.futures.Future)
 
@@ -137,8 +143,8 @@ class SyncMode(Mode):
     def update(
         self, server: ModeServer, context_id: int, trainer: int, step: int, position: dict[str, int] | None
     ) -> torch.futures.Future[Any]:
-        r = self._hand_in(server, context_id, trainer, step)
-        if r.complete:
+        r, completed = self._hand_in(server, context_id, trainer, step)
+        if completed:
             self._apply(server, step, r)
         return r.done
 
@@ -148,14 +154,14 @@ class SyncMode(Mode):
         (``ModeServer.after_answer``), while the trainers go on. Nothing reads the round early: a
         step-``s + 1`` forward waits for it (``_await_round``), and a trainer that must know
         it is applied (to log, evaluate or checkpoint) asks (``applied``)."""
-        r = self._hand_in(server, context_id, request.trainer, request.step)
-        if r.complete:
+        r, completed = self._hand_in(server, context_id, request.trainer, request.step)
+        if completed:
             server.after_answer(lambda: self._apply(server, request.step, r))
         return resolved(None)
 
-    def _hand_in(self, server: ModeServer, context_id: int, trainer: int, step: int) -> Round:
-        """Add trainer ``trainer``'s step-``step`` gradients to the step's round; the round is
-        ``complete`` once every trainer's are there (the caller then applies it)."""
+    def _hand_in(self, server: ModeServer, context_id: int, trainer: int, step: int) -> tuple[Round, bool]:
+        """Add trainer ``trainer``'s step-``step`` gradients to the step's round; whether they
+        completed it (every trainer's are in: this caller, and no other, applies it)."""
         if self._failed_round is not None:
             raise self._round_error(server, step)
         r = None
@@ -164,10 +170,10 @@ class SyncMode(Mode):
             with server.lock:
                 r = self._rounds.setdefault(step, Round())
                 r.grads[trainer] = grads
-                if len(r.grads) == self.num_trainers:
+                completed = len(r.grads) == self.num_trainers
+                if completed:
                     del self._rounds[step]
-                    r.complete = True
-            return r
+            return r, completed
         except BaseException as e:
             self._fail_round(server, step, r, e)
             raise

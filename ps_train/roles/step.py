@@ -34,6 +34,17 @@ from ps_train.stage_sharding import model_shards
 log = logging.getLogger("ps_train.trainer")
 
 
+def update_in_backward(cfg: Config, applies_after_answer: bool) -> bool:
+    """Whether the update rides on the backward (on rpc_core): ``cluster.update_in_backward``,
+    or when that is null (auto) where it trains faster: a mode whose servers apply the
+    update after answering (sync), without a hot-row cache (which pushes its rows' gradients
+    before the update request)."""
+    wanted = cfg.cluster.update_in_backward
+    if wanted is not None:
+        return wanted
+    return applies_after_answer and getattr(cfg.model, "cache_rows", 0) == 0
+
+
 class InFlight(NamedTuple):
     """A step whose update requests are sent but not yet settled."""
 
@@ -84,10 +95,10 @@ class StepTrainer:
         self._in_flight: InFlight | None = None
         self.mode = make_mode(cfg)  # what an update asks for and waits for (ps_train.modes)
         self.pipelined = self.mode.pipelined  # see ps_train.roles.trainer's docstring
-        # cluster.update_in_backward (rpc_core, the default): the update rides on the backward
+        # cluster.update_in_backward (rpc_core): the update rides on the backward
         # (rpc_core.autograd.hooks); torch's RPC has no such extension, so there, and with
         # cluster.update_in_backward=false, the trainer sends its update requests after the backward.
-        self.in_backward = cfg.cluster.update_in_backward and backend.name() == "rpc_core"
+        self.in_backward = update_in_backward(cfg, self.mode.applies_after_answer) and backend.name() == "rpc_core"
 
     def load(self) -> None:
         """Set ``train_set``, ``test_set`` and ``batches`` (this trainer's batch iterator)."""

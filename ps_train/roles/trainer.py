@@ -9,16 +9,17 @@ Each trainer owns a partition of the training data. Per step (batch x: [B, *in_s
         loss = cross_entropy(h, y)                  # logits h: [B, num_classes]
         dist_autograd.backward(ctx, [loss])         # gradients land on the servers, and
                                                     # each server's update rides on it (rpc_core)
-        backend=torch or cluster.update_in_backward=false:
+        backend=torch, or cluster.update_in_backward off:
             every server: update(ctx, me, step)     # sync: its answer waits for all trainers
         x, y = next batch                           # while the servers update
         wait for the updates                        # before the next forward
     ssp: ps0.clock(me, step + 1)                    # wait if too far ahead (rpc_core: in the backward)
 
-On rpc_core (``cluster.update_in_backward=true``, the default) the update request rides on
-the backward (``rpc_core.autograd.hooks``): each server applies it as soon as its part of
+On rpc_core with ``cluster.update_in_backward`` (by default in sync mode) the update request rides on
+the backward (``rpc_core.autograd.hooks``): each server takes it as soon as its part of
 the backward is done and the answer comes back with the backward, so a step sends each
-server two requests, the forward and the gradient call.
+server two requests, the forward and the gradient call (sync servers apply the round once
+that answer is written: ``ps_train.modes.sync``).
 
 The update requests are sent asynchronously and waited for only after the next batch is
 ready (``settle``), so the trainer's end-of-step work (metrics, the next batch) overlaps
@@ -63,6 +64,7 @@ from ps_train.observe.console import summary_lines
 from ps_train.observe.dashboard import end_session
 from ps_train.observe.server_metrics import rpc_byte_counts
 from ps_train.roles.step import StepTrainer
+from ps_train.roles.step import update_in_backward as update_in_backward  # where tests and callers find it
 from rpc_core.functions import async_execution
 
 log = logging.getLogger("ps_train.trainer")
