@@ -20,9 +20,11 @@ Options:
     --timeout SECONDS     hard limit per run (default 900, quick 600)
     --run-root DIR        where run folders go (default: a temporary folder, deleted at the
                           end unless a run failed or --keep-runs)
-    --update-in-backward  the rpc_core runs with ``cluster.update_in_backward=true`` (each
-                          server's update rides on the distributed backward); compare with
-                          an invocation without it (each has its own single-process baseline)
+    --update-in-backward null|true|false
+                          ``cluster.update_in_backward`` of the rpc_core runs (default null:
+                          ps_train's default, on in sync mode); compare ``true`` with
+                          ``false`` in two invocations (each has its own single-process
+                          baseline)
     --tables              instead of the runs: the tables' lookup + backward + update alone,
                           side by side in one invocation (one-process nn.EmbeddingBag, FBGEMM's
                           CPU TBE with fused row-wise Adagrad when fbgemm_gpu imports, ps_train
@@ -136,11 +138,11 @@ BACKENDS = ("torch", "rpc_core")
 
 
 def overrides_for(
-    name: str, servers: int, trainers: int, backend: str, steps: int, in_backward: bool = False
+    name: str, servers: int, trainers: int, backend: str, steps: int, in_backward: str = "null"
 ) -> list[str]:
     base, _, _ = CONFIGS[name]
     # torch has no update in the backward: its runs always send the update call.
-    extra = ["cluster.update_in_backward=true"] if in_backward and backend == "rpc_core" else []
+    extra = [f"cluster.update_in_backward={in_backward}"] if in_backward != "null" and backend == "rpc_core" else []
     return [
         *extra,
         *base,
@@ -452,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=None)
     ap.add_argument("--run-root", default=None, metavar="DIR")
     ap.add_argument("--keep-runs", action="store_true")
-    ap.add_argument("--update-in-backward", action="store_true")
+    ap.add_argument("--update-in-backward", choices=("null", "true", "false"), default="null")
     ap.add_argument("--tables", action="store_true")
     ap.add_argument("--tables-bag", type=int, default=1)
     ap.add_argument("--table-steps", type=int, default=None)
