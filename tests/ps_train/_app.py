@@ -67,6 +67,11 @@ def final_weights(run_dir: Path) -> dict[tuple[str, int, str], torch.Tensor]:
     """Every tensor of the run's latest checkpoint: ``(server, shard index, state key)``."""
     ckpt = latest_checkpoint(run_dir)
     assert ckpt is not None, f"{run_dir} has no complete checkpoint"
+    return checkpoint_weights(ckpt)
+
+
+def checkpoint_weights(ckpt: Path) -> dict[tuple[str, int, str], torch.Tensor]:
+    """Every tensor of checkpoint ``ckpt``, keyed like ``final_weights``."""
     _, states = load_checkpoint(ckpt)
     return {
         (server, int(shard), key): t
