@@ -321,35 +321,47 @@ def w_grad_to_caller_step(impl, c):
     return _per_call(samples, 1e3)
 
 
-def w_mlp3_distopt_step(impl, c):
-    if impl.autograd is None:
-        raise Unavailable(f"{impl.name} autograd not available: {impl.autograd_error}")
-    if impl.optim is None:
-        raise Unavailable(f"{impl.name} optim not available: {impl.optim_error}")
-    rpc, dist_autograd = impl.rpc, impl.autograd
-    dim = 256
-    shards = [rpc.remote(CALLEE, Shard, args=(dim, i)) for i in range(3)]
-    param_rrefs = []
-    for s in shards:
-        param_rrefs.extend(s.rpc_sync().parameter_rrefs())
-    opt = impl.optim.DistributedOptimizer(torch.optim.SGD, param_rrefs, lr=0.01)
-    x = torch.randn(64, dim)
+def _mlp3(in_backward: bool):
+    """3 shards on the callee, forward over RPC, dist backward, ``DistributedOptimizer`` SGD.
+    ``in_backward``: rpc_core steps each owner's optimizer as its part of the backward ends
+    (``step_in_backward``, an rpc_core extension); torch, which has no such extension, runs
+    the same update as ``step`` after the backward."""
 
-    def step():
-        with dist_autograd.context() as ctx:
-            h = x
-            for s in shards:
-                h = s.rpc_sync().forward(h)
-            loss = (h * h).mean()
-            dist_autograd.backward(ctx, [loss])
-            opt.step(ctx)
+    def w_mlp3(impl, c):
+        if impl.autograd is None:
+            raise Unavailable(f"{impl.name} autograd not available: {impl.autograd_error}")
+        if impl.optim is None:
+            raise Unavailable(f"{impl.name} optim not available: {impl.optim_error}")
+        rpc, dist_autograd = impl.rpc, impl.autograd
+        dim = 256
+        shards = [rpc.remote(CALLEE, Shard, args=(dim, i)) for i in range(3)]
+        param_rrefs = []
+        for s in shards:
+            param_rrefs.extend(s.rpc_sync().parameter_rrefs())
+        opt = impl.optim.DistributedOptimizer(torch.optim.SGD, param_rrefs, lr=0.01)
+        hook = in_backward and hasattr(opt, "step_in_backward")
+        x = torch.randn(64, dim)
 
-    before = shards[0].rpc_sync().weight_checksum()
-    step()
-    if shards[0].rpc_sync().weight_checksum() == before:
-        raise AssertionError("DistributedOptimizer.step did not change the first shard")
-    samples = _time_calls(step, c["warmup"], c["iters"], c["reps"], impl)
-    return _per_call(samples, 1e3)
+        def step():
+            with dist_autograd.context() as ctx:
+                h = x
+                for s in shards:
+                    h = s.rpc_sync().forward(h)
+                loss = (h * h).mean()
+                if hook:
+                    opt.step_in_backward(ctx)
+                dist_autograd.backward(ctx, [loss])
+                if not hook:
+                    opt.step(ctx)
+
+        before = shards[0].rpc_sync().weight_checksum()
+        step()
+        if shards[0].rpc_sync().weight_checksum() == before:
+            raise AssertionError("the optimizer step did not change the first shard")
+        samples = _time_calls(step, c["warmup"], c["iters"], c["reps"], impl)
+        return _per_call(samples, 1e3)
+
+    return w_mlp3
 
 
 MEASUREMENTS = {
@@ -364,7 +376,8 @@ MEASUREMENTS = {
     "rref_arg_to_owner": w_rref_arg_to_owner,
     "remote_linear_step": w_remote_linear_step,
     "grad_to_caller_step": w_grad_to_caller_step,
-    "mlp3_distopt_step": w_mlp3_distopt_step,
+    "mlp3_distopt_step": _mlp3(in_backward=False),
+    "mlp3_in_backward_step": _mlp3(in_backward=True),
 }
 
 

@@ -28,7 +28,7 @@ Options:
     --messages            instead of the comparison: ps_train on rpc_core, MLP 1+1 and 2+2, in
                           every mode (sync, async, ssp with mode.staleness=2), with the update
                           riding on the backward (cluster.update_in_backward=true) and with a
-                          separate update call (false, the default); prints the requests each
+                          separate update call (false); prints the requests each
                           server served per trainer step (see "Messages" below) and samples/s;
                           --steps sets the steps per trainer (default 300), --cluster S+T
                           (repeatable) the sizes instead of 1+1 and 2+2
@@ -513,8 +513,8 @@ def render(rows, targets, info) -> str:
     steps = ", ".join(f"{m} {n}" for m, n in info["steps"].items())
     out.append(
         f"samples/s (higher is better), batch {BATCH_SIZE} per trainer, steps per trainer: "
-        f"{steps}; mode=sync; rpc_core: the update as its own call (cluster.update_in_backward=false, "
-        "the default) and riding on the backward (true); "
+        f"{steps}; mode=sync; rpc_core: the update as its own call (cluster.update_in_backward=false) "
+        "and riding on the backward (true, sync's default); "
         + (f"median of {info['rounds']} rounds." if info["rounds"] > 1 else "1 round.")
     )
     out.append(

@@ -58,6 +58,10 @@ Workloads:
                         forward through the shards over RPC (x 64x256), loss =
                         mean(h^2), dist backward, DistributedOptimizer(SGD,
                         lr=0.01).step(ctx)                                      ms/step
+    mlp3_in_backward_step the same, the update applied in the backward:
+                        rpc_core: opt.step_in_backward(ctx) before the backward
+                        (an rpc_core extension, no step call); torch (none such):
+                        step(ctx) after it, as above                            ms/step
     grad_to_caller_step callee owns nn.Linear(256, 256); x 64x256 requires grad;
                         out = rpc_sync(worker1, f, args=(rref, x)) with f applying
                         the owner's Linear, dist backward of out.sum(): the
@@ -138,6 +142,15 @@ WORKLOADS = [
         (5, 30, 3),
     ),
     ("mlp3_distopt_step", "3-shard MLP + DistributedOptimizer", "ms/step", "lower", None, (10, 40, 7), (3, 15, 3)),
+    (
+        "mlp3_in_backward_step",
+        "3-shard MLP, optimizer in the backward",
+        "ms/step",
+        "lower",
+        None,
+        (10, 40, 7),
+        (3, 15, 3),
+    ),
     ("sync_noop_4x4", "rpc_sync no-op, 4 callers + 4 callees", "us/call", "lower", 1.0, (100, 300, 5), (30, 100, 3)),
 ]
 # Workloads run in their own world (more processes than the two of the others).

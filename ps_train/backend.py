@@ -6,6 +6,7 @@ asks for ``rpc()``, ``dist_autograd()`` and builds options through ``make_option
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -37,6 +38,17 @@ def dist_autograd() -> ModuleType:
     else:
         import rpc_core.autograd as m  # type: ignore[no-redef]
     return m
+
+
+def after_response(fn: Callable[[], Any]) -> None:
+    """Run ``fn`` once the answer of the request being served is written (rpc_core's
+    ``rpc_core.functions.after_response``); on torch, which has no such call, at once."""
+    if name() == "torch":
+        fn()
+    else:
+        from rpc_core.functions import after_response as later
+
+        later(fn)
 
 
 def make_options(

@@ -105,8 +105,10 @@ _LAYERS: tuple[tuple[str, ...], ...] = (
     # The worker's parts, each an object the agent owns; a part imports those it is given.
     ("agent.roster",),  # who is in the group
     ("agent.deadlines", "agent.completion", "agent.dispatch"),  # the timer, calls made, requests served
-    ("agent.departures",),  # calls to a member that left, until its last answers arrive
-    ("agent.connections",),  # dialled and accepted connections; hands frames to dispatch and completion
+    # departures: calls to a member that left, until its last answers arrive;
+    # connecting: dialling a peer, accepting a peer's dial
+    ("agent.departures", "agent.connecting"),
+    ("agent.connections",),  # the table of dialled and accepted connections; hands frames to dispatch and completion
     ("agent.heartbeats",),  # the liveness watch of the peers calls wait on
     ("agent.agent",),  # the worker: makes its parts and wires them
     ("agent.calls",),  # a user call
@@ -116,8 +118,9 @@ _LAYERS: tuple[tuple[str, ...], ...] = (
     ("group.lifecycle", "group.registry"),  # init/shutdown hooks, barriers; joins and leaves
     ("group",),
     # autograd/: distributed autograd
-    ("autograd.context",),
-    ("autograd.hooks",),
+    ("autograd.context", "autograd.node_errors"),  # node_errors: "Error on Node <rank>: ..."
+    ("autograd.hooks", "autograd.local_pass"),  # local_pass: one worker's part of a pass
+    ("autograd.finish",),  # a worker's part done: its hooks run
     ("autograd.engine", "autograd.release"),
     ("autograd.recording",),
     ("autograd",),  # the distributed autograd package's face

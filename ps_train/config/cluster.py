@@ -34,11 +34,12 @@ class ClusterConfig:
     # async/ssp, local launcher, rpc_core: a trainer that dies or freezes is replaced instead of
     # stopping the run, and trainers may join the running job (docs/training_failures.md, ps_train.elastic.membership).
     elastic: bool = False
-    # rpc_core only (off by default until measured on a quiet machine): each server applies a
-    # trainer's update when its part of the distributed backward is done (rpc_core.autograd
-    # hooks), so a step sends each server a forward and a gradient call; false: a separate
-    # update call after the backward (as backend=torch).
-    update_in_backward: bool = False
+    # rpc_core only: each server takes a trainer's update when its part of the distributed
+    # backward is done (rpc_core.autograd hooks), so a step sends each server a forward and a
+    # gradient call; false: a separate update call after the backward (as backend=torch).
+    # null (auto): on where it trains faster (docs/benchmarks.md): sync mode, whose servers
+    # apply the round after answering, unless model.cache_rows > 0; off for async, ssp, hybrid.
+    update_in_backward: bool | None = None
 
     def problems(self) -> Problems:
         p = Problems()

@@ -1,7 +1,8 @@
 """A parameter server's part of the embedding tables: its rows of every table, in one storage
 (``TableShards``), and the sparse optimizer that updates them.
 
-``ps_train.roles.server.ParameterServer`` owns one ``TableServer`` (its ``TablePart``) when
+``ps_train.roles.server.ParameterServer`` owns one ``TableServer`` (its ``TablePart``,
+``ps_train.roles.tables``) when
 the model has tables (model=dlrm; the launcher builds it with ``make_table_server``). The
 server's updates (``ParameterServer.update``, as its mode applies them) treat the table
 weights like any other parameter: they read each trainer's gradients from its autograd

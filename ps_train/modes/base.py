@@ -182,6 +182,10 @@ class ModeServer(Protocol):
     def run_shard_with(self, shard: int, params: dict[str, Tensor], x: Tensor) -> Tensor:
         """``shard``'s forward on ``params`` (from ``shard_copy``)."""
 
+    def after_answer(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn`` once the answer of the request being served here is written
+        (``ps_train.backend.after_response``)."""
+
 
 class ModeTrainer(Protocol):
     """A trainer (``ps_train.roles.trainer.Trainer``)."""
@@ -215,6 +219,10 @@ class Mode(ABC):
     not_elastic: ClassVar[str | None] = None
     # Trainer side: whether a trainer sends its next forward before its update is answered.
     pipelined = False
+    # Whether ``in_backward`` answers before the update is applied (it is applied once the
+    # answer is written): the trainer then knows it is applied from the order of its next
+    # step's reads, or asks ``applied`` where it must know (to log, evaluate, checkpoint).
+    applies_after_answer: ClassVar[bool] = False
     # Whether a checkpoint resumes each trainer from its own data position, as the servers
     # noted it with its updates (async, ssp: trainers move apart); False: every trainer is at
     # trainer0's step when trainer0 checkpoints (sync, whose rounds need every trainer).
@@ -252,6 +260,11 @@ class Mode(ABC):
         back with the backward (``settled`` gets it). Every mode's ``update`` already takes the
         gradients by context; sync's answers once the round is applied."""
         return self.update(server, context_id, request.trainer, request.step, request.position)
+
+    def applied(self, server: ModeServer, step: int) -> torch.futures.Future[Any]:
+        """Resolves to the server's version once the step-``step`` update is applied here;
+        at once for a mode whose updates are applied before they are answered."""
+        return resolved(server.version)
 
     @abstractmethod
     def update(

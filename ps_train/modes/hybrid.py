@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from ps_train.modes.aggregation import combine, lr_scale
-from ps_train.modes.base import ModeOptions, ModeServer, ModeTrainer, RunConfig
+from ps_train.modes.base import Mode, ModeOptions, ModeServer, ModeTrainer, RunConfig
 from ps_train.modes.sync import FailedRound, SyncMode
 
 __all__ = ["HybridMode"]
@@ -62,6 +62,12 @@ class HybridMode(SyncMode):
         "its dense parameters update in sync rounds that wait for every trainer; use "
         "cluster.max_restarts to restart from the latest checkpoint instead (docs/training_failures.md)"
     )
+
+    # Its update answers with the tables' staleness, once applied: sync's early answer and
+    # ``applied`` do not apply.
+    applies_after_answer = False
+    in_backward = Mode.in_backward
+    applied = Mode.applied
 
     def __init__(self, run: RunConfig) -> None:
         super().__init__(run)

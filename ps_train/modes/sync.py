@@ -10,6 +10,13 @@ it, naming the step. Forwards through shards that update BatchNorm statistics ru
 order, so those statistics are the same every run; dropout masks are seeded by (seed, shard,
 trainer, step) (``ParameterServer.run_shard``).
 
+When the update rides on the backward (``in_backward``, ``cluster.update_in_backward=true``),
+the server takes the gradients and answers the backward at once; the contribution that
+completes a round applies it once that answer is written (``after_response``), in step
+order, while the trainers go on with their next batch: what the separate update call's
+pipelining overlaps, without its request. A trainer that must know the round is applied
+(before it logs, evaluates or checkpoints) asks each server (``applied``).
+
 Trainer side. Pipelined on rpc_core: the trainer leaves the step's autograd context and
 sends the next forward at once, collecting the update's answer later. rpc_core tells a
 worker that a context was released with the next message it sends there, which the worker
@@ -28,7 +35,7 @@ import torch
 from torch import Tensor
 
 from ps_train.modes.aggregation import combine
-from ps_train.modes.base import Mode, ModeServer, ModeTrainer, RunConfig
+from ps_train.modes.base import Mode, ModeServer, ModeTrainer, RunConfig, UpdateRequest, resolved
 
 __all__ = ["SyncMode", "Round", "FailedRound"]
 
@@ -59,6 +66,8 @@ class SyncMode(Mode):
         "(docs/training_failures.md)"
     )
 
+    applies_after_answer = True  # see in_backward
+
     def __init__(self, run: RunConfig) -> None:
         super().__init__(run)
         self.aggregate = run.mode.aggregate
@@ -68,6 +77,7 @@ class SyncMode(Mode):
         self._failed_round: FailedRound | None = None
         self._turn = threading.Condition()
         self._forwards_done: dict[tuple[int, int], int] = {}  # (shard, step) -> trainers whose forward ran
+        self._applied_waiters: list[tuple[int, torch.futures.Future[Any]]] = []  # (step, its applied() answer)
 
     @classmethod
     def run_problems(cls, run: RunConfig) -> list[str]:
@@ -133,6 +143,25 @@ class SyncMode(Mode):
     def update(
         self, server: ModeServer, context_id: int, trainer: int, step: int, position: dict[str, int] | None
     ) -> torch.futures.Future[Any]:
+        r, completed = self._hand_in(server, context_id, trainer, step)
+        if completed:
+            self._apply(server, step, r)
+        return r.done
+
+    def in_backward(self, server: ModeServer, context_id: int, request: UpdateRequest) -> torch.futures.Future[Any]:
+        """The gradients are taken now and the answer goes back at once (its value: None); the
+        trainer's last contribution applies the round after its answer is written
+        (``ModeServer.after_answer``), while the trainers go on. Nothing reads the round early: a
+        step-``s + 1`` forward waits for it (``_await_round``), and a trainer that must know
+        it is applied (to log, evaluate or checkpoint) asks (``applied``)."""
+        r, completed = self._hand_in(server, context_id, request.trainer, request.step)
+        if completed:
+            server.after_answer(lambda: self._apply(server, request.step, r))
+        return resolved(None)
+
+    def _hand_in(self, server: ModeServer, context_id: int, trainer: int, step: int) -> tuple[Round, bool]:
+        """Add trainer ``trainer``'s step-``step`` gradients to the step's round; whether they
+        completed it (every trainer's are in: this caller, and no other, applies it)."""
         if self._failed_round is not None:
             raise self._round_error(server, step)
         r = None
@@ -141,27 +170,64 @@ class SyncMode(Mode):
             with server.lock:
                 r = self._rounds.setdefault(step, Round())
                 r.grads[trainer] = grads
-                complete = len(r.grads) == self.num_trainers
-                if complete:
+                completed = len(r.grads) == self.num_trainers
+                if completed:
                     del self._rounds[step]
-                    server.step(combine(r.grads, self.aggregate))  # rank order: the same floats every run
+            return r, completed
         except BaseException as e:
-            # This round can never complete: the trainers waiting for it and forwards waiting
-            # for it fail instead of hanging.
-            with self._turn:
-                self._failed_round = FailedRound(step, e)
-                self._turn.notify_all()
-            with server.lock:
-                waiting = self._rounds.pop(step, None) or r
-            if waiting is not None and not waiting.done.done():
-                waiting.done.set_exception(self._round_error(server, step))
+            self._fail_round(server, step, r, e)
             raise
-        if complete:
-            with self._turn:
-                self.rounds = max(self.rounds, step + 1)
-                self._turn.notify_all()
-            r.done.set_result(server.version)
-        return r.done
+
+    def _apply(self, server: ModeServer, step: int, r: Round) -> None:
+        """Step the optimizer once with the complete round ``r`` of step ``step``, after the
+        rounds before it (one applied after its answer may still be running)."""
+        try:
+            self._await_round(server, step)
+            with server.lock:
+                server.step(combine(r.grads, self.aggregate))  # rank order: the same floats every run
+        except BaseException as e:
+            self._fail_round(server, step, r, e)
+            raise
+        with self._turn:
+            self.rounds = max(self.rounds, step + 1)
+            self._turn.notify_all()
+            ready = [w for w in self._applied_waiters if w[0] < self.rounds]
+            self._applied_waiters = [w for w in self._applied_waiters if w[0] >= self.rounds]
+        r.done.set_result(server.version)
+        for waited, fut in ready:
+            self._settle_waiter(server, waited, fut)
+
+    def _fail_round(self, server: ModeServer, step: int, r: Round | None, error: BaseException) -> None:
+        """Round ``step`` can never be applied: the trainers and forwards waiting for it fail
+        instead of hanging."""
+        with self._turn:
+            if self._failed_round is None:
+                self._failed_round = FailedRound(step, error)
+            self._turn.notify_all()
+            ready, self._applied_waiters = self._applied_waiters, []
+        for waited, fut in ready:
+            self._settle_waiter(server, waited, fut)
+        with server.lock:
+            waiting = self._rounds.pop(step, None) or r
+        if waiting is not None and not waiting.done.done():
+            waiting.done.set_exception(self._round_error(server, step))
+
+    def applied(self, server: ModeServer, step: int) -> torch.futures.Future[Any]:
+        """Resolves to the server's version once the round of step ``step`` is applied here (or
+        fails with the round that failed), without holding a thread meanwhile."""
+        fut: torch.futures.Future[Any] = torch.futures.Future()
+        with self._turn:
+            if self.rounds <= step and self._failed_round is None:
+                self._applied_waiters.append((step, fut))
+                return fut
+        self._settle_waiter(server, step, fut)
+        return fut
+
+    def _settle_waiter(self, server: ModeServer, step: int, fut: torch.futures.Future[Any]) -> None:
+        if self.rounds > step:
+            fut.set_result(server.version)
+        else:
+            fut.set_exception(self._round_error(server, step, "report on"))
 
     def state_dict(self) -> dict[str, Any]:
         return {"rounds": self.rounds}

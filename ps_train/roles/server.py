@@ -21,25 +21,26 @@ mode's (``ps_train.modes``: sync, async, ssp), which this server hands every suc
 the server does the work the mode asks for (``run_shard``, ``shard_copy``, ``step``). Sync
 mode is bit-reproducible; async/ssp are not (see the ``ps_train`` package docstring for
 exactly what they do and do not reproduce).
+
+Its parts: the shards and their forwards (``ps_train.roles.shards``), the writing of its part
+of a checkpoint (``ps_train.roles.checkpointing``), and what it takes of a model's tables
+(``ps_train.roles.tables``).
 """
 
 from __future__ import annotations
 
 import copy
 import logging
-import os
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
-from torch.func import functional_call
 
 from ps_train import backend
-from ps_train.checkpoint.files import SaveStarted, ShardFile, save_shard_state
+from ps_train.checkpoint.files import SaveStarted, ShardFile
 from ps_train.checkpoint.positions import TrainerPositions
 from ps_train.config import Config, optimizer_spec
 from ps_train.elastic.membership import Membership
@@ -51,77 +52,14 @@ from ps_train.modes.asynchronous import AsyncMode
 from ps_train.modes.base import UPDATE_IN_BACKWARD, UpdateRequest
 from ps_train.modes.ssp import ClockedUpdate
 from ps_train.observe.server_metrics import UpdateCounters
-from ps_train.stage_sharding import model_shards, shards_of_server
+from ps_train.roles.checkpointing import CheckpointWriter
+from ps_train.roles.shards import ServerShards
+from ps_train.roles.tables import TablePart
 from rpc_core.functions import async_execution
 
 log = logging.getLogger("ps_train.server")
 
 _server: ParameterServer | None = None
-
-
-class TableCheckpoint(Protocol):
-    """A checkpoint of a server's tables being written (``ps_train.ctr.table_server.TableSnapshot``)."""
-
-    @property
-    def base(self) -> str | None:
-        """The checkpoint it builds on (None: it holds every row)."""
-
-    @property
-    def state(self) -> dict[str, Any]:
-        """What goes into the server's ``.pt`` file for the tables."""
-
-    @property
-    def row_count(self) -> int: ...
-
-    @property
-    def rows_copied_aside(self) -> int: ...
-
-    def write(self, ckpt_dir: str, shard_name: str) -> ShardFile:
-        """Write the rows file; returns its manifest entry."""
-
-
-class TablePart(Protocol):
-    """A model's embedding tables on one server, split by rows: its rows of every table and
-    their optimizer (model=dlrm: ``ps_train.ctr.table_server.TableServer``)."""
-
-    @property
-    def params(self) -> list[nn.Parameter]: ...
-
-    def lookup(
-        self,
-        rows: torch.Tensor,
-        offsets: torch.Tensor,
-        weights: torch.Tensor | None,
-        ids: torch.Tensor | None = None,
-        step: int = -1,
-        trainer: int = 0,
-    ) -> torch.Tensor:
-        """For training: one vector per row, or per bag of rows (summed, times ``weights``),
-        of the request (``ps_train.ctr.plan.ServerRequest``): [P, dim]; ``ids``: the raw ids
-        of its dynamic tables' rows, by ``trainer`` at ``step``."""
-
-    def read(
-        self, rows: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None, ids: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """The same vectors without autograd, for evaluation."""
-
-    def step(self, grads: Mapping[torch.Tensor, torch.Tensor], lr_factor: float = 1.0) -> None:
-        """Update the rows ``grads`` (sparse, by table weight) name, at ``lr_factor`` times the
-        rate; the caller holds the server's lock."""
-
-    def stats(self) -> dict[str, int]:
-        """Cumulative counts, among them ``table_rows_read``, ``table_rows_updated``,
-        ``table_rows_live`` (rows updated at least once)."""
-
-    def state_dict(self, copy: bool = True) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-    def begin_snapshot(self, name: str, base: str | None) -> TableCheckpoint:
-        """Freeze the rows for checkpoint ``name`` (differential on ``base`` if it can); the
-        caller holds the server's lock."""
-
-    def end_snapshot(self, written: bool) -> None: ...
 
 
 class ParameterServer:
@@ -130,35 +68,24 @@ class ParameterServer:
     def __init__(self, cfg: Config, rank: int, tables: TablePart | None = None) -> None:
         self.rank = rank
         self.mode = make_mode(cfg)  # when reads run, how updates apply (ps_train.modes)
+        self.lock = threading.Lock()
+        self.version = 0  # updates applied so far: the version of every shard here (they step together)
         # Every server builds the whole seeded model and keeps its own shards (module docstring).
-        shards = shards_of_server(model_shards(cfg), rank)
-        self.shards: dict[int, nn.Module] = {s.index: s.module for s in shards}
+        self.held = ServerShards(cfg, rank, self.lock, lambda: self.version)
+        self.shards: dict[int, nn.Module] = self.held.modules
         self.dense_params = [p for m in self.shards.values() for p in m.parameters()]
         self.tables = tables
         self.params: list[nn.Parameter] = self.dense_params + (self.tables.params if self.tables is not None else [])
-        self.seed = cfg.seed
-        self.has_dropout = any(isinstance(x, nn.Dropout) and x.p > 0 for m in self.shards.values() for x in m.modules())
-        # BatchNorm updates its running statistics in place during the forward (sync mode
-        # runs such forwards in trainer order, so the statistics are the same every run).
-        self.has_running_stats = any(
-            isinstance(x, nn.modules.batchnorm._NormBase) and x.track_running_stats
-            for m in self.shards.values()
-            for x in m.modules()
-        )
+        self.has_running_stats = self.held.has_running_stats  # BatchNorm (see ServerShards)
         cls, kwargs = optimizer_spec(cfg.optim)
         self.optimizer = cls(self.dense_params, **kwargs) if self.dense_params else None
-        self.lock = threading.Lock()
-        self._eval_copies: dict[int, Any] = {}  # shard -> (version, eval-mode copy)
-        self.forward_lock = threading.Lock()
-        self.version = 0  # updates applied so far: the version of every shard here (they step together)
         self.updates = {i: 0 for i in self.shards}
         self.membership: Membership | None = None  # ps0 of a cluster.elastic=true job (ps_train.elastic.membership)
         # async/ssp: each trainer's data position after its last update applied here (the mode
         # notes it under self.lock); a checkpoint saves it, ps0's membership reads it
         self.positions = TrainerPositions()
         self._released = threading.Event()  # elastic: trainer0 is done with the servers
-        self._saving: tuple[str, torch.futures.Future[list[ShardFile]]] | None = None  # (folder, files written)
-        self._holding = False  # updates are held for a checkpoint (begin_save .. finish_save)
+        self.checkpoints = CheckpointWriter(self)  # the checkpoint being written (begin_save .. finish_save)
         # autograd context -> (rows [H], gradients [H, d]) pushed for it by a trainer's row cache
         self._pushed: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._pushed_lock = threading.Lock()
@@ -171,38 +98,22 @@ class ParameterServer:
         return self.mode.forward(self, shard, x, trainer, step)
 
     def run_shard(self, shard: int, x: torch.Tensor, trainer: int, step: int) -> torch.Tensor:
-        """``shard``'s forward on the live parameters."""
-        module = self.shards[shard]
-        if not self.has_dropout or step < 0:
-            return module(x)
-        # Dropout draws from a generator seeded by (seed, shard, trainer, step), so masks do
-        # not depend on which trainer's request this server happened to serve first.
-        with self.lock, torch.random.fork_rng(devices=[]):
-            torch.manual_seed(hash((self.seed, shard, trainer, step)) & 0x7FFF_FFFF_FFFF_FFFF)
-            return module(x)
+        """``shard``'s forward on the live parameters (``ServerShards.run``)."""
+        return self.held.run(shard, x, trainer, step)
 
     def shard_copy(self, shard: int) -> dict[str, torch.Tensor]:
-        """Private copies of ``shard``'s parameters (``clone`` keeps the gradient path), so an
-        update applied while a backward through them is pending cannot invalidate the
-        tensors it saved. The caller holds ``self.lock``."""
-        return {n: p.clone() for n, p in self.shards[shard].named_parameters()}
+        """Private copies of ``shard``'s parameters (``ServerShards.copy``). The caller holds ``self.lock``."""
+        return self.held.copy(shard)
 
     def run_shard_with(self, shard: int, params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """``shard``'s forward on ``params`` (from ``shard_copy``)."""
-        # functional_call swaps the module's parameters while it runs: one at a time.
-        with self.forward_lock:
-            return functional_call(self.shards[shard], params, (x,))
+        return self.held.run_with(shard, params, x)
+
+    def after_answer(self, fn: Callable[[], Any]) -> None:
+        backend.after_response(fn)
 
     def predict(self, shard: int, x: torch.Tensor) -> torch.Tensor:
-        with self.lock, self.forward_lock:
-            # An eval-mode copy, so evaluation never disturbs training forwards; reused by
-            # every batch of an evaluation while no update changed the weights.
-            cached = self._eval_copies.get(shard)
-            if cached is None or cached[0] != self.version:
-                module = copy.deepcopy(self.shards[shard]).eval()
-                self._eval_copies[shard] = cached = (self.version, module)
-        with torch.no_grad():
-            return cached[1](x)
+        return self.held.predict(shard, x)
 
     def lookup(
         self,
@@ -310,6 +221,12 @@ class ParameterServer:
         return answer
 
     @async_execution
+    def applied(self, step: int) -> torch.futures.Future[Any]:
+        """Resolves to this server's version once the step-``step`` update is applied here
+        (sync, whose update in the backward is applied after its answer: ``SyncMode.applied``)."""
+        return self.mode.applied(self, step)
+
+    @async_execution
     def clock(self, trainer: int, completed: int) -> torch.futures.Future[Any]:
         """SSP barrier: resolves (to how far ``trainer`` is ahead of the slowest) once every
         trainer completed at least ``completed - mode.staleness`` steps."""
@@ -367,10 +284,10 @@ class ParameterServer:
 
     def state_dict(self) -> dict[str, Any]:
         with self.lock:
-            return self._state(copy_tables=True)
+            return self.take_state(copy_tables=True)
 
-    def _state(self, copy_tables: bool | None) -> dict[str, Any]:
-        # Caller holds self.lock. copy_tables=None: without the tables.
+    def take_state(self, copy_tables: bool | None) -> dict[str, Any]:
+        """This server's state; ``copy_tables`` None: without the tables. The caller holds ``self.lock``."""
         tables = None
         if self.tables is not None and copy_tables is not None:
             tables = self.tables.state_dict(copy=copy_tables)
@@ -391,77 +308,24 @@ class ParameterServer:
         rows changed since checkpoint ``base`` (a folder name) if this server counted the
         changes from there, else all. The checkpoint coordinator
         (``ps_train.checkpoint.protocol``) calls both through the server's RRef."""
-        name = f"ps{self.rank}"
-        done: torch.futures.Future[list[ShardFile]] = torch.futures.Future()
-        if self.saving():
-            raise RuntimeError(f"{name}: asked for checkpoint {ckpt_dir} while {self._saving} is being written")
-        # async/ssp: no update applies here until finish_save, when every server's state is
-        # taken (ps_train.modes.asynchronous); sync: nothing can move anyway.
-        self.mode.hold_updates(self)
-        self._holding = True
-        positions = None
-        if self.mode.per_trainer_positions:  # the positions the parameters hold (nothing moves now)
-            positions = self.positions.snapshot()
-        if self.tables is None:  # a few MB of dense shards: written now
-            done.set_result([save_shard_state(ckpt_dir, name, self.state_dict())])
-            self._saving = (ckpt_dir, done)
-            return SaveStarted(name, None, background=False, positions=positions)
-        tables = self.tables
-        with self.lock:  # only the small state is copied while updates wait
-            state = self._state(copy_tables=None)
-            snapshot = tables.begin_snapshot(os.path.basename(os.path.normpath(ckpt_dir)), base)
-        state["tables"] = snapshot.state
-        self._saving = (ckpt_dir, done)
-
-        def write() -> None:
-            _lowest_priority()
-            try:
-                rows = snapshot.write(ckpt_dir, name)
-                files = [save_shard_state(ckpt_dir, name, state), rows]
-            except BaseException as e:
-                tables.end_snapshot(written=False)
-                log.exception("%s: writing its checkpoint into %s failed", name, ckpt_dir)
-                done.set_exception(e)  # type: ignore[arg-type]  # torch's stub names the result type
-                return
-            tables.end_snapshot(written=True)
-            log.info(
-                "%s: wrote %d rows of its tables into %s (%d copied aside by updates meanwhile)",
-                name,
-                snapshot.row_count,
-                ckpt_dir,
-                snapshot.rows_copied_aside,
-            )
-            done.set_result(files)
-
-        threading.Thread(target=write, name=f"{name}-checkpoint", daemon=True).start()
-        return SaveStarted(name, snapshot.base, background=True, positions=positions)
+        return self.checkpoints.begin(ckpt_dir, base)
 
     def saving(self) -> bool:
         """A checkpoint's files are still being written."""
-        return self._saving is not None and not self._saving[1].done()
+        return self.checkpoints.saving()
 
     @async_execution
     def finish_save(self, ckpt_dir: str) -> torch.futures.Future[list[ShardFile]]:
         """Resolves to the files ``begin_save(ckpt_dir)`` wrote, once they are written; the
         coordinator calls it once every server's state is taken, so the updates held since
         ``begin_save`` (async/ssp) go on now."""
-        self._release_held()
-        if self._saving is None or self._saving[0] != ckpt_dir:
-            raise RuntimeError(f"ps{self.rank}: no checkpoint {ckpt_dir} begun (begin_save first)")
-        return self._saving[1]
-
-    def _release_held(self) -> None:
-        if self._holding:
-            self._holding = False
-            self.mode.release_updates(self)
+        return self.checkpoints.finish(ckpt_dir)
 
     def member_left(self, name: str) -> None:
         """Elastic: ``name`` left the group. trainer0 coordinates checkpoints: if it died
         between ``begin_save`` and ``finish_save``, the updates held for its checkpoint go on
         (that checkpoint stays incomplete)."""
-        if name == "trainer0" and self._holding:
-            log.warning("ps%d: trainer0 left while a checkpoint held the updates; they go on", self.rank)
-            self._release_held()
+        self.checkpoints.member_left(name)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         with self.lock:
@@ -471,7 +335,7 @@ class ParameterServer:
                 self.optimizer.load_state_dict(state["optimizer"])
             self.version = state.get("version", 0)
             self.mode.load_state_dict(state, self.version)
-            self._eval_copies.clear()
+            self.held.forget_eval_copies()
             self.updates = {int(k): v for k, v in state.get("updates", {}).items()} or self.updates
             if self.tables is not None:
                 if state.get("tables") is None:
@@ -479,18 +343,6 @@ class ParameterServer:
                         f"ps{self.rank}: the checkpoint holds no embedding tables; resume a model=dlrm run"
                     )
                 self.tables.load_state_dict(state["tables"])
-
-
-def _lowest_priority() -> None:
-    """Give the calling thread the lowest CPU priority (nice 19), so a checkpoint's writer
-    takes the CPU time training leaves (it then takes longer on a saturated machine). Linux
-    only: there a thread has its own nice value, set through its thread id."""
-    if sys.platform != "linux":
-        return
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except OSError:  # e.g. a sandbox without setpriority: the writer keeps normal priority
-        log.debug("could not lower the checkpoint writer's priority", exc_info=True)
 
 
 _remove_hook: Any = None

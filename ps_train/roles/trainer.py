@@ -9,16 +9,17 @@ Each trainer owns a partition of the training data. Per step (batch x: [B, *in_s
         loss = cross_entropy(h, y)                  # logits h: [B, num_classes]
         dist_autograd.backward(ctx, [loss])         # gradients land on the servers, and
                                                     # each server's update rides on it (rpc_core)
-        backend=torch or cluster.update_in_backward=false:
+        backend=torch, or cluster.update_in_backward off:
             every server: update(ctx, me, step)     # sync: its answer waits for all trainers
         x, y = next batch                           # while the servers update
         wait for the updates                        # before the next forward
     ssp: ps0.clock(me, step + 1)                    # wait if too far ahead (rpc_core: in the backward)
 
-On rpc_core (``cluster.update_in_backward=true``, the default) the update request rides on
-the backward (``rpc_core.autograd.hooks``): each server applies it as soon as its part of
+On rpc_core with ``cluster.update_in_backward`` (by default in sync mode) the update request rides on
+the backward (``rpc_core.autograd.hooks``): each server takes it as soon as its part of
 the backward is done and the answer comes back with the backward, so a step sends each
-server two requests, the forward and the gradient call.
+server two requests, the forward and the gradient call (sync servers apply the round once
+that answer is written: ``ps_train.modes.sync``).
 
 The update requests are sent asynchronously and waited for only after the next batch is
 ready (``settle``), so the trainer's end-of-step work (metrics, the next batch) overlaps
@@ -38,6 +39,9 @@ trainer0 also evaluates on the test split, prints progress, and writes metrics.j
 What a step computes is in ``load``, ``step_loss`` and ``evaluate``; a model with another
 forward (``ps_train.ctr.trainer.CtrTrainer``, model=dlrm) overrides them and keeps the
 loop, the update protocol and checkpoints.
+
+The step and its update protocol are ``StepTrainer``'s (``ps_train.roles.step``); ``Trainer``
+adds the loop around the steps, evaluation, the metrics and the end of the run.
 """
 
 from __future__ import annotations
@@ -45,34 +49,22 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager, nullcontext
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from ps_train import backend
-from ps_train.config import Config
-from ps_train.data import BatchIterator, iter_eval_batches, load_data, total_steps
+from ps_train.data import iter_eval_batches
 from ps_train.elastic.membership import stop_requested
-from ps_train.elastic.trainer import ElasticRole
 from ps_train.faults import die, fault_at, maybe_inject_fault
-from ps_train.metrics import (
-    LatencyStats,
-    ThroughputMeter,
-    make_writer,
-    peak_rss_bytes,
-    write_metrics_json,
-)
-from ps_train.modes import make_mode
-from ps_train.modes.base import UPDATE_IN_BACKWARD, UpdateRequest, resolved
+from ps_train.metrics import peak_rss_bytes, write_metrics_json
 from ps_train.observe.console import summary_lines
 from ps_train.observe.dashboard import end_session
 from ps_train.observe.server_metrics import rpc_byte_counts
-from ps_train.sample_log import SampleLog
-from ps_train.stage_sharding import model_shards
+from ps_train.roles.step import StepTrainer
+from ps_train.roles.step import update_in_backward as update_in_backward  # where tests and callers find it
 from rpc_core.functions import async_execution
 
 log = logging.getLogger("ps_train.trainer")
@@ -109,158 +101,9 @@ def collect_stats(others: int) -> torch.futures.Future[Any]:
 StepHook = Callable[["Trainer", int], None]  # after each step: (trainer, step)
 
 
-class InFlight(NamedTuple):
-    """A step whose update requests are sent but not yet settled."""
-
-    scope: ExitStack | None  # its autograd context, still open (None: closed already, pipelined)
-    futures: list[torch.futures.Future[Any]]  # every server's answer to its update request
-    step: int
-
-
-class Trainer:
-    # Set by ``load``; their kinds depend on the model (TensorSplit and BatchIterator here,
-    # CtrSplit and CtrBatchIterator in ps_train.ctr.trainer): the loop needs only len() and next().
-    train_set: Any
-    test_set: Any
-    batches: Any
-
-    def __init__(
-        self, cfg: Config, index: int, run_dir: str, start_step: int = 0, data_state: dict[str, int] | None = None
-    ) -> None:
-        self.cfg = cfg
-        self.index = index
-        self.name = f"trainer{index}"
-        # The partition load() builds: a joiner's (index >= num_trainers) comes per epoch from ps0.
-        self.data_slot = index % cfg.cluster.num_trainers
-        self.run_dir = run_dir
-        self.rpc = backend.rpc()
-        self.dist_autograd = backend.dist_autograd()
-        self.load()
-        if data_state is not None and not cfg.cluster.elastic:  # elastic: ElasticRole places the batches
-            self.batches.load_state_dict(data_state)
-        self.steps = total_steps(
-            cfg.train.steps, cfg.train.epochs, len(self.train_set), cfg.cluster.num_trainers, cfg.train.batch_size
-        )
-        self.step = start_step
-        # The shard layout is computed, not asked for: every process derives the same one.
-        self.shard_servers = [(s.index, s.server) for s in model_shards(cfg)]
-        self.servers = [self.rpc.rpc_sync(f"ps{r}", _get_server_rref) for r in range(cfg.cluster.num_servers)]
-        # cluster.elastic: start step, batches and length come from ps0 (ps_train.elastic.trainer).
-        self.elastic = ElasticRole(self) if cfg.cluster.elastic else None
-        self.writer = make_writer(cfg.logging.tensorboard, f"{run_dir}/tb/{self.name}", filename_suffix=f".{self.name}")
-        self.latency = {r: LatencyStats() for r in range(cfg.cluster.num_servers)}
-        self.meter = ThroughputMeter()
-        self.sample_log = SampleLog(run_dir, self.name)  # which samples each step trained on: off by default
-        self.max_steps_ahead = 0  # ssp: the most steps this trainer ran ahead of the slowest
-        self._in_flight: InFlight | None = None
-        self.mode = make_mode(cfg)  # what an update asks for and waits for (ps_train.modes)
-        self.pipelined = self.mode.pipelined  # see module docstring
-        # cluster.update_in_backward (rpc_core, the default): the update rides on the backward
-        # (rpc_core.autograd.hooks); torch's RPC has no such extension, so there, and with
-        # cluster.update_in_backward=false, the trainer sends its update requests after the backward.
-        self.in_backward = cfg.cluster.update_in_backward and backend.name() == "rpc_core"
-
-    def load(self) -> None:
-        """Set ``train_set``, ``test_set`` and ``batches`` (this trainer's batch iterator)."""
-        cfg = self.cfg
-        self.train_set, self.test_set = load_data(cfg.data)
-        self.batches = BatchIterator(
-            self.train_set, self.data_slot, cfg.cluster.num_trainers, cfg.train.batch_size, cfg.seed
-        )
-
-    # -- one step ---------------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, step: int = -1) -> torch.Tensor:
-        h = x
-        for shard, server in self.shard_servers:
-            h = self._call(server, "forward", shard, h, self.index, step)
-        return h
-
-    def _call(self, server: int, method: str, *args: Any) -> torch.Tensor:
-        """``method(*args)`` of server ``server``'s ParameterServer, timed into its RPC latency."""
-        t0 = time.perf_counter()
-        out: torch.Tensor = getattr(self.servers[server].rpc_sync(), method)(*args)
-        self.latency[server].record(time.perf_counter() - t0)
-        return out
-
-    def step_loss(self, batch: Any) -> tuple[torch.Tensor, dict[str, float]]:
-        """The forward of one step through the servers: the loss to backpropagate, and the
-        step's metrics besides the loss (here the batch accuracy)."""
-        x, y = batch
-        logits = self.forward(x, self.step)  # [B, num_classes]
-        acc = (logits.detach().argmax(1) == y).float().mean().item()
-        return F.cross_entropy(logits, y), {"accuracy": acc}
-
-    def train_step(self, batch: Any) -> dict[str, float]:
-        """Forward, backward, and the update requests of one step; ``settle()`` completes
-        them. Until then this step's autograd context stays open (the servers read their
-        gradients from it), except when ``pipelined``."""
-        if self._in_flight is not None and not self.pipelined:
-            raise RuntimeError("train_step called before the previous step's updates were settled")
-        with ExitStack() as scope:  # a failure closes the context, seeing the error
-            ctx = scope.enter_context(self.dist_autograd.context())
-            loss, out = self.step_loss(batch)
-            self.settle()  # pipelined: the forward ran after the previous update, so this is done
-            pos = self._position()
-            self.sample_log.trained(self.step + 1)  # as its update goes out (debug record, off by default)
-            if self.in_backward:  # the update rides on the backward: done when it returns
-                self.dist_autograd.set_backward_info(ctx, UPDATE_IN_BACKWARD, UpdateRequest(self.index, self.step, pos))
-                self.dist_autograd.backward(ctx, [loss])
-                futs = self._updates_in_backward(ctx, pos)
-            else:
-                self.dist_autograd.backward(ctx, [loss])
-                if fault_at(self.name, self.step + 1, "partial"):  # test-only, see ps_train.faults
-                    [version] = torch.futures.wait_all(
-                        self.mode.send_update(_Ps0Only(self.index, self.servers[:1]), ctx, self.step, pos)
-                    )
-                    log.warning(
-                        "the step-%d update went to ps0 only, which applied it (version %s)", self.step + 1, version
-                    )
-                    die(self.name, self.step + 1)
-                futs = self.mode.send_update(self, ctx, self.step, pos)
-            # Kept open until settle() (the servers read the gradients from it); pipelined: closed here.
-            kept = None if self.pipelined else scope.pop_all()
-        self._in_flight = InFlight(kept, futs, self.step)
-        return {"loss": loss.item(), **out}
-
-    def _position(self) -> dict[str, int] | None:
-        """The data position after the step being trained, sent with its update: every server
-        notes it (async/ssp: a checkpoint resumes this trainer from it; elastic: a replacement
-        does, from ps0's). None in sync mode, where every trainer is at trainer0's step when
-        it checkpoints."""
-        if self.elastic is not None:
-            return self.elastic.position()
-        if self.mode.per_trainer_positions:
-            state: dict[str, int] = self.batches.state_dict()
-            return state
-        return None
-
-    def _updates_in_backward(self, ctx: int, pos: dict[str, int] | None) -> list[torch.futures.Future[Any]]:
-        """The servers' answers to the update that rode on the backward, in server order; a
-        server the backward did not reach (no gradient of its parameters) gets the update
-        request of its own."""
-        results = self.dist_autograd.backward_results(ctx)
-        futs = []
-        for r, server in enumerate(self.servers):
-            got = results.get(f"ps{r}", {})
-            if UPDATE_IN_BACKWARD in got:
-                futs.append(resolved(got[UPDATE_IN_BACKWARD]))
-            else:
-                futs.append(server.rpc_async().update(ctx, self.index, self.step, pos))
-        return futs
-
-    def settle(self) -> dict[str, float]:
-        """Wait until every server applied the last step's update (and, in ssp mode, until
-        this trainer may run ahead again); returns that step's update metrics."""
-        if self._in_flight is None:
-            return {}
-        scope, futs, step = self._in_flight
-        self._in_flight = None
-        with scope if scope is not None else nullcontext():  # then the step's context is closed
-            results = torch.futures.wait_all(futs)
-        out = self.mode.settled(self, results, step)  # staleness; ssp: waits while too far ahead
-        if "steps_ahead" in out:
-            self.max_steps_ahead = max(self.max_steps_ahead, int(out["steps_ahead"]))
-        return out
+class Trainer(StepTrainer):
+    """A trainer: ``StepTrainer``'s steps in a loop to the last one, with evaluation, the
+    metrics and, on trainer0, the run's final metrics (see the module docstring)."""
 
     # -- evaluation -------------------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
@@ -342,18 +185,6 @@ class Trainer:
             self.writer.close()
             return None
         return self._finish(mine, last)
-
-    @contextmanager
-    def _closing_on_failure(self) -> Iterator[None]:
-        """A failure between a step's update requests and its ``settle`` leaves the step's
-        autograd context open: close it (seeing the error) and let the error go on."""
-        try:
-            yield
-        except BaseException:
-            in_flight, self._in_flight = self._in_flight, None
-            scope = in_flight.scope if in_flight is not None else None
-            with scope if scope is not None else nullcontext():
-                raise
 
     def _loop(self, batch: Any, losses: list[float], on_step: StepHook | None) -> dict[str, float]:
         """Steps until the last one; returns the last step's metrics."""
@@ -470,18 +301,3 @@ class Trainer:
         )
         print("\n".join(summary_lines(all_stats, server_stats)), flush=True)
         return metrics
-
-
-@dataclass(frozen=True)
-class _Ps0Only:
-    """A trainer as the update mode sees it, but with ps0 as its only server: a test fault
-    (``:partial``, ``ps_train.faults``) sends a step's update there alone."""
-
-    index: int
-    servers: list[Any]
-
-
-def _get_server_rref() -> Any:
-    from ps_train.roles.server import get_server_rref
-
-    return get_server_rref()

@@ -1,10 +1,11 @@
-"""A worker's connections: dialling peers (over the first transport that reaches them:
-same-host socket first, then TCP), accepting theirs, and what happens when one is lost.
+"""A worker's connections: the table of those it dialled and accepted, and what happens when
+one is lost.
 
 Each peer has at most one outgoing connection (``out``, dialled on first use under a
 per-peer lock; its answers are read by an ``Outbound``) and any number of incoming ones
-(each served by ``Dispatch.read_loop``). A dialler introduces itself with an identity frame
-(``_HELLO_ID``) right after the handshake.
+(each served by ``Dispatch.read_loop``). Opening them, dialling a peer over the first
+transport that reaches it and accepting a peer's dial, is the ``Connector``'s
+(``connecting``); this table keeps what was opened.
 
 ``Connections`` is a part of ``agent.Agent``: it hands what arrives to the agent's
 ``Dispatch`` (requests) and ``PendingCalls`` (answers), fails the calls of a peer it lost
@@ -17,27 +18,19 @@ lost (``departures``).
 from __future__ import annotations
 
 import logging
-import pickle
-import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from .. import transport
-from ..errors import (
-    AuthenticationError,
-    ProtocolError,
-    RpcError,
-    RpcTimeoutError,
-    WorkerLeftError,
-    WorkerUnavailableError,
-)
+from ..errors import ProtocolError, WorkerLeftError, WorkerUnavailableError
 from ..options import RpcBackendOptions
 from ..protocol import wire
 from ..protocol.serialization import loopback
-from ..transport import Connection, Listener
+from ..transport import Connection
 from .completion import PendingCalls
+from .connecting import Connector
 from .departures import Departures
 from .dispatch import Dispatch
 from .outbound import Outbound
@@ -46,8 +39,6 @@ from .roster import Roster
 from .worlds import World
 
 log = logging.getLogger("rpc_core")
-
-_HELLO_ID = 0  # msg_id of the identity frame a dialer sends first
 
 
 class ConnectionStats(NamedTuple):
@@ -102,6 +93,9 @@ class _Loopback:
         else:
             self._on_answer(self._me, h, head, body, storages)
 
+    def flush_queued(self) -> None:
+        pass  # nothing is ever queued: send delivers at once
+
     def close(self) -> None:
         pass
 
@@ -123,13 +117,8 @@ class Connections:
         self._pending = pending
         self._dispatch = dispatch
         self._threads = threads
-        self._secret = options.auth_secret
-        # Read once per worker: every dial and accept of this worker uses the same limit.
-        self._handshake_timeout = transport.handshake_timeout()
-        self._listeners = world.listeners  # one per transport (transport.listen)
-        # Hosts that name this machine: a peer advertised under one of them may be dialled
-        # over a same-host transport.
-        self._local_hosts = {"localhost", "::1", self._listeners[0].address[0]}
+        # Dials and accepts; rank 0's ``connector.join_handler`` takes join requests (``registry``).
+        self.connector = Connector(world, options.auth_secret, roster, pending, threads)
         self._parked: list[Connection] = []  # open but unused (see start)
         self.departures = Departures(pending)  # connections to departed members, read until they end
         self._lock = threading.Lock()
@@ -137,18 +126,15 @@ class Connections:
         self.out: dict[int, Any] = {self.me.id: _Loopback(self.me.id, dispatch, pending)}
         self.links: dict[int, Outbound] = {}  # who reads each outgoing connection's answers
         self._dial_locks: dict[int, threading.Lock] = {w.id: threading.Lock() for w in world.workers}
-        self._admission = transport.Admission(self.me.name)  # incoming connections in their handshake
         self._incoming: list[Connection] = []
         self._world_connections = world.connections
         self.closing = False
-        # Rank 0: takes a connection whose first frame is a join request (set by ``registry``):
-        # handler(conn, msg_id, body) -> the admitted rank, or None (it answered and refused).
-        self.join_handler: Callable[[Connection, int, bytes], int | None] | None = None
         # Called with (rank, reason) when a peer is lost (its connection ended: see _connection_lost).
         self.on_peer_lost: list[Callable[[int, str], None]] = []
 
     def start(self) -> None:
         """Take over the rendezvous connections and start accepting."""
+        connector = self.connector
         for rank, conn in self._world_connections.items():
             if self.me.id == 0:
                 self._incoming.append(conn)
@@ -161,14 +147,13 @@ class Connections:
                 # dialled on first use.
                 self._parked.append(conn)
                 try:
-                    local = self._dial(rank, time.monotonic() + self._handshake_timeout, same_host_only=True)
+                    local = connector.dial(rank, time.monotonic() + connector.handshake_timeout, same_host_only=True)
                 except TimeoutError:
                     local = None  # no answer there in time: the first call dials
                 if local is not None:
                     self.out[rank] = local
                     self._start_outbound(local, rank)
-        for listener in self._listeners:
-            self._threads.start(self._accept_loop, f"rpc-accept-{listener.transport.kind}", listener)
+        connector.accept(self._serve_accepted)
 
     def connection(self, dst: int, call_deadline: float | None = None, timeout: float = 0.0) -> Any:
         """The connection to ``dst``, dialled if there is none yet. Dialling gives up at the
@@ -182,119 +167,25 @@ class Connections:
             raise WorkerUnavailableError(roster.dead[dst], worker=roster.name_of(dst))
         if dst not in roster.workers:
             roster.worker_info(dst)  # raises: the worker that had this rank left the group
-        limit = time.monotonic() + self._handshake_timeout
+        limit = time.monotonic() + self.connector.handshake_timeout
         by_call = call_deadline is not None and call_deadline <= limit  # whose deadline binds
         deadline = limit if call_deadline is None else min(call_deadline, limit)  # the earlier binds
         lock = self._dial_locks.setdefault(dst, threading.Lock())  # a member that joined later: made here
         if not lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-            raise self._dial_timed_out(dst, by_call, timeout, "while another call was connecting to it")
+            raise self.connector.timed_out(dst, by_call, timeout, "while another call was connecting to it")
         try:
             conn = self.out.get(dst)
             if conn is not None:
                 return conn
-            try:
-                conn = self._dial(dst, deadline)
-                if conn is None:  # cannot happen: TCP reaches every worker (or raises)
-                    raise OSError("no transport reaches it")
-            except TimeoutError as e:
-                connected = getattr(e, "connected", True)
-                raise self._dial_timed_out(
-                    dst, by_call, timeout, "" if connected else "(the connection was not even accepted)"
-                ) from None
-            except OSError as e:  # refused, reset, closed: nobody there any more
-                host, port = roster.addresses[dst]
-                raise WorkerUnavailableError(
-                    f"cannot reach {roster.describe(dst)} at {host}:{port} ({e.__class__.__name__}: {e}); "
-                    "it has probably exited or crashed",
-                    worker=roster.name_of(dst),
-                ) from None
+            conn = self.connector.dial_for_call(dst, deadline, by_call, timeout)
             self._start_outbound(conn, dst)
             self.out[dst] = conn
             return conn
         finally:
             lock.release()
 
-    def _dial_timed_out(self, dst: int, by_call: bool, timeout: float, detail: str) -> RpcError:
-        """The error of a call whose dial ran out of time: its own timeout (RpcTimeoutError,
-        like any call that ran too long), or the handshake limit (the worker is there but mute)."""
-        roster = self._roster
-        host, port = roster.addresses[dst]
-        what = f"{roster.describe(dst)} at {host}:{port} did not answer the connection handshake"
-        if detail:
-            what += " " + detail
-        if by_call:
-            return RpcTimeoutError(
-                f"{self._pending.timeout_message(timeout, dst)}: {what}; it may be stopped, frozen or overloaded",
-                worker=roster.name_of(dst),
-            )
-        return WorkerUnavailableError(
-            f"cannot reach {what} within {self._handshake_timeout:g} s (RPC_CORE_HANDSHAKE_TIMEOUT); "
-            "it is probably stopped, frozen or overloaded, or its host is unreachable",
-            worker=roster.name_of(dst),
-        )
-
-    def _dial(self, dst: int, deadline: float, same_host_only: bool = False) -> Connection | None:
-        """Dial ``dst`` by ``deadline`` over the first transport that reaches it (see
-        ``transport.dial``); only over a same-host one if ``same_host_only`` (None if none did)."""
-        return transport.dial(
-            self._roster.addresses[dst], self._secret, deadline, self._local_hosts, self._introduce, same_host_only
-        )
-
-    def _introduce(self, conn: Connection) -> None:
-        conn.send(wire.REQUEST, wire.CONTROL, _HELLO_ID, b"", pickle.dumps(self.me.id))
-
-    def _accept_loop(self, listener: Listener) -> None:
-        while not self.closing:
-            try:
-                sock, peer = listener.accept()
-            except OSError:
-                return
-            deadline = time.monotonic() + self._handshake_timeout
-            if not self._admission.admit(sock, peer):
-                sock.close()  # shutting down
-                return
-            self._threads.start(self._serve_incoming, "rpc-in", listener.transport, sock, peer, deadline)
-
-    def _serve_incoming(
-        self, via: transport.Transport, sock: socket.socket, peer: tuple[str, int], deadline: float
-    ) -> None:
-        """Authenticate an accepted connection and read its identity frame, all by ``deadline``,
-        then serve its requests."""
-        conn = None
-        try:
-            conn, h, body = via.accept(sock, peer, self._secret, deadline, self._admission)
-            if h.msg_id != _HELLO_ID and self.join_handler is not None:
-                # A worker asking to join the group (see registry): admitted, it becomes a member
-                # and this its connection to us, as after a rendezvous; refused, it was told why.
-                src = self.join_handler(conn, h.msg_id, body)
-                if src is None:
-                    conn.close()
-                    return
-                # Its loss is the member's exit, as a rendezvous connection's is (see _connection_lost).
-                self._world_connections[src] = conn
-            else:
-                if h.msg_id != _HELLO_ID:
-                    raise ProtocolError("first frame is not an identity frame")
-                src = pickle.loads(body)
-                if not isinstance(src, int) or src not in self._roster.workers:
-                    raise ProtocolError(f"bad identity {src!r}")
-            self._roster.tag_connection(conn, src)
-        except AuthenticationError:
-            log.warning(
-                "rpc_core %s: rejected a connection from %s:%s: wrong or missing auth secret",
-                self.me.name,
-                peer[0],
-                peer[1],
-            )
-            sock.close()
-            return
-        except (ProtocolError, OSError, transport.PeerClosed, pickle.UnpicklingError, ValueError, EOFError) as e:
-            log.warning("rpc_core %s: dropped a connection from %s:%s: %s", self.me.name, peer[0], peer[1], e)
-            if conn is not None:
-                conn.close()
-            else:
-                sock.close()
-            return
+    def _serve_accepted(self, conn: Connection, src: int) -> None:
+        """Serve the requests of a connection the connector accepted from ``src``."""
         with self._lock:
             if self.closing:
                 conn.close()
@@ -458,7 +349,6 @@ class Connections:
             links = list(self.links.values())
         for link in links:
             link.close()
-        self._admission.close()  # wakes the threads still in a handshake
-        transport.close(self._listeners)  # wakes the accept loops
+        self.connector.close()  # wakes the threads still in a handshake, and the accept loops
         for c in conns + self._parked:
             c.close()

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .. import transport
+from .. import functions, transport
 from ..errors import RpcError, failed_worker, not_a_future
 from ..protocol import wire
 from ..protocol.serialization import decode_head, deserialize_decoded, encode_head, serialize
@@ -202,6 +202,8 @@ class Dispatch:
     ) -> None:
         tokens = [m.enter_call(src, extras) for m in self.middleware] if self.middleware else ()
         fut = None
+        after: list[Callable[[], Any]] = []  # functions.after_response's, run once the answer is written
+        outer = functions.serving()
         try:
             try:
                 result = func(*args, **kwargs)
@@ -209,6 +211,8 @@ class Dispatch:
                 if not h.flags & wire.CONTROL:  # not rpc_core's bookkeeping: a function the user called
                     log_call_error(self.me, func, e, self._roster.describe(src))
                 raise
+            finally:
+                after = functions.served(outer)
             if getattr(func, "_wrapped_async_rpc_function", None) is not None:
                 fut = result
                 if not isinstance(fut, torch._C.Future):
@@ -216,7 +220,16 @@ class Dispatch:
                 if fut.done():  # finished already (a value that was ready): answer without a callback
                     self._respond_future(conn, src, h, fut, extras)
                 else:
-                    fut.add_done_callback(lambda f: self._respond_future(conn, src, h, f, extras))
+                    later, after = after, []
+
+                    def answer(f: torch._C.Future[Any]) -> None:
+                        self._respond_future(conn, src, h, f, extras)
+                        if later:
+                            # On the thread that completed the future: if it is serving a
+                            # request, the work waits for that one's answer as well.
+                            self._after_answer(conn, later, defer=True)
+
+                    fut.add_done_callback(answer)
             else:
                 self._respond(conn, src, h, result, extras)
         except BaseException as e:  # noqa: BLE001 - whatever the call raised goes back to its caller
@@ -225,6 +238,23 @@ class Dispatch:
             # strict=False: the profiler may append its middleware while this call ran (never removes one)
             for m, tok in zip(self.middleware, tokens, strict=False):
                 m.exit_call(tok, extras, fut)
+        if after:
+            self._after_answer(conn, after)
+
+    def _after_answer(self, conn: Any, work: list[Callable[[], Any]], defer: bool = False) -> None:
+        """Run what the request left for after its answer (``functions.after_response``),
+        once the answer is on its way: an answer deferred behind the next request's bytes
+        (see ``_send_answer``) is written first. ``defer``: if this thread is serving another
+        request, after that one's answer."""
+        try:
+            conn.flush_queued()
+        except OSError:
+            pass  # the connection broke: its reader reports that; the work is still this worker's
+        if defer:
+            for fn in work:
+                functions.after_response(fn)
+        else:
+            functions.run_after(work)
 
     def _respond_future(
         self, conn: Any, src: int, h: wire.FrameHeader, f: torch._C.Future[Any], extras: dict[str, Any]

@@ -1,12 +1,11 @@
 """The distributed backward pass.
 
-``backward(context_id, roots)`` runs a local pass from the roots. A local pass finds the
-leaves and recv nodes its graph reaches, runs ``torch.autograd.grad`` to them (so nothing
-lands in ``.grad``), and adds the leaves' gradients to the context. Each ``_Recv`` node
-the pass reaches ships its gradients to the worker that sent those tensors
-(``_on_backward``), which runs a local pass from the tensors it sent, and so on. A worker
-answers a gradient RPC only when every gradient RPC its own pass started has been
-answered, so when the root's calls return, the whole distributed pass is done.
+``backward(context_id, roots)`` runs a local pass from the roots (module ``local_pass``: the
+walk of this worker's graph). Each ``_Recv`` node the pass reaches ships its gradients to the
+worker that sent those tensors (``_on_backward``), which runs a local pass from the tensors
+it sent, and so on. A worker answers a gradient RPC only when every gradient RPC its own
+pass started has been answered, so when the root's calls return, the whole distributed pass
+is done.
 
 Unlike torch's FAST mode, nothing waits for gradients that never come: a send whose
 output the loss did not use is simply never visited, so it cannot make backward hang.
@@ -27,22 +26,14 @@ thread that waited (``_continue``). The gradient of an input that flows back to 
 (``rpc_sync(owner, f, args=(rref, x))`` with ``x.requires_grad``) then costs no message
 beyond the gradient call's own round trip.
 
-The pass that ``backward()`` starts on the caller's own worker (the root pass) runs the
-leaves' ``AccumulateGrad`` nodes, as torch's distributed engine does, instead of only
-capturing their gradients: hooks that other torch machinery puts after them then fire. That
-is how DistributedDataParallel learns that a gradient is ready; it averages the gradients
-across its process group and writes the result to ``.grad``, which the pass moves into the
-context (``.grad`` is left as it was). Root passes on one worker take turns for this (a
-lock; only their local autograd part), and a plain ``.backward()`` on the same leaves in
-another thread at the same time would mix with it. Passes started by gradients arriving
-from other workers only capture (their leaves, often a parameter server's, are shared by
-many concurrent passes), so DDP modules belong on the worker that calls ``backward``.
+The root pass runs the leaves' ``AccumulateGrad`` nodes, so DistributedDataParallel's hooks
+fire (module ``local_pass``). A context with hook payloads ends each worker's part with its hooks
+(``finish``); errors name the worker they happened on (``node_errors``).
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -50,116 +41,13 @@ import torch
 from ..agent import agent as _agent_mod
 from ..agent import calls
 from ..agent.early_exit import torch_collect_all
-from ..agent.futures import raised_on, set_error, settle
-from ..agent.worlds import WorkerInfo
-from ..errors import RpcError, format_many
+from ..errors import RpcError
 from ..functions import async_execution
 from . import context as _context
 from . import hooks
-
-# The backward pass running on this thread (the CPU autograd engine runs a pass on the
-# thread that started it): ``outgoing``, the (rank, message id, gradients) its _Recv nodes
-# reached (recording's _Recv appends to it; sent once the pass is done, one call per rank);
-# ``reply``, for a pass serving a gradient call, (the caller's rank, the list of (message
-# id, gradients) its answer carries back) or None.
-_pass_tls = threading.local()
-
-# A gradient call's answer: the (message id, gradients) of the caller's own sends that its
-# pass reached, for the caller to continue from; None when there are none.
-Returned = list[tuple[int, list[Any]]] | None
-
-# A 0-element leaf that makes every received tensor's _Recv node part of the graph (its
-# received inputs are detached); its "gradient" is always None, so one leaf serves all of
-# them: autograd.grad never accumulates into its inputs, and a local .backward() only ever
-# hands it None. A pass finds it among its leaves and skips it.
-ANCHOR = torch.empty(0, requires_grad=True)
-_accumulating = threading.Lock()  # root passes that run AccumulateGrad take turns with .grad
-
-# What torch.autograd.grad and .backward call once they have checked their arguments (None
-# in a torch without it: then the public functions).
-_engine_run_backward: Callable[..., tuple[torch.Tensor | None, ...]] | None = getattr(
-    torch.autograd.graph, "_engine_run_backward", None
-)
-
-
-def is_anchor(t: torch.Tensor) -> bool:
-    return t is ANCHOR
-
-
-def _on_node(me: WorkerInfo, detail: object) -> str:
-    """How an error of distributed backward names the worker it happened on: torch's
-    "Error on Node 1: <what>" (programs match it), then the worker's name after the first
-    line of ``detail`` (a remote traceback may follow it)."""
-    first, nl, rest = str(detail).partition("\n")
-    return f"Error on Node {me.id}: {first} (on {me.name}){nl}{rest}"
-
-
-def _discover(starts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Leaves (including recv anchors) reachable from ``starts``: the inputs of the pass."""
-    leaves: list[torch.Tensor] = []
-    seen: set[object] = set()  # nodes, and ids of leaf tensors (a tensor's __eq__ is elementwise)
-    stack = []
-    for t in starts:
-        if t.grad_fn is not None:
-            stack.append(t.grad_fn)
-        elif t.requires_grad and id(t) not in seen:
-            seen.add(id(t))
-            leaves.append(t)
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        var = getattr(node, "variable", None)
-        if var is not None:  # AccumulateGrad: a leaf
-            if id(var) not in seen:
-                seen.add(id(var))
-                leaves.append(var)
-            continue
-        for nxt, _ in node.next_functions:
-            if nxt is not None and nxt not in seen:
-                stack.append(nxt)
-    return leaves
-
-
-def _accumulate_pass(
-    starts: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], inputs: list[torch.Tensor]
-) -> list[torch.Tensor | None]:
-    """The leaves' gradients, through their AccumulateGrad nodes (so the hooks after those
-    run: DDP's), read back from ``.grad``, which is then restored."""
-    with _accumulating:
-        saved = [t.grad for t in inputs]
-        for t in inputs:
-            t.grad = None
-        try:
-            _run_pass(starts, grads, inputs, accumulate=True)
-            # A DDP gradient may be a view of its bucket (gradient_as_bucket_view=True),
-            # which the next backward overwrites: the context keeps its own copy.
-            return [None if t.grad is None else t.grad.clone() if t.grad._base is not None else t.grad for t in inputs]
-        finally:
-            for t, g in zip(inputs, saved, strict=True):
-                t.grad = g
-
-
-def _run_pass(
-    starts: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], inputs: list[torch.Tensor], accumulate: bool
-) -> tuple[torch.Tensor | None, ...]:
-    """``torch.autograd.grad`` (``accumulate``: ``.backward``, into the inputs' ``.grad``)
-    from ``starts`` with ``grads``, keeping the graph. Straight into torch's engine: every
-    gradient here is a tensor, one per start (roots' are ones, the others come from
-    ``_pass_from_send``), and the engine checks each one's shape against its start; the
-    public functions' own checks in Python cost more than a small layer's backward (and
-    the first one imports sympy). Tensor subclasses that override torch functions take the
-    public path, which dispatches to them."""
-    if _engine_run_backward is None or torch.overrides.has_torch_function((*starts, *inputs)):
-        if accumulate:
-            torch.autograd.backward(list(starts), list(grads), retain_graph=True, inputs=inputs)
-            return ()
-        return torch.autograd.grad(list(starts), inputs, list(grads), retain_graph=True, allow_unused=True)
-    out: tuple[torch.Tensor | None, ...] = _engine_run_backward(
-        tuple(starts), tuple(grads), True, False, tuple(inputs), True, accumulate
-    )
-    return out
+from . import local_pass as _local
+from .finish import end_call, finish
+from .node_errors import on_node, raise_all, settle_named
 
 
 def local_pass(
@@ -170,36 +58,17 @@ def local_pass(
     root: bool = False,
     reply: tuple[int, list[tuple[int, list[Any]]]] | None = None,
 ) -> list[torch.futures.Future[Any]]:
-    """Backward from ``starts`` with ``grads`` on this worker; returns the futures of the
-    gradient RPCs it started. ``waited``: this thread waits on them itself afterwards (so
-    it reads their answers; see outbound). ``root``: the pass ``backward()`` started here,
-    which runs the leaves' AccumulateGrad nodes (see the module docstring). ``reply``:
+    """Backward from ``starts`` with ``grads`` on this worker (``local_pass.run``); returns
+    the futures of the gradient RPCs it started. ``waited``: this thread waits on them
+    itself afterwards (so it reads their answers; see outbound). ``root``: the pass
+    ``backward()`` started here, which runs the leaves' AccumulateGrad nodes. ``reply``:
     (rank, list) of a pass serving that rank's gradient call: gradients for its sends go
     into the list, for the answer, instead of into a call."""
-    inputs = _discover(starts)
-    if not inputs:
-        return []
-    prev = (getattr(_pass_tls, "outgoing", None), getattr(_pass_tls, "reply", None))
-    outgoing: list[tuple[int, int, list[Any]]] = []
-    _pass_tls.outgoing, _pass_tls.reply = outgoing, reply
-    prev_ctx = _context.set_current(ctx.context_id)
-    try:
-        if root and any(not is_anchor(t) for t in inputs):
-            results = _accumulate_pass(starts, grads, inputs)
-        else:
-            results = list(_run_pass(starts, grads, inputs, accumulate=False))
-    finally:
-        _pass_tls.outgoing, _pass_tls.reply = prev
-        _context.set_current(prev_ctx)
-    for leaf, g in zip(inputs, results, strict=True):
-        if g is not None and not is_anchor(leaf):
-            ctx.accumulate(leaf, g)
-    ctx.backward_passes += 1
-    return _send_gradients(ctx, outgoing, waited)
+    return _send_gradients(ctx, _local.run(ctx, starts, grads, root, reply), waited)
 
 
 def _send_gradients(
-    ctx: _context.DistAutogradContext, outgoing: list[tuple[int, int, list[Any]]], waited: bool
+    ctx: _context.DistAutogradContext, outgoing: _local.Outgoing, waited: bool
 ) -> list[torch.futures.Future[Any]]:
     """One gradient call per worker for what a pass reached of the tensors received from it.
     Through the user-call path, so the profiler sees these RPCs (no cost otherwise).
@@ -266,19 +135,13 @@ def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = Fa
     try:
         futures = local_pass(ctx, roots, [torch.ones_like(r) for r in roots], waited=True, root=True)
     except Exception as e:
-        raise RuntimeError(_on_node(me, e)) from e
+        raise RuntimeError(on_node(me, e)) from e
     while futures:  # the answers may carry gradients for our sends: continue from them here
-        values, errors = _wait(futures)
-        _raise_all(errors)
+        values, errors = settle_named(futures)
+        raise_all(errors)
         futures = _continue(ctx, values, True, None)
     if ctx.info is not None:  # the workers not told their last call came, and this one's hooks
-        _finish(ctx).wait()
-
-
-def _wait(futures: list[torch.futures.Future[Any]]) -> tuple[list[Any], list[BaseException]]:
-    """Wait for every gradient RPC; their answers, and their errors, each naming the node it happened on."""
-    values, errors = settle(futures)
-    return values, [_on_this_node(e) for e in errors]
+        finish(ctx).wait()
 
 
 def _continue(
@@ -326,40 +189,12 @@ def _pass_from_sends(
     for msg_id, grads in entries:
         sent = ctx.sends.get(msg_id)
         if sent is None:
-            raise RpcError(_on_node(me, f"no send with autograd message id {msg_id} in context {ctx.context_id}"))
+            raise RpcError(on_node(me, f"no send with autograd message id {msg_id} in context {ctx.context_id}"))
         pairs += [(t, g) for t, g in zip(sent, grads, strict=False) if g is not None]
     try:
         return local_pass(ctx, [t for t, _ in pairs], [g for _, g in pairs], waited=waited, reply=reply)
     except Exception as e:
-        raise RuntimeError(_on_node(me, e)) from e
-
-
-def _on_this_node(e: BaseException) -> BaseException:
-    """An error raised on the worker that ran the gradient call is kept as it is: that
-    worker's ``_on_backward`` named itself in every error it raises (and the agent's remote
-    traceback names it otherwise). An error that arose here (a peer that died, a timeout)
-    is named after this node, which saw it."""
-    if raised_on(e) is not None:
-        return e
-    me = _agent_mod.current_agent().me
-    msg = _on_node(me, f"in distributed backward: {e}")
-    try:
-        wrapped = type(e)(msg)  # keep the type (WorkerUnavailableError, RpcTimeoutError, ...)
-    except Exception:  # noqa: BLE001 - a type's constructor may refuse a lone message
-        wrapped = RuntimeError(_on_node(me, f"in distributed backward: {type(e).__name__}: {e}"))
-    wrapped.__cause__ = e
-    return wrapped
-
-
-def _raise_all(errors: list[BaseException]) -> None:
-    if errors:
-        raise _one_error(errors)
-
-
-def _one_error(errors: list[BaseException]) -> BaseException:
-    if len(errors) == 1:
-        return errors[0]
-    return RuntimeError(format_many(errors, "distributed backward's gradient calls"))
+        raise RuntimeError(on_node(me, e)) from e
 
 
 @async_execution
@@ -372,18 +207,18 @@ def _on_backward(
 ) -> torch.futures.Future[Any]:
     """On the worker that sent the tensors of ``entries`` ((message id, gradients) each):
     continue backward from them. The answer carries the gradients for ``reply_to``'s (the
-    caller's) sends that the pass reached (``Returned``); the caller continues from them.
+    caller's) sends that the pass reached (``finish.Returned``); the caller continues from them.
     ``info``: the context's hook payloads; ``last``: the caller's last call here (``hooks``)."""
     me = _agent_mod.current_agent().me
     try:
         ctx = _context.retrieve(context_id)
     except RpcError as e:  # released here meanwhile: named like every error this handler raises
-        raise RpcError(_on_node(me, e)) from e
+        raise RpcError(on_node(me, e)) from e
     if info is not None:
         with ctx.lock:
             if ctx.hooks_ran:
                 raise RpcError(
-                    _on_node(
+                    on_node(
                         me,
                         f"gradients of context {context_id} arrived after this worker's "
                         "backward hooks ran (a worker it got no gradient call from before "
@@ -422,15 +257,15 @@ def _finish_when_answered(
     if not futures:
         returned = _merge(reply[1]) or None if reply is not None else None
         if hooked:
-            _end_call(ctx, returned, done)
+            end_call(ctx, returned, done)
         else:
             done.set_result(returned)
         return
 
-    def finish(_: Any) -> None:
+    def answered(_: Any) -> None:
         try:
-            values, errors = _wait(futures)  # all done: this does not block
-            _raise_all(errors)
+            values, errors = settle_named(futures)  # all done: this does not block
+            raise_all(errors)
             more = _continue(ctx, values, False, reply)
         except BaseException as e:  # noqa: BLE001 - the backward's waiter gets it
             if hooked:
@@ -440,108 +275,4 @@ def _finish_when_answered(
             return
         _finish_when_answered(ctx, more, reply, done, hooked)
 
-    torch_collect_all(futures).add_done_callback(finish)
-
-
-def _end_call(ctx: _context.DistAutogradContext, returned: Returned, done: torch.futures.Future[Any]) -> None:
-    """A gradient call of a context with hooks is served: if it was the last one to come,
-    run the hooks (``_finish``) before answering; the answer carries the results gathered here."""
-    with ctx.lock:
-        ctx.grad_calls -= 1
-        go = ctx.final_seen and ctx.grad_calls == 0 and not ctx.hooks_ran
-        if go:
-            ctx.hooks_ran = True
-
-    def answer(f: torch.futures.Future[Any] | None) -> None:
-        try:
-            if f is not None:
-                f.wait()
-        except BaseException as e:  # noqa: BLE001 - the backward's waiter gets it
-            done.set_exception(e)
-            return
-        results = hooks.take_results(ctx)
-        done.set_result(hooks.Answer(returned, results) if results else returned)
-
-    if go:
-        _finish(ctx).add_done_callback(answer)
-    else:
-        answer(None)
-
-
-def _finish(ctx: _context.DistAutogradContext) -> torch.futures.Future[None]:
-    """This worker's part of the backward is done: tell the workers it called whose last call
-    was not flagged so (``_on_finish``), then run its own hooks; their results go into
-    ``ctx.results``. Never blocks. The finish calls are not ``waited``: their answers
-    complete the returned future through callbacks, which a background reader runs."""
-    me = _agent_mod.current_agent().me
-    out: torch.futures.Future[None] = torch.futures.Future()
-    futs = [calls.invoke_async(w, _on_finish, (ctx.context_id,), None, 0, "async") for w in hooks.unfinished(ctx)]
-
-    def own_done(f: torch.futures.Future[dict[str, Any]]) -> None:
-        try:
-            values = f.wait()
-        except BaseException as e:  # noqa: BLE001 - named after this worker, for the backward's caller
-            set_error(out, _hook_error(me, e))
-            return
-        if values:
-            hooks.merge_results(ctx, {me.id: values})
-        out.set_result(None)
-
-    def run_own(_: Any = None) -> None:
-        if futs:
-            values, errors = _wait(futs)  # all done: this does not block
-            if errors:
-                set_error(out, _one_error(errors))
-                return
-            for v in values:
-                hooks.merge_results(ctx, v)
-        hooks.run_hooks(ctx).add_done_callback(own_done)
-
-    if futs:
-        torch_collect_all(futs).add_done_callback(run_own)
-    else:
-        run_own()
-    return out
-
-
-def _hook_error(me: WorkerInfo, e: BaseException) -> BaseException:
-    """A hook's error, named after this worker (its type kept when it takes a message)."""
-    msg = _on_node(me, f"in a backward hook: {type(e).__name__}: {e}")
-    try:
-        wrapped = type(e)(msg)
-    except Exception:  # noqa: BLE001 - a type's constructor may refuse a lone message
-        wrapped = RuntimeError(msg)
-    wrapped.__cause__ = e
-    return wrapped
-
-
-@async_execution
-def _on_finish(context_id: int) -> torch.futures.Future[Any]:
-    """The caller's backward is done and its calls here were not flagged last: run this
-    worker's part of the finish now (or the call still served here will); answers the
-    hooks' results gathered here."""
-    me = _agent_mod.current_agent().me
-    try:
-        ctx = _context.retrieve(context_id)
-    except RpcError as e:
-        raise RpcError(_on_node(me, e)) from e
-    with ctx.lock:
-        ctx.final_seen = True
-        go = ctx.grad_calls == 0 and not ctx.hooks_ran
-        if go:
-            ctx.hooks_ran = True
-    done: torch.futures.Future[Any] = torch.futures.Future()
-    if not go:
-        done.set_result(None)
-        return done
-
-    def answer(f: torch.futures.Future[None]) -> None:
-        try:
-            f.wait()
-        except BaseException as e:  # noqa: BLE001 - the backward's waiter gets it
-            done.set_exception(e)
-            return
-        done.set_result(hooks.take_results(ctx) or None)
-
-    _finish(ctx).add_done_callback(answer)
-    return done
+    torch_collect_all(futures).add_done_callback(answered)

@@ -48,7 +48,7 @@ _hooks_lock = threading.Lock()
 class Answer(NamedTuple):
     """A gradient call's answer when hooks' results ride on it."""
 
-    returned: list[tuple[int, list[Any]]] | None  # gradients for the caller's sends (engine.Returned)
+    returned: list[tuple[int, list[Any]]] | None  # gradients for the caller's sends (finish.Returned)
     results: dict[int, dict[str, Any]]  # worker rank -> {hook key: its value}
 
 

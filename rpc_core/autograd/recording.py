@@ -19,7 +19,8 @@ from ..agent import calls
 from ..protocol import wire
 from . import context as _context
 from .context import RecvInfo as _RecvInfo
-from .engine import ANCHOR, _on_backward, _pass_tls
+from .engine import _on_backward
+from .local_pass import ANCHOR, pass_tls
 from .release import release_on_arrival, released_after_requests
 
 
@@ -35,13 +36,13 @@ class _Recv(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
         info: _RecvInfo = ctx.info
         if any(g is not None for g in grads):
-            reply = getattr(_pass_tls, "reply", None)
+            reply = getattr(pass_tls, "reply", None)
             if reply is not None and reply[0] == info.sender:
                 # The sender is the caller whose gradient call this pass serves: the
                 # gradients ride on that call's answer (see engine).
                 reply[1].append((info.msg_id, list(grads)))
                 return (None, None) + (None,) * len(grads)
-            outgoing = getattr(_pass_tls, "outgoing", None)
+            outgoing = getattr(pass_tls, "outgoing", None)
             if outgoing is not None:  # sent once the pass is done, one call per worker (engine)
                 outgoing.append((info.sender, info.msg_id, list(grads)))
                 return (None, None) + (None,) * len(grads)

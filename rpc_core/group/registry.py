@@ -58,7 +58,7 @@ class _Registry:
         self.closing = False
 
     def join(self, conn: Any, msg_id: int, body: bytes) -> int | None:
-        """A join request on a new connection (``Roster.join_handler``): the admitted rank, or
+        """A join request on a new connection (``Connector.join_handler``): the admitted rank, or
         None once the newcomer was told why not. Runs on the connection's accepting thread."""
         agent = self.agent
         try:
@@ -198,7 +198,7 @@ def install(agent: Agent) -> None:
     if agent.me.id != 0:
         return
     _registry = _Registry(agent)
-    agent.connections.join_handler = _registry.join
+    agent.connections.connector.join_handler = _registry.join
     if agent.roster.dynamic:
         agent.connections.on_peer_lost.append(_registry.lost)
         agent.heartbeats.on_peer_unreachable.append(_registry.lost)  # silent past the heartbeat timeout: gone too

@@ -9,9 +9,10 @@ rounds), and a real two-trainer run learns.
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -55,6 +56,9 @@ class FakeServer:
 
     def run_shard_with(self, shard: int, params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         raise AssertionError("no forward in these tests")
+
+    def after_answer(self, fn: Callable[[], Any]) -> None:
+        raise AssertionError("hybrid mode answers its updates once applied")
 
     @property
     def dense_params(self) -> Sequence[torch.Tensor]:
