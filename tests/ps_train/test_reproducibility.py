@@ -1,6 +1,7 @@
 """Sync mode is exact: it equals single-process torch (averaging, or summing, the trainers'
-gradients; with the update in the backward: test_update_in_backward.py), repeats bit for
-bit, survives a resume, and gives the same numbers on torch.distributed.rpc (backend=torch)."""
+gradients; on rpc_core the update rides on the backward by default, also checked on
+test_update_in_backward.py's longer run), repeats bit for bit, survives a resume, and gives
+the same numbers on torch.distributed.rpc (backend=torch)."""
 
 import contextlib
 import subprocess
