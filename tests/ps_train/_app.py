@@ -67,6 +67,11 @@ def final_weights(run_dir: Path) -> dict[tuple[str, int, str], torch.Tensor]:
     """Every tensor of the run's latest checkpoint: ``(server, shard index, state key)``."""
     ckpt = latest_checkpoint(run_dir)
     assert ckpt is not None, f"{run_dir} has no complete checkpoint"
+    return checkpoint_weights(ckpt)
+
+
+def checkpoint_weights(ckpt: Path) -> dict[tuple[str, int, str], torch.Tensor]:
+    """Every tensor of checkpoint ``ckpt``, keyed like ``final_weights``."""
     _, states = load_checkpoint(ckpt)
     return {
         (server, int(shard), key): t
@@ -116,16 +121,46 @@ def cli(
     *args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = CLI_TIMEOUT
 ) -> subprocess.CompletedProcess:
     """``python -m ps_train <args>`` in ``cwd`` (so default run folders land there)."""
+    return finish_cli(start_cli(*args, cwd=cwd, env=env), timeout)
+
+
+def start_cli(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """``cli`` started, not waited for: several commands, each an interpreter importing torch
+    on one core, run side by side (``finish_cli`` waits for each)."""
     full_env = dict(os.environ, **(env or {}))
     full_env.pop(FAULT_ENV, None)
-    return subprocess.run(
+    return subprocess.Popen(
         [sys.executable, "-m", "ps_train", *args],
         cwd=cwd,
         env=full_env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=timeout,
     )
+
+
+def finish_cli(proc: subprocess.Popen[str], timeout: float = CLI_TIMEOUT) -> subprocess.CompletedProcess:
+    """What ``start_cli``'s command printed and returned, once it exited (killed after ``timeout`` s)."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def finish_clis(
+    procs: dict[str, subprocess.Popen[str]], timeout: float = CLI_TIMEOUT
+) -> dict[str, subprocess.CompletedProcess]:
+    """``finish_cli`` for each of ``procs``, all of them killed if one fails or times out."""
+    try:
+        return {name: finish_cli(p, timeout) for name, p in procs.items()}
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
 
 
 def rendezvous_port(run_dir: Path, role: str = "ps0") -> int:

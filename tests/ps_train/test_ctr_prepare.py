@@ -372,19 +372,29 @@ def test_progress_line_on_a_terminal_and_in_a_log():
 @pytest.mark.timeout(120)
 def test_cli_prepares_reports_and_fails_with_the_readers_message(tmp_path):
     folder = _day_files(tmp_path)
+    (tmp_path / "with_bad").mkdir()
+    bad_folder = _day_files(tmp_path / "with_bad")
+    (bad_folder / "day_2").write_text(GOOD + _bad("label"))
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     cmd = [sys.executable, "-m", "ps_train.prepare", "criteo"]
-    ok = subprocess.run(
-        [*cmd, str(folder), str(tmp_path / "prep")], capture_output=True, text=True, env=env, timeout=100
-    )
-    assert ok.returncode == 0, ok.stderr
-    assert "lines/s" in ok.stderr and "500 rows from 500 lines of 2 file(s)" in ok.stderr
-    assert "data.prepared=" in ok.stderr and "\r" not in ok.stderr  # not a terminal: whole lines
-    (folder / "day_2").write_text(GOOD + _bad("label"))
-    bad = subprocess.run(
-        [*cmd, str(folder), str(tmp_path / "prep2")], capture_output=True, text=True, env=env, timeout=100
-    )
-    assert bad.returncode == 1 and f"{folder / 'day_2'}, line 2: the label is '2'" in bad.stderr
+    # Both at once: each is an interpreter importing torch on one core.
+    procs = [
+        subprocess.Popen(
+            [*cmd, str(src), str(tmp_path / dst)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        )
+        for src, dst in ((folder, "prep"), (bad_folder, "prep2"))
+    ]
+    try:
+        ok, bad = ((p, p.communicate(timeout=100)[1]) for p in procs)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert ok[0].returncode == 0, ok[1]
+    assert "lines/s" in ok[1] and "500 rows from 500 lines of 2 file(s)" in ok[1]
+    assert "data.prepared=" in ok[1] and "\r" not in ok[1]  # not a terminal: whole lines
+    assert bad[0].returncode == 1 and f"{bad_folder / 'day_2'}, line 2: the label is '2'" in bad[1]
     assert not (tmp_path / "prep2").exists()
 
 
@@ -429,10 +439,11 @@ def test_config_selects_a_prepared_folder(tmp_path):
         load_ctr_data(CriteoConfig(root=str(tmp_path)))
 
 
-def _peak_rss_mb(cmd, env):
-    child = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE)
+def _peak_rss_mb(child):
+    """The peak RSS of a started ``child`` once it exited (its own: ``wait4``'s rusage)."""
     _, status, usage = os.wait4(child.pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, child.stderr.read().decode() if child.stderr else ""
+    child.returncode = os.waitstatus_to_exitcode(status)
+    assert child.returncode == 0, child.stderr.read().decode() if child.stderr else ""
     return usage.ru_maxrss / 1024
 
 
@@ -444,8 +455,9 @@ def test_memory_does_not_grow_with_the_input(tmp_path):
     (tmp_path / "small.tsv").write_text(text * 15)
     (tmp_path / "large.tsv").write_text(text * 300)
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    rss = {
-        name: _peak_rss_mb(
+    # Both at once (each measures its own peak): the small one's torch import overlaps the large one's.
+    children = {
+        name: subprocess.Popen(
             [
                 sys.executable,
                 "-m",
@@ -457,9 +469,17 @@ def test_memory_does_not_grow_with_the_input(tmp_path):
                 "--block-mb",
                 "1",
             ],
-            env,
+            env=env,
+            stderr=subprocess.PIPE,
         )
         for name in ("small", "large")
     }
+    try:
+        rss = {name: _peak_rss_mb(child) for name, child in children.items()}
+    finally:
+        for child in children.values():
+            if child.returncode is None:
+                child.kill()
+                child.wait()
     assert read_manifest(str(tmp_path / "prep-large")).rows == 300_000
     assert rss["large"] - rss["small"] < 30, rss

@@ -125,6 +125,7 @@ def test_a_killed_joiner_is_replaced_and_continues_its_partition(tmp_path):
     metrics = read_json(run_dir / "metrics.json")
     events = [e["event"] for e in metrics["membership"] if e["trainer"] == "trainer2"]
     assert events[:3] == ["joined", "left", "joined"], metrics["membership"]
+    assert "trainer2" in metrics["losses"]  # the replacement's final report reached trainer0
     log = (run_dir / "logs" / "trainer2.log").read_text()
     assert "trainer2 replaces a trainer that died: continuing after its step" in log
     # At least once: the replacement starts at the step after the last one ps0 applied, so the

@@ -7,7 +7,7 @@ import pytest
 
 from ps_train.launch.failures import MAX_ERROR_BYTES, FailedRole, RoleError, failure_report, first_cause
 from rpc_core.errors import RpcError, WorkerUnavailableError
-from tests.ps_train._app import cli
+from tests.ps_train._app import finish_clis, start_cli
 from tests.ps_train.test_prechecks import criteo_day
 
 HINT = "no checkpoint was written yet; the run has to start over"
@@ -92,11 +92,11 @@ def test_a_role_error_names_the_peer_rpc_core_blames_and_stays_small():
 
 def criteo_run(tmp_path, *extra):
     """A two-trainer DLRM run on Criteo files whose line 1200 of day_1 is malformed: past the
-    lines the launcher checks, so the trainers find it."""
+    lines the launcher checks, so the trainers find it. Started, not waited for."""
     root = tmp_path / "criteo"
     criteo_day(root / "day_0", 1100)
     criteo_day(root / "day_1", 1300, bad_line=1200, seed=1)
-    r = cli(
+    return start_cli(
         "model=dlrm",
         "data=criteo",
         f"data.root={root}",
@@ -108,14 +108,24 @@ def criteo_run(tmp_path, *extra):
         "hydra.run.dir=run",
         *extra,
         cwd=tmp_path,
-        timeout=150,
-    )  # the run takes seconds; starting 4 roles on a busy machine, up to a minute
-    return root / "day_1", r
+    )
 
 
-@pytest.mark.timeout(180)
-def test_a_malformed_line_the_trainers_find_is_one_error_and_a_summary_without_tracebacks(tmp_path):
-    bad, r = criteo_run(tmp_path)
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Both runs of the tests below at once (each starts an interpreter and 4 roles, most of
+    it importing torch on one core), each in a fresh folder: name -> (folder, the bad file,
+    completed process)."""
+    folders = {name: tmp_path_factory.mktemp(name) for name in ("fails", "skips")}
+    procs = {"fails": criteo_run(folders["fails"]), "skips": criteo_run(folders["skips"], "data.skip_malformed=true")}
+    # The runs take seconds; starting 4 roles each on a busy machine, up to a minute or two.
+    done = finish_clis(procs, timeout=200)
+    return {name: (folders[name], folders[name] / "criteo" / "day_1", r) for name, r in done.items()}
+
+
+@pytest.mark.timeout(300)
+def test_a_malformed_line_the_trainers_find_is_one_error_and_a_summary_without_tracebacks(runs):
+    tmp_path, bad, r = runs["fails"]
     assert r.returncode == 1, r.stderr[-3000:]
     assert "Traceback" not in r.stdout + r.stderr
     where = f"{bad}, line 1200: categorical feature C7 (field 21) is '68fd1eXY', not a hex string"
@@ -137,9 +147,9 @@ def test_a_malformed_line_the_trainers_find_is_one_error_and_a_summary_without_t
     assert "Traceback (most recent call last)" in log and where in log
 
 
-@pytest.mark.timeout(180)
-def test_skipped_malformed_lines_are_counted_on_the_console_once(tmp_path):
-    bad, r = criteo_run(tmp_path, "data.skip_malformed=true")
+@pytest.mark.timeout(300)
+def test_skipped_malformed_lines_are_counted_on_the_console_once(runs):
+    _, bad, r = runs["skips"]
     assert r.returncode == 0, r.stderr[-3000:]
     [line] = [x for x in r.stdout.splitlines() if "malformed of" in x]
     assert line == (

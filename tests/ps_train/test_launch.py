@@ -1,5 +1,5 @@
 """Launching: a dead role stops the run naming it (and resuming works), torchrun-style env
-ranks, Hydra -m sweeps with a port and folder per job."""
+ranks (under torchrun itself: test_restarts.py), Hydra -m sweeps with a port and folder per job."""
 
 import os
 import re
@@ -17,11 +17,12 @@ from tests.ps_train._app import (
     BASELINE_STEPS,
     QUICK,
     assert_same_weights,
-    cli,
     final_weights,
+    finish_clis,
     read_json,
     rendezvous_port,
     run_app,
+    start_cli,
 )
 
 # Ranks started as separate programs each import everything: spare them TensorBoard.
@@ -104,50 +105,12 @@ def test_run_that_exceeds_its_timeout_is_stopped_naming_the_roles_still_running(
 
 
 @pytest.mark.timeout(120)
-def test_env_launcher_runs_four_ranks_started_from_torchrun_style_variables(tmp_path):
+def test_env_ranks_from_torchrun_style_variables_meet_though_some_start_later_than_the_rpc_timeout(tmp_path):
+    # Four ranks given RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT, as torchrun
+    # gives them (torchrun itself: test_restarts.py); the trainers start after the servers
+    # waited longer than cluster.rpc_timeout, within cluster.init_timeout.
     run_dir = tmp_path / "job"  # every rank is told the same run folder
     port = free_port()
-    args = [
-        sys.executable,
-        "-m",
-        "ps_train",
-        "cluster=env",
-        f"hydra.run.dir={run_dir}",
-        "train.steps=3",
-        *QUICK,
-        *LIGHT,
-    ]
-    common = dict(
-        os.environ,
-        WORLD_SIZE="4",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RPC_CORE_AUTH_SECRET=os.urandom(16).hex(),
-    )
-    common.pop(FAULT_ENV, None)
-    procs = [
-        subprocess.Popen(
-            args,
-            cwd=tmp_path,
-            env=dict(common, RANK=str(r), LOCAL_RANK=str(r)),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(4)
-    ]
-    finish_ok(procs, time.monotonic() + 100)
-    metrics = read_json(run_dir / "metrics.json")  # written by trainer0 (rank 2)
-    assert metrics["steps"] == 3 and metrics["num_trainers"] == 2 and metrics["server_updates"] == [3, 3]
-    for role in ("ps0", "ps1", "trainer0", "trainer1"):
-        assert rendezvous_port(run_dir, role) == port
-    assert read_json(run_dir / "provenance.json")["config"]["cluster"]["launcher"] == "env"
-    assert (run_dir / "checkpoints" / "step_000000003" / "manifest.json").is_file()
-
-
-@pytest.mark.timeout(120)
-def test_ranks_that_start_later_than_the_rpc_timeout_still_meet_within_the_init_timeout(tmp_path):
-    run_dir = tmp_path / "job"
     args = [
         sys.executable,
         "-m",
@@ -164,7 +127,7 @@ def test_ranks_that_start_later_than_the_rpc_timeout_still_meet_within_the_init_
         os.environ,
         WORLD_SIZE="4",
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
+        MASTER_PORT=str(port),
         RPC_CORE_AUTH_SECRET=os.urandom(16).hex(),
     )
     common.pop(FAULT_ENV, None)
@@ -173,7 +136,7 @@ def test_ranks_that_start_later_than_the_rpc_timeout_still_meet_within_the_init_
         return subprocess.Popen(
             args,
             cwd=tmp_path,
-            env=dict(common, RANK=str(rank)),
+            env=dict(common, RANK=str(rank), LOCAL_RANK=str(rank)),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -192,59 +155,52 @@ def test_ranks_that_start_later_than_the_rpc_timeout_still_meet_within_the_init_
         raise
     procs += [start(2), start(3)]
     finish_ok(procs, time.monotonic() + 90)
-    assert read_json(run_dir / "metrics.json")["server_updates"] == [2, 2]
+    metrics = read_json(run_dir / "metrics.json")  # written by trainer0 (rank 2)
+    assert metrics["steps"] == 2 and metrics["num_trainers"] == 2 and metrics["server_updates"] == [2, 2]
+    for role in ("ps0", "ps1", "trainer0", "trainer1"):
+        assert rendezvous_port(run_dir, role) == port
+    assert read_json(run_dir / "provenance.json")["config"]["cluster"]["launcher"] == "env"
+    assert (run_dir / "checkpoints" / "step_000000002" / "manifest.json").is_file()
 
 
-@pytest.mark.timeout(120)
-def test_torchrun_starts_a_four_rank_job_although_its_own_store_holds_master_port(tmp_path):
-    # torchrun's agent listens on MASTER_PORT itself; rank 0 hands the other ranks another port.
-    run_dir = tmp_path / "job"
-    port = free_port()
-    env = dict(os.environ, RPC_CORE_AUTH_SECRET=os.urandom(16).hex())
-    env.pop(FAULT_ENV, None)
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nnodes=1",
-            "--nproc-per-node=4",
-            "--master-addr=127.0.0.1",
-            f"--master-port={port}",
-            "--max-restarts=0",
-            "-m",
-            "ps_train",
+@pytest.fixture(scope="module")
+def commands(tmp_path_factory):
+    """The two ``python -m ps_train`` commands of the tests below, started at once (each an
+    interpreter importing torch on one core), each in a fresh folder: name -> (folder, result)."""
+    folders = {name: tmp_path_factory.mktemp(name) for name in ("no_secret", "sweep")}
+    no_secret = {"RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    procs = {
+        "no_secret": start_cli(
             "cluster=env",
-            f"hydra.run.dir={run_dir}",
+            f"hydra.run.dir={folders['no_secret'] / 'job'}",
+            cwd=folders["no_secret"],
+            env={**no_secret, "RPC_CORE_AUTH_SECRET": ""},
+        ),
+        "sweep": start_cli(
+            "-m",
+            "optim.lr=0.01,0.1",
             "train.steps=2",
             *QUICK,
             *LIGHT,
-        ],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=100,
-    )
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert read_json(run_dir / "metrics.json")["server_updates"] == [2, 2]
-    ports = {rendezvous_port(run_dir, role) for role in ("ps0", "ps1", "trainer0", "trainer1")}
-    assert len(ports) == 1 and port not in ports
+            f"hydra.sweep.dir={folders['sweep'] / 'sweep'}",
+            cwd=folders["sweep"],
+        ),
+    }
+    return {name: (folders[name], r) for name, r in finish_clis(procs).items()}
 
 
-@pytest.mark.timeout(60)
-def test_env_launcher_needs_the_shared_auth_secret(tmp_path):
-    env = {"RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "RPC_CORE_AUTH_SECRET": ""}
-    r = cli("cluster=env", f"hydra.run.dir={tmp_path / 'job'}", cwd=tmp_path, env=env)
+@pytest.mark.timeout(120)
+def test_env_launcher_needs_the_shared_auth_secret(commands):
+    tmp_path, r = commands["no_secret"]
     assert r.returncode == 2
     assert "set RPC_CORE_AUTH_SECRET to the same secret on every rank" in r.stderr
     assert not (tmp_path / "job" / "logs").exists()
 
 
 @pytest.mark.timeout(120)
-def test_multirun_sweep_gives_each_job_its_own_folder_port_and_overrides(tmp_path):
+def test_multirun_sweep_gives_each_job_its_own_folder_port_and_overrides(commands):
+    tmp_path, r = commands["sweep"]
     sweep = tmp_path / "sweep"
-    r = cli("-m", "optim.lr=0.01,0.1", "train.steps=2", *QUICK, *LIGHT, f"hydra.sweep.dir={sweep}", cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and not p.name.startswith("."))
     assert [j.name for j in jobs] == ["0", "1"]

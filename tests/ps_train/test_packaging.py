@@ -25,9 +25,25 @@ STEP_TIMEOUT = 60  # seconds for one subprocess; each takes a few seconds on 2 b
 
 
 def _run(cmd, cwd, env):
-    r = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=STEP_TIMEOUT)
-    assert r.returncode == 0, f"{cmd} failed ({r.returncode}):\n{r.stdout}\n{r.stderr}"
-    return r
+    return _finish(_start(cmd, cwd, env))
+
+
+def _start(cmd, cwd, env):
+    """``cmd`` started, not waited for (``_finish`` waits): commands that each import torch on
+    one core run side by side."""
+    cmd = [str(c) for c in cmd]
+    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(proc):
+    try:
+        out, err = proc.communicate(timeout=STEP_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    assert proc.returncode == 0, f"{proc.args} failed ({proc.returncode}):\n{out}\n{err}"
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 @pytest.mark.timeout(150)
@@ -46,7 +62,7 @@ def test_wheel_installs_into_a_fresh_venv_and_runs_from_another_directory(tmp_pa
     for pkg in ("rpc_core", "ps_train"):
         shutil.copytree(REPO / pkg, src / pkg, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     dist = tmp_path / "dist"
-    _run(
+    building = _start(  # while the venv below is made
         [
             sys.executable,
             "-m",
@@ -63,8 +79,6 @@ def test_wheel_installs_into_a_fresh_venv_and_runs_from_another_directory(tmp_pa
         cwd=tmp_path,
         env=env,
     )
-    wheels = list(dist.glob("*.whl"))
-    assert len(wheels) == 1, wheels
 
     # A venv without pip of its own (no ensurepip needed) that sees this environment's
     # packages; `python -m pip` inside it is this environment's pip, installing into the venv.
@@ -91,6 +105,14 @@ def test_wheel_installs_into_a_fresh_venv_and_runs_from_another_directory(tmp_pa
     (venv_site / "_test_environment.pth").write_text(
         "import site; " + "; ".join(f"site.addsitedir({d!r})" for d in site_dirs) + "\n"
     )
+    try:
+        _finish(building)
+    finally:
+        if building.poll() is None:
+            building.kill()
+            building.wait()
+    wheels = list(dist.glob("*.whl"))
+    assert len(wheels) == 1, wheels
     _run(
         [py, "-s", "-m", "pip", "install", "--no-deps", "--force-reinstall", "--no-index", "-q", wheels[0]],
         cwd=tmp_path,
@@ -99,11 +121,21 @@ def test_wheel_installs_into_a_fresh_venv_and_runs_from_another_directory(tmp_pa
 
     work = tmp_path / "elsewhere"
     work.mkdir()
-    r = _run(
+    imports = _start(
         [py, "-s", "-c", "import ps_train, rpc_core; print(ps_train.__file__); print(rpc_core.__file__)"],
         cwd=work,
         env=env,
     )
+    composes = _start(
+        [py, "-s", "-m", "ps_train", "--cfg", "job", "model=cnn", "cluster.num_servers=3"], cwd=work, env=env
+    )
+    try:
+        r, job = _finish(imports), _finish(composes)
+    finally:
+        for proc in (imports, composes):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     for f in r.stdout.split():
         assert Path(f).resolve().is_relative_to(venv.resolve()), f"imported {f}, not the venv's copy"
     conf = (
@@ -116,8 +148,7 @@ def test_wheel_installs_into_a_fresh_venv_and_runs_from_another_directory(tmp_pa
     )
     assert (conf / "config.yaml").is_file() and (conf / "model" / "mlp.yaml").is_file()
 
-    r = _run([py, "-s", "-m", "ps_train", "--cfg", "job", "model=cnn", "cluster.num_servers=3"], cwd=work, env=env)
-    cfg = yaml.safe_load(r.stdout)
+    cfg = yaml.safe_load(job.stdout)
     assert cfg["model"]["name"] == "cnn" and cfg["data"]["name"] == "digits"
     assert cfg["cluster"]["num_servers"] == 3 and cfg["cluster"]["launcher"] == "local"
     assert cfg["mode"]["name"] == "sync" and cfg["optim"]["name"] == "sgd"

@@ -11,7 +11,7 @@ from ps_train.ctr.criteo import CHECKED_LINES, check_criteo_files
 from ps_train.ctr.loading import load_ctr_data
 from ps_train.data import load_data
 from ps_train.launch.prechecks import DataCheckError, check_data
-from tests.ps_train._app import cli, make_cfg
+from tests.ps_train._app import finish_clis, make_cfg, start_cli
 from tests.ps_train.test_cli import assert_nothing_started
 
 
@@ -53,9 +53,36 @@ def test_too_many_trainers_for_the_batch_size_is_a_config_error_naming_the_fix()
     make_cfg("cluster.num_trainers=44", "cluster.num_servers=3", "mode=async")  # 1437 // 44 = 32: one full batch
 
 
-@pytest.mark.timeout(90)
-def test_too_many_trainers_fails_before_any_role_starts_with_one_line(tmp_path):
-    r = cli("cluster.num_trainers=64", "cluster.num_servers=3", "mode=async", cwd=tmp_path)
+@pytest.fixture(scope="module")
+def commands(tmp_path_factory):
+    """The two commands of the tests below, started at once (each an interpreter importing
+    torch on one core), each in a fresh folder: name -> (folder, completed process)."""
+    folders = {name: tmp_path_factory.mktemp(name) for name in ("too_many_trainers", "malformed_line")}
+    root = folders["malformed_line"] / "criteo"
+    criteo_day(root / "day_0", 50)
+    criteo_day(root / "day_1", 50, bad_line=10)
+    procs = {
+        "too_many_trainers": start_cli(
+            "cluster.num_trainers=64", "cluster.num_servers=3", "mode=async", cwd=folders["too_many_trainers"]
+        ),
+        "malformed_line": start_cli(
+            "model=dlrm",
+            "data=criteo",
+            f"data.root={root}",
+            "data.table_rows=50",
+            "train.steps=4",
+            "train.batch_size=8",
+            "cluster.num_trainers=2",
+            "cluster.num_servers=2",
+            cwd=folders["malformed_line"],
+        ),
+    }
+    return {name: (folders[name], r) for name, r in finish_clis(procs).items()}
+
+
+@pytest.mark.timeout(120)
+def test_too_many_trainers_fails_before_any_role_starts_with_one_line(commands):
+    tmp_path, r = commands["too_many_trainers"]
     assert r.returncode == 2, r.stderr[-3000:]
     assert r.stderr.strip() == (
         "error: invalid ps_train config:\n  - train.batch_size=32: 64 trainers get only 22 "
@@ -105,22 +132,10 @@ def test_check_data_names_missing_vision_files(tmp_path):
         check_data(make_cfg("data=mnist", f"data.root={tmp_path}", "model=mlp"))
 
 
-@pytest.mark.timeout(90)
-def test_a_malformed_line_among_the_first_fails_before_any_role_starts_with_one_line(tmp_path):
+@pytest.mark.timeout(120)
+def test_a_malformed_line_among_the_first_fails_before_any_role_starts_with_one_line(commands):
+    tmp_path, r = commands["malformed_line"]
     root = tmp_path / "criteo"
-    criteo_day(root / "day_0", 50)
-    criteo_day(root / "day_1", 50, bad_line=10)
-    r = cli(
-        "model=dlrm",
-        "data=criteo",
-        f"data.root={root}",
-        "data.table_rows=50",
-        "train.steps=4",
-        "train.batch_size=8",
-        "cluster.num_trainers=2",
-        "cluster.num_servers=2",
-        cwd=tmp_path,
-    )
     assert r.returncode == 2, r.stderr[-3000:]
     assert "Traceback" not in r.stderr
     errors = [x for x in r.stderr.splitlines() if x.startswith("error: ")]

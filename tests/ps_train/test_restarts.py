@@ -26,6 +26,7 @@ from tests.ps_train._app import (
     final_weights,
     make_cfg,
     read_json,
+    rendezvous_port,
     run_app,
     scalars,
 )
@@ -231,6 +232,7 @@ def job_env(**extra):
 @pytest.mark.timeout(300)
 def test_torchrun_max_restarts_restarts_the_job_and_it_resumes_from_the_latest_checkpoint(tmp_path, sync_baseline):
     run_dir = tmp_path / "job"
+    port = free_port()
     env = job_env(**{FAULT_ENV: f"ps1@{FAIL_STEP}#0"})  # TORCHELASTIC_RESTART_COUNT=0 only
     r = subprocess.run(
         [
@@ -240,7 +242,7 @@ def test_torchrun_max_restarts_restarts_the_job_and_it_resumes_from_the_latest_c
             "--nnodes=1",
             "--nproc-per-node=4",
             "--master-addr=127.0.0.1",
-            f"--master-port={free_port()}",
+            f"--master-port={port}",
             "--max-restarts=1",
             *ENV_ARGS,
             f"hydra.run.dir={run_dir}",
@@ -252,6 +254,9 @@ def test_torchrun_max_restarts_restarts_the_job_and_it_resumes_from_the_latest_c
         timeout=280,
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    # torchrun's agent listens on MASTER_PORT itself: rank 0 handed the other ranks another port.
+    ports = {rendezvous_port(run_dir, role) for role in ("ps0", "ps1", "trainer0", "trainer1")}
+    assert len(ports) == 1 and port not in ports
     assert "killing ps1" in (run_dir / "logs" / "ps1.log").read_text()  # the fault did fire
     metrics = read_json(run_dir / "metrics.json")
     [restart] = metrics["restarts"]

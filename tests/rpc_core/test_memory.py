@@ -1,6 +1,7 @@
 """rpc_core.memory: glibc's malloc thresholds are fixed so a worker reuses freed tensor
 memory instead of faulting it back in every step. Each case runs in a fresh interpreter
-(the setting is process-wide), counting minor page faults (getrusage) as the oracle."""
+(the setting is process-wide), all of them side by side, counting each one's own minor page
+faults (getrusage) as the oracle."""
 
 import os
 import platform
@@ -45,23 +46,48 @@ _STEPS = textwrap.dedent("""
 """)
 
 
-def _faults_per_step(**env_overrides):
+def _start(**env_overrides):
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
     env.update(env_overrides)
-    proc = subprocess.run([sys.executable, "-c", _STEPS], env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    tuned, faults = proc.stdout.split()
+    return subprocess.Popen(
+        [sys.executable, "-c", _STEPS], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def _faults_per_step(proc):
+    """(whether rpc_core tuned malloc, minor page faults per step) of a ``_start``ed case."""
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    tuned, faults = out.split()
     return tuned == "True", float(faults)
 
 
-def test_tuned_malloc_reuses_freed_tensor_memory_instead_of_faulting_it_back():
-    tuned, with_tuning = _faults_per_step()
-    untouched, without = _faults_per_step(RPC_CORE_MALLOC_TUNE="0")
+@pytest.fixture(scope="module")
+def cases():
+    """Every case's interpreter at once (each counts its own page faults, RUSAGE_SELF; most of
+    its time is importing torch on one core): name -> ``_faults_per_step``."""
+    procs = {
+        "default": _start(),
+        "turned_off": _start(RPC_CORE_MALLOC_TUNE="0"),
+        "users_own": _start(MALLOC_ARENA_MAX="2", MALLOC_TRIM_THRESHOLD_="131072"),
+    }
+    try:
+        return {name: _faults_per_step(p) for name, p in procs.items()}
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def test_tuned_malloc_reuses_freed_tensor_memory_instead_of_faulting_it_back(cases):
+    tuned, with_tuning = cases["default"]
+    untouched, without = cases["turned_off"]
     assert tuned and not untouched
     # glibc's defaults trim and re-map the step's activations: hundreds of faults per step.
     assert with_tuning * 10 < without, (with_tuning, without)
 
 
-def test_a_malloc_setting_of_the_users_own_is_left_alone():
-    tuned, _ = _faults_per_step(MALLOC_ARENA_MAX="2", MALLOC_TRIM_THRESHOLD_="131072")
+def test_a_malloc_setting_of_the_users_own_is_left_alone(cases):
+    tuned, _ = cases["users_own"]
     assert not tuned
