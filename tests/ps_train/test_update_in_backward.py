@@ -58,3 +58,15 @@ def test_with_the_update_call_an_ssp_step_sends_ps0_four(tmp_path):
     ps0, ps1 = requests_per_server(tmp_path, "ssp", False)
     assert 4 * STEPS * TRAINERS <= ps0 <= 4 * STEPS * TRAINERS + ONE_OFF
     assert 3 * STEPS * TRAINERS <= ps1 <= 3 * STEPS * TRAINERS + ONE_OFF
+
+
+@pytest.mark.timeout(180)
+def test_with_the_update_call_a_sync_step_sends_three_and_stays_exact(tmp_path):
+    # Sync's default rides on the backward; the update call (the path backend=torch and the
+    # hot-row cache take, pipelined on rpc_core) must stay exact as well.
+    metrics = run_app(tmp_path / "run", *job("sync", False), timeout=150)
+    for server, n in enumerate(metrics["server_requests"]):
+        assert 3 * STEPS * TRAINERS <= n <= 3 * STEPS * TRAINERS + ONE_OFF, f"ps{server}: {n} requests"
+    losses, weights = single_process_run(make_cfg(*job("sync", False)), STEPS)
+    assert metrics["losses"] == losses
+    assert_same_weights(final_weights(tmp_path / "run"), weights, exact=True)
