@@ -48,9 +48,10 @@ def after_response(fn: Callable[[], Any]) -> None:
     """Run ``fn()`` on this thread once the answer of the request it is serving is written
     (an rpc_core extension). For an ``async_execution`` function, once its future's answer
     is; if the thread that completes that future is itself serving a request, also after
-    that request's answer (so ``fn`` must not be what that request waits for). Outside a request (a function called locally, a hook of the caller's own backward)
-    ``fn`` runs at once. What ``fn`` raises cannot reach the caller, who has its answer: it
-    is logged as an error; handle failures inside ``fn``."""
+    that request's answer (so ``fn`` must not be what that request waits for). Outside a
+    request (a function called locally, a hook of the caller's own backward) ``fn`` runs at
+    once. What ``fn`` raises cannot reach the caller, who has its answer: it is logged as an
+    error; handle failures inside ``fn``."""
     pending: list[Callable[[], Any]] | None = getattr(_serving, "after", None)
     if pending is None:
         run_after([fn])
