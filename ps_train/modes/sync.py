@@ -227,7 +227,7 @@ class SyncMode(Mode):
         if self.rounds > step:
             fut.set_result(server.version)
         else:
-            fut.set_exception(self._round_error(server, step, "report on"))
+            fut.set_exception(self._round_error(server, step))
 
     def state_dict(self) -> dict[str, Any]:
         return {"rounds": self.rounds}
