@@ -202,7 +202,7 @@ class Dispatch:
     ) -> None:
         tokens = [m.enter_call(src, extras) for m in self.middleware] if self.middleware else ()
         fut = None
-        after: list[Callable[[], Any]] = []  # functions.after_response's, run once the answer is written
+        after: list[Callable[[], Any]]  # functions.after_response's, run once the answer is written
         outer = functions.serving()
         try:
             try:

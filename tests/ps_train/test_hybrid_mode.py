@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from ps_train.checkpoint.files import latest_checkpoint, load_checkpoint
-from ps_train.checkpoint.positions import TrainerPositions
 from ps_train.config import Config, ConfigError, ModeConfig, validate
 from ps_train.modes import make_mode
 from ps_train.modes.hybrid import HybridMode
 from tests.ps_train._app import make_cfg, run_app, saved_tables, scalars
+from tests.ps_train._mode_server import StandInServer
 from tests.ps_train.test_dlrm import ATOL, SMALL, assert_losses_close, reference_run
 
 
@@ -33,7 +33,7 @@ class StepCall:
 
 
 @dataclass
-class FakeServer:
+class FakeServer(StandInServer):
     """The server side a mode sees (``ps_train.modes.base.ModeServer``), with one dense
     parameter and one table; ``step`` records its calls instead of changing anything."""
 
@@ -41,21 +41,6 @@ class FakeServer:
     table: torch.Tensor = field(default_factory=lambda: torch.zeros(3, 2))
     contexts: dict[int, dict[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     steps: list[StepCall] = field(default_factory=list)
-    rank: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    version: int = 0
-    has_running_stats: bool = False
-    membership: None = None
-    positions: TrainerPositions = field(default_factory=TrainerPositions)
-
-    def run_shard(self, shard: int, x: torch.Tensor, trainer: int, step: int) -> torch.Tensor:
-        raise AssertionError("no forward in these tests")
-
-    def shard_copy(self, shard: int) -> dict[str, torch.Tensor]:
-        raise AssertionError("no forward in these tests")
-
-    def run_shard_with(self, shard: int, params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        raise AssertionError("no forward in these tests")
 
     def after_answer(self, fn: Callable[[], Any]) -> None:
         raise AssertionError("hybrid mode answers its updates once applied")

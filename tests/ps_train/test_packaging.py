@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.ps_train._app import finish_cli
+
 REPO = Path(__file__).resolve().parents[2]
 STEP_TIMEOUT = 60  # seconds for one subprocess; each takes a few seconds on 2 busy cores
 
@@ -36,14 +38,9 @@ def _start(cmd, cwd, env):
 
 
 def _finish(proc):
-    try:
-        out, err = proc.communicate(timeout=STEP_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
-        raise
-    assert proc.returncode == 0, f"{proc.args} failed ({proc.returncode}):\n{out}\n{err}"
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    done = finish_cli(proc, STEP_TIMEOUT)
+    assert done.returncode == 0, f"{proc.args} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}"
+    return done
 
 
 @pytest.mark.timeout(150)

@@ -16,16 +16,16 @@ from typing import Any
 import pytest
 import torch
 
-from ps_train.checkpoint.positions import TrainerPositions
 from ps_train.modes import make_mode
 from ps_train.modes.base import UpdateRequest
 from ps_train.modes.sync import SyncMode
 from ps_train.roles.trainer import update_in_backward
 from tests.ps_train._app import make_cfg
+from tests.ps_train._mode_server import StandInServer
 
 
 @dataclass
-class Server:
+class Server(StandInServer):
     """The server side a mode sees (``ModeServer``): one parameter; ``step`` adds the gradient
     times -1 (SGD at lr 1), or raises ``fail``."""
 
@@ -33,12 +33,6 @@ class Server:
     contexts: dict[int, dict[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     later: list[Callable[[], Any]] = field(default_factory=list)  # after_answer's work, not run yet
     fail: BaseException | None = None
-    rank: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    version: int = 0
-    has_running_stats: bool = False
-    membership: None = None
-    positions: TrainerPositions = field(default_factory=TrainerPositions)
     dense_params: list[torch.Tensor] = field(default_factory=list)
 
     def gradients(self, context_id: int) -> dict[torch.Tensor, torch.Tensor]:
@@ -63,12 +57,6 @@ class Server:
 
     def run_shard(self, shard: int, x: torch.Tensor, trainer: int, step: int) -> torch.Tensor:
         return x + self.param
-
-    def shard_copy(self, shard: int) -> dict[str, torch.Tensor]:
-        raise AssertionError("not used")
-
-    def run_shard_with(self, shard: int, params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        raise AssertionError("not used")
 
 
 def sync(num_trainers: int) -> SyncMode:
