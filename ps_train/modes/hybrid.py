@@ -63,11 +63,9 @@ class HybridMode(SyncMode):
         "cluster.max_restarts to restart from the latest checkpoint instead (docs/training_failures.md)"
     )
 
-    # Its update answers with the tables' staleness, once applied: sync's early answer and
-    # ``applied`` do not apply.
+    # Its update answers with the tables' staleness, once applied: not sync's early answer.
     applies_after_answer = False
     in_backward = Mode.in_backward
-    applied = Mode.applied
 
     def __init__(self, run: RunConfig) -> None:
         super().__init__(run)
