@@ -1,6 +1,6 @@
 """A ps_train job on emulated hosts with shaped links (tests/netns.py), against the cost model.
 
-    sudo python benchmarks/scale_hosts.py --constants benchmarks/scale_constants.json \\
+    sudo python benchmarks/scale_hosts.py --constants ps_train/plan/calibration.json \\
         [--rate-kbit 200] [--trainers 1] [--servers 1] [--steps 60] [--json hosts.json] \\
         [--cores 0.25] [--mode sync]
 
@@ -31,9 +31,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
-from _scale_cost import Cluster, Constants, predict  # noqa: E402
-from _scale_shapes import mlp  # noqa: E402
-
+from ps_train.plan.cost import Cluster, load_calibration, predict  # noqa: E402
+from ps_train.plan.shapes import mlp  # noqa: E402
 from tests.netns import Network, unavailable_reason  # noqa: E402
 
 JOB = [
@@ -121,7 +120,7 @@ def main() -> None:
     if args.cores is not None and args.cores <= 0:
         raise SystemExit(f"--cores must be > 0, got {args.cores}")
     m = run(args.trainers, args.servers, args.steps, args.rate_kbit, args.timeout, args.cores, args.mode)
-    c = Constants(**json.loads(args.constants.read_text()))
+    c = load_calibration(args.constants).constants
     cores = args.cores if args.cores is not None else 1.0
     cl = Cluster(args.trainers, args.servers, args.rate_kbit * 1e3, 0.0, cores, cores, None, args.mode)
     p = predict(c, mlp(), cl)

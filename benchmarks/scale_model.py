@@ -8,9 +8,11 @@ binding resource for any trainers x servers x link x cores, check it, and size j
     python benchmarks/scale_model.py validate constants.json RUNS.json [...]
     python benchmarks/scale_model.py plan constants.json [--png docs/scaling_plan.png]
 
-RUNS.json: what ``scale_bench.py --json`` writes. The arithmetic is ``_scale_cost.py``; what a
-step moves and computes per model is ``_scale_shapes.py``; docs/scaling.md explains both and
-holds the fitted figures.
+RUNS.json: what ``scale_bench.py --json`` writes; constants.json: a calibration
+(``ps_train/plan/calibration.json``, what ``scale_calibrate.py`` writes) or the bare constants
+``fit`` prints. The arithmetic is ``ps_train.plan.cost`` and ``ps_train.plan.fit``; what a
+step moves and computes per model is ``ps_train.plan.shapes``; docs/scaling.md explains them
+and holds the fitted figures.
 """
 
 from __future__ import annotations
@@ -22,19 +24,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _scale_cost import (  # noqa: E402
-    Cluster,
-    Constants,
-    Observation,
-    Prediction,
-    busier_way,
-    fit,
-    measured_as_cluster,
-    observation_from_run,
-    predict,
-)
-from _scale_shapes import WORKLOADS  # noqa: E402
+from ps_train.plan.cost import Cluster, Constants, Prediction, busier_way, load_calibration, predict
+from ps_train.plan.fit import Observation, fit, measured_as_cluster, observation_from_run
+from ps_train.plan.shapes import WORKLOADS
 
 PLAN_TRAINERS = (64, 256, 1024)
 PLAN_LINKS_GBIT = (10, 25, 100)
@@ -55,7 +47,9 @@ def _runs(paths: list[Path]) -> list[Observation]:
 
 
 def _constants(path: Path) -> Constants:
-    return Constants(**json.loads(path.read_text()))
+    """The constants of a calibration file, or of a file of bare constants (``fit --out``)."""
+    raw = json.loads(path.read_text())
+    return load_calibration(path).constants if "constants" in raw else Constants(**raw)
 
 
 def cmd_fit(args: argparse.Namespace) -> None:

@@ -1,18 +1,16 @@
-"""The cost model's arithmetic (benchmarks/_scale_cost.py, benchmarks/_scale_shapes.py): what a
+"""The cost model's arithmetic (ps_train.plan.cost, ps_train.plan.fit, ps_train.plan.shapes): what a
 step moves by hand, the fit recovering known constants from points generated with them, and
 the binding resource switching where the formulas put the switch."""
 
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from _scale_cost import Cluster, Constants, Observation, fit, observation_from_run, predict  # noqa: E402
-from _scale_shapes import WORKLOADS, mlp, server_loads  # noqa: E402
+from ps_train.plan.cost import Cluster, Constants, predict
+from ps_train.plan.fit import Observation, fit, observation_from_run
+from ps_train.plan.shapes import WORKLOADS, mlp, server_loads
 
 MLP = WORKLOADS["mlp"]
 TRUE = Constants(
@@ -123,8 +121,8 @@ def test_latency_binds_a_lone_trainer_on_a_long_link_and_sync_pays_the_barrier()
         assert s.samples_per_s < a.samples_per_s
     jittery = Constants(**{**TRUE.__dict__, "jitter": 50.0})
     assert predict(jittery, MLP, Cluster(8, 3, 10e9, 5e-5, 1.0, 1.0, None, "sync")).binding == "sync barrier"
-    with pytest.raises(ValueError, match="mode must be async or sync"):
-        predict(TRUE, MLP, Cluster(1, 1, 1e9, 0.0, 1.0, 1.0, None, "ssp"))
+    with pytest.raises(ValueError, match="mode must be one of sync, async, ssp, hybrid"):
+        Cluster(1, 1, 1e9, 0.0, 1.0, 1.0, None, "bsp")
 
 
 def test_a_scale_bench_record_becomes_an_observation() -> None:

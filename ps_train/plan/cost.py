@@ -1,0 +1,240 @@
+"""The analytic cost model of a ps_train job: per-step constants fitted on measured runs
+(``calibration.json``, with the machine they came from), and the samples/s a cluster reaches
+with the resource that binds it. docs/scaling.md derives it.
+
+Per trainer step, with ``m_s`` requests, ``n_s`` payload bytes (both ways, from the model's
+shapes) and ``f_s`` flops on server ``s`` (``shapes.server_loads``):
+
+- bytes on the wire at server s:  ``w_s = beta * n_s + gamma * m_s``  (framing, pickling)
+- server CPU:                     ``u_s = a * m_s + b * w_s + f_s / F``  (F: FLOP/s, assumed)
+- trainer CPU:                    ``c = c0 + c1 * sum_s m_s``
+- a trainer's own step (serial):  ``c + sum over its shards' servers of u_s + round trips x
+  2 x latency + its bytes the busier way / bandwidth``; round trips = 2 x shards + 1
+  (forward and backward through each shard, then the update to all servers at once).
+
+Async (and ssp, whose bound only binds with stragglers): each trainer steps at the least of
+``1 / serial step``, ``cores_s / (T u_s)`` (server CPU), ``B / (T x server s's bytes the
+busier way)`` (server link) and, all ranks on one machine of ``C`` cores,
+``C / (T (c + sum_s u_s))``. Sync (and hybrid, whose dense rounds wait for every trainer): a
+step waits for all trainers, so the servers' work for the T trainers adds to the trainer's
+instead of overlapping it, plus the slowest of T trainers: ``jitter x serial step x
+sqrt(2 ln T)`` (the expected maximum of T normal times). A process uses at most one core
+(Python's interpreter lock), so cores above 1 do not count.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ps_train.plan.shapes import ServerLoad, Workload, server_loads
+
+__all__ = [
+    "Constants",
+    "Machine",
+    "Calibration",
+    "Cluster",
+    "Prediction",
+    "ServerCosts",
+    "MODES",
+    "BARRIER_MODES",
+    "DEFAULT_CALIBRATION",
+    "load_calibration",
+    "save_calibration",
+    "server_costs",
+    "busier_way",
+    "trainer_ways",
+    "serial_step",
+    "predict",
+]
+
+MODES = ("sync", "async", "ssp", "hybrid")
+BARRIER_MODES = ("sync", "hybrid")  # a round per step that waits for every trainer
+DEFAULT_CALIBRATION = Path(__file__).with_name("calibration.json")
+
+
+@dataclass(frozen=True)
+class Constants:
+    beta: float  # wire bytes per payload byte
+    gamma: float  # wire bytes per request
+    server_cpu_per_message: float  # a, seconds
+    server_cpu_per_byte: float  # b, seconds
+    trainer_cpu_base: float  # c0, seconds per step
+    trainer_cpu_per_message: float  # c1, seconds per request
+    flop_rate: float  # F, FLOP/s of one core on these small ops (assumed, not fitted)
+    jitter: float  # coefficient of variation of a step's time (sync)
+    jitter_fitted: bool = False
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Where and how constants were measured: a prediction holds for machines like it."""
+
+    description: str  # e.g. "shared 2-core VM, loopback"
+    cpus: int
+    load_average: str  # during the measuring runs, e.g. "23-43"
+    date: str
+    commit: str
+    method: str  # the commands that produced the runs
+
+
+@dataclass(frozen=True)
+class Calibration:
+    constants: Constants
+    machine: Machine
+    # The model's stated error on samples/s: the largest relative error over the runs it was
+    # checked on where fitted, and the largest seen on other hosts (a different machine).
+    error_where_fitted: float
+    error_elsewhere: float
+    notes: str = ""
+
+    def stated_error(self) -> str:
+        return (
+            f"+-{self.error_where_fitted:.0%} on machines like the one it was fitted on "
+            f"({self.machine.description}); up to {self.error_elsewhere:.0%} elsewhere until recalibrated"
+        )
+
+
+def load_calibration(path: Path | None = None) -> Calibration:
+    """The calibration at ``path`` (default: the one shipped with ps_train)."""
+    path = path or DEFAULT_CALIBRATION
+    try:
+        raw: dict[str, Any] = json.loads(path.read_text())
+        return Calibration(
+            Constants(**raw["constants"]),
+            Machine(**raw["machine"]),
+            float(raw["error_where_fitted"]),
+            float(raw["error_elsewhere"]),
+            str(raw.get("notes", "")),
+        )
+    except (OSError, KeyError, TypeError, ValueError) as e:
+        raise ValueError(
+            f"calibration file {path}: {e}; write one with benchmarks/scale_calibrate.py "
+            "(keys: constants, machine, error_where_fitted, error_elsewhere)"
+        ) from e
+
+
+def save_calibration(cal: Calibration, path: Path) -> None:
+    from dataclasses import asdict
+
+    path.write_text(json.dumps(asdict(cal), indent=2) + "\n")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    trainers: int
+    servers: int
+    link_bps: float  # each host's link, each way, bits/s (math.inf: loopback)
+    latency_s: float  # one way
+    trainer_cores: float
+    server_cores: float
+    shared_cores: float | None  # all ranks on one machine with this many cores (None: a host each)
+    mode: str  # sync | async | ssp | hybrid
+
+    def __post_init__(self) -> None:
+        if self.trainers < 1 or self.servers < 1:
+            raise ValueError(f"trainers and servers must be >= 1, got {self.trainers} and {self.servers}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if not self.link_bps > 0 or self.latency_s < 0:
+            raise ValueError(
+                f"the link needs a rate > 0 and a latency >= 0, got {self.link_bps} b/s and {self.latency_s} s"
+            )
+        if self.trainer_cores <= 0 or self.server_cores <= 0:
+            raise ValueError(f"cores must be > 0, got {self.trainer_cores} (trainer), {self.server_cores} (server)")
+
+
+@dataclass(frozen=True)
+class Prediction:
+    samples_per_s: float
+    steps_per_s: float  # per trainer
+    binding: str
+    bounds: dict[str, float] = field(default_factory=dict)  # async: steps/s per trainer each allows
+
+
+@dataclass(frozen=True)
+class ServerCosts:
+    """Per server: its loads, wire bytes and CPU seconds per trainer step; and the trainer's CPU."""
+
+    loads: list[ServerLoad]
+    wire: list[float]
+    cpu: list[float]
+    trainer_cpu: float
+
+
+def server_costs(c: Constants, w: Workload, servers: int) -> ServerCosts:
+    loads = server_loads(w, servers)
+    wire = [c.beta * ld.bytes + c.gamma * ld.messages for ld in loads]
+    cpu = [
+        c.server_cpu_per_message * ld.messages + c.server_cpu_per_byte * wb + ld.flops / c.flop_rate
+        for ld, wb in zip(loads, wire, strict=True)
+    ]
+    trainer = c.trainer_cpu_base + c.trainer_cpu_per_message * sum(ld.messages for ld in loads)
+    return ServerCosts(loads, wire, cpu, trainer)
+
+
+def busier_way(c: Constants, w: Workload, servers: int) -> list[float]:
+    """Each server's wire bytes per trainer step the busier way (in or out): what its link's
+    rate bounds. A request's framing counts half each way."""
+    return [
+        c.beta * max(ld.received, ld.bytes - ld.received) + c.gamma * ld.messages / 2 for ld in server_loads(w, servers)
+    ]
+
+
+def trainer_ways(c: Constants, loads: list[ServerLoad]) -> tuple[float, float]:
+    """A trainer's wire bytes per step out (what its servers receive) and in (what they send)."""
+    framing = c.gamma * sum(ld.messages for ld in loads) / 2
+    out = c.beta * sum(ld.received for ld in loads) + framing
+    back = c.beta * sum(ld.bytes - ld.received for ld in loads) + framing
+    return out, back
+
+
+def serial_step(c: Constants, w: Workload, cl: Cluster) -> tuple[float, dict[str, float]]:
+    """A trainer's step alone: its total seconds and their parts."""
+    sc = server_costs(c, w, cl.servers)
+    kt, ks = min(cl.trainer_cores, 1.0), min(cl.server_cores, 1.0)
+    on_path = sum(u for ld, u in zip(sc.loads, sc.cpu, strict=True) if ld.shard)
+    off_path = [u for ld, u in zip(sc.loads, sc.cpu, strict=True) if not ld.shard]  # table shares, in parallel
+    shards = sum(ld.shard for ld in sc.loads)
+    parts = {
+        "trainer CPU": sc.trainer_cpu / kt,
+        "server compute on the path": (on_path + max(off_path, default=0.0)) / ks,
+        "round trips": (2 * shards + 1 + (1 if w.table_bytes else 0)) * 2 * cl.latency_s,
+        # The busier way of the trainer's link: what the servers receive, or what they send.
+        "trainer link": max(trainer_ways(c, sc.loads)) * 8 / cl.link_bps,
+    }
+    return sum(parts.values()), parts
+
+
+def predict(c: Constants, w: Workload, cl: Cluster) -> Prediction:
+    """Samples/s of ``cl`` running ``w``, and the resource that binds."""
+    sc = server_costs(c, w, cl.servers)
+    ks = min(cl.server_cores, 1.0)
+    serial, parts = serial_step(c, w, cl)
+    t = cl.trainers
+    server_cpu = t * max(sc.cpu) / ks  # seconds of the busiest server's CPU per step of every trainer
+    server_link = t * max(busier_way(c, w, cl.servers)) * 8 / cl.link_bps
+    machine = t * (sc.trainer_cpu + sum(sc.cpu)) / cl.shared_cores if cl.shared_cores else 0.0
+    if cl.mode not in BARRIER_MODES:
+        times = {"server CPU": server_cpu, "server link": server_link, "machine cores": machine}
+        slowest = max(times, key=lambda k: times[k])
+        step = max(serial, times[slowest])
+        binding = max(parts, key=lambda k: parts[k]) if step == serial else slowest
+        bounds = {**{k: 1.0 / v for k, v in times.items() if v > 0}, "a trainer's own step": 1.0 / serial}
+    else:
+        # The servers serve every trainer's step before any trainer goes on: their time adds.
+        server = max(parts["server compute on the path"], server_cpu, server_link)
+        barrier = c.jitter * serial * math.sqrt(2 * math.log(t)) if t > 1 else 0.0
+        terms = {
+            "trainer CPU": parts["trainer CPU"],
+            "round trips": parts["round trips"] + parts["trainer link"],
+            "server CPU" if server > server_link else "server link": server,
+            "sync barrier": barrier,
+        }
+        step = max(sum(terms.values()), machine)
+        binding = "machine cores" if machine > sum(terms.values()) else max(terms, key=lambda k: terms[k])
+        bounds = {}
+    return Prediction(t * w.batch / step, 1.0 / step, binding, bounds)
