@@ -112,7 +112,7 @@ class ProfileConfig:
     """``profile.enabled=true``: each trainer records ``steps`` steps after ``warmup`` with
     rpc_core.profiler; every role writes traces/<role>.json (ps_train.observe.traces)."""
 
-    enabled: bool = False  # record a trace of a window of steps (backend=rpc_core)
+    enabled: bool = False  # record a trace of a window of steps (backend=rpc_core; docs/observing.md#traces)
     warmup: int = 5  # steps each trainer runs before the recorded ones
     steps: int = 5  # steps recorded
 
