@@ -140,6 +140,17 @@ def _cell(text: str) -> str:
     return _prose(text.replace("|", "\\|"))
 
 
+def _choice_schema(choice: Choice) -> type:
+    schemas = PER_CHOICE_SCHEMAS[choice.group]
+    if choice.name not in schemas:
+        raise ValueError(
+            f"ps_train/conf/{choice.group}/{choice.name}.yaml has no schema: add {choice.name!r} to "
+            f"ps_train.config's {choice.group.upper()}_SCHEMAS (or register it)"
+        )
+    schema: type = schemas[choice.name]
+    return schema
+
+
 def _default(f: dataclasses.Field[Any]) -> Any:
     if f.default is not dataclasses.MISSING:
         return f.default
@@ -202,7 +213,7 @@ def _group_section(
     yield ""
     if name in PER_CHOICE_SCHEMAS:
         for choice in choices:
-            schema = PER_CHOICE_SCHEMAS[name][choice.name]
+            schema = _choice_schema(choice)
             yield from _choice_heading(choice, choice.name == default)
             yield from _field_table(schema, f"{name}.", [("default", choice.values)])
             yield ""
@@ -251,7 +262,7 @@ def schema_classes() -> list[type]:
     classes: list[type] = [Config]
     for f in dataclasses.fields(Config):
         if f.name in PER_CHOICE_SCHEMAS:
-            classes += list(dict.fromkeys(PER_CHOICE_SCHEMAS[f.name].values()))
+            classes += [_choice_schema(c) for c in hydra_groups().get(f.name, [])]
         elif dataclasses.is_dataclass(_default(f)):
             classes.append(type(_default(f)))
     for cls in list(classes):
