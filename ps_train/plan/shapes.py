@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from ps_train.config import Config
 from ps_train.config.data import CtrDataConfig, SyntheticCtrConfig
 from ps_train.config.model import CNNConfig, DLRMConfig, MLPConfig
-from ps_train.models import interaction_size
+from ps_train.workloads.ctr.model import interaction_size
 
 __all__ = [
     "Stage",
