@@ -24,7 +24,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ps_train.plan.cost import Cluster, Constants, Prediction, busier_way, load_calibration, predict
+from ps_train.plan.cost import (
+    Cluster,
+    Constants,
+    Prediction,
+    busier_way,
+    load_calibration,
+    predict,
+    suggest_servers,
+)
 from ps_train.plan.fit import Observation, fit, measured_as_cluster, observation_from_run
 from ps_train.plan.shapes import WORKLOADS
 
@@ -148,15 +156,8 @@ def _plot_validation(rows: list[dict[str, Any]], png: Path | None) -> None:
 
 
 def servers_needed(c: Constants, workload: str, trainers: int, link: float, latency: float) -> tuple[int, Prediction]:
-    """The fewest servers with which ``trainers`` async trainers reach 95% of the most samples/s
-    any number of servers gives them. A dense model tries up to its number of stages (a server
-    beyond them holds nothing and costs each trainer an update request a step); a CTR model,
-    whose tables spread over every server, powers of two up to 4096."""
-    w = WORKLOADS[workload]
-    candidates = [2**k for k in range(13)] if w.table_bytes else list(range(1, len(w.stages) + 1))
-    tried = [(s, predict(c, w, Cluster(trainers, s, link, latency, 1.0, 1.0, None, "async"))) for s in candidates]
-    best = max(p.samples_per_s for _, p in tried)
-    return next((s, p) for s, p in tried if p.samples_per_s >= 0.95 * best)
+    """The fewest servers with which ``trainers`` async trainers reach 95% of the best (``suggest_servers``)."""
+    return suggest_servers(c, WORKLOADS[workload], Cluster(trainers, 1, link, latency, 1.0, 1.0, None, "async"))
 
 
 def cmd_plan(args: argparse.Namespace) -> None:

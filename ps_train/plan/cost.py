@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,7 @@ __all__ = [
     "trainer_ways",
     "serial_step",
     "predict",
+    "suggest_servers",
 ]
 
 MODES = ("sync", "async", "ssp", "hybrid")
@@ -118,8 +119,6 @@ def load_calibration(path: Path | None = None) -> Calibration:
 
 
 def save_calibration(cal: Calibration, path: Path) -> None:
-    from dataclasses import asdict
-
     path.write_text(json.dumps(asdict(cal), indent=2) + "\n")
 
 
@@ -238,3 +237,15 @@ def predict(c: Constants, w: Workload, cl: Cluster) -> Prediction:
         binding = "machine cores" if machine > sum(terms.values()) else max(terms, key=lambda k: terms[k])
         bounds = {}
     return Prediction(t * w.batch / step, 1.0 / step, binding, bounds)
+
+
+def suggest_servers(c: Constants, w: Workload, cl: Cluster, share: float = 0.95) -> tuple[int, Prediction]:
+    """The fewest servers with which ``cl``'s trainers reach ``share`` of the most samples/s
+    any number of servers gives them (in ``cl``'s mode, on its link and cores). A dense model
+    tries up to its number of stages (a server beyond them holds nothing and costs each
+    trainer an update request a step); a model with tables, which spread over every server,
+    powers of two up to 4096."""
+    candidates = [2**k for k in range(13)] if w.table_bytes else list(range(1, len(w.stages) + 1))
+    tried = [(s, predict(c, w, replace(cl, servers=s))) for s in candidates]
+    best = max(p.samples_per_s for _, p in tried)
+    return next((s, p) for s, p in tried if p.samples_per_s >= share * best)

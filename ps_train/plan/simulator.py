@@ -32,7 +32,7 @@ from typing import Any
 
 import simpy
 
-from ps_train.plan.cost import MODES, Cluster
+from ps_train.plan.cost import BARRIER_MODES, MODES, Cluster
 from ps_train.plan.steps import Call, StepPlan
 
 __all__ = ["Stragglers", "Failures", "SimResult", "Server", "simulate", "STRAGGLER_KINDS"]
@@ -130,9 +130,12 @@ class _Job:
         self.round_events: dict[tuple[int, int], simpy.Event] = {}
         self.level_events: dict[int, simpy.Event] = {}  # ssp: fires when every trainer has done that many steps
         self.restarts = self.replacements = self.steps_lost = self.failures = 0
+        self.generation = 0  # restarts so far: a restart's or a replacement's timer acts only in its own
+        self.down: set[int] = set()  # trainers waiting to be started again
+        self.resumed_at = 0  # the step the job last (re)started from: no round before it to wait for
 
     # -- the network and the servers ------------------------------------------------------------
-    def _send(self, src: simpy.Resource | None, dst: simpy.Resource | None, nbytes: float) -> Proc:
+    def _send(self, src: simpy.Resource | None, dst: simpy.Resource | None, nbytes: float, delay: bool = True) -> Proc:
         """A message: it holds the sender's way out and the receiver's way in (None: free, or
         no link limit) while its bytes pass, then travels the delay."""
         if math.isfinite(self.cl.link_bps):
@@ -140,13 +143,13 @@ class _Job:
             for turn in held:  # always the way out before the way in: no cycle of waits
                 yield turn
             try:
-                yield self.env.timeout(nbytes * 8 / self.cl.link_bps + self.cl.latency_s)
+                yield self.env.timeout(nbytes * 8 / self.cl.link_bps + (self.cl.latency_s if delay else 0.0))
             finally:
                 for turn in held:
                     turn.cancel()  # not granted yet (interrupted while queueing): leave the queue
                     if turn.triggered:
                         turn.resource.release(turn)
-        elif self.cl.latency_s > 0:
+        elif delay and self.cl.latency_s > 0:
             yield self.env.timeout(self.cl.latency_s)
 
     def _round(self, server: int, step: int) -> simpy.Event:
@@ -167,11 +170,14 @@ class _Job:
         mode = self.cl.mode
         tl = self.trainer_links[k] if self.trainer_links and not alone else None
         sl = self.server_links[call.server] if self.server_links else None
+        # The trainer's link carries every copy; the server standing for them, its own.
+        if tl is not None and call.copies > 1:
+            yield from self._send(tl.out, None, call.out_bytes * (call.copies - 1), delay=False)
         yield from self._send(tl.out if tl else None, sl.into if sl else None, call.out_bytes)
-        if mode in ("sync", "hybrid") and call.kind in ("forward", "lookup") and step > 0:
+        if mode in BARRIER_MODES and call.kind in ("forward", "lookup") and step > self.resumed_at:
             yield self._round(call.server, step - 1)  # the previous round applied on this server
         yield from self.servers[call.server].serve(call.service_s)
-        if call.kind == "update" and mode in ("sync", "hybrid"):
+        if call.kind == "update" and mode in BARRIER_MODES:
             key = (call.server, step)
             self.rounds[key] = self.rounds.get(key, 0) + 1
             if self.rounds[key] == self.cl.trainers:
@@ -179,6 +185,8 @@ class _Job:
             if mode == "hybrid":
                 yield self._round(call.server, step)  # answered once the round is applied
         yield from self._send(sl.out if sl else None, tl.into if tl else None, call.back_bytes)
+        if tl is not None and call.copies > 1:
+            yield from self._send(None, tl.into, call.back_bytes * (call.copies - 1), delay=False)
 
     # -- the trainers ---------------------------------------------------------------------------
     def _slowdown(self, k: int) -> float:
@@ -204,15 +212,16 @@ class _Job:
                 if self.cl.mode == "ssp" and s - self.staleness > 0:
                     yield self._level(s - self.staleness)  # the slowest is at most `staleness` steps behind
                 slow = self._slowdown(k) / kt
-                yield self.env.timeout(plan.trainer_cpu_s * slow)
-                for phase in plan.phases:
+                for at, phase in enumerate(plan.phases):
+                    if at == plan.cpu_at:
+                        yield self.env.timeout(plan.trainer_cpu_s * slow)
                     if len(phase) == 1:  # played inline: a process per call costs more than the call
                         yield self.env.timeout(plan.per_call_cpu_s * slow)
                         yield from self._play(k, s, phase[0], alone=True)
                         continue
                     calls = []
                     for call in phase:
-                        yield self.env.timeout(plan.per_call_cpu_s * slow)
+                        yield self.env.timeout(plan.per_call_cpu_s * call.copies * slow)
                         calls.append(self.env.process(self._call(k, s, call)))
                     self.children[k] = calls
                     yield self.env.all_of(calls)
@@ -242,35 +251,55 @@ class _Job:
             proc.interrupt()
 
     def failures_process(self, steps: float) -> Proc:
+        """Failures at exponential times over all nodes (their own random stream, so that every
+        mode sees the same failures for a seed), each handled by the mode's recovery."""
         nodes = self.cl.trainers + self.cl.servers
+        rng = random.Random(self.rng.random())
         while True:
-            yield self.env.timeout(self.rng.expovariate(nodes / self.fail.mtbf_s))
+            yield self.env.timeout(rng.expovariate(nodes / self.fail.mtbf_s))
             self.failures += 1
-            node = self.rng.randrange(nodes)
+            node = rng.randrange(nodes)
             if node < self.cl.trainers and self.cl.mode in ("async", "ssp"):
-                self.replacements += 1
-                self._stop(node)
-                self.steps_lost += 1  # its step in flight
-                yield self.env.timeout(0)  # let the interrupt land before the replacement starts
                 self.env.process(self._replace(node, steps))
-                continue
-            self.restarts += 1
-            for k in range(self.cl.trainers):
-                self._stop(k)
-            yield self.env.timeout(0)
-            every = self.fail.checkpoint_every
-            kept = (min(self.done) // every) * every  # the last checkpoint every trainer reached
-            self.steps_lost += sum(d - kept for d in self.done)
-            self.done = [kept] * self.cl.trainers
-            self.rounds, self.round_events, self.level_events = {}, {}, {}
-            # A restart takes its time; failures during it are not counted apart.
-            yield self.env.timeout(self.fail.restart_s)
-            for k in range(self.cl.trainers):
-                self.start(k, steps)
+            else:
+                self.env.process(self._restart(steps))
 
     def _replace(self, k: int, steps: float) -> Proc:
+        """Async and ssp: the failed trainer's step in flight is lost; a new one takes its place."""
+        if k in self.down:
+            return  # it failed again while being replaced: nothing more to lose
+        self.replacements += 1
+        self.down.add(k)
+        self._stop(k)
+        self.steps_lost += 1
+        generation = self.generation
         yield self.env.timeout(self.fail.replace_s)
-        self.start(k, steps)
+        if generation == self.generation:  # a restart meanwhile starts every trainer itself
+            self.down.discard(k)
+            self.start(k, steps)
+
+    def _restart(self, steps: float) -> Proc:
+        """The job restarts from its last checkpoint: every trainer's steps since are lost."""
+        self.restarts += 1
+        self.generation += 1
+        generation = self.generation
+        for k in range(self.cl.trainers):
+            self._stop(k)
+        every = self.fail.checkpoint_every
+        if self.cl.mode in BARRIER_MODES:
+            kept = [(min(self.done) // every) * every] * self.cl.trainers  # a checkpoint holds a settled round
+        else:
+            kept = [(d // every) * every for d in self.done]
+        self.steps_lost += sum(d - c for d, c in zip(self.done, kept, strict=True))
+        self.done = kept
+        self.resumed_at = min(kept)
+        self.rounds, self.round_events, self.level_events = {}, {}, {}
+        self.down = set(range(self.cl.trainers))
+        yield self.env.timeout(self.fail.restart_s)
+        if generation == self.generation:  # else a later failure restarts it again
+            self.down = set()
+            for k in range(self.cl.trainers):
+                self.start(k, steps)
 
 
 def simulate(
