@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from ps_train.ctr.plan import ServerRequest
+from ps_train.workloads.ctr.tables.plan import ServerRequest
 
 __all__ = ["RowCache", "CacheSplit", "HALF_LIFE"]
 
@@ -115,7 +115,7 @@ class RowCache:
     def split(self, server: int, req: ServerRequest) -> CacheSplit:
         """Score the request's single rows and take out those cached."""
         singles = int(req.offsets[0]) if len(req.offsets) else len(req.rows)
-        rows = req.rows[:singles]  # distinct, sorted (ps_train.ctr.plan)
+        rows = req.rows[:singles]  # distinct, sorted (ps_train.workloads.ctr.tables.plan)
         self.scores[server].index_add_(0, rows, torch.full((singles,), self._weight))
         cached = self.rows[server]
         if len(cached) == 0 or singles == 0:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ps_train.ctr.bags import Bags, as_bags, jagged_positions
+from ps_train.workloads.ctr.data.bags import Bags, as_bags, jagged_positions
 
 __all__ = ["KeyedJagged", "keyed_jagged", "is_keyed_jagged", "to_bags", "torchrec_kjt_type"]
 

@@ -3,7 +3,7 @@
 Per step (batch: dense [B, num_dense], ids [B, T] or ``Bags``, labels [B]), inside the
 step's distributed-autograd context::
 
-    plan = planner.plan(bags)                             # all tables at once (ps_train.ctr.plan)
+    plan = planner.plan(bags)                             # all tables at once (ps_train.workloads.ctr.tables.plan)
     every server s, at once: out[s] = ps<s>.lookup(*plan.requests[s])  # [P_s, d]: rows, partial bags
     x   = bottom shard's forward(dense)                   # [B, d], on its server
     emb = combine(plan, out)                              # [B, T, d], here
@@ -26,19 +26,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ps_train.config import Config, CtrDataConfig, DLRMConfig
-from ps_train.ctr.bags import Bags
-from ps_train.ctr.batches import CtrBatch, CtrBatchIterator, iter_ctr_eval_batches
-from ps_train.ctr.cache import CacheSplit, RowCache
-from ps_train.ctr.jagged import KeyedJagged, to_bags
-from ps_train.ctr.loading import load_ctr_data
-from ps_train.ctr.metrics import ctr_metrics, format_ctr_metrics
-from ps_train.ctr.model import interact
-from ps_train.ctr.plan import BagPlanner, combine
-from ps_train.ctr.rows import FusedLayout
+from ps_train.config import CtrDataConfig, DLRMConfig
 from ps_train.roles.trainer import Trainer
+from ps_train.workloads.ctr.data.bags import Bags
+from ps_train.workloads.ctr.data.batches import CtrBatch, CtrBatchIterator, iter_ctr_eval_batches
+from ps_train.workloads.ctr.data.jagged import KeyedJagged, to_bags
+from ps_train.workloads.ctr.data.loading import load_ctr_data
+from ps_train.workloads.ctr.metrics import ctr_metrics, format_ctr_metrics
+from ps_train.workloads.ctr.model import interact
+from ps_train.workloads.ctr.tables.cache import CacheSplit, RowCache
+from ps_train.workloads.ctr.tables.plan import BagPlanner, combine
+from ps_train.workloads.ctr.tables.rows import FusedLayout
 
-__all__ = ["CtrTrainer", "trainer_class"]
+__all__ = ["CtrTrainer"]
 
 
 class CtrTrainer(Trainer):
@@ -72,7 +72,7 @@ class CtrTrainer(Trainer):
         )
         self.feature_names = cfg.model.feature_list(len(sizes))  # KeyedJagged keys, table order
         self.planner = BagPlanner(layout, cfg.model.embedding_dim, cfg.model.pooling_list(len(sizes)))
-        self.cache = (  # hot rows kept here for up to model.cache_staleness steps (ps_train.ctr.cache)
+        self.cache = (  # hot rows kept here for up to model.cache_staleness steps (ps_train.workloads.ctr.tables.cache)
             RowCache(
                 cfg.model.cache_rows,
                 cfg.model.cache_staleness,
@@ -213,8 +213,3 @@ def _push_gradients(context_id: int, rows: Tensor, grad: Tensor) -> None:
     from ps_train.roles.server import local_server
 
     local_server().push_gradients(context_id, rows, grad)
-
-
-def trainer_class(cfg: Config) -> type[Trainer]:
-    """The trainer for the run's model: ``CtrTrainer`` for model=dlrm, else ``Trainer``."""
-    return CtrTrainer if cfg.model.needs_ctr_data() else Trainer

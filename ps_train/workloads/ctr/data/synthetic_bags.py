@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ps_train.config import BAG_SIZE_DISTS
-from ps_train.ctr.bags import BagColumns
+from ps_train.workloads.ctr.data.bags import BagColumns
 
 __all__ = ["BagShape", "NumpyBags", "draw_bags"]
 

@@ -1,4 +1,4 @@
-"""Models as ordered stages: MLP, a small CNN, torchvision's ResNet-18, and DLRM's two MLPs.
+"""The vision workload's models as ordered stages: MLP, a small CNN, torchvision's ResNet-18.
 
 No RPC here: a model is a list of ``nn.Module`` stages whose composition
 ``nn.Sequential(*stages)`` (``reference_model``) is the whole network, the single-process
@@ -16,8 +16,9 @@ import torch
 from torch import nn
 
 from ps_train.config import CNNConfig, MLPConfig, ModelConfig, ResNetConfig
+from ps_train.stage_sharding import Shard, build_shards, place_stages
 
-__all__ = ["build_stages", "reference_model", "mlp", "interaction_size", "dense_stages"]
+__all__ = ["build_stages", "reference_model", "build_model_shards"]
 
 
 def build_stages(
@@ -117,33 +118,10 @@ def reference_model(stages: Sequence[nn.Module]) -> nn.Sequential:
     return nn.Sequential(*stages)
 
 
-# -- DLRM's dense stages (model=dlrm; its tables are row-sharded: ps_train.ctr) ----------------------
-def mlp(sizes: Sequence[int], last_relu: bool) -> nn.Sequential:
-    """Linear layers ``sizes[0] -> sizes[1] -> ...`` with ReLU between them (and after the
-    last one if ``last_relu``)."""
-    layers: list[nn.Module] = []
-    for i, (n_in, n_out) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
-        layers.append(nn.Linear(n_in, n_out))
-        if last_relu or i < len(sizes) - 2:
-            layers.append(nn.ReLU())
-    return nn.Sequential(*layers)
-
-
-def interaction_size(num_tables: int, dim: int) -> int:
-    """Width of DLRM's interaction (``ps_train.ctr.model.interact``): the dense vector and one
-    dot product per pair of the T + 1 vectors (it and the T embeddings)."""
-    f = num_tables + 1
-    return dim + f * (f - 1) // 2
-
-
-def dense_stages(
-    num_dense: int, num_tables: int, dim: int, bottom: Sequence[int], top: Sequence[int], seed: int
-) -> list[nn.Sequential]:
-    """``[bottom MLP, top MLP]``, initialised exactly as ``DLRM(..., seed)`` initialises them,
-    without touching the caller's RNG: the dense stages a distributed run places on servers."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return [
-            mlp([num_dense, *bottom, dim], last_relu=True),  # [B, num_dense] -> [B, dim]
-            mlp([interaction_size(num_tables, dim), *top, 1], last_relu=False),
-        ]  # [B, z] -> [B, 1]
+def build_model_shards(
+    cfg: ModelConfig, in_shape: tuple[int, ...], num_classes: int, num_servers: int, strategy: str, seed: int
+) -> list[Shard]:
+    """Build the seeded model and split it: what every server computes identically,
+    keeping only ``shards_of_server(result, rank)``."""
+    stages = build_stages(cfg, in_shape, num_classes, seed=seed)
+    return build_shards(stages, place_stages(stages, num_servers, strategy))

@@ -2,14 +2,14 @@
 
 A sample is ``num_dense`` float features, one categorical id per table (single-hot, as in
 Criteo: each of its 26 categorical fields holds one value) or a bag of them (multi-hot,
-``ps_train.ctr.bags``), and a 0/1 click label.
+``ps_train.workloads.ctr.data.bags``), and a 0/1 click label.
 
 Memory: ``ids`` are int64 so they index ``nn.Embedding``/``EmbeddingBag`` tables of any size
 without a cast: 8 bytes x ``num_tables`` per sample, e.g. 1M samples x 26 tables = 208 MB,
 plus 4 x ``num_dense`` bytes of dense features (52 MB for 13) and 4 MB of labels. That is
 fine for the synthetic default and for test-size Criteo files; a full Criteo day (~190M
 lines) would need ~40 GB: it is prepared once into memory-mapped arrays instead
-(``ps_train.ctr.mapped.MappedCtrSplit``, another ``CtrDataset``).
+(``ps_train.workloads.ctr.data.mapped.MappedCtrSplit``, another ``CtrDataset``).
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from ps_train.ctr.bags import BagColumns, Bags
+from ps_train.workloads.ctr.data.bags import BagColumns, Bags
 
 __all__ = ["CtrDataset", "CtrSplit", "time_split", "held_out_count"]
 
 
 class CtrDataset(Protocol):
     """What training and evaluation read from a split: its size, tables and batches.
-    ``CtrSplit`` holds one in memory; ``ps_train.ctr.mapped.MappedCtrSplit`` maps a prepared
+    ``CtrSplit`` holds one in memory; ``ps_train.workloads.ctr.data.mapped.MappedCtrSplit`` maps a prepared
     folder."""
 
     @property

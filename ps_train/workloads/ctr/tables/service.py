@@ -2,25 +2,25 @@
 (``TableShards``), and the sparse optimizer that updates them.
 
 ``ps_train.roles.server.ParameterServer`` owns one ``TableServer`` (its ``TablePart``,
-``ps_train.roles.tables``) when
+``ps_train.table_service``) when
 the model has tables (model=dlrm; the launcher builds it with ``make_table_server``). The
 server's updates (``ParameterServer.update``, as its mode applies them) treat the table
 weights like any other parameter: they read each trainer's gradients from its autograd
 context and combine them in sync mode (``mode.aggregate``); ``step`` then hands them to the
-table optimizer (``model.table_optim``, ``ps_train.ctr.optimizers``). The gradient is sparse
+table optimizer (``model.table_optim``, ``ps_train.workloads.ctr.tables.optimizers``). The gradient is sparse
 (``TableShards.lookup``'s backward: the touched rows of the storage, each once), so a step
 is one coalesce and one optimizer step over the rows trainers used, whatever the number of
 tables, and the optimizer updates only those rows.
 
 Dynamic tables (``model.tables[i].kind=dynamic``): their ids come as raw ids, each request
 row of such a table being a marker ``-(1 + t)``; ``_resolve`` turns them into slots of the
-storage (``ps_train.ctr.dynamic``: admission, eviction), creating rows with
+storage (``ps_train.workloads.ctr.tables.dynamic``: admission, eviction), creating rows with
 ``dynamic_init_rows`` and fresh optimizer state, or into the default zero row, whose
 gradients ``step`` drops.
 
 Checkpoints (``begin_snapshot``) do not stop the updates: every update marks the rows it
 changes, and a checkpoint freezes the rows (all, or those changed since the previous
-checkpoint) copy-on-write by blocks while a thread writes them (``ps_train.ctr.snapshot``).
+checkpoint) copy-on-write by blocks while a thread writes them (``ps_train.workloads.ctr.tables.snapshot``).
 """
 
 from __future__ import annotations
@@ -40,11 +40,11 @@ from torch import Tensor, nn
 from ps_train.checkpoint.files import ShardFile
 from ps_train.checkpoint.rows_file import RowsHeader, apply_rows_file, write_rows_file
 from ps_train.config import Config, CtrDataConfig, DLRMConfig
-from ps_train.ctr.dynamic import DynamicCounts, DynamicSpec, DynamicTable
-from ps_train.ctr.optimizers import make_table_optimizer
-from ps_train.ctr.rows import dynamic_init_rows
-from ps_train.ctr.shards import TableShards
-from ps_train.ctr.snapshot import RowSnapshot
+from ps_train.workloads.ctr.tables.dynamic import DynamicCounts, DynamicSpec, DynamicTable
+from ps_train.workloads.ctr.tables.optimizers import make_table_optimizer
+from ps_train.workloads.ctr.tables.rows import dynamic_init_rows
+from ps_train.workloads.ctr.tables.shards import TableShards
+from ps_train.workloads.ctr.tables.snapshot import RowSnapshot
 
 __all__ = ["TableServer", "TableSnapshot", "make_table_server"]
 
@@ -144,7 +144,7 @@ class TableServer:
         step: int = -1,
         trainer: int = 0,
     ) -> Tensor:
-        """Training lookup of a ``ServerRequest`` (``ps_train.ctr.plan``): one vector per single
+        """Training lookup of a ``ServerRequest`` (``ps_train.workloads.ctr.tables.plan``): one vector per single
         row and pooled bag, [P, dim], whose backward leaves the storage's sparse gradient in
         the caller's autograd context. ``ids``: the raw ids of the dynamic tables' rows (the
         request's negative rows, in order), by ``trainer`` at ``step``."""

@@ -2,8 +2,8 @@
 an id gets a row (admission), and which rows give their slot up (eviction).
 
 Monolith's collisionless tables: two ids never share a row. The server's storage holds
-``max_rows`` slots for the table (``ps_train.ctr.shards``); ``DynamicTable`` only decides,
-and ``ps_train.ctr.table_server.TableServer`` writes the rows it says to create.
+``max_rows`` slots for the table (``ps_train.workloads.ctr.tables.shards``); ``DynamicTable`` only decides,
+and ``ps_train.workloads.ctr.tables.service.TableServer`` writes the rows it says to create.
 
 - **Map.** ``slots``: a dict id -> slot (measured at ~1 µs per distinct id, ~5 ms for a
   step's 10,000 ids on the 2-core development machine), and per slot its id (``slot_ids``

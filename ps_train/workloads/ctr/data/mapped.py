@@ -19,12 +19,12 @@ import torch
 from torch import Tensor
 
 from ps_train.config.prepared import CriteoManifest, PreparedDataError, read_manifest
-from ps_train.ctr.criteo import EMPTY_ROW, NUM_CAT_FEATURES, NUM_INT_FEATURES, _table_sizes
-from ps_train.ctr.split import held_out_count
+from ps_train.workloads.ctr.data.criteo import EMPTY_ROW, NUM_CAT_FEATURES, NUM_INT_FEATURES, _table_sizes
+from ps_train.workloads.ctr.data.split import held_out_count
 
 __all__ = ["PreparedCriteo", "MappedCtrSplit", "load_prepared", "skipped_note"]
 
-log = logging.getLogger("ps_train.ctr")
+log = logging.getLogger("ps_train.workloads.ctr")
 
 _BITS = np.arange(NUM_CAT_FEATURES, dtype=np.uint32)
 

@@ -18,7 +18,7 @@ Copying gigabytes first would stall every update for seconds; so:
 - The writer takes the hottest blocks (most changed rows since the last checkpoint) first,
   so that updates find their frequent rows captured already; rows copied aside live until
   written, so the extra memory is at most the rows updates change during the write.
-- ``TableServer`` (``ps_train.ctr.table_server``) marks every row an update changes in a
+- ``TableServer`` (``ps_train.workloads.ctr.tables.service``) marks every row an update changes in a
   bitmap (one byte per row); a differential checkpoint writes the rows marked since the
   previous checkpoint, and resets the bitmap.
 """

@@ -1,4 +1,4 @@
-"""Criteo files read as blocks of whole lines, for ``ps_train.ctr.criteo_prepare``.
+"""Criteo files read as blocks of whole lines, for ``ps_train.workloads.ctr.data.criteo_prepare``.
 
 ``read_pieces(path, block_bytes)`` yields ``LinePiece``s in order: blocks of about
 ``block_bytes`` of complete lines, then the file's end (with its last line if that has no

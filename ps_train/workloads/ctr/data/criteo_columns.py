@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 
-from ps_train.ctr.criteo import NUM_CAT_FEATURES, NUM_INT_FEATURES, _Malformed, _parse_fields, _show
+from ps_train.workloads.ctr.data.criteo import NUM_CAT_FEATURES, NUM_INT_FEATURES, _Malformed, _parse_fields, _show
 
 __all__ = ["CriteoColumns", "parse_block", "parse_lines"]
 

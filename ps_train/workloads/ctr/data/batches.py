@@ -13,15 +13,15 @@ from collections.abc import Iterator
 
 from torch import Tensor
 
-from ps_train.ctr.bags import Bags
-from ps_train.ctr.split import CtrDataset
-from ps_train.data import PartitionCursor, partition, steps_per_epoch
+from ps_train.partition import PartitionCursor, partition, steps_per_epoch
+from ps_train.workloads.ctr.data.bags import Bags
+from ps_train.workloads.ctr.data.split import CtrDataset
 
 __all__ = ["CtrBatch", "CtrBatchIterator", "iter_ctr_eval_batches"]
 
 CtrBatch = tuple[Tensor, Tensor | Bags, Tensor]
 """``(dense float32 [B, num_dense], ids, labels float32 [B])``; ``ids``: int64 [B, num_tables]
-(one-hot data) or ``Bags`` (multi-hot: a bag of ids per table, ``ps_train.ctr.bags``)."""
+(one-hot data) or ``Bags`` (multi-hot: a bag of ids per table, ``ps_train.workloads.ctr.data.bags``)."""
 
 
 class CtrBatchIterator(PartitionCursor, Iterator[CtrBatch]):
@@ -29,8 +29,8 @@ class CtrBatchIterator(PartitionCursor, Iterator[CtrBatch]):
     (``ps_train.data.PartitionCursor``). A saved position is also only valid for the same
     batch size and data: the same offset in another would silently skip or repeat samples."""
 
-    _valid_for = ("rank", "world", "seed", "batch_size", "n_items")
-    _resume_hint = "resume with the same seed, number of trainers, batch size and data"
+    valid_for = ("rank", "world", "seed", "batch_size", "n_items")
+    resume_hint = "resume with the same seed, number of trainers, batch size and data"
 
     def __init__(self, split: CtrDataset, rank: int, world: int, batch_size: int, seed: int) -> None:
         self.split, self.rank, self.world, self.seed = split, rank, world, seed

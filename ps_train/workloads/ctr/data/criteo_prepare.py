@@ -30,7 +30,7 @@ from ps_train.config.prepared import (
     PreparedDataError,
     PreparedSource,
 )
-from ps_train.ctr.criteo import (
+from ps_train.workloads.ctr.data.criteo import (
     _MAX_EXAMPLES,
     NUM_CAT_FEATURES,
     NUM_INT_FEATURES,
@@ -39,13 +39,13 @@ from ps_train.ctr.criteo import (
     PathLike,
     find_criteo_files,
 )
-from ps_train.ctr.criteo_columns import CriteoColumns, parse_block, parse_lines
-from ps_train.ctr.line_blocks import LinePiece, PieceReader
-from ps_train.ctr.progress import Progress
+from ps_train.workloads.ctr.data.criteo_columns import CriteoColumns, parse_block, parse_lines
+from ps_train.workloads.ctr.data.line_blocks import LinePiece, PieceReader
+from ps_train.workloads.ctr.data.progress import Progress
 
 __all__ = ["prepare_criteo", "BLOCK_BYTES"]
 
-log = logging.getLogger("ps_train.ctr")
+log = logging.getLogger("ps_train.workloads.ctr")
 
 BLOCK_BYTES = 4 << 20  # ~17k Criteo lines per block, parsed as one batch (criteo_columns._TOKENIZE_BYTES)
 _ARRAYS = {  # name: (file, dtype, row shape)

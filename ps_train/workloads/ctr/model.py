@@ -10,9 +10,9 @@ No RPC here: ``DLRM`` is the single-process model (each table an
 ``nn.EmbeddingBag(mode=pooling[t], sparse=True)``: one id per bag for one-hot data, as
 Criteo's features are single-valued, a bag of ids for multi-hot ``Bags``), which
 distributed runs are checked against; the distributed run keeps the
-same ``bottom`` and ``top`` modules (``ps_train.models.dense_stages``: the servers build them
+same ``bottom`` and ``top`` modules (``dense_stages``: the servers build them
 from the config like any model's stages) and splits each table by rows across servers
-(``ps_train.ctr.rows``), initialised to the same values.
+(``ps_train.workloads.ctr.tables.rows``), initialised to the same values.
 """
 
 from __future__ import annotations
@@ -23,12 +23,32 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ps_train.ctr.bags import Bags
-from ps_train.ctr.jagged import KeyedJagged, to_bags
-from ps_train.ctr.rows import init_rows
-from ps_train.models import interaction_size, mlp
+from ps_train.layers import mlp
+from ps_train.workloads.ctr.data.bags import Bags
+from ps_train.workloads.ctr.data.jagged import KeyedJagged, to_bags
+from ps_train.workloads.ctr.tables.rows import init_rows
 
-__all__ = ["interact", "DLRM"]
+__all__ = ["interact", "interaction_size", "dense_stages", "DLRM"]
+
+
+def interaction_size(num_tables: int, dim: int) -> int:
+    """Width of DLRM's interaction (``interact``): the dense vector and one
+    dot product per pair of the T + 1 vectors (it and the T embeddings)."""
+    f = num_tables + 1
+    return dim + f * (f - 1) // 2
+
+
+def dense_stages(
+    num_dense: int, num_tables: int, dim: int, bottom: Sequence[int], top: Sequence[int], seed: int
+) -> list[nn.Sequential]:
+    """``[bottom MLP, top MLP]``, initialised exactly as ``DLRM(..., seed)`` initialises them,
+    without touching the caller's RNG: the dense stages a distributed run places on servers."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return [
+            mlp([num_dense, *bottom, dim], last_relu=True),  # [B, num_dense] -> [B, dim]
+            mlp([interaction_size(num_tables, dim), *top, 1], last_relu=False),
+        ]  # [B, z] -> [B, 1]
 
 
 def interact(x: Tensor, emb: Tensor) -> Tensor:
@@ -57,7 +77,7 @@ class DLRM(nn.Module):
         feature_names: Sequence[str] | None = None,
     ) -> None:
         super().__init__()
-        # What each table's feature is called in KeyedJagged batches (ps_train.ctr.jagged).
+        # What each table's feature is called in KeyedJagged batches (ps_train.workloads.ctr.data.jagged).
         self.feature_names = list(feature_names) if feature_names else [f"f{t}" for t in range(len(table_sizes))]
         torch.manual_seed(seed)
         self.bottom = mlp([num_dense, *bottom, dim], last_relu=True)

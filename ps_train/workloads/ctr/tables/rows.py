@@ -14,9 +14,9 @@ gigabytes, never the whole table at once) and the same seed gives the same table
 number of servers.
 
 A server keeps its rows of every table in one storage (``FusedLayout``), so one gather
-serves a step's lookup of all tables; ``ps_train.ctr.plan`` is how a trainer asks for them.
+serves a step's lookup of all tables; ``ps_train.workloads.ctr.tables.plan`` is how a trainer asks for them.
 
-A *dynamic* table (``model.tables[i].kind=dynamic``, ``ps_train.ctr.dynamic``) has no row
+A *dynamic* table (``model.tables[i].kind=dynamic``, ``ps_train.workloads.ctr.tables.dynamic``) has no row
 numbers: id ``x`` belongs to server ``dynamic_owner(x)`` (a fixed hash of the id, mod S),
 which keeps it in one of its ``max_rows`` slots of that table, created on first use with
 ``dynamic_init_rows`` (a counter-based hash of (seed, table, id, column), so a row's initial

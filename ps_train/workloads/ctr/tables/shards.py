@@ -4,7 +4,7 @@ all of them, pooled in one gather.
 Server ``s`` of ``S`` holds, for every table ``t``, the rows ``RowSharding(kind, rows_t, S)``
 gives it, one table after another in one float32 parameter ``[sum_t rows_of(s), dim]``
 (``FusedLayout.row_offsets``: where each table starts). ``lookup`` answers a trainer's
-``ServerRequest`` (``ps_train.ctr.plan``) for every table at once with one
+``ServerRequest`` (``ps_train.workloads.ctr.tables.plan``) for every table at once with one
 ``F.embedding_bag``; its backward turns the gradients of the answer's vectors into one
 sparse gradient of the storage with every touched row once (``rows_gradient``), so the
 update is one optimizer step over those rows, whatever the number of tables.
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ps_train.ctr.rows import INIT_BLOCK, FusedLayout, init_rows
+from ps_train.workloads.ctr.tables.rows import INIT_BLOCK, FusedLayout, init_rows
 
 __all__ = ["TableShards", "rows_gradient", "bag_offsets"]
 
@@ -96,7 +96,9 @@ class TableShards(nn.Module):
         # Table by table, block by block: the storage is the only large allocation.
         for t, (n, sh) in enumerate(zip(table_sizes, self.layout.shardings(), strict=True)):
             first = self.row_offsets[t]
-            if self.layout.is_dynamic(t):  # slots get their rows when ids arrive (ps_train.ctr.dynamic)
+            if self.layout.is_dynamic(
+                t
+            ):  # slots get their rows when ids arrive (ps_train.workloads.ctr.tables.dynamic)
                 weight[first : self.row_offsets[t + 1]] = 0
                 continue
             for start in range(0, sh.rows_of(server), INIT_BLOCK):

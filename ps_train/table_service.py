@@ -1,11 +1,11 @@
-"""What a parameter server takes from a model with embedding tables (model=dlrm).
+"""What a parameter server takes from a workload whose model has embedding tables (model=dlrm).
 
 ``TablePart`` is a model's tables on one server, split by rows: its rows of every table and
 their optimizer; ``TableCheckpoint`` is one checkpoint of them being written. The server
 (``ps_train.roles.server``) and its checkpoint writer (``ps_train.roles.checkpointing``) use
-them through these Protocols only, so ``roles/`` does not import the model's package: the CTR
-model's are ``ps_train.ctr.table_server.TableServer`` and ``TableSnapshot``, built by
-``ps_train.launch.rank``.
+them through these Protocols only, so ``roles/`` does not import the workload: the CTR
+workload's are ``ps_train.workloads.ctr.tables.service.TableServer`` and ``TableSnapshot``, which
+its ``Workload.table_service`` builds (``ps_train.workload``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from ps_train.checkpoint.files import ShardFile
 
 
 class TableCheckpoint(Protocol):
-    """A checkpoint of a server's tables being written (``ps_train.ctr.table_server.TableSnapshot``)."""
+    """A checkpoint of a server's tables being written (``ps_train.workloads.ctr.tables.service.TableSnapshot``)."""
 
     @property
     def base(self) -> str | None:
@@ -42,7 +42,7 @@ class TableCheckpoint(Protocol):
 
 class TablePart(Protocol):
     """A model's embedding tables on one server, split by rows: its rows of every table and
-    their optimizer (model=dlrm: ``ps_train.ctr.table_server.TableServer``)."""
+    their optimizer (model=dlrm: ``ps_train.workloads.ctr.tables.service.TableServer``)."""
 
     @property
     def params(self) -> list[nn.Parameter]: ...
@@ -57,7 +57,7 @@ class TablePart(Protocol):
         trainer: int = 0,
     ) -> torch.Tensor:
         """For training: one vector per row, or per bag of rows (summed, times ``weights``),
-        of the request (``ps_train.ctr.plan.ServerRequest``): [P, dim]; ``ids``: the raw ids
+        of the request (``ps_train.workloads.ctr.tables.plan.ServerRequest``): [P, dim]; ``ids``: the raw ids
         of its dynamic tables' rows, by ``trainer`` at ``step``."""
 
     def read(

@@ -9,7 +9,7 @@
   ``MappedCtrSplit`` over them;
 - ``batches``: ``CtrBatchIterator`` (per-trainer, resumable) and ``iter_ctr_eval_batches``.
 
-Metrics (AUC, log loss) are in ``ps_train.ctr.metrics``.
+Metrics (AUC, log loss) are in ``ps_train.workloads.ctr.metrics``.
 
 The rest of the package is the DLRM-style model on top of this data (model=dlrm, docs/ctr.md):
 ``model`` (the single-process reference and the interaction), ``rows`` (which server owns
@@ -18,10 +18,16 @@ which row), ``shards`` and ``table_server`` (a server's rows and their optimizer
 ``optimizers`` (the table optimizers), ``trainer`` (``CtrTrainer``).
 """
 
-from ps_train.ctr.batches import CtrBatch, CtrBatchIterator, iter_ctr_eval_batches
-from ps_train.ctr.criteo import CriteoFormatError, CriteoStats, find_criteo_files, load_criteo, read_criteo
-from ps_train.ctr.split import CtrSplit, time_split
-from ps_train.ctr.synthetic import SyntheticCtr, synthetic_ctr
+from ps_train.workloads.ctr.data.batches import CtrBatch, CtrBatchIterator, iter_ctr_eval_batches
+from ps_train.workloads.ctr.data.criteo import (
+    CriteoFormatError,
+    CriteoStats,
+    find_criteo_files,
+    load_criteo,
+    read_criteo,
+)
+from ps_train.workloads.ctr.data.split import CtrSplit, time_split
+from ps_train.workloads.ctr.data.synthetic import SyntheticCtr, synthetic_ctr
 
 __all__ = [
     "CtrSplit",

@@ -12,12 +12,12 @@ import torch
 
 from ps_train.config import CriteoConfig, CtrDataConfig, SyntheticCtrConfig
 from ps_train.config.prepared import MANIFEST_NAME
-from ps_train.ctr.bags import BagColumns
-from ps_train.ctr.criteo import check_criteo_files, load_criteo
-from ps_train.ctr.mapped import load_prepared, skipped_note
-from ps_train.ctr.split import CtrDataset, CtrSplit, held_out_count
-from ps_train.ctr.synthetic import synthetic_ctr
-from ps_train.ctr.synthetic_bags import BagShape
+from ps_train.workloads.ctr.data.bags import BagColumns
+from ps_train.workloads.ctr.data.criteo import check_criteo_files, load_criteo
+from ps_train.workloads.ctr.data.mapped import load_prepared, skipped_note
+from ps_train.workloads.ctr.data.split import CtrDataset, CtrSplit, held_out_count
+from ps_train.workloads.ctr.data.synthetic import synthetic_ctr
+from ps_train.workloads.ctr.data.synthetic_bags import BagShape
 
 __all__ = ["CtrData", "load_ctr_data", "check_ctr_data", "RAW_CRITEO_ROWS"]
 

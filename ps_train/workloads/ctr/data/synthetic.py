@@ -29,7 +29,7 @@ A sample has ``num_dense`` standard-normal features, one id per table and a clic
   interaction is for. It takes the share ``interaction`` of the logit's variance; the
   dense and per-table parts share the rest as above. 0 (the default) leaves labels additive.
 - **Bags** (optional, ``bag_shape``): multi-hot samples hold a bag of ids per table, the
-  first being the one-hot data's id (``ps_train.ctr.synthetic_bags``); a table's effect is
+  first being the one-hot data's id (``ps_train.workloads.ctr.data.synthetic_bags``); a table's effect is
   then the weighted mean of its bag's row effects, and so are the interaction vectors.
 - **best AUC**: the AUC of the true probabilities on the test split -- what a perfect model
   scores on that sample. A logistic regression on the dense features plus one learned bias
@@ -51,10 +51,10 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from ps_train.ctr.bags import BagColumns
-from ps_train.ctr.metrics import auc
-from ps_train.ctr.split import CtrSplit
-from ps_train.ctr.synthetic_bags import BagShape, NumpyBags, draw_bags
+from ps_train.workloads.ctr.data.bags import BagColumns
+from ps_train.workloads.ctr.data.split import CtrSplit
+from ps_train.workloads.ctr.data.synthetic_bags import BagShape, NumpyBags, draw_bags
+from ps_train.workloads.ctr.metrics import auc
 
 __all__ = ["SyntheticCtr", "synthetic_ctr", "zipf_ranks", "MAX_TABLE_ROWS", "INTERACTION_DIM"]
 

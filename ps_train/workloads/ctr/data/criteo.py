@@ -26,7 +26,7 @@ Speed and size: this is a plain Python parser (tens of thousands of lines per se
 that holds everything in memory -- right for test files and samples of a few million
 lines. For the full files (~45M lines in Kaggle's, ~195M in a Terabyte day),
 ``python -m ps_train.prepare criteo`` converts them once, with the same semantics, into
-memory-mapped arrays (``ps_train.ctr.criteo_prepare``, ``ps_train.ctr.mapped``).
+memory-mapped arrays (``ps_train.workloads.ctr.data.criteo_prepare``, ``ps_train.workloads.ctr.data.mapped``).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from typing import BinaryIO, Union
 import numpy as np
 import torch
 
-from ps_train.ctr.split import CtrSplit, time_split
+from ps_train.workloads.ctr.data.split import CtrSplit, time_split
 
 __all__ = [
     "CriteoFormatError",
@@ -59,7 +59,7 @@ __all__ = [
     "EMPTY_ROW",
 ]
 
-log = logging.getLogger("ps_train.ctr")
+log = logging.getLogger("ps_train.workloads.ctr")
 
 NUM_INT_FEATURES = 13
 NUM_CAT_FEATURES = 26

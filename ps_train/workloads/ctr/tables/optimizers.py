@@ -77,12 +77,12 @@ class TableOptimizer(ABC):
 
     def row_state(self) -> dict[str, Tensor]:
         """The live per-row state tensors, each [rows, ...] aligned with a table's rows (a
-        checkpoint writes them row by row, with the rows: ``ps_train.ctr.snapshot``)."""
+        checkpoint writes them row by row, with the rows: ``ps_train.workloads.ctr.tables.snapshot``)."""
         return {}
 
     def reset_rows(self, rows: Tensor) -> None:
         """Forget the per-row state of ``rows`` (int64 [n]), as if they were never updated: a
-        dynamic table's slot reused for another id starts afresh (``ps_train.ctr.dynamic``)."""
+        dynamic table's slot reused for another id starts afresh (``ps_train.workloads.ctr.tables.dynamic``)."""
         with torch.no_grad():
             for state in self.row_state().values():
                 state.index_fill_(0, rows, 0)

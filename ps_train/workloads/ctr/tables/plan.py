@@ -1,6 +1,6 @@
 """How a trainer asks the servers for a batch's embeddings, and puts the answers together.
 
-A batch's ``Bags`` (``ps_train.ctr.bags``: every table's bags of ids, table-major) become one
+A batch's ``Bags`` (``ps_train.workloads.ctr.data.bags``: every table's bags of ids, table-major) become one
 request per server, built for all tables at once -- no loop over tables:
 
 - each id's owner and its row in the owner's storage (``FusedLayout``: range or mod
@@ -14,7 +14,7 @@ request per server, built for all tables at once -- no loop over tables:
 - the request to server ``s`` (``ServerRequest``): its storage rows, single rows first,
   then the ids of every bag it pools; where each pooled bag starts; their weights.
 
-A dynamic table's ids (``ps_train.ctr.dynamic``) have no row a trainer could name: each goes
+A dynamic table's ids (``ps_train.workloads.ctr.tables.dynamic``) have no row a trainer could name: each goes
 to server ``dynamic_owner(id)`` as the marker ``-(1 + t)`` in ``rows`` and its raw id in
 ``BagPlan.ids[s]`` (the request's negative rows' ids, in order), which the server turns into
 its slot; deduplication then keys rows by (server, row or marker, id).
@@ -37,8 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ps_train.ctr.bags import Bags
-from ps_train.ctr.rows import FusedLayout, dynamic_owner
+from ps_train.workloads.ctr.data.bags import Bags
+from ps_train.workloads.ctr.tables.rows import FusedLayout, dynamic_owner
 
 __all__ = ["ServerRequest", "BagPlan", "BagPlanner", "combine", "INDEX_BYTES", "FLOAT_BYTES"]
 
