@@ -158,8 +158,8 @@ class CtrTrainer(Trainer):
         return f"test {format_ctr_metrics(ev)}"
 
     # -- metrics ----------------------------------------------------------------------------------
-    def _log_train(self, step: int, last: dict[str, float]) -> None:
-        super()._log_train(step, last)
+    def log_train(self, step: int, last: dict[str, float]) -> None:
+        super().log_train(step, last)
         self.writer.add_scalar("train/rows_pulled", last["rows_pulled"], step)
         self.writer.add_scalar("train/rows_pushed", last["rows_pushed"], step)
 
