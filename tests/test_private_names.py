@@ -93,18 +93,6 @@ TORCH_CLASS_MEMBERS = {
 }
 TORCH_PUBLIC = frozenset().union(*TORCH_MODULE_NAMES.values(), *TORCH_CLASS_MEMBERS.values())
 
-# What ps_train still uses of other packages' private names, as "module what" (no line
-# number, so that edits elsewhere in a file keep it). All of it is in the CTR workload, which
-# the workloads reorganisation is moving: empty this set as it goes. Nothing else may join it.
-KNOWN_TO_FIX = {
-    # CTR's trainer calls the roles' trainer's private RPC helper (ps_train.roles.trainer)
-    "ps_train.workloads.ctr.trainer reads ._call (defined by ps_train.roles)",
-}
-
-
-def _key(v: Violation) -> str:
-    return f"{v.module} {v.what}"
-
 
 @pytest.fixture(scope="module")
 def found() -> list[Violation]:
@@ -116,12 +104,9 @@ def test_rpc_core_uses_no_private_name_of_another_package(found: list[Violation]
     assert not mine, "private names used across package lines:\n  " + "\n  ".join(mine)
 
 
-def test_ps_train_uses_no_private_name_of_another_package_but_the_known_ones(found: list[Violation]) -> None:
-    mine = [v for v in found if v.module.split(".")[0] == "ps_train"]
-    new = [str(v) for v in mine if _key(v) not in KNOWN_TO_FIX]
-    assert not new, "private names used across package lines:\n  " + "\n  ".join(new)
-    fixed = KNOWN_TO_FIX - {_key(v) for v in mine}
-    assert not fixed, f"fixed: drop from KNOWN_TO_FIX: {sorted(fixed)}"
+def test_ps_train_uses_no_private_name_of_another_package(found: list[Violation]) -> None:
+    mine = [str(v) for v in found if v.module.split(".")[0] == "ps_train"]
+    assert not mine, "private names used across package lines:\n  " + "\n  ".join(mine)
 
 
 def test_the_torch_names_allowed_are_torch_s() -> None:

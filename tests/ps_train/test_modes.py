@@ -155,13 +155,6 @@ def test_the_server_reads_an_update_s_staleness_from_the_mode_s_answer():
 # The modules that use a mode through ps_train.modes (the registry), modes.base (the
 # protocol) and modes.aggregation (the arithmetic) only; a mode's own module is its business.
 MODE_MODULES = {f"ps_train.modes.{m}" for m in ("sync", "asynchronous", "ssp", "hybrid")}
-# What the roles still take from a mode's own module instead of asking the mode. Being moved
-# by the workloads reorganisation; the server should read ``mode.answers_with_staleness`` and
-# ``mode.answer_staleness(answer)`` instead. Empty this as it goes.
-MODE_CLASS_USES_TO_FIX = {
-    "ps_train/roles/server.py imports ps_train.modes.asynchronous.AsyncMode",
-    "ps_train/roles/server.py imports ps_train.modes.ssp.ClockedUpdate",
-}
 
 
 def _mode_module_imports(path: Path, root: Path = PACKAGE_DIR.parent) -> set[str]:
@@ -185,10 +178,7 @@ def test_no_module_outside_the_modes_tests_a_mode_s_class():
         if PACKAGE_DIR / "modes" not in path.parents
         for hit in _mode_module_imports(path)
     }
-    assert found == MODE_CLASS_USES_TO_FIX, (
-        f"new: {sorted(found - MODE_CLASS_USES_TO_FIX)}; fixed (drop from MODE_CLASS_USES_TO_FIX): "
-        f"{sorted(MODE_CLASS_USES_TO_FIX - found)}"
-    )
+    assert not found, f"ask the mode object (ps_train.modes.base.Mode) instead: {sorted(found)}"
 
 
 def test_the_scan_sees_imports_from_a_mode_s_module(tmp_path):
