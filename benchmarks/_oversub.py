@@ -13,24 +13,17 @@ queue messages); ``plan`` holds the one workload ``sync_noop_4x4``.
 
 from __future__ import annotations
 
-import os
 import statistics
-import sys
 import time
 import traceback
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
 NAME = "sync_noop_4x4"
 CALLERS = 4
 WORLD_SIZE = 2 * CALLERS
 
 
 def oversub_main(rank, world_size, impl_name, port, plan, options_extra, queue):
-    for p in (REPO, HERE):
-        if p not in sys.path:
-            sys.path.insert(0, p)
-    import _workloads
+    from benchmarks import _workloads
 
     try:
         impl = _workloads.join_world(rank, world_size, impl_name, port, options_extra, queue, rpc_timeout=120)

@@ -2,8 +2,8 @@
 
 Usage (from the repo root)::
 
-    python benchmarks/cache_bench.py                        # Zipf 1.05 and 1.3, cache off / on
-    python benchmarks/cache_bench.py --zipf 1.05 --cache 1000:4 1000:8 --json out.json
+    python -m benchmarks.cache_bench                        # Zipf 1.05 and 1.3, cache off / on
+    python -m benchmarks.cache_bench --zipf 1.05 --cache 1000:4 1000:8 --json out.json
 
 Each run is ``python -m ps_train model=dlrm data=synthetic_ctr`` (8 tables of 1,000 rows,
 batch 256) with 2 servers and ``--trainers`` trainers in ``--mode`` (async by default: the
@@ -26,8 +26,7 @@ import sys
 import tempfile
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _ctr_job import run_dlrm_job  # noqa: E402
+from benchmarks._ctr_job import run_dlrm_job
 
 
 def one_run(zipf: float, cache: str | None, args: argparse.Namespace, run_dir: str) -> dict[str, Any]:

@@ -1,13 +1,13 @@
 """Chaos: a job trained while its servers and trainers are killed at random, against the same
 job uninterrupted.
 
-    python benchmarks/chaos_bench.py [--minutes 3] [--mtbf 45] [--mode async|ssp|sync]
+    python -m benchmarks.chaos_bench [--minutes 3] [--mtbf 45] [--mode async|ssp|sync]
                                      [--model mlp|dlrm] [--trainers 3] [--seed 0]
 
 1. calibrates: a short fault-free run gives the steps per trainer that take about
    ``--minutes`` on this machine;
 2. runs that job fault-free (the reference);
-3. runs it again while a killer (``benchmarks/_chaos.py``) SIGKILLs a random role every
+3. runs it again while a killer (``ps_train/chaos.py``) SIGKILLs a random role every
    Exp(``--mtbf``) seconds -- a server with probability ``--server-share``, else a trainer --
    at random points of its steps, checkpoints, evaluations and restarts. async/ssp jobs run
    with ``cluster.elastic=true`` (a killed trainer is replaced, the others go on) and every
@@ -35,27 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks._chaos import checkpoint_problems, lost_updates, metric, run_job, run_with_killer  # noqa: E402
-
-SERVERS = 2
-
-
-def job_config(mode: str, model: str, trainers: int, max_restarts: int) -> list[str]:
-    data = ["model=dlrm", "data=synthetic_ctr"] if model == "dlrm" else ["model=mlp", "data=digits"]
-    return [
-        f"mode={mode}",
-        *data,
-        f"cluster.num_servers={SERVERS}",
-        f"cluster.num_trainers={trainers}",
-        f"cluster.elastic={'false' if mode == 'sync' else 'true'}",
-        f"cluster.max_restarts={max_restarts}",
-        "train.eval_every=0",
-        "logging.progress=false",
-        "logging.tensorboard=false",
-        "checkpoint.keep=3",
-    ]
+from ps_train.chaos import SERVERS, checkpoint_problems, job_config, lost_updates, metric, run_job, run_with_killer
 
 
 def same_final_weights(a: Path, b: Path) -> bool:

@@ -3,9 +3,9 @@ the bytes of differential checkpoints against full ones.
 
 Usage (from the repo root)::
 
-    python benchmarks/checkpoint_bench.py                     # preset=dlrm_large, 200 steps
-    python benchmarks/checkpoint_bench.py --shape medium      # 26 x 100,000 rows (0.67 GB)
-    python benchmarks/checkpoint_bench.py --json benchmarks/results/checkpoint.json
+    python -m benchmarks.checkpoint_bench                     # preset=dlrm_large, 200 steps
+    python -m benchmarks.checkpoint_bench --shape medium      # 26 x 100,000 rows (0.67 GB)
+    python -m benchmarks.checkpoint_bench --json benchmarks/results/checkpoint.json
 
 Three sync runs of the same job (2 servers + 2 trainers, ``model.table_optim`` Adagrad, so a
 full checkpoint holds the rows and as many Adagrad sums), one after another:

@@ -3,10 +3,10 @@
 
 Usage (from the repo root)::
 
-    python benchmarks/ctr_bench.py --quick          # everything once, few steps (~4-6 min)
-    python benchmarks/ctr_bench.py --rounds 2 --json benchmarks/results/ctr.json
-    python benchmarks/ctr_bench.py --tables         # the tables alone (benchmarks/_table_step.py)
-    python benchmarks/ctr_bench.py --tables --tables-bag 20
+    python -m benchmarks.ctr_bench --quick          # everything once, few steps (~4-6 min)
+    python -m benchmarks.ctr_bench --rounds 2 --json benchmarks/results/ctr.json
+    python -m benchmarks.ctr_bench --tables         # the tables alone (benchmarks/_table_step.py)
+    python -m benchmarks.ctr_bench --tables --tables-bag 20
 
 Options:
     --quick               fewer steps (small 150, large 40 instead of 600 and 200)
@@ -68,7 +68,7 @@ What is measured:
   thread (``benchmarks/_torchrec_dlrm.py``); "skipped", with the reason, without torchrec.
 - bytes per step: ``server_bytes_per_step`` of ``metrics.json`` (each server's bytes sent
   plus received per trainer step, from rpc_core's connection counters, start-up included),
-  against the ideal of ``_ctr_traffic.py`` (formula in its docstring) computed from the
+  against the ideal of ``ps_train/ctr/ideal_traffic.py`` (formula in its docstring) computed from the
   exact batches every trainer took (the data loader replayed; its distinct rows per step
   must equal the run's ``rows_pulled_per_step``, else the table says so). backend=torch
   records no bytes (TensorPipe exposes no byte counters): n/a.
@@ -96,14 +96,11 @@ import tempfile
 import time
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-for _p in (REPO, HERE):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+from benchmarks._ctr_report import render
+from ps_train.ctr.ideal_traffic import replay_ideal_bytes
 
-from _ctr_report import render  # noqa: E402 (the benchmarks folder is on the path just above)
-from _ctr_traffic import replay_ideal_bytes  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout the workers run in
+
 
 COMMON = [
     "mode=sync",
@@ -242,15 +239,15 @@ def run_single(name: str, steps: int, timeout: float, kind: str = "single") -> d
     """A single-process loop (``kind``: ``single``, plain torch, or ``torchrec``) in a child
     process (its memory is returned when it exits); ``status="skipped"`` without torchrec."""
     if kind == "torchrec":
-        from _torchrec_dlrm import torchrec_missing
+        from benchmarks._torchrec_dlrm import torchrec_missing
 
         missing = torchrec_missing()
         if missing:
             return {"status": "skipped", "skipped": missing, "samples_per_s": None}
     with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
-        cmd = [sys.executable, os.path.abspath(__file__), f"--{kind}-worker", name, str(steps), out.name]
+        cmd = [sys.executable, "-m", "benchmarks.ctr_bench", f"--{kind}-worker", name, str(steps), out.name]
         try:
-            proc = subprocess.run(cmd, timeout=timeout, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
+            proc = subprocess.run(cmd, cwd=REPO, timeout=timeout, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
         except subprocess.TimeoutExpired:
             return {"status": "error", "error": f"timeout after {timeout:.0f} s; killed", "samples_per_s": None}
         if proc.returncode != 0:
@@ -337,8 +334,8 @@ def run_tables(args: argparse.Namespace) -> int:
     then the table of figures against the memcpy floor measured here."""
     import statistics
 
-    from _floor import _memcpy_gbs
-    from _table_step import VARIANTS, fbgemm_missing, render_tables
+    from benchmarks._floor import _memcpy_gbs
+    from benchmarks._table_step import VARIANTS, fbgemm_missing, render_tables
 
     steps = args.table_steps or (12 if args.quick else 30)
     timeout = args.timeout or 1800.0
@@ -347,7 +344,7 @@ def run_tables(args: argparse.Namespace) -> int:
         "loadavg_start": os.getloadavg()[0],
         "steps": steps,
         "bag": args.tables_bag,
-        "command": " ".join(["python", os.path.relpath(__file__, REPO), *sys.argv[1:]]),
+        "command": " ".join(["python -m benchmarks.ctr_bench", *sys.argv[1:]]),
         "time": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
     memcpy = [statistics.median(_memcpy_gbs())]
@@ -360,7 +357,8 @@ def run_tables(args: argparse.Namespace) -> int:
         with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
             cmd = [
                 sys.executable,
-                os.path.abspath(__file__),
+                "-m",
+                "benchmarks.ctr_bench",
                 "--table-worker",
                 v,
                 str(steps),
@@ -368,7 +366,9 @@ def run_tables(args: argparse.Namespace) -> int:
                 out.name,
             ]
             try:
-                proc = subprocess.run(cmd, timeout=timeout, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
+                proc = subprocess.run(
+                    cmd, cwd=REPO, timeout=timeout, stdout=sys.stderr, stderr=subprocess.PIPE, text=True
+                )
             except subprocess.TimeoutExpired:
                 results[v] = {"error": f"timeout after {timeout:.0f} s"}
                 continue
@@ -463,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--table-worker", nargs=4, metavar=("VARIANT", "STEPS", "BAG", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.table_worker:
-        from _table_step import worker
+        from benchmarks._table_step import worker
 
         variant, steps_, bag, out = args.table_worker
         worker(variant, int(steps_), int(bag), out)
@@ -475,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
         single_worker(name, int(steps), out)
         return 0
     if args.torchrec_worker:
-        from _torchrec_dlrm import worker as torchrec_worker
+        from benchmarks._torchrec_dlrm import worker as torchrec_worker
 
         name, steps, out = args.torchrec_worker
         torchrec_worker(compose(overrides_for(name, 1, 1, "rpc_core", int(steps))), int(steps), out)
@@ -498,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
         "update_in_backward": args.update_in_backward,
         "quick": args.quick,
         "steps": steps,
-        "command": " ".join(["python", os.path.relpath(__file__, REPO), *(argv or sys.argv[1:])]),
+        "command": " ".join(["python -m benchmarks.ctr_bench", *(argv or sys.argv[1:])]),
         "time": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
     log(f"{info['cpu']}, {info['cores']} cores, kernel {info['kernel']}, torch {info['torch']}; runs in {run_root}")

@@ -2,8 +2,8 @@
 
 Usage (from the repo root)::
 
-    python benchmarks/dynamic_tables_bench.py                     # the figures in docs/benchmarks.md
-    python benchmarks/dynamic_tables_bench.py --samples 2000000 --tables 1 --json out.json
+    python -m benchmarks.dynamic_tables_bench                     # the figures in docs/benchmarks.md
+    python -m benchmarks.dynamic_tables_bench --samples 2000000 --tables 1 --json out.json
 
 Synthetic CTR data (``data=synthetic_ctr``) whose ``--tables`` tables draw ids from
 ``--ids`` (10M) distinct ones with Zipf skew ``--zipf``, one server and one trainer, batches of
@@ -28,13 +28,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import tracemalloc
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _ctr_job import run_dlrm_job  # noqa: E402
+from benchmarks._ctr_job import run_dlrm_job
 
 
 def dict_bytes_per_entry() -> float:

@@ -123,14 +123,7 @@ import time
 import traceback
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
-if HERE not in sys.path:
-    sys.path.insert(0, HERE)
-
-from _format import fmt  # noqa: E402 (the benchmarks folder is on the path just above)
+from benchmarks._format import fmt
 
 MODELS = ("mlp", "cnn")
 CLUSTERS = ((1, 1), (2, 2))  # (num_servers, num_trainers)

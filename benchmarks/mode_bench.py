@@ -2,9 +2,9 @@
 
 Usage (from the repo root)::
 
-    python benchmarks/mode_bench.py                          # sync vs hybrid, 4 trainers, 2 rounds
-    python benchmarks/mode_bench.py --modes sync hybrid async --rounds 3 --json out.json
-    python benchmarks/mode_bench.py --extra mode.staleness=2  # overrides for every run
+    python -m benchmarks.mode_bench                          # sync vs hybrid, 4 trainers, 2 rounds
+    python -m benchmarks.mode_bench --modes sync hybrid async --rounds 3 --json out.json
+    python -m benchmarks.mode_bench --extra mode.staleness=2  # overrides for every run
 
 Each run is ``python -m ps_train model=dlrm data=synthetic_ctr`` with ``--trainers`` trainers
 and 2 servers, one pass over ``--samples`` synthetic samples (steps = 0.9 x samples /
@@ -24,8 +24,7 @@ import sys
 import tempfile
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _ctr_job import run_dlrm_job  # noqa: E402
+from benchmarks._ctr_job import run_dlrm_job
 
 
 def one_run(mode: str, args: argparse.Namespace, run_dir: str) -> dict[str, Any]:

@@ -2,8 +2,8 @@
 
 Usage (from the repo root)::
 
-    python benchmarks/prepare_bench.py                    # 2M lines, plain and .gz
-    python benchmarks/prepare_bench.py --lines 8000000 --repeat 3 --json out.json
+    python -m benchmarks.prepare_bench                    # 2M lines, plain and .gz
+    python -m benchmarks.prepare_bench --lines 8000000 --repeat 3 --json out.json
 
 Options:
     --lines N       lines per generated file (default 2,000,000; ~480 MB of text)
@@ -45,7 +45,8 @@ import time
 import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pacsv
-from _format import fmt
+
+from benchmarks._format import fmt
 
 # Missing-value rates per feature, roughly those of Kaggle's train.txt.
 INT_MISSING = [0.45, 0.0, 0.22, 0.22, 0.03, 0.22, 0.04, 0.0, 0.04, 0.45, 0.04, 0.77, 0.22]

@@ -2,10 +2,10 @@
 
 Usage (from the repo root)::
 
-    python benchmarks/rpc_bench.py                      # both implementations, full run (~1-3 min)
-    python benchmarks/rpc_bench.py --quick              # fewer iterations (well under a minute)
-    python benchmarks/rpc_bench.py --impl torch --quick # only torch.distributed.rpc
-    python benchmarks/rpc_bench.py --only sync_noop,echo --json benchmarks/results/run.json
+    python -m benchmarks.rpc_bench                      # both implementations, full run (~1-3 min)
+    python -m benchmarks.rpc_bench --quick              # fewer iterations (well under a minute)
+    python -m benchmarks.rpc_bench --impl torch --quick # only torch.distributed.rpc
+    python -m benchmarks.rpc_bench --only sync_noop,echo --json benchmarks/results/run.json
 
 Options:
     --impl both|rpc_core|torch   which implementations to run (default: both)
@@ -77,7 +77,7 @@ the "x floor" column gives each rpc_core figure as a multiple of that floor. Eac
 workload also reads the process CPU time (``time.process_time``, all threads) of both
 sides around its timed calls: a second table gives it per call or step. ``RPC_CORE_*``
 variables set for the run are printed with the table (``RPC_CORE_SPIN_US=0
-python benchmarks/rpc_bench.py`` measures rpc_core without polling).
+python -m benchmarks.rpc_bench`` measures rpc_core without polling).
 
 The ratio column is always rpc_core / torch; the "better" column says whether a lower
 (times) or higher (throughputs) ratio is the improvement, and "target" shows the goal from
@@ -105,16 +105,8 @@ import sys
 import time
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-if REPO not in sys.path:  # this checkout's packages (free_port from ps_train.launch.ports), as the workers use
-    sys.path.insert(0, REPO)
-if HERE not in sys.path:
-    sys.path.insert(0, HERE)
-
-from _format import fmt  # noqa: E402 (the benchmarks folder is on the path just above)
-
-from ps_train.launch.ports import free_port  # noqa: E402
+from benchmarks._format import fmt
+from ps_train.launch.ports import free_port
 
 IMPLS = ("torch", "rpc_core")
 WORLD_SIZE = 2
@@ -179,7 +171,7 @@ def run_impl(impl: str, plan, options_extra: dict, timeout: float, log) -> dict:
     sep_plan = [p for p in plan if p[0] in SEPARATE]
     run = _run_world(impl, main_plan, options_extra, timeout, log) if main_plan else None
     if sep_plan and (run is None or run["status"] != "unavailable"):
-        import _oversub
+        from benchmarks import _oversub
 
         other = _run_world(impl, sep_plan, options_extra, timeout, log, _oversub.oversub_main, _oversub.WORLD_SIZE)
         if run is None:
@@ -198,7 +190,7 @@ def _run_world(
     impl: str, plan, options_extra: dict, timeout: float, log, target=None, world_size: int = WORLD_SIZE
 ) -> dict:
     """Run one implementation's world of ``world_size``; never hangs longer than ``timeout``."""
-    import _workloads  # imported here so the spawned children re-import it by name
+    from benchmarks import _workloads  # the spawned children re-import it by name
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -426,7 +418,7 @@ def _table(head: list[str], body: list[list[str]], right: set[int]) -> list[str]
 
 
 def render_floor(floor: dict, machine: dict) -> str:
-    import _floor
+    from benchmarks import _floor
 
     out = [_floor.describe_machine(machine), ""]
     out += _table(["floor", "unit", "value"], [[f["label"], f["unit"], fmt(f["value"])] for f in floor.values()], {2})
@@ -571,7 +563,7 @@ def main(argv=None) -> int:
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
 
-    import _floor
+    from benchmarks import _floor
 
     machine = _floor.machine()
     log(_floor.describe_machine(machine))

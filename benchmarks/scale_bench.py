@@ -1,6 +1,6 @@
 """Scale: what each ps_train process holds, and how long a job takes to start, as trainers grow.
 
-    python benchmarks/scale_bench.py [--trainers 2 8 16 32] [--servers 2] [--steps 20]
+    python -m benchmarks.scale_bench [--trainers 2 8 16 32] [--servers 2] [--steps 20]
                                      [--mode async] [--json scale.json] [--timeout 900]
                                      [ps_train overrides, e.g. model=cnn]
 
@@ -40,8 +40,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _procs import cpu_seconds, role_kind, sample_roles  # noqa: E402
+from benchmarks._procs import cpu_seconds, role_kind, sample_roles
 
 _PID = re.compile(r"starting (\S+) \(rank \d+ of \d+, pid (\d+)\)")
 _PROGRESS = re.compile(r"^\[trainer0\] step (\d+)/")

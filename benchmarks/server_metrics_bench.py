@@ -1,7 +1,7 @@
 """What the servers' TensorBoard metrics cost (ps_train.observe.server_metrics).
 
-    python benchmarks/server_metrics_bench.py            # per-update and per-sample cost
-    python benchmarks/server_metrics_bench.py --e2e 3    # also the default experiment's samples/s,
+    python -m benchmarks.server_metrics_bench            # per-update and per-sample cost
+    python -m benchmarks.server_metrics_bench --e2e 3    # also the default experiment's samples/s,
                                                          # with and without, 3 alternating runs each
 
 A server pays the counters on every update (``UpdateCounters``) and one ``sample()`` every

@@ -3,8 +3,8 @@ time, and (rpc_core) each side's Python profile grouped by module.
 
 Usage (from the repo root)::
 
-    python benchmarks/step_breakdown.py                    # grad-to-caller step and no-op, both impls
-    python benchmarks/step_breakdown.py --spin 0 --profile # rpc_core with polling off, with profiles
+    python -m benchmarks.step_breakdown                    # grad-to-caller step and no-op, both impls
+    python -m benchmarks.step_breakdown --spin 0 --profile # rpc_core with polling off, with profiles
 
 Two workloads of ``rpc_bench.py``, run for torch and rpc_core one after the other in one
 invocation:
@@ -48,15 +48,11 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn as nn
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-for _p in (REPO, HERE):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+from benchmarks import _floor, _workloads
+from benchmarks._format import fmt
 
-import _floor  # noqa: E402
-import _workloads  # noqa: E402
-from _format import fmt  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 CALLEE = "worker1"
 _profile: list[cProfile.Profile] = []

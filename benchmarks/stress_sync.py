@@ -1,6 +1,6 @@
 """Stress: sync-mode training with many trainers, repeated, on a busy machine.
 
-    python benchmarks/stress_sync.py [--runs 10] [--trainers 8] [--steps 300] [--hogs 2]
+    python -m benchmarks.stress_sync [--runs 10] [--trainers 8] [--steps 300] [--hogs 2]
 
 Runs ``python -m ps_train mode=sync`` again and again (2 servers, many trainers, steps
 pipelined: no log line settles a step before the end) with ``--hogs`` processes spinning
