@@ -27,6 +27,7 @@ import tempfile
 from typing import Any
 
 from benchmarks._ctr_job import run_dlrm_job
+from benchmarks._results import add_result_option, run_recorded
 
 
 def one_run(zipf: float, cache: str | None, args: argparse.Namespace, run_dir: str) -> dict[str, Any]:
@@ -99,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", type=int, default=200_000)
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--json", default=None)
+    add_result_option(p, "cache_bench")
     args = p.parse_args(argv)
     results = []
     with tempfile.TemporaryDirectory(prefix="cache_bench_") as root:
@@ -115,4 +117,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_recorded("cache_bench", main))

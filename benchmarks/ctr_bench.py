@@ -1,86 +1,18 @@
 """DLRM benchmark: ps_train's row-sharded tables on rpc_core vs backend=torch vs one process
 (plain torch, and TorchRec's DLRM when torchrec is installed).
 
-Usage (from the repo root)::
-
+    python -m benchmarks.ctr_bench --rounds 2       # small 1+1 and 2+2, large 2+2, multihot 2+2
     python -m benchmarks.ctr_bench --quick          # everything once, few steps (~4-6 min)
-    python -m benchmarks.ctr_bench --rounds 2 --json benchmarks/results/ctr.json
-    python -m benchmarks.ctr_bench --tables         # the tables alone (benchmarks/_table_step.py)
-    python -m benchmarks.ctr_bench --tables --tables-bag 20
+    python -m benchmarks.ctr_bench --tables         # the tables' lookup + backward + update alone
 
-Options:
-    --quick               fewer steps (small 150, large 40 instead of 600 and 200)
-    --only small|large|multihot
-                          run one configuration
-    --rounds N            run everything N times, reversing the order in every other round
-                          (single, torchrec, torch, rpc_core, ... then ..., rpc_core, torch,
-                          torchrec, single);
-                          the table shows the median per cell
-    --json PATH           also write every figure, per round, with the machine and settings
-    --timeout SECONDS     hard limit per run (default 900, quick 600)
-    --run-root DIR        where run folders go (default: a temporary folder, deleted at the
-                          end unless a run failed or --keep-runs)
-    --update-in-backward null|true|false
-                          ``cluster.update_in_backward`` of the rpc_core runs (default null:
-                          ps_train's default, on in sync mode); compare ``true`` with
-                          ``false`` in two invocations (each has its own single-process
-                          baseline)
-    --tables              instead of the runs: the tables' lookup + backward + update alone,
-                          side by side in one invocation (one-process nn.EmbeddingBag, FBGEMM's
-                          CPU TBE with fused row-wise Adagrad when fbgemm_gpu imports, ps_train
-                          before and after fused storage, 1+1 and 2+2), against this run's
-                          memcpy floor (``_table_step.py`` says what each measures)
-    --tables-bag N        ids per bag for --tables (default 1: one-hot)
-    --table-steps N       timed steps per --tables variant (default 30, quick 12)
-
-Configurations (``model=dlrm``, ``data=synthetic_ctr``, ``mode=sync``, ``seed=0``):
-
-- small: the defaults of ``model=dlrm`` (8 tables x 1,000 rows, dim 16, batch 256, Adagrad
-  tables, SGD MLPs), as 1 server + 1 trainer and 2 + 2. Fits anywhere.
-- large: ``preset=dlrm_large`` (26 tables x 384,616 rows, dim 64: 2.56 GB of rows, batch
-  512), 2 servers + 2 trainers. The single process holds all 2.56 GB of rows plus as much
-  Adagrad state (~5.5 GB resident; fine on a 24 GiB machine).
-- multihot: 8 tables x 100,000 rows, dim 32, bags of 20 ids (``data.bag_sizes=[20]``), batch
-  256, 2 servers + 2 trainers: the servers pool their rows of each bag (``ps_train.ctr.plan``).
-
-Every run: ``train.eval_every=0``, ``checkpoint.every=0``, ``checkpoint.final=false`` (the
-large run's final checkpoint writes 5 GB inside trainer0's timed loop), no TensorBoard, one
-status line at the end (``train.log_every`` = steps).
-
-What is measured:
-
-- samples/s. ps_train: all trainers' samples (``metrics.json``) over the training loop of the
-  trainer that started it last (``trainer_wall_time_s``; clock started before the first
-  batch, after process start, ``init_rpc``, building tables and loading data; stopped after
-  the last update). In sync mode every step needs every trainer, so that loop spans all the
-  training, while an earlier trainer's loop also holds its wait for the others' start-up
-  (seconds on a loaded machine): ``metrics.json``'s ``samples_per_s`` divides by the longest
-  loop, and is kept in --json as ``metrics_samples_per_s``.
-  Single process: ``ps_train.ctr.model.DLRM`` (``nn.EmbeddingBag(sparse=True)`` tables with the
-  same initial rows and MLPs), the same optimizers (``optim`` on the MLPs,
-  ``model.table_optim`` on the tables), trainer0's batches of a one-trainer run, one
-  intra-op thread (what each ps_train process gets), timed the same way. It has no servers
-  or trainers, so a 2+2 row compares the 2 trainers' total with the one process. Sync mode
-  with one trainer computes the same thing as the single process: the 1+1 row prints the
-  largest per-step loss difference (float32 rounding of summed row gradients, ~1e-6).
-  TorchRec: ``torchrec.models.dlrm.DLRM`` with the same shapes, its tables fused with
-  ``model.table_optim`` (FBGEMM's CPU kernels), the same batches as KeyedJaggedTensors, one
-  thread (``benchmarks/_torchrec_dlrm.py``); "skipped", with the reason, without torchrec.
-- bytes per step: ``server_bytes_per_step`` of ``metrics.json`` (each server's bytes sent
-  plus received per trainer step, from rpc_core's connection counters, start-up included),
-  against the ideal of ``ps_train/ctr/ideal_traffic.py`` (formula in its docstring) computed from the
-  exact batches every trainer took (the data loader replayed; its distinct rows per step
-  must equal the run's ``rows_pulled_per_step``, else the table says so). backend=torch
-  records no bytes (TensorPipe exposes no byte counters): n/a.
-- peak RSS per role (``peak_rss_bytes`` of ``metrics.json``) for the large configuration.
-
-Targets (PASS/FAIL under the tables): bytes per step within 1.25x of the ideal on every
-server (rpc_core; multihot: within 1.1x of the pooled ideal); large: rpc_core >= 2x
-backend=torch samples/s, every trainer's peak RSS < 1.5 GB; small 1 + 1: rpc_core >= 0.8x
-single-process samples/s.
-
-The cores may be shared: compare ratios from one invocation. A failed run shows "error" and
-its reason under the table; the others go on; the exit status is then 1.
+Trains ``model=dlrm`` on ``data=synthetic_ctr`` in sync mode each way, alternating. The first
+table gives samples/s (all trainers' samples over the training loop, start-up excluded; the
+median over rounds) and the ratios rpc_core / torch and rpc_core / single (higher is better);
+the second each server's bytes per step against the ideal of the scheme
+(``ps_train/ctr/ideal_traffic.py``); then peak RSS per role, the loss check of the 1+1 run
+against one process, and the targets PASS/FAIL. A failed run shows "error" and its reason; the
+exit status is then 1. ``--tables`` prints ms per step of each table variant against this
+run's memcpy floor (``_table_step.py``). Details: docs/benchmarking.md.
 """
 
 from __future__ import annotations
@@ -97,6 +29,7 @@ import time
 from typing import Any
 
 from benchmarks._ctr_report import render
+from benchmarks._results import add_result_option, run_recorded
 from ps_train.ctr.ideal_traffic import replay_ideal_bytes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout the workers run in
@@ -445,19 +378,27 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description="DLRM: ps_train on rpc_core vs backend=torch vs one process",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__.split("Configurations")[0] if __doc__ else None,
+        epilog=__doc__.split("\n\n")[1] if __doc__ else None,
     )
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--only", choices=tuple(CONFIGS), default=None)
-    ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--json", default=None, metavar="PATH")
-    ap.add_argument("--timeout", type=float, default=None)
-    ap.add_argument("--run-root", default=None, metavar="DIR")
-    ap.add_argument("--keep-runs", action="store_true")
-    ap.add_argument("--update-in-backward", choices=("null", "true", "false"), default="null")
-    ap.add_argument("--tables", action="store_true")
-    ap.add_argument("--tables-bag", type=int, default=1)
-    ap.add_argument("--table-steps", type=int, default=None)
+    ap.add_argument("--quick", action="store_true", help="fewer steps (small 150, large 40 instead of 600, 200)")
+    ap.add_argument("--only", choices=tuple(CONFIGS), default=None, help="run one configuration")
+    ap.add_argument("--rounds", type=int, default=1, help="runs of everything, reversing the order every other round")
+    ap.add_argument("--json", default=None, metavar="PATH", help="also write every figure, per round, as JSON")
+    ap.add_argument("--timeout", type=float, default=None, help="limit per run in seconds (default 900, quick 600)")
+    ap.add_argument(
+        "--run-root", default=None, metavar="DIR", help="where the run folders go (default: a new temp dir)"
+    )
+    ap.add_argument("--keep-runs", action="store_true", help="keep every run folder (a failed one's is kept)")
+    ap.add_argument(
+        "--update-in-backward",
+        choices=("null", "true", "false"),
+        default="null",
+        help="cluster.update_in_backward of the rpc_core runs (null: ps_train's default)",
+    )
+    ap.add_argument("--tables", action="store_true", help="instead: the tables' part of a step alone, per variant")
+    ap.add_argument("--tables-bag", type=int, default=1, help="ids per bag for --tables (default 1: one-hot)")
+    ap.add_argument("--table-steps", type=int, default=None, help="timed steps per --tables variant (default 30)")
+    add_result_option(ap, "ctr_bench")
     ap.add_argument("--single-worker", nargs=3, metavar=("CONFIG", "STEPS", "OUT"), help=argparse.SUPPRESS)
     ap.add_argument("--torchrec-worker", nargs=3, metavar=("CONFIG", "STEPS", "OUT"), help=argparse.SUPPRESS)
     ap.add_argument("--table-worker", nargs=4, metavar=("VARIANT", "STEPS", "BAG", "OUT"), help=argparse.SUPPRESS)
@@ -564,4 +505,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_recorded("ctr_bench", main))

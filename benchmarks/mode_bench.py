@@ -25,6 +25,7 @@ import tempfile
 from typing import Any
 
 from benchmarks._ctr_job import run_dlrm_job
+from benchmarks._results import add_result_option, run_recorded
 
 
 def one_run(mode: str, args: argparse.Namespace, run_dir: str) -> dict[str, Any]:
@@ -65,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--extra-modes", nargs="*", default=["hybrid"])
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--json", default=None)
+    add_result_option(p, "mode_bench")
     args = p.parse_args(argv)
     results = []
     with tempfile.TemporaryDirectory(prefix="mode_bench_") as root:
@@ -93,4 +95,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_recorded("mode_bench", main))

@@ -20,7 +20,10 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import statistics
+import sys
 import time
+
+from benchmarks._results import add_result_option, run_recorded
 
 
 def noop() -> None:
@@ -80,6 +83,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=150)
     ap.add_argument("--calls", type=int, default=50)
+    add_result_option(ap, "profiler_overhead")
     args = ap.parse_args()
     from ps_train.launch.ports import free_port
 
@@ -107,4 +111,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_recorded("profiler_overhead", main))

@@ -1,94 +1,16 @@
 """Side-by-side RPC benchmark: rpc_core vs torch.distributed.rpc (TensorPipe).
 
-Usage (from the repo root)::
+    python -m benchmarks.rpc_bench --rounds 2     # both implementations (~1-3 min a round)
+    python -m benchmarks.rpc_bench --quick        # fewer iterations (well under a minute)
+    python -m benchmarks.rpc_bench --list         # the workloads
 
-    python -m benchmarks.rpc_bench                      # both implementations, full run (~1-3 min)
-    python -m benchmarks.rpc_bench --quick              # fewer iterations (well under a minute)
-    python -m benchmarks.rpc_bench --impl torch --quick # only torch.distributed.rpc
-    python -m benchmarks.rpc_bench --only sync_noop,echo --json benchmarks/results/run.json
-
-Options:
-    --impl both|rpc_core|torch   which implementations to run (default: both)
-    --quick                      reduced iteration counts
-    --only NAME,...              run only these workloads; a name also selects every workload
-                                 it prefixes (``echo`` = all four echo sizes)
-    --json PATH                  also write every figure, with per-repetition samples, as JSON
-    --timeout SECONDS            hard limit per implementation run; the workers are killed and
-                                 the missing figures show "timeout" (default 300, quick 120);
-                                 the note names the workload that hung, skip it with --only
-    --rounds N                   run each implementation N times, alternating the order
-                                 (torch, rpc_core, then rpc_core, torch, ...), and pool the
-                                 repetitions; use 2-3 for figures you publish (default 1)
-    --core-option KEY=VALUE      extra keyword for rpc_core's backend options (repeatable;
-                                 VALUE is parsed as a Python literal when possible), e.g. an
-                                 auth secret. Environment variables are inherited by the workers.
-    --hog N                      run N CPU-bound processes beside the benchmark for its whole
-                                 run (a busy neighbour; the floor is measured under it too)
-    --no-floor                   skip the floor measurements (socket ping-pong, memcpy)
-    --list                       list the workloads and exit
-
-How it measures. For each implementation, in turn (never concurrently), two fresh processes
-are spawned ('spawn' start method): rank 0 "worker0" measures, rank 1 "worker1" is the callee.
-Rendezvous is ``tcp://127.0.0.1:<free port>`` through
-``TensorPipeRpcBackendOptions(num_worker_threads=16, rpc_timeout=60, init_method=...)``
-(``RpcBackendOptions`` if an implementation has no TensorPipe class). The modules are
-``torch.distributed.{rpc,autograd,optim}`` or ``rpc_core``, ``rpc_core.autograd``,
-``rpc_core.optim``; the repo checkout is put first on the workers' ``sys.path``.
-Both workers run with ``torch.set_num_threads(1)``. Every workload first checks its
-result once, warms up, then times several repetitions with ``time.perf_counter``; the
-table shows the median repetition. Remote functions live in ``benchmarks/_workloads.py``.
-
-Workloads:
-    sync_noop           rpc_sync of a no-op Python function                     us/call
-    sync_add            rpc_sync(torch.add) on two 10x10 float32 tensors        us/call
-    async_noop          rpc_async no-op, N issued back to back (all in flight),
-                        then torch.futures.wait_all; N / elapsed                calls/s
-    echo_<size>         rpc_sync of a function returning its float32 tensor
-                        argument, 1 KB / 1 MB / 16 MB / 64 MB (KB, MB = 2^10, 2^20 B)
-                        throughput = 2 * payload bytes (sent + received) / round
-                        trip time, GB = 1e9 bytes                               GB/s
-    remote_to_here      rpc.remote(worker1, returns 10x10 tensor).to_here()     us/call
-    rref_arg_to_owner   rpc_sync(worker1, f, args=(rref,)) with rref owned by
-                        worker1 (torch's parameter-server tutorial pattern;
-                        sending the RRef forks it)                              us/call
-    remote_linear_step  callee owns nn.Linear(256, 256) (made with remote); in a
-                        dist_autograd.context: out = rref.rpc_sync().forward(x),
-                        x 64x256, loss = out.sum(), dist_autograd.backward      ms/step
-    mlp3_distopt_step   3 shards on worker1, each Linear(256,256)+ReLU+Linear+ReLU;
-                        forward through the shards over RPC (x 64x256), loss =
-                        mean(h^2), dist backward, DistributedOptimizer(SGD,
-                        lr=0.01).step(ctx)                                      ms/step
-    mlp3_in_backward_step the same, the update applied in the backward:
-                        rpc_core: opt.step_in_backward(ctx) before the backward
-                        (an rpc_core extension, no step call); torch (none such):
-                        step(ctx) after it, as above                            ms/step
-    grad_to_caller_step callee owns nn.Linear(256, 256); x 64x256 requires grad;
-                        out = rpc_sync(worker1, f, args=(rref, x)) with f applying
-                        the owner's Linear, dist backward of out.sum(): the
-                        gradient of x flows back to the caller                  ms/step
-    sync_noop_4x4       4 callers + 4 callees (8 processes, however many cores):
-                        caller r calls rpc_sync(worker{r+4}, noop), all at once
-                        (benchmarks/_oversub.py)                                us/call
-
-Besides the figures. Before each round the machine's floor is measured (``_floor.py``: a
-64-byte ping-pong between two processes over a Unix socketpair and TCP loopback, blocking
-and polling, and memcpy GB/s) and the machine is recorded (CPU model, cores, kernel, load);
-the "x floor" column gives each rpc_core figure as a multiple of that floor. Each timed
-workload also reads the process CPU time (``time.process_time``, all threads) of both
-sides around its timed calls: a second table gives it per call or step. ``RPC_CORE_*``
-variables set for the run are printed with the table (``RPC_CORE_SPIN_US=0
-python -m benchmarks.rpc_bench`` measures rpc_core without polling).
-
-The ratio column is always rpc_core / torch; the "better" column says whether a lower
-(times) or higher (throughputs) ratio is the improvement, and "target" shows the goal from
-the issues with whether this run met it.
-
-If rpc_core cannot be imported (or is incomplete: no ``init_rpc`` etc.), its column reads
-"not available" and the reason is printed under the table; a missing ``rpc_core.autograd``
-or ``rpc_core.optim`` only affects the two training-step workloads.
-
-One script, though past 400 lines: what it runs, how it runs it and how it reports are read
-together; the workloads themselves live in ``_workloads.py``, the number format in ``_format.py``.
+For each implementation in turn, two spawned workers (one intra-op thread each) run the same
+workloads (``_workloads.py``); every workload warms up, then times repetitions. First the
+machine's floor (``_floor.py``: socket ping-pong, memcpy). The table gives each workload's
+median per implementation, ratio = rpc_core / torch ("better" says which way is the
+improvement), the target and whether it was met, and "x floor": the rpc_core figure as a
+multiple of the floor. A second table gives each side's process CPU time per call. A failed or
+missing implementation shows its reason under the table. Details: docs/benchmarking.md.
 """
 
 from __future__ import annotations
@@ -106,6 +28,7 @@ import time
 from typing import Any
 
 from benchmarks._format import fmt
+from benchmarks._results import add_result_option, run_recorded
 from ps_train.launch.ports import free_port
 
 IMPLS = ("torch", "rpc_core")
@@ -531,18 +454,29 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
         description="rpc_core vs torch.distributed.rpc benchmark",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__.split("Options:")[0],
+        epilog=__doc__.split("\n\n")[1],
     )
-    ap.add_argument("--impl", choices=("both",) + IMPLS, default="both")
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--only", default=None)
-    ap.add_argument("--json", default=None, metavar="PATH")
-    ap.add_argument("--timeout", type=float, default=None)
-    ap.add_argument("--core-option", action="append", default=[], metavar="KEY=VALUE")
-    ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--hog", type=int, default=0, metavar="N")
-    ap.add_argument("--no-floor", action="store_true")
-    ap.add_argument("--list", action="store_true")
+    ap.add_argument("--impl", choices=("both",) + IMPLS, default="both", help="which implementations to run")
+    ap.add_argument("--quick", action="store_true", help="reduced iteration counts")
+    ap.add_argument(
+        "--only", default=None, metavar="NAME,...", help="only these workloads; a name selects those it prefixes"
+    )
+    ap.add_argument("--json", default=None, metavar="PATH", help="also write every figure and sample as JSON")
+    ap.add_argument(
+        "--timeout", type=float, default=None, help="limit per implementation run in seconds (default 300, quick 120)"
+    )
+    ap.add_argument(
+        "--core-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra keyword of rpc_core's backend options (repeatable; VALUE a Python literal when it parses)",
+    )
+    ap.add_argument("--rounds", type=int, default=1, help="runs per implementation, alternating the order (default 1)")
+    ap.add_argument("--hog", type=int, default=0, metavar="N", help="N CPU-bound processes beside the benchmark")
+    ap.add_argument("--no-floor", action="store_true", help="skip the floor measurements")
+    ap.add_argument("--list", action="store_true", help="list the workloads and exit")
+    add_result_option(ap, "rpc_bench")
     args = ap.parse_args(argv)
 
     if args.list:
@@ -641,4 +575,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_recorded("rpc_bench", main))

@@ -29,6 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks._results import add_result_option, run_recorded
 from ps_train.scaling.cost_model import Cluster, Constants, predict
 from ps_train.scaling.shapes import mlp
 from tests.netns import Network, unavailable_reason
@@ -116,6 +117,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--cores", type=float, default=None, help="CPU budget of every host (cores); default none")
     ap.add_argument("--mode", choices=("async", "sync"), default="async")
+    add_result_option(ap, "scale_hosts")
     args = ap.parse_args()
     if args.cores is not None and args.cores <= 0:
         raise SystemExit(f"--cores must be > 0, got {args.cores}")
@@ -151,4 +153,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_recorded("scale_hosts", main))
