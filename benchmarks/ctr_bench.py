@@ -9,7 +9,7 @@ Trains ``model=dlrm`` on ``data=synthetic_ctr`` in sync mode each way, alternati
 table gives samples/s (all trainers' samples over the training loop, start-up excluded; the
 median over rounds) and the ratios rpc_core / torch and rpc_core / single (higher is better);
 the second each server's bytes per step against the ideal of the scheme
-(``ps_train/ctr/ideal_traffic.py``); then peak RSS per role, the loss check of the 1+1 run
+(``ps_train/workloads/ctr/ideal_traffic.py``); then peak RSS per role, the loss check of the 1+1 run
 against one process, and the targets PASS/FAIL. A failed run shows "error" and its reason; the
 exit status is then 1. ``--tables`` prints ms per step of each table variant against this
 run's memcpy floor (``_table_step.py``). Details: docs/benchmarking.md.
@@ -30,7 +30,7 @@ from typing import Any
 
 from benchmarks._ctr_report import render
 from benchmarks._results import add_result_option, run_recorded
-from ps_train.ctr.ideal_traffic import replay_ideal_bytes
+from ps_train.workloads.ctr.ideal_traffic import replay_ideal_bytes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout the workers run in
 
@@ -194,7 +194,7 @@ def run_single(name: str, steps: int, timeout: float, kind: str = "single") -> d
 
 
 def single_worker(name: str, steps: int, out_path: str) -> None:
-    """Child process: train ``ps_train.ctr.model.DLRM`` in plain torch; write the figures to ``out_path``."""
+    """Child process: train ``ps_train.workloads.ctr.model.DLRM`` in plain torch; write the figures to ``out_path``."""
     import resource
     import warnings
 
@@ -202,10 +202,14 @@ def single_worker(name: str, steps: int, out_path: str) -> None:
     import torch.nn.functional as F
 
     from ps_train.config import optimizer_spec
-    from ps_train.ctr.batches import CtrBatchIterator
-    from ps_train.ctr.loading import load_ctr_data
-    from ps_train.ctr.model import DLRM
-    from ps_train.ctr.optimizers import TORCH_TABLE_OPTIMIZERS, make_table_optimizer, table_optimizer_spec
+    from ps_train.workloads.ctr.data.batches import CtrBatchIterator
+    from ps_train.workloads.ctr.data.loading import load_ctr_data
+    from ps_train.workloads.ctr.model import DLRM
+    from ps_train.workloads.ctr.tables.optimizers import (
+        TORCH_TABLE_OPTIMIZERS,
+        make_table_optimizer,
+        table_optimizer_spec,
+    )
 
     torch.set_num_threads(1)  # as in every ps_train process
     # Adagrad on sparse gradients warns that it does not re-check their indices (see table_server).
