@@ -7,7 +7,7 @@ With more runnable processes than cores, a design that polls for its answer take
 its peer needs, and one that hands each message between threads pays a scheduler
 wake-up per hop: the figure shows how each implementation copes.
 
-Spawned by ``rpc_bench.run_impl`` like ``_workloads.worker_main`` (same arguments and
+Spawned by ``_rpc_runs.run_impl`` like ``_workloads.worker_main`` (same arguments and
 queue messages); ``plan`` holds the one workload ``sync_noop_4x4``.
 """
 
