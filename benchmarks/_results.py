@@ -230,7 +230,7 @@ def run_recorded(benchmark: str, main: Callable[[], int | None]) -> int:
     pre = argparse.ArgumentParser(add_help=False)
     add_result_option(pre, benchmark)
     path = pre.parse_known_args()[0].result
-    started, load_start = time.gmtime(), _load()
+    started, load_start, commit = time.gmtime(), _load(), _git_commit()  # the code as it starts
     with _teed() as tee:
         code = main() or 0
     if path is None or code != 0 or "-h" in sys.argv[1:] or "--help" in sys.argv[1:]:
@@ -243,7 +243,7 @@ def run_recorded(benchmark: str, main: Callable[[], int | None]) -> int:
         benchmark=benchmark,
         title=benchmark,
         date=time.strftime("%Y-%m-%d %H:%M", started),
-        commit=_git_commit(),
+        commit=commit,
         machine=Machine(cores=os.cpu_count() or 1, load_start=load_start, load_end=_load(), cpu=_cpu_model()),
         command=" ".join(["python -m", f"benchmarks.{benchmark}", *argv]),
         tables=tables,
