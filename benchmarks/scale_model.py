@@ -1,18 +1,18 @@
 """A cost model of ps_train: fit per-step constants on measured runs, predict samples/s and the
 binding resource for any trainers x servers x link x cores, check it, and size jobs.
 
-    python benchmarks/scale_model.py fit RUNS.json [...] --out constants.json
-    python benchmarks/scale_model.py predict constants.json --trainers 64 --servers 4 \\
+    python -m benchmarks.scale_model fit RUNS.json [...] --out constants.json
+    python -m benchmarks.scale_model predict constants.json --trainers 64 --servers 4 \\
         [--workload mlp] [--link-gbit 10] [--latency-us 50] [--trainer-cores 1] \\
         [--server-cores 1] [--shared-cores N] [--mode async]
-    python benchmarks/scale_model.py validate constants.json RUNS.json [...]
-    python benchmarks/scale_model.py plan constants.json [--png docs/scaling_plan.png]
+    python -m benchmarks.scale_model validate constants.json RUNS.json [...]
+    python -m benchmarks.scale_model plan constants.json [--png docs/scaling_plan.png]
 
 RUNS.json: what ``scale_bench.py --json`` writes; constants.json: a calibration
-(``ps_train/plan/calibration.json``, what ``scale_calibrate.py`` writes) or the bare constants
-``fit`` prints. The arithmetic is ``ps_train.plan.cost`` and ``ps_train.plan.fit``; what a
-step moves and computes per model is ``ps_train.plan.shapes``; docs/scaling.md explains them
-and holds the fitted figures.
+(``ps_train/scaling/calibration.json``, what ``scale_calibrate.py`` writes) or the bare
+constants ``fit`` prints. The arithmetic is ``ps_train/scaling/cost_model.py`` and
+``fit.py``; what a step moves and computes per model is ``ps_train/scaling/shapes.py``;
+docs/scaling.md explains them and holds the fitted figures.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ps_train.plan.cost import (
+from ps_train.scaling.cost_model import (
     Cluster,
     Constants,
     Prediction,
@@ -33,8 +33,8 @@ from ps_train.plan.cost import (
     predict,
     suggest_servers,
 )
-from ps_train.plan.fit import Observation, fit, measured_as_cluster, observation_from_run
-from ps_train.plan.shapes import WORKLOADS
+from ps_train.scaling.fit import Observation, fit, measured_as_cluster, observation_from_run
+from ps_train.scaling.shapes import WORKLOADS
 
 PLAN_TRAINERS = (64, 256, 1024)
 PLAN_LINKS_GBIT = (10, 25, 100)

@@ -1,4 +1,4 @@
-"""The cost model's arithmetic (ps_train.plan.cost, ps_train.plan.fit, ps_train.plan.shapes): what a
+"""The cost model's arithmetic (ps_train/scaling/{cost_model,fit,shapes}.py): what a
 step moves by hand, the fit recovering known constants from points generated with them, and
 the binding resource switching where the formulas put the switch."""
 
@@ -8,9 +8,9 @@ import math
 
 import pytest
 
-from ps_train.plan.cost import Cluster, Constants, predict
-from ps_train.plan.fit import Observation, fit, observation_from_run
-from ps_train.plan.shapes import WORKLOADS, mlp, server_loads
+from ps_train.scaling.cost_model import Cluster, Constants, predict
+from ps_train.scaling.fit import Observation, fit, observation_from_run
+from ps_train.scaling.shapes import WORKLOADS, mlp, server_loads
 
 MLP = WORKLOADS["mlp"]
 TRUE = Constants(

@@ -26,11 +26,11 @@ import ps_train
 from ps_train.config import Config, ConfigError, from_dictconfig
 from ps_train.config.base import format_problems
 from ps_train.config.root import validate
-from ps_train.plan.cost import Calibration, Cluster, Prediction, load_calibration, predict, suggest_servers
 from ps_train.plan.settings import PLAN_GROUPS, PlanSettings, plan_settings
-from ps_train.plan.shapes import Workload, workload_from_config
 from ps_train.plan.simulator import Failures, SimResult, simulate
 from ps_train.plan.steps import step_plan
+from ps_train.scaling.cost_model import Calibration, Cluster, Prediction, load_calibration, predict, suggest_servers
+from ps_train.scaling.shapes import Workload, workload_from_config
 from ps_train.workload import import_plugins
 from ps_train.workloads import BUILTIN
 

@@ -32,8 +32,8 @@ from typing import Any
 
 import simpy
 
-from ps_train.plan.cost import BARRIER_MODES, MODES, Cluster
 from ps_train.plan.steps import Call, StepPlan
+from ps_train.scaling.cost_model import BARRIER_MODES, MODES, Cluster
 
 __all__ = ["Stragglers", "Failures", "SimResult", "Server", "simulate", "STRAGGLER_KINDS"]
 

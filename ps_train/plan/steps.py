@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ps_train.plan.cost import Constants
-from ps_train.plan.shapes import FLOAT, Workload, shards
+from ps_train.scaling.cost_model import Constants
+from ps_train.scaling.shapes import FLOAT, Workload, shards
 
 __all__ = ["Call", "StepPlan", "step_plan"]
 

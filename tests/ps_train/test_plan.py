@@ -15,10 +15,10 @@ import pytest
 import simpy
 
 from ps_train.plan.cli import compose_job, main
-from ps_train.plan.cost import Cluster, load_calibration, predict
-from ps_train.plan.shapes import WORKLOADS, Stage
 from ps_train.plan.simulator import Failures, Server, Stragglers, simulate
 from ps_train.plan.steps import Call, StepPlan, step_plan
+from ps_train.scaling.cost_model import Cluster, load_calibration, predict
+from ps_train.scaling.shapes import WORKLOADS, Stage
 
 CONSTANTS = load_calibration().constants
 

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ps_train.plan.shapes import ServerLoad, Workload, server_loads
+from ps_train.scaling.shapes import ServerLoad, Workload, server_loads
 
 __all__ = [
     "Constants",

@@ -221,5 +221,5 @@ def workload_from_config(cfg: Config) -> Workload:
         )
     raise ValueError(
         f"model={model.name}: the cost model knows the shapes of mlp, cnn and dlrm only; "
-        "plan with one of those (e.g. model=cnn) or add its shapes to ps_train/plan/shapes.py"
+        "plan with one of those (e.g. model=cnn) or add its shapes to ps_train/scaling/shapes.py"
     )

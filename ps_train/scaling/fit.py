@@ -1,4 +1,4 @@
-"""Fitting the cost model's constants (``ps_train.plan.cost``) on measured runs: what a
+"""Fitting the cost model's constants (``ps_train.scaling.cost_model``) on measured runs: what a
 ``benchmarks/scale_bench.py`` record tells the model, and the least-squares fit over many.
 
 The fit takes MLP runs only: their shapes are known from the overrides, and the MLP's
@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from ps_train.plan.cost import Cluster, Constants, predict
-from ps_train.plan.shapes import Workload, mlp, server_loads
+from ps_train.scaling.cost_model import Cluster, Constants, predict
+from ps_train.scaling.shapes import Workload, mlp, server_loads
 
 __all__ = ["Observation", "DEFAULT_JITTER", "observation_from_run", "fit", "measured_as_cluster"]
 
