@@ -87,15 +87,25 @@ def run(
             procs.append(
                 (subprocess.Popen(cmd, env=dict(env, RANK=str(rank)), stdout=out, stderr=subprocess.STDOUT), out)
             )
+        # Reaped with wait4, not Popen.wait: its rusage holds the CPU of the rank's whole process
+        # tree (unshare reaps the Python it forked), what scale_calibrate.py fits on.
+        ended: dict[int, tuple[int, float]] = {}  # rank -> (exit code, CPU seconds)
         deadline = time.monotonic() + timeout
-        while any(p.poll() is None for p, _ in procs) and time.monotonic() < deadline:
+        while len(ended) < world and time.monotonic() < deadline:
+            for rank, (p, _) in enumerate(procs):
+                if rank not in ended:
+                    pid, status, usage = os.wait4(p.pid, os.WNOHANG)
+                    if pid:
+                        ended[rank] = (os.waitstatus_to_exitcode(status), usage.ru_utime + usage.ru_stime)
             time.sleep(0.5)  # polling the ranks' exit, not waiting for an event
-        for p, out in procs:
-            if p.poll() is None:
+        for rank, (p, out) in enumerate(procs):
+            if rank not in ended:
                 p.kill()
-            p.wait()
+                _, status, usage = os.wait4(p.pid, 0)
+                ended[rank] = (os.waitstatus_to_exitcode(status), usage.ru_utime + usage.ru_stime)
+            p.returncode = ended[rank][0]  # reaped here: Popen must not wait for it again
             out.close()
-        codes = [p.returncode for p, _ in procs]
+        codes = [ended[r][0] for r in range(world)]
         throttled = [net.cpu_throttled(h) for h in range(world)] if cores is not None else []
     finally:
         net.close()
@@ -103,6 +113,7 @@ def run(
         raise SystemExit(f"the job failed (exit codes {codes}); outputs in {run_dir}")
     metrics = json.loads((run_dir / "metrics.json").read_text())
     metrics["periods_throttled"] = throttled
+    metrics["rank_cpu_s"] = [ended[r][1] for r in range(world)]  # ranks 0..S-1 the servers, then the trainers
     return metrics
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,8 +98,12 @@ def _lstsq(columns: list[list[float]], y: list[float]) -> list[float]:
     return [max(float(v), 0.0) for v in coef]
 
 
-def fit(obs: list[Observation], flop_rate: float = 5e9) -> Constants:
-    """Constants that reproduce ``obs``."""
+def fit(
+    obs: list[Observation], flop_rate: float = 5e9, cluster_of: Callable[[Observation], Cluster] | None = None
+) -> Constants:
+    """Constants that reproduce ``obs``. ``cluster_of``: the cluster a run was, for the sync
+    runs' jitter (default ``measured_as_cluster``: one machine, the cores the run got)."""
+    cluster_of = cluster_of or measured_as_cluster
     loads = {id(o): server_loads(o.workload, o.servers) for o in obs}
     pts = [(ld, o.server_bytes_per_step[r], o.server_cpu_per_step[r]) for o in obs for r, ld in enumerate(loads[id(o)])]
     beta, gamma = _lstsq([[ld.bytes for ld, _, _ in pts], [ld.messages for ld, _, _ in pts]], [b for _, b, _ in pts])
@@ -115,8 +120,7 @@ def fit(obs: list[Observation], flop_rate: float = 5e9) -> Constants:
         def error(j: float) -> float:
             cj = Constants(**{**c.__dict__, "jitter": j})
             return sum(
-                math.log(predict(cj, o.workload, measured_as_cluster(o)).samples_per_s / o.samples_per_s) ** 2
-                for o in sync
+                math.log(predict(cj, o.workload, cluster_of(o)).samples_per_s / o.samples_per_s) ** 2 for o in sync
             )
 
         best = min((k / 20 for k in range(0, 101)), key=error)  # 0 to 5, coarse, then finer around it
