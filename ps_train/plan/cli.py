@@ -143,14 +143,22 @@ def report(job: PlanJob, simulated: bool) -> list[str]:
     fail = sim.failure_spec()
     if fail.mtbf_s > 0:
         nodes = job.cluster.trainers + job.cluster.servers
-        horizon = sim.failures.horizon_h * 3600 or 20 * fail.mtbf_s / nodes
+        horizon = sim.failures.horizon_h * 3600
+        if not horizon:  # 20 of the job's failures, or as many as ten budgets of calls allow
+            calls_per_s = r.samples_per_s / job.workload.batch * step_plan(c, job.workload, job.cluster.servers).calls()
+            horizon = min(20 * fail.mtbf_s / nodes, 10 * sim.budget / calls_per_s)
         rf = _simulate(job, fail, horizon)
         lost = horizon * (1 - rf.samples_per_s / r.samples_per_s) / rf.failures if rf.failures else 0.0
         lines.append(
-            f"  with failures:       {rf.samples_per_s:,.0f} samples/s over {horizon / 3600:.2f} h simulated: "
+            f"  with failures:       {rf.samples_per_s:,.0f} samples/s over {horizon / 3600:.3f} h simulated: "
             f"{rf.failures} failures ({rf.restarts} restarts, {rf.replacements} trainers replaced), "
-            f"{lost:,.0f} s lost per failure"
+            f"{lost:,.1f} s lost per failure"
         )
+        if rf.failures < 5:
+            lines.append(
+                "  (too few failures to measure their cost: raise sim.failures.horizon_h or sim.budget, "
+                "or lower sim.failures.mtbf_h)"
+            )
     return lines
 
 
