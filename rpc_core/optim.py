@@ -26,6 +26,7 @@ from .agent.futures import settle
 from .autograd import hooks
 from .errors import format_many
 from .options import UNSET_RPC_TIMEOUT
+from .protocol import allowlist
 from .rref import RRef, _on_invoke
 from .rref.state import _ctx as _rref_owners
 
@@ -144,3 +145,7 @@ class DistributedOptimizer:
         for opt in self.remote_optimizers:
             per_owner[opt._owner_id].append(opt._rref_id)
         hooks.set_backward_info(context_id, _IN_BACKWARD, dict(per_owner))
+
+
+# DistributedOptimizer's per-owner optimizers: called by name under serializer='safe'.
+allowlist.internal(_new_local_optimizer)
