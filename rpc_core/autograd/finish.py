@@ -125,4 +125,4 @@ def _on_finish(context_id: int) -> torch.futures.Future[Any]:
 
 
 # A context's hooks, run where it ends: called by name under serializer='safe'.
-allowlist.internal(_on_finish)
+allowlist.internal(_on_finish, hooks.Answer)

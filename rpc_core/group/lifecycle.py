@@ -198,4 +198,4 @@ def wait_quiescent(agent: Agent, timeout: float) -> None:
 
 
 # Barrier arrivals at rank 0: called by name under serializer='safe'.
-allowlist.internal(_coord_arrive)
+allowlist.internal(_coord_arrive, _CallCounts)
