@@ -208,7 +208,7 @@ def test_every_supported_type_round_trips(safe: None) -> None:
         torch.tensor(True),
         torch.randn(2, requires_grad=True),
         torch.nn.Parameter(torch.ones(3)),
-        torch.sparse_coo_tensor([[0, 2], [1, 0]], [1.0, 2.0], (3, 3)),
+        torch.sparse_coo_tensor(torch.tensor([[0, 2], [1, 0]]), torch.tensor([1.0, 2.0]), (3, 3)),
         torch.eye(3).to_sparse_csr(),
         Batch(torch.ones(2), 7, ["a"]),
         Point(1.0, 2.0),
@@ -311,7 +311,7 @@ def _body_internal_traffic(ctx: typing.Any) -> typing.Any:
         grads = dist_autograd.get_gradients(cid)
     w_local = w.clone().requires_grad_()
     torch.tanh(x @ w_local).sum().backward()
-    out["gradient"] = torch.allclose(grads[w_param], w_local.grad)
+    out["gradient"] = w_local.grad is not None and torch.allclose(grads[w_param], w_local.grad)
     module = rpc_core.remote(1, torch.nn.Linear, args=(3, 2))
     before = [p.to_here() for p in rpc_core.rpc_sync(1, param_rrefs, args=(module,))]
     opt = DistributedOptimizer(torch.optim.SGD, rpc_core.rpc_sync(1, param_rrefs, args=(module,)), lr=0.1)
@@ -329,6 +329,7 @@ def _body_internal_traffic(ctx: typing.Any) -> typing.Any:
     out["optim"] = all(torch.allclose(a, b) for a, b in zip(after, local.parameters(), strict=True))
     with rpc_core.profiler.profile() as prof:
         rpc_core.rpc_sync(1, add, args=(x, x))
+    assert prof is not None
     out["profiled"] = any("add" in e.name for e in prof.function_events)
     return out  # then every rank's graceful shutdown: rpc_core's barriers, under "safe" too
 
@@ -350,7 +351,7 @@ def _body_attack(ctx: typing.Any, tmp: str) -> typing.Any:
         return None
     import pickle
 
-    address = tuple(rpc_core.api.current_agent().roster.addresses[1])
+    host, port = rpc_core.api.current_agent().roster.addresses[1]
     paths = [os.path.join(tmp, f"ran-{i}") for i in range(4)]
     # The encoder checks no allowlist (the receiver does), so it builds most payloads itself.
     disguised = object.__new__(Plain)
@@ -369,7 +370,7 @@ def _body_attack(ctx: typing.Any, tmp: str) -> typing.Any:
         "reduced": encode((echo, (Unlisted(),), {}))[0],
     }
     answers = {}
-    conn = transport.TCP.dial(address, ctx.secret.encode(), timeout=IO_TIMEOUT)
+    conn: typing.Any = transport.TCP.dial((host, port), ctx.secret.encode(), timeout=IO_TIMEOUT)
     conn.set_recv_timeout(IO_TIMEOUT)
     with conn.sock:
         conn.sock.sendall(wire.pack_header(wire.REQUEST, wire.CONTROL, 0, len(dumps_plain(0)), 0, []) + dumps_plain(0))
