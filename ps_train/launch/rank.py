@@ -113,7 +113,12 @@ def run_rank(
         sampler = _server_metrics(cfg, ps, writer) if sampled and cfg.logging.tensorboard else None
     init_method = init_method or f"tcp://{master_addr}:{master_port}"
     opts = backend.make_options(
-        init_method, cfg.cluster.rpc_timeout, cfg.cluster.num_worker_threads, secret, cfg.cluster.init_timeout
+        init_method,
+        cfg.cluster.rpc_timeout,
+        cfg.cluster.num_worker_threads,
+        secret,
+        cfg.cluster.init_timeout,
+        cfg.cluster.serializer,
     )
     log.info(
         "starting %s (rank %d of %d, pid %d) on the %s backend, rendezvous at %s%s",
