@@ -47,6 +47,8 @@ _Q = struct.Struct("<q")
 _D = struct.Struct("<d")
 _DD = struct.Struct("<dd")
 _U32 = struct.Struct("<I")
+_TAG_U32 = struct.Struct("<BI")
+_TAG_Q = struct.Struct("<Bq")
 _MAX_U32 = (1 << 32) - 1
 
 _COMPRESSED = {torch.sparse_csr: 0, torch.sparse_csc: 1, torch.sparse_bsr: 2, torch.sparse_bsc: 3}
@@ -71,7 +73,7 @@ class _Encoder:
     def count(self, tag: bytes, n: int) -> None:
         if n > _MAX_U32:
             raise ValueError(f"a container of {n} items is too large for one message")
-        self.out += tag + _U32.pack(n)
+        self.out += _TAG_U32.pack(tag[0], n)
 
     def items(self, tag: bytes, seq: Any) -> None:
         self.depth += 1
@@ -189,7 +191,7 @@ class _Encoder:
 
 def _enc_int(e: _Encoder, v: int) -> None:
     if -(1 << 63) <= v < (1 << 63):
-        e.out += b"i" + _Q.pack(v)
+        e.out += _TAG_Q.pack(105, v)  # b"i"
     else:
         raw = v.to_bytes((v.bit_length() + 8) // 8, "little", signed=True)
         if len(raw) > MAX_BIG_INT:
