@@ -1,7 +1,7 @@
 """The cost of ``cluster.serializer=safe`` against ``pickle`` on e2e_bench's MLP 1+1.
 
-    python benchmarks/serializer_bench.py            # 3 alternating rounds, e2e_bench --quick's steps
-    python benchmarks/serializer_bench.py --rounds 5 --steps 2000
+    python -m benchmarks.serializer_bench            # 3 alternating rounds, e2e_bench --quick's steps
+    python -m benchmarks.serializer_bench --rounds 5 --steps 2000
 
 Runs ``e2e_bench``'s ps_train job (MLP 1+1, synthetic data, sync mode, batch 32) with each
 serializer in alternating order (so slow drift in machine load favours neither), with the
@@ -18,11 +18,7 @@ import statistics
 import sys
 import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-if HERE not in sys.path:
-    sys.path.insert(0, HERE)
-
-from e2e_bench import STEPS, run_ps_train  # noqa: E402 (the benchmarks folder is on the path just above)
+from benchmarks._e2e_runs import STEPS, run_ps_train
 
 SERIALIZERS = ("pickle", "safe")
 

@@ -74,10 +74,6 @@ def make_options(
         )
     import rpc_core
 
-    if serializer == "safe":
-        from ps_train import rpc_allowlist
-
-        rpc_allowlist.register()
     return rpc_core.RpcBackendOptions(
         num_worker_threads=num_worker_threads,
         rpc_timeout=rpc_timeout,

@@ -28,8 +28,6 @@ from typing import Any, ClassVar, NamedTuple, Protocol
 import torch
 from torch import Tensor
 
-from ps_train import backend
-
 __all__ = [
     "Mode",
     "ModeOptions",
@@ -47,7 +45,6 @@ __all__ = [
 UPDATE_IN_BACKWARD = "ps_train.update"
 
 
-@backend.called_by_name
 class UpdateRequest(NamedTuple):
     """What a trainer's backward tells every server about the update it carries."""
 
