@@ -41,6 +41,7 @@ __all__ = [
     "write_rows_file",
     "read_rows_header",
     "apply_rows_file",
+    "rows_file_chunks",
     "load_rows",
 ]
 
@@ -57,6 +58,9 @@ class RowsHeader:
     num_rows: int
     full: bool
     columns: tuple[tuple[str, str, tuple[int, ...]], ...]  # (name, dtype, one row's shape)
+    # Lazy tables: the file holds every row that differs from its initial value; the others
+    # are created again when touched (ps_train.ctr.tiered_storage).
+    lazy: bool = False
 
     @staticmethod
     def of(columns: Mapping[str, Tensor], full: bool) -> RowsHeader:
@@ -70,7 +74,10 @@ class RowsHeader:
         return RowsHeader(sizes.pop(), full, cols)
 
     def to_json(self) -> str:
-        return json.dumps({"num_rows": self.num_rows, "full": self.full, "columns": [list(c) for c in self.columns]})
+        out = {"num_rows": self.num_rows, "full": self.full, "columns": [list(c) for c in self.columns]}
+        if self.lazy:
+            out["lazy"] = True
+        return json.dumps(out)
 
 
 class RowChunk(NamedTuple):
@@ -109,7 +116,7 @@ def _read_header(f: BinaryIO, path: Path) -> RowsHeader:
     try:
         raw = json.loads(_read_exact(f, n, path))
         cols = tuple((str(c[0]), str(c[1]), tuple(int(s) for s in c[2])) for c in raw["columns"])
-        return RowsHeader(int(raw["num_rows"]), bool(raw["full"]), cols)
+        return RowsHeader(int(raw["num_rows"]), bool(raw["full"]), cols, bool(raw.get("lazy", False)))
     except (ValueError, KeyError, IndexError, TypeError) as e:
         raise RowsFileError(f"{path}: unreadable header: {e}") from e
 
@@ -136,6 +143,14 @@ def _chunks(f: BinaryIO, header: RowsHeader, path: Path) -> Iterator[RowChunk]:
         yield RowChunk(rows, tuple(values))
 
 
+def rows_file_chunks(path: str | os.PathLike[str]) -> Iterator[RowChunk]:
+    """The chunks of rows file ``path``, in file order (``read_rows_header`` gives its columns)."""
+    p = Path(path)
+    with open(p, "rb") as f:
+        header = _read_header(f, p)
+        yield from _chunks(f, header, p)
+
+
 def apply_rows_file(path: str | os.PathLike[str], columns: Mapping[str, Tensor], expect_full: bool) -> int:
     """Copy the rows of file ``path`` into the live tensors ``columns`` (by name; they must be
     the file's columns with its shapes); ``expect_full``: the file must hold every row (the
@@ -143,6 +158,11 @@ def apply_rows_file(path: str | os.PathLike[str], columns: Mapping[str, Tensor],
     p = Path(path)
     with open(p, "rb") as f:
         header = _read_header(f, p)
+        if header.lazy:
+            raise RowsFileError(
+                f"{p} holds lazy tables (only the rows touched); resume with the same model.lazy_rows, "
+                "model.table_memory_budget and model.table_dtype"
+            )
         mine = RowsHeader.of(columns, header.full)
         if mine.num_rows != header.num_rows or sorted(mine.columns) != sorted(header.columns):
             raise RowsFileError(

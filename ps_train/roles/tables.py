@@ -69,7 +69,7 @@ class TablePart(Protocol):
         """Update the rows ``grads`` (sparse, by table weight) name, at ``lr_factor`` times the
         rate; the caller holds the server's lock."""
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, Any]:
         """Cumulative counts, among them ``table_rows_read``, ``table_rows_updated``,
         ``table_rows_live`` (rows updated at least once)."""
 
