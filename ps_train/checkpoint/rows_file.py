@@ -96,10 +96,15 @@ def write_rows_file(path: Path, header: RowsHeader, chunks: Iterable[RowChunk]) 
             # Views of the chunk's tensors, not copies: [n] int64, then [n, *shape] per column.
             f.write(chunk.rows.contiguous().numpy().data)
             for v in chunk.values:
-                f.write(v.contiguous().numpy().data)
+                f.write(_numpy(v.contiguous()).data)
         f.write(struct.pack("<q", _END))
 
     return atomic_write(path, lambda f: None, sequential=write)
+
+
+def _numpy(t: Tensor) -> np.ndarray:
+    """``t``'s values as numpy sees them (bfloat16, which numpy lacks, as its 16 bits)."""
+    return t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
 
 
 def _read_exact(f: BinaryIO, n: int, path: Path) -> bytes:
@@ -127,7 +132,8 @@ def read_rows_header(path: str | os.PathLike[str]) -> RowsHeader:
 
 
 def _chunks(f: BinaryIO, header: RowsHeader, path: Path) -> Iterator[RowChunk]:
-    dtypes = [np.dtype(c[1]) for c in header.columns]
+    # bfloat16, which numpy lacks, is read as its 16 bits and viewed back.
+    dtypes = [np.dtype("int16" if c[1] == "bfloat16" else c[1]) for c in header.columns]
     while True:
         (n,) = struct.unpack("<q", _read_exact(f, 8, path))
         if n == _END:
@@ -136,10 +142,12 @@ def _chunks(f: BinaryIO, header: RowsHeader, path: Path) -> Iterator[RowChunk]:
             raise RowsFileError(f"{path}: bad chunk length {n}")
         rows = torch.from_numpy(np.frombuffer(_read_exact(f, 8 * n, path), dtype="<i8").copy())
         values = []
-        for (_, _, shape), dt in zip(header.columns, dtypes, strict=True):
+        for (_, name, shape), dt in zip(header.columns, dtypes, strict=True):
             count = n * int(np.prod(shape, dtype=np.int64))
-            raw = np.frombuffer(_read_exact(f, count * dt.itemsize, path), dtype=dt).copy()
-            values.append(torch.from_numpy(raw).reshape(n, *shape))
+            raw = torch.from_numpy(np.frombuffer(_read_exact(f, count * dt.itemsize, path), dtype=dt).copy())
+            if name == "bfloat16":
+                raw = raw.view(torch.bfloat16)
+            values.append(raw.reshape(n, *shape))
         yield RowChunk(rows, tuple(values))
 
 
