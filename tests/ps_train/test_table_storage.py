@@ -26,7 +26,7 @@ from ps_train.ctr.row_store import RowStore, StoreError
 from ps_train.ctr.rows import FusedLayout
 from ps_train.ctr.shards import TableShards
 from ps_train.ctr.storage import TableRequest, TableStorage
-from ps_train.ctr.tiered_storage import TierSettings, TieredStorage
+from ps_train.ctr.tiered_storage import TieredStorage, TierSettings
 
 SIZES = (300, 500, 70)
 DIM, SERVER, SERVERS, SEED, LR = 4, 1, 2, 11, 0.1
