@@ -59,7 +59,7 @@ class RowsHeader:
     full: bool
     columns: tuple[tuple[str, str, tuple[int, ...]], ...]  # (name, dtype, one row's shape)
     # Lazy tables: the file holds every row that differs from its initial value; the others
-    # are created again when touched (ps_train.ctr.tiered_storage).
+    # are created again when touched (ps_train.workloads.ctr.tables.tiered_storage).
     lazy: bool = False
 
     @staticmethod

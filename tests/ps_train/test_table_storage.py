@@ -1,4 +1,4 @@
-"""The table-storage contract (``ps_train.ctr.storage.TableStorage``), checked on every
+"""The table-storage contract (``ps_train.workloads.ctr.tables.storage.TableStorage``), checked on every
 storage: lookups equal a plain ``F.embedding_bag`` over a dense copy of the rows, updates
 equal the optimizer applied to that dense copy, a snapshot restored into a new storage
 reads and trains on bit-identically, and the changed rows it reports are exactly the rows
@@ -16,17 +16,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from ps_train.config import OptimConfig
-from ps_train.ctr.dynamic import DynamicSpec, DynamicTable
-from ps_train.ctr.dynamic_storage import DynamicStorage
-from ps_train.ctr.fused_storage import FusedStorage
-from ps_train.ctr.half_rows import stochastic_round
-from ps_train.ctr.optimizers import make_table_optimizer
-from ps_train.ctr.row_pool import BudgetError
-from ps_train.ctr.row_store import RowStore, StoreError
-from ps_train.ctr.rows import FusedLayout
-from ps_train.ctr.shards import TableShards
-from ps_train.ctr.storage import TableRequest, TableStorage
-from ps_train.ctr.tiered_storage import TieredStorage, TierSettings
+from ps_train.workloads.ctr.tables.dynamic import DynamicSpec, DynamicTable
+from ps_train.workloads.ctr.tables.dynamic_storage import DynamicStorage
+from ps_train.workloads.ctr.tables.fused_storage import FusedStorage
+from ps_train.workloads.ctr.tables.half_rows import stochastic_round
+from ps_train.workloads.ctr.tables.optimizers import make_table_optimizer
+from ps_train.workloads.ctr.tables.row_pool import BudgetError
+from ps_train.workloads.ctr.tables.row_store import RowStore, StoreError
+from ps_train.workloads.ctr.tables.rows import FusedLayout
+from ps_train.workloads.ctr.tables.shards import TableShards
+from ps_train.workloads.ctr.tables.storage import TableRequest, TableStorage
+from ps_train.workloads.ctr.tables.tiered_storage import TieredStorage, TierSettings
 
 SIZES = (300, 500, 70)
 DIM, SERVER, SERVERS, SEED, LR = 4, 1, 2, 11, 0.1
