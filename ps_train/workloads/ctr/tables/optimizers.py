@@ -221,7 +221,7 @@ class RowsOptimizer(TableOptimizer):
             self._update(0, target, rows, grad, self.lr * lr_factor)
 
     def resize_rows(self, rows: int) -> None:
-        """Grow every per-row state tensor of table 0 to ``rows`` rows (the new ones zero)."""
+        """Make every per-row state tensor of table 0 ``rows`` rows long (new rows zero)."""
 
     def _update(self, t: int, weight: RowTarget, rows: Tensor, grad: Tensor, lr: float) -> None:
         """Table ``t`` (``weight`` [rows_t, dim]): update its unique ``rows`` (int64 [U],
@@ -274,6 +274,8 @@ class _SummedRowsOptimizer(RowsOptimizer):
         s = self.sums[0]
         if rows > s.shape[0]:
             self.sums[0] = torch.cat([s, s.new_zeros(rows - s.shape[0], *s.shape[1:])])
+        else:
+            self.sums[0] = s[:rows].clone()
 
 
 class RowsAdagrad(_SummedRowsOptimizer):

@@ -130,13 +130,13 @@ class TieredStorage(TableStorage):
         self.rows_live = 0
         self.store: RowStore | None = None
         capacity = None
-        self.pool = self._new_pool(None)
         if settings.budget is not None:
-            capacity = self._capacity(settings.budget)
+            probe = self._new_pool(1)  # what a row costs
+            capacity = self._capacity(settings.budget, probe.row_bytes())
             if settings.store_dir is None:
                 raise ValueError(f"{where}: model.table_memory_budget needs a run folder for its disk store")
-            self.store = RowStore(settings.store_dir / where, self._store_layout(), where)
-            self.pool = self._new_pool(capacity)
+            self.store = RowStore(settings.store_dir / where, _store_layout(self.num_rows, probe), where)
+        self.pool = self._new_pool(capacity)
         self._prefetches: queue.Queue[Tensor | None] = queue.Queue(maxsize=4)
         self._prefetcher: threading.Thread | None = None
 
@@ -147,9 +147,9 @@ class TieredStorage(TableStorage):
             self.settings.budget_text,
         )  # fmt: skip
 
-    def _capacity(self, budget: int) -> int:
+    def _capacity(self, budget: int, row_bytes: int) -> int:
         """Rows the budget holds after the slot index; a clear error below one step's rows."""
-        per_row = self.pool.row_bytes() + _SLOT_OVERHEAD
+        per_row = row_bytes + _SLOT_OVERHEAD
         capacity = (budget - 4 * self.num_rows) // per_row
         need = self.settings.step_rows
         if capacity < need:
@@ -160,10 +160,6 @@ class TieredStorage(TableStorage):
                 f"{self.num_rows:,} rows; set it to at least {minimum / 1e6:.1f}MB"
             )
         return int(capacity)
-
-    def _store_layout(self) -> dict[str, Any]:
-        specs = self.pool.column_specs()
-        return {"rows": self.num_rows, "columns": [[n, str(d).removeprefix("torch."), list(s)] for n, d, s in specs]}
 
     @property
     def handle(self) -> nn.Parameter:
@@ -331,6 +327,12 @@ class TieredStorage(TableStorage):
             self._prefetcher.join()
         if self.store is not None:
             self.store.close()
+
+
+def _store_layout(num_rows: int, pool: RowPool) -> dict[str, Any]:
+    """What a row's stored bytes hold (recorded with the store)."""
+    specs = pool.column_specs()
+    return {"rows": num_rows, "columns": [[n, str(d).removeprefix("torch."), list(s)] for n, d, s in specs]}
 
 
 class _LazySnapshot:
