@@ -47,7 +47,7 @@ def _tiered(optim: str, tmp: Path, dtype: str = "float32", budget_rows: int | No
         row = DIM * (2 if dtype != "float32" else 4) + state + 26  # + the slot's bookkeeping
         budget = 4 * NUM_ROWS + budget_rows * row
     settings = TierSettings(DIM, dtype, optim, OptimConfig(lr=LR), None, SEED, budget, str(budget), tmp, STEP_ROWS)
-    return TieredStorage(LAYOUT, SERVER, settings, "ps1")
+    return TieredStorage(LAYOUT, SERVER, settings, "ps1", start_rows=8)  # the pool grows as rows come
 
 
 def _dynamic(optim: str, tmp: Path) -> TableStorage:

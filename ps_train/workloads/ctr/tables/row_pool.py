@@ -77,12 +77,13 @@ class RowPool:
         store: RowStore | None,
         where: str,
         budget: str | None = None,
+        start: int = 1024,
     ) -> None:
         self.num_rows, self.dim, self.dtype = num_rows, dim, dtype
         self.optimizer, self.init, self.store, self.where = optimizer, init, store, where
         self.capacity, self.budget = capacity, budget
         self.slot_of = torch.full((num_rows,), -1, dtype=torch.int32)
-        start = 1024 if capacity is None else min(capacity, 1024)
+        start = start if capacity is None else min(capacity, start)
         self.values = torch.zeros(start, dim, dtype=dtype)
         self.slot_row = torch.full((start,), -1, dtype=torch.int64)
         self.dirty = torch.zeros(start, dtype=torch.bool)  # changed since last stored

@@ -114,8 +114,12 @@ class _CompactLookup(torch.autograd.Function):
 class TieredStorage(TableStorage):
     """Server ``server``'s rows of ``layout`` (module docstring)."""
 
-    def __init__(self, layout: FusedLayout, server: int, settings: TierSettings, where: str) -> None:
+    def __init__(
+        self, layout: FusedLayout, server: int, settings: TierSettings, where: str, start_rows: int = 1024
+    ) -> None:
+        """``start_rows``: the RAM pool's first size (it doubles as rows arrive, up to the budget)."""
         self.layout, self.server, self.settings, self.where = layout, server, settings, where
+        self.start_rows = start_rows
         self.dim, self.num_rows = settings.dim, layout.storage_rows(server)
         self.dtype = TABLE_DTYPES[settings.dtype]
         self._handle = nn.Parameter(torch.zeros(1, self.dim).expand(self.num_rows, self.dim))
@@ -144,7 +148,7 @@ class TieredStorage(TableStorage):
         init = lambda rows: self.layout.initial_rows(self.server, self.settings.seed, self.dim, rows)  # noqa: E731
         return RowPool(
             self.num_rows, self.dim, self.dtype, self.optimizer, init, capacity, self.store, self.where,
-            self.settings.budget_text,
+            self.settings.budget_text, self.start_rows,
         )  # fmt: skip
 
     def _capacity(self, budget: int, row_bytes: int) -> int:
@@ -170,7 +174,8 @@ class TieredStorage(TableStorage):
         full, w = check_request(req, self.num_rows, self.where)
         uniq, inverse = torch.unique(req.rows, return_inverse=True)
         with self.lock:
-            compact = self.pool.values.index_select(0, self.pool.ensure(uniq)).float()  # [U, dim]
+            slots = self.pool.ensure(uniq)  # first: bringing rows in may grow the pool's tensors
+            compact = self.pool.values.index_select(0, slots).float()  # [U, dim]
         return _CompactLookup.apply(self._handle, compact, inverse, full, w, uniq)
 
     def read(self, req: TableRequest) -> Tensor:
