@@ -3,11 +3,12 @@ storage: lookups equal a plain ``F.embedding_bag`` over a dense copy of the rows
 equal the optimizer applied to that dense copy, a snapshot restored into a new storage
 reads and trains on bit-identically, and the changed rows it reports are exactly the rows
 updated. Then what only the tiered storage has: rows evicted to disk and read back
-bit-identical, its counters, and its errors (budget too small, a foreign store)."""
+bit-identical, its counters, and its errors (budget too small, a foreign store, a full disk)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import subprocess
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -233,3 +234,26 @@ def test_half_rows_look_up_as_stored_and_restore_bit_identically(tmp_path: Path,
     _train(storage, torch.Generator().manual_seed(7), 3, first=7)
     _train(restored, torch.Generator().manual_seed(7), 3, first=7)
     assert torch.equal(_all_rows(restored), _all_rows(storage))
+
+
+@pytest.fixture
+def full_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MB tmpfs (root only: mounting needs it; skipped otherwise)."""
+    where = tmp_path / "tiny"
+    where.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(where)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+@pytest.mark.timeout(60)
+def test_a_full_disk_is_a_clear_error_naming_the_budget(full_disk: Path) -> None:
+    store = RowStore(full_disk / "ps1", {}, "ps1")
+    rows, blob = list(range(1000)), bytes(1000)
+    with pytest.raises(StoreError, match=r"could not write 1000 rows .*model.table_memory_budget.*checkpoint"):
+        for i in range(100):  # 100 MB into 1 MB
+            store.put([r + 1000 * i for r in rows], [blob] * len(rows))
