@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from ps_train.config import ConfigError
-from tests.ps_train._app import make_cfg, run_app
+from tests.ps_train._app import make_cfg, run_app, scalars
 from tests.ps_train.test_dlrm import SMALL
 
 # 7,007 rows: ~3,500 per server; a step touches at most 2 trainers x 32 samples x 3 tables.
@@ -41,6 +41,9 @@ def test_lazy_and_tiered_runs_train_exactly_as_the_eager_run(tmp_path: Path) -> 
         assert tier["rows_evicted"] > 0 and tier["bytes_written"] > 0 and tier["rows_read_back"] > 0
         assert 0 < tier["hit_rate"] < 1 and tier["ram_bytes"] <= 26000
     assert (tmp_path / "tiered" / "tables" / "ps0" / "rocksdb").is_dir()
+    for s in ("ps0", "ps1"):  # the servers' TensorBoard folders
+        tags = scalars(tmp_path / "tiered" / "tb" / s)
+        assert "server/tier_rows_in_ram" in tags and "server/tier_rows_evicted_per_s" in tags
 
 
 @pytest.mark.timeout(300)
