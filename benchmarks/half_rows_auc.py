@@ -4,7 +4,7 @@ Runs ``python -m ps_train model=dlrm data=synthetic_ctr`` (2 servers, 2 trainers
 ``model.table_dtype`` float32, float16 and bfloat16 for each of ``--seeds`` seeds, and prints
 per dtype the mean test AUC over the seeds, its spread (max - min) and the mean difference
 from float32 (what ``model.table_dtype`` promises: within 0.001). Run:
-``python benchmarks/half_rows_auc.py`` (9 runs of ``--steps`` steps; ~1 min each on 2 idle cores).
+``python -m benchmarks.half_rows_auc`` (9 runs of ``--steps`` steps; ~1 min each on 2 idle cores).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ row-wise Adagrad state (the row's stored bytes), written once. Then ``--batches`
 ``--batch`` ids drawn with Zipf skew (exponent ``--zipf``) over the rows: a batched get of
 the batch's distinct rows (what a miss brings back), and a batched put of half of them (the
 dirty rows an eviction writes back). Printed per store: rows/s and MB/s of gets and puts,
-the initial load's rate, and the bytes on disk. Run: ``python benchmarks/table_store_bench.py``
+the initial load's rate, and the bytes on disk. Run: ``python -m benchmarks.table_store_bench``
 (about a minute on 2 cores); docs/tables.md has the figures that chose RocksDB.
 """
 
