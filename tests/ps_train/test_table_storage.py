@@ -51,11 +51,17 @@ def _tiered(optim: str, tmp: Path, dtype: str = "float32", budget_rows: int | No
     return TieredStorage(LAYOUT, SERVER, settings, "ps1", start_rows=8)  # the pool grows as rows come
 
 
-def _dynamic(optim: str, tmp: Path) -> TableStorage:
-    """A dynamic table appended to the fixed ones, wrapping a fused storage: fixed rows pass through."""
+def _dynamic(optim: str, tmp: Path, tiered: bool = False) -> TableStorage:
+    """A dynamic table appended to the fixed ones, wrapping a fused storage (or a tiered one
+    with a small budget): fixed rows pass through."""
     layout = FusedLayout("range", (*SIZES, 1000), SERVERS, (0, 0, 0, 20))
-    shards = TableShards((*SIZES, 1000), DIM, "range", SERVER, SERVERS, SEED, (0, 0, 0, 20))
-    inner = FusedStorage(shards, make_table_optimizer(optim, [shards.weight], OptimConfig(lr=LR)), "ps1")
+    inner: TableStorage
+    if tiered:
+        settings = TierSettings(DIM, "float32", optim, OptimConfig(lr=LR), None, SEED, 20_000, "20000", tmp, STEP_ROWS)
+        inner = TieredStorage(layout, SERVER, settings, "ps1", start_rows=8)
+    else:
+        shards = TableShards((*SIZES, 1000), DIM, "range", SERVER, SERVERS, SEED, (0, 0, 0, 20))
+        inner = FusedStorage(shards, make_table_optimizer(optim, [shards.weight], OptimConfig(lr=LR)), "ps1")
     default = layout.default_row(SERVER)
     assert default is not None
     table = DynamicTable(DynamicSpec(20))
@@ -67,6 +73,7 @@ STORAGES: dict[str, Callable[[str, Path], TableStorage]] = {
     "lazy": _tiered,
     "tiered": lambda optim, tmp: _tiered(optim, tmp, budget_rows=2 * STEP_ROWS),  # most rows live on disk
     "dynamic": _dynamic,
+    "dynamic-tiered": lambda optim, tmp: _dynamic(optim, tmp, tiered=True),
 }
 OPTIMS = ["sgd", "adagrad", "rowwise_adagrad"]
 
@@ -165,6 +172,25 @@ def test_a_snapshot_restores_bit_identically_and_trains_on_alike(tmp_path: Path,
     _train(storage, torch.Generator().manual_seed(4), 4, first=7)
     _train(restored, torch.Generator().manual_seed(4), 4, first=7)
     assert torch.equal(_all_rows(restored), _all_rows(storage))
+
+
+@pytest.mark.filterwarnings("ignore:Sparse invariant checks")
+def test_dynamic_rows_over_a_tiered_storage_survive_eviction(tmp_path: Path) -> None:
+    storage = _dynamic("adagrad", tmp_path, tiered=True)
+    assert isinstance(storage, DynamicStorage) and isinstance(storage.inner, TieredStorage)
+    marker, none = torch.tensor([-4, -4]), torch.zeros(0, dtype=torch.int64)
+    out = storage.lookup(TableRequest(marker, none, None, torch.tensor([77, 78]), 1, 0))
+    out.sum().backward()
+    grad = storage.handle.grad
+    assert grad is not None
+    storage.step(grad.coalesce())
+    storage.handle.grad = None
+    before = storage.read(TableRequest(marker, none, None, torch.tensor([77, 78])))
+    pool = storage.inner.pool
+    pool.evict(torch.nonzero(pool.slot_row >= 0).squeeze(1))
+    assert torch.equal(storage.read(TableRequest(marker, none, None, torch.tensor([77, 78]))), before)
+    again = storage.lookup(TableRequest(marker, none, None, torch.tensor([77, 78]), 2, 0))
+    assert torch.equal(again.detach(), before)
 
 
 # -- the tiered storage -----------------------------------------------------------------------------
