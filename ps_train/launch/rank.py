@@ -98,7 +98,7 @@ def run_rank(
     sampler: ServerMetrics | None = None
     if rank < S:
         # Before init_rpc: trainers may ask for it at once. The model's tables, if any, are its own part.
-        ps = server_mod.create(cfg, rank, workload.table_service(cfg, rank))
+        ps = server_mod.create(cfg, rank, workload.table_service(cfg, rank, run_dir))
         if resume_state is not None:
             load_server_state(ps, resume_state)
         # One TensorBoard writer per folder: TensorBoard reads a folder's event files one after

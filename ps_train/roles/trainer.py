@@ -193,6 +193,8 @@ class Trainer(StepTrainer):
             if step < self.steps:
                 batch = next(self.batches)  # overlaps the servers' update
                 self.sample_log.fetched(self.batches)
+                if batch is not None:
+                    self.upcoming(batch)
             logs = step % log_every == 0 or step == self.steps
             evaluates = is_chief and cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < self.steps
             if not self.pipelined or logs or evaluates:
@@ -208,6 +210,10 @@ class Trainer(StepTrainer):
                 on_step(self, step)
             maybe_inject_fault(self.name, step, self.servers[0])  # test-only, see ps_train.faults
         return last
+
+    def upcoming(self, batch: Any) -> None:
+        """The next step's batch, fetched while the servers apply this step's update: a
+        workload may tell its servers what that step will ask for (table rows to prefetch)."""
 
     def log_train(self, step: int, last: dict[str, float]) -> None:
         """TensorBoard scalars and the progress line of a logged step (a workload adds its own)."""
