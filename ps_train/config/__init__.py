@@ -9,8 +9,8 @@ model stages, negative staleness, ...), naming the offending field and how to fi
 
 One module per config group, each schema checking itself (``problems()``): ``model``,
 ``data``, ``cluster``, ``optim``, and ``run`` (mode, train, checkpoint, logging); ``root``
-holds ``Config`` and the rules that span groups, ``loading`` the Hydra side; ``prepared``
-the manifest of a prepared Criteo folder (``data.prepared``) and its checks. Model and data
+holds ``Config`` and the rules that span groups, ``loading`` the Hydra side (a prepared
+Criteo folder, ``data.prepared``, is checked where the data is read: ``ps_train.ctr.prepared``). Model and data
 groups have one schema per choice (``MLPConfig``, ``CNNConfig``, ...), all subclasses of
 ``ModelConfig`` / ``DataConfig``: a field that belongs to another model (``model.channels``
 while ``model=mlp``) is a Hydra error, not a silently ignored key. Those schemas also answer

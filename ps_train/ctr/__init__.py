@@ -18,10 +18,34 @@ which row), ``shards`` and ``table_server`` (a server's rows and their optimizer
 ``optimizers`` (the table optimizers), ``trainer`` (``CtrTrainer``).
 """
 
-from ps_train.ctr.batches import CtrBatch, CtrBatchIterator, iter_ctr_eval_batches
-from ps_train.ctr.criteo import CriteoFormatError, CriteoStats, find_criteo_files, load_criteo, read_criteo
-from ps_train.ctr.split import CtrSplit, time_split
-from ps_train.ctr.synthetic import SyntheticCtr, synthetic_ctr
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ps_train.ctr.batches import CtrBatch, CtrBatchIterator, iter_ctr_eval_batches
+    from ps_train.ctr.criteo import CriteoFormatError, CriteoStats, find_criteo_files, load_criteo, read_criteo
+    from ps_train.ctr.split import CtrSplit, time_split
+    from ps_train.ctr.synthetic import SyntheticCtr, synthetic_ctr
+
+# name -> the module that defines it. The names are imported on first use, not with the
+# package: ``python -m ps_train.prepare`` imports modules of this package and must start
+# without torch, which most of these modules import.
+_EXPORTS = {
+    "CtrSplit": "split",
+    "time_split": "split",
+    "SyntheticCtr": "synthetic",
+    "synthetic_ctr": "synthetic",
+    "CriteoFormatError": "criteo",
+    "CriteoStats": "criteo",
+    "read_criteo": "criteo",
+    "load_criteo": "criteo",
+    "find_criteo_files": "criteo",
+    "CtrBatch": "batches",
+    "CtrBatchIterator": "batches",
+    "iter_ctr_eval_batches": "batches",
+}
 
 __all__ = [
     "CtrSplit",
@@ -37,3 +61,16 @@ __all__ = [
     "CtrBatchIterator",
     "iter_ctr_eval_batches",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

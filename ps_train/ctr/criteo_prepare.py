@@ -1,5 +1,5 @@
 """``prepare_criteo``: Criteo TSV files (plain or gzip) -> a prepared folder of ``.npy`` arrays
-that trainers memory-map (``data.prepared``; see ``ps_train.config.prepared`` for the format).
+that trainers memory-map (``data.prepared``; see ``ps_train.ctr.prepared`` for the format).
 
 The input streams through in blocks of ``block_bytes`` of complete lines, so memory stays
 bounded whatever its size: a reader thread reads (and decompresses) the next blocks, a pool
@@ -22,14 +22,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from ps_train.config.prepared import (
-    MANIFEST_NAME,
-    NPY_HEADER_BYTES,
-    CriteoManifest,
-    PreparedArray,
-    PreparedDataError,
-    PreparedSource,
-)
 from ps_train.ctr.criteo import (
     _MAX_EXAMPLES,
     NUM_CAT_FEATURES,
@@ -40,7 +32,16 @@ from ps_train.ctr.criteo import (
     find_criteo_files,
 )
 from ps_train.ctr.criteo_columns import CriteoColumns, parse_block, parse_lines
+from ps_train.ctr.gunzip import AUTO, inflater
 from ps_train.ctr.line_blocks import LinePiece, PieceReader
+from ps_train.ctr.prepared import (
+    MANIFEST_NAME,
+    NPY_HEADER_BYTES,
+    CriteoManifest,
+    PreparedArray,
+    PreparedDataError,
+    PreparedSource,
+)
 from ps_train.ctr.progress import Progress
 
 __all__ = ["prepare_criteo", "BLOCK_BYTES"]
@@ -190,6 +191,7 @@ def prepare_criteo(
     workers: int | None = None,
     block_bytes: int = BLOCK_BYTES,
     progress: Progress | bool = True,
+    gunzip: str = AUTO,
 ) -> CriteoManifest:
     """Convert the Criteo files ``src`` (a file, a folder of day files, or a list, in
     ``read_criteo``'s order) into the prepared folder ``dst`` and return its manifest.
@@ -197,9 +199,11 @@ def prepare_criteo(
     A malformed line raises ``CriteoFormatError`` (file, line, problem) unless
     ``skip_malformed``, which counts and skips it (the manifest records how many). ``dst``
     must not exist unless ``force`` (then it is replaced once the new one is complete).
-    ``progress``: True for a progress line on stderr, or a ``Progress``.
+    ``progress``: True for a progress line on stderr, or a ``Progress``. ``gunzip``: the
+    inflater of gzip files (``ps_train.ctr.gunzip``: ``auto``, ``isal`` or ``zlib``).
     """
     t0, cpu0 = time.perf_counter(), time.process_time()
+    inflate = inflater(gunzip)
     files = _files(src)
     dst = os.path.abspath(os.fspath(dst))
     parent, name = os.path.split(dst)
@@ -224,7 +228,7 @@ def prepare_criteo(
         else progress or None
     )
     workers = max(1, workers if workers is not None else (os.cpu_count() or 1))
-    reader = PieceReader(files, block_bytes, depth=workers + 1)
+    reader = PieceReader(files, block_bytes, depth=workers + 1, inflate=inflate)
     sink: _Sink | None = None
     try:
         sink = _Sink(partial, files, skip_malformed, bar)
