@@ -377,7 +377,7 @@ def test_cli_prepares_reports_and_fails_with_the_readers_message(tmp_path):
     (bad_folder / "day_2").write_text(GOOD + _bad("label"))
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     cmd = [sys.executable, "-m", "ps_train.prepare", "criteo"]
-    # Both at once: each is an interpreter importing torch on one core.
+    # Both at once: each is an interpreter starting on one core.
     procs = [
         subprocess.Popen(
             [*cmd, str(src), str(tmp_path / dst)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
@@ -455,7 +455,7 @@ def test_memory_does_not_grow_with_the_input(tmp_path):
     (tmp_path / "small.tsv").write_text(text * 15)
     (tmp_path / "large.tsv").write_text(text * 300)
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    # Both at once (each measures its own peak): the small one's torch import overlaps the large one's.
+    # Both at once (each measures its own peak): the small one's start overlaps the large one's.
     children = {
         name: subprocess.Popen(
             [
