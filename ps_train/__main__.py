@@ -19,9 +19,9 @@ import ps_train.config  # noqa: F401  (registers the config schemas with Hydra)
 from ps_train.app import run
 from ps_train.checkpoint.files import CheckpointError
 from ps_train.config import ConfigError, from_dictconfig
-from ps_train.data import DatasetNotFoundError
 from ps_train.launch.failures import RoleFailed
 from ps_train.launch.prechecks import DataCheckError
+from ps_train.workload import DatasetNotFoundError
 
 log = logging.getLogger("ps_train")
 

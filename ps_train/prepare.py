@@ -12,10 +12,10 @@ import argparse
 import logging
 import sys
 
-from ps_train.ctr.criteo import CriteoFormatError
-from ps_train.ctr.criteo_prepare import BLOCK_BYTES, prepare_criteo
-from ps_train.ctr.gunzip import AUTO, INFLATERS
-from ps_train.ctr.prepared import PreparedDataError
+from ps_train.workloads.ctr.data.criteo import CriteoFormatError
+from ps_train.workloads.ctr.data.criteo_prepare import BLOCK_BYTES, prepare_criteo
+from ps_train.workloads.ctr.data.gunzip import AUTO, INFLATERS
+from ps_train.workloads.ctr.data.prepared import PreparedDataError
 
 __all__ = ["main"]
 

@@ -10,10 +10,11 @@ model stages, negative staleness, ...), naming the offending field and how to fi
 One module per config group, each schema checking itself (``problems()``): ``model``,
 ``data``, ``cluster``, ``optim``, and ``run`` (mode, train, checkpoint, logging); ``root``
 holds ``Config`` and the rules that span groups, ``loading`` the Hydra side (a prepared
-Criteo folder, ``data.prepared``, is checked where the data is read: ``ps_train.ctr.prepared``). Model and data
-groups have one schema per choice (``MLPConfig``, ``CNNConfig``, ...), all subclasses of
-``ModelConfig`` / ``DataConfig``: a field that belongs to another model (``model.channels``
-while ``model=mlp``) is a Hydra error, not a silently ignored key. Those schemas also answer
+Criteo folder, ``data.prepared``, is checked where the data is read:
+``ps_train.workloads.ctr.data.prepared``). Model and data groups have one schema per
+choice (``MLPConfig``, ``CNNConfig``, ...), all subclasses of ``ModelConfig`` /
+``DataConfig``: a field that belongs to another model (``model.channels`` while
+``model=mlp``) is a Hydra error, not a silently ignored key. Those schemas also answer
 what validation and sharding need to know before anything is built or loaded:
 ``ModelConfig.num_stages()``, ``DataConfig.sample_shape()``, ``DataConfig.class_count()``.
 Nothing here imports the rest of ps_train but the update modes (``ps_train.modes``), which
@@ -35,7 +36,7 @@ from ps_train.config.data import (
     SyntheticCtrConfig,
     VisionDataConfig,
 )
-from ps_train.config.loading import from_dictconfig, register_configs
+from ps_train.config.loading import from_dictconfig, register_configs, register_model_schema
 from ps_train.config.model import (
     MODEL_NAMES,
     MODEL_SCHEMAS,
@@ -86,6 +87,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "MODEL_NAMES",
+    "register_model_schema",
     "MODEL_SCHEMAS",
     "DATA_NAMES",
     "DATA_SCHEMAS",

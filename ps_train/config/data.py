@@ -28,7 +28,7 @@ __all__ = [
 ]
 
 CRITEO_TABLES, CRITEO_DENSE = 26, 13  # Criteo's categorical and integer features
-BAG_SIZE_DISTS = ("fixed", "uniform")  # synthetic_ctr's bag lengths (ps_train.ctr.synthetic_bags)
+BAG_SIZE_DISTS = ("fixed", "uniform")  # synthetic_ctr's bag lengths (ps_train.workloads.ctr.data.synthetic_bags)
 
 # Sample shape [C, H, W] of each dataset torchvision reads; ps_train.data checks the files
 # it loads against it.
@@ -198,7 +198,7 @@ class CtrDataConfig(DataConfig):
 
 @dataclass
 class SyntheticCtrConfig(CtrDataConfig):
-    """Seeded CTR data with a known best AUC (``ps_train.ctr.synthetic``); offline."""
+    """Seeded CTR data with a known best AUC (``ps_train.workloads.ctr.data.synthetic``); offline."""
 
     name: str = "synthetic_ctr"
     num_samples: int = 500000  # train + test
@@ -237,7 +237,8 @@ class SyntheticCtrConfig(CtrDataConfig):
         )
 
     def train_samples(self) -> int:
-        # What ps_train.ctr.split.time_split keeps: the last round(n * test_fraction) samples are the test split.
+        # What ps_train.workloads.ctr.data.split.time_split keeps: the last round(n * test_fraction)
+        # samples are the test split.
         return self.num_samples - int(round(self.num_samples * self.test_fraction))
 
     def problems(self) -> Problems:
@@ -277,7 +278,7 @@ class CriteoConfig(CtrDataConfig):
 
     name: str = "criteo"
     root: str = "data/criteo"
-    prepared: str | None = None  # a prepared folder (its format: ps_train.ctr.prepared)
+    prepared: str | None = None  # a prepared folder (its format: ps_train.workloads.ctr.data.prepared)
     num_tables: int = CRITEO_TABLES
     table_rows: int = 100000  # ids are hashed into this many rows per table
     skip_malformed: bool = False  # true: count and skip malformed lines with a warning

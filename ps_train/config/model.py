@@ -1,7 +1,7 @@
 """The ``model`` group: one schema per architecture, each knowing its own stage count.
 
 The stage counts here are the facts validation and sharding need before any model is built;
-``ps_train.models`` builds exactly that many stages (its tests check that the two agree).
+``ps_train.workloads.vision.models`` builds exactly that many stages (its tests check that the two agree).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class ModelConfig:
     name: str = MISSING
 
     def num_stages(self) -> int:
-        """Number of stages ``ps_train.models.build_stages`` makes, without building anything."""
+        """Number of stages ``ps_train.workloads.vision.models.build_stages`` makes, without building anything."""
         raise ValueError(
             f"model.name: unknown model {self.name!r} ({type(self).__name__}); "
             "choose model=mlp, model=cnn or model=resnet18"
@@ -64,7 +64,7 @@ class ModelConfig:
         """This group's own problems (see ``Config.problems`` for those across groups)."""
         p = Problems()
         if self.name not in MODEL_SCHEMAS:
-            p.append(f"model.name: unknown model {self.name!r}; choose one of {list(MODEL_NAMES)} (e.g. model=cnn)")
+            p.append(f"model.name: unknown model {self.name!r}; choose one of {list(MODEL_SCHEMAS)} (e.g. model=cnn)")
         elif not self.matches_schema():
             p.append(
                 f"model.name: {self.name!r} does not match the selected model group "
@@ -165,7 +165,7 @@ class DLRMConfig(ModelConfig):
     table_lr: float | None = None  # null: optim.lr
     pooling: list[str] = field(default_factory=list)  # per table sum | mean; []: sum; one value: every table
     feature_names: list[str] = field(default_factory=list)  # each table's feature (KeyedJagged keys); []: f0, f1, ...
-    cache_rows: int = 0  # hot rows each trainer caches (ps_train.ctr.cache); 0: no cache
+    cache_rows: int = 0  # hot rows each trainer caches (ps_train.workloads.ctr.tables.cache); 0: no cache
     cache_staleness: int = 1  # steps a cached row serves before it is pulled again
     # The tables one by one (TorchRec's EmbeddingBagConfig fields, ps_train.config.tables); []:
     # fixed tables from data.num_tables/table_sizes, model.pooling and model.feature_names.

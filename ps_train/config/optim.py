@@ -20,7 +20,7 @@ OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], tuple[str, ...]]] = {
     "adagrad": (torch.optim.Adagrad, ("weight_decay",)),
 }
 
-# model.table_optim: the embedding-table optimizers (ps_train.ctr.optimizers, which holds them;
+# model.table_optim: the embedding-table optimizers (ps_train.workloads.ctr.tables.optimizers, which holds them;
 # the config, below ctr/, knows their names only).
 TABLE_OPTIMIZER_NAMES = ("sgd", "adagrad", "sparse_adam", "rowwise_adagrad")
 

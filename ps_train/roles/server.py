@@ -12,7 +12,7 @@ shards placed on it. Trainers call it through an RRef:
   ``mode.staleness`` steps behind ``completed``.
 - ``lookup(rows, offsets, weights, trainer, step)`` (model=dlrm): the rows of this server's
   tables that a trainer's batch uses, single or pooled into bags (its ``TablePart``,
-  ``ps_train.ctr.table_server``). The updates apply the tables' sparse gradients along with
+  ``ps_train.workloads.ctr.tables.service``). The updates apply the tables' sparse gradients along with
   the dense ones.
 
 When a read (a forward, a lookup) may run and on which copy of the parameters, how
@@ -24,7 +24,7 @@ exactly what they do and do not reproduce).
 
 Its parts: the shards and their forwards (``ps_train.roles.shards``), the writing of its part
 of a checkpoint (``ps_train.roles.checkpointing``), and what it takes of a model's tables
-(``ps_train.roles.tables``).
+(``ps_train.table_service``).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ from ps_train.modes.ssp import ClockedUpdate
 from ps_train.observe.server_metrics import UpdateCounters
 from ps_train.roles.checkpointing import CheckpointWriter
 from ps_train.roles.shards import ServerShards
-from ps_train.roles.tables import TablePart
+from ps_train.table_service import TablePart
 from rpc_core.functions import async_execution
 
 log = logging.getLogger("ps_train.server")
@@ -157,14 +157,16 @@ class ParameterServer:
         with self._pushed_lock:
             pushed = self._pushed.pop(context_id, [])
         if pushed:
-            storage = self._tables().params[0]  # the fused storage of every table (ps_train.ctr.shards)
+            storage = self._tables().params[
+                0
+            ]  # the fused storage of every table (ps_train.workloads.ctr.tables.shards)
             for rows, values in pushed:
                 g = torch.sparse_coo_tensor(rows.unsqueeze(0), values, tuple(storage.shape), check_invariants=False)
                 out[storage] = out[storage] + g if storage in out else g
         return out
 
     def push_gradients(self, context_id: int, rows: torch.Tensor, values: torch.Tensor) -> None:
-        """A trainer's gradients of table rows it read from its cache (``ps_train.ctr.cache``):
+        """A trainer's gradients of table rows it read from its cache (``ps_train.workloads.ctr.tables.cache``):
         ``values`` [H, d] of its storage rows ``rows`` [H], for its autograd context
         ``context_id``; its update (sent after this returns) applies them with the rest."""
         tables = self._tables()

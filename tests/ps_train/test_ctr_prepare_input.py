@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from ps_train.ctr import CriteoFormatError, read_criteo
-from ps_train.ctr.criteo_prepare import prepare_criteo
-from ps_train.ctr.gunzip import INFLATERS, Gunzip, inflater
-from ps_train.ctr.mapped import MappedCtrSplit, PreparedCriteo
+from ps_train.workloads.ctr.data import CriteoFormatError, read_criteo
+from ps_train.workloads.ctr.data.criteo_prepare import prepare_criteo
+from ps_train.workloads.ctr.data.gunzip import INFLATERS, Gunzip, inflater
+from ps_train.workloads.ctr.data.mapped import MappedCtrSplit, PreparedCriteo
 from tests.ps_train.test_ctr_data import _line, _random_rows
 
 ARRAYS = ("labels.npy", "dense.npy", "hashes.npy", "missing.npy")
@@ -118,7 +118,7 @@ def test_without_isal_the_standard_library_inflates(tmp_path):
         f"""
         import sys
         sys.modules["isal"] = None  # an import of isal now raises ImportError
-        from ps_train.ctr.gunzip import INFLATERS, inflater
+        from ps_train.workloads.ctr.data.gunzip import INFLATERS, inflater
         from ps_train.prepare import main
         print(list(INFLATERS), inflater().name, main({args!r}))
         """
