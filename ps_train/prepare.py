@@ -12,10 +12,8 @@ import argparse
 import logging
 import sys
 
-from ps_train.workloads.ctr.data.criteo import CriteoFormatError
-from ps_train.workloads.ctr.data.criteo_prepare import BLOCK_BYTES, prepare_criteo
 from ps_train.workloads.ctr.data.gunzip import AUTO, INFLATERS
-from ps_train.workloads.ctr.data.prepared import PreparedDataError
+from ps_train.workloads.ctr.data.line_blocks import BLOCK_BYTES
 
 __all__ = ["main"]
 
@@ -57,6 +55,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.workers is not None and args.workers < 1 or args.block_mb < 1:
         print("error: --workers and --block-mb must be >= 1", file=sys.stderr)
         return 2
+    # The converter (numpy, pyarrow) is imported once the arguments are known: --help and
+    # argument errors answer at once.
+    from ps_train.workloads.ctr.data.criteo import CriteoFormatError
+    from ps_train.workloads.ctr.data.criteo_prepare import prepare_criteo
+    from ps_train.workloads.ctr.data.prepared import PreparedDataError
+
     try:
         m = prepare_criteo(
             args.src,

@@ -33,7 +33,7 @@ from ps_train.workloads.ctr.data.criteo import (
 )
 from ps_train.workloads.ctr.data.criteo_columns import CriteoColumns, parse_block, parse_lines
 from ps_train.workloads.ctr.data.gunzip import AUTO, inflater
-from ps_train.workloads.ctr.data.line_blocks import LinePiece, PieceReader
+from ps_train.workloads.ctr.data.line_blocks import BLOCK_BYTES, LinePiece, PieceReader
 from ps_train.workloads.ctr.data.prepared import (
     MANIFEST_NAME,
     NPY_HEADER_BYTES,
@@ -48,7 +48,6 @@ __all__ = ["prepare_criteo", "BLOCK_BYTES"]
 
 log = logging.getLogger("ps_train.workloads.ctr")
 
-BLOCK_BYTES = 4 << 20  # ~17k Criteo lines per block, parsed as one batch (criteo_columns._TOKENIZE_BYTES)
 _ARRAYS = {  # name: (file, dtype, row shape)
     "labels": ("labels.npy", np.dtype("<f4"), ()),
     "dense": ("dense.npy", np.dtype("<f4"), (NUM_INT_FEATURES,)),

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 
 from ps_train.workloads.ctr.data.gunzip import DamagedGzip, Inflater, open_text
 
-__all__ = ["LinePiece", "read_pieces", "PieceReader", "MAX_LINE_BYTES"]
+__all__ = ["LinePiece", "read_pieces", "PieceReader", "MAX_LINE_BYTES", "BLOCK_BYTES"]
 
+BLOCK_BYTES = 4 << 20  # ~17k Criteo lines per block, parsed as one batch (criteo_columns._TOKENIZE_BYTES)
 MAX_LINE_BYTES = 16 << 20  # a Criteo line is a few hundred bytes; no line ending for this long: not Criteo
 
 
