@@ -1,38 +1,21 @@
 """Benchmark of ``python -m ps_train.prepare criteo`` as a user times it: lines/s of the whole
-command (interpreter start and imports included) on generated files, next to the machine's
-own floors measured in the same run, and peak memory.
+command on generated files, next to the machine's own floors measured in the same run.
 
-Usage (from the repo root)::
+    python -m benchmarks.prepare_bench                    # 1M lines, plain and .gz
+    python -m benchmarks.prepare_bench --lines 8000000 --repeat 3
 
-    python benchmarks/prepare_bench.py                    # 1M lines, plain and .gz
-    python benchmarks/prepare_bench.py --lines 8000000 --repeat 3 --json out.json
-
-Options:
-    --lines N       lines per generated file (default 1,000,000; ~250 MB of text)
-    --seed S        generator seed (default 0)
-    --work DIR      where the generated files and outputs go (default
-                    /tmp/ps_train_prepare_bench; files are reused by later runs)
-    --workers N     passed to prepare (default: its own, the number of CPUs)
-    --gunzip NAME   passed to prepare: auto (default), isal or zlib
-    --repeat R      runs per input; the table shows the fastest (default 1)
-    --only plain|gz one input only
-    --json PATH     also write every run's figures, with the machine
-
-The input is in the released format (label, 13 integers, 26 hex hashes, tab-separated,
-empty fields for missing values, with missing rates close to the Kaggle file's), written by
-pyarrow in chunks, and gzipped once (level 6, as the gzip command) for the .gz variant.
-
-What is measured, per run of ``python -m ps_train.prepare criteo SRC DST --quiet`` as a child
-process: its wall time, hence "command lines/s" (the target: >= 500,000 on 2 cores, plain and
-.gz), and of that the time outside the conversion ("start s": interpreter, imports, exit); the
-conversion's own time (``seconds`` in the manifest: from reading the first byte to the renamed
-folder) and CPU time per line (``cpu_seconds``, all threads); the command's CPU time
-(``os.wait4``) and peak RSS (``ru_maxrss``; the target: <= 1 GB, not growing with --lines).
-The floors, timed in the same run on the same files: ``cat SRC > /dev/null`` (reading, from
-the page cache once warm) and ``gzip -dc SRC.gz > /dev/null`` (the system's decompression,
-one core), as lines/s; and ``python -m ps_train.prepare --help`` (the start, target <= 0.5 s).
-The cores may be shared with other work: the load average before and after each run is
-printed ("cores busy" = the conversion's CPU time over its wall time: what it got of the machine).
+Generates a file in the released Criteo format (label, 13 integers, 26 hex hashes, missing
+rates close to the Kaggle file's) and its gzipped copy (level 6, as the gzip command), then
+converts each with ``python -m ps_train.prepare criteo SRC DST --quiet`` in a child process.
+The table gives, per input: lines/s of the whole command (interpreter start and imports
+included; the target: >= 500,000 on 2 cores, plain and .gz) and of that the time outside the
+conversion ("start s"); the floor, lines/s of ``cat SRC`` (reading, from the page cache once
+warm) or ``gzip -dc SRC.gz`` (the system's decompression, one core) to /dev/null, timed in the
+same run on the same files; lines/s of the conversion alone (the manifest's ``seconds``); CPU
+time per line (all threads; the figure the load changes least); "cores busy" (CPU time over
+wall time: what it got of the machine); peak RSS (``ru_maxrss``; the target: <= 1 GB, not
+growing with --lines); and the load average before and after. A last line gives
+``python -m ps_train.prepare --help``'s time (the target: <= 0.5 s).
 """
 
 from __future__ import annotations
@@ -52,7 +35,9 @@ import time
 import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pacsv
-from _format import fmt
+
+from benchmarks._format import fmt
+from benchmarks._results import add_result_option, run_recorded
 
 # Missing-value rates per feature, roughly those of Kaggle's train.txt.
 INT_MISSING = [0.45, 0.0, 0.22, 0.22, 0.03, 0.22, 0.04, 0.0, 0.04, 0.45, 0.04, 0.77, 0.22]
@@ -203,14 +188,17 @@ TARGET_HELP_S = 0.5
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--lines", type=int, default=1_000_000)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--work", default="/tmp/ps_train_prepare_bench")
-    ap.add_argument("--workers", type=int, default=None)
-    ap.add_argument("--gunzip", choices=["auto", "isal", "zlib"], default="auto")
-    ap.add_argument("--repeat", type=int, default=1)
-    ap.add_argument("--only", choices=["plain", "gz"])
-    ap.add_argument("--json")
+    ap.add_argument("--lines", type=int, default=1_000_000, help="lines per generated file (~250 MB for 1M)")
+    ap.add_argument("--seed", type=int, default=0, help="generator seed")
+    ap.add_argument(
+        "--work", default="/tmp/ps_train_prepare_bench", help="where inputs and outputs go (inputs are reused)"
+    )
+    ap.add_argument("--workers", type=int, default=None, help="prepare's workers (default: its own)")
+    ap.add_argument("--gunzip", choices=["auto", "isal", "zlib"], default="auto", help="prepare's inflater of .gz")
+    ap.add_argument("--repeat", type=int, default=1, help="runs per input; the table shows the fastest")
+    ap.add_argument("--only", choices=["plain", "gz"], help="one input only")
+    ap.add_argument("--json", help="also write every run's figures as JSON")
+    add_result_option(ap, "prepare_bench")
     args = ap.parse_args()
     os.makedirs(args.work, exist_ok=True)
     plain = os.path.join(args.work, f"criteo_{args.lines}_{args.seed}.tsv")
@@ -293,4 +281,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_recorded("prepare_bench", main))

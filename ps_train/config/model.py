@@ -34,7 +34,7 @@ POOLINGS = ("sum", "mean")  # how a table's bag of rows becomes one vector (nn.E
 class ModelConfig:
     """Base schema of the ``model`` group; ``name`` selects the architecture."""
 
-    name: str = MISSING
+    name: str = MISSING  # the architecture: choose it with model=<name> (not model.name=)
 
     def num_stages(self) -> int:
         """Number of stages ``ps_train.workloads.vision.models.build_stages`` makes, without building anything."""
@@ -82,7 +82,7 @@ class MLPConfig(ModelConfig):
     name: str = "mlp"
     # One stage per hidden layer (Linear+ReLU+Dropout) plus a final Linear stage.
     hidden_sizes: list[int] = field(default_factory=lambda: [128, 64])
-    dropout: float = 0.0
+    dropout: float = 0.0  # dropout probability after each hidden layer (masks seeded per step)
 
     def num_stages(self) -> int:
         return len(self.hidden_sizes) + 1
@@ -100,8 +100,8 @@ class CNNConfig(ModelConfig):
     # One stage per conv block (conv3x3 + ReLU + 2x2 max-pool), then an fc stage and a
     # classifier stage. Each block halves H and W, so inputs need H, W >= 2**len(channels).
     channels: list[int] = field(default_factory=lambda: [32, 64])
-    fc_size: int = 128
-    dropout: float = 0.0
+    fc_size: int = 128  # width of the fully connected stage after the conv blocks
+    dropout: float = 0.0  # dropout probability before the classifier stage
 
     def num_stages(self) -> int:
         return len(self.channels) + 2
@@ -157,7 +157,7 @@ class DLRMConfig(ModelConfig):
     ``table_optim``."""
 
     name: str = "dlrm"
-    embedding_dim: int = 16
+    embedding_dim: int = 16  # width of every table row (and of the bottom MLP's output)
     bottom_mlp: list[int] = field(default_factory=lambda: [64, 32])  # hidden sizes; its output is embedding_dim
     top_mlp: list[int] = field(default_factory=lambda: [64, 32])  # hidden sizes; its output is 1 logit
     table_sharding: str = "range"  # range (contiguous rows per server) | mod (id % num_servers)

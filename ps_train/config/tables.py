@@ -34,7 +34,7 @@ _POOLINGS = ("sum", "mean")
 class TableConfig:
     """One embedding table (an entry of ``model.tables``)."""
 
-    name: str = ""
+    name: str = ""  # the table's name (TorchRec's EmbeddingBagConfig.name), unique
     num_embeddings: int = 0  # fixed: rows; dynamic: the initialisation's scale (and synthetic data's distinct ids)
     embedding_dim: int | None = None  # must equal model.embedding_dim (null: that)
     feature_names: list[str] = field(default_factory=list)  # exactly one here; []: the table's name

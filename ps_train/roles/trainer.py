@@ -196,7 +196,7 @@ class Trainer(StepTrainer):
             if not self.pipelined or logs or evaluates:
                 last.update(self.settle())
             if logs:
-                self._log_train(step, last)
+                self.log_train(step, last)
             if evaluates:
                 ev = self.evaluate()
                 for key, value in ev.items():
@@ -207,11 +207,13 @@ class Trainer(StepTrainer):
             maybe_inject_fault(self.name, step, self.servers[0])  # test-only, see ps_train.faults
         return last
 
-    def _log_train(self, step: int, last: dict[str, float]) -> None:
+    def log_train(self, step: int, last: dict[str, float]) -> None:
+        """TensorBoard scalars and the progress line of a logged step (a workload adds its own)."""
         rate = self.meter.rate()
         w = self.writer
         w.add_scalar("train/loss", last["loss"], step)
-        w.add_scalar("train/accuracy", last["accuracy"], step)
+        if "accuracy" in last:  # a classifier's (the vision workload's step metric)
+            w.add_scalar("train/accuracy", last["accuracy"], step)
         w.add_scalar("train/samples_per_s", rate, step)
         for tag, value in self.mode.train_scalars(last, self.cfg.optim.lr).items():  # lr, staleness, ...
             w.add_scalar(tag, value, step)
@@ -229,9 +231,10 @@ class Trainer(StepTrainer):
                     w.add_scalar(f"rpc/bytes_received/ps{r}", st["bytes_received"], step)
             if self.cfg.logging.progress:
                 eta = (self.steps - step) * (time.perf_counter() - self._t_start) / max(step - self._first_step, 1)
+                acc = f"acc {last['accuracy']:.3f}  " if "accuracy" in last else ""
                 print(
                     f"[{self.name}] step {step}/{self.steps}  loss {last['loss']:.4f}  "
-                    f"acc {last['accuracy']:.3f}  {rate:,.0f} samples/s  eta {eta:.0f}s",
+                    f"{acc}{rate:,.0f} samples/s  eta {eta:.0f}s",
                     flush=True,
                 )
 
