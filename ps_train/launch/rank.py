@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ps_train import backend
+from ps_train import backend, rpc_allowlist
 from ps_train.config import Config
 from ps_train.elastic.membership import keep_membership, serve_elastic
 from ps_train.elastic.trainer import join_group, wait_for_servers
@@ -113,8 +113,15 @@ def run_rank(
         # Before init_rpc: trainers may send updates as soon as it returns, and every one counts.
         sampler = _server_metrics(cfg, ps, writer) if sampled and cfg.logging.tensorboard else None
     init_method = init_method or f"tcp://{master_addr}:{master_port}"
+    if cfg.cluster.serializer == "safe":
+        rpc_allowlist.register()  # before init_rpc: the first calls may come at once
     opts = backend.make_options(
-        init_method, cfg.cluster.rpc_timeout, cfg.cluster.num_worker_threads, secret, cfg.cluster.init_timeout
+        init_method,
+        cfg.cluster.rpc_timeout,
+        cfg.cluster.num_worker_threads,
+        secret,
+        cfg.cluster.init_timeout,
+        cfg.cluster.serializer,
     )
     log.info(
         "starting %s (rank %d of %d, pid %d) on the %s backend, rendezvous at %s%s",

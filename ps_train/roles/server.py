@@ -60,6 +60,7 @@ log = logging.getLogger("ps_train.server")
 _server: ParameterServer | None = None
 
 
+@backend.called_by_name
 class ParameterServer:
     """``tables``: the model's embedding tables on this server, if it has any (model=dlrm)."""
 
