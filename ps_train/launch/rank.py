@@ -18,14 +18,14 @@ from typing import Any
 import torch
 
 from ps_train import backend, rpc_allowlist
-from ps_train.config import Config
+from ps_train.config import Config, config_to_dict
 from ps_train.elastic.membership import keep_membership, serve_elastic
 from ps_train.elastic.trainer import join_group, wait_for_servers
 from ps_train.faults import die, fault_at
 from ps_train.launch.failures import role_name
 from ps_train.metrics import MetricsWriter, make_writer, mark_attempt
 from ps_train.observe.console import ConsoleHandler
-from ps_train.observe.dashboard import write_dashboard
+from ps_train.observe.dashboard import swept_values, write_dashboard
 from ps_train.observe.server_metrics import ServerMetrics, rpc_byte_counts
 from ps_train.observe.traces import ProfileWindow, write_served
 from ps_train.workload import workload_for
@@ -109,7 +109,7 @@ def run_rank(
             cfg.logging.tensorboard and (sampled or keeps_membership), f"{run_dir}/tb/{name}", f".{name}"
         )
         if keeps_membership:
-            keep_membership(ps, cfg, run_dir, resume_state, writer)  # ps_train.elastic.membership
+            keep_membership(ps, cfg.cluster, run_dir, resume_state, writer)  # ps_train.elastic.membership
         # Before init_rpc: trainers may send updates as soon as it returns, and every one counts.
         sampler = _server_metrics(cfg, ps, writer) if sampled and cfg.logging.tensorboard else None
     init_method = init_method or f"tcp://{master_addr}:{master_port}"
@@ -166,7 +166,7 @@ def run_rank(
             t = workload.trainer()(cfg, rank - S, run_dir, start_step=start, data_state=data_state)
             mark_attempt(t.writer, t.step, attempt if t.index == 0 else None)  # see ps_train.launch.restarts
             if t.index == 0:
-                write_dashboard(cfg, run_dir)  # custom-scalars layout and HParams, once per run
+                write_dashboard(cfg.logging.tensorboard, swept_values(config_to_dict(cfg)), run_dir)  # once per run
             result = t.run(on_step=_step_hooks(cfg, run_dir, rank))
         elif cfg.cluster.elastic:
             serve_elastic(ps)  # ps_train.elastic.membership

@@ -284,7 +284,9 @@ class Trainer(StepTrainer):
         for key, value in ev.items():
             self.writer.add_scalar(f"test/{key}", value, self.step)
         self.writer.close()
-        end_session(cfg, self.run_dir)  # the HParams table reads these test/* points (ps_train.observe.dashboard)
+        end_session(
+            cfg.logging.tensorboard, self.run_dir
+        )  # the HParams table reads these test/* points (ps_train.observe.dashboard)
         write_metrics_json(f"{self.run_dir}/metrics.json", metrics)
         if self.elastic is not None:
             self.elastic.release_servers()
