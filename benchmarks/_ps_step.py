@@ -111,7 +111,7 @@ def profile_start() -> None:
 
 def profile_stop() -> dict[str, Any]:
     """Self CPU seconds by category and the number of Python calls since ``profile_start``."""
-    import yappi  # type: ignore[import-untyped]
+    import yappi
 
     yappi.stop()
     dump = os.environ.get("PS_STEP_PSTATS")  # a folder: each role's whole profile, pstats format
