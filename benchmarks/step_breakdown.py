@@ -3,6 +3,13 @@ time, and (rpc_core) each side's Python profile grouped by module.
 
     python -m benchmarks.step_breakdown                    # grad-to-caller step and no-op, both impls
     python -m benchmarks.step_breakdown --spin 0 --profile # rpc_core with polling off, with profiles
+    python -m benchmarks.step_breakdown --ps-train         # ps_train's MLP 1+1 step: CPU per step by role
+
+``--ps-train`` instead measures a whole ps_train training step (``benchmarks/_ps_step.py``):
+MLP 1+1 with ps_train's defaults on rpc_core, each role's CPU per step over a few windows, the
+one-process loop's CPU per step, and (yappi, both processes, every thread) each role's self
+time by category and its Python calls per step. CPU time, unlike wall time, hardly moves with
+the machine's load, so runs made at different moments compare.
 
 Runs two of rpc_bench's workloads for torch and rpc_core, one after the other: ``grad_step``
 (``rpc_sync(owner, linear_owned, (rref, x))``, x 64x256 requiring grad, then a distributed
@@ -31,7 +38,7 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn as nn
 
-from benchmarks import _floor, _workloads
+from benchmarks import _floor, _ps_step, _workloads
 from benchmarks._format import fmt
 from benchmarks._results import add_result_option, run_recorded
 
@@ -269,15 +276,50 @@ def report(impl_name, spin, results):
                 )
 
 
+def report_ps_train(steps: int, windows: int, top: int) -> None:
+    single = _ps_step.measure_single(steps, windows)
+    run = _ps_step.measure(steps, windows, profile=True)
+    one = sorted(c for c, _ in single)[len(single) // 2]
+    print(
+        f"ps_train MLP 1+1 on rpc_core (sync, update in the backward; batch 32), {windows} windows of {steps} steps; "
+        f"CPU per step, median window (each window's trainer/server/wall µs: "
+        + "; ".join(f"{fmt(w.trainer_us)}/{fmt(w.server_us)}/{fmt(w.wall_us)}" for w in run.windows)
+        + f"); one process: {fmt(one)} µs CPU per step (windows: {', '.join(fmt(c) for c, _ in single)})"
+    )
+    print()
+    print("| per step | trainer | server | both |")
+    print("|---|---|---|---|")
+    t, s = run.median("trainer"), run.median("server")
+    print(f"| CPU, µs | {fmt(t)} | {fmt(s)} | {fmt(t + s)} |")
+    print(f"| CPU / one process's | {t / one:.2f}x | {s / one:.2f}x | {(t + s) / one:.2f}x |")
+    pt, ps = run.py_calls["trainer"], run.py_calls["server"]
+    print(f"| Python calls (exact) | {pt:.0f} | {ps:.0f} | {pt + ps:.0f} |")
+    cats = [label for label, _ in _ps_step.CATEGORIES]
+    for c in cats:
+        ct, cs = run.by_category["trainer"].get(c, 0.0), run.by_category["server"].get(c, 0.0)
+        print(f"| {c}, µs | {fmt(ct)} | {fmt(cs)} | {fmt(ct + cs)} |")
+    print()
+    for role in ("trainer", "server"):
+        print(f"{role}: the {top} functions with the most self time (µs per step, scaled; calls per step):")
+        for us, n, name in run.top[role][:top]:
+            print(f"    {fmt(us):>7} µs  {n:6.2f}  {name}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--impl", choices=["both", "torch", "rpc_core"], default="both")
     ap.add_argument("--spin", type=int, default=None, help="RPC_CORE_SPIN_US for rpc_core (default: its own)")
     ap.add_argument("--profile", action="store_true", help="rpc_core: cProfile both sides, grouped by module")
     ap.add_argument("--steps", type=int, default=2000, help="calls per workload (default 2000)")
+    ap.add_argument("--ps-train", action="store_true", help="instead: ps_train's MLP 1+1 step, CPU by role and part")
+    ap.add_argument("--windows", type=int, default=5, help="--ps-train: unprofiled windows (default 5)")
+    ap.add_argument("--top", type=int, default=12, help="--ps-train: functions listed per role (default 12)")
     add_result_option(ap, "step_breakdown")
     args = ap.parse_args(argv)
     print(_floor.describe_machine(_floor.machine()))
+    if args.ps_train:
+        report_ps_train(min(args.steps, 400) if args.steps == 2000 else args.steps, args.windows, args.top)
+        return 0
     floor = {polling: statistics.median(_floor._pingpong(_floor._unix_pair, polling)) for polling in (False, True)}
     print(
         f"floor: bare ping-pong over a Unix socketpair {fmt(floor[False])} us per round trip blocking, "

@@ -59,6 +59,9 @@ def combine(round_grads: Mapping[int, Mapping[K, torch.Tensor]], aggregate: str)
     """
     if aggregate not in AGGREGATES:
         raise ValueError(f"mode.aggregate: unknown rule {aggregate!r}; choose one of {list(AGGREGATES)}")
+    if len(round_grads) == 1:  # one trainer: its gradients as they are (saves hashing each Parameter twice)
+        [only] = round_grads.values()
+        return dict(only)
     total: dict[K, torch.Tensor] = {}
     for rank in sorted(round_grads):  # rank order: the same float sums every run
         for key, grad in round_grads[rank].items():

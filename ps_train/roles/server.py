@@ -75,6 +75,7 @@ class ParameterServer:
         self.dense_params = [p for m in self.shards.values() for p in m.parameters()]
         self.tables = tables
         self.params: list[nn.Parameter] = self.dense_params + (self.tables.params if self.tables is not None else [])
+        self._param_ids = frozenset(id(p) for p in self.params)  # gradients(): which of a context's leaves are ours
         self.has_running_stats = self.held.has_running_stats  # BatchNorm (see ServerShards)
         cls, kwargs = optimizer_spec(cfg.optim)
         self.optimizer = cls(self.dense_params, **kwargs) if self.dense_params else None
@@ -156,7 +157,9 @@ class ParameterServer:
         """This server's parameters' gradients in autograd context ``context_id``, with the
         table rows' gradients a trainer pushed for it (``push_gradients``) added."""
         grads = backend.dist_autograd().get_gradients(context_id)
-        out: dict[torch.Tensor, torch.Tensor] = {p: grads[p] for p in self.params if p in grads}
+        # By identity: a Parameter's __hash__ is a Python call, and the context holds no other leaves as a rule.
+        mine = self._param_ids
+        out: dict[torch.Tensor, torch.Tensor] = {p: g for p, g in grads.items() if id(p) in mine}
         with self._pushed_lock:
             pushed = self._pushed.pop(context_id, [])
         if pushed:
