@@ -29,15 +29,16 @@ import copy as copy_module
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
 
 from ps_train.checkpoint.files import ShardFile
+from ps_train.checkpoint.forked_writer import FrozenRows
 from ps_train.checkpoint.rows_file import RowsHeader, apply_rows_file, write_rows_file
 from ps_train.config import Config, CtrDataConfig, DLRMConfig
 from ps_train.workloads.ctr.tables.dynamic import DynamicCounts, DynamicSpec, DynamicTable
@@ -47,6 +48,8 @@ from ps_train.workloads.ctr.tables.shards import TableShards
 from ps_train.workloads.ctr.tables.snapshot import RowSnapshot
 
 __all__ = ["TableServer", "TableSnapshot", "make_table_server"]
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -248,17 +251,31 @@ class TableServer:
         if self.snapshot is not None:
             raise RuntimeError(f"checkpoint {name}: the tables of {self.snapshot.name} are still being written")
         with self._dynamic_lock:  # no lookup creates rows while the tables are frozen
-            return self._freeze(name, base)
+            frozen, changed = self._freeze(name, base)
+            self.snapshot = TableSnapshot(
+                name,
+                frozen.base,
+                RowSnapshot(frozen.columns, frozen.wanted, hot=changed),
+                frozen.header,
+                frozen.state,
+            )
+            return self.snapshot
 
-    def _freeze(self, name: str, base: str | None) -> TableSnapshot:
+    def freeze_rows(self, name: str, base: str | None, take: Callable[[FrozenRows], T]) -> T:
+        """``TablePart.freeze_rows``: no copy-on-write here (a forked writer has its own)."""
+        if self.snapshot is not None:
+            raise RuntimeError(f"checkpoint {name}: the tables of {self.snapshot.name} are still being written")
+        with self._dynamic_lock:  # no lookup creates rows until ``take`` returns
+            return take(self._freeze(name, base)[0])
+
+    def _freeze(self, name: str, base: str | None) -> tuple[FrozenRows, Tensor]:
+        """The rows of checkpoint ``name`` and the rows changed since the previous one (bool [R])."""
         differential = base is not None and base == self.since
         changed, self.changed = self.changed, torch.zeros_like(self.changed)
-        columns = self.columns()
-        self.snapshot = TableSnapshot(
-            name,
+        frozen = FrozenRows(
+            self.columns(),
+            changed if differential else None,
             base if differential else None,
-            RowSnapshot(columns, changed if differential else None, hot=changed),
-            RowsHeader.of(columns, full=not differential),
             {
                 "format": "rows",
                 "base": base if differential else None,
@@ -268,7 +285,7 @@ class TableServer:
             },
         )
         self.since = name
-        return self.snapshot
+        return frozen, changed
 
     def end_snapshot(self, written: bool) -> None:
         """The snapshot's files are written (``written``), or failed: then the rows changed
