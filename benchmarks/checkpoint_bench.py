@@ -1,33 +1,41 @@
-"""Checkpoints of embedding tables while training: steps/s during a checkpoint's write, and
-the bytes of differential checkpoints against full ones.
+"""Checkpoints of embedding tables while training: what the steps lose while a full
+checkpoint is written, how long each checkpoint takes to become complete, and the disk's
+own bandwidth measured in the same run (its floor).
 
 Usage (from the repo root)::
 
-    python benchmarks/checkpoint_bench.py                     # preset=dlrm_large, 200 steps
-    python benchmarks/checkpoint_bench.py --shape medium      # 26 x 100,000 rows (0.67 GB)
-    python benchmarks/checkpoint_bench.py --json benchmarks/results/checkpoint.json
+    python benchmarks/checkpoint_bench.py                     # preset=dlrm_large, 200 steps, every 100
+    python benchmarks/checkpoint_bench.py --shape medium      # 26 x 100,000 rows (1.3 GB with Adagrad)
+    python benchmarks/checkpoint_bench.py --kinds none,fork,thread,differential --json out.json
 
-Three sync runs of the same job (2 servers + 2 trainers, ``model.table_optim`` Adagrad, so a
-full checkpoint holds the rows and as many Adagrad sums), one after another:
+Sync runs of the same job (2 servers + 2 trainers, ``model.table_optim`` Adagrad, so a full
+checkpoint holds the rows and as many Adagrad sums), one after another:
 
 - ``none``: no checkpoints (``checkpoint.every=0 checkpoint.final=false``);
-- ``full``: a full checkpoint every ``--every`` steps;
-- ``differential``: ``checkpoint.differential=true``, ``checkpoint.full_every`` large: the
-  first checkpoint full, the next ones only the rows changed since the previous one.
+- ``fork``: full checkpoints every ``--every`` steps, written by a forked child around the
+  page cache (``checkpoint.writer=fork``, the default);
+- ``thread``: the same, written by a thread of each server through the page cache
+  (``checkpoint.writer=thread``);
+- ``differential``: ``checkpoint.differential=true``: the first full, then the changed rows.
 
-Every step's end is timed by trainer0's TensorBoard events (``train.log_every=1``: their wall
-times). A checkpoint is *being written* from the moment trainer0 asks for it (the manifest's
-``created_unix``) until its manifest is in place (the file's mtime). Reported: steps/s of the
-steps that ended inside those windows, against steps/s of the ``none`` run over the same
-steps (the first ``--warmup`` steps left out of both); bytes of each checkpoint (its files),
-differential against full, at ``data=synthetic_ctr``'s default Zipf skew (``zipf_alpha=1.05``).
+Every step's end is timed by trainer0's TensorBoard events (``train.log_every=1``). A
+checkpoint is *being written* from the moment trainer0 asks for it (the manifest's
+``created_unix``) until its manifest is in place (the file's mtime): that is the time it took
+to become complete. Reported per run: the steps that ended inside those windows against the
+same steps of the ``none`` run (``x none``), the whole run's wall (training loop plus the
+wait for the last checkpoint) against ``none``'s, metrics.json's samples/s and
+``final_checkpoint_wait_s``, and each checkpoint's bytes, time to complete and (forked
+writer) its fork time. The disk: ``--disk-gb`` written dd-style with ``O_DIRECT`` and
+through the page cache, each with a final fsync.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -39,29 +47,61 @@ from typing import Any
 SHAPES = {
     "large": ["preset=dlrm_large"],
     "medium": ["preset=dlrm_large", "data.table_rows=100000"],
+    "small": ["preset=dlrm_large", "data.table_rows=30000"],
 }
+KINDS = {
+    "none": ["checkpoint.every=0"],
+    "fork": ["checkpoint.writer=fork"],
+    "thread": ["checkpoint.writer=thread"],
+    "differential": ["checkpoint.differential=true", "checkpoint.full_every=1000"],
+}
+_FORKED = re.compile(r"\[(ps\d+)\].*a forked writer \(fork (\d+) ms\) wrote .* into (\S+) in ([\d.]+) s \((.+)\)")
 
 
-def run(shape: str, kind: str, steps: int, every: int, run_dir: Path, timeout: float) -> None:
+def run(shape: str, kind: str, steps: int, every: int, run_dir: Path, timeout: float) -> float:
+    """One run; its wall time as a user times the command."""
     overrides = [
         *SHAPES[shape],
         "mode=sync",
+        "model.table_optim=adagrad",
         f"train.steps={steps}",
         "train.log_every=1",
         "logging.progress=false",
         "cluster.role_timeout=600",  # a shared machine under load starts processes slowly
         "checkpoint.final=false",
         "checkpoint.keep=0",
-        f"checkpoint.every={0 if kind == 'none' else every}",
-        f"checkpoint.differential={'true' if kind == 'differential' else 'false'}",
-        "checkpoint.full_every=1000",
+        f"checkpoint.every={every}",
+        *KINDS[kind],
         f"hydra.run.dir={run_dir}",
     ]
     t0 = time.perf_counter()
     subprocess.run(
         [sys.executable, "-m", "ps_train", *overrides], check=True, timeout=timeout, stdout=subprocess.DEVNULL
     )
-    print(f"  {kind}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    wall = time.perf_counter() - t0
+    print(f"  {kind}: {wall:.0f} s", file=sys.stderr)
+    return wall
+
+
+def disk_bandwidth(folder: Path, nbytes: int, direct: bool) -> float:
+    """GB/s writing ``nbytes`` of random bytes into a new file in ``folder`` and fsyncing it,
+    in 8 MiB writes (``direct``: with O_DIRECT, as the forked writer does)."""
+    buf = mmap.mmap(-1, 8 << 20)  # page-aligned, as O_DIRECT needs
+    buf.write(os.urandom(len(buf)))
+    path = folder / f".disk_bench_{os.getpid()}"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (getattr(os, "O_DIRECT", 0) if direct else 0)
+    fd = os.open(path, flags, 0o644)
+    try:
+        t0 = time.perf_counter()
+        for _ in range(max(1, nbytes // len(buf))):
+            os.write(fd, buf)
+        os.fsync(fd)
+        seconds = time.perf_counter() - t0
+    finally:
+        os.close(fd)
+        path.unlink()
+        buf.close()
+    return max(1, nbytes // (8 << 20)) * (8 << 20) / seconds / 1e9
 
 
 def step_ends(run_dir: Path) -> list[float]:
@@ -75,82 +115,112 @@ def step_ends(run_dir: Path) -> list[float]:
 
 
 def checkpoints(run_dir: Path) -> list[dict[str, Any]]:
+    """Each checkpoint: step, when asked for and when complete, bytes, and its forked writers."""
+    writers: dict[str, list[dict[str, Any]]] = {}
+    for log in sorted((run_dir / "logs").glob("ps*.log")):
+        for m in _FORKED.finditer(log.read_text()):
+            entry = {"server": m[1], "fork_ms": int(m[2]), "write_s": float(m[4]), "io": m[5]}
+            writers.setdefault(Path(m[3]).name, []).append(entry)
     out = []
     for ckpt in sorted((run_dir / "checkpoints").glob("step_*")):
         manifest = json.loads((ckpt / "manifest.json").read_text())
+        start, end = manifest["created_unix"], (ckpt / "manifest.json").stat().st_mtime
         out.append(
             {
                 "step": manifest["step"],
-                "start": manifest["created_unix"],
-                "end": (ckpt / "manifest.json").stat().st_mtime,
+                "start": start,
+                "end": end,
+                "complete_s": end - start,
                 "bytes": sum(f.stat().st_size for f in ckpt.iterdir()),
                 "differential": bool(manifest.get("bases")),
+                "writers": writers.get(ckpt.name, []),
             }
         )
     return out
 
 
-def rate(ends: list[float], first: int, last: int) -> float:
-    """Steps per second of steps first..last (1-based, inclusive)."""
-    return (last - first + 1) / (ends[last - 1] - ends[first - 2])
+def during(ends: list[float], windows: list[dict[str, Any]], warmup: int) -> list[int]:
+    """The steps (1-based) after ``warmup`` that ended inside a window."""
+    return [i + 1 for i in range(max(warmup, 1), len(ends)) if any(w["start"] <= ends[i] <= w["end"] for w in windows)]
 
 
-def during(ends: list[float], windows: list[dict[str, Any]], warmup: int) -> tuple[int, float, list[int]]:
-    """Steps that ended inside a window, their total time, and which they are."""
-    steps, total = [], 0.0
-    for i in range(warmup, len(ends)):
-        if any(w["start"] <= ends[i] <= w["end"] for w in windows):
-            steps.append(i + 1)
-            total += ends[i] - ends[i - 1]
-    return len(steps), total, steps
+def steps_time(ends: list[float], steps: list[int]) -> float:
+    """The time steps ``steps`` (1-based, each after the first) took."""
+    return sum(ends[s - 1] - ends[s - 2] for s in steps)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="large")
+    ap.add_argument("--kinds", default="none,fork,thread", help=f"comma-separated, from {list(KINDS)}")
     ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--every", type=int, default=50)
+    ap.add_argument("--every", type=int, default=100)
     ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--disk-gb", type=float, default=1.0, help="bytes written to measure the disk")
     ap.add_argument("--timeout", type=float, default=1500)
     ap.add_argument("--run-root", default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    kinds = args.kinds.split(",")
+    if "none" not in kinds or any(k not in KINDS for k in kinds):
+        ap.error(f"--kinds: {args.kinds!r} must include none and name only {list(KINDS)}")
     root = Path(args.run_root or tempfile.mkdtemp(prefix="checkpoint_bench."))
+    root.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()
     results: dict[str, Any] = {"shape": args.shape, "steps": args.steps, "every": args.every, "load_before": load}
-    for kind in ("none", "full", "differential"):
+    nbytes = int(args.disk_gb * 1e9)
+    results["disk_gb_per_s"] = {
+        "direct": disk_bandwidth(root, nbytes, direct=True),
+        "page_cache": disk_bandwidth(root, nbytes, direct=False),
+    }
+    for kind in kinds:
         run_dir = root / kind
-        run(args.shape, kind, args.steps, args.every, run_dir, args.timeout)
-        ends = step_ends(run_dir)
-        ckpts = checkpoints(run_dir) if kind != "none" else []
-        n, busy, steps = during(ends, ckpts, args.warmup)
+        command_s = run(args.shape, kind, args.steps, args.every, run_dir, args.timeout)
+        metrics = json.loads((run_dir / "metrics.json").read_text())
         results[kind] = {
-            "steps_per_s": rate(ends, args.warmup + 1, len(ends)),
-            "steps_while_writing": n,
-            "steps_per_s_while_writing": n / busy if busy else None,
-            "steps_written_during": steps,
-            "checkpoints": ckpts,
+            "ends": step_ends(run_dir),
+            "checkpoints": checkpoints(run_dir) if kind != "none" else [],
+            "command_s": command_s,
+            "samples_per_s": metrics["samples_per_s"],
+            "final_checkpoint_wait_s": metrics.get("final_checkpoint_wait_s", 0.0),
+            "run_s": metrics["wall_time_s"] + metrics.get("final_checkpoint_wait_s", 0.0),
         }
     results["load_after"] = os.getloadavg()
-    base = results["none"]["steps_per_s"]
+    none = results["none"]
+    disk = results["disk_gb_per_s"]
     print(
         f"shape {args.shape}, {args.steps} steps, checkpoint every {args.every}; load {load[0]:.1f} -> "
-        f"{results['load_after'][0]:.1f}"
+        f"{results['load_after'][0]:.1f}; disk {disk['direct']:.2f} GB/s with O_DIRECT, "
+        f"{disk['page_cache']:.2f} GB/s through the page cache (+fsync, {args.disk_gb:g} GB)"
     )
-    print(f"{'run':<14}{'steps/s':>9}{'while writing':>15}{'x none':>8}{'steps in windows':>18}")
-    for kind in ("none", "full", "differential"):
+    head = f"{'run':<14}{'samples/s':>10}{'steps in windows':>18}{'x none':>8}{'run s':>8}{'x none':>8}"
+    print(f"{head}{'final wait s':>14}")
+    for kind in kinds:
         r = results[kind]
-        w = r["steps_per_s_while_writing"]
-        ratio = f"{w / base:.2f}" if w else "-"
-        shown = f"{w:.2f}" if w else "-"
-        print(f"{kind:<14}{r['steps_per_s']:>9.2f}{shown:>15}{ratio:>8}{r['steps_while_writing']:>18}")
-    full = [c["bytes"] for c in results["full"]["checkpoints"]]
-    diff = [c["bytes"] for c in results["differential"]["checkpoints"] if c["differential"]]
+        steps = during(r["ends"], r["checkpoints"], args.warmup)
+        ratio = steps_time(none["ends"], steps) / steps_time(r["ends"], steps) if steps else None
+        r.update(steps_while_writing=steps, while_writing_x_none=ratio, run_x_none=r["run_s"] / none["run_s"])
+        shown = f"{ratio:.2f}" if ratio else "-"
+        print(
+            f"{kind:<14}{r['samples_per_s']:>10,.0f}{len(steps):>18}{shown:>8}{r['run_s']:>8.1f}"
+            f"{r['run_x_none']:>8.2f}{r['final_checkpoint_wait_s']:>14.1f}"
+        )
+    for kind in kinds:
+        for c in results[kind]["checkpoints"]:
+            forks = ", ".join(
+                f"{w['server']} fork {w['fork_ms']} ms, wrote in {w['write_s']:.1f} s" for w in c["writers"]
+            )
+            floor = c["bytes"] / 1e9 / disk["direct"]
+            print(
+                f"  {kind} step {c['step']}: {c['bytes'] / 1e9:.2f} GB complete in {c['complete_s']:.1f} s "
+                f"(disk floor {floor:.1f} s){'; ' + forks if forks else ''}"
+            )
+    full = [c["bytes"] for k in kinds if k != "differential" for c in results[k]["checkpoints"]]
+    diff = [c["bytes"] for c in results.get("differential", {}).get("checkpoints", []) if c["differential"]]
     if full and diff:
         results["differential_over_full"] = max(diff) / max(full)
         print(
-            f"bytes: full {max(full) / 1e9:.3f} GB, differential {[round(d / 1e9, 3) for d in diff]} GB: "
-            f"largest {max(diff) / max(full):.3f} of a full one"
+            f"bytes: differential {[round(d / 1e9, 3) for d in diff]} GB, largest {max(diff) / max(full):.3f} of full"
         )
     print("uptime:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
     if args.json:

@@ -15,8 +15,9 @@ takes no lock the server's threads use: it writes the rows file from NumPy views
 tensors it inherited (no torch op, whose thread pool did not survive the fork; no logging,
 no RPC), reports its result through a pipe and leaves with ``os._exit`` (no atexit
 handlers, no finalizers of the parent's objects). Everything it needs is made before the
-fork. On Linux it dies with its parent (``PR_SET_PDEATHSIG``): a killed server leaves no
-writer behind.
+fork. It stops as soon as it finds its parent gone (checked between pieces of the file): a
+killed server leaves no writer behind. (Not ``PR_SET_PDEATHSIG``: that fires when the
+forking *thread* ends, and RPC pool threads come and go.)
 
 What a table storage must give (``TablePart.freeze_rows``): its rows as CPU tensors in the
 process's private memory (anonymous or ``MAP_PRIVATE``; a ``MAP_SHARED`` file would change
@@ -25,14 +26,11 @@ under the child) and, while the fork happens, no thread changing them.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
-import signal
-import sys
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,9 +45,6 @@ from ps_train.checkpoint.rows_file import RowsHeader, rows_file_pieces
 __all__ = ["FrozenRows", "ForkedWrite", "WriteReport", "fork_rows_writer", "fork_supported"]
 
 CHUNK_ROWS = 65536  # rows a chunk of the file: 16 MiB of dim-64 float32 values per column
-_PR_SET_PDEATHSIG = 1
-# Resolved before any fork: loading a library in the child could wait on the loader's lock.
-_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
 
 
 def fork_supported() -> bool:
@@ -135,12 +130,10 @@ def fork_rows_writer(frozen: FrozenRows, path: Path, name: str) -> ForkedWrite:
             # Only the result pipe stays open: the server's sockets close when the server closes them.
             os.closerange(3, write_fd)
             os.closerange(write_fd + 1, _max_fd())
-            _die_with(parent)
             os.nice(19)
             start = time.perf_counter()
-            size, digest, direct = write_file_direct(
-                path, rows_file_pieces(header, arrays, wanted, CHUNK_ROWS), make_hash
-            )
+            pieces = _while_alive(parent, rows_file_pieces(header, arrays, wanted, CHUNK_ROWS))
+            size, digest, direct = write_file_direct(path, pieces, make_hash)
             report = {
                 "bytes": size,
                 "checksum": Checksum.of(ALGORITHM, digest),
@@ -161,12 +154,12 @@ def fork_rows_writer(frozen: FrozenRows, path: Path, name: str) -> ForkedWrite:
     return ForkedWrite(pid, read_fd, path, name, fork_s)
 
 
-def _die_with(parent: int) -> None:
-    """In the child: be killed when the parent dies (Linux), and leave now if it already has."""
-    if _LIBC is not None:
-        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:
-        os._exit(1)
+def _while_alive(parent: int, pieces: Iterable[bytes | memoryview]) -> Iterator[bytes | memoryview]:
+    """In the child: ``pieces``, leaving (no file, exit status 1) once ``parent`` is gone."""
+    for piece in pieces:
+        if os.getppid() != parent:
+            os._exit(1)
+        yield piece
 
 
 def _max_fd() -> int:
