@@ -267,6 +267,8 @@ def checkpoint_hook(cfg: Config, run_dir: str) -> Callable[[CheckpointingTrainer
         action = schedule.after(step, step == trainer.steps, checkpointer.busy())
         if action is Action.SAVE:
             checkpointer.save(trainer, step)
+        elif action is Action.WAIT and not checkpointer.busy():
+            checkpointer.wait()  # nothing to wait for; raises the last one's error if it failed
         elif action in (Action.SAVE_AND_WAIT, Action.WAIT):
             t0 = time.perf_counter()
             if action is Action.SAVE_AND_WAIT:
