@@ -2,11 +2,9 @@
 checkpoint is written, how long each checkpoint takes to become complete, and the disk's
 own bandwidth measured in the same run (its floor).
 
-Usage (from the repo root)::
-
-    python benchmarks/checkpoint_bench.py                     # preset=dlrm_large, 200 steps, every 100
-    python benchmarks/checkpoint_bench.py --shape medium      # 26 x 100,000 rows (1.3 GB with Adagrad)
-    python benchmarks/checkpoint_bench.py --kinds none,fork,thread,differential --json out.json
+    python -m benchmarks.checkpoint_bench                     # preset=dlrm_large, 200 steps, every 100
+    python -m benchmarks.checkpoint_bench --shape medium      # 26 x 100,000 rows (1.3 GB with Adagrad)
+    python -m benchmarks.checkpoint_bench --kinds none,fork,thread,differential --rounds 2
 
 Sync runs of the same job (2 servers + 2 trainers, ``model.table_optim`` Adagrad, so a full
 checkpoint holds the rows and as many Adagrad sums), one after another:
@@ -43,6 +41,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from benchmarks._results import add_result_option, run_recorded
 
 SHAPES = {
     "large": ["preset=dlrm_large"],
@@ -149,10 +149,35 @@ def steps_time(ends: list[float], steps: list[int]) -> float:
     return sum(ends[s - 1] - ends[s - 2] for s in steps)
 
 
+def analyse(rec: dict[str, Any], none: dict[str, Any], warmup: int) -> None:
+    """Add to run record ``rec`` its steps inside checkpoint windows against the same steps
+    of ``none`` (``x_none``) and against as many steps just before the first window in the
+    same run (``x_before``: less sensitive to a load that drifts between runs)."""
+    steps = during(rec["ends"], rec["checkpoints"], warmup)
+    rec["steps_while_writing"] = steps
+    rec["x_none"] = steps_time(none["ends"], steps) / steps_time(rec["ends"], steps) if steps else None
+    before = list(range(max(warmup + 2, steps[0] - len(steps)), steps[0])) if steps else []
+    rec["x_before"] = None
+    if steps and before:  # seconds a step before the checkpoint over seconds a step during it
+        ends = rec["ends"]
+        rec["x_before"] = (steps_time(ends, before) / len(before)) / (steps_time(ends, steps) / len(steps))
+    rec["run_x_none"] = rec["run_s"] / none["run_s"]
+
+
+def _median(values: list[float | None]) -> float | None:
+    known = sorted(v for v in values if v is not None)
+    return known[len(known) // 2] if known else None
+
+
+def _fmt(value: float | None, spec: str = ".2f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="large")
     ap.add_argument("--kinds", default="none,fork,thread", help=f"comma-separated, from {list(KINDS)}")
+    ap.add_argument("--rounds", type=int, default=1, help="the kinds one after another, this many times")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--every", type=int, default=100)
     ap.add_argument("--warmup", type=int, default=10)
@@ -160,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=1500)
     ap.add_argument("--run-root", default=None)
     ap.add_argument("--json", default=None)
+    add_result_option(ap, "checkpoint_bench")
     args = ap.parse_args(argv)
     kinds = args.kinds.split(",")
     if "none" not in kinds or any(k not in KINDS for k in kinds):
@@ -167,69 +193,74 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(args.run_root or tempfile.mkdtemp(prefix="checkpoint_bench."))
     root.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()
-    results: dict[str, Any] = {"shape": args.shape, "steps": args.steps, "every": args.every, "load_before": load}
     nbytes = int(args.disk_gb * 1e9)
-    results["disk_gb_per_s"] = {
+    disk = {
         "direct": disk_bandwidth(root, nbytes, direct=True),
         "page_cache": disk_bandwidth(root, nbytes, direct=False),
     }
-    for kind in kinds:
-        run_dir = root / kind
-        command_s = run(args.shape, kind, args.steps, args.every, run_dir, args.timeout)
-        metrics = json.loads((run_dir / "metrics.json").read_text())
-        results[kind] = {
-            "ends": step_ends(run_dir),
-            "checkpoints": checkpoints(run_dir) if kind != "none" else [],
-            "command_s": command_s,
-            "samples_per_s": metrics["samples_per_s"],
-            "final_checkpoint_wait_s": metrics.get("final_checkpoint_wait_s", 0.0),
-            "run_s": metrics["wall_time_s"] + metrics.get("final_checkpoint_wait_s", 0.0),
-        }
-    results["load_after"] = os.getloadavg()
-    none = results["none"]
-    disk = results["disk_gb_per_s"]
+    rounds: list[dict[str, dict[str, Any]]] = []
+    for r in range(args.rounds):
+        runs: dict[str, dict[str, Any]] = {}
+        for kind in kinds:
+            run_dir = root / f"{kind}.{r}"
+            command_s = run(args.shape, kind, args.steps, args.every, run_dir, args.timeout)
+            metrics = json.loads((run_dir / "metrics.json").read_text())
+            runs[kind] = {
+                "ends": step_ends(run_dir),
+                "checkpoints": checkpoints(run_dir) if kind != "none" else [],
+                "command_s": command_s,
+                "samples_per_s": metrics["samples_per_s"],
+                "final_checkpoint_wait_s": metrics.get("final_checkpoint_wait_s", 0.0),
+                "run_s": metrics["wall_time_s"] + metrics.get("final_checkpoint_wait_s", 0.0),
+            }
+        for rec in runs.values():
+            analyse(rec, runs["none"], args.warmup)
+        rounds.append(runs)
+    load_after = os.getloadavg()
     print(
-        f"shape {args.shape}, {args.steps} steps, checkpoint every {args.every}; load {load[0]:.1f} -> "
-        f"{results['load_after'][0]:.1f}; disk {disk['direct']:.2f} GB/s with O_DIRECT, "
-        f"{disk['page_cache']:.2f} GB/s through the page cache (+fsync, {args.disk_gb:g} GB)"
+        f"shape {args.shape}, {args.steps} steps, a checkpoint every {args.every}, {args.rounds} round(s); "
+        f"load {load[0]:.1f} -> {load_after[0]:.1f}; the disk: {disk['direct']:.2f} GB/s with O_DIRECT, "
+        f"{disk['page_cache']:.2f} GB/s through the page cache (each {args.disk_gb:g} GB, then fsync)"
     )
-    head = f"{'run':<14}{'samples/s':>10}{'steps in windows':>18}{'x none':>8}{'run s':>8}{'x none':>8}"
-    print(f"{head}{'final wait s':>14}")
+    print()
+    columns = ["run", "samples/s", "steps in windows", "x none (same steps)", "x before (same run)", "run s"]
+    print("| " + " | ".join([*columns, "x none", "final wait s"]) + " |")
+    print("|---|---|---|---|---|---|---|---|")
     for kind in kinds:
-        r = results[kind]
-        steps = during(r["ends"], r["checkpoints"], args.warmup)
-        ratio = steps_time(none["ends"], steps) / steps_time(r["ends"], steps) if steps else None
-        r.update(steps_while_writing=steps, while_writing_x_none=ratio, run_x_none=r["run_s"] / none["run_s"])
-        shown = f"{ratio:.2f}" if ratio else "-"
-        print(
-            f"{kind:<14}{r['samples_per_s']:>10,.0f}{len(steps):>18}{shown:>8}{r['run_s']:>8.1f}"
-            f"{r['run_x_none']:>8.2f}{r['final_checkpoint_wait_s']:>14.1f}"
-        )
-    for kind in kinds:
-        for c in results[kind]["checkpoints"]:
-            forks = ", ".join(
-                f"{w['server']} fork {w['fork_ms']} ms, wrote in {w['write_s']:.1f} s" for w in c["writers"]
-            )
-            floor = c["bytes"] / 1e9 / disk["direct"]
-            print(
-                f"  {kind} step {c['step']}: {c['bytes'] / 1e9:.2f} GB complete in {c['complete_s']:.1f} s "
-                f"(disk floor {floor:.1f} s){'; ' + forks if forks else ''}"
-            )
-    full = [c["bytes"] for k in kinds if k != "differential" for c in results[k]["checkpoints"]]
-    diff = [c["bytes"] for c in results.get("differential", {}).get("checkpoints", []) if c["differential"]]
-    if full and diff:
-        results["differential_over_full"] = max(diff) / max(full)
-        print(
-            f"bytes: differential {[round(d / 1e9, 3) for d in diff]} GB, largest {max(diff) / max(full):.3f} of full"
-        )
+        recs = [rnd[kind] for rnd in rounds]
+        cells = [
+            _fmt(_median([r["samples_per_s"] for r in recs]), ",.0f"),
+            str(len(recs[0]["steps_while_writing"])),
+            _fmt(_median([r["x_none"] for r in recs])) if kind != "none" else "-",
+            _fmt(_median([r["x_before"] for r in recs])) if kind != "none" else "-",
+            _fmt(_median([r["run_s"] for r in recs]), ".1f"),
+            _fmt(_median([r["run_x_none"] for r in recs])),
+            _fmt(_median([r["final_checkpoint_wait_s"] for r in recs]), ".1f"),
+        ]
+        print(f"| {kind} | " + " | ".join(cells) + " |")
+    print()
+    print("| run | round | step | GB | complete s | disk floor s | fork ms | child write s | I/O |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r, rnd in enumerate(rounds):
+        for kind in kinds:
+            for c in rnd[kind]["checkpoints"]:
+                w = c["writers"]
+                fork_ms = max((x["fork_ms"] for x in w), default=None)
+                write_s = max((x["write_s"] for x in w), default=None)
+                io = w[0]["io"] if w else "page cache, thread"
+                cells = [kind, str(r), str(c["step"]), f"{c['bytes'] / 1e9:.2f}", f"{c['complete_s']:.1f}"]
+                cells += [f"{c['bytes'] / 1e9 / disk['direct']:.1f}", _fmt(fork_ms, ".0f"), _fmt(write_s, ".1f"), io]
+                print("| " + " | ".join(cells) + " |")
+    print()
     print("uptime:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(results, indent=2))
+        out = {"shape": args.shape, "steps": args.steps, "every": args.every, "disk_gb_per_s": disk}
+        Path(args.json).write_text(json.dumps({**out, "load": [load, load_after], "rounds": rounds}, indent=2))
     if not args.run_root:
         shutil.rmtree(root, ignore_errors=True)
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(run_recorded("checkpoint_bench", main))

@@ -66,7 +66,8 @@ class PartitionCursor:
     valid_for: tuple[str, ...] = ("rank", "world", "seed")
     resume_hint = "resume with the same seed and cluster.num_trainers"
 
-    def _start(self) -> None:
+    def rewind(self) -> None:
+        """Go to the first batch of epoch 0 (a workload's iterator calls it once it is set up)."""
         self.epoch, self.offset = 0, 0
         self.last_batch: tuple[int, Tensor] | None = None  # (epoch, indices [batch_size]) of the last batch
         self._perm: Tensor | None = None
@@ -78,7 +79,7 @@ class PartitionCursor:
             self._perm_epoch = self.epoch
         return self._perm
 
-    def _next_indices(self) -> Tensor:
+    def next_indices(self) -> Tensor:
         """The next batch's sample indices [batch_size] (a new epoch once this one's are used)."""
         if self.offset + self.batch_size > self.n_items // self.world:
             self.epoch, self.offset = self.epoch + 1, 0

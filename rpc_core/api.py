@@ -28,6 +28,7 @@ from .group.lifecycle import barrier as _barrier  # noqa: F401 (re-exported)
 from .group.lifecycle import wait_all_workers as _wait_all_workers
 from .group.rendezvous import rendezvous
 from .options import DEFAULT_SHUTDOWN_TIMEOUT, RpcBackendOptions
+from .protocol import allowlist, safe_codec
 from .rref import remote  # noqa: F401 (re-exported: the facade)
 
 __all__ = [
@@ -83,7 +84,7 @@ def init_rpc(
     """Join the group: rendezvous, authenticate, start this worker's agent. ``world_size=None``
     makes the group dynamic (every member passes None): rank 0 founds it, other ranks join it
     while it runs, and ``shutdown`` leaves it (see ``registry``)."""
-    if _agent_mod._agent is not None:
+    if _agent_mod.current_agent_or_none() is not None:
         raise RuntimeError("RPC is already initialized")
     if backend is not None and not isinstance(backend, BackendType):
         raise TypeError("Argument backend must be a member of BackendType")
@@ -96,6 +97,9 @@ def init_rpc(
             "run functions. Set RpcBackendOptions(auth_secret=...) or RPC_CORE_AUTH_SECRET, the same on every worker.",
             name,
         )
+    safe_codec.use(options.serializer)
+    for module in options.allow_modules:
+        allowlist.allow_module(module)
     world = rendezvous(
         name, rank, world_size, options.init_method, options.auth_secret, options.effective_init_timeout()
     )
@@ -120,7 +124,7 @@ def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
 
 def _is_current_rpc_agent_set() -> bool:
     """Whether this process is a worker (``init_rpc`` done, ``shutdown`` not yet)."""
-    return _agent_mod._agent is not None
+    return _agent_mod.current_agent_or_none() is not None
 
 
 def _get_current_rpc_agent() -> Agent:

@@ -31,7 +31,12 @@ class RpcTimeoutError(RpcError, TimeoutError):
 
 class RendezvousError(RpcError):
     """Workers could not find each other: bad init_method, port in use, world never filled,
-    duplicate or invalid names."""
+    duplicate or invalid names. ``missing_ranks``: when the world never filled, the ranks
+    that did not join (an application names them by its own roles)."""
+
+    def __init__(self, *args: object, worker: str | None = None, missing_ranks: Sequence[int] = ()) -> None:
+        super().__init__(*args, worker=worker)
+        self.missing_ranks = tuple(missing_ranks)
 
 
 class AuthenticationError(RpcError):
@@ -53,6 +58,12 @@ class WorkerLeftError(WorkerUnavailableError):
 
 class RemoteFunctionError(RpcError):
     """A remote exception whose original type could not be rebuilt on the caller."""
+
+
+class NotAllowedError(RpcError):
+    """Under ``serializer="safe"``: a message named a function or class that is not in this
+    worker's allowlist (``rpc_core.safe.allow``), or held a value the safe serializer does
+    not encode. The message names it and says how to allow it; nothing was run."""
 
 
 # Where torch raises RuntimeError for what is a bad value or type, rpc_core raises these:

@@ -24,16 +24,17 @@ ALGORITHM = "xxh3_128"  # what new checkpoint files are hashed with
 _HASHERS: dict[str, Callable[[], Hasher]] = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
 
 
-class Checksum(str):
-    """A manifest's ``"<algorithm>:<hex digest>"``."""
+class Checksum:
+    """A manifest's checksums are plain strings, ``"<algorithm>:<hex digest>"`` (they travel
+    in ``ShardFile`` records over RPC); these make and read them."""
 
     @staticmethod
-    def of(algorithm: str, hexdigest: str) -> Checksum:
-        return Checksum(f"{algorithm}:{hexdigest}")
+    def of(algorithm: str, hexdigest: str) -> str:
+        return f"{algorithm}:{hexdigest}"
 
-    @property
-    def algorithm(self) -> str:
-        return self.partition(":")[0]
+    @staticmethod
+    def algorithm(checksum: str) -> str:
+        return checksum.partition(":")[0]
 
 
 def hasher(algorithm: str = ALGORITHM) -> Callable[[], Hasher]:
@@ -47,7 +48,7 @@ def hasher(algorithm: str = ALGORITHM) -> Callable[[], Hasher]:
         ) from None
 
 
-def file_checksum(path: str | os.PathLike[str], algorithm: str = ALGORITHM) -> tuple[int, Checksum]:
+def file_checksum(path: str | os.PathLike[str], algorithm: str = ALGORITHM) -> tuple[int, str]:
     """A file's size and checksum, read in chunks."""
     size, digest = file_digest(path, hasher(algorithm))
     return size, Checksum.of(algorithm, digest)
@@ -55,5 +56,5 @@ def file_checksum(path: str | os.PathLike[str], algorithm: str = ALGORITHM) -> t
 
 def file_matches(path: str | os.PathLike[str], checksum: str) -> bool:
     """Whether the file at ``path`` has ``checksum`` (by the algorithm it names)."""
-    algorithm = Checksum(checksum).algorithm
+    algorithm = Checksum.algorithm(checksum)
     return file_checksum(path, algorithm)[1] == checksum

@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ps_train import backend
 from ps_train.checkpoint.checksums import ALGORITHM, Checksum, file_matches, hasher
 from ps_train.files import atomic_write, atomic_write_text
 
@@ -84,10 +85,12 @@ _STEP_DIR = re.compile(r"step_(\d+)")
 _SHARD_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 
+@backend.called_by_name
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete or corrupt; the message names the path."""
 
 
+@backend.called_by_name
 @dataclass
 class ShardFile:
     """One shard's state file, as listed in the manifest (``file`` is relative to the checkpoint)."""
@@ -106,6 +109,7 @@ class ShardFile:
         return ShardFile(**fields)
 
 
+@backend.called_by_name
 @dataclass(frozen=True)
 class SaveStarted:
     """A server's answer to the coordinator's "save now": its shard, the checkpoint its rows
@@ -178,7 +182,7 @@ def load_shard_state(ckpt_dir: str | os.PathLike[str], entry: ShardFile, verify:
     if verify and not file_matches(path, entry.checksum):
         raise CheckpointError(
             f"checkpoint {ckpt_dir}: {entry.file} does not match the manifest's checksum "
-            f"({Checksum(entry.checksum).algorithm}; corrupt or overwritten); resume from an earlier checkpoint"
+            f"({Checksum.algorithm(entry.checksum)}; corrupt or overwritten); resume from an earlier checkpoint"
         )
     # weights_only: a checkpoint is data; loading it must not run code from the file.
     return torch.load(path, map_location="cpu", weights_only=True)

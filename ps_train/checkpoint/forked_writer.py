@@ -104,7 +104,7 @@ class ForkedWrite:
         if os.waitstatus_to_exitcode(status) != 0 or "error" in result or "bytes" not in result:
             why = result.get("error") or f"it ended with status {os.waitstatus_to_exitcode(status)}"
             raise CheckpointError(f"the process writing {self.path} failed: {why}")
-        file = ShardFile(self.name, self.path.name, int(result["bytes"]), Checksum(result["checksum"]))
+        file = ShardFile(self.name, self.path.name, int(result["bytes"]), str(result["checksum"]))
         return WriteReport(file, self.fork_s, float(result["seconds"]), bool(result["direct"]))
 
 

@@ -308,7 +308,7 @@ def load_resume_state(path: str, server: str | None = None) -> dict[str, Any]:
                 if not file_matches(folder / rows.file, rows.checksum):
                     raise CheckpointError(
                         f"{folder / rows.file} does not match its manifest's checksum "
-                        f"({Checksum(rows.checksum).algorithm}; corrupt or overwritten); {resume_hint(folder)}"
+                        f"({Checksum.algorithm(rows.checksum)}; corrupt or overwritten); {resume_hint(folder)}"
                     )
             state["tables"]["rows_files"] = [str(folder / rows.file) for folder, rows in chains[server]]
         servers[server] = state

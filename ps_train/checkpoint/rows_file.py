@@ -87,7 +87,7 @@ class RowChunk(NamedTuple):
     values: tuple[Tensor, ...]  # per column, [n, *shape]
 
 
-def write_rows_file(path: Path, header: RowsHeader, chunks: Iterable[RowChunk]) -> tuple[int, Checksum]:
+def write_rows_file(path: Path, header: RowsHeader, chunks: Iterable[RowChunk]) -> tuple[int, str]:
     """Write ``chunks`` under ``header`` atomically; the file's size and checksum."""
 
     def write(f: HashingWriter) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ps_train import backend
+from ps_train import backend, rpc_allowlist
 from ps_train.config import Config
 from ps_train.elastic.membership import keep_membership, serve_elastic
 from ps_train.elastic.trainer import join_group, wait_for_servers
@@ -30,6 +30,7 @@ from ps_train.observe.server_metrics import ServerMetrics, rpc_byte_counts
 from ps_train.observe.traces import ProfileWindow, write_served
 from ps_train.workload import workload_for
 from rpc_core import tune_malloc
+from rpc_core.errors import RendezvousError
 
 __all__ = ["run_rank", "setup_role_logging"]
 
@@ -112,8 +113,15 @@ def run_rank(
         # Before init_rpc: trainers may send updates as soon as it returns, and every one counts.
         sampler = _server_metrics(cfg, ps, writer) if sampled and cfg.logging.tensorboard else None
     init_method = init_method or f"tcp://{master_addr}:{master_port}"
+    if cfg.cluster.serializer == "safe":
+        rpc_allowlist.register()  # before init_rpc: the first calls may come at once
     opts = backend.make_options(
-        init_method, cfg.cluster.rpc_timeout, cfg.cluster.num_worker_threads, secret, cfg.cluster.init_timeout
+        init_method,
+        cfg.cluster.rpc_timeout,
+        cfg.cluster.num_worker_threads,
+        secret,
+        cfg.cluster.init_timeout,
+        cfg.cluster.serializer,
     )
     log.info(
         "starting %s (rank %d of %d, pid %d) on the %s backend, rendezvous at %s%s",
@@ -132,7 +140,14 @@ def run_rank(
             setup_role_logging(run_dir, name, cfg.logging.level)
             log.info("joined the running job as %s (rank %d)", name, rank)
     else:
-        rpc.init_rpc(name, rank=rank, world_size=S + T, rpc_backend_options=opts)
+        try:
+            rpc.init_rpc(name, rank=rank, world_size=S + T, rpc_backend_options=opts)
+        except RendezvousError as e:
+            if not e.missing_ranks:
+                raise
+            # rpc_core knows ranks; the user knows roles: name them as every other failure does.
+            roles = ", ".join(role_name(r, S) for r in e.missing_ranks)
+            raise RendezvousError(f"{e} [missing: {roles}]", missing_ranks=e.missing_ranks) from e
         backend.restore_rpc_timeout(cfg.cluster.rpc_timeout)
         log.info("%s joined the job: all %d ranks are up", name, S + T)  # benchmarks/scale_bench.py reads it
     if rank < S and resume_state is not None and fault_at(name, resume_state["step"], "restore"):

@@ -48,9 +48,7 @@ from ps_train.faults import maybe_inject_fault
 from ps_train.metrics import peak_rss_bytes
 from ps_train.modes import make_mode
 from ps_train.modes.aggregation import scaled_lr
-from ps_train.modes.asynchronous import AsyncMode
 from ps_train.modes.base import UPDATE_IN_BACKWARD, UpdateRequest
-from ps_train.modes.ssp import ClockedUpdate
 from ps_train.observe.server_metrics import UpdateCounters
 from ps_train.roles.checkpointing import CheckpointWriter
 from ps_train.roles.shards import ServerShards
@@ -62,6 +60,7 @@ log = logging.getLogger("ps_train.server")
 _server: ParameterServer | None = None
 
 
+@backend.called_by_name
 class ParameterServer:
     """``tables``: the model's embedding tables on this server, if it has any (model=dlrm)."""
 
@@ -93,7 +92,7 @@ class ParameterServer:
         self._pushed_lock = threading.Lock()
         # Per update, for the sampled TensorBoard metrics (ps_train.observe.server_metrics).
         self.counters = UpdateCounters()
-        self.stale_updates = isinstance(self.mode, AsyncMode)  # async and ssp answer with the staleness
+        self.stale_updates = self.mode.answers_with_staleness  # async and ssp
 
     # -- forward ----------------------------------------------------------------------------------
     def forward(self, shard: int, x: torch.Tensor, trainer: int = -1, step: int = -1) -> torch.Tensor:
@@ -219,7 +218,7 @@ class ParameterServer:
             def record(f: torch.futures.Future[Any]) -> None:
                 if f.done() and not _failed(f):
                     answer = f.value()  # the staleness; ssp's ps0 in the backward: with the clock's answer
-                    counters.stale(int(answer.staleness if isinstance(answer, ClockedUpdate) else answer))
+                    counters.stale(self.mode.answer_staleness(answer))
 
             answer.add_done_callback(record)
         return answer

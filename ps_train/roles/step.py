@@ -108,10 +108,10 @@ class StepTrainer:
     def forward(self, x: torch.Tensor, step: int = -1) -> torch.Tensor:
         h = x
         for shard, server in self.shard_servers:
-            h = self._call(server, "forward", shard, h, self.index, step)
+            h = self.call_server(server, "forward", shard, h, self.index, step)
         return h
 
-    def _call(self, server: int, method: str, *args: Any) -> torch.Tensor:
+    def call_server(self, server: int, method: str, *args: Any) -> torch.Tensor:
         """``method(*args)`` of server ``server``'s ParameterServer, timed into its RPC latency."""
         t0 = time.perf_counter()
         out: torch.Tensor = getattr(self.servers[server].rpc_sync(), method)(*args)
@@ -222,6 +222,7 @@ class _Ps0Only:
     servers: list[Any]
 
 
+@backend.called_by_name
 def _get_server_rref() -> Any:
     from ps_train.roles.server import get_server_rref
 

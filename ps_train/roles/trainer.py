@@ -74,6 +74,7 @@ _collect: list[tuple[int, torch.futures.Future[Any]]] = []
 _finish_lock = threading.Lock()
 
 
+@backend.called_by_name
 def deposit_stats(stats: dict[str, Any]) -> None:
     """Called by trainer1.. on ps0 when they finish: their totals, for trainer0."""
     with _finish_lock:
@@ -85,6 +86,7 @@ def deposit_stats(stats: dict[str, Any]) -> None:
 
 
 @async_execution
+@backend.called_by_name
 def collect_stats(others: int) -> torch.futures.Future[Any]:
     """Called by trainer0 on ps0: the totals of the ``others`` other trainers, once all came."""
     f: torch.futures.Future[Any] = torch.futures.Future()

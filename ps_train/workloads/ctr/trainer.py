@@ -102,7 +102,7 @@ class CtrTrainer(Trainer):
             for s in range(len(self.servers))
         ]
         (bottom, bottom_server), (top, top_server) = self.shard_servers
-        x = self._call(bottom_server, "forward", bottom, dense, self.index, self.step)  # [B, d]
+        x = self.call_server(bottom_server, "forward", bottom, dense, self.index, self.step)  # [B, d]
         rows = [f.wait() for f in futs]
         for s in range(len(rows)):
             self.latency[s].record(time.perf_counter() - t0)
@@ -114,7 +114,7 @@ class CtrTrainer(Trainer):
                 for s in range(len(rows))
             ]
         emb = combine(plan, rows)  # [B, T, d]
-        logit = self._call(top_server, "forward", top, interact(x, emb), self.index, self.step).squeeze(1)  # [B]
+        logit = self.call_server(top_server, "forward", top, interact(x, emb), self.index, self.step).squeeze(1)  # [B]
         pushed = sum(plan.answers)  # every vector, pulled or cached, gets a gradient
         self.rows_pulled += pulled
         self.rows_pushed += pushed

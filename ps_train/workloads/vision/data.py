@@ -208,10 +208,10 @@ class BatchIterator(PartitionCursor, Iterator[tuple[Tensor, Tensor]]):
                 "lower train.batch_size or cluster.num_trainers"
             )
         partition(self.n_items, rank, world, seed, 0)  # validates rank/world early
-        self._start()
+        self.rewind()
 
     def __next__(self) -> tuple[Tensor, Tensor]:
-        idx = self._next_indices()
+        idx = self.next_indices()
         if isinstance(self.dataset, TensorSplit):
             return self.dataset[idx]
         return default_collate([self.dataset[int(i)] for i in idx])

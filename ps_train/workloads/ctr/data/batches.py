@@ -44,10 +44,10 @@ class CtrBatchIterator(PartitionCursor, Iterator[CtrBatch]):
                 f"{self.n_items} training samples, not a full batch; lower the batch size or the number "
                 "of trainers, or use more data"
             )
-        self._start()
+        self.rewind()
 
     def __next__(self) -> CtrBatch:
-        return self.split[self._next_indices()]
+        return self.split[self.next_indices()]
 
 
 def iter_ctr_eval_batches(split: CtrDataset, batch_size: int) -> Iterator[CtrBatch]:
