@@ -104,6 +104,52 @@ def disk_bandwidth(folder: Path, nbytes: int, direct: bool) -> float:
     return max(1, nbytes // (8 << 20)) * (8 << 20) / seconds / 1e9
 
 
+def fork_probe(gb: float, threads: int = 32) -> dict[str, float]:
+    """What the forked writer costs a server of ``gb`` GB with ``threads`` idle threads, in this
+    process: the fork itself, and a write to one float of every 4 KB page of a quarter of the
+    memory while a child holds it (each a copy-on-write fault) against the same writes with no
+    child (no copy)."""
+    import threading
+
+    import torch
+
+    rows = torch.ones(int(gb * 1e9) // 256, 64)  # [R, 64] float32, every page touched
+    stop = threading.Event()
+    pool = [threading.Thread(target=stop.wait, daemon=True) for _ in range(threads)]
+    for t in pool:
+        t.start()
+    page_rows = torch.arange(0, rows.shape[0] // 4, 16)  # 16 rows of 256 B: one per 4 KB page
+
+    def touch() -> float:
+        t0 = time.perf_counter()
+        rows.index_add_(0, page_rows, torch.ones(len(page_rows), 64))
+        return time.perf_counter() - t0
+
+    plain = touch()
+    held, release = os.pipe()
+    t0 = time.perf_counter()
+    pid = os.fork()
+    if pid == 0:
+        os.close(release)
+        os.read(held, 1)  # holds the image until the parent is done writing (as the writer does)
+        os._exit(0)
+    fork_s = time.perf_counter() - t0
+    cow = touch()
+    os.close(release)
+    os.waitpid(pid, 0)
+    os.close(held)
+    stop.set()
+    pages = len(page_rows)
+    return {
+        "gb": gb,
+        "threads": threads,
+        "fork_ms": fork_s * 1e3,
+        "pages": pages,
+        "plain_us_per_page": plain / pages * 1e6,
+        "cow_us_per_page": cow / pages * 1e6,
+    }
+
+
 def step_ends(run_dir: Path) -> list[float]:
     """Wall time at the end of every step of trainer0 (step 1 first)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -182,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--every", type=int, default=100)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--disk-gb", type=float, default=1.0, help="bytes written to measure the disk")
+    ap.add_argument("--fork-gb", type=float, default=2.6, help="memory of the fork probe (0: none)")
     ap.add_argument("--timeout", type=float, default=1500)
     ap.add_argument("--run-root", default=None)
     ap.add_argument("--json", default=None)
@@ -198,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         "direct": disk_bandwidth(root, nbytes, direct=True),
         "page_cache": disk_bandwidth(root, nbytes, direct=False),
     }
+    probe = fork_probe(args.fork_gb) if args.fork_gb else None
     rounds: list[dict[str, dict[str, Any]]] = []
     for r in range(args.rounds):
         runs: dict[str, dict[str, Any]] = {}
@@ -251,11 +299,19 @@ def main(argv: list[str] | None = None) -> int:
                 cells = [kind, str(r), str(c["step"]), f"{c['bytes'] / 1e9:.2f}", f"{c['complete_s']:.1f}"]
                 cells += [f"{c['bytes'] / 1e9 / disk['direct']:.1f}", _fmt(fork_ms, ".0f"), _fmt(write_s, ".1f"), io]
                 print("| " + " | ".join(cells) + " |")
+    if probe is not None:
+        print()
+        print(
+            f"fork probe: a {probe['gb']:g} GB process with {probe['threads']} threads forks in "
+            f"{probe['fork_ms']:.0f} ms; "
+            f"a first write to each of {probe['pages']:,} pages then takes {probe['cow_us_per_page']:.2f} us a page "
+            f"(copy-on-write) against {probe['plain_us_per_page']:.2f} us with no child"
+        )
     print()
     print("uptime:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        out = {"shape": args.shape, "steps": args.steps, "every": args.every, "disk_gb_per_s": disk}
+        out = {"shape": args.shape, "steps": args.steps, "every": args.every, "disk_gb_per_s": disk, "fork": probe}
         Path(args.json).write_text(json.dumps({**out, "load": [load, load_after], "rounds": rounds}, indent=2))
     if not args.run_root:
         shutil.rmtree(root, ignore_errors=True)
