@@ -85,7 +85,9 @@ class ParameterServer:
         # notes it under self.lock); a checkpoint saves it, ps0's membership reads it
         self.positions = TrainerPositions()
         self._released = threading.Event()  # elastic: trainer0 is done with the servers
-        self.checkpoints = CheckpointWriter(self)  # the checkpoint being written (begin_save .. finish_save)
+        self.checkpoints = CheckpointWriter(
+            self, cfg.checkpoint.writer
+        )  # the checkpoint being written (begin_save .. finish_save)
         # autograd context -> (rows [H], gradients [H, d]) pushed for it by a trainer's row cache
         self._pushed: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._pushed_lock = threading.Lock()
