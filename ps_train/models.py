@@ -1,4 +1,4 @@
-"""Models as ordered stages: MLP, a small CNN, torchvision's ResNet-18, and DLRM's two MLPs.
+"""Models as ordered stages: MLP, a small CNN, torchvision's ResNet-18, and DLRM's dense stages.
 
 No RPC here: a model is a list of ``nn.Module`` stages whose composition
 ``nn.Sequential(*stages)`` (``reference_model``) is the whole network, the single-process
@@ -15,9 +15,18 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from ps_train.config import CNNConfig, MLPConfig, ModelConfig, ResNetConfig
+from ps_train.config import CNNConfig, DLRMConfig, MLPConfig, ModelConfig, ResNetConfig
+from ps_train.cross_network import CrossSpec, LowRankCrossNet
 
-__all__ = ["build_stages", "reference_model", "mlp", "interaction_size", "dense_stages"]
+__all__ = [
+    "build_stages",
+    "reference_model",
+    "mlp",
+    "interaction_size",
+    "cross_spec",
+    "top_stage",
+    "dense_stages",
+]
 
 
 def build_stages(
@@ -129,21 +138,48 @@ def mlp(sizes: Sequence[int], last_relu: bool) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
-def interaction_size(num_tables: int, dim: int) -> int:
-    """Width of DLRM's interaction (``ps_train.ctr.model.interact``): the dense vector and one
-    dot product per pair of the T + 1 vectors (it and the T embeddings)."""
+def interaction_size(num_tables: int, dim: int, cross: CrossSpec | None = None) -> int:
+    """Width of DLRM's interaction, what the top stage reads. Dot (``cross`` None,
+    ``ps_train.ctr.model.interact``): the dense vector and one dot product per pair of the
+    T + 1 vectors (it and the T embeddings). DCN (``ps_train.ctr.model.concat_features``): the
+    T + 1 vectors side by side, which the cross layers keep at that width."""
     f = num_tables + 1
+    if cross is not None:
+        return f * dim
     return dim + f * (f - 1) // 2
 
 
+def cross_spec(cfg: DLRMConfig) -> CrossSpec | None:
+    """The cross network ``model.interaction=dcn`` puts in the top stage (None: dot)."""
+    return CrossSpec(cfg.dcn_layers, cfg.dcn_rank) if cfg.interaction == "dcn" else None
+
+
+def top_stage(num_tables: int, dim: int, top: Sequence[int], cross: CrossSpec | None) -> nn.Sequential:
+    """DLRM's stage after the interaction: the top MLP ``[B, z] -> [B, 1]``, preceded, for
+    DCN, by the cross network ``[B, z] -> [B, z]`` (its parameters are dense, so they live
+    and train with the top MLP on its server). Draws from torch's global RNG."""
+    width = interaction_size(num_tables, dim, cross)
+    head = mlp([width, *top, 1], last_relu=False)
+    if cross is None:
+        return head
+    return nn.Sequential(LowRankCrossNet(width, cross), head)
+
+
 def dense_stages(
-    num_dense: int, num_tables: int, dim: int, bottom: Sequence[int], top: Sequence[int], seed: int
+    num_dense: int,
+    num_tables: int,
+    dim: int,
+    bottom: Sequence[int],
+    top: Sequence[int],
+    seed: int,
+    cross: CrossSpec | None = None,
 ) -> list[nn.Sequential]:
-    """``[bottom MLP, top MLP]``, initialised exactly as ``DLRM(..., seed)`` initialises them,
-    without touching the caller's RNG: the dense stages a distributed run places on servers."""
+    """``[bottom MLP, top stage]``, initialised exactly as ``DLRM(..., seed, cross=cross)``
+    initialises them, without touching the caller's RNG: the dense stages a distributed run
+    places on servers."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return [
             mlp([num_dense, *bottom, dim], last_relu=True),  # [B, num_dense] -> [B, dim]
-            mlp([interaction_size(num_tables, dim), *top, 1], last_relu=False),
-        ]  # [B, z] -> [B, 1]
+            top_stage(num_tables, dim, top, cross),  # [B, z] -> [B, 1]
+        ]

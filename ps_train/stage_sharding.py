@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from ps_train.config import Config, CtrDataConfig, DLRMConfig, ModelConfig
-from ps_train.models import build_stages, dense_stages
+from ps_train.models import build_stages, cross_spec, dense_stages
 
 __all__ = [
     "stage_param_bytes",
@@ -145,13 +145,20 @@ def build_model_shards(
 def model_shards(cfg: Config) -> list[Shard]:
     """``build_model_shards`` for a run's config: the same list in every process of the run.
 
-    model=dlrm: its dense stages (bottom and top MLP), one shard each, on at most two
-    servers (its tables live on all of them, see ``ps_train.ctr.table_server``)."""
+    model=dlrm: its dense stages (bottom MLP; top MLP, after the cross layers for
+    ``model.interaction=dcn``), one shard each, on at most two servers (its tables live on
+    all of them, see ``ps_train.ctr.table_server``)."""
     if isinstance(cfg.model, DLRMConfig) and isinstance(cfg.data, CtrDataConfig):
         m = cfg.model
         stages: list[nn.Module] = list(
             dense_stages(
-                cfg.data.dense_count(), len(cfg.data.sizes()), m.embedding_dim, m.bottom_mlp, m.top_mlp, cfg.seed
+                cfg.data.dense_count(),
+                len(cfg.data.sizes()),
+                m.embedding_dim,
+                m.bottom_mlp,
+                m.top_mlp,
+                cfg.seed,
+                cross_spec(m),
             )
         )
         servers = min(cfg.cluster.num_servers, len(stages))

@@ -24,10 +24,14 @@ __all__ = [
     "MODEL_NAMES",
     "TABLE_SHARDINGS",
     "POOLINGS",
+    "INTERACTIONS",
 ]
 
 TABLE_SHARDINGS = ("range", "mod")
 POOLINGS = ("sum", "mean")  # how a table's bag of rows becomes one vector (nn.EmbeddingBag's modes)
+# model.interaction: dot (DLRM's pairwise dot products) | dcn (DCN-v2's low-rank cross layers)
+INTERACTIONS = ("dot", "dcn")
+DCN_DEFAULTS = {"dcn_layers": 3, "dcn_rank": 16}
 
 
 @dataclass
@@ -150,9 +154,11 @@ class ResNetConfig(ModelConfig):
 @dataclass
 class DLRMConfig(ModelConfig):
     """A DLRM-style CTR model: bottom MLP on the dense features, one embedding table per
-    categorical feature (sizes from the ``data`` group), dot interaction, top MLP, BCE.
+    categorical feature (sizes from the ``data`` group), an interaction (``dot``, or
+    DCN-v2's cross layers), top MLP, BCE.
 
-    The bottom and top MLPs are two stages placed on servers like any model's; every
+    The bottom MLP and the top stage (the cross layers, if any, and the top MLP) are two
+    stages placed on servers like any model's; every
     table is split by rows across all servers (``table_sharding``) and updated sparsely by
     ``table_optim``."""
 
@@ -160,6 +166,9 @@ class DLRMConfig(ModelConfig):
     embedding_dim: int = 16
     bottom_mlp: list[int] = field(default_factory=lambda: [64, 32])  # hidden sizes; its output is embedding_dim
     top_mlp: list[int] = field(default_factory=lambda: [64, 32])  # hidden sizes; its output is 1 logit
+    interaction: str = "dot"  # dot (pairwise dot products) | dcn (low-rank cross layers, ps_train.cross_network)
+    dcn_layers: int = DCN_DEFAULTS["dcn_layers"]  # interaction=dcn: cross layers
+    dcn_rank: int = DCN_DEFAULTS["dcn_rank"]  # interaction=dcn: rank r of each layer's U [N, r] V [r, N]
     table_sharding: str = "range"  # range (contiguous rows per server) | mod (id % num_servers)
     table_optim: str = "adagrad"  # sgd | adagrad | sparse_adam | rowwise_adagrad: touched rows only (ctr.optimizers)
     table_lr: float | None = None  # null: optim.lr
@@ -240,6 +249,7 @@ class DLRMConfig(ModelConfig):
         p.need(self.embedding_dim >= 1, f"model.embedding_dim: {self.embedding_dim} must be >= 1")
         p.need(all(h > 0 for h in self.bottom_mlp), f"model.bottom_mlp: {self.bottom_mlp} must all be > 0")
         p.need(all(h > 0 for h in self.top_mlp), f"model.top_mlp: {self.top_mlp} must all be > 0")
+        p += self.interaction_problems()
         p.need(
             self.table_sharding in TABLE_SHARDINGS,
             f"model.table_sharding: unknown {self.table_sharding!r}; choose one of {list(TABLE_SHARDINGS)}",
@@ -262,6 +272,22 @@ class DLRMConfig(ModelConfig):
             self.cache_staleness >= 1,
             f"model.cache_staleness: {self.cache_staleness} must be >= 1 (steps a cached row serves)",
         )
+        return p
+
+    def interaction_problems(self) -> Problems:
+        """Problems of ``interaction`` and the cross layers' settings."""
+        p = Problems()
+        if self.interaction not in INTERACTIONS:
+            p.append(f"model.interaction: unknown {self.interaction!r}; choose one of {list(INTERACTIONS)}")
+        elif self.interaction == "dcn":
+            p.need(self.dcn_layers >= 1, f"model.dcn_layers: {self.dcn_layers} must be >= 1 (cross layers)")
+            p.need(self.dcn_rank >= 1, f"model.dcn_rank: {self.dcn_rank} must be >= 1 (each cross layer's rank)")
+        else:
+            for key, default in DCN_DEFAULTS.items():
+                p.need(
+                    getattr(self, key) == default,
+                    f"model.{key}: only model.interaction=dcn takes it; drop it or set model.interaction=dcn",
+                )
         return p
 
     def input_problems(self, shape: tuple[int, ...], data_name: str) -> Problems:

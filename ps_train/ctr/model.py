@@ -2,9 +2,13 @@
 
     dense  [B, num_dense] -> bottom MLP -> x [B, d]
     ids    [B, T] or bags  -> one pooled embedding per table -> e [B, T, d]
-    z = interact(x, e)     [B, d + (T + 1) T / 2]: x, and the dot product of every pair of
-                           the T + 1 vectors (x and the T embeddings), strict lower triangle
-    logit = top MLP(z)     [B]; loss: binary cross-entropy with logits
+    z = interact(x, e)     model.interaction=dot: [B, d + (T + 1) T / 2]: x, and the dot
+                           product of every pair of the T + 1 vectors (x and the T
+                           embeddings), strict lower triangle
+    z = concat_features(x, e)   model.interaction=dcn: [B, (T + 1) d], the T + 1 vectors
+                           side by side, which the top stage's cross layers take first
+                           (``ps_train.cross_network``)
+    logit = top stage(z)   [B]; loss: binary cross-entropy with logits
 
 No RPC here: ``DLRM`` is the single-process model (each table an
 ``nn.EmbeddingBag(mode=pooling[t], sparse=True)``: one id per bag for one-hot data, as
@@ -17,18 +21,19 @@ from the config like any model's stages) and splits each table by rows across se
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from ps_train.cross_network import CrossSpec
 from ps_train.ctr.bags import Bags
 from ps_train.ctr.jagged import KeyedJagged, to_bags
 from ps_train.ctr.rows import init_rows
-from ps_train.models import interaction_size, mlp
+from ps_train.models import mlp, top_stage
 
-__all__ = ["interact", "DLRM"]
+__all__ = ["interact", "concat_features", "interaction", "DLRM"]
 
 
 def interact(x: Tensor, emb: Tensor) -> Tensor:
@@ -40,10 +45,23 @@ def interact(x: Tensor, emb: Tensor) -> Tensor:
     return torch.cat([x, dots[:, rows, cols]], dim=1)
 
 
+def concat_features(x: Tensor, emb: Tensor) -> Tensor:
+    """DCN's input: x [B, d], emb [B, T, d] -> [B, (T + 1) d], x first, then table by table
+    (TorchRec's ``InteractionDCNArch`` order); the cross layers live in the top stage."""
+    return torch.cat([x.unsqueeze(1), emb], dim=1).flatten(1)
+
+
+def interaction(cross: CrossSpec | None) -> Callable[[Tensor, Tensor], Tensor]:
+    """What runs between the bottom MLP and the top stage, on the trainer (no parameters):
+    ``interact`` for dot, ``concat_features`` when the top stage starts with cross layers."""
+    return interact if cross is None else concat_features
+
+
 class DLRM(nn.Module):
     """The whole model in one process. ``bottom``/``top`` are built from ``seed`` (torch's
     default initialisation); table ``t`` holds ``init_rows(seed, t, ...)`` and pools its bags
-    by ``pooling[t]`` (``sum`` if not given)."""
+    by ``pooling[t]`` (``sum`` if not given). ``cross``: DCN-v2 cross layers as the
+    interaction (``top`` then starts with them), else the dot interaction."""
 
     def __init__(
         self,
@@ -55,13 +73,15 @@ class DLRM(nn.Module):
         seed: int,
         pooling: Sequence[str] | None = None,
         feature_names: Sequence[str] | None = None,
+        cross: CrossSpec | None = None,
     ) -> None:
         super().__init__()
         # What each table's feature is called in KeyedJagged batches (ps_train.ctr.jagged).
         self.feature_names = list(feature_names) if feature_names else [f"f{t}" for t in range(len(table_sizes))]
         torch.manual_seed(seed)
         self.bottom = mlp([num_dense, *bottom, dim], last_relu=True)
-        self.top = mlp([interaction_size(len(table_sizes), dim), *top, 1], last_relu=False)
+        self.top = top_stage(len(table_sizes), dim, top, cross)
+        self.interact = interaction(cross)
         self.tables = nn.ModuleList()
         modes = list(pooling) if pooling else ["sum"] * len(table_sizes)
         for t, rows in enumerate(table_sizes):
@@ -84,4 +104,4 @@ class DLRM(nn.Module):
         x = self.bottom(dense)
         bags = to_bags(ids, self.feature_names)
         emb = torch.stack([bag(*bags.table(t)) for t, bag in enumerate(self.tables)], dim=1)  # [B, T, d]
-        return self.top(interact(x, emb)).squeeze(1)
+        return self.top(self.interact(x, emb)).squeeze(1)
