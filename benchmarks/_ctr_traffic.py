@@ -1,6 +1,6 @@
 """The ideal bytes on the wire per trainer step of ps_train's DLRM scheme, from the exact batches.
 
-The scheme (``ps_train/ctr/plan.py``): per step a trainer asks every server, for all tables
+The scheme (``ps_train/workloads/ctr/tables/plan.py``): per step a trainer asks every server, for all tables
 at once, either for each distinct row of a table the batch uses (one-hot tables: a row is
 fetched once however many samples use it) or, where that costs fewer bytes (multi-hot bags),
 for one partial pooled vector per bag and server (the server sums its rows of the bag); it
@@ -88,12 +88,12 @@ def replay_ideal_bytes(cfg, steps: int) -> TrafficReplay:
     """Replay the batches every trainer of the run ``cfg`` (a ps_train ``Config`` with
     model=dlrm) takes in ``steps`` steps, plan each as the trainers do, and sum
     ``step_ideal_bytes`` per server."""
-    from ps_train.ctr.bags import as_bags
-    from ps_train.ctr.batches import CtrBatchIterator
-    from ps_train.ctr.loading import load_ctr_data
-    from ps_train.ctr.plan import BagPlanner
-    from ps_train.ctr.rows import FusedLayout
     from ps_train.stage_sharding import model_shards
+    from ps_train.workloads.ctr.data.bags import as_bags
+    from ps_train.workloads.ctr.data.batches import CtrBatchIterator
+    from ps_train.workloads.ctr.data.loading import load_ctr_data
+    from ps_train.workloads.ctr.tables.plan import BagPlanner
+    from ps_train.workloads.ctr.tables.rows import FusedLayout
 
     S, K = cfg.cluster.num_servers, cfg.cluster.num_trainers
     d, B = cfg.model.embedding_dim, cfg.train.batch_size

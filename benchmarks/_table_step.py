@@ -50,9 +50,9 @@ def fbgemm_bytes(batch: int, tables: int, dim: int, mean_bag: float) -> float:
 
 
 def _batches(steps: int, bag: int) -> list[Any]:
-    from ps_train.ctr.bags import Bags
-    from ps_train.ctr.synthetic import SyntheticCtr
-    from ps_train.ctr.synthetic_bags import BagShape
+    from ps_train.workloads.ctr.data.bags import Bags
+    from ps_train.workloads.ctr.data.synthetic import SyntheticCtr
+    from ps_train.workloads.ctr.data.synthetic_bags import BagShape
 
     shape = BagShape((bag,) * TABLES) if bag > 1 else None
     gen = SyntheticCtr(13, [ROWS] * TABLES, 1.05, seed=0, bag_shape=shape)
@@ -115,7 +115,7 @@ def run_fbgemm(batches: list[Any], warmup: int) -> dict[str, Any]:
 
 def run_per_table(batches: list[Any], warmup: int, servers: int) -> dict[str, Any]:
     """Server 0's work in ps_train before fused tables, ``servers`` trainers' batches per step."""
-    from ps_train.ctr.rows import RowSharding
+    from ps_train.workloads.ctr.tables.rows import RowSharding
 
     shardings = [RowSharding("mod", ROWS, servers) for _ in range(TABLES)]
     tables = [torch.nn.Parameter(torch.rand(sh.rows_of(0), DIM)) for sh in shardings]
@@ -149,11 +149,11 @@ def run_per_table(batches: list[Any], warmup: int, servers: int) -> dict[str, An
 
 def run_ps_train(batches: list[Any], warmup: int, servers: int, optim: str) -> dict[str, Any]:
     """Server 0 of ``servers`` and ``servers`` trainers (sync: their gradients summed, one step)."""
-    import ps_train.ctr.shards as shards_mod
+    import ps_train.workloads.ctr.tables.shards as shards_mod
     from ps_train.config import OptimConfig
-    from ps_train.ctr.optimizers import make_table_optimizer
-    from ps_train.ctr.plan import BagPlanner, combine
-    from ps_train.ctr.rows import FusedLayout
+    from ps_train.workloads.ctr.tables.optimizers import make_table_optimizer
+    from ps_train.workloads.ctr.tables.plan import BagPlanner, combine
+    from ps_train.workloads.ctr.tables.rows import FusedLayout
 
     shards_mod.init_rows = _fast_init  # type: ignore[attr-defined]  # values do not matter here (docstring)
     server = shards_mod.TableShards([ROWS] * TABLES, DIM, "mod", 0, servers, seed=0)

@@ -85,9 +85,9 @@ def worker(cfg: Any, steps: int, out_path: str) -> None:
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
     from ps_train.config import optimizer_spec
-    from ps_train.ctr.bags import as_bags
-    from ps_train.ctr.batches import CtrBatchIterator
-    from ps_train.ctr.loading import load_ctr_data
+    from ps_train.workloads.ctr.data.bags import as_bags
+    from ps_train.workloads.ctr.data.batches import CtrBatchIterator
+    from ps_train.workloads.ctr.data.loading import load_ctr_data
 
     torch.set_num_threads(1)  # as in every ps_train process
     model, names = build(cfg)

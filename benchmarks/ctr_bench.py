@@ -41,7 +41,7 @@ Configurations (``model=dlrm``, ``data=synthetic_ctr``, ``mode=sync``, ``seed=0`
   512), 2 servers + 2 trainers. The single process holds all 2.56 GB of rows plus as much
   Adagrad state (~5.5 GB resident; fine on a 24 GiB machine).
 - multihot: 8 tables x 100,000 rows, dim 32, bags of 20 ids (``data.bag_sizes=[20]``), batch
-  256, 2 servers + 2 trainers: the servers pool their rows of each bag (``ps_train.ctr.plan``).
+  256, 2 servers + 2 trainers: the servers pool their rows of each bag (``ps_train.workloads.ctr.tables.plan``).
 
 Every run: ``train.eval_every=0``, ``checkpoint.every=0``, ``checkpoint.final=false`` (the
 large run's final checkpoint writes 5 GB inside trainer0's timed loop), no TensorBoard, one
@@ -56,7 +56,7 @@ What is measured:
   training, while an earlier trainer's loop also holds its wait for the others' start-up
   (seconds on a loaded machine): ``metrics.json``'s ``samples_per_s`` divides by the longest
   loop, and is kept in --json as ``metrics_samples_per_s``.
-  Single process: ``ps_train.ctr.model.DLRM`` (``nn.EmbeddingBag(sparse=True)`` tables with the
+  Single process: ``ps_train.workloads.ctr.model.DLRM`` (``nn.EmbeddingBag(sparse=True)`` tables with the
   same initial rows and MLPs), the same optimizers (``optim`` on the MLPs,
   ``model.table_optim`` on the tables), trainer0's batches of a one-trainer run, one
   intra-op thread (what each ps_train process gets), timed the same way. It has no servers
@@ -264,7 +264,7 @@ def run_single(name: str, steps: int, timeout: float, kind: str = "single") -> d
 
 
 def single_worker(name: str, steps: int, out_path: str) -> None:
-    """Child process: train ``ps_train.ctr.model.DLRM`` in plain torch; write the figures to ``out_path``."""
+    """Child process: train ``ps_train.workloads.ctr.model.DLRM`` in plain torch; write the figures to ``out_path``."""
     import resource
     import warnings
 
@@ -272,10 +272,14 @@ def single_worker(name: str, steps: int, out_path: str) -> None:
     import torch.nn.functional as F
 
     from ps_train.config import optimizer_spec
-    from ps_train.ctr.batches import CtrBatchIterator
-    from ps_train.ctr.loading import load_ctr_data
-    from ps_train.ctr.model import DLRM
-    from ps_train.ctr.optimizers import TORCH_TABLE_OPTIMIZERS, make_table_optimizer, table_optimizer_spec
+    from ps_train.workloads.ctr.data.batches import CtrBatchIterator
+    from ps_train.workloads.ctr.data.loading import load_ctr_data
+    from ps_train.workloads.ctr.model import DLRM
+    from ps_train.workloads.ctr.tables.optimizers import (
+        TORCH_TABLE_OPTIMIZERS,
+        make_table_optimizer,
+        table_optimizer_spec,
+    )
 
     torch.set_num_threads(1)  # as in every ps_train process
     # Adagrad on sparse gradients warns that it does not re-check their indices (see table_server).

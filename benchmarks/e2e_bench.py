@@ -299,8 +299,8 @@ def single_main(model: str, steps: int, threads: int, out) -> None:
 
         torch.set_num_threads(threads)
         from ps_train.config import optimizer_spec
-        from ps_train.data import BatchIterator, load_data
-        from ps_train.models import build_stages, reference_model
+        from ps_train.workloads.vision.data import BatchIterator, load_data
+        from ps_train.workloads.vision.models import build_stages, reference_model
 
         cfg = make_config(model, 1, 1, "rpc_core", steps)
         train_set, _ = load_data(cfg.data)

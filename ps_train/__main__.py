@@ -19,9 +19,9 @@ import ps_train.config  # noqa: F401  (registers the config schemas with Hydra)
 from ps_train.app import run
 from ps_train.checkpoint.files import CheckpointError
 from ps_train.config import ConfigError, from_dictconfig
-from ps_train.data import DatasetNotFoundError
 from ps_train.launch.failures import RoleFailed
 from ps_train.launch.prechecks import DataCheckError
+from ps_train.workload import DatasetNotFoundError
 
 log = logging.getLogger("ps_train")
 
@@ -73,7 +73,9 @@ def main(dcfg: DictConfig) -> float:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
-    return float(metrics["test_accuracy"]) if metrics else 0.0
+    # Hydra's sweepers read the return value: the workload's first test metric (accuracy, AUC, ...).
+    tests = [v for k, v in (metrics or {}).items() if k.startswith("test_") and isinstance(v, (int, float))]
+    return float(tests[0]) if tests else 0.0
 
 
 if __name__ == "__main__":

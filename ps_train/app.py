@@ -16,7 +16,6 @@ from typing import Any
 
 from ps_train.checkpoint.files import CheckpointError
 from ps_train.config import Config, ConfigError, config_to_dict
-from ps_train.data import DatasetNotFoundError
 from ps_train.files import atomic_write_text
 from ps_train.launch.environment import EnvRank, env_rank
 from ps_train.launch.failures import role_name
@@ -31,6 +30,13 @@ from ps_train.launch.restarts import (
     start_checkpoint,
 )
 from ps_train.metrics import write_metrics_json
+from ps_train.workload import DatasetNotFoundError, import_plugins
+from ps_train.workloads import BUILTIN
+
+# The built-in workloads, and any named in PS_TRAIN_PLUGINS, register themselves (ps_train.workload)
+# before a config is composed or a role is started.
+import_plugins(BUILTIN)
+import_plugins()
 
 log = logging.getLogger("ps_train")
 

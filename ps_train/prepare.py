@@ -13,8 +13,8 @@ import logging
 import sys
 
 from ps_train.config.prepared import PreparedDataError
-from ps_train.ctr.criteo import CriteoFormatError
-from ps_train.ctr.criteo_prepare import BLOCK_BYTES, prepare_criteo
+from ps_train.workloads.ctr.data.criteo import CriteoFormatError
+from ps_train.workloads.ctr.data.criteo_prepare import BLOCK_BYTES, prepare_criteo
 
 __all__ = ["main"]
 

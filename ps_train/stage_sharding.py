@@ -3,7 +3,7 @@
 ``place_stages`` assigns stage indices to servers; ``build_shards`` groups consecutive stages
 that share a server into ``Shard``s, the unit a server hosts and a trainer calls in forward
 order. Composing the shards in order is, by construction, the same computation as the
-single-process ``models.reference_model``. Every process computes the same shards from the
+single-process model (the stages in order). Every process computes the same shards from the
 config (``model_shards``), so the layout is never sent over RPC.
 """
 
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ps_train.config import Config, CtrDataConfig, DLRMConfig, ModelConfig
-from ps_train.models import build_stages, cross_spec, dense_stages
+from ps_train.config import Config
+from ps_train.workload import workload_for
 
 __all__ = [
     "stage_param_bytes",
@@ -23,7 +23,6 @@ __all__ = [
     "Shard",
     "build_shards",
     "shards_of_server",
-    "build_model_shards",
     "model_shards",
 ]
 
@@ -133,41 +132,10 @@ def shards_of_server(shards: Sequence[Shard], server: int) -> list[Shard]:
     return [s for s in shards if s.server == server]
 
 
-def build_model_shards(
-    cfg: ModelConfig, in_shape: tuple[int, ...], num_classes: int, num_servers: int, strategy: str, seed: int
-) -> list[Shard]:
-    """Build the seeded model and split it: what every server computes identically,
-    keeping only ``shards_of_server(result, rank)``."""
-    stages = build_stages(cfg, in_shape, num_classes, seed=seed)
-    return build_shards(stages, place_stages(stages, num_servers, strategy))
-
-
 def model_shards(cfg: Config) -> list[Shard]:
-    """``build_model_shards`` for a run's config: the same list in every process of the run.
-
-    model=dlrm: its dense stages (bottom MLP; top MLP, after the cross layers for
-    ``model.interaction=dcn``), one shard each, on at most two servers (its tables live on
-    all of them, see ``ps_train.ctr.table_server``)."""
-    if isinstance(cfg.model, DLRMConfig) and isinstance(cfg.data, CtrDataConfig):
-        m = cfg.model
-        stages: list[nn.Module] = list(
-            dense_stages(
-                cfg.data.dense_count(),
-                len(cfg.data.sizes()),
-                m.embedding_dim,
-                m.bottom_mlp,
-                m.top_mlp,
-                cfg.seed,
-                cross_spec(m),
-            )
-        )
-        servers = min(cfg.cluster.num_servers, len(stages))
-        return build_shards(stages, place_stages(stages, servers, cfg.cluster.placement), merge=False)
-    return build_model_shards(
-        cfg.model,
-        cfg.data.sample_shape(),
-        cfg.data.class_count(),
-        cfg.cluster.num_servers,
-        cfg.cluster.placement,
-        cfg.seed,
-    )
+    """The run's model split into shards: the same list in every process of the run. The
+    stages are the workload's (``ps_train.workload.StagePlan``); a plan may keep them on
+    fewer servers than the run has (DLRM's two MLPs; its tables live on every server)."""
+    plan = workload_for(cfg).stages(cfg)
+    servers = cfg.cluster.num_servers if plan.max_servers is None else min(cfg.cluster.num_servers, plan.max_servers)
+    return build_shards(plan.stages, place_stages(plan.stages, servers, cfg.cluster.placement), merge=plan.merge)

@@ -83,7 +83,7 @@ def init_rpc(
     """Join the group: rendezvous, authenticate, start this worker's agent. ``world_size=None``
     makes the group dynamic (every member passes None): rank 0 founds it, other ranks join it
     while it runs, and ``shutdown`` leaves it (see ``registry``)."""
-    if _agent_mod._agent is not None:
+    if _agent_mod.current_agent_or_none() is not None:
         raise RuntimeError("RPC is already initialized")
     if backend is not None and not isinstance(backend, BackendType):
         raise TypeError("Argument backend must be a member of BackendType")
@@ -120,7 +120,7 @@ def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
 
 def _is_current_rpc_agent_set() -> bool:
     """Whether this process is a worker (``init_rpc`` done, ``shutdown`` not yet)."""
-    return _agent_mod._agent is not None
+    return _agent_mod.current_agent_or_none() is not None
 
 
 def _get_current_rpc_agent() -> Agent:

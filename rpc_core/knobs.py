@@ -23,7 +23,7 @@ _FALSE = ("0", "false", "no", "off")
 
 class Knob(NamedTuple):
     """One variable: its name, its default (as it would be written in the environment) and
-    what it does, in one line (the README's table says the same)."""
+    what it does, in one line (the table in docs/rpc_core.md says the same)."""
 
     name: str
     default: str

@@ -25,9 +25,7 @@ from .agent import calls
 from .agent.futures import settle
 from .autograd import hooks
 from .errors import format_many
-from .options import UNSET_RPC_TIMEOUT
-from .rref import RRef, _on_invoke
-from .rref.state import _ctx as _rref_owners
+from .rref import RRef, invoke_on_owner, owned_value, owner_id_of, rref_id_of
 
 __all__ = ["DistributedOptimizer"]
 
@@ -64,7 +62,7 @@ def _step_in_backward(context_id: int, per_owner: dict[int, list[Any]]) -> None:
     """On an owner, once its part of a backward is done: step its local optimizers that
     ``per_owner`` (rank -> their RRef ids) names here."""
     for rref_id in per_owner.get(_agent_mod.current_agent().me.id, ()):
-        _rref_owners.live_entry(tuple(rref_id)).value.wait().step(context_id)
+        owned_value(tuple(rref_id)).step(context_id)
 
 
 hooks.on_backward_done(_IN_BACKWARD, _step_in_backward)
@@ -120,19 +118,7 @@ class DistributedOptimizer:
         # RRef itself would fork it: a confirmation and a delete per owner per step), and
         # is ``waited``: this thread waits for every answer right away and reads them
         # itself, so no background reader needs waking for them.
-        futures = [
-            calls.invoke_async(
-                opt._owner_id,
-                _on_invoke,
-                (opt._rref_id, "step", (context_id,), {}),
-                None,
-                UNSET_RPC_TIMEOUT,
-                "async",
-                keepalive=opt,
-                waited=True,
-            )
-            for opt in self.remote_optimizers
-        ]
+        futures = [invoke_on_owner(opt, "step", (context_id,), {}, waited=True) for opt in self.remote_optimizers]
         _wait_all(futures, "Error running optimizer.")
 
     def step_in_backward(self, context_id: int) -> None:
@@ -142,5 +128,5 @@ class DistributedOptimizer:
         owner's optimizer error, naming the owner). Results equal ``step``'s."""
         per_owner: dict[int, list[Any]] = defaultdict(list)
         for opt in self.remote_optimizers:
-            per_owner[opt._owner_id].append(opt._rref_id)
+            per_owner[owner_id_of(opt)].append(rref_id_of(opt))
         hooks.set_backward_info(context_id, _IN_BACKWARD, dict(per_owner))

@@ -42,9 +42,9 @@ from ps_train.checkpoint.files import (
 )
 from ps_train.checkpoint.positions import TrainerPositions, earliest, trainer_name
 from ps_train.config import Config, ConfigError, config_to_dict
-from ps_train.data import steps_per_epoch
 from ps_train.faults import die, fault_at
 from ps_train.files import file_sha256
+from ps_train.partition import steps_per_epoch
 
 log = logging.getLogger("ps_train.checkpoint")
 

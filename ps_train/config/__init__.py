@@ -35,7 +35,7 @@ from ps_train.config.data import (
     SyntheticCtrConfig,
     VisionDataConfig,
 )
-from ps_train.config.loading import from_dictconfig, register_configs
+from ps_train.config.loading import from_dictconfig, register_configs, register_model_schema
 from ps_train.config.model import (
     INTERACTIONS,
     MODEL_NAMES,
@@ -87,6 +87,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "MODEL_NAMES",
+    "register_model_schema",
     "MODEL_SCHEMAS",
     "DATA_NAMES",
     "DATA_SCHEMAS",

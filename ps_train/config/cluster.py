@@ -14,17 +14,17 @@ LAUNCHERS = ("local", "env")
 
 @dataclass
 class ClusterConfig:
-    num_servers: int = 2
-    num_trainers: int = 2
+    num_servers: int = 2  # parameter servers: ranks 0..num_servers-1, named ps0, ps1, ...
+    num_trainers: int = 2  # trainers: the ranks after the servers, named trainer0, trainer1, ...
     placement: str = "balanced"  # round_robin | balanced (by parameter bytes)
-    master_addr: str = "127.0.0.1"
+    master_addr: str = "127.0.0.1"  # rank 0's address, where the ranks meet (the rendezvous)
     master_port: int = 0  # 0: the launcher picks a free port
     launcher: str = "local"  # local: spawn all roles here; env: one rank from RANK/WORLD_SIZE/...
     rpc_timeout: float = 60.0  # seconds; 0 = no timeout
     # Seconds the ranks wait for each other to start (the rendezvous): process start-up on a busy
     # or large cluster may take far longer than one call should.
     init_timeout: float = 300.0
-    num_worker_threads: int = 8
+    num_worker_threads: int = 8  # threads each process serves RPCs with (RpcBackendOptions)
     # Local launcher: restart the whole run from its latest complete checkpoint when a role dies or
     # stops answering, at most this often (0: a failed role stops the run). Under launcher=env
     # torchrun's --max-restarts restarts the processes instead (see docs/training_failures.md).

@@ -30,7 +30,7 @@ __all__ = [
 ]
 
 CRITEO_TABLES, CRITEO_DENSE = 26, 13  # Criteo's categorical and integer features
-BAG_SIZE_DISTS = ("fixed", "uniform")  # synthetic_ctr's bag lengths (ps_train.ctr.synthetic_bags)
+BAG_SIZE_DISTS = ("fixed", "uniform")  # synthetic_ctr's bag lengths (ps_train.workloads.ctr.data.synthetic_bags)
 
 # Sample shape [C, H, W] of each dataset torchvision reads; ps_train.data checks the files
 # it loads against it.
@@ -47,7 +47,7 @@ DIGITS_SAMPLES = 1797  # scikit-learn's load_digits
 class DataConfig:
     """Base schema of the ``data`` group; ``name`` selects the dataset."""
 
-    name: str = MISSING
+    name: str = MISSING  # the dataset: choose it with data=<name> (not data.name=)
 
     def sample_shape(self) -> tuple[int, ...]:
         """Shape of one sample (no batch dim)."""
@@ -87,7 +87,7 @@ class DataConfig:
 @dataclass
 class DigitsConfig(DataConfig):
     name: str = "digits"
-    test_fraction: float = 0.2
+    test_fraction: float = 0.2  # share of the 1,797 images held out for the test accuracy
     # Fixes the train/test split (not the training order, which follows the top-level seed),
     # so test accuracy is comparable across runs with different seeds.
     split_seed: int = 0
@@ -109,8 +109,8 @@ class DigitsConfig(DataConfig):
 class VisionDataConfig(DataConfig):
     """mnist / fashion_mnist / cifar10, read by torchvision from ``root``."""
 
-    root: str = "data"
-    download: bool = False
+    root: str = "data"  # folder torchvision reads the dataset's files from
+    download: bool = False  # true: torchvision downloads the files into root if they are missing
 
     def sample_shape(self) -> tuple[int, ...]:
         if self.name in VISION_SHAPES:
@@ -125,11 +125,11 @@ class VisionDataConfig(DataConfig):
 class SyntheticConfig(DataConfig):
     name: str = "synthetic"
     shape: list[int] = field(default_factory=lambda: [1, 28, 28])  # per sample: C,H,W or D
-    num_classes: int = 10
-    train_size: int = 4096
-    test_size: int = 1024
+    num_classes: int = 10  # classes, one prototype each (the model's output width)
+    train_size: int = 4096  # training samples, over all trainers
+    test_size: int = 1024  # held-out samples
     noise: float = 1.0  # std of the noise around each class prototype
-    data_seed: int = 0
+    data_seed: int = 0  # fixes the samples (not the training order, which follows seed)
 
     def sample_shape(self) -> tuple[int, ...]:
         return tuple(self.shape)
@@ -160,9 +160,9 @@ class CtrDataConfig(DataConfig):
     """Click-through-rate data for model=dlrm. The tables: ``table_sizes`` (rows per table)
     if given, else ``num_tables`` tables of ``table_rows`` rows each."""
 
-    num_tables: int = 8
-    table_rows: int = 1000
-    table_sizes: list[int] = field(default_factory=list)
+    num_tables: int = 8  # embedding tables, one per categorical feature
+    table_rows: int = 1000  # rows of every table, unless table_sizes lists them
+    table_sizes: list[int] = field(default_factory=list)  # rows of each table, one by one; []: table_rows each
     test_fraction: float = 0.1  # the last samples (in time order) are the held-out split
 
     def is_ctr(self) -> bool:
@@ -200,17 +200,17 @@ class CtrDataConfig(DataConfig):
 
 @dataclass
 class SyntheticCtrConfig(CtrDataConfig):
-    """Seeded CTR data with a known best AUC (``ps_train.ctr.synthetic``); offline."""
+    """Seeded CTR data with a known best AUC (``ps_train.workloads.ctr.data.synthetic``); offline."""
 
     name: str = "synthetic_ctr"
     num_samples: int = 500000  # train + test
-    num_dense: int = 13
+    num_dense: int = 13  # dense (float) features per sample, the bottom MLP's input
     zipf_alpha: float = 1.05  # id popularity ~ rank ** -alpha; 0 = uniform
     zipf_alphas: list[float] = field(default_factory=list)  # one skew per table; []: zipf_alpha for every table
-    positive_rate: float = 0.25
+    positive_rate: float = 0.25  # share of samples labelled 1 (clicks)
     signal_std: float = 1.4  # std of the hidden model's logit: higher = easier (best AUC up)
     interaction: float = 0.0  # share of the logit's variance from pairwise table interactions
-    data_seed: int = 0
+    data_seed: int = 0  # fixes the samples and the hidden model (not the training order)
     # Multi-hot bags: ids per bag, [] (one id per table), one size for every table, or one per table.
     bag_sizes: list[int] = field(default_factory=list)
     bag_size_dist: str = "fixed"  # fixed: exactly bag_sizes[t] ids | uniform: 1..bag_sizes[t]
@@ -244,7 +244,8 @@ class SyntheticCtrConfig(CtrDataConfig):
         return list(self.zipf_alphas) if self.zipf_alphas else [self.zipf_alpha] * len(self.sizes())
 
     def train_samples(self) -> int:
-        # What ps_train.ctr.split.time_split keeps: the last round(n * test_fraction) samples are the test split.
+        # What ps_train.workloads.ctr.data.split.time_split keeps: the last round(n * test_fraction)
+        # samples are the test split.
         return self.num_samples - int(round(self.num_samples * self.test_fraction))
 
     def problems(self) -> Problems:
@@ -292,7 +293,7 @@ class CriteoConfig(CtrDataConfig):
     (memory-mapped; ``root`` is then not read)."""
 
     name: str = "criteo"
-    root: str = "data/criteo"
+    root: str = "data/criteo"  # folder of the TSV day files (day_0 ..) or train.txt, plain or .gz
     prepared: str | None = None  # a prepared folder (see ps_train.config.prepared)
     num_tables: int = CRITEO_TABLES
     table_rows: int = 100000  # ids are hashed into this many rows per table

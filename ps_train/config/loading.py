@@ -21,10 +21,10 @@ from ps_train.config.data import (
     SyntheticCtrConfig,
     VisionDataConfig,
 )
-from ps_train.config.model import MODEL_NAMES, MODEL_SCHEMAS, ModelConfig
+from ps_train.config.model import MODEL_SCHEMAS, ModelConfig
 from ps_train.config.root import Config, validate
 
-__all__ = ["register_configs", "from_dictconfig"]
+__all__ = ["register_configs", "register_model_schema", "from_dictconfig"]
 
 
 def register_configs() -> None:
@@ -47,6 +47,19 @@ def register_configs() -> None:
     # cluster/optim/mode/logging have one schema each, already typed by the root schema.
 
 
+def register_model_schema(name: str, schema: type[ModelConfig]) -> None:
+    """Add a workload's model schema: ``model=<name>`` then selects it on the command line (no
+    YAML file needed), and saved configs naming it load. Idempotent."""
+    if not (isinstance(schema, type) and issubclass(schema, ModelConfig)):
+        raise TypeError(f"model schema {name!r}: {schema!r} is not a ModelConfig dataclass")
+    if MODEL_SCHEMAS.get(name, schema) is not schema:
+        raise ValueError(f"model.name={name!r} is already the schema {MODEL_SCHEMAS[name].__name__}")
+    MODEL_SCHEMAS[name] = schema
+    cs = ConfigStore.instance()
+    cs.store(group="model", name=f"{name}_schema", node=schema)
+    cs.store(group="model", name=name, node=schema)
+
+
 def from_dictconfig(cfg: DictConfig | dict[str, Any], check: bool = True) -> Config:
     """Convert a composed (or saved, plain) config into a validated ``Config``.
 
@@ -61,7 +74,7 @@ def from_dictconfig(cfg: DictConfig | dict[str, Any], check: bool = True) -> Con
         data_name = OmegaConf.select(cfg, "data.name", default="digits")
         problems = []
         if model_name not in MODEL_SCHEMAS:
-            problems.append(f"model.name: unknown model {model_name!r}; choose one of {list(MODEL_NAMES)}")
+            problems.append(f"model.name: unknown model {model_name!r}; choose one of {list(MODEL_SCHEMAS)}")
         if data_name not in DATA_SCHEMAS:
             problems.append(f"data.name: unknown dataset {data_name!r}; choose one of {list(DATA_NAMES)}")
         if problems:

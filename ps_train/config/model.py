@@ -1,7 +1,7 @@
 """The ``model`` group: one schema per architecture, each knowing its own stage count.
 
 The stage counts here are the facts validation and sharding need before any model is built;
-``ps_train.models`` builds exactly that many stages (its tests check that the two agree).
+``ps_train.workloads.vision.models`` builds exactly that many stages (its tests check that the two agree).
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ DCN_DEFAULTS = {"dcn_layers": 3, "dcn_rank": 16}
 class ModelConfig:
     """Base schema of the ``model`` group; ``name`` selects the architecture."""
 
-    name: str = MISSING
+    name: str = MISSING  # the architecture: choose it with model=<name> (not model.name=)
 
     def num_stages(self) -> int:
-        """Number of stages ``ps_train.models.build_stages`` makes, without building anything."""
+        """Number of stages ``ps_train.workloads.vision.models.build_stages`` makes, without building anything."""
         raise ValueError(
             f"model.name: unknown model {self.name!r} ({type(self).__name__}); "
             "choose model=mlp, model=cnn or model=resnet18"
@@ -68,7 +68,7 @@ class ModelConfig:
         """This group's own problems (see ``Config.problems`` for those across groups)."""
         p = Problems()
         if self.name not in MODEL_SCHEMAS:
-            p.append(f"model.name: unknown model {self.name!r}; choose one of {list(MODEL_NAMES)} (e.g. model=cnn)")
+            p.append(f"model.name: unknown model {self.name!r}; choose one of {list(MODEL_SCHEMAS)} (e.g. model=cnn)")
         elif not self.matches_schema():
             p.append(
                 f"model.name: {self.name!r} does not match the selected model group "
@@ -86,7 +86,7 @@ class MLPConfig(ModelConfig):
     name: str = "mlp"
     # One stage per hidden layer (Linear+ReLU+Dropout) plus a final Linear stage.
     hidden_sizes: list[int] = field(default_factory=lambda: [128, 64])
-    dropout: float = 0.0
+    dropout: float = 0.0  # dropout probability after each hidden layer (masks seeded per step)
 
     def num_stages(self) -> int:
         return len(self.hidden_sizes) + 1
@@ -104,8 +104,8 @@ class CNNConfig(ModelConfig):
     # One stage per conv block (conv3x3 + ReLU + 2x2 max-pool), then an fc stage and a
     # classifier stage. Each block halves H and W, so inputs need H, W >= 2**len(channels).
     channels: list[int] = field(default_factory=lambda: [32, 64])
-    fc_size: int = 128
-    dropout: float = 0.0
+    fc_size: int = 128  # width of the fully connected stage after the conv blocks
+    dropout: float = 0.0  # dropout probability before the classifier stage
 
     def num_stages(self) -> int:
         return len(self.channels) + 2
@@ -163,10 +163,11 @@ class DLRMConfig(ModelConfig):
     ``table_optim``."""
 
     name: str = "dlrm"
-    embedding_dim: int = 16
+    embedding_dim: int = 16  # width of every table row (and of the bottom MLP's output)
     bottom_mlp: list[int] = field(default_factory=lambda: [64, 32])  # hidden sizes; its output is embedding_dim
     top_mlp: list[int] = field(default_factory=lambda: [64, 32])  # hidden sizes; its output is 1 logit
-    interaction: str = "dot"  # dot (pairwise dot products) | dcn (low-rank cross layers, ps_train.cross_network)
+    # dot (pairwise dot products) | dcn (DCN-v2 low-rank cross layers before the top MLP, docs/ctr.md)
+    interaction: str = "dot"
     dcn_layers: int = DCN_DEFAULTS["dcn_layers"]  # interaction=dcn: cross layers
     dcn_rank: int = DCN_DEFAULTS["dcn_rank"]  # interaction=dcn: rank r of each layer's U [N, r] V [r, N]
     table_sharding: str = "range"  # range (contiguous rows per server) | mod (id % num_servers)
@@ -174,7 +175,7 @@ class DLRMConfig(ModelConfig):
     table_lr: float | None = None  # null: optim.lr
     pooling: list[str] = field(default_factory=list)  # per table sum | mean; []: sum; one value: every table
     feature_names: list[str] = field(default_factory=list)  # each table's feature (KeyedJagged keys); []: f0, f1, ...
-    cache_rows: int = 0  # hot rows each trainer caches (ps_train.ctr.cache); 0: no cache
+    cache_rows: int = 0  # hot rows each trainer caches (ps_train.workloads.ctr.tables.cache); 0: no cache
     cache_staleness: int = 1  # steps a cached row serves before it is pulled again
     # The tables one by one (TorchRec's EmbeddingBagConfig fields, ps_train.config.tables); []:
     # fixed tables from data.num_tables/table_sizes, model.pooling and model.feature_names.

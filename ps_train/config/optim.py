@@ -20,19 +20,21 @@ OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], tuple[str, ...]]] = {
     "adagrad": (torch.optim.Adagrad, ("weight_decay",)),
 }
 
-# model.table_optim: the embedding-table optimizers (ps_train.ctr.optimizers, which holds them;
+# model.table_optim: the embedding-table optimizers (ps_train.workloads.ctr.tables.optimizers, which holds them;
 # the config, below ctr/, knows their names only).
 TABLE_OPTIMIZER_NAMES = ("sgd", "adagrad", "sparse_adam", "rowwise_adagrad")
 
 
 @dataclass
 class OptimConfig:
+    # The servers' torch.optim optimizer: sgd | adam | adamw | rmsprop | adagrad (the choices
+    # optim=sgd|adam|adamw|adagrad set their fields; the others: optim.name=... with optim.momentum=0).
     name: str = "sgd"
-    lr: float = 0.05
+    lr: float = 0.05  # learning rate (async/ssp: divided by the staleness, mode.staleness_rule)
     momentum: float = 0.9  # optimizers without momentum (adam, ...) need 0 here
-    weight_decay: float = 0.0
-    nesterov: bool = False
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    weight_decay: float = 0.0  # L2 penalty, as the optimizer's weight_decay
+    nesterov: bool = False  # sgd only: Nesterov momentum
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])  # adam/adamw: the moving averages' decay
 
     def problems(self) -> Problems:
         p = Problems()

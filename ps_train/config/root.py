@@ -26,9 +26,9 @@ RESUME_AUTO = "auto"  # resume=auto: this run folder's latest complete checkpoin
 
 @dataclass
 class Config:
-    # ps_train/conf/config.yaml sets this to ${data.name}_${model.name}; runs go to runs/<experiment>/.
+    # the runs' folder: runs/<experiment>/<date>_<time>/ (ps_train/conf/config.yaml: ${data.name}_${model.name})
     experiment: str = "default"
-    seed: int = 0
+    seed: int = 0  # fixes initialisation, data order, dropout masks and shard placement
     backend: str = "rpc_core"  # rpc_core | torch (torch.distributed.rpc, for comparison)
     resume: str | None = None  # a run dir (latest checkpoint), a checkpoint dir, or auto (this run's own)
     join: str | None = None  # the run dir of a running cluster.elastic=true job: add a trainer to it

@@ -44,11 +44,11 @@ class TrainConfig:
     # Exactly one of steps / epochs; both count per trainer (an epoch = one pass over the
     # trainer's own partition).
     steps: int | None = 300
-    epochs: int | None = None
+    epochs: int | None = None  # passes over each trainer's partition (with steps=null)
     batch_size: int = 32  # per trainer
     eval_every: int = 100  # steps; 0 = evaluate only at the end
-    eval_batch_size: int = 512
-    log_every: int = 20
+    eval_batch_size: int = 512  # samples per forward when evaluating
+    log_every: int = 20  # steps between progress lines and TensorBoard training scalars
 
     def problems(self) -> Problems:
         p = Problems()
@@ -72,9 +72,9 @@ class CheckpointConfig:
     keep: int = 2  # newest complete checkpoints to keep; 0 = keep all
     final: bool = True  # also after the last step; false: none there (benchmarks, runs never resumed)
     # Embedding tables (model=dlrm): write only the rows changed since the previous checkpoint,
-    # and every full_every-th checkpoint all of them (docs/ctr.md#checkpoints).
+    # and every full_every-th checkpoint all of them (docs/ctr.md#checkpoints-that-do-not-stop-training).
     differential: bool = False
-    full_every: int = 4
+    full_every: int = 4  # every n-th checkpoint writes every row (with differential=true)
 
     def problems(self) -> Problems:
         p = Problems()
@@ -89,9 +89,9 @@ class CheckpointConfig:
 
 @dataclass
 class LoggingConfig:
-    tensorboard: bool = True
+    tensorboard: bool = True  # write TensorBoard events under the run folder's tb/
     progress: bool = True  # periodic one-line status (step, loss, samples/s)
-    level: str = "INFO"
+    level: str = "INFO"  # the console's log level: DEBUG, INFO, WARNING or ERROR
     # Seconds between a server's TensorBoard samples (tb/ps<r>/: updates/s, staleness, bytes, ...); 0 = none.
     server_every: float = 1.0
 
@@ -112,9 +112,9 @@ class ProfileConfig:
     """``profile.enabled=true``: each trainer records ``steps`` steps after ``warmup`` with
     rpc_core.profiler; every role writes traces/<role>.json (ps_train.observe.traces)."""
 
-    enabled: bool = False
-    warmup: int = 5
-    steps: int = 5
+    enabled: bool = False  # record a trace of a window of steps (backend=rpc_core; docs/observing.md#traces)
+    warmup: int = 5  # steps each trainer runs before the recorded ones
+    steps: int = 5  # steps recorded
 
     def problems(self) -> Problems:
         p = Problems()

@@ -7,7 +7,7 @@ Each entry has TorchRec's ``EmbeddingBagConfig`` field names (``name``, ``num_em
 - ``dynamic``: rows keyed by raw 64-bit ids, created on first use (after ``admit_after``
   sightings) in ``max_rows`` preallocated slots per server, evicted by ``eviction``
   (``lru``, or ``ttl`` after ``ttl_steps`` unused steps, then LRU) -- Monolith's
-  collisionless tables (``ps_train.ctr.dynamic``). ``num_embeddings`` is then only the
+  collisionless tables (``ps_train.workloads.ctr.tables.dynamic``). ``num_embeddings`` is then only the
   initialisation's scale (rows start uniform in +-sqrt(1 / num_embeddings)) and, for
   ``data=synthetic_ctr``, how many distinct ids the data draws.
 
@@ -34,7 +34,7 @@ _POOLINGS = ("sum", "mean")
 class TableConfig:
     """One embedding table (an entry of ``model.tables``)."""
 
-    name: str = ""
+    name: str = ""  # the table's name (TorchRec's EmbeddingBagConfig.name), unique
     num_embeddings: int = 0  # fixed: rows; dynamic: the initialisation's scale (and synthetic data's distinct ids)
     embedding_dim: int | None = None  # must equal model.embedding_dim (null: that)
     feature_names: list[str] = field(default_factory=list)  # exactly one here; []: the table's name

@@ -45,6 +45,7 @@ from ps_train.launch.heartbeat import HeartbeatBoard, process_state, start_heart
 from ps_train.launch.ports import free_port
 from ps_train.launch.rank import run_rank, setup_role_logging
 from ps_train.observe.console import CONSOLE
+from ps_train.workload import import_plugins, registered_workloads
 
 log = logging.getLogger("ps_train")
 
@@ -57,14 +58,9 @@ _PRELOAD = [
     "ps_train.roles.server",
     "ps_train.roles.trainer",
     "ps_train.checkpoint.protocol",
-    "ps_train.data",
     "ps_train.metrics",
     "rpc_core",
     "rpc_core.autograd",
-    "sklearn.datasets",
-    "ps_train.ctr.trainer",
-    "ps_train.ctr.table_server",
-    "sklearn.model_selection",
     "torch.utils.tensorboard",
     "torch._dynamo",
 ]  # the first torch.optim optimizer imports it: ~2.5 s of CPU per server
@@ -97,6 +93,7 @@ def _child(
     heartbeats: Any,
     beat_every: float,
     attempt: int,
+    workloads: list[str],
 ) -> None:
     name = role_name(rank, cfg_dict["cluster"]["num_servers"])
     start_heartbeat(heartbeats, rank, beat_every)  # first: the launcher counts silence from its start
@@ -106,6 +103,7 @@ def _child(
         os.environ.update(env)
         os.chdir(cwd)
         exit_with_parent()
+        import_plugins(workloads)  # already imported when forked from the preloaded forkserver
         cfg = from_dictconfig(cfg_dict)
         out = run_rank(cfg, rank, cfg.cluster.master_addr, port, secret, run_dir, resume, attempt=attempt)
         if out is not None:
@@ -135,10 +133,16 @@ def report_error(name: str, run_dir: str, level: str, error: BaseException, erro
     logging.shutdown()
 
 
+def workload_modules() -> list[str]:
+    """The registered workloads' modules and what they want preloaded (``ps_train.workload``):
+    a forked role finds its workload registered, a spawned one imports these first."""
+    return [m for w in registered_workloads() for m in (w.module, *w.preload) if m]
+
+
 def context() -> Any:
     if "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(_PRELOAD)
+        ctx.set_forkserver_preload(_PRELOAD + workload_modules())
         return ctx
     return mp.get_context("spawn")
 
@@ -190,6 +194,7 @@ def launch_local(
                 board.counters,
                 board.interval,
                 attempt,
+                workload_modules(),
             ),
             name=role_name(rank, S),
             daemon=False,

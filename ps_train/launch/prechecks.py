@@ -3,7 +3,7 @@
 The config is checked as soon as it is composed (``ps_train.config``), the trainers' share
 of the samples included when the config alone says how many there are. What only the data
 files can tell is checked here, cheaply, before any process starts: the files exist, the
-first lines of each parse (``ps_train.ctr.criteo.check_criteo_files``), a prepared folder
+first lines of each parse (``ps_train.workloads.ctr.data.criteo.check_criteo_files``), a prepared folder
 is whole, and each trainer's share of its samples holds a full batch. A mistake there is
 then one error, with exit code 2, instead of the same error from every trainer a few
 seconds later and the failures it causes in every other role. A malformed line deeper into
@@ -16,7 +16,8 @@ trainers run.
 
 from __future__ import annotations
 
-from ps_train.config import Config, CtrDataConfig, VisionDataConfig, batch_problems
+from ps_train.config import Config, batch_problems
+from ps_train.workload import workload_for
 
 __all__ = ["DataCheckError", "check_data"]
 
@@ -31,14 +32,7 @@ def check_data(cfg: Config) -> None:
     data = cfg.data
     samples = data.train_samples()
     try:
-        if isinstance(data, VisionDataConfig):
-            from ps_train.data import check_vision_files
-
-            check_vision_files(data)
-        elif isinstance(data, CtrDataConfig):
-            from ps_train.ctr.loading import check_ctr_data
-
-            samples = check_ctr_data(data) or samples
+        samples = workload_for(cfg).check_data(data) or samples
     except (OSError, ValueError) as e:  # missing files, malformed lines, an incomplete prepared folder
         raise DataCheckError(str(e)) from e
     problems = batch_problems(samples, cfg.cluster.num_trainers, cfg.train.batch_size)

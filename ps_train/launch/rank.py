@@ -3,7 +3,7 @@
 ``run_rank`` is what every process runs: forked by the local launcher
 (``ps_train.launch.local``), or started by torchrun or SLURM with ``cluster.launcher=env``
 (``ps_train.app``). It builds the role -- a server with the model's parts (its embedding
-tables, ``ps_train.ctr.table_server``), or the model's trainer (``ps_train.ctr.trainer``) --
+tables, ``ps_train.workloads.ctr.tables.service``), or the model's trainer (``ps_train.workloads.ctr.trainer``) --
 joins the group, runs it, and shuts down.
 """
 
@@ -28,6 +28,7 @@ from ps_train.observe.console import ConsoleHandler
 from ps_train.observe.dashboard import write_dashboard
 from ps_train.observe.server_metrics import ServerMetrics, rpc_byte_counts
 from ps_train.observe.traces import ProfileWindow, write_served
+from ps_train.workload import workload_for
 from rpc_core import tune_malloc
 
 __all__ = ["run_rank", "setup_role_logging"]
@@ -88,15 +89,15 @@ def run_rank(
     backend.select(cfg.backend)
     rpc = backend.rpc()
     from ps_train.checkpoint.protocol import load_resume_state, load_server_state
-    from ps_train.ctr.table_server import make_table_server
-    from ps_train.ctr.trainer import trainer_class
     from ps_train.roles import server as server_mod
+
+    workload = workload_for(cfg)  # the model's: ps_train.workload
 
     resume_state = load_resume_state(resume, server=name if rank < S else None) if resume else None
     sampler: ServerMetrics | None = None
     if rank < S:
         # Before init_rpc: trainers may ask for it at once. The model's tables, if any, are its own part.
-        ps = server_mod.create(cfg, rank, make_table_server(cfg, rank))
+        ps = server_mod.create(cfg, rank, workload.table_service(cfg, rank))
         if resume_state is not None:
             load_server_state(ps, resume_state)
         # One TensorBoard writer per folder: TensorBoard reads a folder's event files one after
@@ -147,7 +148,7 @@ def run_rank(
                 wait_for_servers(S, cfg.cluster.init_timeout)
                 if joined is not None:
                     joined(rank)
-            t = trainer_class(cfg)(cfg, rank - S, run_dir, start_step=start, data_state=data_state)
+            t = workload.trainer()(cfg, rank - S, run_dir, start_step=start, data_state=data_state)
             mark_attempt(t.writer, t.step, attempt if t.index == 0 else None)  # see ps_train.launch.restarts
             if t.index == 0:
                 write_dashboard(cfg, run_dir)  # custom-scalars layout and HParams, once per run

@@ -47,6 +47,7 @@ class AsyncMode(Mode):
     name = "async"
     options: ClassVar[tuple[str, ...]] = ("staleness_rule",)
     per_trainer_positions = True
+    answers_with_staleness = True
     unused_reasons = {"aggregate": ", which applies each trainer's gradient on its own; see mode.staleness_rule"}
 
     def __init__(self, run: RunConfig) -> None:
@@ -92,6 +93,9 @@ class AsyncMode(Mode):
         if position is not None:  # with the parameters, under the same lock
             server.positions.completed(trainer, step, position)
         return staleness
+
+    def answer_staleness(self, answer: Any) -> int:
+        return int(answer)  # update answers with the staleness it applied
 
     def hold_updates(self, server: ModeServer) -> None:
         with server.lock:  # an update being applied completes first

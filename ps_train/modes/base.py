@@ -227,6 +227,9 @@ class Mode(ABC):
     # noted it with its updates (async, ssp: trainers move apart); False: every trainer is at
     # trainer0's step when trainer0 checkpoints (sync, whose rounds need every trainer).
     per_trainer_positions: ClassVar[bool] = False
+    # Server side: whether an update's answer carries the update's staleness (read it with
+    # ``answer_staleness``), which the server counts for its metrics.
+    answers_with_staleness: ClassVar[bool] = False
 
     def __init__(self, run: RunConfig) -> None:
         self.num_trainers = run.cluster.num_trainers
@@ -274,6 +277,11 @@ class Mode(ABC):
         ``context_id``); the future's value goes back to the trainer (``settled``).
         ``position`` (async/ssp, elastic): the trainer's data position after this step."""
         raise NotImplementedError
+
+    def answer_staleness(self, answer: Any) -> int:
+        """The staleness an update's answer (the value of ``update``'s or ``in_backward``'s
+        future) carries, for a mode that ``answers_with_staleness``."""
+        raise RuntimeError(f"mode={self.name}'s update answers carry no staleness")
 
     def clock(self, server: ModeServer, trainer: int, completed: int) -> torch.futures.Future[Any]:
         """Resolves once trainer ``trainer``, having completed ``completed`` steps, may go on."""

@@ -108,6 +108,10 @@ class SspMode(AsyncMode):
         update.add_done_callback(updated)
         return answer
 
+    def answer_staleness(self, answer: Any) -> int:
+        # ps0's update in the backward answers with the clock's answer too (in_backward)
+        return int(answer.staleness if isinstance(answer, ClockedUpdate) else answer)
+
     def trainer_finished(self, server: ModeServer, trainer: int) -> None:
         self.clock(server, trainer, _FINISHED)
 

@@ -23,7 +23,7 @@ import torch
 from ps_train.checkpoint.files import SaveStarted, ShardFile, save_shard_state
 from ps_train.checkpoint.positions import TrainerPositions
 from ps_train.modes.base import Mode, ModeServer
-from ps_train.roles.tables import TablePart
+from ps_train.table_service import TablePart
 
 log = logging.getLogger("ps_train.server")
 

@@ -12,7 +12,7 @@ shards placed on it. Trainers call it through an RRef:
   ``mode.staleness`` steps behind ``completed``.
 - ``lookup(rows, offsets, weights, trainer, step)`` (model=dlrm): the rows of this server's
   tables that a trainer's batch uses, single or pooled into bags (its ``TablePart``,
-  ``ps_train.ctr.table_server``). The updates apply the tables' sparse gradients along with
+  ``ps_train.workloads.ctr.tables.service``). The updates apply the tables' sparse gradients along with
   the dense ones.
 
 When a read (a forward, a lookup) may run and on which copy of the parameters, how
@@ -24,7 +24,7 @@ exactly what they do and do not reproduce).
 
 Its parts: the shards and their forwards (``ps_train.roles.shards``), the writing of its part
 of a checkpoint (``ps_train.roles.checkpointing``), and what it takes of a model's tables
-(``ps_train.roles.tables``).
+(``ps_train.table_service``).
 """
 
 from __future__ import annotations
@@ -48,13 +48,11 @@ from ps_train.faults import maybe_inject_fault
 from ps_train.metrics import peak_rss_bytes
 from ps_train.modes import make_mode
 from ps_train.modes.aggregation import scaled_lr
-from ps_train.modes.asynchronous import AsyncMode
 from ps_train.modes.base import UPDATE_IN_BACKWARD, UpdateRequest
-from ps_train.modes.ssp import ClockedUpdate
 from ps_train.observe.server_metrics import UpdateCounters
 from ps_train.roles.checkpointing import CheckpointWriter
 from ps_train.roles.shards import ServerShards
-from ps_train.roles.tables import TablePart
+from ps_train.table_service import TablePart
 from rpc_core.functions import async_execution
 
 log = logging.getLogger("ps_train.server")
@@ -91,7 +89,7 @@ class ParameterServer:
         self._pushed_lock = threading.Lock()
         # Per update, for the sampled TensorBoard metrics (ps_train.observe.server_metrics).
         self.counters = UpdateCounters()
-        self.stale_updates = isinstance(self.mode, AsyncMode)  # async and ssp answer with the staleness
+        self.stale_updates = self.mode.answers_with_staleness  # async and ssp
 
     # -- forward ----------------------------------------------------------------------------------
     def forward(self, shard: int, x: torch.Tensor, trainer: int = -1, step: int = -1) -> torch.Tensor:
@@ -157,14 +155,16 @@ class ParameterServer:
         with self._pushed_lock:
             pushed = self._pushed.pop(context_id, [])
         if pushed:
-            storage = self._tables().params[0]  # the fused storage of every table (ps_train.ctr.shards)
+            storage = self._tables().params[
+                0
+            ]  # the fused storage of every table (ps_train.workloads.ctr.tables.shards)
             for rows, values in pushed:
                 g = torch.sparse_coo_tensor(rows.unsqueeze(0), values, tuple(storage.shape), check_invariants=False)
                 out[storage] = out[storage] + g if storage in out else g
         return out
 
     def push_gradients(self, context_id: int, rows: torch.Tensor, values: torch.Tensor) -> None:
-        """A trainer's gradients of table rows it read from its cache (``ps_train.ctr.cache``):
+        """A trainer's gradients of table rows it read from its cache (``ps_train.workloads.ctr.tables.cache``):
         ``values`` [H, d] of its storage rows ``rows`` [H], for its autograd context
         ``context_id``; its update (sent after this returns) applies them with the rest."""
         tables = self._tables()
@@ -215,7 +215,7 @@ class ParameterServer:
             def record(f: torch.futures.Future[Any]) -> None:
                 if f.done() and not _failed(f):
                     answer = f.value()  # the staleness; ssp's ps0 in the backward: with the clock's answer
-                    counters.stale(int(answer.staleness if isinstance(answer, ClockedUpdate) else answer))
+                    counters.stale(self.mode.answer_staleness(answer))
 
             answer.add_done_callback(record)
         return answer

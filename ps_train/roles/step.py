@@ -5,7 +5,7 @@ and the update requests; the protocol is described in ``ps_train.roles.trainer``
 (which sends a step's update requests) and ``settle`` (which waits for their answers).
 ``ps_train.roles.trainer.Trainer`` adds what goes around the steps: the loop, evaluation,
 the metrics and the end of the run. A model with another forward
-(``ps_train.ctr.trainer.CtrTrainer``) overrides ``load`` and ``step_loss``.
+(every workload's trainer: ``ps_train.workload``) defines ``load`` and ``step_loss``.
 """
 
 from __future__ import annotations
@@ -18,16 +18,15 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from ps_train import backend
 from ps_train.config import Config
-from ps_train.data import BatchIterator, load_data, total_steps
 from ps_train.elastic.trainer import ElasticRole
 from ps_train.faults import die, fault_at
 from ps_train.metrics import LatencyStats, ThroughputMeter, make_writer
 from ps_train.modes import make_mode
 from ps_train.modes.base import UPDATE_IN_BACKWARD, UpdateRequest, resolved
+from ps_train.partition import total_steps
 from ps_train.sample_log import SampleLog
 from ps_train.stage_sharding import model_shards
 
@@ -59,7 +58,7 @@ class StepTrainer:
     """A trainer's data, its servers and the protocol of one step (see the module docstring)."""
 
     # Set by ``load``; their kinds depend on the model (TensorSplit and BatchIterator here,
-    # CtrSplit and CtrBatchIterator in ps_train.ctr.trainer): the loop needs only len() and next().
+    # CtrSplit and CtrBatchIterator in ps_train.workloads.ctr.trainer): the loop needs only len() and next().
     train_set: Any
     test_set: Any
     batches: Any
@@ -101,21 +100,18 @@ class StepTrainer:
         self.in_backward = update_in_backward(cfg, self.mode.applies_after_answer) and backend.name() == "rpc_core"
 
     def load(self) -> None:
-        """Set ``train_set``, ``test_set`` and ``batches`` (this trainer's batch iterator)."""
-        cfg = self.cfg
-        self.train_set, self.test_set = load_data(cfg.data)
-        self.batches = BatchIterator(
-            self.train_set, self.data_slot, cfg.cluster.num_trainers, cfg.train.batch_size, cfg.seed
-        )
+        """Set ``train_set``, ``test_set`` and ``batches`` (this trainer's batch iterator):
+        the workload's (``ps_train.workload``; e.g. ``ps_train.workloads.vision.trainer``)."""
+        raise NotImplementedError(f"{type(self).__name__} must define load(): its workload's data")
 
     # -- one step ---------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, step: int = -1) -> torch.Tensor:
         h = x
         for shard, server in self.shard_servers:
-            h = self._call(server, "forward", shard, h, self.index, step)
+            h = self.call_server(server, "forward", shard, h, self.index, step)
         return h
 
-    def _call(self, server: int, method: str, *args: Any) -> torch.Tensor:
+    def call_server(self, server: int, method: str, *args: Any) -> torch.Tensor:
         """``method(*args)`` of server ``server``'s ParameterServer, timed into its RPC latency."""
         t0 = time.perf_counter()
         out: torch.Tensor = getattr(self.servers[server].rpc_sync(), method)(*args)
@@ -124,11 +120,8 @@ class StepTrainer:
 
     def step_loss(self, batch: Any) -> tuple[torch.Tensor, dict[str, float]]:
         """The forward of one step through the servers: the loss to backpropagate, and the
-        step's metrics besides the loss (here the batch accuracy)."""
-        x, y = batch
-        logits = self.forward(x, self.step)  # [B, num_classes]
-        acc = (logits.detach().argmax(1) == y).float().mean().item()
-        return F.cross_entropy(logits, y), {"accuracy": acc}
+        step's metrics besides the loss (the workload's)."""
+        raise NotImplementedError(f"{type(self).__name__} must define step_loss(): its workload's forward")
 
     def train_step(self, batch: Any) -> dict[str, float]:
         """Forward, backward, and the update requests of one step; ``settle()`` completes

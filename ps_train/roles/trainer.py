@@ -37,7 +37,7 @@ the update mode's (``ps_train.modes``).
 trainer0 also evaluates on the test split, prints progress, and writes metrics.json.
 
 What a step computes is in ``load``, ``step_loss`` and ``evaluate``; a model with another
-forward (``ps_train.ctr.trainer.CtrTrainer``, model=dlrm) overrides them and keeps the
+forward (``ps_train.workloads.ctr.trainer.CtrTrainer``, model=dlrm) overrides them and keeps the
 loop, the update protocol and checkpoints.
 
 The step and its update protocol are ``StepTrainer``'s (``ps_train.roles.step``); ``Trainer``
@@ -53,12 +53,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from ps_train import backend
-from ps_train.data import iter_eval_batches
 from ps_train.elastic.membership import stop_requested
-from ps_train.faults import die, fault_at, maybe_inject_fault
+from ps_train.faults import maybe_inject_fault
 from ps_train.metrics import peak_rss_bytes, write_metrics_json
 from ps_train.observe.console import summary_lines
 from ps_train.observe.dashboard import end_session
@@ -107,21 +105,13 @@ class Trainer(StepTrainer):
 
     # -- evaluation -------------------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
-        correct, total, loss_sum = 0, 0, 0.0
-        for x, y in iter_eval_batches(self.test_set, self.cfg.train.eval_batch_size):
-            if total and fault_at(self.name, self.step, "eval"):  # test-only, see ps_train.faults
-                die(self.name, self.step)
-            h = x
-            for shard, server in self.shard_servers:
-                h = self.servers[server].rpc_sync().predict(shard, h)
-            loss_sum += F.cross_entropy(h, y, reduction="sum").item()
-            correct += int((h.argmax(1) == y).sum())
-            total += len(y)
-        return {"accuracy": correct / max(total, 1), "loss": loss_sum / max(total, 1)}
+        """The workload's metrics on the test split (trainer0, at the end and every
+        ``train.eval_every`` steps)."""
+        raise NotImplementedError(f"{type(self).__name__} must define evaluate(): its workload's metrics")
 
     def describe_eval(self, ev: dict[str, float]) -> str:
         """``evaluate()``'s result for a log line."""
-        return f"test accuracy {ev['accuracy']:.4f}"
+        return ", ".join(f"test {k} {v:.4f}" for k, v in ev.items())
 
     def totals(self) -> dict[str, Any]:
         """This trainer's own totals for metrics.json (trainer0 gathers every trainer's)."""
@@ -206,7 +196,7 @@ class Trainer(StepTrainer):
             if not self.pipelined or logs or evaluates:
                 last.update(self.settle())
             if logs:
-                self._log_train(step, last)
+                self.log_train(step, last)
             if evaluates:
                 ev = self.evaluate()
                 for key, value in ev.items():
@@ -217,11 +207,13 @@ class Trainer(StepTrainer):
             maybe_inject_fault(self.name, step, self.servers[0])  # test-only, see ps_train.faults
         return last
 
-    def _log_train(self, step: int, last: dict[str, float]) -> None:
+    def log_train(self, step: int, last: dict[str, float]) -> None:
+        """TensorBoard scalars and the progress line of a logged step (a workload adds its own)."""
         rate = self.meter.rate()
         w = self.writer
         w.add_scalar("train/loss", last["loss"], step)
-        w.add_scalar("train/accuracy", last["accuracy"], step)
+        if "accuracy" in last:  # a classifier's (the vision workload's step metric)
+            w.add_scalar("train/accuracy", last["accuracy"], step)
         w.add_scalar("train/samples_per_s", rate, step)
         for tag, value in self.mode.train_scalars(last, self.cfg.optim.lr).items():  # lr, staleness, ...
             w.add_scalar(tag, value, step)
@@ -239,9 +231,10 @@ class Trainer(StepTrainer):
                     w.add_scalar(f"rpc/bytes_received/ps{r}", st["bytes_received"], step)
             if self.cfg.logging.progress:
                 eta = (self.steps - step) * (time.perf_counter() - self._t_start) / max(step - self._first_step, 1)
+                acc = f"acc {last['accuracy']:.3f}  " if "accuracy" in last else ""
                 print(
                     f"[{self.name}] step {step}/{self.steps}  loss {last['loss']:.4f}  "
-                    f"acc {last['accuracy']:.3f}  {rate:,.0f} samples/s  eta {eta:.0f}s",
+                    f"{acc}{rate:,.0f} samples/s  eta {eta:.0f}s",
                     flush=True,
                 )
 

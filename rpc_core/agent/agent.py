@@ -52,7 +52,15 @@ from .pool import ElasticPool, ThreadGroup
 from .roster import Roster
 from .worlds import World
 
-__all__ = ["AGENT_NOT_SET", "Agent", "Middleware", "NOT_INITIALIZED", "current_agent", "set_current_agent"]
+__all__ = [
+    "AGENT_NOT_SET",
+    "Agent",
+    "Middleware",
+    "NOT_INITIALIZED",
+    "current_agent",
+    "current_agent_or_none",
+    "set_current_agent",
+]
 
 log = logging.getLogger("rpc_core")
 
@@ -77,6 +85,12 @@ def current_agent(message: str = NOT_INITIALIZED) -> Agent:
     """This process's agent; before ``init_rpc`` (or after ``shutdown``) RpcNotInitializedError(message)."""
     if _agent is None:
         raise RpcNotInitializedError(message)
+    return _agent
+
+
+def current_agent_or_none() -> Agent | None:
+    """This process's agent, or None when it is no worker (before ``init_rpc``, after ``shutdown``):
+    for the paths that have nothing to do then (releases, profiling) instead of failing."""
     return _agent
 
 

@@ -105,6 +105,12 @@ class RpcFuture(torch.futures.Future[Any]):
         # device list, which RPC futures never have, and one is built per call.
         torch._C.Future.__init__(self, [])
 
+    @property
+    def has_callbacks(self) -> bool:
+        """Whether a user callback hangs on it (``then``, ``add_done_callback``): such a callback
+        may block, so the future must be completed off the connections' reader threads."""
+        return self._has_callbacks
+
     def set_exception(self, result: BaseException) -> None:
         set_error(self, result)
 

@@ -55,7 +55,7 @@ def release_context(context_id: int, skip: int = -1, defer: bool = False) -> lis
 
 def _announce(ctx: DistAutogradContext, skip: int, defer: bool) -> list[torch.futures.Future[Any]]:
     """Tell the workers ``ctx`` touched (except ``skip``) that it was released here."""
-    agent = _agent_mod._agent
+    agent = _agent_mod.current_agent_or_none()
     if agent is None or agent.closing:
         return []
     context_id = ctx.context_id
@@ -87,7 +87,7 @@ def _flush_stale() -> None:
     """On the agent's timer: send the deferred releases that no request carried within
     ``_FLUSH_AFTER``, and check again for the younger ones."""
     global _flush_armed
-    agent = _agent_mod._agent
+    agent = _agent_mod.current_agent_or_none()
     now = time.monotonic()
     with _context.deferred_lock:
         stale = {
@@ -108,7 +108,7 @@ def _flush_stale() -> None:
 
 
 def _send_cleanup(per_worker: dict[int, list[int]]) -> list[torch.futures.Future[Any]]:
-    agent = _agent_mod._agent
+    agent = _agent_mod.current_agent_or_none()
     if agent is None or agent.closing:
         return []
     futs: list[torch.futures.Future[Any]] = []
@@ -162,7 +162,7 @@ def _announce_later(ctxs: list[DistAutogradContext], skip: int) -> None:
     """Pass the releases of ``ctxs`` on from a pool thread. They count as this worker's
     cleanups from now on, so a ``wait_cleanups`` here that comes after (e.g. once the answer
     this runs before was read) waits for them too."""
-    agent = _agent_mod._agent
+    agent = _agent_mod.current_agent_or_none()
     if agent is None or not any(c.known_workers - {agent.me.id, skip} for c in ctxs):
         return
     done: torch.futures.Future[Any] = torch.futures.Future()

@@ -22,9 +22,8 @@ from torch import nn
 
 from ..agent import calls
 from ..agent.agent import current_agent
-from ..options import UNSET_RPC_TIMEOUT
 from ..protocol.serialization import register_reducer
-from ..rref import RRef, _on_invoke, remote
+from ..rref import RRef, invoke_on_owner, remote
 
 __all__ = ["RemoteModule"]
 
@@ -193,18 +192,8 @@ class RemoteModule(nn.Module):
     # -- what runs remotely ----------------------------------------------------------------------------
     def forward_async(self, *args: Any, **kwargs: Any) -> torch.futures.Future[Any]:
         """Run the module's ``forward(*args, **kwargs)`` on its owner; a Future of the result."""
-        rref = self.module_rref
         # Named by RRef id, as RRef proxies do: no fork (and no delete) per forward.
-        return calls.invoke_async(
-            rref._owner_id,
-            _on_invoke,
-            (rref._rref_id, "forward", args, kwargs),
-            None,
-            UNSET_RPC_TIMEOUT,
-            "async",
-            user_func=_remote_forward,
-            keepalive=rref,
-        )
+        return invoke_on_owner(self.module_rref, "forward", args, kwargs, user_func=_remote_forward)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module's ``forward(*args, **kwargs)`` on its owner and return the result."""

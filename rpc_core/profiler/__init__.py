@@ -188,7 +188,7 @@ class profile:
             return None
         if self.entered:
             raise RuntimeError("Profiler context manager is not reentrant")
-        agent = _agent_mod._agent
+        agent = _agent_mod.current_agent_or_none()
         self._node = agent.me.id if agent is not None else -1
         self._names = {w.id: w.name for w in agent.roster.workers.values()} if agent is not None else {}
         self._collector = _Collector(self._options, self._node)

@@ -31,7 +31,7 @@ from ..agent import agent as _agent_mod
 from ..agent import calls
 from ..agent import futures as _futures
 from ..protocol import wire
-from ..rref import _on_fetch
+from ..rref import HANDLER_DISPLAY_NAMES
 
 REMOTE_OP = "#remote_op: "
 _EXIT_WAIT = 10.0  # s a response waits for the executing thread to stop its profiler
@@ -168,7 +168,7 @@ class _Call:
 def _activate(options: tuple[Any, ...]) -> tuple[Any, ...]:
     """Runs on the callee as a profiled request's extras are unpickled: makes sure its
     agent has our middleware, which then profiles this request."""
-    agent = _agent_mod._agent
+    agent = _agent_mod.current_agent_or_none()
     if agent is not None:
         _ensure_middleware(agent)
     return options
@@ -180,7 +180,7 @@ class _Collector:
     def __init__(self, options: _Options, node: int) -> None:
         self.options, self.node = options, node
         self.calls: list[_Call] = []
-        self.agent = _agent_mod._agent  # the agent known to have our middleware
+        self.agent = _agent_mod.current_agent_or_none()  # the agent known to have our middleware
 
 
 def _flatten(calls: list[_Call], node: int, thread: int) -> tuple[list[_Event], int]:
@@ -223,9 +223,7 @@ def _use_wrapper(delta: int) -> None:
 
 # Internal handlers users call by other names, by (module, qualified name): a key that
 # needs no hashing of the called object, which may be any callable.
-_DISPLAY_NAMES: dict[tuple[str | None, str | None], str] = {
-    (_on_fetch.__module__, _on_fetch.__qualname__): "RRef.to_here"
-}
+_DISPLAY_NAMES: dict[tuple[str | None, str | None], str] = {k: v for k, v in HANDLER_DISPLAY_NAMES.items()}
 
 
 def _func_name(func: Any) -> str:
@@ -266,7 +264,7 @@ def _wrap_call(
 
     def done(f: torch.futures.Future[Any]) -> None:
         call.t1 = time.time_ns()
-        if out._has_callbacks:  # as the agent does: user callbacks never run on a reader thread
+        if out.has_callbacks:  # as the agent does: user callbacks never run on a reader thread
             agent.pool.submit(finish, f)
         else:
             finish(f)

@@ -18,34 +18,33 @@ Protocol (every message is an ordinary RPC to one of the ``_on_*`` functions):
 - A garbage-collected user RRef is deleted on its owner (``release``); deletes ride on
   the next request to the owner (``rdel``), or go on their own shortly after.
 
-This module is the group's face: the names the rest of rpc_core and tests use.
+This module is the group's face: the names the rest of rpc_core uses. Tests that look
+inside (the tables, the handlers) import ``state`` and ``release`` themselves.
 """
 
 from __future__ import annotations
 
-# Re-exported (noqa: F401): the group's names, where the rest of rpc_core and tests find them.
+# Re-exported (noqa: F401): the group's names, where the rest of rpc_core finds them.
 from .fork import RRefMiddleware, install, on_request_failed  # noqa: F401
-from .handle import RRef, remote  # noqa: F401
-from .release import _send_delete, _send_deletes, delete_all_user_rrefs, flush  # noqa: F401
-from .state import Id, _ctx, _on_fetch, _on_invoke, _on_user_delete, _on_user_deletes, debug_info, reset  # noqa: F401
+from .handle import RRef, invoke_on_owner, owner_id_of, remote, rref_id_of  # noqa: F401
+from .release import delete_all_user_rrefs, flush  # noqa: F401
+from .state import HANDLER_DISPLAY_NAMES, Id, debug_info, owned_value, reset  # noqa: F401
 
 __all__ = [
     "RRef",
     "remote",
-    # the group's face for the rest of rpc_core and tests
+    # the group's face for the rest of rpc_core
+    "HANDLER_DISPLAY_NAMES",
     "Id",
     "RRefMiddleware",
-    "_ctx",
-    "_on_fetch",
-    "_on_invoke",
-    "_on_user_delete",
-    "_on_user_deletes",
-    "_send_delete",
-    "_send_deletes",
     "debug_info",
     "delete_all_user_rrefs",
     "flush",
     "install",
+    "invoke_on_owner",
     "on_request_failed",
+    "owned_value",
+    "owner_id_of",
     "reset",
+    "rref_id_of",
 ]

@@ -247,13 +247,44 @@ class _Proxy:
 def _invoke(
     rref: RRef[Any], mode: str, timeout: float, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
-    # The call names the RRef by id instead of forking it (no fork/accept messages); holding
-    # the RRef until the answer keeps the owner's value alive meanwhile.
-    call_args = (rref._rref_id, name, args, kwargs)
     if mode == "remote":
+        call_args = (rref._rref_id, name, args, kwargs)
         return remote(rref._owner_id, _on_invoke, args=call_args, timeout=timeout, _keepalive=rref)
-    fut = calls.invoke_async(rref._owner_id, _on_invoke, call_args, None, timeout, mode, keepalive=rref)
+    fut = invoke_on_owner(rref, name, args, kwargs, timeout, mode)
     return fut.wait() if mode == "sync" else fut
+
+
+def invoke_on_owner(
+    rref: RRef[Any],
+    name: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    timeout: float = UNSET_RPC_TIMEOUT,
+    mode: str = "async",
+    user_func: Any = None,
+    waited: bool = False,
+) -> torch.futures.Future[Any]:
+    """Call ``name(*args, **kwargs)`` on the RRef's value, on its owner, as the RRef proxies do.
+
+    The call names the value by RRef id instead of forking the RRef (no fork, accept or delete
+    messages), and holds ``rref`` until the answer, which keeps the owner's value alive
+    meanwhile. ``mode`` ("sync" or "async") and ``user_func`` (the function to name) are what a
+    profile shows; ``waited``: the caller waits on the future itself (``calls.invoke_async``).
+    """
+    call_args = (rref._rref_id, name, args, kwargs)
+    return calls.invoke_async(
+        rref._owner_id, _on_invoke, call_args, None, timeout, mode, user_func=user_func, keepalive=rref, waited=waited
+    )
+
+
+def owner_id_of(rref: RRef[Any]) -> int:
+    """The rank of the RRef's owner (``rref.owner().id``, without checking it is still a member)."""
+    return rref._owner_id
+
+
+def rref_id_of(rref: RRef[Any]) -> Id:
+    """The id the owner keeps the RRef's value under (for ``owned_value`` there)."""
+    return rref._rref_id
 
 
 # -- remote(): creating a value on its owner ---------------------------------------------------------

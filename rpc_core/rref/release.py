@@ -130,7 +130,7 @@ def _send_deletes(owner: int | None = None) -> None:
         owners = list(_ctx.deletes) if owner is None else [owner]
         piles = [(o, _ctx.deletes.pop(o, [])) for o in owners]
         _ctx.deletes_out += sum(len(p) for _, p in piles)
-    agent = _agent_mod._agent
+    agent = _agent_mod.current_agent_or_none()
     if agent is None or agent.closing:
         return
     for o, pile in piles:

@@ -231,6 +231,17 @@ def _on_fetch(rref_id: Id) -> torch.futures.Future[Any]:
     return _ctx.live_entry(rref_id).value
 
 
+# The owner's handlers that users know under another name, by the (module, qualified name)
+# a request carries: what a profile calls them.
+HANDLER_DISPLAY_NAMES: dict[tuple[str, str], str] = {(_on_fetch.__module__, _on_fetch.__qualname__): "RRef.to_here"}
+
+
+def owned_value(rref_id: Id) -> Any:
+    """The value this worker owns under ``rref_id`` (``RRef.local_value`` by id, for calls that
+    name an RRef instead of forking it), once created; an RpcError if it was already freed."""
+    return _ctx.live_entry(rref_id).value.wait()
+
+
 @async_execution
 def _on_type(rref_id: Id) -> torch.futures.Future[Any]:
     # A creation error reaches the caller as it was raised (torch's _get_type passes it on).

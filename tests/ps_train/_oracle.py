@@ -6,9 +6,9 @@ import torch
 import torch.nn.functional as F
 
 from ps_train.config import optimizer_spec
-from ps_train.data import BatchIterator, load_data
-from ps_train.models import build_stages, reference_model
 from ps_train.stage_sharding import build_shards, place_stages
+from ps_train.workloads.vision.data import BatchIterator, load_data
+from ps_train.workloads.vision.models import build_stages, reference_model
 
 
 def single_process_run(cfg, steps, union_batch=False):

@@ -7,7 +7,11 @@ oversubscribes them and makes tiny models ~10x slower, so tests use one intra-op
 import pytest
 import torch
 
+from ps_train.workload import import_plugins
+from ps_train.workloads import BUILTIN
+
 torch.set_num_threads(1)
+import_plugins(BUILTIN)  # as ps_train.app does: tests build roles and shards without it
 
 
 @pytest.fixture(scope="session")

@@ -16,9 +16,9 @@ from ps_train.checkpoint.files import SaveStarted, read_manifest, save_checkpoin
 from ps_train.checkpoint.positions import DataPoint, TrainerPositions, earliest
 from ps_train.checkpoint.protocol import load_resume_state, trainer_positions
 from ps_train.config import DigitsConfig
-from ps_train.data import partition, steps_per_epoch
 from ps_train.faults import FAULT_ENV, parse_faults
 from ps_train.modes.asynchronous import AsyncMode
+from ps_train.partition import partition, steps_per_epoch
 from ps_train.sample_log import SAMPLE_LOG_ENV, read_sample_log
 from tests.ps_train._app import make_cfg, read_json, run_app
 

@@ -27,9 +27,9 @@ from ps_train.checkpoint.files import (
     write_manifest,
 )
 from ps_train.config import MLPConfig, SyntheticConfig
-from ps_train.data import BatchIterator, load_data
 from ps_train.files import atomic_write_bytes
-from ps_train.stage_sharding import build_model_shards
+from ps_train.workloads.vision.data import BatchIterator, load_data
+from ps_train.workloads.vision.models import build_model_shards
 
 
 def _state(value: float):

@@ -27,8 +27,8 @@ from ps_train.config import (
     optimizer_spec,
     validate,
 )
-from ps_train.data import BatchIterator, load_data
-from ps_train.models import build_stages, reference_model
+from ps_train.workloads.vision.data import BatchIterator, load_data
+from ps_train.workloads.vision.models import build_stages, reference_model
 
 CONF = Path(ps_train.__file__).resolve().parent / "conf"  # shipped inside the package
 GROUPS = sorted(p.name for p in CONF.iterdir() if p.is_dir())

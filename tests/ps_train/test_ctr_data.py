@@ -4,7 +4,7 @@ The Criteo files here are written in the exact released format: 40 tab-separated
 (label, I1-I13, C1-C26 as 8-character hex), empty fields for missing values, plain or gzip.
 scikit-learn is the oracle for AUC and log loss.
 
-One module, though past 400 lines: the tests of the CTR data path (ps_train/ctr/, ctr_metrics)
+One module, though past 400 lines: the tests of the CTR data path (ps_train/workloads/ctr/, ctr_metrics)
 kept together. Its four sections are independent: the next one to grow moves to a module of
 its own.
 """
@@ -21,7 +21,7 @@ import torch
 from sklearn.metrics import log_loss as sk_log_loss
 from sklearn.metrics import roc_auc_score
 
-from ps_train.ctr import (
+from ps_train.workloads.ctr.data import (
     CriteoFormatError,
     CtrBatchIterator,
     CtrSplit,
@@ -33,7 +33,7 @@ from ps_train.ctr import (
     synthetic_ctr,
     time_split,
 )
-from ps_train.ctr.metrics import auc, ctr_metrics, format_ctr_metrics, log_loss
+from ps_train.workloads.ctr.metrics import auc, ctr_metrics, format_ctr_metrics, log_loss
 
 # ---------------------------------------------------------------- synthetic
 
@@ -305,7 +305,7 @@ def test_skip_malformed_counts_skips_and_warns_once(tmp_path, caplog):
     a.write_text(GOOD + _bad("label") + GOOD + _bad("hex"))
     b = tmp_path / "day_1"
     b.write_text(_bad("too few fields") + _line(0, [None] * 13, [None] * 26))
-    with caplog.at_level(logging.WARNING, logger="ps_train.ctr"):
+    with caplog.at_level(logging.WARNING, logger="ps_train.workloads.ctr"):
         split, stats = read_criteo(str(tmp_path), 100, skip_malformed=True)
     assert (stats.lines, stats.samples, stats.malformed) == (6, 3, 3)
     assert stats.malformed_per_file == {str(a): 2, str(b): 1}

@@ -19,14 +19,20 @@ import torch
 
 from ps_train.config import CriteoConfig
 from ps_train.config.prepared import MANIFEST_NAME, PREPARED_VERSION, PreparedDataError, read_manifest
-from ps_train.ctr import CriteoFormatError, CtrBatchIterator, iter_ctr_eval_batches, load_criteo, read_criteo
-from ps_train.ctr.criteo import _parse
-from ps_train.ctr.criteo_columns import parse_block
-from ps_train.ctr.criteo_prepare import prepare_criteo
-from ps_train.ctr.line_blocks import open_text
-from ps_train.ctr.loading import load_ctr_data
-from ps_train.ctr.mapped import MappedCtrSplit, PreparedCriteo, load_prepared
-from ps_train.ctr.progress import Progress
+from ps_train.workloads.ctr.data import (
+    CriteoFormatError,
+    CtrBatchIterator,
+    iter_ctr_eval_batches,
+    load_criteo,
+    read_criteo,
+)
+from ps_train.workloads.ctr.data.criteo import _parse
+from ps_train.workloads.ctr.data.criteo_columns import parse_block
+from ps_train.workloads.ctr.data.criteo_prepare import prepare_criteo
+from ps_train.workloads.ctr.data.line_blocks import open_text
+from ps_train.workloads.ctr.data.loading import load_ctr_data
+from ps_train.workloads.ctr.data.mapped import MappedCtrSplit, PreparedCriteo, load_prepared
+from ps_train.workloads.ctr.data.progress import Progress
 from tests.ps_train._app import make_cfg, read_json, run_app
 from tests.ps_train.test_ctr_data import GOOD, _bad, _line, _random_rows, _write
 

@@ -10,8 +10,8 @@ import torch
 
 from benchmarks._ctr_traffic import replay_ideal_bytes, step_ideal_bytes
 from ps_train.config import CtrDataConfig, DLRMConfig
-from ps_train.ctr.batches import CtrBatchIterator
-from ps_train.ctr.loading import load_ctr_data
+from ps_train.workloads.ctr.data.batches import CtrBatchIterator
+from ps_train.workloads.ctr.data.loading import load_ctr_data
 from tests.ps_train._app import make_cfg
 
 

@@ -9,15 +9,13 @@ import torch
 import torchvision.datasets as tvd
 
 from ps_train.config import DigitsConfig, SyntheticConfig, VisionDataConfig
-from ps_train.data import (
+from ps_train.partition import partition, steps_per_epoch, total_steps
+from ps_train.workloads.vision.data import (
     BatchIterator,
     DatasetNotFoundError,
     TensorSplit,
     iter_eval_batches,
     load_data,
-    partition,
-    steps_per_epoch,
-    total_steps,
 )
 
 # ---------------------------------------------------------------- real-format fixtures

@@ -1,7 +1,7 @@
 """model=dlrm end to end: the distributed run equals single-process torch (the oracle), in
 every mode, with checkpoints and resume, and reports the CTR metrics.
 
-The oracle is ``ps_train.ctr.model.DLRM``, whose tables are ``nn.EmbeddingBag(sparse=True)``: one
+The oracle is ``ps_train.workloads.ctr.model.DLRM``, whose tables are ``nn.EmbeddingBag(sparse=True)``: one
 process, the same initial values, the same batches in the same order, the same optimizers.
 """
 
@@ -24,13 +24,13 @@ from ps_train.config import (
     DLRMConfig,
     optimizer_spec,
 )
-from ps_train.ctr import CriteoFormatError, CtrSplit
-from ps_train.ctr.batches import CtrBatchIterator
-from ps_train.ctr.loading import load_ctr_data
-from ps_train.ctr.metrics import auc
-from ps_train.ctr.model import DLRM
-from ps_train.ctr.optimizers import TORCH_TABLE_OPTIMIZERS, make_table_optimizer, table_optimizer_spec
-from ps_train.ctr.rows import FusedLayout, RowSharding
+from ps_train.workloads.ctr.data import CriteoFormatError, CtrSplit
+from ps_train.workloads.ctr.data.batches import CtrBatchIterator
+from ps_train.workloads.ctr.data.loading import load_ctr_data
+from ps_train.workloads.ctr.metrics import auc
+from ps_train.workloads.ctr.model import DLRM
+from ps_train.workloads.ctr.tables.optimizers import TORCH_TABLE_OPTIMIZERS, make_table_optimizer, table_optimizer_spec
+from ps_train.workloads.ctr.tables.rows import FusedLayout, RowSharding
 from tests.ps_train._app import make_cfg, read_json, run_app, saved_tables, scalars
 
 # Small and quick, with few rows per table so a batch uses rows several times (the

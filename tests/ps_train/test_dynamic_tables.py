@@ -23,12 +23,12 @@ from ps_train.checkpoint.files import latest_checkpoint
 from ps_train.checkpoint.protocol import load_resume_state
 from ps_train.checkpoint.rows_file import load_rows
 from ps_train.config import Config, ConfigError, CriteoConfig, CtrDataConfig, DLRMConfig, SyntheticCtrConfig
-from ps_train.ctr import CtrSplit
-from ps_train.ctr.dynamic import DynamicSpec, DynamicTable
-from ps_train.ctr.loading import load_ctr_data
-from ps_train.ctr.model import DLRM
-from ps_train.ctr.rows import FusedLayout, dynamic_init_rows, dynamic_owner
-from ps_train.ctr.table_server import TableServer
+from ps_train.workloads.ctr.data import CtrSplit
+from ps_train.workloads.ctr.data.loading import load_ctr_data
+from ps_train.workloads.ctr.model import DLRM
+from ps_train.workloads.ctr.tables.dynamic import DynamicSpec, DynamicTable
+from ps_train.workloads.ctr.tables.rows import FusedLayout, dynamic_init_rows, dynamic_owner
+from ps_train.workloads.ctr.tables.service import TableServer
 from tests.ps_train._app import make_cfg, run_app, scalars
 from tests.ps_train.test_dlrm import ATOL, SMALL, _criteo_file, assert_losses_close, reference_run
 

@@ -243,7 +243,7 @@ def test_epochs_take_the_launched_trainers_and_the_joiners_present_when_they_beg
 
 
 def test_elastic_batches_move_to_the_partition_of_each_epoch_and_say_where_they_are():
-    from ps_train.data import BatchIterator, TensorSplit
+    from ps_train.workloads.vision.data import BatchIterator, TensorSplit
 
     data = TensorSplit(torch.arange(40.0).view(40, 1), torch.zeros(40, dtype=torch.int64), 1)
     plan = {1: Assignment(1, 0, 4)}
@@ -255,7 +255,7 @@ def test_elastic_batches_move_to_the_partition_of_each_epoch_and_say_where_they_
     next(batches)
     x, _ = next(batches)  # epoch 1: slot 0 of 4
     assert batches.position() == {"epoch": 1, "slot": 0, "world": 4, "offset": 5}
-    from ps_train.data import partition
+    from ps_train.partition import partition
 
     assert x.view(-1).long().tolist() == partition(40, 0, 4, 0, 1)[:5].tolist()
     next(batches)

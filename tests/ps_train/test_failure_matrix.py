@@ -8,9 +8,9 @@ The run is ``_app.BASELINE``: 2 servers, 2 trainers, 8 steps, a checkpoint every
 import pytest
 
 from ps_train.config import DigitsConfig
-from ps_train.data import partition, steps_per_epoch
 from ps_train.faults import FAULT_ENV
 from ps_train.launch.restarts import RESTARTS_FILE
+from ps_train.partition import partition, steps_per_epoch
 from ps_train.sample_log import SAMPLE_LOG_ENV, read_sample_log
 from tests.ps_train._app import (
     BASELINE,

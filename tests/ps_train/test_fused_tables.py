@@ -1,5 +1,5 @@
 """Fused table storage, multi-hot bags pooled on the servers that own their rows, and the
-trainer's plan (ps_train.ctr.bags, plan, shards) against single-process ``nn.EmbeddingBag``
+trainer's plan (ps_train.workloads.ctr.data.bags, plan, shards) against single-process ``nn.EmbeddingBag``
 tables and against the per-table path (one ``F.embedding`` and one torch optimizer per table)."""
 
 from __future__ import annotations
@@ -9,14 +9,14 @@ import torch
 import torch.nn.functional as F
 
 from ps_train.config import ConfigError, DLRMConfig
-from ps_train.ctr.bags import BagColumns, Bags
-from ps_train.ctr.model import DLRM
-from ps_train.ctr.optimizers import RowsAdagrad
-from ps_train.ctr.plan import BagPlanner, combine
-from ps_train.ctr.rows import FusedLayout
-from ps_train.ctr.shards import TableShards, rows_gradient
-from ps_train.ctr.synthetic import SyntheticCtr, synthetic_ctr
-from ps_train.ctr.synthetic_bags import BagShape
+from ps_train.workloads.ctr.data.bags import BagColumns, Bags
+from ps_train.workloads.ctr.data.synthetic import SyntheticCtr, synthetic_ctr
+from ps_train.workloads.ctr.data.synthetic_bags import BagShape
+from ps_train.workloads.ctr.model import DLRM
+from ps_train.workloads.ctr.tables.optimizers import RowsAdagrad
+from ps_train.workloads.ctr.tables.plan import BagPlanner, combine
+from ps_train.workloads.ctr.tables.rows import FusedLayout
+from ps_train.workloads.ctr.tables.shards import TableShards, rows_gradient
 from tests.ps_train._app import make_cfg
 
 SIZES = [40, 7, 5000]

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from ps_train.config import ConfigError
-from ps_train.ctr.bags import Bags
-from ps_train.ctr.jagged import KeyedJagged, is_keyed_jagged, keyed_jagged, to_bags
-from ps_train.ctr.model import DLRM
-from ps_train.ctr.plan import BagPlanner
-from ps_train.ctr.rows import FusedLayout
+from ps_train.workloads.ctr.data.bags import Bags
+from ps_train.workloads.ctr.data.jagged import KeyedJagged, is_keyed_jagged, keyed_jagged, to_bags
+from ps_train.workloads.ctr.model import DLRM
+from ps_train.workloads.ctr.tables.plan import BagPlanner
+from ps_train.workloads.ctr.tables.rows import FusedLayout
 from tests.ps_train._app import make_cfg
 
 SIZES = (30, 7, 200)

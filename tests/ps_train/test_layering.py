@@ -70,12 +70,22 @@ def import_graph() -> dict[str, set[str]]:
     return graph
 
 
+# Each workload (a sub-package of ps_train.workloads) is a unit of its own, as a sub-package
+# of ps_train is: the workloads sit on one floor, above the roles, and never import each other.
+WORKLOADS = "ps_train.workloads"
+# The command lines: a run's entry points, and `python -m ps_train.prepare`, which converts a
+# workload's raw data before any run.
+CLIS = ENTRY_POINTS | {"ps_train.prepare"}
+
+
 def package_of(module: str, modules: dict[str, Path]) -> str:
-    """The unit of the package graph: a sub-package of ps_train (``ps_train.ctr``) for every
-    module inside it, a top-level module (``ps_train.models``) for itself."""
+    """The unit of the package graph: a sub-package of ps_train (``ps_train.roles``), or a
+    workload (``ps_train.workloads.ctr``), for every module inside it; a top-level module
+    (``ps_train.stage_sharding``) for itself."""
     parts = module.split(".")
-    if len(parts) > 1 and modules.get(".".join(parts[:2]), Path()).name == "__init__.py":
-        return ".".join(parts[:2])
+    depth = 3 if _within(WORKLOADS, module) and len(parts) > 2 else 2
+    if len(parts) >= depth and modules.get(".".join(parts[:depth]), Path()).name == "__init__.py":
+        return ".".join(parts[:depth])
     return module
 
 
@@ -113,10 +123,10 @@ def test_no_import_cycles():
 
 
 def test_no_import_cycles_between_packages():
-    # A package is one concept (modes, checkpoint, elastic, ctr, roles, launch): it sits on
+    # A package is one concept (modes, checkpoint, elastic, roles, launch, a workload): it sits on
     # one floor, so no two of them (or a top-level module and a package) import each other.
     graph = package_graph()
-    assert {"ps_train.roles", "ps_train.ctr", "ps_train.launch", "ps_train.models"} <= set(graph)
+    assert {"ps_train.roles", "ps_train.workloads.ctr", "ps_train.workloads.vision", "ps_train.launch"} <= set(graph)
     cycles = _cycles(graph)
     assert not cycles, "ps_train's packages import each other in cycles: " + "; ".join(
         _describe(graph, c) for c in cycles
@@ -160,3 +170,27 @@ def test_the_config_imports_nothing_else_of_ps_train_but_the_modes():
     }
     assert not outside, f"the modes import other ps_train modules: {sorted(outside)}"
     assert "ps_train.modes" in graph["ps_train.config.run"]  # the rule above is not empty
+
+
+def test_the_machinery_imports_no_workload():
+    # The launcher, the roles and the modes (and everything below them) reach a workload
+    # only through the registry (ps_train.workload); only the entry points import the
+    # built-in workloads, to register them. A new workload is then a new package and nothing else.
+    graph = import_graph()
+    importers = sorted(
+        f"{m} -> {t}"
+        for m, targets in graph.items()
+        if not _within(WORKLOADS, m) and m not in CLIS
+        for t in targets
+        if _within(WORKLOADS, t) and t != WORKLOADS
+    )
+    assert not importers, f"these import a workload by name; ask ps_train.workload.workload_for instead: {importers}"
+    assert any(_within(WORKLOADS + ".ctr", t) for t in graph["ps_train.workloads.ctr"] | {"ps_train.workloads.ctr"})
+
+
+def test_workloads_do_not_import_each_other():
+    graph = package_graph()
+    workloads = [u for u in graph if _within(WORKLOADS, u) and u != WORKLOADS]
+    assert {"ps_train.workloads.ctr", "ps_train.workloads.vision"} <= set(workloads)
+    crossing = sorted(f"{a} -> {b}" for a in workloads for b in graph[a] if b in workloads and b != a)
+    assert not crossing, f"workloads import each other (share code below them instead): {crossing}"

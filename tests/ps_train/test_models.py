@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from ps_train.config import CNNConfig, MLPConfig, ResNetConfig
-from ps_train.models import build_stages, reference_model
+from ps_train.workloads.vision.models import build_stages, reference_model
 
 SHAPES = [(1, 8, 8), (1, 28, 28), (3, 32, 32)]
 CONFIGS = [

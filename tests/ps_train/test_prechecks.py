@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from ps_train.config import ConfigError, CriteoConfig, DigitsConfig, SyntheticConfig, SyntheticCtrConfig
-from ps_train.ctr.criteo import CHECKED_LINES, check_criteo_files
-from ps_train.ctr.loading import load_ctr_data
-from ps_train.data import load_data
 from ps_train.launch.prechecks import DataCheckError, check_data
+from ps_train.workloads.ctr.data.criteo import CHECKED_LINES, check_criteo_files
+from ps_train.workloads.ctr.data.loading import load_ctr_data
+from ps_train.workloads.vision.data import load_data
 from tests.ps_train._app import finish_clis, make_cfg, start_cli
 from tests.ps_train.test_cli import assert_nothing_started
 

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from ps_train.config import ConfigError
-from ps_train.ctr.bags import as_bags
-from ps_train.ctr.cache import RowCache
-from ps_train.ctr.plan import BagPlanner
-from ps_train.ctr.rows import FusedLayout
-from ps_train.ctr.shards import TableShards
+from ps_train.workloads.ctr.data.bags import as_bags
+from ps_train.workloads.ctr.tables.cache import RowCache
+from ps_train.workloads.ctr.tables.plan import BagPlanner
+from ps_train.workloads.ctr.tables.rows import FusedLayout
+from ps_train.workloads.ctr.tables.shards import TableShards
 from tests.ps_train._app import make_cfg, run_app
 from tests.ps_train.test_dlrm import SMALL
 

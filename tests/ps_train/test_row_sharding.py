@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ps_train.ctr.bags import Bags
-from ps_train.ctr.model import DLRM, interact
-from ps_train.ctr.plan import BagPlanner, combine
-from ps_train.ctr.rows import INIT_BLOCK, FusedLayout, RowSharding, init_rows
-from ps_train.ctr.shards import TableShards
+from ps_train.workloads.ctr.data.bags import Bags
+from ps_train.workloads.ctr.model import DLRM, interact
+from ps_train.workloads.ctr.tables.plan import BagPlanner, combine
+from ps_train.workloads.ctr.tables.rows import INIT_BLOCK, FusedLayout, RowSharding, init_rows
+from ps_train.workloads.ctr.tables.shards import TableShards
 
 
 @pytest.mark.parametrize("kind", ["range", "mod"])

@@ -9,15 +9,14 @@ import torch
 from torch import nn
 
 from ps_train.config import CNNConfig, MLPConfig, ResNetConfig
-from ps_train.models import build_stages, reference_model
 from ps_train.stage_sharding import (
     _balanced_bounds,
-    build_model_shards,
     build_shards,
     place_stages,
     shards_of_server,
     stage_param_bytes,
 )
+from ps_train.workloads.vision.models import build_model_shards, build_stages, reference_model
 
 
 @pytest.mark.parametrize("strategy", ["round_robin", "balanced"])

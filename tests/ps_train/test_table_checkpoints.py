@@ -1,4 +1,4 @@
-"""Checkpoints of embedding tables that do not stop training (``ps_train.ctr.snapshot``,
+"""Checkpoints of embedding tables that do not stop training (``ps_train.workloads.ctr.tables.snapshot``,
 ``ps_train.checkpoint.rows_file``): a snapshot written while updates go on holds the rows as
 they were when it was taken; differential checkpoints hold only the changed rows and restore,
 through their chain, the same tables; a broken chain is refused naming the file; and a sync
@@ -24,8 +24,8 @@ from ps_train.checkpoint.files import (
 from ps_train.checkpoint.protocol import load_resume_state
 from ps_train.checkpoint.rows_file import RowChunk, RowsFileError, load_rows, write_rows_file
 from ps_train.config import ConfigError, CtrDataConfig, DLRMConfig
-from ps_train.ctr.table_server import TableServer, TableSnapshot
 from ps_train.faults import FAULT_ENV
+from ps_train.workloads.ctr.tables.service import TableServer, TableSnapshot
 from tests.ps_train._app import make_cfg, run_app, saved_tables
 
 SIZES = [5000, 7000, 300]  # 12,300 rows on one server: 4 blocks of 4,096

@@ -1,4 +1,4 @@
-"""Embedding-table optimizers (``ps_train.ctr.optimizers``): the registry; sgd, adagrad and
+"""Embedding-table optimizers (``ps_train.workloads.ctr.tables.optimizers``): the registry; sgd, adagrad and
 sparse_adam equal torch's, bit for bit; row-wise Adagrad equals a plain-torch reference."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ps_train.config import TABLE_OPTIMIZER_NAMES, ConfigError, OptimConfig
-from ps_train.ctr.optimizers import (
+from ps_train.workloads.ctr.tables.optimizers import (
     TABLE_OPTIMIZERS,
     RowsOptimizer,
     RowWiseAdagrad,

@@ -27,15 +27,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ps_train.config import CtrDataConfig, DLRMConfig, OptimConfig, optimizer_spec
-from ps_train.ctr.bags import Bags, as_bags
-from ps_train.ctr.batches import CtrBatchIterator
-from ps_train.ctr.jagged import is_keyed_jagged, keyed_jagged, to_bags
-from ps_train.ctr.loading import load_ctr_data
-from ps_train.ctr.model import DLRM, interact
-from ps_train.ctr.optimizers import make_table_optimizer
-from ps_train.ctr.plan import BagPlanner, combine
-from ps_train.ctr.rows import FusedLayout, RowSharding, init_rows
-from ps_train.ctr.shards import TableShards
+from ps_train.workloads.ctr.data.bags import Bags, as_bags
+from ps_train.workloads.ctr.data.batches import CtrBatchIterator
+from ps_train.workloads.ctr.data.jagged import is_keyed_jagged, keyed_jagged, to_bags
+from ps_train.workloads.ctr.data.loading import load_ctr_data
+from ps_train.workloads.ctr.model import DLRM, interact
+from ps_train.workloads.ctr.tables.optimizers import make_table_optimizer
+from ps_train.workloads.ctr.tables.plan import BagPlanner, combine
+from ps_train.workloads.ctr.tables.rows import FusedLayout, RowSharding, init_rows
+from ps_train.workloads.ctr.tables.shards import TableShards
 from tests.ps_train._app import make_cfg, run_app, saved_tables
 
 torchrec = pytest.importorskip(
@@ -252,7 +252,7 @@ def test_rowwise_adagrad_on_the_servers_equals_torchrecs_fused_rowwise_adagrad(
 
 
 # A small model=dlrm run with multi-hot weighted bags: table 2's bags of up to 20 ids are pooled
-# on the servers, tables 0-1's rows fetched (ps_train.ctr.plan); both trainers' gradients meet
+# on the servers, tables 0-1's rows fetched (ps_train.workloads.ctr.tables.plan); both trainers' gradients meet
 # on the servers every step.
 E2E = (
     "model=dlrm",

@@ -20,6 +20,8 @@ import torch
 import rpc_core
 from rpc_core import RpcTimeoutError, RRef, WorkerInfo
 from rpc_core import rref as rref_mod
+from rpc_core.rref import release as rref_release
+from rpc_core.rref import state as rref_state
 from tests._world import run_world
 
 EMPTY = {"num_owner_rrefs": 0, "num_forks": 0, "num_user_rrefs": 0, "num_pending_users": 0, "num_pending_children": 0}
@@ -358,7 +360,7 @@ def _body_late_request(ctx):
         gc.collect()
         rref_mod.flush()  # the owner has freed the value
         # A request naming the freed RRef (what a buggy program could send) fails at once.
-        for handler, args in ((rref_mod._on_fetch, (rref_id,)), (rref_mod._on_invoke, (rref_id, "sum", (), {}))):
+        for handler, args in ((rref_state._on_fetch, (rref_id,)), (rref_state._on_invoke, (rref_id, "sum", (), {}))):
             with pytest.raises(rpc_core.RpcError, match="already deleted on its owner"):
                 rpc_core.rpc_sync(1, handler, args=args, timeout=30)
     return _settle_and_count()
@@ -429,7 +431,7 @@ def test_rrefs_cannot_be_used_after_shutdown():
 
 # -- deletes ride on requests ---------------------------------------------------------------------------
 def _owner_holds(rref_id):
-    return tuple(rref_id) in rref_mod._ctx.owners
+    return tuple(rref_id) in rref_state._ctx.owners
 
 
 def _body_delete_rides_on_next_request(ctx):
@@ -442,11 +444,11 @@ def _body_delete_rides_on_next_request(ctx):
     # What the release thread does with a garbage-collected user RRef, done here so the test
     # knows when: the delete waits for a request to the owner instead of a message of its own.
     r._deleted = True
-    rref_mod._send_delete(1, rref_id, fork_id)
-    waiting = dict(rref_mod._ctx.deletes)
+    rref_release._send_delete(1, rref_id, fork_id)
+    waiting = dict(rref_state._ctx.deletes)
     # The next call to the owner carries it; the owner applies it before running the call.
     held_after = rpc_core.rpc_sync(1, _owner_holds, args=(rref_id,))
-    return held_before, waiting, held_after, dict(rref_mod._ctx.deletes)
+    return held_before, waiting, held_after, dict(rref_state._ctx.deletes)
 
 
 def test_a_user_delete_rides_on_the_next_request_to_the_owner():
@@ -477,12 +479,12 @@ def _body_collected_user_rref(ctx):
     r = rpc_core.remote(1, _add, args=(1, 2))
     assert r.to_here() == 3  # reads the creation's acknowledgement too: r is confirmed
     rref_id = r._rref_id
-    rref_mod._ctx.releases = recording = _RecordingQueue(rref_mod._ctx.releases)
+    rref_state._ctx.releases = recording = _RecordingQueue(rref_state._ctx.releases)
     try:
         del r  # the last reference: __del__ runs here
         held_after = rpc_core.rpc_sync(1, _owner_holds, args=(rref_id,))
     finally:
-        rref_mod._ctx.releases = recording.real
+        rref_state._ctx.releases = recording.real
     return recording.kinds, held_after
 
 
@@ -498,15 +500,15 @@ def _local_value(rref):
 
 
 def _record_releases():
-    rref_mod._ctx.releases = _RecordingQueue(rref_mod._ctx.releases)
+    rref_state._ctx.releases = _RecordingQueue(rref_state._ctx.releases)
 
 
 def _recorded_releases():
     gc.collect()
     rref_mod.flush()  # applies the dropped handles
-    recording = rref_mod._ctx.releases
-    rref_mod._ctx.releases = recording.real
-    entry = rref_mod._ctx.owners.get(_owner_rref_id[0])
+    recording = rref_state._ctx.releases
+    rref_state._ctx.releases = recording.real
+    entry = rref_state._ctx.owners.get(_owner_rref_id[0])
     return recording.kinds, None if entry is None else entry.handles
 
 

@@ -1,0 +1,84 @@
+"""What a parameter server takes from a workload whose model has embedding tables (model=dlrm).
+
+``TablePart`` is a model's tables on one server, split by rows: its rows of every table and
+their optimizer; ``TableCheckpoint`` is one checkpoint of them being written. The server
+(``ps_train.roles.server``) and its checkpoint writer (``ps_train.roles.checkpointing``) use
+them through these Protocols only, so ``roles/`` does not import the workload: the CTR
+workload's are ``ps_train.workloads.ctr.tables.service.TableServer`` and ``TableSnapshot``, which
+its ``Workload.table_service`` builds (``ps_train.workload``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from ps_train.checkpoint.files import ShardFile
+
+
+class TableCheckpoint(Protocol):
+    """A checkpoint of a server's tables being written (``ps_train.workloads.ctr.tables.service.TableSnapshot``)."""
+
+    @property
+    def base(self) -> str | None:
+        """The checkpoint it builds on (None: it holds every row)."""
+
+    @property
+    def state(self) -> dict[str, Any]:
+        """What goes into the server's ``.pt`` file for the tables."""
+
+    @property
+    def row_count(self) -> int: ...
+
+    @property
+    def rows_copied_aside(self) -> int: ...
+
+    def write(self, ckpt_dir: str, shard_name: str) -> ShardFile:
+        """Write the rows file; returns its manifest entry."""
+
+
+class TablePart(Protocol):
+    """A model's embedding tables on one server, split by rows: its rows of every table and
+    their optimizer (model=dlrm: ``ps_train.workloads.ctr.tables.service.TableServer``)."""
+
+    @property
+    def params(self) -> list[nn.Parameter]: ...
+
+    def lookup(
+        self,
+        rows: torch.Tensor,
+        offsets: torch.Tensor,
+        weights: torch.Tensor | None,
+        ids: torch.Tensor | None = None,
+        step: int = -1,
+        trainer: int = 0,
+    ) -> torch.Tensor:
+        """For training: one vector per row, or per bag of rows (summed, times ``weights``),
+        of the request (``ps_train.workloads.ctr.tables.plan.ServerRequest``): [P, dim]; ``ids``: the raw ids
+        of its dynamic tables' rows, by ``trainer`` at ``step``."""
+
+    def read(
+        self, rows: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None, ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The same vectors without autograd, for evaluation."""
+
+    def step(self, grads: Mapping[torch.Tensor, torch.Tensor], lr_factor: float = 1.0) -> None:
+        """Update the rows ``grads`` (sparse, by table weight) name, at ``lr_factor`` times the
+        rate; the caller holds the server's lock."""
+
+    def stats(self) -> dict[str, int]:
+        """Cumulative counts, among them ``table_rows_read``, ``table_rows_updated``,
+        ``table_rows_live`` (rows updated at least once)."""
+
+    def state_dict(self, copy: bool = True) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def begin_snapshot(self, name: str, base: str | None) -> TableCheckpoint:
+        """Freeze the rows for checkpoint ``name`` (differential on ``base`` if it can); the
+        caller holds the server's lock."""
+
+    def end_snapshot(self, written: bool) -> None: ...

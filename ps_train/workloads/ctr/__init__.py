@@ -1,0 +1,74 @@
+"""The click-through-rate workload: DLRM-style models (model=dlrm) with embedding tables
+split by rows across the servers, on data=synthetic_ctr or data=criteo (docs/ctr.md).
+
+- ``data/``: Criteo reading and preparing, memory-mapped arrays, the synthetic generator,
+  per-trainer batches, multi-hot bags and KeyedJaggedTensor batches;
+- ``tables/``: row ownership and init, the servers' table storage and its optimizers,
+  dynamic (raw-id) tables, the trainer's bag plan and hot-row cache, checkpoint snapshots,
+  and the servers' table service;
+- ``model`` (the single-process DLRM, the interaction, the dense stages), ``metrics`` (AUC,
+  log loss) and ``trainer`` (``CtrTrainer``).
+
+Registers itself on import.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ps_train.config import Config, CtrDataConfig, DataConfig, DLRMConfig
+from ps_train.workload import StagePlan, Workload, register_workload
+
+if TYPE_CHECKING:
+    from torch import nn
+
+__all__ = ["CTR"]
+
+
+def _stages(cfg: Config) -> StagePlan:
+    """Its dense stages (bottom MLP; top MLP, after the cross layers for
+    ``model.interaction=dcn``), one shard each, on at most two servers (its tables live on
+    all of them: ``tables.service``)."""
+    from ps_train.workloads.ctr.model import cross_spec, dense_stages
+
+    m, d = cfg.model, cfg.data
+    if not (isinstance(m, DLRMConfig) and isinstance(d, CtrDataConfig)):
+        raise TypeError(f"model={m.name} needs CTR data (data=synthetic_ctr or data=criteo), not data={d.name}")
+    stages: list[nn.Module] = list(
+        dense_stages(d.dense_count(), len(d.sizes()), m.embedding_dim, m.bottom_mlp, m.top_mlp, cfg.seed, cross_spec(m))
+    )
+    return StagePlan(stages, merge=False, max_servers=len(stages))
+
+
+def _trainer() -> type[Any]:
+    from ps_train.workloads.ctr.trainer import CtrTrainer
+
+    return CtrTrainer
+
+
+def _check_data(data: DataConfig) -> int | None:
+    if isinstance(data, CtrDataConfig):
+        from ps_train.workloads.ctr.data.loading import check_ctr_data
+
+        return check_ctr_data(data)
+    return None
+
+
+def _table_service(cfg: Config, rank: int) -> Any:
+    from ps_train.workloads.ctr.tables.service import make_table_server
+
+    return make_table_server(cfg, rank)
+
+
+CTR = register_workload(
+    Workload(
+        name="ctr",
+        models=("dlrm",),
+        stages=_stages,
+        trainer=_trainer,
+        check_data=_check_data,
+        table_service=_table_service,
+        module=__name__,
+        preload=("ps_train.workloads.ctr.trainer", "ps_train.workloads.ctr.tables.service"),
+    )
+)

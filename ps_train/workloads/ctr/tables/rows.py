@@ -1,0 +1,194 @@
+"""Row-sharded embedding tables: which server owns which row, and how a trainer asks for rows.
+
+A table of ``num_rows`` rows is split across ``S`` servers by rows, one of two ways
+(``model.table_sharding``):
+
+- ``range``: server ``s`` owns the contiguous rows ``[s * per, (s + 1) * per)`` with
+  ``per = ceil(num_rows / S)`` (the last server may own fewer). Local row = ``id - s * per``.
+- ``mod``: server ``s`` owns the rows ``id % S == s``. Local row = ``id // S``. Hot ids
+  (power-law traffic) spread evenly over the servers, whatever their numbering.
+
+A table's values do not depend on ``S``: row ``r`` is drawn from a generator seeded by
+``(seed, table, r // INIT_BLOCK)``, so a server builds its shard block by block (seconds for
+gigabytes, never the whole table at once) and the same seed gives the same table for any
+number of servers.
+
+A server keeps its rows of every table in one storage (``FusedLayout``), so one gather
+serves a step's lookup of all tables; ``ps_train.workloads.ctr.tables.plan`` is how a trainer asks for them.
+
+A *dynamic* table (``model.tables[i].kind=dynamic``, ``ps_train.workloads.ctr.tables.dynamic``) has no row
+numbers: id ``x`` belongs to server ``dynamic_owner(x)`` (a fixed hash of the id, mod S),
+which keeps it in one of its ``max_rows`` slots of that table, created on first use with
+``dynamic_init_rows`` (a counter-based hash of (seed, table, id, column), so a row's initial
+value does not depend on when or in which order ids arrive). Its slots follow the fixed
+tables' rows in the storage, and one more row, always zero, is what ids without a row read.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+__all__ = ["INIT_BLOCK", "RowSharding", "FusedLayout", "init_rows", "dynamic_owner", "dynamic_init_rows"]
+
+# Rows drawn per seeded generator when a table is built: small enough that building a
+# shard never holds much more than the shard, large enough that seeding costs nothing.
+INIT_BLOCK = 1 << 16
+SHARDING_KINDS = ("range", "mod")
+
+
+@dataclass(frozen=True)
+class RowSharding:
+    """How one table's rows are split across ``num_servers`` servers."""
+
+    kind: str
+    num_rows: int
+    num_servers: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in SHARDING_KINDS:
+            raise ValueError(f"table sharding must be one of {SHARDING_KINDS}, got {self.kind!r}")
+        if self.num_rows < 1 or self.num_servers < 1:
+            raise ValueError(
+                f"a table needs >= 1 row and >= 1 server, got {self.num_rows} rows, {self.num_servers} servers"
+            )
+
+    @property
+    def _per(self) -> int:
+        return math.ceil(self.num_rows / self.num_servers)
+
+    def owner(self, ids: Tensor) -> Tensor:
+        """The server of each id (int64, same shape as ``ids``)."""
+        if self.kind == "range":
+            return torch.div(ids, self._per, rounding_mode="floor")
+        return torch.remainder(ids, self.num_servers)
+
+    def local(self, ids: Tensor) -> Tensor:
+        """Each id's row index within its owner's shard."""
+        if self.kind == "range":
+            return ids - self.owner(ids) * self._per
+        return torch.div(ids, self.num_servers, rounding_mode="floor")
+
+    def rows_of(self, server: int) -> int:
+        """How many rows ``server`` owns."""
+        if self.kind == "range":
+            return max(0, min(self.num_rows, (server + 1) * self._per) - server * self._per)
+        return (self.num_rows - server + self.num_servers - 1) // self.num_servers
+
+    def global_ids(self, server: int, start: int = 0, stop: int | None = None) -> Tensor:
+        """Global ids of ``server``'s local rows ``start:stop`` (int64 [stop - start])."""
+        stop = self.rows_of(server) if stop is None else stop
+        local = torch.arange(start, stop, dtype=torch.int64)
+        if self.kind == "range":
+            return local + server * self._per
+        return local * self.num_servers + server
+
+
+def init_rows(seed: int, table: int, num_rows: int, dim: int, ids: Tensor) -> Tensor:
+    """The initial values of rows ``ids`` (sorted ascending) of table ``table``: float32
+    [len(ids), dim], uniform in +-sqrt(1 / num_rows) (DLRM's rule). Generated block by block
+    of ``INIT_BLOCK`` rows, each block from its own seeded generator, so a row's value
+    depends on (seed, table, row) only."""
+    bound = math.sqrt(1.0 / num_rows)
+    out = torch.empty(len(ids), dim, dtype=torch.float32)
+    if len(ids) == 0:
+        return out
+    blocks = torch.div(ids, INIT_BLOCK, rounding_mode="floor")
+    g = torch.Generator()
+    # ids are sorted, so each block's rows are one contiguous run of ``out``.
+    starts = torch.searchsorted(blocks, torch.unique_consecutive(blocks))
+    bounds = starts.tolist() + [len(ids)]
+    for i, block in enumerate(torch.unique_consecutive(blocks).tolist()):
+        lo, hi = bounds[i], bounds[i + 1]
+        g.manual_seed(_block_seed(seed, table, block))
+        first = block * INIT_BLOCK
+        n = min(INIT_BLOCK, num_rows - first)
+        values = torch.rand(n, dim, generator=g)  # [n, dim] in [0, 1)
+        out[lo:hi] = values[ids[lo:hi] - first]
+    return out.mul_(2 * bound).sub_(bound)
+
+
+def _block_seed(seed: int, table: int, block: int) -> int:
+    # A fixed mix of the three (no Python hash(): it is salted per process for strings and
+    # must give the same value on every server).
+    x = (seed * 0x9E3779B97F4A7C15 + table * 0xBF58476D1CE4E5B9 + block * 0x94D049BB133111EB) & ((1 << 63) - 1)
+    return x
+
+
+_U64 = (1 << 64) - 1
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    # SplitMix64's finaliser: a bijection on uint64 with full avalanche (uint64 array ops wrap).
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def _as_u64(ids: Tensor) -> np.ndarray:
+    """int64 ids as uint64 (the same 64 bits), for hashing."""
+    return ids.to(torch.int64).contiguous().numpy().view(np.uint64)
+
+
+def dynamic_owner(ids: Tensor, num_servers: int) -> Tensor:
+    """The server of each id of a dynamic table (int64, same shape): a fixed hash of the id's
+    64 bits, mod ``num_servers``, so consecutive or strided ids spread over the servers."""
+    h = _mix64(_as_u64(ids) ^ np.uint64(0x5851F42D4C957F2D)) >> np.uint64(1)  # < 2**63: fits int64
+    return torch.from_numpy((h % np.uint64(num_servers)).astype(np.int64))
+
+
+def dynamic_init_rows(seed: int, table: int, num_embeddings: int, dim: int, ids: Tensor) -> Tensor:
+    """The initial rows of ids ``ids`` (int64 [n], any order, any 64-bit values) of dynamic
+    table ``table``: float32 [n, dim], uniform in +-sqrt(1 / num_embeddings) (DLRM's rule).
+    Value (i, j) is a hash of (seed, table, ids[i], j): the same id gets the same row whatever
+    the other ids, their order or the server."""
+    bound = math.sqrt(1.0 / num_embeddings)
+    key = _mix64(np.array([(seed * 0x9E3779B97F4A7C15 + table * 0xD1B54A32D192ED03) & _U64], dtype=np.uint64))
+    h = _mix64(_as_u64(ids) ^ key)  # [n]
+    cols = (np.arange(1, dim + 1, dtype=np.uint64) * np.uint64(0xBF58476D1CE4E5B9)).reshape(1, dim)
+    bits = _mix64(h.reshape(-1, 1) ^ cols) >> np.uint64(40)  # [n, dim]: 24 bits, exact in float32
+    u = torch.from_numpy(bits.astype(np.float32)).mul_(1.0 / (1 << 24))  # [0, 1)
+    return u.mul_(2 * bound).sub_(bound)
+
+
+@dataclass(frozen=True)
+class FusedLayout:
+    """Where every table's rows live: table ``t`` split by ``kind`` over ``num_servers``
+    servers, and each server's rows of all tables in one storage, table after table
+    (``row_offsets``). Trainers and servers build the same layout from the config, so a
+    trainer names a row by its place in its server's storage.
+
+    ``dynamic_rows``: per table, its slots per server if it is dynamic, else 0 (empty: no
+    dynamic tables). With any, the storage ends with one zero row (``default_row``)."""
+
+    kind: str
+    table_sizes: tuple[int, ...]
+    num_servers: int
+    dynamic_rows: tuple[int, ...] = ()
+
+    def is_dynamic(self, t: int) -> bool:
+        return bool(self.dynamic_rows) and self.dynamic_rows[t] > 0
+
+    def shardings(self) -> list[RowSharding]:
+        return [RowSharding(self.kind, n, self.num_servers) for n in self.table_sizes]
+
+    def row_offsets(self, server: int) -> list[int]:
+        """[T + 1]: table t's rows (a dynamic table's slots) on ``server`` are its storage
+        rows ``row_offsets[t] : row_offsets[t + 1]``."""
+        out = [0]
+        for t, sh in enumerate(self.shardings()):
+            out.append(out[-1] + (self.dynamic_rows[t] if self.is_dynamic(t) else sh.rows_of(server)))
+        return out
+
+    def storage_rows(self, server: int) -> int:
+        """Rows of ``server``'s storage: every table's, and the default row if any table is dynamic."""
+        return self.row_offsets(server)[-1] + (1 if any(self.dynamic_rows) else 0)
+
+    def default_row(self, server: int) -> int | None:
+        """The storage row ids without a row read (zeros; never updated), or None."""
+        return self.row_offsets(server)[-1] if any(self.dynamic_rows) else None
