@@ -176,10 +176,10 @@ def test_sync_dcn_run_equals_plain_torch_dcn(tmp_path: Path, setup: tuple[str, .
                     assert w.grad is not None
                     w.add_(w.grad, alpha=-lr)
 
-    for k, want in losses.items():
-        got = metrics["losses"][k]
-        assert len(got) == steps
-        assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= ATOL, (k, got, want)
+    for trainer, expected in losses.items():
+        observed = metrics["losses"][trainer]
+        assert len(observed) == steps
+        assert max(abs(a - b) for a, b in zip(observed, expected, strict=True)) <= ATOL, (trainer, observed, expected)
     # The dense stages, cross layers included, as the servers saved them.
     saved = final_weights(tmp_path)
     got_dense = [
@@ -199,8 +199,8 @@ def test_sync_dcn_run_equals_plain_torch_dcn(tmp_path: Path, setup: tuple[str, .
         sharding = RowSharding(m.table_sharding, w.shape[0], S)
         for s in range(S):
             lo, hi = layout.row_offsets(s)[t : t + 2]
-            want = w.detach()[sharding.global_ids(s)]
-            torch.testing.assert_close(tables[f"ps{s}"]["weight"][lo:hi], want, atol=ATOL, rtol=0)
+            rows = w.detach()[sharding.global_ids(s)]
+            torch.testing.assert_close(tables[f"ps{s}"]["weight"][lo:hi], rows, atol=ATOL, rtol=0, msg=f"table {t}")
 
 
 def test_dlrm_with_cross_layers_is_the_plain_dcn() -> None:
