@@ -8,7 +8,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from _format import fmt
+from benchmarks._format import fmt
 
 __all__ = ["render", "BYTES_LIMIT", "TRAINER_RSS_LIMIT"]
 
@@ -186,7 +186,7 @@ def render(
     ]
     out += _table(["config", "server", "ideal B/step", "rpc_core B/step", "rpc_core/ideal", "torch B/step"], bytes_body)
     out += [
-        "bytes sent + received per trainer step by each server; ideal: benchmarks/_ctr_traffic.py "
+        "bytes sent + received per trainer step by each server; ideal: ps_train/workloads/ctr/ideal_traffic.py "
         "(backend=torch records no byte counts)",
         "",
     ]

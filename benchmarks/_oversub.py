@@ -7,30 +7,23 @@ With more runnable processes than cores, a design that polls for its answer take
 its peer needs, and one that hands each message between threads pays a scheduler
 wake-up per hop: the figure shows how each implementation copes.
 
-Spawned by ``rpc_bench.run_impl`` like ``_workloads.worker_main`` (same arguments and
+Spawned by ``_rpc_runs.run_impl`` like ``_workloads.worker_main`` (same arguments and
 queue messages); ``plan`` holds the one workload ``sync_noop_4x4``.
 """
 
 from __future__ import annotations
 
-import os
 import statistics
-import sys
 import time
 import traceback
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
 NAME = "sync_noop_4x4"
 CALLERS = 4
 WORLD_SIZE = 2 * CALLERS
 
 
 def oversub_main(rank, world_size, impl_name, port, plan, options_extra, queue):
-    for p in (REPO, HERE):
-        if p not in sys.path:
-            sys.path.insert(0, p)
-    import _workloads
+    from benchmarks import _workloads
 
     try:
         impl = _workloads.join_world(rank, world_size, impl_name, port, options_extra, queue, rpc_timeout=120)

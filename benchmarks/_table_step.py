@@ -1,29 +1,20 @@
 """The embedding tables' part of a DLRM step, measured alone: lookup + backward + update.
 
-``ctr_bench.py --tables`` runs each variant in a child process of its own (one at a time:
-each holds gigabytes of tables) on the same batches -- ``preset=dlrm_large``'s 26 tables of
-384,616 rows, dim 64, batch 512, Zipf ids (``data=synthetic_ctr``'s), or bags of ``bag``
-ids -- and reports milliseconds per step (median after a warm-up):
+``ctr_bench --tables`` runs each variant in a child process of its own on the same batches
+(``preset=dlrm_large``'s 26 tables of 384,616 rows, dim 64, batch 512, Zipf ids, or bags of
+``bag`` ids) and reports milliseconds per step (median after a warm-up):
 
-- ``embedding_bag``: one process, 26 ``nn.EmbeddingBag(sparse=True)`` + ``torch.optim.Adagrad``
-  (what ``ctr_bench``'s single-process row trains with);
+- ``embedding_bag``: one process, 26 ``nn.EmbeddingBag(sparse=True)`` + ``torch.optim.Adagrad``;
 - ``fbgemm``: FBGEMM's CPU ``SplitTableBatchedEmbeddingBagsCodegen`` with its fused
   ``EXACT_ROWWISE_ADAGRAD`` (``pip install fbgemm-gpu-cpu --no-deps``, matched to torch);
-- ``per_table``: ps_train's table path before fused storage, on one server of ``servers``:
-  per table, the distinct rows with ``F.embedding(sparse=True)``, one coalesce and torch's
-  Adagrad per table (the update the issue measured at 19.8 ms);
-- ``ps_train``: the fused path of one server of ``servers`` with as many trainers: each
-  trainer's plan and ``combine`` (the trainer's side), the server's ``lookup``, its backward
-  (``rows_gradient``), the trainers' gradients summed and one optimizer step
-  (``adagrad``: torch's arithmetic on the touched rows; ``rowwise_adagrad``). No RPC: the
-  wire is ``ctr_bench``'s other rows.
+- ``per_table``: ps_train's table path before fused storage, one server of ``servers``: per
+  table the distinct rows with ``F.embedding(sparse=True)``, a coalesce and torch's Adagrad;
+- ``ps_train``: the fused path of one server of ``servers`` with as many trainers: the
+  trainers' plan and ``combine``, the server's ``lookup``, its backward (``rows_gradient``),
+  the gradients summed and one optimizer step (``adagrad`` or ``rowwise_adagrad``). No RPC.
 
-The tables' initial values do not matter here: they are filled with ``torch.rand`` instead
-of ps_train's seeded blocks (which take a minute for gigabytes on a busy machine).
-
-Bytes touched per step, FBGEMM's formula (its benchmark's forward-backward figure):
-``3 * 4 * B * sum(D) * L`` (fp32: rows read for the lookup, read and written by the fused
-update), with L the mean bag length.
+The tables are filled with ``torch.rand`` (their values do not matter here). Bytes touched per
+step, FBGEMM's formula: ``3 * 4 * B * sum(D) * L`` (fp32), L the mean bag length.
 """
 
 from __future__ import annotations

@@ -15,16 +15,12 @@ import gc
 import importlib
 import os
 import statistics
-import sys
 import time
 import traceback
 import warnings
 
 import torch
 import torch.nn as nn
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
 
 IMPL_MODULES = {
     "torch": ("torch.distributed.rpc", "torch.distributed.autograd", "torch.distributed.optim"),
@@ -418,9 +414,6 @@ def worker_main(rank, world_size, impl_name, port, plan, options_extra, queue):
     | ("error", name, kind, message) | ("shutdown", seconds) | ("fatal", rank, traceback).
     """
     global LAST_CPU
-    for p in (REPO, HERE):  # the repo checkout's rpc_core, and this module, by name
-        if p not in sys.path:
-            sys.path.insert(0, p)
     try:
         impl = join_world(rank, world_size, impl_name, port, options_extra, queue, rpc_timeout=60)
         if impl is None:

@@ -2,8 +2,8 @@
 
 Usage (from the repo root)::
 
-    python benchmarks/cache_bench.py                        # Zipf 1.05 and 1.3, cache off / on
-    python benchmarks/cache_bench.py --zipf 1.05 --cache 1000:4 1000:8 --json out.json
+    python -m benchmarks.cache_bench                        # Zipf 1.05 and 1.3, cache off / on
+    python -m benchmarks.cache_bench --zipf 1.05 --cache 1000:4 1000:8 --json out.json
 
 Each run is ``python -m ps_train model=dlrm data=synthetic_ctr`` (8 tables of 1,000 rows,
 batch 256) with 2 servers and ``--trainers`` trainers in ``--mode`` (async by default: the
@@ -26,8 +26,8 @@ import sys
 import tempfile
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _ctr_job import run_dlrm_job  # noqa: E402
+from benchmarks._ctr_job import run_dlrm_job
+from benchmarks._results import add_result_option, run_recorded
 
 
 def one_run(zipf: float, cache: str | None, args: argparse.Namespace, run_dir: str) -> dict[str, Any]:
@@ -100,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", type=int, default=200_000)
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--json", default=None)
+    add_result_option(p, "cache_bench")
     args = p.parse_args(argv)
     results = []
     with tempfile.TemporaryDirectory(prefix="cache_bench_") as root:
@@ -116,4 +117,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_recorded("cache_bench", main))

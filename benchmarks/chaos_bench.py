@@ -1,28 +1,17 @@
 """Chaos: a job trained while its servers and trainers are killed at random, against the same
 job uninterrupted.
 
-    python benchmarks/chaos_bench.py [--minutes 3] [--mtbf 45] [--mode async|ssp|sync]
+    python -m benchmarks.chaos_bench [--minutes 3] [--mtbf 45] [--mode async|ssp|sync]
                                      [--model mlp|dlrm] [--trainers 3] [--seed 0]
 
-1. calibrates: a short fault-free run gives the steps per trainer that take about
-   ``--minutes`` on this machine;
-2. runs that job fault-free (the reference);
-3. runs it again while a killer (``benchmarks/_chaos.py``) SIGKILLs a random role every
-   Exp(``--mtbf``) seconds -- a server with probability ``--server-share``, else a trainer --
-   at random points of its steps, checkpoints, evaluations and restarts. async/ssp jobs run
-   with ``cluster.elastic=true`` (a killed trainer is replaced, the others go on) and every
-   mode with ``cluster.max_restarts`` (a killed server, or any role of a sync job, restarts the
-   run from its latest checkpoint);
-4. reports failures injected, restarts, replacements, the time lost per failure (the chaos
-   job's wall time over the reference's, per failure), the final test accuracy (and AUC for
-   ``--model dlrm``) against the reference's, and what was lost: checkpoints that do not load,
-   updates missing or applied twice (elastic: the servers' counts of the last attempt; sync:
-   the final weights must be the reference's, bit for bit).
-
-Checks (exit 1 if one fails): the chaos job exits 0; sync: its final weights equal the
-reference's; async/ssp: accuracy within 1 point (AUC within 0.01) of the reference's; every
-complete checkpoint loads with matching hashes, the last at the last step. Every run has a
-hard time limit (a few times ``--minutes``).
+Calibrates the steps per trainer that take about ``--minutes``, runs that job fault-free, then
+again while ``ps_train/chaos.py``'s killer SIGKILLs a random role every Exp(``--mtbf``) seconds
+(a server with probability ``--server-share``). async/ssp jobs are elastic; every mode restarts
+from its latest checkpoint (``cluster.max_restarts``). The table gives, for both jobs: failures,
+restarts, replacements, the time lost per failure, the final accuracy (AUC with ``--model
+dlrm``), and what was lost (checkpoints that do not load, updates missing or applied twice).
+Exit 1 if a check fails: the chaos job exits 0; sync: the final weights equal the reference's;
+async/ssp: accuracy within 1 point (AUC 0.01); every complete checkpoint loads.
 """
 
 from __future__ import annotations
@@ -35,27 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from benchmarks._chaos import checkpoint_problems, lost_updates, metric, run_job, run_with_killer  # noqa: E402
-
-SERVERS = 2
-
-
-def job_config(mode: str, model: str, trainers: int, max_restarts: int) -> list[str]:
-    data = ["model=dlrm", "data=synthetic_ctr"] if model == "dlrm" else ["model=mlp", "data=digits"]
-    return [
-        f"mode={mode}",
-        *data,
-        f"cluster.num_servers={SERVERS}",
-        f"cluster.num_trainers={trainers}",
-        f"cluster.elastic={'false' if mode == 'sync' else 'true'}",
-        f"cluster.max_restarts={max_restarts}",
-        "train.eval_every=0",
-        "logging.progress=false",
-        "logging.tensorboard=false",
-        "checkpoint.keep=3",
-    ]
+from benchmarks._results import add_result_option, run_recorded
+from ps_train.chaos import SERVERS, checkpoint_problems, job_config, lost_updates, metric, run_job, run_with_killer
 
 
 def same_final_weights(a: Path, b: Path) -> bool:
@@ -152,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="seeds the failure times and victims")
     ap.add_argument("--out", type=Path, default=Path("runs/chaos"), help="run folders go here")
     ap.add_argument("--json", type=Path, help="also write the summary here")
+    add_result_option(ap, "chaos_bench")
     args = ap.parse_args(argv)
     out = (args.out / time.strftime("%Y-%m-%d_%H-%M-%S")).resolve()
     limit = max(600.0, 4 * 60 * args.minutes)  # start-up alone takes minutes on a crowded machine
@@ -201,4 +172,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_recorded("chaos_bench", main))

@@ -1,26 +1,16 @@
 """Checkpoints of embedding tables while training: steps/s during a checkpoint's write, and
 the bytes of differential checkpoints against full ones.
 
-Usage (from the repo root)::
+    python -m benchmarks.checkpoint_bench                     # preset=dlrm_large, 200 steps
+    python -m benchmarks.checkpoint_bench --shape medium      # 26 x 100,000 rows (0.67 GB)
 
-    python benchmarks/checkpoint_bench.py                     # preset=dlrm_large, 200 steps
-    python benchmarks/checkpoint_bench.py --shape medium      # 26 x 100,000 rows (0.67 GB)
-    python benchmarks/checkpoint_bench.py --json benchmarks/results/checkpoint.json
-
-Three sync runs of the same job (2 servers + 2 trainers, ``model.table_optim`` Adagrad, so a
-full checkpoint holds the rows and as many Adagrad sums), one after another:
-
-- ``none``: no checkpoints (``checkpoint.every=0 checkpoint.final=false``);
-- ``full``: a full checkpoint every ``--every`` steps;
-- ``differential``: ``checkpoint.differential=true``, ``checkpoint.full_every`` large: the
-  first checkpoint full, the next ones only the rows changed since the previous one.
-
-Every step's end is timed by trainer0's TensorBoard events (``train.log_every=1``: their wall
-times). A checkpoint is *being written* from the moment trainer0 asks for it (the manifest's
-``created_unix``) until its manifest is in place (the file's mtime). Reported: steps/s of the
-steps that ended inside those windows, against steps/s of the ``none`` run over the same
-steps (the first ``--warmup`` steps left out of both); bytes of each checkpoint (its files),
-differential against full, at ``data=synthetic_ctr``'s default Zipf skew (``zipf_alpha=1.05``).
+Three sync runs of the same job (2 servers + 2 trainers, Adagrad tables), one after another:
+``none`` (no checkpoints), ``full`` (a full checkpoint every ``--every`` steps) and
+``differential`` (the first full, then only the rows changed since the previous one). Each
+step's end comes from trainer0's TensorBoard events; a checkpoint is being written from
+trainer0's request (the manifest's ``created_unix``) until its manifest is in place. The table
+gives steps/s overall and of the steps that ended inside those windows, their ratio to the
+``none`` run over the same steps (``--warmup`` steps left out), and each checkpoint's bytes.
 """
 
 from __future__ import annotations
@@ -35,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from benchmarks._results import add_result_option, run_recorded
 
 SHAPES = {
     "large": ["preset=dlrm_large"],
@@ -114,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=1500)
     ap.add_argument("--run-root", default=None)
     ap.add_argument("--json", default=None)
+    add_result_option(ap, "checkpoint_bench")
     args = ap.parse_args(argv)
     root = Path(args.run_root or tempfile.mkdtemp(prefix="checkpoint_bench."))
     load = os.getloadavg()
@@ -162,4 +155,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(run_recorded("checkpoint_bench", main))

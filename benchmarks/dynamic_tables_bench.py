@@ -1,26 +1,16 @@
 """Dynamic tables against hashing: a server's peak RSS under its row cap, and test AUC.
 
-Usage (from the repo root)::
+    python -m benchmarks.dynamic_tables_bench                     # the defaults (10-15 min)
+    python -m benchmarks.dynamic_tables_bench --samples 2000000 --tables 1
 
-    python benchmarks/dynamic_tables_bench.py                     # the figures in docs/benchmarks.md
-    python benchmarks/dynamic_tables_bench.py --samples 2000000 --tables 1 --json out.json
-
-Synthetic CTR data (``data=synthetic_ctr``) whose ``--tables`` tables draw ids from
-``--ids`` (10M) distinct ones with Zipf skew ``--zipf``, one server and one trainer, batches of
-``--batch``, one pass over ``--samples`` samples, row-wise Adagrad on the tables. Two runs:
-
-- **dynamic**: every table ``kind: dynamic`` with ``max_rows`` = ``--cap`` (1M) slots on the
-  server, LRU eviction: each id its own row while it is held;
-- **hashed**: fixed tables of ``--cap`` rows, the same drawn ids folded in (``id mod cap``,
-  ``data.drawn_ids``): the same memory, colliding ids share a row.
-
-Printed: each run's test AUC (and the data's best), the server's peak RSS
-(``peak_rss_bytes``) against the bound the cap implies, computed here from the sizes
-(``docs/ctr.md#dynamic-tables-rows-keyed-by-raw-ids``) plus the server's RSS without them
-(``baseline``: the same run with tables of 2 rows), the dynamic rows live, created and
-evicted, and the 1-minute load average before and after each run. The defaults (2 tables,
-3M samples: 659 steps of 4,096) take 10-15 minutes on the 2-core development machine; Zipf 0.8
-(not the default 1.05) so that one pass meets more distinct ids than the cap holds.
+Synthetic CTR data whose ``--tables`` tables draw ids from ``--ids`` (10M) distinct ones with
+Zipf skew ``--zipf`` (0.8: one pass meets more ids than the cap holds), 1 server + 1 trainer,
+one pass over ``--samples``, row-wise Adagrad. Runs: **dynamic** (``kind: dynamic``,
+``max_rows`` = ``--cap`` slots, LRU), **hashed** (fixed tables of ``--cap`` rows, the same ids
+folded in: colliding ids share a row), and **baseline** (tables of 2 rows: the server's RSS
+without tables). The table gives each run's test AUC (and the data's best), the server's peak
+RSS against the bound the cap implies (docs/ctr.md), rows live / created / evicted, samples/s
+and the load average before and after each run.
 """
 
 from __future__ import annotations
@@ -33,8 +23,8 @@ import tempfile
 import tracemalloc
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _ctr_job import run_dlrm_job  # noqa: E402
+from benchmarks._ctr_job import run_dlrm_job
+from benchmarks._results import add_result_option, run_recorded
 
 
 def dict_bytes_per_entry() -> float:
@@ -117,6 +107,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--only", choices=["dynamic", "hashed", "baseline"], nargs="*")
     ap.add_argument("--json", help="also write the rows here")
+    add_result_option(ap, "dynamic_tables_bench")
     args = ap.parse_args()
     per_entry = dict_bytes_per_entry()
     rows = []
@@ -156,4 +147,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_recorded("dynamic_tables_bench", main))

@@ -2,9 +2,9 @@
 
 Usage (from the repo root)::
 
-    python benchmarks/mode_bench.py                          # sync vs hybrid, 4 trainers, 2 rounds
-    python benchmarks/mode_bench.py --modes sync hybrid async --rounds 3 --json out.json
-    python benchmarks/mode_bench.py --extra mode.staleness=2  # overrides for every run
+    python -m benchmarks.mode_bench                          # sync vs hybrid, 4 trainers, 2 rounds
+    python -m benchmarks.mode_bench --modes sync hybrid async --rounds 3 --json out.json
+    python -m benchmarks.mode_bench --extra mode.staleness=2  # overrides for every run
 
 Each run is ``python -m ps_train model=dlrm data=synthetic_ctr`` with ``--trainers`` trainers
 and 2 servers, one pass over ``--samples`` synthetic samples (steps = 0.9 x samples /
@@ -24,8 +24,8 @@ import sys
 import tempfile
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _ctr_job import run_dlrm_job  # noqa: E402
+from benchmarks._ctr_job import run_dlrm_job
+from benchmarks._results import add_result_option, run_recorded
 
 
 def one_run(mode: str, args: argparse.Namespace, run_dir: str) -> dict[str, Any]:
@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--extra-modes", nargs="*", default=["hybrid"])
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--json", default=None)
+    add_result_option(p, "mode_bench")
     args = p.parse_args(argv)
     results = []
     with tempfile.TemporaryDirectory(prefix="mode_bench_") as root:
@@ -94,4 +95,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_recorded("mode_bench", main))

@@ -1,33 +1,14 @@
 """Benchmark of ``python -m ps_train.prepare criteo``: lines/s and peak memory on generated files.
 
-Usage (from the repo root)::
+    python -m benchmarks.prepare_bench                    # 2M lines, plain and .gz
+    python -m benchmarks.prepare_bench --lines 8000000 --repeat 3
 
-    python benchmarks/prepare_bench.py                    # 2M lines, plain and .gz
-    python benchmarks/prepare_bench.py --lines 8000000 --repeat 3 --json out.json
-
-Options:
-    --lines N       lines per generated file (default 2,000,000; ~480 MB of text)
-    --seed S        generator seed (default 0)
-    --work DIR      where the generated files and outputs go (default
-                    /tmp/ps_train_prepare_bench; files are reused by later runs)
-    --workers N     passed to prepare (default: its own, the number of CPUs)
-    --repeat R      runs per input; the table shows the fastest (default 1)
-    --only plain|gz one input only
-    --json PATH     also write every run's figures, with the machine
-
-The input is in the released format (label, 13 integers, 26 hex hashes, tab-separated,
-empty fields for missing values, with missing rates close to the Kaggle file's), written by
-pyarrow in chunks, and gzipped once (level 6, as the gzip command) for the .gz variant.
-
-What is measured, per run of ``python -m ps_train.prepare criteo SRC DST --quiet`` as a child
-process: its wall time (interpreter start and imports included), the conversion's own time
-(``seconds`` in the manifest: from reading the first byte to the renamed folder), lines/s of
-both, the conversion's CPU time per line (``cpu_seconds``, all threads; the command's, from
-``os.wait4``, adds ~5 s of imports, torch's mostly), and the child's peak RSS
-(``ru_maxrss``). The cores may be shared with other work: the load average before and after
-each run is printed; CPU time per line depends on it less than lines/s does ("cores busy" =
-the conversion's CPU time over its wall time: what it got of the machine).
-Targets: conversion >= 500,000 lines/s, peak RSS <= 2 GB (and not growing with --lines).
+Generates a file in the released Criteo format (label, 13 integers, 26 hex hashes, missing
+rates close to the Kaggle file's) and its gzipped copy, then converts each with the command in
+a child process. The table gives, per input, lines/s of the conversion (the manifest's
+``seconds``) and of the whole command (imports included), CPU time per line (the figure the load
+changes least), "cores busy" (CPU time over wall time: what it got of the machine), peak RSS,
+and the load average before and after. Targets: >= 500,000 lines/s, peak RSS <= 2 GB.
 """
 
 from __future__ import annotations
@@ -45,7 +26,9 @@ import time
 import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pacsv
-from _format import fmt
+
+from benchmarks._format import fmt
+from benchmarks._results import add_result_option, run_recorded
 
 # Missing-value rates per feature, roughly those of Kaggle's train.txt.
 INT_MISSING = [0.45, 0.0, 0.22, 0.22, 0.03, 0.22, 0.04, 0.0, 0.04, 0.45, 0.04, 0.77, 0.22]
@@ -165,13 +148,16 @@ def run_prepare(src: str, dst: str, workers: int | None) -> dict[str, float]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--lines", type=int, default=2_000_000)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--work", default="/tmp/ps_train_prepare_bench")
-    ap.add_argument("--workers", type=int, default=None)
-    ap.add_argument("--repeat", type=int, default=1)
-    ap.add_argument("--only", choices=["plain", "gz"])
-    ap.add_argument("--json")
+    ap.add_argument("--lines", type=int, default=2_000_000, help="lines per generated file (~480 MB for 2M)")
+    ap.add_argument("--seed", type=int, default=0, help="generator seed")
+    ap.add_argument(
+        "--work", default="/tmp/ps_train_prepare_bench", help="where inputs and outputs go (inputs are reused)"
+    )
+    ap.add_argument("--workers", type=int, default=None, help="prepare's workers (default: its own)")
+    ap.add_argument("--repeat", type=int, default=1, help="runs per input; the table shows the fastest")
+    ap.add_argument("--only", choices=["plain", "gz"], help="one input only")
+    ap.add_argument("--json", help="also write every run's figures as JSON")
+    add_result_option(ap, "prepare_bench")
     args = ap.parse_args()
     os.makedirs(args.work, exist_ok=True)
     plain = os.path.join(args.work, f"criteo_{args.lines}_{args.seed}.tsv")
@@ -245,4 +231,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_recorded("prepare_bench", main))

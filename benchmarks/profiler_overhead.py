@@ -1,6 +1,6 @@
 """What RPC profiling costs when it is off (and, for reference, when it is on).
 
-    python benchmarks/profiler_overhead.py [--reps 150] [--calls 50]
+    python -m benchmarks.profiler_overhead [--reps 150] [--calls 50]
 
 Two local workers (spawn, 127.0.0.1). worker0 times ``rpc_sync(worker1, noop)`` in
 repetitions of ``--calls`` calls, alternating, in the same processes:
@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import os
 import statistics
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks._results import add_result_option, run_recorded
 
 
 def noop() -> None:
@@ -41,7 +40,6 @@ def _set_profiler_middleware(installed: bool) -> None:
 
 
 def _worker(rank: int, port: int, reps: int, calls: int, out: mp.Queue) -> None:
-    sys.path.insert(0, REPO)
     import torch
 
     torch.set_num_threads(1)
@@ -85,8 +83,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=150)
     ap.add_argument("--calls", type=int, default=50)
+    add_result_option(ap, "profiler_overhead")
     args = ap.parse_args()
-    sys.path.insert(0, REPO)  # this checkout's packages, as the workers use
     from ps_train.launch.ports import free_port
 
     port = free_port()
@@ -113,4 +111,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_recorded("profiler_overhead", main))

@@ -1,27 +1,16 @@
 """Scale: what each ps_train process holds, and how long a job takes to start, as trainers grow.
 
-    python benchmarks/scale_bench.py [--trainers 2 8 16 32] [--servers 2] [--steps 20]
+    python -m benchmarks.scale_bench [--trainers 2 8 16 32] [--servers 2] [--steps 20]
                                      [--mode async] [--json scale.json] [--timeout 900]
                                      [ps_train overrides, e.g. model=cnn]
 
-For each (trainers, servers) it runs ``python -m ps_train cluster.num_trainers=N
-cluster.num_servers=S train.steps=K mode=async`` on this machine (loopback) and, while it
-runs, looks at every role process every 0.25 s (``benchmarks/_procs.py``): threads, peak
-resident memory, and its connections by the role at the other end. It reports per role kind
-the most seen at any look, and the start-up time: from the first role's ``starting`` line to
-the last role's ``joined the job`` line in the logs (torch is already imported then: roles
-are forked from a preloaded forkserver). The machine's load average is recorded with each
-run: on a shared machine timings are only as good as the load they ran under.
-
-For the cost model (``benchmarks/scale_model.py``) each run also records, from the run's
-``metrics.json``: samples/s, steps, the training wall time, each server's updates and bytes
-per trainer step (rpc_core's byte counters); from /proc: each role's CPU seconds (user +
-kernel) at its last look and at the first look after all ranks joined, the load average over
-the run, and the cores the run got (the roles' CPU since the join over the training wall
-time). And the *steady window* (``steady``): at each of trainer0's progress lines (every 10
-steps) every role's CPU seconds are read at once; between the first and the last line, the
-steps, seconds, each role's CPU, samples/s and cores used, free of start-up, the first steps,
-trainer0's final evaluation and the shutdown. The model fits on that window when it exists.
+For each (trainers, servers) it runs ``python -m ps_train`` on this machine (loopback) and looks
+at every role process every 0.25 s (``_procs.py``): threads, peak resident memory, connections
+by the role at the other end. It prints per role kind the most seen at any look, and the
+start-up time (the first role's ``starting`` line to the last role's ``joined the job``), with
+the load average. For the cost model (``scale_model.py``, docs/scaling.md) ``--json`` also
+records each run's samples/s, bytes per trainer step and server, each role's CPU seconds, and
+the steady window between trainer0's first and last progress lines.
 """
 
 from __future__ import annotations
@@ -40,8 +29,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _procs import cpu_seconds, role_kind, sample_roles  # noqa: E402
+from benchmarks._procs import cpu_seconds, role_kind, sample_roles
+from benchmarks._results import add_result_option, run_recorded
 
 _PID = re.compile(r"starting (\S+) \(rank \d+ of \d+, pid (\d+)\)")
 _PROGRESS = re.compile(r"^\[trainer0\] step (\d+)/")
@@ -246,6 +235,7 @@ def main() -> None:
     ap.add_argument("--mode", default="async", help="ps_train's mode: async, sync or ssp")
     ap.add_argument("--json", type=Path, default=None, help="write every result here")
     ap.add_argument("extra", nargs="*", help="more ps_train overrides")
+    add_result_option(ap, "scale_bench")
     args = ap.parse_args()
     results = []
     for servers in args.servers:
@@ -265,4 +255,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_recorded("scale_bench", main))

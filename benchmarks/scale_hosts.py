@@ -1,6 +1,6 @@
 """A ps_train job on emulated hosts with shaped links (tests/netns.py), against the cost model.
 
-    sudo python benchmarks/scale_hosts.py --constants benchmarks/scale_constants.json \\
+    sudo python -m benchmarks.scale_hosts --constants benchmarks/scale_constants.json \\
         [--rate-kbit 200] [--trainers 1] [--servers 1] [--steps 60] [--json hosts.json] \\
         [--cores 0.25] [--mode sync]
 
@@ -29,12 +29,12 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent)]
-from _scale_cost import Cluster, Constants, predict  # noqa: E402
-from _scale_shapes import mlp  # noqa: E402
+from benchmarks._results import add_result_option, run_recorded
+from ps_train.scaling.cost_model import Cluster, Constants, predict
+from ps_train.scaling.shapes import mlp
+from tests.netns import Network, unavailable_reason
 
-from tests.netns import Network, unavailable_reason  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 JOB = [
     "model=mlp",
@@ -117,6 +117,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--cores", type=float, default=None, help="CPU budget of every host (cores); default none")
     ap.add_argument("--mode", choices=("async", "sync"), default="async")
+    add_result_option(ap, "scale_hosts")
     args = ap.parse_args()
     if args.cores is not None and args.cores <= 0:
         raise SystemExit(f"--cores must be > 0, got {args.cores}")
@@ -152,4 +153,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_recorded("scale_hosts", main))

@@ -1,15 +1,15 @@
 """A cost model of ps_train: fit per-step constants on measured runs, predict samples/s and the
 binding resource for any trainers x servers x link x cores, check it, and size jobs.
 
-    python benchmarks/scale_model.py fit RUNS.json [...] --out constants.json
-    python benchmarks/scale_model.py predict constants.json --trainers 64 --servers 4 \\
+    python -m benchmarks.scale_model fit RUNS.json [...] --out constants.json
+    python -m benchmarks.scale_model predict constants.json --trainers 64 --servers 4 \\
         [--workload mlp] [--link-gbit 10] [--latency-us 50] [--trainer-cores 1] \\
         [--server-cores 1] [--shared-cores N] [--mode async]
-    python benchmarks/scale_model.py validate constants.json RUNS.json [...]
-    python benchmarks/scale_model.py plan constants.json [--png docs/scaling_plan.png]
+    python -m benchmarks.scale_model validate constants.json RUNS.json [...]
+    python -m benchmarks.scale_model plan constants.json [--png docs/scaling_plan.png]
 
-RUNS.json: what ``scale_bench.py --json`` writes. The arithmetic is ``_scale_cost.py``; what a
-step moves and computes per model is ``_scale_shapes.py``; docs/scaling.md explains both and
+RUNS.json: what ``scale_bench.py --json`` writes. The arithmetic is ``ps_train/scaling/cost_model.py``; what a
+step moves and computes per model is ``ps_train/scaling/shapes.py``; docs/scaling.md explains both and
 holds the fitted figures.
 """
 
@@ -22,8 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _scale_cost import (  # noqa: E402
+from ps_train.scaling.cost_model import (  # noqa: E402
     Cluster,
     Constants,
     Observation,
@@ -34,7 +33,7 @@ from _scale_cost import (  # noqa: E402
     observation_from_run,
     predict,
 )
-from _scale_shapes import WORKLOADS  # noqa: E402
+from ps_train.scaling.shapes import WORKLOADS  # noqa: E402
 
 PLAN_TRAINERS = (64, 256, 1024)
 PLAN_LINKS_GBIT = (10, 25, 100)

@@ -1,7 +1,7 @@
 """What the servers' TensorBoard metrics cost (ps_train.observe.server_metrics).
 
-    python benchmarks/server_metrics_bench.py            # per-update and per-sample cost
-    python benchmarks/server_metrics_bench.py --e2e 3    # also the default experiment's samples/s,
+    python -m benchmarks.server_metrics_bench            # per-update and per-sample cost
+    python -m benchmarks.server_metrics_bench --e2e 3    # also the default experiment's samples/s,
                                                          # with and without, 3 alternating runs each
 
 A server pays the counters on every update (``UpdateCounters``) and one ``sample()`` every
@@ -21,6 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks._results import add_result_option, run_recorded
 from ps_train.metrics import TensorBoardWriter
 from ps_train.observe.server_metrics import ByteCounts, ServerMetrics, UpdateCounters
 
@@ -85,6 +86,7 @@ def e2e(rounds: int) -> dict[str, list[float]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--e2e", type=int, default=0, help="alternating runs of the default experiment per setting")
+    add_result_option(ap, "server_metrics_bench")
     args = ap.parse_args()
     print(f"load average at start: {os.getloadavg()}")
     print(f"counters per update: {per_update_us():.2f} us")
@@ -98,4 +100,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_recorded("server_metrics_bench", main))

@@ -1,33 +1,16 @@
 """Where a call's time goes: wall time, each side's CPU split by thread and by user/kernel
 time, and (rpc_core) each side's Python profile grouped by module.
 
-Usage (from the repo root)::
+    python -m benchmarks.step_breakdown                    # grad-to-caller step and no-op, both impls
+    python -m benchmarks.step_breakdown --spin 0 --profile # rpc_core with polling off, with profiles
 
-    python benchmarks/step_breakdown.py                    # grad-to-caller step and no-op, both impls
-    python benchmarks/step_breakdown.py --spin 0 --profile # rpc_core with polling off, with profiles
-
-Two workloads of ``rpc_bench.py``, run for torch and rpc_core one after the other in one
-invocation:
-
-- ``grad_step``: ``rpc_sync(owner, linear_owned, (rref, x))`` with ``x`` (64x256) requiring
-  grad, then a distributed backward whose gradient for ``x`` comes back to the caller: the
-  pattern between the stages of a multi-stage model. ``local`` is the same forward and
-  backward of ``nn.Linear(256, 256)`` in one process: the compute a step cannot avoid.
-- ``noop``: ``rpc_sync`` of a function that does nothing.
-
-First the machine and its floor: a bare ping-pong between two processes over a Unix
-socketpair, blocking and polling (``_floor.py``). For each workload: wall time per call,
-and for both processes the CPU time per call of every thread that used any (from
-``/proc/self/task``; torch's native threads are summed as "native"), user and kernel time
-apart. When the two sides' CPU adds up to the wall time the call is
-bound by the work of its two processes, which run one after the other; when it is well
-below, by waiting (wake-ups, the network).
-
-``--profile`` (rpc_core only: torch runs its callee's work on native threads) runs the
-workload again under cProfile, on the caller's thread and on the callee's thread that
-serves the requests, and prints each side's self time per call grouped by module, with the
-Python function calls per call: what a native implementation of a part of rpc_core could
-remove at most.
+Runs two of rpc_bench's workloads for torch and rpc_core, one after the other: ``grad_step``
+(``rpc_sync(owner, linear_owned, (rref, x))``, x 64x256 requiring grad, then a distributed
+backward whose gradient for x comes back; ``local`` is the same in one process) and ``noop``.
+First the machine's ping-pong floor (``_floor.py``). Per workload: wall time per call and, for
+both processes, CPU per call of every thread that used any (user and kernel apart). When the
+two sides' CPU adds up to the wall time the call is bound by their work; well below, by
+waiting. ``--profile`` (rpc_core) prints each side's cProfile self time per call by module.
 """
 
 from __future__ import annotations
@@ -48,15 +31,12 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn as nn
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-for _p in (REPO, HERE):
-    if _p not in sys.path:
-        sys.path.insert(0, _p)
+from benchmarks import _floor, _workloads
+from benchmarks._format import fmt
+from benchmarks._results import add_result_option, run_recorded
 
-import _floor  # noqa: E402
-import _workloads  # noqa: E402
-from _format import fmt  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 CALLEE = "worker1"
 _profile: list[cProfile.Profile] = []
@@ -295,6 +275,7 @@ def main(argv=None) -> int:
     ap.add_argument("--spin", type=int, default=None, help="RPC_CORE_SPIN_US for rpc_core (default: its own)")
     ap.add_argument("--profile", action="store_true", help="rpc_core: cProfile both sides, grouped by module")
     ap.add_argument("--steps", type=int, default=2000, help="calls per workload (default 2000)")
+    add_result_option(ap, "step_breakdown")
     args = ap.parse_args(argv)
     print(_floor.describe_machine(_floor.machine()))
     floor = {polling: statistics.median(_floor._pingpong(_floor._unix_pair, polling)) for polling in (False, True)}
@@ -310,4 +291,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_recorded("step_breakdown", main))

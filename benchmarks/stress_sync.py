@@ -1,6 +1,6 @@
 """Stress: sync-mode training with many trainers, repeated, on a busy machine.
 
-    python benchmarks/stress_sync.py [--runs 10] [--trainers 8] [--steps 300] [--hogs 2]
+    python -m benchmarks.stress_sync [--runs 10] [--trainers 8] [--steps 300] [--hogs 2]
 
 Runs ``python -m ps_train mode=sync`` again and again (2 servers, many trainers, steps
 pipelined: no log line settles a step before the end) with ``--hogs`` processes spinning
@@ -19,6 +19,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from benchmarks._results import add_result_option, run_recorded
 
 
 def _run(run_dir: Path, trainers: int, steps: int, timeout: float) -> tuple:
@@ -55,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--hogs", type=int, default=2, help="processes spinning on a core each meanwhile")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds one run may take")
+    add_result_option(ap, "stress_sync")
     args = ap.parse_args(argv)
     hogs = [
         subprocess.Popen(
@@ -88,4 +91,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_recorded("stress_sync", main))

@@ -31,7 +31,12 @@ class RpcTimeoutError(RpcError, TimeoutError):
 
 class RendezvousError(RpcError):
     """Workers could not find each other: bad init_method, port in use, world never filled,
-    duplicate or invalid names."""
+    duplicate or invalid names. ``missing_ranks``: when the world never filled, the ranks
+    that did not join (an application names them by its own roles)."""
+
+    def __init__(self, *args: object, worker: str | None = None, missing_ranks: Sequence[int] = ()) -> None:
+        super().__init__(*args, worker=worker)
+        self.missing_ranks = tuple(missing_ranks)
 
 
 class AuthenticationError(RpcError):

@@ -30,6 +30,7 @@ from ps_train.observe.server_metrics import ServerMetrics, rpc_byte_counts
 from ps_train.observe.traces import ProfileWindow, write_served
 from ps_train.workload import workload_for
 from rpc_core import tune_malloc
+from rpc_core.errors import RendezvousError
 
 __all__ = ["run_rank", "setup_role_logging"]
 
@@ -132,7 +133,14 @@ def run_rank(
             setup_role_logging(run_dir, name, cfg.logging.level)
             log.info("joined the running job as %s (rank %d)", name, rank)
     else:
-        rpc.init_rpc(name, rank=rank, world_size=S + T, rpc_backend_options=opts)
+        try:
+            rpc.init_rpc(name, rank=rank, world_size=S + T, rpc_backend_options=opts)
+        except RendezvousError as e:
+            if not e.missing_ranks:
+                raise
+            # rpc_core knows ranks; the user knows roles: name them as every other failure does.
+            roles = ", ".join(role_name(r, S) for r in e.missing_ranks)
+            raise RendezvousError(f"{e} [missing: {roles}]", missing_ranks=e.missing_ranks) from e
         backend.restore_rpc_timeout(cfg.cluster.rpc_timeout)
         log.info("%s joined the job: all %d ranks are up", name, S + T)  # benchmarks/scale_bench.py reads it
     if rank < S and resume_state is not None and fault_at(name, resume_state["step"], "restore"):

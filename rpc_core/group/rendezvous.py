@@ -165,7 +165,8 @@ def _host(name: str, world_size: int, host: str, port: int, secret: bytes, timeo
                 raise RendezvousError(
                     f"only {len(joined) + 1} of {world_size} workers joined the rendezvous at "
                     f"{host}:{port} within {timeout:g} s (missing ranks {missing}); start the missing "
-                    "workers, check their MASTER_ADDR/MASTER_PORT and world_size, or raise init_timeout"
+                    "workers, check their MASTER_ADDR/MASTER_PORT and world_size, or raise init_timeout",
+                    missing_ranks=missing,
                 )
             for c, info, address, msg_id in joiners.collect(waiting.bound(remaining)):
                 err = _check_joiner(info, me, joined)

@@ -1,5 +1,5 @@
-"""The chaos benchmark's kill loop (``benchmarks/chaos_bench.py``), bounded: a sync job whose
-servers and trainers are SIGKILLed three times at random moments (``cluster.max_restarts``)
+"""The chaos benchmark's kill loop (``ps_train/chaos.py``), bounded: a sync job whose servers
+and trainers are SIGKILLed three times at random moments (``cluster.max_restarts``)
 ends with the weights of the same job uninterrupted, bit for bit: those of plain torch in one
 process (``_oracle``; an uninterrupted sync job has them, tests/ps_train/test_reproducibility.py)."""
 
@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks._chaos import Killer, checkpoint_problems, run_with_killer
-from benchmarks.chaos_bench import job_config
+from ps_train.chaos import Killer, checkpoint_problems, job_config, run_with_killer
 from tests.ps_train._app import assert_same_weights, final_weights, make_cfg
 from tests.ps_train._oracle import single_process_run
 

@@ -1,4 +1,4 @@
-"""The DLRM benchmark's ideal bytes per step (benchmarks/_ctr_traffic.py): the formula on a
+"""The DLRM benchmark's ideal bytes per step (ps_train/workloads/ctr/ideal_traffic.py): the formula on a
 case computed by hand, and the replay of a run's batches against an independent count."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
-from benchmarks._ctr_traffic import replay_ideal_bytes, step_ideal_bytes
 from ps_train.config import CtrDataConfig, DLRMConfig
 from ps_train.workloads.ctr.data.batches import CtrBatchIterator
 from ps_train.workloads.ctr.data.loading import load_ctr_data
+from ps_train.workloads.ctr.ideal_traffic import replay_ideal_bytes, step_ideal_bytes
 from tests.ps_train._app import make_cfg
 
 

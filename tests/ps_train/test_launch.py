@@ -167,14 +167,25 @@ def test_env_ranks_from_torchrun_style_variables_meet_though_some_start_later_th
 def commands(tmp_path_factory):
     """The two ``python -m ps_train`` commands of the tests below, started at once (each an
     interpreter importing torch on one core), each in a fresh folder: name -> (folder, result)."""
-    folders = {name: tmp_path_factory.mktemp(name) for name in ("no_secret", "sweep")}
+    folders = {name: tmp_path_factory.mktemp(name) for name in ("no_secret", "sweep", "alone")}
     no_secret = {"RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    alone = {**no_secret, "MASTER_PORT": str(free_port()), "RPC_CORE_AUTH_SECRET": os.urandom(16).hex()}
     procs = {
         "no_secret": start_cli(
             "cluster=env",
             f"hydra.run.dir={folders['no_secret'] / 'job'}",
             cwd=folders["no_secret"],
             env={**no_secret, "RPC_CORE_AUTH_SECRET": ""},
+        ),
+        # ps0 started, the other three ranks never: it gives up after init_timeout, naming them.
+        "alone": start_cli(
+            "cluster=env",
+            "cluster.init_timeout=3",
+            f"hydra.run.dir={folders['alone'] / 'job'}",
+            *QUICK,
+            *LIGHT,
+            cwd=folders["alone"],
+            env=alone,
         ),
         "sweep": start_cli(
             "-m",
@@ -187,6 +198,14 @@ def commands(tmp_path_factory):
         ),
     }
     return {name: (folders[name], r) for name, r in finish_clis(procs).items()}
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_never_joins_is_named_by_its_role_on_the_console(commands):
+    tmp_path, r = commands["alone"]
+    assert r.returncode != 0
+    assert "missing ranks [1, 2, 3]" in r.stderr and "[missing: ps1, trainer0, trainer1]" in r.stderr, r.stderr
+    assert "[missing: ps1, trainer0, trainer1]" in (tmp_path / "job" / "logs" / "ps0.log").read_text()
 
 
 @pytest.mark.timeout(120)

@@ -7,7 +7,8 @@ split by rows across the servers, on data=synthetic_ctr or data=criteo (docs/ctr
   dynamic (raw-id) tables, the trainer's bag plan and hot-row cache, checkpoint snapshots,
   and the servers' table service;
 - ``model`` (the single-process DLRM, the interaction, the dense stages), ``metrics`` (AUC,
-  log loss) and ``trainer`` (``CtrTrainer``).
+  log loss), ``trainer`` (``CtrTrainer``) and ``ideal_traffic`` (the bytes per step the
+  scheme must move, which ``benchmarks/ctr_bench.py`` compares with the measured ones).
 
 Registers itself on import.
 """

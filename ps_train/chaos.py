@@ -1,5 +1,6 @@
-"""The parts of the chaos benchmark the test suite runs too: a job run with a hard time
-limit, a kill loop with a mean time between failures, and what a run that survived it lost.
+"""Chaos for a ``python -m ps_train`` job, as ``benchmarks/chaos_bench.py`` and the tests run it:
+a job run with a hard time limit, a kill loop with a mean time between failures, and what a
+run that survived it lost.
 
 ``Killer`` SIGKILLs a random role of a running ``python -m ps_train`` job, servers and
 trainers, at random moments: the gaps between kills are drawn from an exponential
@@ -25,10 +26,42 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["JobRun", "Kill", "Killer", "run_job", "current_pid", "checkpoint_problems", "lost_updates", "metric"]
+__all__ = [
+    "SERVERS",
+    "job_config",
+    "JobRun",
+    "Kill",
+    "Killer",
+    "run_job",
+    "current_pid",
+    "checkpoint_problems",
+    "lost_updates",
+    "metric",
+]
 
 _PID = re.compile(r"starting (\S+) \(rank \d+ of \d+, pid (\d+)\)")
 _ROOT = Path(__file__).resolve().parent.parent
+
+
+SERVERS = 2  # the chaos job's servers: a kill of one leaves the other's shards to check
+
+
+def job_config(mode: str, model: str, trainers: int, max_restarts: int) -> list[str]:
+    """The chaos job's overrides: ``model`` ``mlp`` (digits) or ``dlrm`` (synthetic CTR) in
+    ``mode`` with ``trainers`` trainers, elastic unless sync, ``max_restarts`` run restarts."""
+    data = ["model=dlrm", "data=synthetic_ctr"] if model == "dlrm" else ["model=mlp", "data=digits"]
+    return [
+        f"mode={mode}",
+        *data,
+        f"cluster.num_servers={SERVERS}",
+        f"cluster.num_trainers={trainers}",
+        f"cluster.elastic={'false' if mode == 'sync' else 'true'}",
+        f"cluster.max_restarts={max_restarts}",
+        "train.eval_every=0",
+        "logging.progress=false",
+        "logging.tensorboard=false",
+        "checkpoint.keep=3",
+    ]
 
 
 @dataclasses.dataclass
@@ -174,7 +207,6 @@ def checkpoint_problems(run_dir: Path, steps: int) -> tuple[list[str], list[str]
     """Problems with the complete checkpoints left in ``run_dir`` (none: all load with
     matching hashes, the last at step ``steps``), and the saves that never completed (trainer0
     killed while writing one: without a manifest nothing ever resumes from it)."""
-    sys.path.insert(0, str(_ROOT))
     from ps_train.checkpoint.files import is_complete, latest_checkpoint, load_checkpoint
 
     problems, interrupted = [], []

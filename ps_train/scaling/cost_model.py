@@ -2,7 +2,7 @@
 samples/s a cluster reaches with the resource that binds it. docs/scaling.md derives it.
 
 Per trainer step, with ``m_s`` requests, ``n_s`` payload bytes (both ways, from the model's
-shapes) and ``f_s`` flops on server ``s`` (``_scale_shapes.server_loads``):
+shapes) and ``f_s`` flops on server ``s`` (``shapes.server_loads``):
 
 - bytes on the wire at server s:  ``w_s = beta * n_s + gamma * m_s``  (framing, pickling)
 - server CPU:                     ``u_s = a * m_s + b * w_s + f_s / F``  (F: FLOP/s, assumed)
@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from _scale_shapes import ServerLoad, Workload, mlp, server_loads
+
+from ps_train.scaling.shapes import ServerLoad, Workload, mlp, server_loads
 
 __all__ = [
     "Observation",

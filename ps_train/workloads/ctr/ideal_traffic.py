@@ -33,6 +33,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ps_train.config import Config
 
 __all__ = ["INDEX_BYTES", "FLOAT_BYTES", "step_ideal_bytes", "TrafficReplay", "replay_ideal_bytes"]
 
@@ -84,10 +88,11 @@ class TrafficReplay:
     trainer_steps: int
 
 
-def replay_ideal_bytes(cfg, steps: int) -> TrafficReplay:
+def replay_ideal_bytes(cfg: Config, steps: int) -> TrafficReplay:
     """Replay the batches every trainer of the run ``cfg`` (a ps_train ``Config`` with
     model=dlrm) takes in ``steps`` steps, plan each as the trainers do, and sum
     ``step_ideal_bytes`` per server."""
+    from ps_train.config import CtrDataConfig, DLRMConfig
     from ps_train.stage_sharding import model_shards
     from ps_train.workloads.ctr.data.bags import as_bags
     from ps_train.workloads.ctr.data.batches import CtrBatchIterator
@@ -95,12 +100,18 @@ def replay_ideal_bytes(cfg, steps: int) -> TrafficReplay:
     from ps_train.workloads.ctr.tables.plan import BagPlanner
     from ps_train.workloads.ctr.tables.rows import FusedLayout
 
+    model, data = cfg.model, cfg.data
+    if not isinstance(model, DLRMConfig) or not isinstance(data, CtrDataConfig):
+        raise ValueError(
+            f"replay_ideal_bytes needs model=dlrm with CTR data (data=synthetic_ctr or data=criteo), "
+            f"not model={type(model).__name__} data={type(data).__name__}: set both in the run's overrides"
+        )
     S, K = cfg.cluster.num_servers, cfg.cluster.num_trainers
-    d, B = cfg.model.embedding_dim, cfg.train.batch_size
-    sizes = cfg.data.sizes()
-    planner = BagPlanner(FusedLayout(cfg.model.table_sharding, tuple(sizes), S), d, cfg.model.pooling_list(len(sizes)))
+    d, B = model.embedding_dim, cfg.train.batch_size
+    sizes = data.sizes()
+    planner = BagPlanner(FusedLayout(model.table_sharding, tuple(sizes), S), d, model.pooling_list(len(sizes)))
     (_, bottom_server), (_, top_server) = [(sh.index, sh.server) for sh in model_shards(cfg)]
-    train = load_ctr_data(cfg.data).train
+    train = load_ctr_data(data).train
     totals = [0] * S
     vectors = 0
     for k in range(K):
@@ -117,7 +128,7 @@ def replay_ideal_bytes(cfg, steps: int) -> TrafficReplay:
                     [singles] + [0] * (len(sizes) - 1),
                     d,
                     B,
-                    cfg.data.dense_count(),
+                    data.dense_count(),
                     len(sizes),
                     s == bottom_server,
                     s == top_server,
