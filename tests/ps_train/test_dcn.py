@@ -267,3 +267,29 @@ def test_synthetic_ids_cover_40m_rows_with_per_table_skew_in_memory_independent_
     assert uniform.max() > 39_000_000 and skewed.max() > 20_000_000
     share = [np.unique(col, return_counts=True)[1].max() / len(col) for col in (uniform, skewed)]
     assert share[0] < 0.001 < 0.05 < share[1]
+
+
+@pytest.mark.timeout(300)
+def test_preset_dlrmv2_trains_with_its_dense_shape_and_scaled_down_tables(tmp_path: Path) -> None:
+    # The preset as it is (dense layers, cross layers of rank 512, bags of 214 ids, optimizers)
+    # with every table at most 1,000 rows and small batches: what fits a test. At full size
+    # each server would allocate 52 GB of rows at start (docs/ctr.md).
+    data = make_cfg("preset=dlrmv2").data
+    assert isinstance(data, CtrDataConfig)
+    sizes = [min(n, 1000) for n in data.sizes()]
+    m = run_app(
+        tmp_path,
+        "preset=dlrmv2",
+        f"data.table_sizes=[{','.join(map(str, sizes))}]",
+        "data.num_samples=2000",
+        "train.batch_size=32",
+        "train.steps=3",
+        "train.eval_batch_size=256",
+        timeout=240,
+    )
+    assert m["steps"] == 3 and m["server_updates"] == [3, 3]  # sync: one update a step per server
+    assert all(np.isfinite(v) for losses in m["losses"].values() for v in losses)
+    assert 0.0 <= m["test_auc"] <= 1.0 and m["rows_pulled_per_step"] > 0
+    saved = final_weights(tmp_path)
+    cross = [t for (server, shard, key), t in saved.items() if server == "ps1" and shard == 1 and "layers" in key]
+    assert [tuple(t.shape) for t in cross] == [(512, 3456), (3456, 512), (3456,)] * 3
