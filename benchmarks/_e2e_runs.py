@@ -50,6 +50,7 @@ def make_config(
     batch_size: int = BATCH_SIZE,
     mode: str = "sync",
     update_in_backward: bool = False,
+    serializer: str = "pickle",
 ):
     """The validated ps_train ``Config`` every implementation trains (see module docstring)."""
     from ps_train.config import (
@@ -71,7 +72,11 @@ def make_config(
         model=MLPConfig() if model == "mlp" else CNNConfig(),
         data=SyntheticConfig(shape=[1, 28, 28], num_classes=10),
         cluster=ClusterConfig(
-            num_servers=servers, num_trainers=trainers, launcher="local", update_in_backward=update_in_backward
+            num_servers=servers,
+            num_trainers=trainers,
+            launcher="local",
+            update_in_backward=update_in_backward,
+            serializer=serializer,
         ),
         mode=ModeConfig(name=mode, staleness=2 if mode == "ssp" else 0),
         train=TrainConfig(steps=steps, epochs=None, batch_size=batch_size, eval_every=0, log_every=steps),
@@ -112,6 +117,7 @@ def run_ps_train(
     log,
     mode: str = "sync",
     update_in_backward: bool = False,
+    serializer: str = "pickle",
 ) -> dict:
     """One ``ps_train.app.run``; returns ``{"status", "samples_per_s", ...}``, never raises."""
     res: dict[str, Any] = {"status": "ok", "samples_per_s": None, "error": None, "run_dir": None}
@@ -121,7 +127,10 @@ def run_ps_train(
     try:
         from ps_train import app
 
-        cfg = make_config(model, servers, trainers, backend, steps, mode=mode, update_in_backward=update_in_backward)
+        cfg = make_config(
+            model, servers, trainers, backend, steps, mode=mode, update_in_backward=update_in_backward,
+            serializer=serializer,
+        )  # fmt: skip
         # The roles inherit our stdout and print their "done" line there: send it to stderr
         # with the other progress messages, so stdout carries only the table.
         sys.stdout.flush()

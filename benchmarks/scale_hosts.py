@@ -1,6 +1,6 @@
 """A ps_train job on emulated hosts with shaped links (tests/netns.py), against the cost model.
 
-    sudo python -m benchmarks.scale_hosts --constants benchmarks/scale_constants.json \\
+    sudo python -m benchmarks.scale_hosts --constants ps_train/scaling/calibration.json \\
         [--rate-kbit 200] [--trainers 1] [--servers 1] [--steps 60] [--json hosts.json] \\
         [--cores 0.25] [--mode sync]
 
@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from benchmarks._results import add_result_option, run_recorded
-from ps_train.scaling.cost_model import Cluster, Constants, predict
+from ps_train.scaling.cost_model import Cluster, load_calibration, predict
 from ps_train.scaling.shapes import mlp
 from tests.netns import Network, unavailable_reason
 
@@ -87,15 +87,25 @@ def run(
             procs.append(
                 (subprocess.Popen(cmd, env=dict(env, RANK=str(rank)), stdout=out, stderr=subprocess.STDOUT), out)
             )
+        # Reaped with wait4, not Popen.wait: its rusage holds the CPU of the rank's whole process
+        # tree (unshare reaps the Python it forked), what scale_calibrate.py fits on.
+        ended: dict[int, tuple[int, float]] = {}  # rank -> (exit code, CPU seconds)
         deadline = time.monotonic() + timeout
-        while any(p.poll() is None for p, _ in procs) and time.monotonic() < deadline:
+        while len(ended) < world and time.monotonic() < deadline:
+            for rank, (p, _) in enumerate(procs):
+                if rank not in ended:
+                    pid, status, usage = os.wait4(p.pid, os.WNOHANG)
+                    if pid:
+                        ended[rank] = (os.waitstatus_to_exitcode(status), usage.ru_utime + usage.ru_stime)
             time.sleep(0.5)  # polling the ranks' exit, not waiting for an event
-        for p, out in procs:
-            if p.poll() is None:
+        for rank, (p, out) in enumerate(procs):
+            if rank not in ended:
                 p.kill()
-            p.wait()
+                _, status, usage = os.wait4(p.pid, 0)
+                ended[rank] = (os.waitstatus_to_exitcode(status), usage.ru_utime + usage.ru_stime)
+            p.returncode = ended[rank][0]  # reaped here: Popen must not wait for it again
             out.close()
-        codes = [p.returncode for p, _ in procs]
+        codes = [ended[r][0] for r in range(world)]
         throttled = [net.cpu_throttled(h) for h in range(world)] if cores is not None else []
     finally:
         net.close()
@@ -103,6 +113,7 @@ def run(
         raise SystemExit(f"the job failed (exit codes {codes}); outputs in {run_dir}")
     metrics = json.loads((run_dir / "metrics.json").read_text())
     metrics["periods_throttled"] = throttled
+    metrics["rank_cpu_s"] = [ended[r][1] for r in range(world)]  # ranks 0..S-1 the servers, then the trainers
     return metrics
 
 
@@ -122,7 +133,7 @@ def main() -> None:
     if args.cores is not None and args.cores <= 0:
         raise SystemExit(f"--cores must be > 0, got {args.cores}")
     m = run(args.trainers, args.servers, args.steps, args.rate_kbit, args.timeout, args.cores, args.mode)
-    c = Constants(**json.loads(args.constants.read_text()))
+    c = load_calibration(args.constants).constants
     cores = args.cores if args.cores is not None else 1.0
     cl = Cluster(args.trainers, args.servers, args.rate_kbit * 1e3, 0.0, cores, cores, None, args.mode)
     p = predict(c, mlp(), cl)

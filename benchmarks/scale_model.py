@@ -8,9 +8,11 @@ binding resource for any trainers x servers x link x cores, check it, and size j
     python -m benchmarks.scale_model validate constants.json RUNS.json [...]
     python -m benchmarks.scale_model plan constants.json [--png docs/scaling_plan.png]
 
-RUNS.json: what ``scale_bench.py --json`` writes. The arithmetic is ``ps_train/scaling/cost_model.py``; what a
-step moves and computes per model is ``ps_train/scaling/shapes.py``; docs/scaling.md explains both and
-holds the fitted figures.
+RUNS.json: what ``scale_bench.py --json`` writes; constants.json: a calibration
+(``ps_train/scaling/calibration.json``, what ``scale_calibrate.py`` writes) or the bare
+constants ``fit`` prints. The arithmetic is ``ps_train/scaling/cost_model.py`` and
+``fit.py``; what a step moves and computes per model is ``ps_train/scaling/shapes.py``;
+docs/scaling.md explains them and holds the fitted figures.
 """
 
 from __future__ import annotations
@@ -22,18 +24,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ps_train.scaling.cost_model import (  # noqa: E402
+from ps_train.scaling.cost_model import (
     Cluster,
     Constants,
-    Observation,
     Prediction,
     busier_way,
-    fit,
-    measured_as_cluster,
-    observation_from_run,
+    load_calibration,
     predict,
+    suggest_servers,
 )
-from ps_train.scaling.shapes import WORKLOADS  # noqa: E402
+from ps_train.scaling.fit import Observation, fit, measured_as_cluster, observation_from_run
+from ps_train.scaling.shapes import WORKLOADS
 
 PLAN_TRAINERS = (64, 256, 1024)
 PLAN_LINKS_GBIT = (10, 25, 100)
@@ -54,7 +55,9 @@ def _runs(paths: list[Path]) -> list[Observation]:
 
 
 def _constants(path: Path) -> Constants:
-    return Constants(**json.loads(path.read_text()))
+    """The constants of a calibration file, or of a file of bare constants (``fit --out``)."""
+    raw = json.loads(path.read_text())
+    return load_calibration(path).constants if "constants" in raw else Constants(**raw)
 
 
 def cmd_fit(args: argparse.Namespace) -> None:
@@ -153,15 +156,8 @@ def _plot_validation(rows: list[dict[str, Any]], png: Path | None) -> None:
 
 
 def servers_needed(c: Constants, workload: str, trainers: int, link: float, latency: float) -> tuple[int, Prediction]:
-    """The fewest servers with which ``trainers`` async trainers reach 95% of the most samples/s
-    any number of servers gives them. A dense model tries up to its number of stages (a server
-    beyond them holds nothing and costs each trainer an update request a step); a CTR model,
-    whose tables spread over every server, powers of two up to 4096."""
-    w = WORKLOADS[workload]
-    candidates = [2**k for k in range(13)] if w.table_bytes else list(range(1, len(w.stages) + 1))
-    tried = [(s, predict(c, w, Cluster(trainers, s, link, latency, 1.0, 1.0, None, "async"))) for s in candidates]
-    best = max(p.samples_per_s for _, p in tried)
-    return next((s, p) for s, p in tried if p.samples_per_s >= 0.95 * best)
+    """The fewest servers with which ``trainers`` async trainers reach 95% of the best (``suggest_servers``)."""
+    return suggest_servers(c, WORKLOADS[workload], Cluster(trainers, 1, link, latency, 1.0, 1.0, None, "async"))
 
 
 def cmd_plan(args: argparse.Namespace) -> None:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 _name: str | None = None
 
@@ -52,7 +54,12 @@ def after_response(fn: Callable[[], Any]) -> None:
 
 
 def make_options(
-    init_method: str, rpc_timeout: float, num_worker_threads: int, secret: str | None, init_timeout: float
+    init_method: str,
+    rpc_timeout: float,
+    num_worker_threads: int,
+    secret: str | None,
+    init_timeout: float,
+    serializer: str = "pickle",
 ) -> Any:
     """Backend options: calls time out after ``rpc_timeout`` s (0: never), the rendezvous
     after ``init_timeout`` s. torch's rendezvous waits ``rpc_timeout``, so its options carry
@@ -73,6 +80,7 @@ def make_options(
         init_method=init_method,
         auth_secret=secret,
         init_timeout=init_timeout,
+        serializer=serializer,
     )
 
 
@@ -82,3 +90,12 @@ def restore_rpc_timeout(rpc_timeout: float) -> None:
         import torch.distributed.rpc as trpc
 
         trpc._set_rpc_timeout(rpc_timeout)  # type: ignore[attr-defined]  # torch exports it implicitly
+
+
+def called_by_name(obj: T) -> T:
+    """Mark a function or class that other roles call (or receive records of) over RPC:
+    under ``cluster.serializer=safe`` rpc_core lets messages name only these
+    (``rpc_core.safe.allow``; the modules holding them: ``ps_train.rpc_allowlist``)."""
+    import rpc_core.safe
+
+    return rpc_core.safe.allow(obj)

@@ -65,11 +65,15 @@ class TablePart(Protocol):
     ) -> torch.Tensor:
         """The same vectors without autograd, for evaluation."""
 
+    def prefetch(self, rows: torch.Tensor) -> None:
+        """A hint: a coming request names these rows; a storage with a disk tier brings them
+        into RAM in the background. Returns at once."""
+
     def step(self, grads: Mapping[torch.Tensor, torch.Tensor], lr_factor: float = 1.0) -> None:
         """Update the rows ``grads`` (sparse, by table weight) name, at ``lr_factor`` times the
         rate; the caller holds the server's lock."""
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, Any]:
         """Cumulative counts, among them ``table_rows_read``, ``table_rows_updated``,
         ``table_rows_live`` (rows updated at least once)."""
 

@@ -80,8 +80,9 @@ class Workload:
     # Raises OSError/ValueError when the data cannot be trained on; returns the number of
     # training samples when only the files know it (None: the config knows).
     check_data: Callable[[DataConfig], int | None]
-    # Server ``rank``'s part of the model's embedding tables (None: the model has none).
-    table_service: Callable[[Config, int], TablePart | None] = lambda cfg, rank: None
+    # Server ``rank``'s part of the model's embedding tables (None: the model has none); the
+    # run folder is where it may keep files (a disk tier's store).
+    table_service: Callable[[Config, int, str], TablePart | None] = lambda cfg, rank, run_dir: None
     # Model config schemas (``model.name`` -> dataclass) this workload adds to Hydra's model group.
     model_schemas: tuple[tuple[str, type[ModelConfig]], ...] = ()
     # The module that registered it: role processes import it (the forkserver preloads it).

@@ -9,7 +9,7 @@ Port a ``torch.distributed.rpc`` program by changing its imports::
 
 from typing import Any
 
-from . import autograd, constants, functions, optim, profiler  # autograd installs its middleware at init_rpc
+from . import autograd, constants, functions, optim, profiler, safe  # autograd installs its middleware at init_rpc
 from . import rref as _rref
 from .agent import early_exit as _early_exit
 from .agent.agent import current_agent as _current_agent
@@ -41,6 +41,7 @@ from .api import _set_rpc_timeout as _set_rpc_timeout
 from .api import _wait_all_workers as _wait_all_workers
 from .errors import (
     AuthenticationError,
+    NotAllowedError,
     ProtocolError,
     RendezvousError,
     RpcError,
@@ -85,8 +86,10 @@ _LAYERS: tuple[tuple[str, ...], ...] = (
     ("knobs", "errors", "functions", "constants"),
     ("options", "memory"),
     # protocol/: what travels, independent of how
-    ("protocol.wire", "protocol.serialization"),
-    ("protocol.torchscript",),
+    ("protocol.wire", "protocol.serialization", "protocol.allowlist"),
+    ("protocol.safe_encoding",),  # serializer="safe": rpc_core's own encoding, no pickle
+    ("protocol.safe_decoding",),
+    ("protocol.safe_codec", "protocol.torchscript"),
     ("protocol",),
     # transport/: authenticated connections that carry frames; bytes only
     ("transport.cma", "transport.polling"),
@@ -133,7 +136,8 @@ _LAYERS: tuple[tuple[str, ...], ...] = (
     # the upper layers and their faces
     ("optim", "profiler.rpc_events", "nn.remote_module"),
     ("profiler", "nn"),  # nn: RemoteModule's package face
-    ("api",),  # the facade: composes the layers into init_rpc/shutdown/...
+    # the facade: composes the layers into init_rpc/shutdown/...; safe: serializer="safe"'s allowlist
+    ("api", "safe"),
     ("",),  # rpc_core itself: the public names
 )
 
@@ -154,6 +158,7 @@ def _get_debug_info() -> dict[str, Any]:
 
 __all__ = [
     "AuthenticationError",
+    "NotAllowedError",
     "BackendType",
     "DEFAULT_RPC_TIMEOUT_SEC",
     "DEFAULT_SHUTDOWN_TIMEOUT",
@@ -189,6 +194,7 @@ __all__ = [
     "add_membership_listener",
     "connection_stats",
     "remove_membership_listener",
+    "safe",
     "tune_malloc",
     "watch_all_peers",
 ]

@@ -28,6 +28,7 @@ from .group.lifecycle import barrier as _barrier  # noqa: F401 (re-exported)
 from .group.lifecycle import wait_all_workers as _wait_all_workers
 from .group.rendezvous import rendezvous
 from .options import DEFAULT_SHUTDOWN_TIMEOUT, RpcBackendOptions
+from .protocol import allowlist, safe_codec
 from .rref import remote  # noqa: F401 (re-exported: the facade)
 
 __all__ = [
@@ -96,6 +97,9 @@ def init_rpc(
             "run functions. Set RpcBackendOptions(auth_secret=...) or RPC_CORE_AUTH_SECRET, the same on every worker.",
             name,
         )
+    safe_codec.use(options.serializer)
+    for module in options.allow_modules:
+        allowlist.allow_module(module)
     world = rendezvous(
         name, rank, world_size, options.init_method, options.auth_secret, options.effective_init_timeout()
     )

@@ -60,6 +60,12 @@ class RemoteFunctionError(RpcError):
     """A remote exception whose original type could not be rebuilt on the caller."""
 
 
+class NotAllowedError(RpcError):
+    """Under ``serializer="safe"``: a message named a function or class that is not in this
+    worker's allowlist (``rpc_core.safe.allow``), or held a value the safe serializer does
+    not encode. The message names it and says how to allow it; nothing was run."""
+
+
 # Where torch raises RuntimeError for what is a bad value or type, rpc_core raises these:
 # ``except RuntimeError`` (code written for torch) and ``except ValueError``/``TypeError``
 # (code written for rpc_core's earlier releases) both catch them.

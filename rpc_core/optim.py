@@ -25,6 +25,7 @@ from .agent import calls
 from .agent.futures import settle
 from .autograd import hooks
 from .errors import format_many
+from .protocol import allowlist
 from .rref import RRef, invoke_on_owner, owned_value, owner_id_of, rref_id_of
 
 __all__ = ["DistributedOptimizer"]
@@ -130,3 +131,7 @@ class DistributedOptimizer:
         for opt in self.remote_optimizers:
             per_owner[owner_id_of(opt)].append(rref_id_of(opt))
         hooks.set_backward_info(context_id, _IN_BACKWARD, dict(per_owner))
+
+
+# DistributedOptimizer's per-owner optimizers: called by name under serializer='safe'.
+allowlist.internal(_new_local_optimizer)

@@ -7,6 +7,7 @@ that build options port unchanged; ``TensorPipeRpcBackendOptions`` is an alias o
 from __future__ import annotations
 
 import datetime
+from collections.abc import Sequence
 from typing import Any
 
 from . import knobs
@@ -20,6 +21,7 @@ from .constants import UNSET_RPC_TIMEOUT as UNSET_RPC_TIMEOUT
 from .errors import RpcValueError
 
 AUTH_SECRET_ENV = knobs.AUTH_SECRET.name
+SERIALIZERS = ("pickle", "safe")
 
 
 class RpcBackendOptions:
@@ -39,6 +41,12 @@ class RpcBackendOptions:
             a link that silently drops packets. Idle connections carry a small heartbeat call
             after a quarter of this; a peer answering it or anything else is alive. 0 turns
             heartbeats off; ``None`` reads ``RPC_CORE_HEARTBEAT_TIMEOUT`` (default 30 s).
+        serializer: ``"pickle"`` (the default, as torch) or ``"safe"``: messages in rpc_core's
+            own encoding, nothing unpickled; calls and records may name only allowed functions
+            and classes (``rpc_core.safe.allow``, ``allow_modules``). Every worker of a group
+            must use the same. See docs/torch_compatibility.md, "Safe calls".
+        allow_modules: under ``serializer="safe"``, modules (with their submodules) whose
+            functions and classes messages may name, added to the allowlist at ``init_rpc``.
         device_maps / devices: accepted for torch compatibility; only CPU is supported, so a
             non-empty value raises ``ValueError`` saying so.
     """
@@ -52,6 +60,8 @@ class RpcBackendOptions:
         auth_secret: str | bytes | None = None,
         init_timeout: float | None = None,
         heartbeat_timeout: float | None = None,
+        serializer: str = "pickle",
+        allow_modules: Sequence[str] = (),
         device_maps: dict[str, dict[Any, Any]] | None = None,
         devices: list[Any] | None = None,
         _transports: list[str] | None = None,
@@ -93,6 +103,19 @@ class RpcBackendOptions:
                 f"heartbeat_timeout must be a number of seconds >= 0 (0: off) or None (read "
                 f"{knobs.HEARTBEAT_TIMEOUT.name}), got {heartbeat_timeout!r}"
             )
+        if serializer not in SERIALIZERS:
+            raise ValueError(
+                f"serializer must be one of {', '.join(map(repr, SERIALIZERS))}, got {serializer!r}: 'pickle' "
+                "(torch's behaviour) or 'safe' (nothing unpickled; calls name allowed functions only)"
+            )
+        if isinstance(allow_modules, str) or not all(isinstance(m, str) and m for m in allow_modules):
+            raise ValueError(
+                f"allow_modules must be a list of module names such as ['mypkg.calls'], got {allow_modules!r}"
+            )
+        if allow_modules and serializer != "safe":
+            raise ValueError("allow_modules is the allowlist of serializer='safe'; set serializer='safe' as well")
+        self.serializer = serializer
+        self.allow_modules: list[str] = list(allow_modules)
         self.num_worker_threads = num_worker_threads
         self.rpc_timeout = float(rpc_timeout)
         self.init_method = init_method
@@ -138,7 +161,7 @@ class RpcBackendOptions:
     def __repr__(self) -> str:
         return (
             f"RpcBackendOptions(num_worker_threads={self.num_worker_threads}, "
-            f"rpc_timeout={self.rpc_timeout}, init_method={self.init_method!r})"
+            f"rpc_timeout={self.rpc_timeout}, init_method={self.init_method!r}, serializer={self.serializer!r})"
         )
 
 

@@ -1,14 +1,19 @@
-"""The cost model's arithmetic (ps_train/scaling/cost_model.py, ps_train/scaling/shapes.py): what a
+"""The cost model's arithmetic (ps_train/scaling/{cost_model,fit,shapes}.py): what a
 step moves by hand, the fit recovering known constants from points generated with them, and
 the binding resource switching where the formulas put the switch."""
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from ps_train.scaling.cost_model import Cluster, Constants, Observation, fit, observation_from_run, predict
+from ps_train.scaling.cost_model import Cluster, Constants, load_calibration, predict
+from ps_train.scaling.fit import Observation, fit, observation_from_run
 from ps_train.scaling.shapes import WORKLOADS, mlp, server_loads
 
 MLP = WORKLOADS["mlp"]
@@ -120,8 +125,8 @@ def test_latency_binds_a_lone_trainer_on_a_long_link_and_sync_pays_the_barrier()
         assert s.samples_per_s < a.samples_per_s
     jittery = Constants(**{**TRUE.__dict__, "jitter": 50.0})
     assert predict(jittery, MLP, Cluster(8, 3, 10e9, 5e-5, 1.0, 1.0, None, "sync")).binding == "sync barrier"
-    with pytest.raises(ValueError, match="mode must be async or sync"):
-        predict(TRUE, MLP, Cluster(1, 1, 1e9, 0.0, 1.0, 1.0, None, "ssp"))
+    with pytest.raises(ValueError, match="mode must be one of sync, async, ssp, hybrid"):
+        Cluster(1, 1, 1e9, 0.0, 1.0, 1.0, None, "bsp")
 
 
 def test_a_scale_bench_record_becomes_an_observation() -> None:
@@ -153,3 +158,34 @@ def test_a_scale_bench_record_becomes_an_observation() -> None:
     assert o.trainer_cpu_per_step == pytest.approx(0.015)
     assert o.server_cpu_per_step == pytest.approx((0.02,))
     assert (o.samples_per_s, o.cores_used, o.server_bytes_per_step) == (700.0, 0.7, (400.0,))
+
+
+@pytest.mark.timeout(120)
+def test_scale_calibrate_refits_recorded_host_runs_into_a_calibration(tmp_path: Path) -> None:
+    # Runs as the model says they go on hosts of a quarter core: each rank's CPU over a 60- and
+    # a 240-step run (a start-up cost of 3 s each), its bytes, and its samples/s.
+    cores, steps, records = 0.25, (60, 240), []
+    for t, s in ((2, 1), (4, 1), (4, 2), (8, 2)):
+        wire, cpu = _server_cpu(TRUE, s)
+        trainer = TRUE.trainer_cpu_base + TRUE.trainer_cpu_per_message * sum(ld.messages for ld in server_loads(MLP, s))
+        for mode in ("async", "sync"):
+            for kbit in (1e6, 2e4):
+                p = predict(TRUE, MLP, Cluster(t, s, kbit * 1e3, 0.0, cores, cores, None, mode))
+                ranks = [[3.0 + n * t * u for u in cpu] + [3.0 + n * trainer] * t for n in steps]
+                point = {"trainers": t, "servers": s, "mode": mode, "rate_kbit": kbit}
+                records.append(
+                    {"point": point, "cores": cores, "steps": list(steps), "rank_cpu_s": ranks,
+                     "samples_per_s": p.samples_per_s, "server_bytes_per_step": wire, "load": [0.1, 0.2]}
+                )  # fmt: skip
+    raw, out = tmp_path / "records.json", tmp_path / "calibration.json"
+    raw.write_text(json.dumps(records))
+    root = Path(__file__).resolve().parent.parent
+    cmd = [sys.executable, "-m", "benchmarks.scale_calibrate", "--out", str(out), "--from-records", str(raw)]
+    done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, done.stderr
+    cal = load_calibration(out)
+    for name in ("beta", "gamma", "server_cpu_per_message", "trainer_cpu_base", "trainer_cpu_per_message"):
+        assert getattr(cal.constants, name) == pytest.approx(getattr(TRUE, name), rel=1e-6), name
+    assert cal.constants.jitter == pytest.approx(TRUE.jitter, abs=1e-3)
+    assert cal.error_where_fitted < 0.01 and "largest error 0%" in done.stdout
+    assert cal.machine.cpus >= 1 and "scale_calibrate" in cal.machine.method

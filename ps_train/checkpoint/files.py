@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ps_train import backend
 from ps_train.files import atomic_write, atomic_write_text, file_sha256
 
 __all__ = [
@@ -80,10 +81,12 @@ _STEP_DIR = re.compile(r"step_(\d+)")
 _SHARD_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 
+@backend.called_by_name
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete or corrupt; the message names the path."""
 
 
+@backend.called_by_name
 @dataclass
 class ShardFile:
     """One shard's state file, as listed in the manifest (``file`` is relative to the checkpoint)."""
@@ -94,6 +97,7 @@ class ShardFile:
     sha256: str
 
 
+@backend.called_by_name
 @dataclass(frozen=True)
 class SaveStarted:
     """A server's answer to the coordinator's "save now": its shard, the checkpoint its rows

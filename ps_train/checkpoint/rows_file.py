@@ -41,6 +41,7 @@ __all__ = [
     "write_rows_file",
     "read_rows_header",
     "apply_rows_file",
+    "rows_file_chunks",
     "load_rows",
 ]
 
@@ -57,6 +58,9 @@ class RowsHeader:
     num_rows: int
     full: bool
     columns: tuple[tuple[str, str, tuple[int, ...]], ...]  # (name, dtype, one row's shape)
+    # Lazy tables: the file holds every row that differs from its initial value; the others
+    # are created again when touched (ps_train.workloads.ctr.tables.tiered_storage).
+    lazy: bool = False
 
     @staticmethod
     def of(columns: Mapping[str, Tensor], full: bool) -> RowsHeader:
@@ -70,7 +74,10 @@ class RowsHeader:
         return RowsHeader(sizes.pop(), full, cols)
 
     def to_json(self) -> str:
-        return json.dumps({"num_rows": self.num_rows, "full": self.full, "columns": [list(c) for c in self.columns]})
+        out = {"num_rows": self.num_rows, "full": self.full, "columns": [list(c) for c in self.columns]}
+        if self.lazy:
+            out["lazy"] = True
+        return json.dumps(out)
 
 
 class RowChunk(NamedTuple):
@@ -89,10 +96,15 @@ def write_rows_file(path: Path, header: RowsHeader, chunks: Iterable[RowChunk]) 
             # Views of the chunk's tensors, not copies: [n] int64, then [n, *shape] per column.
             f.write(chunk.rows.contiguous().numpy().data)
             for v in chunk.values:
-                f.write(v.contiguous().numpy().data)
+                f.write(_numpy(v.contiguous()).data)
         f.write(struct.pack("<q", _END))
 
     return atomic_write(path, lambda f: None, sequential=write)
+
+
+def _numpy(t: Tensor) -> np.ndarray:
+    """``t``'s values as numpy sees them (bfloat16, which numpy lacks, as its 16 bits)."""
+    return t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
 
 
 def _read_exact(f: BinaryIO, n: int, path: Path) -> bytes:
@@ -109,7 +121,7 @@ def _read_header(f: BinaryIO, path: Path) -> RowsHeader:
     try:
         raw = json.loads(_read_exact(f, n, path))
         cols = tuple((str(c[0]), str(c[1]), tuple(int(s) for s in c[2])) for c in raw["columns"])
-        return RowsHeader(int(raw["num_rows"]), bool(raw["full"]), cols)
+        return RowsHeader(int(raw["num_rows"]), bool(raw["full"]), cols, bool(raw.get("lazy", False)))
     except (ValueError, KeyError, IndexError, TypeError) as e:
         raise RowsFileError(f"{path}: unreadable header: {e}") from e
 
@@ -120,7 +132,8 @@ def read_rows_header(path: str | os.PathLike[str]) -> RowsHeader:
 
 
 def _chunks(f: BinaryIO, header: RowsHeader, path: Path) -> Iterator[RowChunk]:
-    dtypes = [np.dtype(c[1]) for c in header.columns]
+    # bfloat16, which numpy lacks, is read as its 16 bits and viewed back.
+    dtypes = [np.dtype("int16" if c[1] == "bfloat16" else c[1]) for c in header.columns]
     while True:
         (n,) = struct.unpack("<q", _read_exact(f, 8, path))
         if n == _END:
@@ -129,11 +142,21 @@ def _chunks(f: BinaryIO, header: RowsHeader, path: Path) -> Iterator[RowChunk]:
             raise RowsFileError(f"{path}: bad chunk length {n}")
         rows = torch.from_numpy(np.frombuffer(_read_exact(f, 8 * n, path), dtype="<i8").copy())
         values = []
-        for (_, _, shape), dt in zip(header.columns, dtypes, strict=True):
+        for (_, name, shape), dt in zip(header.columns, dtypes, strict=True):
             count = n * int(np.prod(shape, dtype=np.int64))
-            raw = np.frombuffer(_read_exact(f, count * dt.itemsize, path), dtype=dt).copy()
-            values.append(torch.from_numpy(raw).reshape(n, *shape))
+            raw = torch.from_numpy(np.frombuffer(_read_exact(f, count * dt.itemsize, path), dtype=dt).copy())
+            if name == "bfloat16":
+                raw = raw.view(torch.bfloat16)
+            values.append(raw.reshape(n, *shape))
         yield RowChunk(rows, tuple(values))
+
+
+def rows_file_chunks(path: str | os.PathLike[str]) -> Iterator[RowChunk]:
+    """The chunks of rows file ``path``, in file order (``read_rows_header`` gives its columns)."""
+    p = Path(path)
+    with open(p, "rb") as f:
+        header = _read_header(f, p)
+        yield from _chunks(f, header, p)
 
 
 def apply_rows_file(path: str | os.PathLike[str], columns: Mapping[str, Tensor], expect_full: bool) -> int:
@@ -143,6 +166,11 @@ def apply_rows_file(path: str | os.PathLike[str], columns: Mapping[str, Tensor],
     p = Path(path)
     with open(p, "rb") as f:
         header = _read_header(f, p)
+        if header.lazy:
+            raise RowsFileError(
+                f"{p} holds lazy tables (only the rows touched); resume with the same model.lazy_rows, "
+                "model.table_memory_budget and model.table_dtype"
+            )
         mine = RowsHeader.of(columns, header.full)
         if mine.num_rows != header.num_rows or sorted(mine.columns) != sorted(header.columns):
             raise RowsFileError(

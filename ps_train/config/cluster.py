@@ -10,6 +10,7 @@ __all__ = ["ClusterConfig", "PLACEMENTS", "LAUNCHERS"]
 
 PLACEMENTS = ("round_robin", "balanced")
 LAUNCHERS = ("local", "env")
+SERIALIZERS = ("pickle", "safe")  # rpc_core.RpcBackendOptions(serializer=...)
 
 
 @dataclass
@@ -40,6 +41,10 @@ class ClusterConfig:
     # null (auto): on where it trains faster (docs/benchmarks.md): sync mode, whose servers
     # apply the round after answering, unless model.cache_rows > 0; off for async, ssp, hybrid.
     update_in_backward: bool | None = None
+    # rpc_core only: how messages are encoded. pickle (as torch); safe: rpc_core's own
+    # encoding, nothing unpickled, calls limited to ps_train's RPC functions and classes
+    # (ps_train.rpc_allowlist), so a peer that holds the run's secret still runs nothing else.
+    serializer: str = "pickle"
 
     def problems(self) -> Problems:
         p = Problems()
@@ -59,6 +64,10 @@ class ClusterConfig:
         # Empty under launcher=env: rank 0's host comes from the launcher (ps_train.launch.environment).
         p.need(
             bool(self.master_addr) or self.launcher == "env", "cluster.master_addr: must not be empty (e.g. 127.0.0.1)"
+        )
+        p.need(
+            self.serializer in SERIALIZERS,
+            f"cluster.serializer: unknown {self.serializer!r}; choose one of {list(SERIALIZERS)}",
         )
         p.need(self.rpc_timeout >= 0, f"cluster.rpc_timeout: {self.rpc_timeout} must be >= 0 (0 = no timeout)")
         p.need(self.init_timeout > 0, f"cluster.init_timeout: {self.init_timeout} must be > 0 seconds")

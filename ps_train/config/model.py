@@ -25,6 +25,9 @@ __all__ = [
     "TABLE_SHARDINGS",
     "POOLINGS",
     "INTERACTIONS",
+    "TABLE_DTYPES",
+    "LAZY_TABLE_OPTIMIZERS",
+    "parse_size",
 ]
 
 TABLE_SHARDINGS = ("range", "mod")
@@ -180,9 +183,26 @@ class DLRMConfig(ModelConfig):
     # The tables one by one (TorchRec's EmbeddingBagConfig fields, ps_train.config.tables); []:
     # fixed tables from data.num_tables/table_sizes, model.pooling and model.feature_names.
     tables: list[TableConfig] = field(default_factory=list)
+    # Where rows live (docs/tables.md). Lazy: a row exists once a batch touches it, its value
+    # depending only on (seed, table, row); false (with no budget and float32): every row in RAM from the start.
+    lazy_rows: bool = False
+    # Per server, e.g. 2GB, 512MiB or bytes: hot rows in RAM, the rest on disk under the run
+    # folder (implies lazy rows); null: no disk tier.
+    table_memory_budget: str | None = None
+    table_dtype: str = (
+        "float32"  # float32 | float16 | bfloat16: rows in RAM and on disk (optimizer state stays float32)
+    )
 
     def num_stages(self) -> int:
         return 2  # bottom MLP, top MLP
+
+    def tiered(self) -> bool:
+        """Whether the tables use the lazy (optionally tiered, half-precision) storage."""
+        return self.lazy_rows or self.table_memory_budget is not None or self.table_dtype != "float32"
+
+    def memory_budget_bytes(self) -> int | None:
+        """``table_memory_budget`` in bytes (None: no disk tier)."""
+        return None if self.table_memory_budget is None else parse_size(self.table_memory_budget)
 
     def dynamic_tables(self) -> list[int]:
         """Indices of the tables declared ``kind: dynamic`` (ascending)."""
@@ -273,6 +293,29 @@ class DLRMConfig(ModelConfig):
             self.cache_staleness >= 1,
             f"model.cache_staleness: {self.cache_staleness} must be >= 1 (steps a cached row serves)",
         )
+        p.need(
+            self.table_dtype in TABLE_DTYPES,
+            f"model.table_dtype: unknown {self.table_dtype!r}; choose one of {list(TABLE_DTYPES)}",
+        )
+        if self.table_memory_budget is not None:
+            try:
+                p.need(
+                    parse_size(self.table_memory_budget) > 0,
+                    f"model.table_memory_budget: {self.table_memory_budget!r} must be > 0 (or null: no disk tier)",
+                )
+            except ValueError as e:
+                p.need(False, f"model.table_memory_budget: {e}")
+        p.need(
+            not self.tiered() or self.table_optim in LAZY_TABLE_OPTIMIZERS,
+            f"model.table_optim={self.table_optim}: lazy, tiered or half-precision rows "
+            f"(model.lazy_rows, model.table_memory_budget, model.table_dtype) take one of "
+            f"{list(LAZY_TABLE_OPTIMIZERS)}",
+        )
+        p.need(
+            not self.tiered() or self.cache_rows == 0,
+            "model.cache_rows: the trainers' row cache keeps a score per row of every table, which lazy and "
+            "tiered tables do not pay for; set model.cache_rows=0 with them",
+        )
         return p
 
     def interaction_problems(self) -> Problems:
@@ -298,6 +341,30 @@ class DLRMConfig(ModelConfig):
             f"model=dlrm needs at least one dense feature; data {data_name!r} has {list(shape)}",
         )
         return p
+
+
+TABLE_DTYPES = ("float32", "float16", "bfloat16")
+# The table optimizers whose per-row state can move between RAM and disk with its row.
+LAZY_TABLE_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20}
+_SIZE_UNITS.update({"GIB": 2**30, "TIB": 2**40, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12})
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes of a size like ``2GB``, ``1.5GiB``, ``512MB`` or ``1073741824`` (decimal units
+    are powers of 10, ``KiB``/``MiB``/``GiB`` of 2)."""
+    raw = str(text).strip().replace("_", "")
+    num = raw.rstrip("BbKkMmGgTtIi ")
+    unit = raw[len(num) :].strip().upper()
+    if unit not in _SIZE_UNITS:
+        raise ValueError(f"{text!r} is not a size: write bytes or a number with KB, MB, GB, TB, KiB, MiB or GiB")
+    try:
+        value = float(num)
+    except ValueError:
+        raise ValueError(
+            f"{text!r} is not a size: write bytes or a number with KB, MB, GB, TB, KiB, MiB or GiB"
+        ) from None
+    return int(value * _SIZE_UNITS[unit])
 
 
 MODEL_SCHEMAS: dict[str, type[ModelConfig]] = {

@@ -70,6 +70,11 @@ class Config:
             not self.profile.enabled or self.backend == "rpc_core",
             "profile.enabled=true needs backend=rpc_core (its profiler records the servers' side of each RPC)",
         )
+        p.need(
+            self.cluster.serializer == "pickle" or self.backend == "rpc_core",
+            f"cluster.serializer={self.cluster.serializer} needs backend=rpc_core (torch.distributed.rpc always "
+            "pickles); use cluster.serializer=pickle with backend=torch",
+        )
         return p
 
     def _elastic_problems(self) -> Problems:

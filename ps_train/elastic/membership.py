@@ -41,8 +41,8 @@ import torch
 
 from ps_train import backend
 from ps_train.checkpoint.positions import TrainerPositions, trainer_name
-from ps_train.config import Config
-from ps_train.metrics import MetricsWriter, make_writer
+from ps_train.config import ClusterConfig
+from ps_train.metrics import MetricsWriter
 from ps_train.observe.console import CONSOLE
 from rpc_core.functions import async_execution
 
@@ -313,18 +313,16 @@ class ElasticServer(Protocol):
 
 def keep_membership(
     ps: ElasticServer,
-    cfg: Config,
+    cluster: ClusterConfig,
     run_dir: str,
     resume_state: dict[str, Any] | None,
-    writer: MetricsWriter | None = None,
+    writer: MetricsWriter,
 ) -> None:
     """ps0 of an elastic run, before ``init_rpc``: the trainer membership (ps_train.elastic.membership),
     ready before any trainer can ask for it; it knows where this attempt started. ``writer``:
-    ps0's TensorBoard writer, if the process has one already (one writer per folder)."""
-    if writer is None:
-        writer = make_writer(cfg.logging.tensorboard, f"{run_dir}/tb/ps0", filename_suffix=".ps0")
+    ps0's TensorBoard writer (one writer per folder)."""
     ps.membership = Membership(
-        cfg.cluster.num_trainers, cfg.cluster.num_servers, writer, lambda: ps.version, positions=ps.positions
+        cluster.num_trainers, cluster.num_servers, writer, lambda: ps.version, positions=ps.positions
     )
     if resume_state is not None:  # ps.positions.start holds the trainers' own (load_server_state)
         ps.membership.start_step = resume_state["step"]

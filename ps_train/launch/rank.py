@@ -17,15 +17,15 @@ from typing import Any
 
 import torch
 
-from ps_train import backend
-from ps_train.config import Config
+from ps_train import backend, rpc_allowlist
+from ps_train.config import Config, config_to_dict
 from ps_train.elastic.membership import keep_membership, serve_elastic
 from ps_train.elastic.trainer import join_group, wait_for_servers
 from ps_train.faults import die, fault_at
 from ps_train.launch.failures import role_name
 from ps_train.metrics import MetricsWriter, make_writer, mark_attempt
 from ps_train.observe.console import ConsoleHandler
-from ps_train.observe.dashboard import write_dashboard
+from ps_train.observe.dashboard import swept_values, write_dashboard
 from ps_train.observe.server_metrics import ServerMetrics, rpc_byte_counts
 from ps_train.observe.traces import ProfileWindow, write_served
 from ps_train.workload import workload_for
@@ -98,7 +98,7 @@ def run_rank(
     sampler: ServerMetrics | None = None
     if rank < S:
         # Before init_rpc: trainers may ask for it at once. The model's tables, if any, are its own part.
-        ps = server_mod.create(cfg, rank, workload.table_service(cfg, rank))
+        ps = server_mod.create(cfg, rank, workload.table_service(cfg, rank, run_dir))
         if resume_state is not None:
             load_server_state(ps, resume_state)
         # One TensorBoard writer per folder: TensorBoard reads a folder's event files one after
@@ -109,12 +109,19 @@ def run_rank(
             cfg.logging.tensorboard and (sampled or keeps_membership), f"{run_dir}/tb/{name}", f".{name}"
         )
         if keeps_membership:
-            keep_membership(ps, cfg, run_dir, resume_state, writer)  # ps_train.elastic.membership
+            keep_membership(ps, cfg.cluster, run_dir, resume_state, writer)  # ps_train.elastic.membership
         # Before init_rpc: trainers may send updates as soon as it returns, and every one counts.
         sampler = _server_metrics(cfg, ps, writer) if sampled and cfg.logging.tensorboard else None
     init_method = init_method or f"tcp://{master_addr}:{master_port}"
+    if cfg.cluster.serializer == "safe":
+        rpc_allowlist.register()  # before init_rpc: the first calls may come at once
     opts = backend.make_options(
-        init_method, cfg.cluster.rpc_timeout, cfg.cluster.num_worker_threads, secret, cfg.cluster.init_timeout
+        init_method,
+        cfg.cluster.rpc_timeout,
+        cfg.cluster.num_worker_threads,
+        secret,
+        cfg.cluster.init_timeout,
+        cfg.cluster.serializer,
     )
     log.info(
         "starting %s (rank %d of %d, pid %d) on the %s backend, rendezvous at %s%s",
@@ -159,7 +166,7 @@ def run_rank(
             t = workload.trainer()(cfg, rank - S, run_dir, start_step=start, data_state=data_state)
             mark_attempt(t.writer, t.step, attempt if t.index == 0 else None)  # see ps_train.launch.restarts
             if t.index == 0:
-                write_dashboard(cfg, run_dir)  # custom-scalars layout and HParams, once per run
+                write_dashboard(cfg.logging.tensorboard, swept_values(config_to_dict(cfg)), run_dir)  # once per run
             result = t.run(on_step=_step_hooks(cfg, run_dir, rank))
         elif cfg.cluster.elastic:
             serve_elastic(ps)  # ps_train.elastic.membership

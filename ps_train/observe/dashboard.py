@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from ps_train.config import Config, config_to_dict
 from ps_train.metrics import HParamValue, TensorBoardWriter, flatten_hparams
 
 __all__ = ["SWEPT", "METRICS", "LAYOUT", "Metric", "write_dashboard", "end_session", "swept_values"]
@@ -98,9 +97,10 @@ LAYOUT: dict[str, dict[str, list[Any]]] = {
 }
 
 
-def swept_values(cfg: Config) -> dict[str, HParamValue]:
-    """The run's values of ``SWEPT`` (keys it lacks, or set to null, left out)."""
-    flat = flatten_hparams(config_to_dict(cfg))
+def swept_values(config: dict[str, Any]) -> dict[str, HParamValue]:
+    """The run's values of ``SWEPT`` (keys it lacks, or set to null, left out), from its
+    config as a plain dict (``ps_train.config.config_to_dict``)."""
+    flat = flatten_hparams(config)
     return {k: flat[k] for k in SWEPT if k in flat and flat[k] != "None"}
 
 
@@ -160,24 +160,23 @@ def _root(run_dir: str) -> Path:
     return Path(run_dir) / "tb"
 
 
-def write_dashboard(cfg: Config, run_dir: str) -> bool:
-    """The layout, the HParams experiment and this run's session start, in ``<run>/tb/``;
-    once per run (a restarted attempt finds them there). Returns whether it wrote them."""
+def write_dashboard(tensorboard: bool, hparams: dict[str, HParamValue], run_dir: str) -> bool:
+    """The layout, the HParams experiment and this run's session start (``hparams``: its
+    ``swept_values``), in ``<run>/tb/``; once per run (a restarted attempt finds them there).
+    Nothing without ``tensorboard`` (``logging.tensorboard``). Returns whether it wrote them."""
     root = _root(run_dir)
-    if not cfg.logging.tensorboard or (
-        root.is_dir() and any(p.name.startswith("events.out.tfevents.") for p in root.iterdir())
-    ):
+    if not tensorboard or (root.is_dir() and any(p.name.startswith("events.out.tfevents.") for p in root.iterdir())):
         return False
     with TensorBoardWriter(root, filename_suffix=".run") as w:
         w.add_custom_scalars(LAYOUT)
-        for summary in (_experiment(), _session_start(swept_values(cfg))):
+        for summary in (_experiment(), _session_start(hparams)):
             w.add_summary(summary)
     return True
 
 
-def end_session(cfg: Config, run_dir: str, ok: bool = True) -> None:
+def end_session(tensorboard: bool, run_dir: str, ok: bool = True) -> None:
     """The HParams session's end (its status in the table), in ``<run>/tb/``."""
-    if not cfg.logging.tensorboard:
+    if not tensorboard:
         return
     os.makedirs(_root(run_dir), exist_ok=True)
     with TensorBoardWriter(_root(run_dir), filename_suffix=".run") as w:

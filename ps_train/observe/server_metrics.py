@@ -22,7 +22,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import NamedTuple, Protocol
 
 from ps_train.metrics import MetricsWriter, mark_session_start, peak_rss_bytes
@@ -85,7 +85,7 @@ class MonitoredServer(Protocol):
     @property
     def counters(self) -> UpdateCounters: ...
 
-    def table_counts(self) -> dict[str, int]:
+    def table_counts(self) -> Mapping[str, float]:
         """Tables only (else empty): cumulative ``rows_read``, ``rows_updated``, ``rows_live``."""
 
 
@@ -165,6 +165,16 @@ class ServerMetrics:
             for key in ("live", "created", "evicted", "admitted"):  # dynamic tables: cumulative counts
                 if f"dynamic_rows_{key}" in tables:
                     out[f"server/dynamic_rows_{key}"] = float(tables[f"dynamic_rows_{key}"])
+            if "tier_hit_rate" in tables:  # lazy and tiered tables (ps_train.workloads.ctr.tables.tiered_storage)
+                out["server/tier_rows_in_ram"] = float(tables["tier_rows_in_ram"])
+                for key in ("hits", "misses"):
+                    out[f"server/tier_{key}_per_s"] = (
+                        tables[f"tier_{key}"] - self._prev_tables.get(f"tier_{key}", 0)
+                    ) / dt
+                for key in ("rows_evicted", "rows_read_back", "bytes_written", "bytes_read"):
+                    if f"tier_{key}" in tables:
+                        prev = self._prev_tables.get(f"tier_{key}", 0)
+                        out[f"server/tier_{key}_per_s"] = (tables[f"tier_{key}"] - prev) / dt
         if moved is not None:
             # Counts are over open connections: one that closed takes its bytes along.
             out["server/bytes_in_per_s"] = max(0, moved.received - self._prev_bytes.received) / dt

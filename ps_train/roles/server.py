@@ -60,6 +60,7 @@ log = logging.getLogger("ps_train.server")
 _server: ParameterServer | None = None
 
 
+@backend.called_by_name
 class ParameterServer:
     """``tables``: the model's embedding tables on this server, if it has any (model=dlrm)."""
 
@@ -136,6 +137,10 @@ class ParameterServer:
         tables = self._tables()
         with self.lock:
             return tables.read(rows, offsets, weights, ids)
+
+    def prefetch_rows(self, rows: torch.Tensor) -> None:
+        """A trainer's next request will name ``rows``: the tables may bring them in now."""
+        self._tables().prefetch(rows)
 
     def _tables(self) -> TablePart:
         if self.tables is None:
@@ -248,7 +253,7 @@ class ParameterServer:
         self.mode.trainer_finished(self, trainer)
 
     # -- state ------------------------------------------------------------------------------------
-    def table_counts(self) -> dict[str, int]:
+    def table_counts(self) -> dict[str, float]:
         """Cumulative table counts for the sampled metrics (empty without tables)."""
         if self.tables is None:
             return {}
@@ -261,6 +266,8 @@ class ParameterServer:
         for key in ("live", "created", "evicted", "admitted"):  # dynamic tables only
             if f"dynamic_rows_{key}" in st:
                 out[f"dynamic_rows_{key}"] = st[f"dynamic_rows_{key}"]
+        for key, value in st.get("tier", {}).items():  # a disk tier's counts (hit_rate: a fraction)
+            out[f"tier_{key}"] = value
         return out
 
     def stats(self) -> dict[str, Any]:

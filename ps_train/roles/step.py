@@ -222,6 +222,7 @@ class _Ps0Only:
     servers: list[Any]
 
 
+@backend.called_by_name
 def _get_server_rref() -> Any:
     from ps_train.roles.server import get_server_rref
 

@@ -74,6 +74,7 @@ _collect: list[tuple[int, torch.futures.Future[Any]]] = []
 _finish_lock = threading.Lock()
 
 
+@backend.called_by_name
 def deposit_stats(stats: dict[str, Any]) -> None:
     """Called by trainer1.. on ps0 when they finish: their totals, for trainer0."""
     with _finish_lock:
@@ -85,6 +86,7 @@ def deposit_stats(stats: dict[str, Any]) -> None:
 
 
 @async_execution
+@backend.called_by_name
 def collect_stats(others: int) -> torch.futures.Future[Any]:
     """Called by trainer0 on ps0: the totals of the ``others`` other trainers, once all came."""
     f: torch.futures.Future[Any] = torch.futures.Future()
@@ -191,6 +193,8 @@ class Trainer(StepTrainer):
             if step < self.steps:
                 batch = next(self.batches)  # overlaps the servers' update
                 self.sample_log.fetched(self.batches)
+                if batch is not None:
+                    self.upcoming(batch)
             logs = step % log_every == 0 or step == self.steps
             evaluates = is_chief and cfg.train.eval_every and step % cfg.train.eval_every == 0 and step < self.steps
             if not self.pipelined or logs or evaluates:
@@ -206,6 +210,10 @@ class Trainer(StepTrainer):
                 on_step(self, step)
             maybe_inject_fault(self.name, step, self.servers[0])  # test-only, see ps_train.faults
         return last
+
+    def upcoming(self, batch: Any) -> None:
+        """The next step's batch, fetched while the servers apply this step's update: a
+        workload may tell its servers what that step will ask for (table rows to prefetch)."""
 
     def log_train(self, step: int, last: dict[str, float]) -> None:
         """TensorBoard scalars and the progress line of a logged step (a workload adds its own)."""
@@ -282,7 +290,9 @@ class Trainer(StepTrainer):
         for key, value in ev.items():
             self.writer.add_scalar(f"test/{key}", value, self.step)
         self.writer.close()
-        end_session(cfg, self.run_dir)  # the HParams table reads these test/* points (ps_train.observe.dashboard)
+        end_session(
+            cfg.logging.tensorboard, self.run_dir
+        )  # the HParams table reads these test/* points (ps_train.observe.dashboard)
         write_metrics_json(f"{self.run_dir}/metrics.json", metrics)
         if self.elastic is not None:
             self.elastic.release_servers()

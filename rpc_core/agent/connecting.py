@@ -16,7 +16,6 @@ module only opens them and hands each accepted one, with its peer's rank, to the
 from __future__ import annotations
 
 import logging
-import pickle
 import socket
 import time
 from collections.abc import Callable
@@ -24,6 +23,8 @@ from collections.abc import Callable
 from .. import transport
 from ..errors import AuthenticationError, ProtocolError, RpcError, RpcTimeoutError, WorkerUnavailableError
 from ..protocol import wire
+from ..protocol.safe_decoding import loads_plain
+from ..protocol.safe_encoding import dumps_plain
 from ..transport import Connection, Listener
 from .completion import PendingCalls
 from .pool import ThreadGroup
@@ -111,7 +112,7 @@ class Connector:
         )
 
     def _introduce(self, conn: Connection) -> None:
-        conn.send(wire.REQUEST, wire.CONTROL, HELLO_ID, b"", pickle.dumps(self.me.id))
+        conn.send(wire.REQUEST, wire.CONTROL, HELLO_ID, b"", dumps_plain(self.me.id))
 
     # -- accepting --------------------------------------------------------------------------------
     def accept(self, serve: Callable[[Connection, int], None]) -> None:
@@ -157,7 +158,7 @@ class Connector:
             else:
                 if h.msg_id != HELLO_ID:
                     raise ProtocolError("first frame is not an identity frame")
-                src = pickle.loads(body)
+                src = loads_plain(body)
                 if not isinstance(src, int) or src not in self._roster.workers:
                     raise ProtocolError(f"bad identity {src!r}")
             self._roster.tag_connection(conn, src)
@@ -170,7 +171,7 @@ class Connector:
             )
             sock.close()
             return
-        except (ProtocolError, OSError, transport.PeerClosed, pickle.UnpicklingError, ValueError, EOFError) as e:
+        except (ProtocolError, OSError, transport.PeerClosed, ValueError, EOFError) as e:
             log.warning("rpc_core %s: dropped a connection from %s:%s: %s", self.me.name, peer[0], peer[1], e)
             if conn is not None:
                 conn.close()

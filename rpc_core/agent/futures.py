@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import torch
 
 from ..errors import PEER_ATTRIBUTE, RemoteFunctionError, RpcError
-from ..protocol import wire
+from ..protocol import allowlist, serialization, wire
 from .pool import handoff_current
 
 S = TypeVar("S")
@@ -181,18 +181,30 @@ def raised_on(error: BaseException) -> str | None:
     return getattr(error, _RAISED_ON, None)
 
 
-def rebuild_exception(info: wire.ExceptionInfo) -> BaseException:
-    """The remote exception with its original type, or a RuntimeError saying why not;
-    marked with the worker it was raised on (``raised_on``)."""
-    error: BaseException | None = None
+def _original_type(info: wire.ExceptionInfo) -> type[BaseException] | None:
+    if serialization.codec_name() == "safe":
+        # Only a type this worker allows (or a builtin one) is rebuilt: the wire never
+        # chooses a module to import.
+        return allowlist.exception_type(info.type_module, info.type_qualname)
     try:
         obj: Any = importlib.import_module(info.type_module)
         for part in info.type_qualname.split("."):
             obj = getattr(obj, part)
-        if isinstance(obj, type) and issubclass(obj, BaseException):
-            error = obj(info.message)
-    except Exception:  # noqa: BLE001 - importing or building another worker's type may fail in any way
-        pass
+    except Exception:  # noqa: BLE001 - importing another worker's type may fail in any way
+        return None
+    return obj if isinstance(obj, type) and issubclass(obj, BaseException) else None
+
+
+def rebuild_exception(info: wire.ExceptionInfo) -> BaseException:
+    """The remote exception with its original type, or a RuntimeError saying why not;
+    marked with the worker it was raised on (``raised_on``)."""
+    error: BaseException | None = None
+    cls = _original_type(info)
+    if cls is not None:
+        try:
+            error = cls(info.message)
+        except Exception:  # noqa: BLE001 - building another worker's type may fail in any way
+            pass
     if error is None:
         error = RemoteFunctionError(
             f"Error on {info.worker}; its type could not be rebuilt here. Original exception on remote side was "

@@ -10,6 +10,8 @@ import re
 from dataclasses import dataclass, field
 
 from ..errors import RpcValueError
+from ..protocol import allowlist
+from ..protocol.serialization import register_reducer
 from ..transport import Connection, Listener
 
 MAX_NAME_LEN = 128
@@ -45,6 +47,11 @@ class WorkerInfo:
 
     def __reduce__(self) -> tuple[type[WorkerInfo], tuple[str, int]]:
         return WorkerInfo, (self._name, self._id)
+
+
+# Under serializer="safe" a WorkerInfo travels as its name and id (pickle's form).
+register_reducer(WorkerInfo, WorkerInfo.__reduce__)
+allowlist.internal(WorkerInfo)
 
 
 def validate_name(name: str) -> None:

@@ -43,6 +43,7 @@ from ..agent import calls
 from ..agent.early_exit import torch_collect_all
 from ..errors import RpcError
 from ..functions import async_execution
+from ..protocol import allowlist
 from . import context as _context
 from . import hooks
 from . import local_pass as _local
@@ -276,3 +277,7 @@ def _finish_when_answered(
         _finish_when_answered(ctx, more, reply, done, hooked)
 
     torch_collect_all(futures).add_done_callback(answered)
+
+
+# Gradients sent back along a backward: called by name under serializer='safe'.
+allowlist.internal(_on_backward)

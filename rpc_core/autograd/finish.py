@@ -21,6 +21,7 @@ from ..agent.early_exit import torch_collect_all
 from ..agent.futures import set_error
 from ..errors import RpcError
 from ..functions import async_execution
+from ..protocol import allowlist
 from . import context as _context
 from . import hooks
 from .node_errors import hook_error, on_node, one_error, settle_named
@@ -121,3 +122,7 @@ def _on_finish(context_id: int) -> torch.futures.Future[Any]:
 
     finish(ctx).add_done_callback(answer)
     return done
+
+
+# A context's hooks, run where it ends: called by name under serializer='safe'.
+allowlist.internal(_on_finish, hooks.Answer)

@@ -21,6 +21,7 @@ from ..agent import agent as _agent_mod
 from ..agent.early_exit import torch_collect_all
 from ..agent.futures import settle
 from ..functions import async_execution
+from ..protocol import allowlist
 from . import context as _context
 from .context import DistAutogradContext
 
@@ -202,3 +203,7 @@ def wait_cleanups() -> None:
     with _cleanups_lock:
         futs = list(_cleanups)
     settle(futs)  # a dead worker has nothing left to clean
+
+
+# Contexts released by the worker that made them: called by name under serializer='safe'.
+allowlist.internal(_on_cleanup)

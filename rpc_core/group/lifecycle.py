@@ -21,7 +21,7 @@ from ..agent.agent import Agent, current_agent
 from ..errors import RpcTimeoutError, WorkerUnavailableError
 from ..functions import async_execution
 from ..options import DEFAULT_SHUTDOWN_TIMEOUT, UNSET_RPC_TIMEOUT
-from ..protocol import wire
+from ..protocol import allowlist, wire
 
 # Called with each new Agent, before it starts (distributed autograd installs its middleware here).
 init_hooks: list[Callable[[Agent], None]] = []
@@ -195,3 +195,7 @@ def wait_quiescent(agent: Agent, timeout: float) -> None:
             time.sleep(0.005)  # work is still running somewhere; let it progress before re-polling
         if deadline is not None and time.monotonic() > deadline:
             raise RpcTimeoutError(f"shutdown timed out after {timeout:g} s: workers still have calls in flight")
+
+
+# Barrier arrivals at rank 0: called by name under serializer='safe'.
+allowlist.internal(_coord_arrive, _CallCounts)

@@ -26,7 +26,6 @@ address) and each later leave is told to the members directly (so too after rank
 from __future__ import annotations
 
 import logging
-import pickle
 import threading
 import time
 from typing import Any
@@ -34,7 +33,8 @@ from typing import Any
 from ..agent.agent import Agent, current_agent
 from ..agent.worlds import WorkerInfo
 from ..errors import RpcError
-from ..protocol import wire
+from ..protocol import allowlist, wire
+from ..protocol.safe_decoding import loads_plain
 from .rendezvous import MIXED_GROUP
 from .rendezvous import _dumps as dumps
 from .rendezvous import _reply as reply
@@ -62,7 +62,7 @@ class _Registry:
         None once the newcomer was told why not. Runs on the connection's accepting thread."""
         agent = self.agent
         try:
-            name, rank, world_size, address = pickle.loads(body)
+            name, rank, world_size, address = loads_plain(body)
             info = WorkerInfo(name, rank)
         except Exception as e:  # noqa: BLE001 - a bad name, or not a join request at all
             reply(conn, msg_id, f"bad join request for the group of {agent.me.name!r}: {e}")
@@ -257,3 +257,7 @@ def _leave_request(rank: int, generation: int) -> None:
     if _registry is None:
         raise RpcError(f"{current_agent().me.name!r} is no group's registry: only rank 0 takes leave requests")
     _registry.leave(rank, generation)
+
+
+# Membership news: called by name under serializer='safe'.
+allowlist.internal(_member_joined, _member_left, _leave_request)

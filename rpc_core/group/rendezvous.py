@@ -34,6 +34,8 @@ from .. import knobs, transport
 from ..agent.worlds import MAX_NAME_LEN, WorkerInfo, World, validate_name  # noqa: F401 (re-exported)
 from ..errors import AuthenticationError, RendezvousError
 from ..protocol import wire
+from ..protocol.safe_decoding import loads_plain
+from ..protocol.safe_encoding import dumps_plain
 from ..transport import Connection, Listener
 
 log = logging.getLogger("rpc_core")
@@ -307,9 +309,9 @@ class _Joiners:
 
 
 def _dumps(obj: object) -> bytes:
-    import pickle
-
-    return pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)
+    # Rendezvous messages are plain values (names, ranks, addresses): never a pickle, so
+    # nothing a joiner sends is unpickled, whatever the serializer.
+    return dumps_plain(obj)
 
 
 def _reply(c: Connection, msg_id: int, err: str) -> None:
@@ -330,11 +332,9 @@ def _accept_joiner(
 ) -> tuple[Connection, WorkerInfo, tuple[str, int], int] | None:
     """Authenticate a joiner and read its join request, all by ``deadline``; None if it is
     turned away (the caller closes ``sock`` then)."""
-    import pickle
-
     try:
         c, h, body = via.accept(sock, peer, secret, deadline, admission)
-        name, rank, ws, address = pickle.loads(body)
+        name, rank, ws, address = loads_plain(body)
         if ws is None:
             _reply(c, h.msg_id, MIXED_GROUP)
             return None
@@ -346,7 +346,7 @@ def _accept_joiner(
         return c, WorkerInfo(name, rank), tuple(address), h.msg_id
     except AuthenticationError:
         log.warning("rpc_core rendezvous: rejected a connection from %s:%s: wrong or missing auth secret", *peer[:2])
-    except Exception as e:  # noqa: BLE001 - ProtocolError, OSError (timeouts included), a bad pickle...
+    except Exception as e:  # noqa: BLE001 - ProtocolError, OSError (timeouts included), a malformed message...
         log.warning("rpc_core rendezvous: dropped a bad connection from %s:%s: %r", peer[0], peer[1], e)
     return None
 
@@ -364,8 +364,6 @@ def _check_joiner(
 
 
 def _join(name: str, rank: int, world_size: int | None, host: str, port: int, secret: bytes, timeout: float) -> World:
-    import pickle
-
     deadline = time.monotonic() + timeout
     delay = _RETRY_FIRST
     waiting = _Waiting(timeout)
@@ -417,9 +415,9 @@ def _join(name: str, rank: int, world_size: int | None, host: str, port: int, se
     if h.kind == wire.EXCEPTION:
         transport.close(listeners)
         c.close()
-        raise RendezvousError(pickle.loads(body))
+        raise RendezvousError(loads_plain(body))
     # A static world's table: (names, addresses); a dynamic group's adds the generations.
-    table = pickle.loads(body)
+    table = loads_plain(body)
     workers = [WorkerInfo(n, r) for n, r in table[0]]
     me = next(w for w in workers if w.id == rank)
     if world_size is None:

@@ -22,6 +22,7 @@ from torch import nn
 
 from ..agent import calls
 from ..agent.agent import current_agent
+from ..protocol import allowlist
 from ..protocol.serialization import register_reducer
 from ..rref import RRef, invoke_on_owner, remote
 
@@ -264,3 +265,7 @@ def _reduce(m: RemoteModule) -> tuple[Callable[..., RemoteModule], tuple[Any, ..
 
 
 register_reducer(RemoteModule, _reduce)
+
+
+# RemoteModule's calls and its rebuilding: called by name under serializer='safe'.
+allowlist.internal(_create_module, _param_rrefs, _set_training, _remote_forward, _rebuild)

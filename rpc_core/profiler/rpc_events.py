@@ -30,7 +30,8 @@ from torch._C._profiler import ProfilerConfig, ProfilerState
 from ..agent import agent as _agent_mod
 from ..agent import calls
 from ..agent import futures as _futures
-from ..protocol import wire
+from ..protocol import allowlist, wire
+from ..protocol.serialization import register_reducer
 from ..rref import HANDLER_DISPLAY_NAMES
 
 REMOTE_OP = "#remote_op: "
@@ -172,6 +173,11 @@ def _activate(options: tuple[Any, ...]) -> tuple[Any, ...]:
     if agent is not None:
         _ensure_middleware(agent)
     return options
+
+
+# How a _Call travels under serializer="safe" too (its __reduce__ is pickle's).
+register_reducer(_Call, _Call.__reduce__)
+allowlist.internal(_activate)
 
 
 class _Collector:

@@ -21,11 +21,14 @@ import io
 import pickle
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from ..errors import ProtocolError
+
 _tls = threading.local()
+SAFE_MAGIC = b"\xa7S"  # how the safe serializer's messages start (safe_encoding.MAGIC)
 _REDUCERS: dict[type, Callable[[Any], Any]] = {}
 
 
@@ -53,8 +56,43 @@ _DTYPE_CODES = {dt: i for i, dt in enumerate(_DTYPES)}
 
 
 def register_reducer(cls: type, reducer: Callable[[Any], Any]) -> None:
-    """Make ``cls`` pickle through ``reducer(obj) -> (callable, args)`` inside RPC messages."""
+    """Make ``cls`` travel as ``reducer(obj) -> (callable, args)`` inside RPC messages (under
+    serializer="safe" too: ``callable`` must then be in the receiver's allowlist)."""
     _REDUCERS[cls] = reducer
+
+
+def reducer_for(cls: type) -> Callable[[Any], Any] | None:
+    return _REDUCERS.get(cls)
+
+
+class Codec(Protocol):
+    """A serializer other than pickle (``safe_codec``): what ``serialize``, ``encode_head``,
+    ``decode_head`` and ``unpickle_body`` use instead of pickle once installed."""
+
+    name: str
+
+    def serialize(self, obj: Any) -> Serialized: ...
+
+    def encode_head(self, metas: Sequence[TensorMeta], extras: dict[str, Any] | None) -> bytes: ...
+
+    def decode_head(self, head: bytes) -> tuple[Sequence[TensorMeta], dict[str, Any] | None]: ...
+
+    def loads(self, body: Any, tensors: Sequence[torch.Tensor]) -> Any: ...
+
+
+# The process's serializer: None is pickle. One per process, as there is one agent
+# (init_rpc installs the one its options name).
+_codec: Codec | None = None
+
+
+def use_codec(codec: Codec | None) -> None:
+    global _codec
+    _codec = codec
+
+
+def codec_name() -> str:
+    """ "pickle", or the installed codec's name ("safe")."""
+    return "pickle" if _codec is None else _codec.name
 
 
 def storage_view(storage: torch.UntypedStorage, start: int = 0, end: int | None = None) -> memoryview:
@@ -77,7 +115,7 @@ _COMPRESSED = {torch.sparse_csr: 0, torch.sparse_csc: 1, torch.sparse_bsr: 2, to
 _COMPRESSED_LAYOUTS = list(_COMPRESSED)
 
 
-def _compressed_parts(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def compressed_parts(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(compressed indices, plain indices, values) of a CSR/CSC/BSR/BSC tensor."""
     if t.layout in (torch.sparse_csr, torch.sparse_bsr):
         return t.crow_indices(), t.col_indices(), t.values()
@@ -87,14 +125,14 @@ def _compressed_parts(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
 # Sparse tensors are rebuilt with their invariants checked (indices in range, compressed
 # indices sorted): the bytes come from a peer, and torch reads out of bounds on a sparse
 # tensor that breaks them.
-def _sparse_coo(
+def sparse_coo(
     indices: torch.Tensor, values: torch.Tensor, size: tuple[int, ...], coalesced: bool, leaf_grad: bool
 ) -> torch.Tensor:
     t = torch.sparse_coo_tensor(indices, values, size, check_invariants=True, is_coalesced=coalesced)
     return t.requires_grad_() if leaf_grad and not t.requires_grad else t
 
 
-def _sparse_compressed(
+def sparse_compressed(
     compressed: torch.Tensor,
     plain: torch.Tensor,
     values: torch.Tensor,
@@ -123,7 +161,7 @@ class _Pickler(pickle.Pickler):
                 # Sparse tensors travel as their dense parts, which are tensors themselves
                 # (their buffers out of band like any other).
                 if obj.layout == torch.sparse_coo:
-                    return _sparse_coo, (
+                    return sparse_coo, (
                         obj._indices(),
                         obj._values(),
                         tuple(obj.size()),
@@ -131,8 +169,8 @@ class _Pickler(pickle.Pickler):
                         obj.requires_grad and obj.is_leaf,
                     )
                 if obj.layout in _COMPRESSED:
-                    return _sparse_compressed, (
-                        *_compressed_parts(obj),
+                    return sparse_compressed, (
+                        *compressed_parts(obj),
                         tuple(obj.size()),
                         _COMPRESSED[obj.layout],
                         obj.requires_grad and obj.is_leaf,
@@ -263,6 +301,8 @@ class _PicklerSlot:
 
 
 def serialize(obj: Any) -> Serialized:
+    if _codec is not None:
+        return _codec.serialize(obj)
     slot = getattr(_tls, "slot", None)
     if slot is None or slot.busy:  # first use on this thread, or a reducer re-entered us
         slot = _PicklerSlot()
@@ -280,6 +320,11 @@ def serialize(obj: Any) -> Serialized:
         tensors = list(tensors)
         slot.tensors.clear()
         slot.busy = False
+    return packed(body, tensors)
+
+
+def packed(body: bytes, tensors: list[torch.Tensor]) -> Serialized:
+    """A message of ``body`` and the tensors its references index, their buffers packed."""
     if not tensors:
         return _new_tuple(Serialized, ([], body, [], tensors, []))  # tuple.__new__: no Python-level constructor
     metas, buffers, keepalive = _pack_tensors(tensors)
@@ -290,12 +335,16 @@ def encode_head(metas: Sequence[TensorMeta], extras: dict[str, Any] | None) -> b
     """The frame head: tensor metas and message extras (autograd ids, profiling, ...)."""
     if not metas and not extras:
         return b""
+    if _codec is not None:
+        return _codec.encode_head(metas, extras)
     return pickle.dumps((metas, extras or None), pickle.HIGHEST_PROTOCOL)
 
 
 def decode_head(head: bytes) -> tuple[Sequence[TensorMeta], dict[str, Any] | None]:
     if not head:
         return (), None
+    if _codec is not None:
+        return _codec.decode_head(head)
     decoded: tuple[Sequence[TensorMeta], dict[str, Any] | None] = pickle.loads(head)
     return decoded
 
@@ -355,6 +404,13 @@ def unpickle_body(
     prev = getattr(_tls, "tensors", None), getattr(_tls, "waits", None), getattr(_tls, "notes", None)
     _tls.tensors, _tls.waits, _tls.notes = tensors, waits, notes
     try:
+        if _codec is not None:
+            return _codec.loads(body, tensors)
+        if body[:2] == SAFE_MAGIC:
+            raise ProtocolError(
+                "a message is in the safe serializer's format (the sender uses serializer='safe') but this "
+                "worker uses 'pickle': give every worker of the group the same RpcBackendOptions(serializer=...)"
+            )
         return pickle.loads(body)
     finally:
         _tls.tensors, _tls.waits, _tls.notes = prev

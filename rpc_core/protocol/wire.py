@@ -32,9 +32,12 @@ Frame (little endian):
     kind(u8) flags(u8) nbuf(u16) head_len(u32) body_len(u64) msg_id(u64)    = FRAME_HEADER, 24 bytes
     nbuf x buffer_len(u64)
     [REMOTE table]          only if flags has REMOTE: token(u64) nbuf x addr(u64)
-    head   head_len bytes   pickle of (tensor metas, extras) or empty (metas: serialization.TensorMeta)
-    body   body_len bytes   pickle of the message object; tensors inside it are references
-                            into the tensor metas
+    head   head_len bytes   (tensor metas, extras) or empty (metas: serialization.TensorMeta)
+    body   body_len bytes   the message object; tensors inside it are references into the
+                            tensor metas. Head and body are pickles, or under
+                            RpcBackendOptions(serializer="safe") rpc_core's own encoding
+                            (safe_encoding; starts with 0xA7 'S'). Rendezvous messages and
+                            the identity frame are always in the latter.
     buffers                 raw bytes of tensor storages, back to back (out of band: they
                             never pass through pickle and land straight in tensor memory);
                             a buffer whose REMOTE addr is not 0 is absent from the stream:
@@ -72,7 +75,9 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 MAGIC = b"RPCc"
-VERSION = 3  # 2: cross-memory attach step, REMOTE flag, RELEASE kind; 3: tensor metas as plain tuples
+# 2: cross-memory attach step, REMOTE flag, RELEASE kind; 3: tensor metas as plain tuples;
+# 4: rendezvous messages and identity frames in the safe encoding (no pickle)
+VERSION = 4
 NONCE_LEN = 32
 MAC_LEN = 32
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..agent import agent as _agent_mod
-from ..protocol import wire
+from ..protocol import allowlist, wire
 from ..protocol.serialization import defer_until, note_for_reply, register_reducer
 from .handle import RRef
 from .release import start_release_thread, track
@@ -66,6 +66,9 @@ def _from_fork(owner: int, rref_id: Id, fork_id: Id, parent: int) -> RRef[Any]:
     done = confirmed.then(on_confirmed)
     defer_until(done)  # the receiving user function waits for this
     return rref
+
+
+allowlist.internal(_from_fork)  # what a sent RRef rebuilds through (serializer='safe')
 
 
 def on_request_failed(extras: dict[str, Any], error: BaseException) -> None:

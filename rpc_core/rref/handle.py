@@ -20,7 +20,7 @@ from ..agent.worlds import WorkerInfo
 from ..autograd.engine import backward as _dist_backward
 from ..errors import RpcError, RpcTimeoutError
 from ..options import UNSET_RPC_TIMEOUT
-from ..protocol import wire
+from ..protocol import allowlist, wire
 from .release import collect, delete_after_creation, drop_owner_handle
 from .state import Id, _ctx, _on_create, _on_fetch, _on_invoke, _on_type, check_attribute, fmt, new_id
 
@@ -381,3 +381,6 @@ def _backward(rref: RRef[Any], context_id: int, retain_graph: bool) -> None:
 
 def _backward_on_owner(rref: RRef[Any], context_id: int, retain_graph: bool) -> None:
     _backward(rref, context_id, retain_graph)
+
+
+allowlist.internal(_backward_on_owner)  # called by name on the owner (serializer='safe')

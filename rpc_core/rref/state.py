@@ -23,8 +23,9 @@ import torch
 from ..agent import agent as _agent_mod
 from ..agent import futures as _futures
 from ..agent.dispatch import log_call_error
-from ..errors import RpcError, not_a_future
+from ..errors import NotAllowedError, RpcError, not_a_future
 from ..functions import async_execution
+from ..protocol import allowlist, serialization
 
 Id = tuple[int, int]  # GloballyUniqueId(created_on, local_id)
 
@@ -316,8 +317,18 @@ def check_attribute(rref_type: type, name: str) -> None:
         ) from None
 
 
+# The dunder methods RRef proxies may call under serializer="safe" (others reach the object's
+# internals: __setattr__, __reduce_ex__, __getattribute__ ...).
+_SAFE_DUNDERS = frozenset({"__call__", "__getitem__", "__len__", "__contains__"})
+
+
 def _call_method(obj: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.futures.Future[Any]:
     check_attribute(type(obj), name)  # the caller checked too if it knew the type
+    if name.startswith("_") and name not in _SAFE_DUNDERS and serialization.codec_name() == "safe":
+        raise NotAllowedError(
+            f"an RRef proxy call of {type(obj).__qualname__}.{name}: under serializer='safe' proxies call "
+            f"public methods (and {', '.join(sorted(_SAFE_DUNDERS))}) only; wrap it in an allowed function"
+        )
     method = getattr(obj, name)
     if getattr(method, "_wrapped_async_rpc_function", None) is not None:
         fut: torch.futures.Future[Any] = method(*args, **kwargs)
@@ -325,3 +336,9 @@ def _call_method(obj: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, A
     f: torch.futures.Future[Any] = torch.futures.Future()
     f.set_result(method(*args, **kwargs))
     return f
+
+
+# The owner's handlers other workers call (under serializer="safe", by name: allowlist).
+allowlist.internal(
+    _on_create, _on_fetch, _on_type, _on_fork, _on_child_accept, _on_user_delete, _on_user_deletes, _on_invoke
+)

@@ -5,6 +5,7 @@ import math
 import re
 
 import pytest
+import torch
 from tensorboard.plugins.hparams import plugin_data_pb2
 
 from tests.ps_train._app import final_weights, hparams_plugin, read_json, run_app, scalars
@@ -158,3 +159,14 @@ def test_checkpoint_final_false_skips_only_the_checkpoint_after_the_last_step(tm
     metrics = run_app(tmp_path, "train.steps=5", "checkpoint.every=2", "checkpoint.keep=0", "checkpoint.final=false")
     check_metrics(metrics, steps=5)
     assert [c.name for c in list_checkpoints(tmp_path)] == ["step_000000002", "step_000000004"]
+
+
+@pytest.mark.timeout(180)
+def test_the_safe_serializer_trains_exactly_what_pickle_trains(tmp_path):
+    # Sync mode is bit-reproducible: the serializer must change nothing but the bytes on the wire.
+    pickled = run_app(tmp_path / "pickle", "train.steps=6", "checkpoint.every=3")
+    safe = run_app(tmp_path / "safe", "train.steps=6", "checkpoint.every=3", "cluster.serializer=safe")
+    check_metrics(safe, steps=6)
+    assert safe["losses"] == pickled["losses"] and safe["test_accuracy"] == pickled["test_accuracy"]
+    a, b = final_weights(tmp_path / "pickle"), final_weights(tmp_path / "safe")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -226,6 +226,15 @@ def test_python_defaults_are_valid_and_serialisable():
         validate(dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, num_trainers=0)))
 
 
+def test_cluster_serializer_is_checked_before_any_process_starts():
+    cfg = from_dictconfig(compose_cfg("cluster.serializer=safe"))
+    assert validate(cfg).cluster.serializer == "safe"
+    with pytest.raises(ConfigError, match=r"cluster.serializer: unknown 'json'; choose one of \['pickle', 'safe'\]"):
+        validate(from_dictconfig(compose_cfg("cluster.serializer=json")))
+    with pytest.raises(ConfigError, match="cluster.serializer=safe needs backend=rpc_core"):
+        validate(from_dictconfig(compose_cfg("cluster.serializer=safe", "backend=torch")))
+
+
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_optimizer_spec_builds_every_optimizer(name):
     cfg = from_dictconfig(compose_cfg(f"optim.name={name}", "optim.momentum=0.0"))

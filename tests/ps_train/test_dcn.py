@@ -238,6 +238,7 @@ def test_preset_dlrmv2_has_the_reference_shape() -> None:
     assert sum(d.max_bag_sizes()) == 214
     assert (m.embedding_dim, m.interaction, m.dcn_layers, m.dcn_rank) == (128, "dcn", 3, 512)
     assert (m.table_optim, cfg.optim.name, cfg.train.batch_size) == ("rowwise_adagrad", "adagrad", 512)
+    assert (m.lazy_rows, m.table_memory_budget, m.table_dtype) == (True, "1GB", "float16")
     bottom, top = model_shards(cfg)
     linears = [mod for mod in top.module.modules() if isinstance(mod, nn.Linear)]
     assert [lin.out_features for lin in linears] == [1024, 1024, 512, 256, 1]
@@ -271,9 +272,9 @@ def test_synthetic_ids_cover_40m_rows_with_per_table_skew_in_memory_independent_
 
 @pytest.mark.timeout(300)
 def test_preset_dlrmv2_trains_with_its_dense_shape_and_scaled_down_tables(tmp_path: Path) -> None:
-    # The preset as it is (dense layers, cross layers of rank 512, bags of 214 ids, optimizers)
-    # with every table at most 1,000 rows and small batches: what fits a test. At full size
-    # each server would allocate 52 GB of rows at start (docs/ctr.md).
+    # The preset as it is (dense layers, cross layers of rank 512, bags of 214 ids, optimizers,
+    # lazy float16 rows under a RAM budget) with every table at most 1,000 rows and small
+    # batches: what fits a test.
     data = make_cfg("preset=dlrmv2").data
     assert isinstance(data, CtrDataConfig)
     sizes = [min(n, 1000) for n in data.sizes()]

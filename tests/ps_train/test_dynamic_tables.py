@@ -27,6 +27,8 @@ from ps_train.workloads.ctr.data import CtrSplit
 from ps_train.workloads.ctr.data.loading import load_ctr_data
 from ps_train.workloads.ctr.model import DLRM
 from ps_train.workloads.ctr.tables.dynamic import DynamicSpec, DynamicTable
+from ps_train.workloads.ctr.tables.dynamic_storage import DynamicStorage
+from ps_train.workloads.ctr.tables.fused_storage import FusedStorage
 from ps_train.workloads.ctr.tables.rows import FusedLayout, dynamic_init_rows, dynamic_owner
 from ps_train.workloads.ctr.tables.service import TableServer
 from tests.ps_train._app import make_cfg, run_app, scalars
@@ -83,6 +85,12 @@ def oracle(
     with monkeypatch.context() as m:
         m.setattr(DLRM, "__init__", init)
         return reference_run(cfg, steps)
+
+
+def fused(server: TableServer) -> tuple[DynamicStorage, FusedStorage]:
+    """A server's dynamic storage and the fused storage under it."""
+    assert isinstance(server.storage, DynamicStorage) and isinstance(server.storage.inner, FusedStorage)
+    return server.storage, server.storage.inner
 
 
 def table_server(*overrides: str) -> tuple[TableServer, Config, DLRMConfig]:
@@ -230,50 +238,51 @@ def test_admission_and_eviction_follow_the_policy(spec: DynamicSpec) -> None:
 @pytest.mark.filterwarnings("ignore:Sparse invariant checks")
 def test_a_reused_slot_starts_with_the_new_ids_row_and_fresh_optimizer_state() -> None:
     server, cfg, model = table_server("model.table_optim=adagrad", tables(40))
-    base = server.shards.row_offsets[1]
+    dyn, storage = fused(server)
+    base = storage.shards.row_offsets[1]
     marker = torch.tensor([-2])  # table 1's marker row
     none = torch.zeros(0, dtype=torch.int64)
 
     def train(step: int, x: int) -> int:
         out = server.lookup(marker, none, None, torch.tensor([x]), step)
         out.sum().backward()
-        grad = server.shards.weight.grad
+        grad = storage.shards.weight.grad
         assert grad is not None
-        server.step({server.shards.weight: grad})
-        server.shards.weight.grad = None
-        return int(server.dynamic[1].slots[x])
+        server.step({storage.shards.weight: grad})
+        storage.shards.weight.grad = None
+        return int(dyn.dynamic[1].slots[x])
 
     first = train(1, 1000)
-    assert float(server.optimizer.row_state()["sum.0"][base + first].sum()) > 0
+    assert float(storage.optimizer.row_state()["sum.0"][base + first].sum()) > 0
     for step in range(2, 10):  # 9 rows held, 31 slots free: the next step keeps 32 free
         train(step, step)
     reused = train(10, 2000)  # so id 1000, used least recently, gives its slot up
-    assert 1000 not in server.dynamic[1].slots and reused == first
+    assert 1000 not in dyn.dynamic[1].slots and reused == first
     lr = model.table_lr or cfg.optim.lr
     want = dynamic_init_rows(cfg.seed, 1, 300, 4, torch.tensor([2000]))[0]
     # One Adagrad step from fresh state: the sum is that step's squared gradient (1) alone.
-    torch.testing.assert_close(server.optimizer.row_state()["sum.0"][base + reused], torch.ones(4))
-    torch.testing.assert_close(server.shards.weight.detach()[base + reused], want - lr / (1 + 1e-10))
+    torch.testing.assert_close(storage.optimizer.row_state()["sum.0"][base + reused], torch.ones(4))
+    torch.testing.assert_close(storage.shards.weight.detach()[base + reused], want - lr / (1 + 1e-10))
     # Evaluation reads zeros for an id without a row, and creates none.
     assert torch.equal(server.read(marker, none, None, torch.tensor([123456])), torch.zeros(1, 4))
-    assert 123456 not in server.dynamic[1].slots
+    assert 123456 not in dyn.dynamic[1].slots
 
 
 @pytest.mark.filterwarnings("ignore:Sparse invariant checks")
 def test_ids_not_admitted_yet_read_zeros_and_their_gradients_are_dropped() -> None:
     server, _, _ = table_server(tables(40, admit_after=2))
+    dyn, storage = fused(server)
     marker, none = torch.tensor([-2, -2]), torch.zeros(0, dtype=torch.int64)
-    default = server.default_row
-    assert default is not None
+    default = dyn.default_row
     for step, seen in ((1, False), (2, True)):  # the second batch with id 7 admits it
         out = server.lookup(marker, none, None, torch.tensor([7, 7]), step)
         assert bool((out != 0).any()) == seen
         out.sum().backward()
-        grad = server.shards.weight.grad
+        grad = storage.shards.weight.grad
         assert grad is not None
-        server.step({server.shards.weight: grad})
-        server.shards.weight.grad = None
-        assert torch.equal(server.shards.weight.detach()[default], torch.zeros(4))
+        server.step({storage.shards.weight: grad})
+        storage.shards.weight.grad = None
+        assert torch.equal(storage.shards.weight.detach()[default], torch.zeros(4))
         assert server.rows_updated == (1 if seen else 0)
     assert server.dynamic_counts().created == 1
 

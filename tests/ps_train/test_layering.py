@@ -73,9 +73,10 @@ def import_graph() -> dict[str, set[str]]:
 # Each workload (a sub-package of ps_train.workloads) is a unit of its own, as a sub-package
 # of ps_train is: the workloads sit on one floor, above the roles, and never import each other.
 WORKLOADS = "ps_train.workloads"
-# The command lines: a run's entry points, and `python -m ps_train.prepare`, which converts a
-# workload's raw data before any run.
-CLIS = ENTRY_POINTS | {"ps_train.prepare"}
+# Above the workloads: a run's entry points, `python -m ps_train.prepare` (converts a
+# workload's raw data before any run), and the planner with its cost model (`python -m
+# ps_train.plan` prices each built-in workload's shapes). Nothing a run starts imports them.
+ABOVE_WORKLOADS = ("ps_train.app", "ps_train.__main__", "ps_train.prepare", "ps_train.plan", "ps_train.scaling")
 
 
 def package_of(module: str, modules: dict[str, Path]) -> str:
@@ -180,7 +181,7 @@ def test_the_machinery_imports_no_workload():
     importers = sorted(
         f"{m} -> {t}"
         for m, targets in graph.items()
-        if not _within(WORKLOADS, m) and m not in CLIS
+        if not _within(WORKLOADS, m) and not any(_within(t, m) for t in ABOVE_WORKLOADS)
         for t in targets
         if _within(WORKLOADS, t) and t != WORKLOADS
     )
@@ -194,3 +195,16 @@ def test_workloads_do_not_import_each_other():
     assert {"ps_train.workloads.ctr", "ps_train.workloads.vision"} <= set(workloads)
     crossing = sorted(f"{a} -> {b}" for a in workloads for b in graph[a] if b in workloads and b != a)
     assert not crossing, f"workloads import each other (share code below them instead): {crossing}"
+
+
+def test_nothing_a_run_starts_imports_the_planner():
+    graph = import_graph()
+    tools = ("ps_train.plan", "ps_train.scaling")
+    importers = sorted(
+        f"{m} -> {t}"
+        for m, targets in graph.items()
+        if not any(_within(p, m) for p in tools)
+        for t in targets
+        if any(_within(p, t) for p in tools)
+    )
+    assert not importers, f"the planner sits above the workloads; these import it: {importers}"

@@ -126,10 +126,12 @@ def test_wheel_installs_into_a_fresh_venv_and_runs_from_another_directory(tmp_pa
     composes = _start(
         [py, "-s", "-m", "ps_train", "--cfg", "job", "model=cnn", "cluster.num_servers=3"], cwd=work, env=env
     )
+    # The plan reads the calibration shipped as package data (ps_train/scaling/calibration.json).
+    plans = _start([py, "-s", "-m", "ps_train.plan", "model=cnn", "cluster.num_trainers=8"], cwd=work, env=env)
     try:
-        r, job = _finish(imports), _finish(composes)
+        r, job, plan = _finish(imports), _finish(composes), _finish(plans)
     finally:
-        for proc in (imports, composes):
+        for proc in (imports, composes, plans):
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
@@ -150,3 +152,4 @@ def test_wheel_installs_into_a_fresh_venv_and_runs_from_another_directory(tmp_pa
     assert cfg["cluster"]["num_servers"] == 3 and cfg["cluster"]["launcher"] == "local"
     assert cfg["mode"]["name"] == "sync" and cfg["optim"]["name"] == "sgd"
     assert not (work / "runs").exists()
+    assert "predicted samples/s:" in plan.stdout and "stated error:" in plan.stdout

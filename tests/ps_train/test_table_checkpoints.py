@@ -25,7 +25,9 @@ from ps_train.checkpoint.protocol import load_resume_state
 from ps_train.checkpoint.rows_file import RowChunk, RowsFileError, load_rows, write_rows_file
 from ps_train.config import ConfigError, CtrDataConfig, DLRMConfig
 from ps_train.faults import FAULT_ENV
-from ps_train.workloads.ctr.tables.service import TableServer, TableSnapshot
+from ps_train.workloads.ctr.tables.fused_storage import FusedStorage
+from ps_train.workloads.ctr.tables.service import TableServer
+from ps_train.workloads.ctr.tables.snapshot import TableSnapshot
 from tests.ps_train._app import make_cfg, run_app, saved_tables
 
 SIZES = [5000, 7000, 300]  # 12,300 rows on one server: 4 blocks of 4,096
@@ -45,14 +47,19 @@ def _server(optim: str) -> TableServer:
     return TableServer(cfg.model, cfg.data, cfg, rank=0)
 
 
+def _fused(ts: TableServer) -> FusedStorage:
+    assert isinstance(ts.storage, FusedStorage)
+    return ts.storage
+
+
 def _step(ts: TableServer, g: torch.Generator, hot: bool) -> None:
     """One update of ~60 rows: mostly the first rows of the storage (Zipf-like), some anywhere."""
-    n = ts.shards.weight.shape[0]
+    n = _fused(ts).shards.weight.shape[0]
     anywhere = torch.randint(0, n, (0 if hot else 20,), generator=g)
     rows = torch.cat([torch.randint(0, 50, (40,), generator=g), anywhere])
     values = torch.randn(len(rows), 4, generator=g)
     grad = torch.sparse_coo_tensor(rows.unsqueeze(0), values, (n, 4), check_invariants=True)
-    ts.step({ts.shards.weight: grad})
+    ts.step({_fused(ts).shards.weight: grad})
 
 
 def _write_while_training(ts: TableServer, snap: TableSnapshot, path: Path, g: torch.Generator, hot: bool) -> None:
@@ -71,7 +78,7 @@ def _write_while_training(ts: TableServer, snap: TableSnapshot, path: Path, g: t
 
 
 def _columns(ts: TableServer) -> dict[str, torch.Tensor]:
-    return {k: v.clone() for k, v in ts.columns().items()}
+    return {k: v.clone() for k, v in _fused(ts).columns().items()}
 
 
 @pytest.mark.parametrize("optim", ["adagrad", "rowwise_adagrad", "sparse_adam", "sgd"])
@@ -80,11 +87,11 @@ def test_a_snapshot_written_while_updates_go_on_holds_the_rows_of_its_moment(tmp
     for _ in range(5):
         _step(ts, g, hot=False)
     full = ts.begin_snapshot("step_000000005", base=None)
-    assert not full.differential and full.rows.rows == ts.shards.weight.shape[0]
+    assert not full.differential and full.rows.rows == _fused(ts).shards.weight.shape[0]
     at_full = _columns(ts)
     _write_while_training(ts, full, tmp_path / "full.rows", g, hot=True)
     assert full.rows.rows_copied_aside == 0  # the hot block was written first, before any update
-    assert not torch.equal(ts.shards.weight.detach(), at_full["weight"])  # training went on
+    assert not torch.equal(_fused(ts).shards.weight.detach(), at_full["weight"])  # training went on
     restored = load_rows([tmp_path / "full.rows"])
     assert restored.keys() == at_full.keys()
     for k in at_full:
@@ -92,9 +99,9 @@ def test_a_snapshot_written_while_updates_go_on_holds_the_rows_of_its_moment(tmp
 
     for _ in range(4):
         _step(ts, g, hot=False)
-    changed = int(ts.changed.sum())
+    changed = int(_fused(ts).changed.sum())
     diff = ts.begin_snapshot("step_000000010", base="step_000000005")
-    assert diff.differential and diff.rows.rows == changed < ts.shards.weight.shape[0] // 10
+    assert diff.differential and diff.rows.rows == changed < _fused(ts).shards.weight.shape[0] // 10
     at_diff = _columns(ts)
     _write_while_training(ts, diff, tmp_path / "diff.rows", g, hot=False)
     assert diff.rows.rows_copied_aside > 0  # updates met rows not yet written: copied aside

@@ -7,7 +7,6 @@ its sections the worker's concerns."""
 
 import logging
 import os
-import pickle
 import resource
 import signal
 import socket
@@ -22,6 +21,7 @@ from rpc_core import WorkerUnavailableError, transport
 from rpc_core.agent import agent as agent_mod
 from rpc_core.errors import AuthenticationError
 from rpc_core.protocol import wire
+from rpc_core.protocol.safe_encoding import dumps_plain
 from rpc_core.transport import unix
 from tests._world import run_world, stop_process
 
@@ -322,7 +322,7 @@ def test_wrong_secret_is_rejected_clearly_while_the_worker_keeps_serving():
 
 def _identity_frame(identity):
     """The first frame of a connection: which rank is calling."""
-    body = pickle.dumps(identity)
+    body = dumps_plain(identity)
     return wire.pack_header(wire.REQUEST, wire.CONTROL, 0, len(body), 0, []) + body
 
 

@@ -4,7 +4,6 @@ or stays silent cannot keep a connection, or a worker's capacity to accept, fore
 
 import logging
 import os
-import pickle
 import socket
 import threading
 import time
@@ -14,6 +13,7 @@ import pytest
 import rpc_core
 from rpc_core import transport
 from rpc_core.protocol import wire
+from rpc_core.protocol.safe_encoding import dumps_plain
 from rpc_core.transport import handshake
 from tests._world import run_world
 
@@ -118,7 +118,7 @@ def _body_trickle(ctx, deadline):
         unauthenticated = _trickle(s, proof[:-1], 0.3, deadline + 4)
     # A client that knows the secret, but trickles its identity frame.
     with transport.TCP.dial(address, ctx.secret.encode(), timeout=IO_TIMEOUT).sock as s:
-        body = pickle.dumps(0)  # the identity of rank 0
+        body = dumps_plain(0)  # the identity of rank 0
         frame = wire.pack_header(wire.REQUEST, wire.CONTROL, 0, len(body), 0, []) + body
         identity = _trickle(s, frame[:-1], 0.3, deadline + 4)
     assert rpc_core.rpc_sync(1, _whoami) == "worker1"  # the worker still serves

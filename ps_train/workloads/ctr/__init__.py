@@ -55,10 +55,10 @@ def _check_data(data: DataConfig) -> int | None:
     return None
 
 
-def _table_service(cfg: Config, rank: int) -> Any:
+def _table_service(cfg: Config, rank: int, run_dir: str) -> Any:
     from ps_train.workloads.ctr.tables.service import make_table_server
 
-    return make_table_server(cfg, rank)
+    return make_table_server(cfg, rank, run_dir)
 
 
 CTR = register_workload(

@@ -35,7 +35,7 @@ from ps_train.workloads.ctr.data.loading import load_ctr_data
 from ps_train.workloads.ctr.metrics import ctr_metrics, format_ctr_metrics
 from ps_train.workloads.ctr.model import cross_spec, interaction
 from ps_train.workloads.ctr.tables.cache import CacheSplit, RowCache
-from ps_train.workloads.ctr.tables.plan import BagPlanner, combine
+from ps_train.workloads.ctr.tables.plan import BagPlan, BagPlanner, combine
 from ps_train.workloads.ctr.tables.rows import FusedLayout
 
 __all__ = ["CtrTrainer"]
@@ -83,13 +83,29 @@ class CtrTrainer(Trainer):
             if cfg.model.cache_rows > 0
             else None
         )
+        # A disk tier: the next batch's rows are named to the servers while this step's update
+        # runs (``upcoming``), and its plan is kept for that step.
+        self.prefetching = cfg.model.memory_budget_bytes() is not None
+        self._planned: tuple[CtrBatch, BagPlan] | None = None
         self.rows_pulled = 0  # vectors looked up for training (distinct rows, partial bags), all servers and steps
         self.rows_pushed = 0  # vectors whose gradient went back
 
     # -- one step ---------------------------------------------------------------------------------
+    def upcoming(self, batch: CtrBatch) -> None:
+        if not self.prefetching:
+            return
+        plan = self.planner.plan(to_bags(batch[1], self.feature_names))
+        self._planned = (batch, plan)
+        for s in range(len(self.servers)):  # one-way: never waited for, a lookup needs none of it
+            self.rpc.rpc_async(f"ps{s}", _prefetch, args=(plan.requests[s].rows,))
+
     def step_loss(self, batch: CtrBatch) -> tuple[Tensor, dict[str, float]]:
         dense, ids, labels = batch
-        plan = self.planner.plan(to_bags(ids, self.feature_names))
+        planned, self._planned = self._planned, None
+        if planned is not None and planned[0] is batch:
+            plan = planned[1]
+        else:
+            plan = self.planner.plan(to_bags(ids, self.feature_names))
         requests = plan.requests
         splits: list[CacheSplit] = []
         if self.cache is not None:  # cached rows are not asked for
@@ -188,6 +204,12 @@ class CtrTrainer(Trainer):
                 for key in ("live", "created", "evicted", "admitted")
                 if all(f"dynamic_rows_{key}" in s for s in server_stats)
             },
+            # Lazy and tiered tables: each server's rows in RAM, hit rate, rows evicted, read back, bytes written.
+            **(
+                {"tier": {f"ps{r}": s["tier"] for r, s in enumerate(server_stats)}}
+                if all("tier" in s for s in server_stats)
+                else {}
+            ),
             # Each trainer's own loop time: in sync mode the trainer that started last never
             # waits in its loop for the others' start-up (loading data), the others may.
             "trainer_wall_time_s": {f"trainer{k}": s["wall_time_s"] for k, s in enumerate(all_stats)},
@@ -207,6 +229,13 @@ def _lookup(
     from ps_train.roles.server import local_server
 
     return local_server().lookup(rows, offsets, weights, trainer, step, ids)
+
+
+def _prefetch(rows: Tensor) -> None:
+    """Runs on a server: a trainer's next request names ``rows`` (``ParameterServer.prefetch_rows``)."""
+    from ps_train.roles.server import local_server
+
+    local_server().prefetch_rows(rows)
 
 
 def _push_gradients(context_id: int, rows: Tensor, grad: Tensor) -> None:

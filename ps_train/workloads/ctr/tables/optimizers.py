@@ -30,7 +30,7 @@ import functools
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -44,6 +44,7 @@ __all__ = [
     "TableOptimizer",
     "TorchTableOptimizer",
     "RowsOptimizer",
+    "RowTarget",
     "RowsSGD",
     "RowsAdagrad",
     "RowWiseAdagrad",
@@ -172,6 +173,16 @@ class TorchTableOptimizer(TableOptimizer):
         self.optimizer.load_state_dict(state)
 
 
+class RowTarget(Protocol):
+    """What a rows optimizer reads and writes rows through: a table tensor [rows, dim], or a
+    storage's stand-in for one (``ps_train.workloads.ctr.tables.half_rows.HalfRows``: float32 rows out,
+    rounded half-precision rows back)."""
+
+    def index_select(self, dim: int, index: Tensor) -> Tensor: ...
+
+    def index_add_(self, dim: int, index: Tensor, source: Tensor, *, alpha: float = 1) -> Any: ...
+
+
 class RowsOptimizer(TableOptimizer):
     """An optimizer that reads and writes only the rows a gradient names, with index ops:
     subclasses implement ``_update`` for one table's unique rows and their gradients."""
@@ -200,7 +211,19 @@ class RowsOptimizer(TableOptimizer):
                     grad = grad.coalesce()  # one entry per row: duplicates summed
                 self._update(t, table.detach(), grad.indices()[0], grad.values(), self.lr * lr_factor)
 
-    def _update(self, t: int, weight: Tensor, rows: Tensor, grad: Tensor, lr: float) -> None:
+    def step_rows(self, target: RowTarget, rows: Tensor, grad: Tensor, lr_factor: float = 1.0) -> None:
+        """One step of table 0 through ``target`` (its rows ``rows``, int64 [U] unique, in
+        any order; ``grad`` [U, dim] their summed gradients): for a storage that keeps rows
+        in its own places (``ps_train.workloads.ctr.tables.tiered_storage``), the per-row state aligned with
+        those places (``resize_rows``)."""
+        self.steps += 1
+        with torch.no_grad():
+            self._update(0, target, rows, grad, self.lr * lr_factor)
+
+    def resize_rows(self, rows: int) -> None:
+        """Make every per-row state tensor of table 0 ``rows`` rows long (new rows zero)."""
+
+    def _update(self, t: int, weight: RowTarget, rows: Tensor, grad: Tensor, lr: float) -> None:
         """Table ``t`` (``weight`` [rows_t, dim]): update its unique ``rows`` (int64 [U],
         ascending) by their summed gradients ``grad`` [U, dim] at rate ``lr``."""
         raise NotImplementedError
@@ -227,7 +250,7 @@ class RowsOptimizer(TableOptimizer):
 class RowsSGD(RowsOptimizer):
     """Plain SGD, ``w[rows] -= lr * g``: torch's SGD on a sparse gradient, bit for bit."""
 
-    def _update(self, t: int, weight: Tensor, rows: Tensor, grad: Tensor, lr: float) -> None:
+    def _update(self, t: int, weight: RowTarget, rows: Tensor, grad: Tensor, lr: float) -> None:
         weight.index_add_(0, rows, grad, alpha=-lr)
 
 
@@ -247,6 +270,13 @@ class _SummedRowsOptimizer(RowsOptimizer):
         self._load_tensors(state, "sum", self.sums)
         super().load_state_dict(state)
 
+    def resize_rows(self, rows: int) -> None:
+        s = self.sums[0]
+        if rows > s.shape[0]:
+            self.sums[0] = torch.cat([s, s.new_zeros(rows - s.shape[0], *s.shape[1:])])
+        else:
+            self.sums[0] = s[:rows].clone()
+
 
 class RowsAdagrad(_SummedRowsOptimizer):
     """torch's Adagrad on sparse gradients (no lr decay or weight decay, accumulators from
@@ -258,7 +288,7 @@ class RowsAdagrad(_SummedRowsOptimizer):
         self.eps = eps
         self.sums = [torch.zeros_like(p, memory_format=torch.contiguous_format).detach() for p in self.tables]
 
-    def _update(self, t: int, weight: Tensor, rows: Tensor, grad: Tensor, lr: float) -> None:
+    def _update(self, t: int, weight: RowTarget, rows: Tensor, grad: Tensor, lr: float) -> None:
         total = self.sums[t].index_select(0, rows).add_(grad.pow(2))  # [U, dim]
         self.sums[t].index_copy_(0, rows, total)
         weight.index_add_(0, rows, grad / total.sqrt_().add_(self.eps), alpha=-lr)
@@ -282,7 +312,7 @@ class RowWiseAdagrad(_SummedRowsOptimizer):
         self.eps, self.weight_decay = eps, weight_decay
         self.sums = [torch.zeros(p.shape[0], dtype=p.dtype) for p in self.tables]  # [rows_t]
 
-    def _update(self, t: int, weight: Tensor, rows: Tensor, grad: Tensor, lr: float) -> None:
+    def _update(self, t: int, weight: RowTarget, rows: Tensor, grad: Tensor, lr: float) -> None:
         if self.weight_decay:
             grad = grad + self.weight_decay * weight.index_select(0, rows)
         total = self.sums[t].index_select(0, rows).add_(grad.pow(2).mean(dim=1))  # [U]

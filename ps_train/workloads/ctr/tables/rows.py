@@ -8,10 +8,11 @@ A table of ``num_rows`` rows is split across ``S`` servers by rows, one of two w
 - ``mod``: server ``s`` owns the rows ``id % S == s``. Local row = ``id // S``. Hot ids
   (power-law traffic) spread evenly over the servers, whatever their numbering.
 
-A table's values do not depend on ``S``: row ``r`` is drawn from a generator seeded by
-``(seed, table, r // INIT_BLOCK)``, so a server builds its shard block by block (seconds for
-gigabytes, never the whole table at once) and the same seed gives the same table for any
-number of servers.
+A table's values do not depend on ``S``: row ``r``'s initial value is a hash of ``(seed,
+table, r, column)`` (``init_rows``), so a server builds its shard block by block of
+``INIT_BLOCK`` rows (seconds for gigabytes, never the whole table at once), a lazy storage
+creates a row when first touched with the same value, and the same seed gives the same
+table for any number of servers.
 
 A server keeps its rows of every table in one storage (``FusedLayout``), so one gather
 serves a step's lookup of all tables; ``ps_train.workloads.ctr.tables.plan`` is how a trainer asks for them.
@@ -35,8 +36,8 @@ from torch import Tensor
 
 __all__ = ["INIT_BLOCK", "RowSharding", "FusedLayout", "init_rows", "dynamic_owner", "dynamic_init_rows"]
 
-# Rows drawn per seeded generator when a table is built: small enough that building a
-# shard never holds much more than the shard, large enough that seeding costs nothing.
+# Rows initialised at a time when a table is built eagerly: building a shard never holds
+# much more than the shard.
 INIT_BLOCK = 1 << 16
 SHARDING_KINDS = ("range", "mod")
 
@@ -79,6 +80,12 @@ class RowSharding:
             return max(0, min(self.num_rows, (server + 1) * self._per) - server * self._per)
         return (self.num_rows - server + self.num_servers - 1) // self.num_servers
 
+    def global_of(self, server: int, local: Tensor) -> Tensor:
+        """Global ids of ``server``'s local rows ``local`` (int64, any shape)."""
+        if self.kind == "range":
+            return local + server * self._per
+        return local * self.num_servers + server
+
     def global_ids(self, server: int, start: int = 0, stop: int | None = None) -> Tensor:
         """Global ids of ``server``'s local rows ``start:stop`` (int64 [stop - start])."""
         stop = self.rows_of(server) if stop is None else stop
@@ -89,34 +96,11 @@ class RowSharding:
 
 
 def init_rows(seed: int, table: int, num_rows: int, dim: int, ids: Tensor) -> Tensor:
-    """The initial values of rows ``ids`` (sorted ascending) of table ``table``: float32
-    [len(ids), dim], uniform in +-sqrt(1 / num_rows) (DLRM's rule). Generated block by block
-    of ``INIT_BLOCK`` rows, each block from its own seeded generator, so a row's value
-    depends on (seed, table, row) only."""
-    bound = math.sqrt(1.0 / num_rows)
-    out = torch.empty(len(ids), dim, dtype=torch.float32)
-    if len(ids) == 0:
-        return out
-    blocks = torch.div(ids, INIT_BLOCK, rounding_mode="floor")
-    g = torch.Generator()
-    # ids are sorted, so each block's rows are one contiguous run of ``out``.
-    starts = torch.searchsorted(blocks, torch.unique_consecutive(blocks))
-    bounds = starts.tolist() + [len(ids)]
-    for i, block in enumerate(torch.unique_consecutive(blocks).tolist()):
-        lo, hi = bounds[i], bounds[i + 1]
-        g.manual_seed(_block_seed(seed, table, block))
-        first = block * INIT_BLOCK
-        n = min(INIT_BLOCK, num_rows - first)
-        values = torch.rand(n, dim, generator=g)  # [n, dim] in [0, 1)
-        out[lo:hi] = values[ids[lo:hi] - first]
-    return out.mul_(2 * bound).sub_(bound)
-
-
-def _block_seed(seed: int, table: int, block: int) -> int:
-    # A fixed mix of the three (no Python hash(): it is salted per process for strings and
-    # must give the same value on every server).
-    x = (seed * 0x9E3779B97F4A7C15 + table * 0xBF58476D1CE4E5B9 + block * 0x94D049BB133111EB) & ((1 << 63) - 1)
-    return x
+    """The initial values of rows ``ids`` (int64 [n], any order) of table ``table``: float32
+    [n, dim], uniform in +-sqrt(1 / num_rows) (DLRM's rule). Value (i, j) is a hash of (seed,
+    table, ids[i], j), so a row's value depends on (seed, table, row) only: not on the
+    server, the storage tier, or when or in which order rows are created."""
+    return _hashed_uniform(seed, table, _FIXED_SALT, num_rows, dim, ids)
 
 
 _U64 = (1 << 64) - 1
@@ -147,8 +131,19 @@ def dynamic_init_rows(seed: int, table: int, num_embeddings: int, dim: int, ids:
     table ``table``: float32 [n, dim], uniform in +-sqrt(1 / num_embeddings) (DLRM's rule).
     Value (i, j) is a hash of (seed, table, ids[i], j): the same id gets the same row whatever
     the other ids, their order or the server."""
-    bound = math.sqrt(1.0 / num_embeddings)
-    key = _mix64(np.array([(seed * 0x9E3779B97F4A7C15 + table * 0xD1B54A32D192ED03) & _U64], dtype=np.uint64))
+    return _hashed_uniform(seed, table, 0, num_embeddings, dim, ids)
+
+
+_FIXED_SALT = 0x2545F4914F6CDD1D  # fixed tables' rows hash apart from a dynamic table's ids
+
+
+def _hashed_uniform(seed: int, table: int, salt: int, num_rows: int, dim: int, ids: Tensor) -> Tensor:
+    """float32 [n, dim] uniform in +-sqrt(1 / num_rows), value (i, j) a hash of (seed, table,
+    salt, ids[i], j)."""
+    bound = math.sqrt(1.0 / num_rows)
+    if len(ids) == 0:
+        return torch.empty(0, dim, dtype=torch.float32)
+    key = _mix64(np.array([(seed * 0x9E3779B97F4A7C15 + table * 0xD1B54A32D192ED03 + salt) & _U64], dtype=np.uint64))
     h = _mix64(_as_u64(ids) ^ key)  # [n]
     cols = (np.arange(1, dim + 1, dtype=np.uint64) * np.uint64(0xBF58476D1CE4E5B9)).reshape(1, dim)
     bits = _mix64(h.reshape(-1, 1) ^ cols) >> np.uint64(40)  # [n, dim]: 24 bits, exact in float32
@@ -192,3 +187,18 @@ class FusedLayout:
     def default_row(self, server: int) -> int | None:
         """The storage row ids without a row read (zeros; never updated), or None."""
         return self.row_offsets(server)[-1] if any(self.dynamic_rows) else None
+
+    def initial_rows(self, server: int, seed: int, dim: int, rows: Tensor) -> Tensor:
+        """The initial values of ``server``'s storage rows ``rows`` (int64 [n], any order):
+        float32 [n, dim], ``init_rows`` of each fixed table's rows; zeros for a dynamic
+        table's slots (they get their id's row when given out) and the default row."""
+        out = torch.zeros(len(rows), dim, dtype=torch.float32)
+        offsets = self.row_offsets(server)
+        table = torch.bucketize(rows, torch.tensor(offsets[1:]), right=True)  # [n]: each row's table
+        for t in torch.unique(table).tolist():
+            if t >= len(self.table_sizes) or self.is_dynamic(t):
+                continue
+            mine = table == t
+            ids = self.shardings()[t].global_of(server, rows[mine] - offsets[t])
+            out[mine] = init_rows(seed, t, self.table_sizes[t], dim, ids)
+        return out

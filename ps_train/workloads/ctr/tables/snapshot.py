@@ -28,13 +28,17 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from ps_train.checkpoint.rows_file import RowChunk
+from ps_train.checkpoint.files import ShardFile
+from ps_train.checkpoint.rows_file import RowChunk, RowsHeader, write_rows_file
 
-__all__ = ["BLOCK_ROWS", "RowSnapshot"]
+__all__ = ["BLOCK_ROWS", "RowSnapshot", "TableSnapshot"]
 
 BLOCK_ROWS = 4096  # rows the writer copies at a time: 1 MiB of dim-64 float32 rows
 
@@ -110,3 +114,35 @@ class RowSnapshot:
         with self._lock:
             aside, self._aside = self._aside, []
         yield from aside
+
+
+@dataclass
+class TableSnapshot:
+    """A checkpoint of a server's tables being written: ``differential`` (the rows changed
+    since checkpoint ``base``) or full; ``state`` goes into the server's ``.pt`` file, the
+    rows into ``ps<r>.rows`` (``write``)."""
+
+    name: str  # the checkpoint folder's name
+    base: str | None  # the checkpoint a differential one builds on
+    rows: RowSnapshot
+    header: RowsHeader
+    state: dict[str, Any]  # optimizer scalars, counters, the rows file's name
+
+    @property
+    def differential(self) -> bool:
+        return self.base is not None
+
+    @property
+    def row_count(self) -> int:
+        """Rows the file holds."""
+        return self.rows.rows
+
+    @property
+    def rows_copied_aside(self) -> int:
+        """Rows updates copied aside before the writer got to them, so far."""
+        return self.rows.rows_copied_aside
+
+    def write(self, ckpt_dir: str, shard_name: str) -> ShardFile:
+        file = f"{shard_name}.rows"
+        size, digest = write_rows_file(Path(ckpt_dir) / file, self.header, self.rows.chunks())
+        return ShardFile(f"{shard_name}.rows", file, size, digest)

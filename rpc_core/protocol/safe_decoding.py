@@ -1,0 +1,321 @@
+"""Reading the safe serializer's encoding (the format: ``safe_encoding``).
+
+The bytes come from a peer, which may be hostile even with the right secret: every length
+is checked against the bytes left before it is used, nesting is bounded, and the only
+objects called are what ``allowlist.resolve`` returns for a name (a class to build a
+record of, an rpc_core rebuilding function) and the constructors of containers, numbers
+and tensors. A name outside the allowlist raises ``NotAllowedError`` naming it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import struct
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ..errors import NotAllowedError, ProtocolError, RemoteFunctionError
+from . import allowlist, serialization
+from .safe_encoding import MAGIC, MAX_BIG_INT, MAX_DEPTH, is_plain
+
+_Q = struct.Struct("<q")
+_D = struct.Struct("<d")
+_DD = struct.Struct("<dd")
+_U32 = struct.Struct("<I")
+_TORCH_ENUMS = (torch.layout, torch.memory_format)
+_INT_TAG = ord("i")
+
+
+class _Decoder:
+    __slots__ = ("buf", "pos", "tensors", "depth")
+
+    def __init__(self, buf: bytes, tensors: Sequence[torch.Tensor]) -> None:
+        self.buf = buf
+        self.pos = 0
+        self.tensors = tensors
+        self.depth = 0
+
+    def value(self) -> Any:
+        buf, pos = self.buf, self.pos
+        if pos >= len(buf):
+            raise ProtocolError("a safe message ends in the middle of a value")
+        tag = buf[pos]
+        if tag == _INT_TAG and pos + 9 <= len(buf):  # the most frequent value, without a call
+            self.pos = pos + 9
+            n: int = _Q.unpack_from(buf, pos + 1)[0]
+            return n
+        self.pos = pos + 1
+        return _DECODE[tag](self)
+
+    def take(self, n: int) -> bytes:
+        pos, end = self.pos, self.pos + n
+        if end > len(self.buf):
+            raise ProtocolError(f"a safe message announces {n} bytes where {len(self.buf) - pos} are left")
+        self.pos = end
+        return self.buf[pos:end]
+
+    # unpack_from at the position, no slice: these run for every int and length.
+    def u32(self) -> int:
+        pos = self.pos
+        if pos + 4 > len(self.buf):
+            raise ProtocolError("a safe message ends in the middle of a length")
+        self.pos = pos + 4
+        n: int = _U32.unpack_from(self.buf, pos)[0]
+        return n
+
+    def q(self) -> int:
+        pos = self.pos
+        if pos + 8 > len(self.buf):
+            raise ProtocolError("a safe message ends in the middle of an int")
+        self.pos = pos + 8
+        n: int = _Q.unpack_from(self.buf, pos)[0]
+        return n
+
+    def count(self) -> int:
+        """An item count: each item takes at least a byte, so more than are left is a lie."""
+        n = self.u32()
+        if n > len(self.buf) - self.pos:
+            raise ProtocolError(f"a safe message announces {n} items where {len(self.buf) - self.pos} bytes are left")
+        return n
+
+    def expect(self, tag: bytes) -> None:
+        got = self.take(1)
+        if got != tag:
+            raise ProtocolError(f"a safe message has tag {got!r} where {tag!r} belongs")
+
+    def text(self) -> str:
+        self.expect(b"s")
+        return self.string()
+
+    def string(self) -> str:
+        return self.take(self.u32()).decode("utf-8", "surrogatepass")
+
+    def items(self) -> list[Any]:
+        n = self.count()
+        self.depth += 1
+        if self.depth > MAX_DEPTH:
+            raise ProtocolError(f"a safe message nests values more than {MAX_DEPTH} deep")
+        out = [self.value() for _ in range(n)]
+        self.depth -= 1
+        return out
+
+    def tuple_of(self, n: int | None = None) -> tuple[Any, ...]:
+        self.expect(b"(")
+        out = tuple(self.items())
+        if n is not None and len(out) != n:
+            raise ProtocolError(f"a safe message has {len(out)} fields where {n} belong")
+        return out
+
+    def pairs(self) -> list[tuple[Any, Any]]:
+        n = self.count()
+        self.depth += 1
+        if self.depth > MAX_DEPTH:
+            raise ProtocolError(f"a safe message nests values more than {MAX_DEPTH} deep")
+        out = [(self.value(), self.value()) for _ in range(n)]
+        self.depth -= 1
+        return out
+
+    def name(self) -> tuple[str, str]:
+        self.expect(b"r")
+        return self.text(), self.text()
+
+    def ref(self) -> Any:
+        return allowlist.resolve(*self.name())
+
+    def cls(self, what: str) -> type:
+        obj = self.ref()
+        if not isinstance(obj, type):
+            raise NotAllowedError(f"a safe message builds {what} of {obj!r}, which is not a class")
+        return obj
+
+
+def _tensor(d: _Decoder) -> torch.Tensor:
+    i = d.u32()
+    if i >= len(d.tensors):
+        raise ProtocolError(f"a safe message names tensor {i} of a table of {len(d.tensors)}")
+    return d.tensors[i]
+
+
+def _big_int(d: _Decoder) -> int:
+    n = d.u32()
+    if n > MAX_BIG_INT:
+        raise ProtocolError(f"a safe message holds an int of {n} bytes (at most {MAX_BIG_INT})")
+    return int.from_bytes(d.take(n), "little", signed=True)
+
+
+def _sparse_coo(d: _Decoder) -> torch.Tensor:
+    indices, values, size, coalesced, leaf_grad = d.tuple_of(5)
+    return serialization.sparse_coo(indices, values, _ints(size), bool(coalesced), bool(leaf_grad))
+
+
+def _sparse_compressed(d: _Decoder) -> torch.Tensor:
+    compressed, plain, values, size, layout, leaf_grad = d.tuple_of(6)
+    return serialization.sparse_compressed(compressed, plain, values, _ints(size), layout, bool(leaf_grad))
+
+
+def _ints(v: Any) -> tuple[int, ...]:
+    if not isinstance(v, tuple) or not all(type(n) is int for n in v):
+        raise ProtocolError(f"a safe message gives a tensor size {v!r}, not a tuple of ints")
+    return v
+
+
+def _dtype(d: _Decoder) -> torch.dtype:
+    name = d.string()
+    dtype = getattr(torch, name, None) if not name.startswith("_") else None
+    if not isinstance(dtype, torch.dtype):
+        raise ProtocolError(f"a safe message names dtype {name!r}, which torch does not have")
+    return dtype
+
+
+def _torch_enum(d: _Decoder) -> Any:
+    name = d.string()
+    obj = getattr(torch, name, None) if not name.startswith("_") else None
+    if not isinstance(obj, _TORCH_ENUMS):
+        raise ProtocolError(f"a safe message names torch layout or memory format {name!r}, which torch does not have")
+    return obj
+
+
+def _size(d: _Decoder) -> torch.Size:
+    n = d.count()
+    return torch.Size([d.q() for _ in range(n)])
+
+
+def _slice(d: _Decoder) -> slice:
+    start, stop, step = d.tuple_of(3)
+    return slice(start, stop, step)
+
+
+def _range(d: _Decoder) -> range:
+    return range(d.q(), d.q(), d.q())
+
+
+def _named_tuple(d: _Decoder) -> tuple[Any, ...]:
+    cls = d.cls("a NamedTuple")
+    fields = getattr(cls, "_fields", None)
+    if not issubclass(cls, tuple) or not isinstance(fields, tuple):
+        raise NotAllowedError(f"a safe message sends {cls.__qualname__} as a NamedTuple, which it is not")
+    items = d.tuple_of(len(fields))
+    out: tuple[Any, ...] = tuple.__new__(cls, items)
+    return out
+
+
+def _dataclass(d: _Decoder) -> Any:
+    cls = d.cls("a dataclass")
+    if not dataclasses.is_dataclass(cls) or cls.__new__ is not object.__new__:
+        raise NotAllowedError(f"a safe message sends {cls.__qualname__} as a dataclass, which it is not")
+    names = {f.name for f in dataclasses.fields(cls)}
+    d.expect(b"(")
+    n = d.count()
+    obj = object.__new__(cls)
+    d.depth += 1
+    for _ in range(n):
+        field = d.text()
+        if field not in names:
+            raise ProtocolError(f"a safe message sets field {field!r}, which dataclass {cls.__qualname__} lacks")
+        object.__setattr__(obj, field, d.value())  # also for frozen dataclasses, as pickle does
+    d.depth -= 1
+    return obj
+
+
+def _plain_object(d: _Decoder) -> Any:
+    cls = d.cls("an object")
+    if not is_plain(cls):
+        raise NotAllowedError(f"a safe message sends an object of {cls.__qualname__}, which has a reduction of its own")
+    d.expect(b"{")
+    state = dict(d.pairs())
+    if not all(type(k) is str for k in state):
+        raise ProtocolError(f"a safe message gives an object of {cls.__qualname__} attributes that are not strings")
+    obj: Any = object.__new__(cls)
+    obj.__dict__.update(state)
+    return obj
+
+
+def _exception(d: _Decoder) -> BaseException:
+    module, qualname = d.name()
+    args = d.tuple_of()
+    message = d.text()
+    cls = allowlist.exception_type(module, qualname)
+    if cls is not None:
+        try:
+            return cls(*args)
+        except Exception:  # noqa: BLE001 - its constructor takes other arguments: the generic error below
+            pass
+    return RemoteFunctionError(f"{module}.{qualname}: {message}")
+
+
+def _reduced(d: _Decoder) -> Any:
+    fn = d.ref()
+    args = d.tuple_of()
+    return fn(*args)
+
+
+def _bad(d: _Decoder) -> Any:
+    raise ProtocolError(f"a safe message has unknown tag {d.buf[d.pos - 1]:#x} at byte {d.pos - 1}")
+
+
+def _ordered(d: _Decoder) -> Any:
+    return collections.OrderedDict(d.pairs())
+
+
+_TABLE: dict[bytes, Callable[[_Decoder], Any]] = {
+    b"N": lambda d: None,
+    b"T": lambda d: True,
+    b"F": lambda d: False,
+    b"i": _Decoder.q,
+    b"I": _big_int,
+    b"f": lambda d: _D.unpack(d.take(8))[0],
+    b"c": lambda d: complex(*_DD.unpack(d.take(16))),
+    b"s": _Decoder.string,
+    b"b": lambda d: d.take(d.u32()),
+    b"B": lambda d: bytearray(d.take(d.u32())),
+    b"(": lambda d: tuple(d.items()),
+    b"[": _Decoder.items,
+    b"{": lambda d: dict(d.pairs()),
+    b"}": _ordered,
+    b"S": lambda d: set(d.items()),
+    b"Z": lambda d: frozenset(d.items()),
+    b"t": _tensor,
+    b"o": _sparse_coo,
+    b"q": _sparse_compressed,
+    b"D": _dtype,
+    b"L": _torch_enum,
+    b"v": lambda d: torch.device(d.string()),
+    b"z": _size,
+    b"/": _slice,
+    b".": lambda d: Ellipsis,
+    b"R": _range,
+    b"r": lambda d: allowlist.resolve(d.text(), d.text()),
+    b"n": _named_tuple,
+    b"d": _dataclass,
+    b"O": _plain_object,
+    b"e": _exception,
+    b"x": _reduced,
+}
+_DECODE: list[Callable[[_Decoder], Any]] = [_bad] * 256
+for _tag, _fn in _TABLE.items():
+    _DECODE[_tag[0]] = _fn
+
+
+def decode(raw: bytes | memoryview, tensors: Sequence[torch.Tensor]) -> Any:
+    """The value ``raw`` encodes; its tensor references index ``tensors``."""
+    buf = bytes(raw)
+    if buf[:2] != MAGIC:
+        hint = " (it is a pickle: the sender uses serializer='pickle')" if buf[:1] == b"\x80" else ""
+        raise ProtocolError(
+            f"a message is not in the safe serializer's format{hint}; under serializer='safe' nothing is "
+            "unpickled: give every worker of the group the same RpcBackendOptions(serializer=...)"
+        )
+    d = _Decoder(buf, tensors)
+    d.pos = 2
+    obj = d.value()
+    if d.pos != len(buf):
+        raise ProtocolError(f"{len(buf) - d.pos} stray bytes after a safe message's value")
+    return obj
+
+
+def loads_plain(raw: bytes) -> Any:
+    """The value of ``safe_encoding.dumps_plain``'s bytes (no tensors)."""
+    return decode(raw, ())
