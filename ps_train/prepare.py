@@ -12,9 +12,8 @@ import argparse
 import logging
 import sys
 
-from ps_train.config.prepared import PreparedDataError
-from ps_train.workloads.ctr.data.criteo import CriteoFormatError
-from ps_train.workloads.ctr.data.criteo_prepare import BLOCK_BYTES, prepare_criteo
+from ps_train.workloads.ctr.data.gunzip import AUTO, INFLATERS
+from ps_train.workloads.ctr.data.line_blocks import BLOCK_BYTES
 
 __all__ = ["main"]
 
@@ -40,6 +39,12 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--force", action="store_true", help="replace DST if it exists (once the new one is complete)")
     c.add_argument("--workers", type=int, default=None, help="parsing threads (default: the number of CPUs)")
     c.add_argument("--block-mb", type=int, default=BLOCK_BYTES >> 20, help="MiB of text per parsed block")
+    c.add_argument(
+        "--gunzip",
+        choices=[AUTO, "isal", "zlib"],
+        default=AUTO,
+        help=f"the inflater of .gz input (default: the fastest installed, here {next(iter(INFLATERS))})",
+    )
     c.add_argument("--quiet", action="store_true", help="no progress line")
     return p
 
@@ -50,6 +55,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.workers is not None and args.workers < 1 or args.block_mb < 1:
         print("error: --workers and --block-mb must be >= 1", file=sys.stderr)
         return 2
+    # The converter (numpy, pyarrow) is imported once the arguments are known: --help and
+    # argument errors answer at once.
+    from ps_train.workloads.ctr.data.criteo import CriteoFormatError
+    from ps_train.workloads.ctr.data.criteo_prepare import prepare_criteo
+    from ps_train.workloads.ctr.data.prepared import PreparedDataError
+
     try:
         m = prepare_criteo(
             args.src,
@@ -59,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
             workers=args.workers,
             block_bytes=args.block_mb << 20,
             progress=not args.quiet,
+            gunzip=args.gunzip,
         )
     except (CriteoFormatError, PreparedDataError) as e:
         print(f"error: {e}", file=sys.stderr)

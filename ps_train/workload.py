@@ -8,9 +8,9 @@ embedding tables, the servers' table service (``ps_train.table_service.TablePart
 launcher, the roles and the modes never import a workload: they ask this registry for the
 run's (``workload_for(cfg)``), keyed by ``model.name``.
 
-Each workload registers itself when its package is imported (``register_workload``); the
-built-in ones are ``ps_train.workloads.vision`` and ``ps_train.workloads.ctr``, imported by
-``ps_train.app``. A workload of your own is one module that registers itself and is named in
+Each workload registers itself when its module is imported (``register_workload``); the
+built-in ones are ``ps_train.workloads.vision.workload`` and ``ps_train.workloads.ctr.workload``,
+imported by ``ps_train.app``. A workload of your own is one module that registers itself and is named in
 ``PS_TRAIN_PLUGINS`` (comma-separated modules), which ``python -m ps_train`` imports before it
 composes the config: docs/extending.md walks through one.
 """

@@ -9,11 +9,12 @@ model stages, negative staleness, ...), naming the offending field and how to fi
 
 One module per config group, each schema checking itself (``problems()``): ``model``,
 ``data``, ``cluster``, ``optim``, and ``run`` (mode, train, checkpoint, logging); ``root``
-holds ``Config`` and the rules that span groups, ``loading`` the Hydra side; ``prepared``
-the manifest of a prepared Criteo folder (``data.prepared``) and its checks. Model and data
-groups have one schema per choice (``MLPConfig``, ``CNNConfig``, ...), all subclasses of
-``ModelConfig`` / ``DataConfig``: a field that belongs to another model (``model.channels``
-while ``model=mlp``) is a Hydra error, not a silently ignored key. Those schemas also answer
+holds ``Config`` and the rules that span groups, ``loading`` the Hydra side (a prepared
+Criteo folder, ``data.prepared``, is checked where the data is read:
+``ps_train.workloads.ctr.data.prepared``). Model and data groups have one schema per
+choice (``MLPConfig``, ``CNNConfig``, ...), all subclasses of ``ModelConfig`` /
+``DataConfig``: a field that belongs to another model (``model.channels`` while
+``model=mlp``) is a Hydra error, not a silently ignored key. Those schemas also answer
 what validation and sharding need to know before anything is built or loaded:
 ``ModelConfig.num_stages()``, ``DataConfig.sample_shape()``, ``DataConfig.class_count()``.
 Nothing here imports the rest of ps_train but the update modes (``ps_train.modes``), which

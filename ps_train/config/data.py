@@ -4,13 +4,11 @@ number of classes without loading anything (what validation and model building n
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 
 from omegaconf import MISSING
 
 from ps_train.config.base import Problems
-from ps_train.config.prepared import CriteoManifest, read_manifest
 
 __all__ = [
     "DataConfig",
@@ -294,19 +292,10 @@ class CriteoConfig(CtrDataConfig):
 
     name: str = "criteo"
     root: str = "data/criteo"  # folder of the TSV day files (day_0 ..) or train.txt, plain or .gz
-    prepared: str | None = None  # a prepared folder (see ps_train.config.prepared)
+    prepared: str | None = None  # a prepared folder (its format: ps_train.workloads.ctr.data.prepared)
     num_tables: int = CRITEO_TABLES
     table_rows: int = 100000  # ids are hashed into this many rows per table
     skip_malformed: bool = False  # true: count and skip malformed lines with a warning
-
-    def prepared_manifest(self) -> CriteoManifest:
-        """The manifest of ``prepared``, checked: the folder exists, is in this version of
-        the format with every array whole, and no source file still present changed since.
-        Read where the data is (a trainer), not in ``problems()``: other roles of a job
-        validate the same config on machines that may not hold the data."""
-        if not self.prepared:
-            raise ValueError("data.prepared: not set")
-        return read_manifest(os.path.expanduser(self.prepared))
 
     def dense_count(self) -> int:
         return CRITEO_DENSE

@@ -18,7 +18,6 @@ import pytest
 import torch
 
 from ps_train.config import CriteoConfig
-from ps_train.config.prepared import MANIFEST_NAME, PREPARED_VERSION, PreparedDataError, read_manifest
 from ps_train.workloads.ctr.data import (
     CriteoFormatError,
     CtrBatchIterator,
@@ -29,9 +28,10 @@ from ps_train.workloads.ctr.data import (
 from ps_train.workloads.ctr.data.criteo import _parse
 from ps_train.workloads.ctr.data.criteo_columns import parse_block
 from ps_train.workloads.ctr.data.criteo_prepare import prepare_criteo
-from ps_train.workloads.ctr.data.line_blocks import open_text
+from ps_train.workloads.ctr.data.gunzip import open_text
 from ps_train.workloads.ctr.data.loading import load_ctr_data
 from ps_train.workloads.ctr.data.mapped import MappedCtrSplit, PreparedCriteo, load_prepared
+from ps_train.workloads.ctr.data.prepared import MANIFEST_NAME, PREPARED_VERSION, PreparedDataError, read_manifest
 from ps_train.workloads.ctr.data.progress import Progress
 from tests.ps_train._app import make_cfg, read_json, run_app
 from tests.ps_train.test_ctr_data import GOOD, _bad, _line, _random_rows, _write
@@ -383,7 +383,7 @@ def test_cli_prepares_reports_and_fails_with_the_readers_message(tmp_path):
     (bad_folder / "day_2").write_text(GOOD + _bad("label"))
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     cmd = [sys.executable, "-m", "ps_train.prepare", "criteo"]
-    # Both at once: each is an interpreter importing torch on one core.
+    # Both at once: each is an interpreter starting on one core.
     procs = [
         subprocess.Popen(
             [*cmd, str(src), str(tmp_path / dst)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
@@ -461,7 +461,7 @@ def test_memory_does_not_grow_with_the_input(tmp_path):
     (tmp_path / "small.tsv").write_text(text * 15)
     (tmp_path / "large.tsv").write_text(text * 300)
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    # Both at once (each measures its own peak): the small one's torch import overlaps the large one's.
+    # Both at once (each measures its own peak): the small one's start overlaps the large one's.
     children = {
         name: subprocess.Popen(
             [

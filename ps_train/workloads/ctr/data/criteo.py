@@ -39,12 +39,12 @@ import re
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import BinaryIO, Union
+from typing import TYPE_CHECKING, BinaryIO, Union
 
 import numpy as np
-import torch
 
-from ps_train.workloads.ctr.data.split import CtrSplit, time_split
+if TYPE_CHECKING:
+    from ps_train.workloads.ctr.data.split import CtrSplit
 
 __all__ = [
     "CriteoFormatError",
@@ -351,6 +351,12 @@ def read_criteo(
         raise ValueError(
             f"data=criteo: no valid samples in {', '.join(files)} ({stats.lines} lines, {stats.malformed} malformed)"
         )
+    # torch is imported here, not with the module: the converter (python -m ps_train.prepare)
+    # uses this module's format and must start without it.
+    import torch
+
+    from ps_train.workloads.ctr.data.split import CtrSplit
+
     dense_np = np.log1p(np.frombuffer(dense, dtype=np.float64)).astype(np.float32)
     split = CtrSplit(
         torch.from_numpy(dense_np.reshape(-1, NUM_INT_FEATURES)),
@@ -371,6 +377,8 @@ def load_criteo(
     """``(train, test, stats)``: ``read_criteo`` then ``time_split`` -- the last
     ``test_fraction`` of the lines (of the last file(s), in the given order) are the test
     split, because Criteo's lines are in time order and a CTR model is judged on the future."""
+    from ps_train.workloads.ctr.data.split import time_split
+
     split, stats = read_criteo(paths, table_sizes, skip_malformed=skip_malformed)
     train, test = time_split(split, test_fraction)
     return train, test, stats

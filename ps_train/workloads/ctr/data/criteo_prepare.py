@@ -1,5 +1,5 @@
 """``prepare_criteo``: Criteo TSV files (plain or gzip) -> a prepared folder of ``.npy`` arrays
-that trainers memory-map (``data.prepared``; see ``ps_train.config.prepared`` for the format).
+that trainers memory-map (``data.prepared``; see ``ps_train.workloads.ctr.data.prepared`` for the format).
 
 The input streams through in blocks of ``block_bytes`` of complete lines, so memory stays
 bounded whatever its size: a reader thread reads (and decompresses) the next blocks, a pool
@@ -22,14 +22,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from ps_train.config.prepared import (
-    MANIFEST_NAME,
-    NPY_HEADER_BYTES,
-    CriteoManifest,
-    PreparedArray,
-    PreparedDataError,
-    PreparedSource,
-)
 from ps_train.workloads.ctr.data.criteo import (
     _MAX_EXAMPLES,
     NUM_CAT_FEATURES,
@@ -40,14 +32,22 @@ from ps_train.workloads.ctr.data.criteo import (
     find_criteo_files,
 )
 from ps_train.workloads.ctr.data.criteo_columns import CriteoColumns, parse_block, parse_lines
-from ps_train.workloads.ctr.data.line_blocks import LinePiece, PieceReader
+from ps_train.workloads.ctr.data.gunzip import AUTO, inflater
+from ps_train.workloads.ctr.data.line_blocks import BLOCK_BYTES, LinePiece, PieceReader
+from ps_train.workloads.ctr.data.prepared import (
+    MANIFEST_NAME,
+    NPY_HEADER_BYTES,
+    CriteoManifest,
+    PreparedArray,
+    PreparedDataError,
+    PreparedSource,
+)
 from ps_train.workloads.ctr.data.progress import Progress
 
 __all__ = ["prepare_criteo", "BLOCK_BYTES"]
 
 log = logging.getLogger("ps_train.workloads.ctr")
 
-BLOCK_BYTES = 4 << 20  # ~17k Criteo lines per block, parsed as one batch (criteo_columns._TOKENIZE_BYTES)
 _ARRAYS = {  # name: (file, dtype, row shape)
     "labels": ("labels.npy", np.dtype("<f4"), ()),
     "dense": ("dense.npy", np.dtype("<f4"), (NUM_INT_FEATURES,)),
@@ -190,6 +190,7 @@ def prepare_criteo(
     workers: int | None = None,
     block_bytes: int = BLOCK_BYTES,
     progress: Progress | bool = True,
+    gunzip: str = AUTO,
 ) -> CriteoManifest:
     """Convert the Criteo files ``src`` (a file, a folder of day files, or a list, in
     ``read_criteo``'s order) into the prepared folder ``dst`` and return its manifest.
@@ -197,9 +198,11 @@ def prepare_criteo(
     A malformed line raises ``CriteoFormatError`` (file, line, problem) unless
     ``skip_malformed``, which counts and skips it (the manifest records how many). ``dst``
     must not exist unless ``force`` (then it is replaced once the new one is complete).
-    ``progress``: True for a progress line on stderr, or a ``Progress``.
+    ``progress``: True for a progress line on stderr, or a ``Progress``. ``gunzip``: the
+    inflater of gzip files (``ps_train.workloads.ctr.data.gunzip``: ``auto``, ``isal`` or ``zlib``).
     """
     t0, cpu0 = time.perf_counter(), time.process_time()
+    inflate = inflater(gunzip)
     files = _files(src)
     dst = os.path.abspath(os.fspath(dst))
     parent, name = os.path.split(dst)
@@ -224,7 +227,7 @@ def prepare_criteo(
         else progress or None
     )
     workers = max(1, workers if workers is not None else (os.cpu_count() or 1))
-    reader = PieceReader(files, block_bytes, depth=workers + 1)
+    reader = PieceReader(files, block_bytes, depth=workers + 1, inflate=inflate)
     sink: _Sink | None = None
     try:
         sink = _Sink(partial, files, skip_malformed, bar)

@@ -11,10 +11,10 @@ from typing import NamedTuple
 import torch
 
 from ps_train.config import CriteoConfig, CtrDataConfig, SyntheticCtrConfig
-from ps_train.config.prepared import MANIFEST_NAME
 from ps_train.workloads.ctr.data.bags import BagColumns
 from ps_train.workloads.ctr.data.criteo import check_criteo_files, load_criteo
 from ps_train.workloads.ctr.data.mapped import load_prepared, skipped_note
+from ps_train.workloads.ctr.data.prepared import MANIFEST_NAME, CriteoManifest, read_manifest
 from ps_train.workloads.ctr.data.split import CtrDataset, CtrSplit, held_out_count
 from ps_train.workloads.ctr.data.synthetic import synthetic_ctr
 from ps_train.workloads.ctr.data.synthetic_bags import BagShape
@@ -65,7 +65,7 @@ def load_ctr_data(cfg: CtrDataConfig, raw_ids: Sequence[int] = ()) -> CtrData:
         return CtrData(train, test, best)
     if isinstance(cfg, CriteoConfig) and cfg.prepared:
         folder = os.path.expanduser(cfg.prepared)
-        manifest = cfg.prepared_manifest()
+        manifest = _prepared_manifest(cfg)
         mapped = load_prepared(
             folder, cfg.sizes(), cfg.test_fraction, skip_malformed=cfg.skip_malformed, manifest=manifest
         )
@@ -104,11 +104,22 @@ def check_ctr_data(cfg: CtrDataConfig) -> int | None:
     if not isinstance(cfg, CriteoConfig):
         return None  # generated data: the config says it all
     if cfg.prepared:
-        manifest = cfg.prepared_manifest()
+        manifest = _prepared_manifest(cfg)
         skipped_note(manifest, os.path.expanduser(cfg.prepared), cfg.skip_malformed)  # raises if it may not skip
         return manifest.rows - held_out_count(manifest.rows, cfg.test_fraction)
     check_criteo_files(_criteo_root(cfg), cfg.sizes(), skip_malformed=cfg.skip_malformed)
     return None
+
+
+def _prepared_manifest(cfg: CriteoConfig) -> CriteoManifest:
+    """The manifest of ``data.prepared``, checked: the folder exists, is in this version of
+    the format with every array whole, and no source file still present changed since.
+    Read where the data is (a trainer, the launcher's precheck), not in the config's
+    ``problems()``: other roles of a job validate the same config on machines that may not
+    hold the data."""
+    if not cfg.prepared:
+        raise ValueError("data.prepared: not set")
+    return read_manifest(os.path.expanduser(cfg.prepared))
 
 
 def _criteo_root(cfg: CriteoConfig) -> str:

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ps_train.config.prepared import CriteoManifest, PreparedDataError, read_manifest
 from ps_train.workloads.ctr.data.criteo import EMPTY_ROW, NUM_CAT_FEATURES, NUM_INT_FEATURES, _table_sizes
+from ps_train.workloads.ctr.data.prepared import CriteoManifest, PreparedDataError, read_manifest
 from ps_train.workloads.ctr.data.split import held_out_count
 
 __all__ = ["PreparedCriteo", "MappedCtrSplit", "load_prepared", "skipped_note"]

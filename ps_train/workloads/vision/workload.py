@@ -1,0 +1,44 @@
+"""The vision workload (``VISION``), registered with ``ps_train.workload`` on import: its
+stages, trainer and data check."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ps_train.config import Config, DataConfig, VisionDataConfig
+from ps_train.workload import StagePlan, Workload, register_workload
+from ps_train.workloads.vision.models import build_stages
+
+__all__ = ["VISION"]
+
+
+def _stages(cfg: Config) -> StagePlan:
+    stages = build_stages(cfg.model, cfg.data.sample_shape(), cfg.data.class_count(), seed=cfg.seed)
+    return StagePlan(stages)
+
+
+def _trainer() -> type[Any]:
+    from ps_train.workloads.vision.trainer import VisionTrainer
+
+    return VisionTrainer
+
+
+def _check_data(data: DataConfig) -> int | None:
+    if isinstance(data, VisionDataConfig):
+        from ps_train.workloads.vision.data import check_vision_files
+
+        check_vision_files(data)
+    return None
+
+
+VISION = register_workload(
+    Workload(
+        name="vision",
+        models=("mlp", "cnn", "resnet18"),
+        stages=_stages,
+        trainer=_trainer,
+        check_data=_check_data,
+        module=__name__,
+        preload=("ps_train.workloads.vision.trainer", "sklearn.datasets", "sklearn.model_selection"),
+    )
+)
