@@ -87,8 +87,10 @@ class Workload:
     # The module that registered it: role processes import it (the forkserver preloads it).
     module: str = ""
     # Heavy modules its roles use (its trainer, its table service), which the launcher's
-    # forkserver imports once so that forked roles start without importing them.
+    # fork server imports once so that forked roles start without importing them.
     preload: tuple[str, ...] = ()
+    # Heavy modules only some configs use (a dataset's loader): preloaded for those runs only.
+    preload_for: Callable[[Config], tuple[str, ...]] = lambda cfg: ()
 
 
 _REGISTRY: dict[str, Workload] = {}

@@ -12,11 +12,13 @@ every role's traceback. Restarting the run is the caller's choice
 (``ps_train.launch.restarts``). Each process runs ``ps_train.launch.rank.run_rank`` (which,
 with ``cluster.launcher=env``, a torchrun/SLURM-started process runs directly).
 
-Local roles are forked from a ``forkserver`` that has imported torch and ps_train once, so
-a role starts in well under a second instead of re-importing torch (seconds per process on
-a busy machine). Each role gets the launcher's environment and working directory as of the
-launch (not the forkserver's), exits as soon as it is done (no slow interpreter teardown),
-and exits by itself if the launcher dies.
+Local roles are forked from a fork server that is itself a fork of the launcher
+(``ps_train.launch.fork_server``): torch and ps_train are imported once, by the launcher,
+and what only roles need (``_PRELOAD``, the workload's modules) once more by the fork
+server, so a role starts in a fraction of a second. Each role gets the launcher's
+environment and working directory as of the launch, exits as soon as it is done (no slow
+interpreter teardown), and exits by itself if the launcher dies. Each process marks where
+its time went (``ps_train.observe.phases``): ``metrics.json``'s ``phases``.
 
 Roles inherit the launcher's environment, so a test can set ``PS_TRAIN_FAULT`` here to
 make one of them die at a chosen step (see ``ps_train.faults``).
@@ -34,6 +36,8 @@ import sys
 import threading
 import time
 import traceback
+from dataclasses import dataclass
+from functools import partial
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -41,17 +45,19 @@ from ps_train.config import Config, config_to_dict, from_dictconfig
 from ps_train.elastic.files import record_replacement, write_job_file
 from ps_train.faults import ATTEMPT_ENV, REPLACED_ENV
 from ps_train.launch.failures import FailedRole, RoleError, RoleFailed, failure_report, first_cause, role_name
+from ps_train.launch.fork_server import ForkServer
 from ps_train.launch.heartbeat import HeartbeatBoard, process_state, start_heartbeat
 from ps_train.launch.ports import free_port
 from ps_train.launch.rank import run_rank, setup_role_logging
+from ps_train.observe import phases
 from ps_train.observe.console import CONSOLE
-from ps_train.workload import import_plugins, registered_workloads
+from ps_train.workload import import_plugins, registered_workloads, workload_for
 
 log = logging.getLogger("ps_train")
 
 BLAME_GRACE = 5.0  # seconds a failed run waits for the role the first failures blame to fail too
 
-# What the forkserver imports once, so forked roles start without importing anything heavy.
+# What the fork server imports once (the launcher has the rest), so forked roles import nothing heavy.
 _PRELOAD = [
     "ps_train.launch.local",
     "ps_train.launch.rank",
@@ -79,38 +85,62 @@ def exit_with_parent() -> None:
     threading.Thread(target=watch, name="exit-with-launcher", daemon=True).start()
 
 
-def _child(
-    cfg_dict: dict[str, Any],
-    rank: int,
-    port: int,
-    secret: str,
-    run_dir: str,
-    resume: str | None,
-    results: Connection,
-    errors: Connection,
-    env: dict[str, str],
-    cwd: str,
-    heartbeats: Any,
-    beat_every: float,
-    attempt: int,
-    workloads: list[str],
-) -> None:
+@dataclass(frozen=True)
+class _Launch:
+    """What every role of one launch gets (a forked role finds it in its copy of the launcher)."""
+
+    cfg_dict: dict[str, Any]
+    port: int
+    secret: str
+    run_dir: str
+    results: Connection  # trainer0's metrics, to the launcher
+    errors: Connection  # RoleErrors, to the launcher
+    cwd: str
+    heartbeats: Any  # the HeartbeatBoard's shared counters
+    beat_every: float
+    attempt: int
+    workloads: list[str]
+
+
+@dataclass(frozen=True)
+class _Start:
+    """One role to start: its rank, the checkpoint it resumes from and its environment."""
+
+    rank: int
+    resume: str | None
+    env: dict[str, str]
+
+
+def _child(launch: _Launch, start: _Start) -> None:
+    phases.mark("started")
+    rank, run_dir, cfg_dict = start.rank, launch.run_dir, launch.cfg_dict
     name = role_name(rank, cfg_dict["cluster"]["num_servers"])
-    start_heartbeat(heartbeats, rank, beat_every)  # first: the launcher counts silence from its start
+    start_heartbeat(launch.heartbeats, rank, launch.beat_every)  # first: the launcher counts silence from its start
     try:
-        # The forkserver was started by an earlier launch: take this launch's environment.
+        # A spawned role (no fork server) starts with its own: take this launch's environment.
         os.environ.clear()
-        os.environ.update(env)
-        os.chdir(cwd)
+        os.environ.update(start.env)
+        os.chdir(launch.cwd)
         exit_with_parent()
-        import_plugins(workloads)  # already imported when forked from the preloaded forkserver
+        import_plugins(launch.workloads)  # already imported when forked from the fork server
         cfg = from_dictconfig(cfg_dict)
-        out = run_rank(cfg, rank, cfg.cluster.master_addr, port, secret, run_dir, resume, attempt=attempt)
+        out = run_rank(
+            cfg,
+            rank,
+            cfg.cluster.master_addr,
+            launch.port,
+            launch.secret,
+            run_dir,
+            start.resume,
+            attempt=launch.attempt,
+        )
         if out is not None:
-            results.send(out)  # returns once it is all in the pipe (the launcher reads as it comes)
+            launch.results.send(out)  # returns once it is all in the pipe (the launcher reads as it comes)
     except BaseException as e:  # noqa: BLE001 - any failure of a role is reported, then it exits 1
-        report_error(name, run_dir, cfg_dict["logging"]["level"], e, errors)
+        report_error(name, run_dir, cfg_dict["logging"]["level"], e, launch.errors)
         os._exit(1)
+    phases.mark("exiting")
+    phases.write_marks(run_dir, name)
     # Done: skip the interpreter teardown (torch's takes seconds on a busy machine, and
     # rpc threads have nothing left to do).
     logging.shutdown()
@@ -134,17 +164,37 @@ def report_error(name: str, run_dir: str, level: str, error: BaseException, erro
 
 
 def workload_modules() -> list[str]:
-    """The registered workloads' modules and what they want preloaded (``ps_train.workload``):
-    a forked role finds its workload registered, a spawned one imports these first."""
-    return [m for w in registered_workloads() for m in (w.module, *w.preload) if m]
+    """The registered workloads' modules (``ps_train.workload``): a role imports them to find
+    its workload registered (a forked one has them already)."""
+    return [w.module for w in registered_workloads() if w.module]
 
 
-def context() -> Any:
-    if "forkserver" in mp.get_all_start_methods():
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(_PRELOAD + workload_modules())
-        return ctx
-    return mp.get_context("spawn")
+def preload_modules(cfg: Config) -> list[str]:
+    """What the fork server imports for ``cfg``'s roles: what every role uses and the launcher
+    has not imported (``_PRELOAD``), and what the run's workload asks for."""
+    w = workload_for(cfg)
+    return [*_PRELOAD, *w.preload, *w.preload_for(cfg)]
+
+
+class _Roles:
+    """Starts role processes: forked from a ``ForkServer`` where there is ``os.fork``, else
+    spawned by ``multiprocessing`` (each imports what it needs)."""
+
+    def __init__(self, launch: _Launch, preload: list[str]) -> None:
+        self.launch = launch
+        self.server = ForkServer(preload, partial(_child, launch)) if hasattr(os, "fork") else None
+        self.spawn = mp.get_context("spawn")
+
+    def start(self, start: _Start, name: str) -> Any:
+        if self.server is not None:
+            return self.server.start(start, name)
+        p = self.spawn.Process(target=_child, args=(self.launch, start), name=name, daemon=False)
+        p.start()
+        return p
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
 
 
 def launch_local(
@@ -167,7 +217,8 @@ def launch_local(
     log.info(
         "starting %d servers + %d trainers on %s:%d; logs in %s/logs", S, T, cfg.cluster.master_addr, port, run_dir
     )
-    ctx = context()
+    launched_at, launched_cpu = time.time(), time.process_time()
+    ctx = mp.get_context("fork" if hasattr(os, "fork") else "spawn")
     # Pipes, not queues: a queue's semaphores outlive a launcher that leaves with os._exit
     # (python -m ps_train after a failure), and the resource tracker warns about them.
     results_in, results_out = ctx.Pipe(duplex=False)  # trainer0's metrics
@@ -176,31 +227,26 @@ def launch_local(
     errors_in, errors_out = ctx.Pipe(duplex=False)  # RoleErrors from the roles that fail (see _report)
     procs = {}
     deadline = None if timeout is None else time.monotonic() + timeout
+    workloads = workload_modules()
+    launch = _Launch(
+        cfg_dict,
+        port,
+        secret,
+        run_dir,
+        results_out,
+        errors_out,
+        cwd,
+        board.counters,
+        board.interval,
+        attempt,
+        workloads,
+    )
+    # Before any thread of this launch: the fork server is a copy of this process.
+    roles = _Roles(launch, preload_modules(cfg))
 
     def start(rank: int, resume: str | None = resume, env: dict[str, str] = env) -> Any:
-        p = ctx.Process(
-            target=_child,
-            args=(
-                cfg_dict,
-                rank,
-                port,
-                secret,
-                run_dir,
-                resume,
-                results_out,
-                errors_out,
-                env,
-                cwd,
-                board.counters,
-                board.interval,
-                attempt,
-                workload_modules(),
-            ),
-            name=role_name(rank, S),
-            daemon=False,
-        )
-        p.start()
-        board.started(rank)  # its startup allowance counts from here, not from the forkserver's start
+        p = roles.start(_Start(rank, resume, env), role_name(rank, S))
+        board.started(rank)  # its startup allowance counts from here, not from the fork server's start
         return p
 
     def replace(rank: int, reason: str) -> Any:
@@ -241,6 +287,8 @@ def launch_local(
                 p.kill()  # a role of a failed run holds nothing worth a graceful stop
         for p in procs.values():
             p.join(5)
+        exited_at = time.time()
+        roles.close()  # it holds copies of the pipes too
         results_out.close()  # the roles' copies are closed: the collector reads what is left, then EOF
         errors_in.close()
         errors_out.close()
@@ -248,6 +296,17 @@ def launch_local(
         results_in.close()
     if not got:
         raise RoleFailed(f"all roles exited cleanly but trainer0 reported no metrics; see {run_dir}/logs")
+    launcher = {
+        "start": phases.process_start_time(),
+        "launch": launched_at,
+        "exited": exited_at,
+        "finished": time.time(),
+    }
+    cpu = {"launcher start-up": launched_cpu, "collect": time.process_time() - launched_cpu}
+    if roles.server is not None and roles.server.preloaded_at is not None:
+        launcher["preloaded"] = roles.server.preloaded_at
+        cpu["preload"] = roles.server.preload_cpu_s or 0.0
+    got[0]["phases"] = phases.run_phases(run_dir, launcher, cpu, role_name(S, S))
     return got[0]
 
 
