@@ -51,6 +51,7 @@ from ps_train.launch.ports import free_port
 from ps_train.launch.rank import run_rank, setup_role_logging
 from ps_train.observe import phases
 from ps_train.observe.console import CONSOLE
+from ps_train.roles.server_optimizer import imports_dynamo
 from ps_train.workload import import_plugins, registered_workloads, workload_for
 
 log = logging.getLogger("ps_train")
@@ -68,8 +69,7 @@ _PRELOAD = [
     "rpc_core",
     "rpc_core.autograd",
     "torch.utils.tensorboard",
-    "torch._dynamo",
-]  # the first torch.optim optimizer imports it: ~2.5 s of CPU per server
+]
 
 
 def exit_with_parent() -> None:
@@ -173,7 +173,9 @@ def preload_modules(cfg: Config) -> list[str]:
     """What the fork server imports for ``cfg``'s roles: what every role uses and the launcher
     has not imported (``_PRELOAD``), and what the run's workload asks for."""
     w = workload_for(cfg)
-    return [*_PRELOAD, *w.preload, *w.preload_for(cfg)]
+    # A torch.optim optimizer imports torch._dynamo (~1.5 s of CPU): once here, not per server.
+    dynamo = ["torch._dynamo"] if imports_dynamo(cfg.optim) else []
+    return [*_PRELOAD, *dynamo, *w.preload, *w.preload_for(cfg)]
 
 
 class _Roles:
