@@ -91,19 +91,18 @@ def process_start_time() -> float:
     """When this process started (wall clock), from ``/proc``; now where there is no ``/proc``."""
     try:
         stat = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-        boot = next(
-            float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime")
-        )
-        return boot + int(stat[19]) / os.sysconf("SC_CLK_TCK")  # field 22: start time in ticks since boot
-    except (OSError, IndexError, StopIteration, ValueError):
+        booted = time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)
+        return booted + int(stat[19]) / os.sysconf("SC_CLK_TCK")  # field 22: start time in ticks since boot
+    except (OSError, IndexError, ValueError, AttributeError):
         return time.time()
 
 
 def run_phases(
     run_dir: str, launcher: dict[str, float], launcher_cpu: dict[str, float], trainer0: str
 ) -> dict[str, Any]:
-    """``metrics.json``'s ``phases``: ``{"seconds": {phase: wall s}, "cpu_s": {phase: CPU s of
-    every process}, "wall_s": s, "roles": n}``, phases in order.
+    """``metrics.json``'s ``phases``: ``{"phases": [{"name", "wall_s", "cpu_s"}, ...], "wall_s":
+    s, "roles": n}``: each phase's wall time and the CPU time every process spent in it, in
+    order; the wall time of them all; how many roles recorded marks.
 
     ``launcher``: the launcher's marks (``start``, ``launch``, ``preloaded``, ``exited``,
     ``finished``); ``launcher_cpu``: CPU seconds of the launcher (``launcher start-up``,
@@ -147,8 +146,7 @@ def run_phases(
     order = [p.name for p in PHASES]
     order.insert(order.index("training loop") + 1, CHECKPOINT)
     return {
-        "seconds": {name: round(seconds[name], 4) for name in order},
-        "cpu_s": {name: round(cpu[name], 4) for name in order},
+        "phases": [{"name": n, "wall_s": round(seconds[n], 4), "cpu_s": round(cpu[n], 4)} for n in order],
         "wall_s": round(last - launcher["start"], 4),
         "roles": len(roles),
     }
