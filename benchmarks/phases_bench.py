@@ -3,8 +3,9 @@
     python -m benchmarks.phases_bench                       # 2+2, 8+2, 32+2, 64+3
     python -m benchmarks.phases_bench --shapes 8+2 --rounds 2 --png docs/phases.png
 
-Each round times ``python -c "import torch"`` (the yardstick: the fixed cost's targets are
-multiples of it, so it is measured in the same run, under the same load), then runs
+Before each run it times ``python -c "import torch"`` (the yardstick: the fixed cost's targets
+are multiples of it, so it is measured in the same invocation, under the same load; the table
+uses the median), then it runs
 ``python -m ps_train data=synthetic mode=async train.steps=30 checkpoint.every=0`` with T
 trainers and S servers per shape and reads the phases the run recorded
 (``metrics.json``'s ``phases``, ``ps_train.observe.phases``). "exit" is what the launcher
@@ -184,6 +185,25 @@ def report(shapes: list[Shape], torch_s: list[float], torch_cpu: list[float], ru
     if "8+2" in fixed_of and "64+3" in fixed_of:
         print()
         print(f"fixed cost of 64+3 / 8+2: {fixed_of['64+3'] / fixed_of['8+2']:.2f}x")
+    print()
+    print("Training with more trainers than cores (median):")
+    print()
+    print(
+        "| shape | samples | training CPU ms / 1k samples | involuntary context switches / trainer step "
+        "| voluntary | threads / role |"
+    )
+    print("|---|---|---|---|---|---|")
+    for shape in shapes:
+        ms = runs[shape.label]
+        samples = _median([m.metrics["samples"] for m in ms])
+        total_steps = _median([float(m.metrics["steps"] * shape.trainers) for m in ms])
+        procs = [m.metrics["phases"]["role_processes"] for m in ms]
+        print(
+            f"| {shape.label} | {samples:,.0f} | {1e6 * _phase(ms, 'training loop', 'cpu_s') / samples:.1f} | "
+            f"{_median([p['involuntary'] for p in procs]) / total_steps:.1f} | "
+            f"{_median([p['voluntary'] for p in procs]) / total_steps:.1f} | "
+            f"{_median([p['threads'] for p in procs]) / (shape.trainers + shape.servers):.1f} |"
+        )
     for key, unit in (("wall_s", "wall s"), ("cpu_s", "CPU s")):
         print()
         print(f"Phases ({unit}, median):")
@@ -251,10 +271,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="phases_bench_") as folder:
         for r in range(args.rounds):
             order = args.shapes if r % 2 == 0 else list(reversed(args.shapes))
-            wall, cpu = import_torch()
-            torch_s.append(wall)
-            torch_cpu.append(cpu)
             for shape in order:
+                wall, cpu = import_torch()  # before each run: the load moves within a round
+                torch_s.append(wall)
+                torch_cpu.append(cpu)
                 m = run_shape(shape, args.steps, folder)
                 runs[shape.label].append(m)
                 print(

@@ -84,7 +84,7 @@ class Workload:
     table_service: Callable[[Config, int], TablePart | None] = lambda cfg, rank: None
     # Model config schemas (``model.name`` -> dataclass) this workload adds to Hydra's model group.
     model_schemas: tuple[tuple[str, type[ModelConfig]], ...] = ()
-    # The module that registered it: role processes import it (the forkserver preloads it).
+    # The module that registered it: role processes import it (the launcher has imported it).
     module: str = ""
     # Heavy modules its roles use (its trainer, its table service), which the launcher's
     # fork server imports once so that forked roles start without importing them.

@@ -93,20 +93,30 @@ class ForkServer:
 
     def start(self, request: Any, name: str) -> ForkedProcess:
         """Fork a child that runs ``run(request)``; returns once it exists."""
+        return self.start_all([(request, name)])[0]
+
+    def start_all(self, requests: list[tuple[Any, str]]) -> list[ForkedProcess]:
+        """``start`` for each ``(request, name)``, in order, without a round trip each: all
+        requests go out first, then the helper's answers are read (one per child)."""
         with self._lock:
-            try:
-                self._sock.send(pickle.dumps(request))
-            except OSError as e:
-                why = self._why_gone()
-                raise ForkServerError(f"the fork server (pid {self.pid}) is gone: {why or e}") from e
-            while True:
-                message, fds = self._receive()
-                if isinstance(message, _Started):
-                    return ForkedProcess(message.pid, fds[0], name, self)
-                if isinstance(message, _Failed):
-                    raise ForkServerError(f"the fork server could not start {name}: {message.error}")
-                for fd in fds:
-                    os.close(fd)
+            for request, _ in requests:
+                try:
+                    self._sock.send(pickle.dumps(request))
+                except OSError as e:
+                    why = self._why_gone()
+                    raise ForkServerError(f"the fork server (pid {self.pid}) is gone: {why or e}") from e
+            started = []
+            for _, name in requests:
+                while True:
+                    message, fds = self._receive()
+                    if isinstance(message, _Started):
+                        started.append(ForkedProcess(message.pid, fds[0], name, self))
+                        break
+                    if isinstance(message, _Failed):
+                        raise ForkServerError(f"the fork server could not start {name}: {message.error}")
+                    for fd in fds:
+                        os.close(fd)
+            return started
 
     def _why_gone(self) -> str | None:
         """The error the helper reported before it exited, if it did."""

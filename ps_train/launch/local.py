@@ -95,6 +95,7 @@ class _Launch:
     run_dir: str
     results: Connection  # trainer0's metrics, to the launcher
     errors: Connection  # RoleErrors, to the launcher
+    env: dict[str, str]  # the launcher's environment as of the launch
     cwd: str
     heartbeats: Any  # the HeartbeatBoard's shared counters
     beat_every: float
@@ -108,7 +109,7 @@ class _Start:
 
     rank: int
     resume: str | None
-    env: dict[str, str]
+    env: dict[str, str] | None  # None: the launch's
 
 
 def _child(launch: _Launch, start: _Start) -> None:
@@ -119,7 +120,7 @@ def _child(launch: _Launch, start: _Start) -> None:
     try:
         # A spawned role (no fork server) starts with its own: take this launch's environment.
         os.environ.clear()
-        os.environ.update(start.env)
+        os.environ.update(start.env if start.env is not None else launch.env)
         os.chdir(launch.cwd)
         exit_with_parent()
         import_plugins(launch.workloads)  # already imported when forked from the fork server
@@ -187,12 +188,16 @@ class _Roles:
         self.server = ForkServer(preload, partial(_child, launch)) if hasattr(os, "fork") else None
         self.spawn = mp.get_context("spawn")
 
-    def start(self, start: _Start, name: str) -> Any:
+    def start(self, starts: list[tuple[_Start, str]]) -> list[Any]:
+        """A process for each ``(start, role name)``, in order."""
         if self.server is not None:
-            return self.server.start(start, name)
-        p = self.spawn.Process(target=_child, args=(self.launch, start), name=name, daemon=False)
-        p.start()
-        return p
+            return self.server.start_all(starts)
+        procs = []
+        for start, name in starts:
+            p = self.spawn.Process(target=_child, args=(self.launch, start), name=name, daemon=False)
+            p.start()
+            procs.append(p)
+        return procs
 
     def close(self) -> None:
         if self.server is not None:
@@ -227,7 +232,7 @@ def launch_local(
     env, cwd = dict(os.environ, **{ATTEMPT_ENV: str(attempt)}), os.getcwd()
     board = HeartbeatBoard(ctx, S + T, cfg.cluster.role_timeout)
     errors_in, errors_out = ctx.Pipe(duplex=False)  # RoleErrors from the roles that fail (see _report)
-    procs = {}
+    procs: dict[int, Any] = {}
     deadline = None if timeout is None else time.monotonic() + timeout
     workloads = workload_modules()
     launch = _Launch(
@@ -237,6 +242,7 @@ def launch_local(
         run_dir,
         results_out,
         errors_out,
+        env,
         cwd,
         board.counters,
         board.interval,
@@ -246,10 +252,11 @@ def launch_local(
     # Before any thread of this launch: the fork server is a copy of this process.
     roles = _Roles(launch, preload_modules(cfg))
 
-    def start(rank: int, resume: str | None = resume, env: dict[str, str] = env) -> Any:
-        p = roles.start(_Start(rank, resume, env), role_name(rank, S))
-        board.started(rank)  # its startup allowance counts from here, not from the fork server's start
-        return p
+    def start(ranks: list[int], resume: str | None = resume, env: dict[str, str] | None = None) -> list[Any]:
+        started = roles.start([(_Start(rank, resume, env), role_name(rank, S)) for rank in ranks])
+        for rank in ranks:
+            board.started(rank)  # its startup allowance counts from here, not from the fork server's start
+        return started
 
     def replace(rank: int, reason: str) -> Any:
         """Elastic: start a trainer in place of a dead one (it continues where ps0 says)."""
@@ -265,7 +272,7 @@ def launch_local(
         )
         board.restart(rank)
         # ps0 says where it starts (the attempt's checkpoint may be pruned by now).
-        return start(rank, resume=None, env=dict(env, **{REPLACED_ENV: "1"}))
+        return start([rank], resume=None, env=dict(env, **{REPLACED_ENV: "1"}))[0]
 
     # Read trainer0's metrics as they come: a long run's (per-step losses) fill the pipe, and
     # trainer0 cannot exit before they are read.
@@ -280,8 +287,7 @@ def launch_local(
     collector = threading.Thread(target=collect, name="metrics-collector", daemon=True)
     collector.start()
     try:
-        for rank in range(S + T):
-            procs[rank] = start(rank)
+        procs.update(enumerate(start(list(range(S + T)))))
         _Watch(procs, S, run_dir, deadline, board, errors_in, replace if cfg.cluster.elastic else None).run()
     finally:
         for p in procs.values():

@@ -169,9 +169,11 @@ def run_rank(
     except BaseException:
         _abandon(rpc)
         raise
-    phases.mark("shutdown")
+    # A server serves the trainers inside shutdown's wait for every worker: its time until
+    # the group is down counts as training (ps_train.observe.phases).
+    phases.mark("shutdown" if rank >= S else "serving")
     rpc.shutdown()
-    phases.mark("shut_down")
+    phases.mark("shut_down" if rank >= S else "served")
     if sampler is not None:
         sampler.close()
     if rank < S and cfg.profile.enabled:

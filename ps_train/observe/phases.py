@@ -61,8 +61,10 @@ _MARK_PHASE = {
     "checkpoint_end": CHECKPOINT,
     "eval_start": "training loop",
     "eval_end": "final evaluation",
-    "shutdown": "training loop",  # a server serves until then
+    "shutdown": "training loop",
     "shut_down": "shutdown",
+    "serving": "training loop",  # a server: until it enters shutdown
+    "served": "training loop",  # and in it, until every worker has (the trainers' steps)
     "exiting": "shutdown",
 }
 
@@ -81,10 +83,25 @@ def marks() -> dict[str, dict[str, float]]:
 
 
 def write_marks(run_dir: str, role: str) -> None:
-    """This role's marks, to ``<run_dir>/phases/<role>.json``."""
+    """This role's marks, to ``<run_dir>/phases/<role>.json``, with what the kernel counted of
+    it (``process``: its threads and context switches, where the CPU goes with many roles)."""
     folder = Path(run_dir) / "phases"
     folder.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(folder / f"{role}.json", json.dumps(marks()))
+    atomic_write_text(folder / f"{role}.json", json.dumps({**marks(), "process": process_counts()}))
+
+
+def process_counts() -> dict[str, int]:
+    """This process's threads and voluntary/involuntary context switches (``/proc``; empty elsewhere)."""
+    wanted = {"Threads": "threads", "voluntary_ctxt_switches": "voluntary", "nonvoluntary_ctxt_switches": "involuntary"}
+    counts = {}
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in wanted:
+                counts[wanted[key]] = int(value.split()[0])
+    except (OSError, ValueError):
+        return {}
+    return counts
 
 
 def process_start_time() -> float:
@@ -145,8 +162,11 @@ def run_phases(
             before = used
     order = [p.name for p in PHASES]
     order.insert(order.index("training loop") + 1, CHECKPOINT)
+    counted = [r.get("process", {}) for r in roles.values()]
     return {
         "phases": [{"name": n, "wall_s": round(seconds[n], 4), "cpu_s": round(cpu[n], 4)} for n in order],
         "wall_s": round(last - launcher["start"], 4),
         "roles": len(roles),
+        # summed over the roles, as each exited
+        "role_processes": {k: sum(c.get(k, 0) for c in counted) for k in ("threads", "voluntary", "involuntary")},
     }
