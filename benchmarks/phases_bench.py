@@ -189,10 +189,9 @@ def report(shapes: list[Shape], torch_s: list[float], torch_cpu: list[float], ru
     print("Training with more trainers than cores (median):")
     print()
     print(
-        "| shape | samples | training CPU ms / 1k samples | involuntary context switches / trainer step "
-        "| voluntary | threads / role |"
+        "| shape | samples | training CPU ms / 1k samples | involuntary context switches / trainer step | voluntary |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|")
     for shape in shapes:
         ms = runs[shape.label]
         samples = _median([m.metrics["samples"] for m in ms])
@@ -201,8 +200,7 @@ def report(shapes: list[Shape], torch_s: list[float], torch_cpu: list[float], ru
         print(
             f"| {shape.label} | {samples:,.0f} | {1e6 * _phase(ms, 'training loop', 'cpu_s') / samples:.1f} | "
             f"{_median([p['involuntary'] for p in procs]) / total_steps:.1f} | "
-            f"{_median([p['voluntary'] for p in procs]) / total_steps:.1f} | "
-            f"{_median([p['threads'] for p in procs]) / (shape.trainers + shape.servers):.1f} |"
+            f"{_median([p['voluntary'] for p in procs]) / total_steps:.1f} |"
         )
     for key, unit in (("wall_s", "wall s"), ("cpu_s", "CPU s")):
         print()
