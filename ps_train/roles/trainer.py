@@ -58,6 +58,7 @@ from ps_train import backend
 from ps_train.elastic.membership import stop_requested
 from ps_train.faults import maybe_inject_fault
 from ps_train.metrics import peak_rss_bytes, write_metrics_json
+from ps_train.observe import phases
 from ps_train.observe.console import summary_lines
 from ps_train.observe.dashboard import end_session
 from ps_train.observe.server_metrics import rpc_byte_counts
@@ -149,6 +150,7 @@ class Trainer(StepTrainer):
         is_chief = self.index == 0
         t_start = self._t_start = time.perf_counter()
         self.checkpoint_wait_s = 0.0  # trainer0: after its last step, for the last checkpoint
+        phases.mark("loop_start")
         self._first_step = self.step
         self.meter.start()
         losses: list[float] = []
@@ -192,6 +194,8 @@ class Trainer(StepTrainer):
         last: dict[str, float] = {}
         while self.step < self.steps and batch is not None and not stop_requested():  # None: elastic job over
             last = self.train_step(batch)
+            if not losses:
+                phases.mark("first_step")
             losses.append(last["loss"])
             self.step += 1
             self.meter.update(len(batch[-1]))  # every batch ends with its labels [B]
@@ -266,7 +270,9 @@ class Trainer(StepTrainer):
             all_stats = [mine] + sorted(others, key=lambda s: int(s["trainer"].removeprefix("trainer")))
         # Before the final evaluation, so the servers' byte counts are the training's.
         server_stats = [s.rpc_sync().stats() for s in self.servers]
+        phases.mark("eval_start")
         ev = self.evaluate()
+        phases.mark("eval_end")
         wall = max(s["wall_time_s"] for s in all_stats)
         samples = sum(s["samples"] for s in all_stats)
         metrics = {
