@@ -183,7 +183,8 @@ def wait_quiescent(agent: Agent, timeout: float) -> None:
         agent.pending.wait_idle(deadline)
         calls, requests = agent.pending, agent.dispatch
         mine = _CallCounts(calls.n_sent, calls.n_done, requests.n_received, requests.n_answered)
-        got: dict[int, _CallCounts] = gather_round("quiesce", mine, timeout)
+        left = timeout if deadline is None else max(deadline - time.monotonic(), 1e-3)
+        got: dict[int, _CallCounts] = gather_round("quiesce", mine, left)
         counts = tuple(sorted(got.items()))
         idle = all(c.sent == c.done and c.received == c.answered for c in got.values()) and sum(
             c.received for c in got.values()
