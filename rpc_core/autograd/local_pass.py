@@ -46,6 +46,8 @@ Outgoing = list[tuple[int, int, list[Any]]]
 # them: autograd.grad never accumulates into its inputs, and a local .backward() only ever
 # hands it None. A pass finds it among its leaves and skips it.
 ANCHOR = torch.empty(0, requires_grad=True)
+_running = [0]  # passes in run() now, for the debug counters
+_running_lock = threading.Lock()
 _accumulating = threading.Lock()  # root passes that run AccumulateGrad take turns with .grad
 
 # What torch.autograd.grad and .backward call once they have checked their arguments (None
@@ -176,6 +178,29 @@ def run(
     inputs = _discover(starts, accumulators)
     if not inputs:
         return []
+    with _running_lock:
+        _running[0] += 1
+    try:
+        return _run(ctx, starts, grads, inputs, accumulators, root, reply)
+    finally:
+        with _running_lock:
+            _running[0] -= 1
+
+
+def running() -> int:
+    """Backward passes running on this worker now (torch's ``num_current_backward_passes``)."""
+    return _running[0]
+
+
+def _run(
+    ctx: _context.DistAutogradContext,
+    starts: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    inputs: list[torch.Tensor],
+    accumulators: dict[int, Any],
+    root: bool,
+    reply: tuple[int, list[tuple[int, list[Any]]]] | None,
+) -> Outgoing:
     prev = (getattr(pass_tls, "outgoing", None), getattr(pass_tls, "reply", None))
     outgoing: Outgoing = []
     pass_tls.outgoing, pass_tls.reply = outgoing, reply

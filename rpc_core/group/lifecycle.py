@@ -121,8 +121,11 @@ def gather_round(tag: str, payload: Any, timeout: float, worker_names: list[str]
         payloads: dict[int, Any] = fut.wait()
         return payloads
     except RpcTimeoutError:
+        # torch's words after ours ("timed out in _all_gather after 0.10 seconds" on its
+        # leader, "RPC ran for more than" on the others), which programs match.
         raise RpcTimeoutError(
-            f"{tag} on {agent.me.name!r} timed out after {timeout:g} s waiting for the other workers"
+            f"{tag} on {agent.me.name!r} timed out after {timeout:g} s waiting for the other workers "
+            f"(timed out in _{tag} after {timeout:.2f} seconds: the RPC ran for more than its timeout)"
         ) from None
 
 

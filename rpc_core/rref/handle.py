@@ -155,6 +155,11 @@ class RRef(Generic[T]):
         f.set_result(None)
         return f
 
+    def _get_profiling_future(self) -> torch.futures.Future[Any]:
+        """Completes when the ``remote()`` call that made this RRef has its profiled event
+        (its creation answered), as torch's: the creation future."""
+        return self._get_future()
+
     def _get_type(self, timeout: float = -1, blocking: bool = True) -> Any:
         """The type of the value (``blocking=False``: a Future of it). A user handle asks
         its owner once (one call); the type is then kept on the handle, as torch keeps it."""

@@ -31,7 +31,7 @@ DEFAULT_TABLE = ROOT / "docs" / "torch_suite.md"
 def selection(suites: list[str], pattern: str | None, quick: bool) -> list[TestId]:
     """The tests to run, from the test names torch's modules define (listed without
     importing them into this process: a driver does)."""
-    listed = list_tests(suites)
+    listed = [t for t in list_tests(suites) if str(t) not in exclusions.EXCLUDED]
     if quick:
         listed = [t for t in listed if str(t) in exclusions.QUICK]
     if pattern:
@@ -59,10 +59,16 @@ def _env() -> dict[str, str]:
     return env
 
 
-def run_lib(lib: str, tests: list[TestId], results: pathlib.Path, timeout: float, budget: float) -> None:
-    """Run ``tests`` on ``lib`` in a driver process, bounded by ``budget`` seconds in all."""
+def run_lib(
+    lib: str, tests: list[TestId], results: pathlib.Path, timeout: float, budget: float, rerun: bool = False
+) -> None:
+    """Run ``tests`` on ``lib`` in a driver process, bounded by ``budget`` seconds in all.
+    Tests with an outcome in ``results`` are not run again, unless ``rerun`` and it was not a pass."""
     out = results / f"{lib}.jsonl"
-    done = {r["test"] for r in report.read(out)}
+    kept = [r for r in report.read(out) if not (rerun and r["outcome"] != "passed")]
+    if rerun:
+        out.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    done = {r["test"] for r in kept}
     todo = [str(t) for t in tests if str(t) not in done]
     if not todo:
         return
@@ -83,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds one test may take (default 120)")
     parser.add_argument("--budget", type=float, default=4 * 3600.0, help="seconds one library's run may take")
     parser.add_argument("--results", type=pathlib.Path, help="folder for the outcomes (default: a new temp folder)")
+    parser.add_argument("--rerun", action="store_true", help="run again the tests --results has as not passed")
     parser.add_argument("--from-results", type=pathlib.Path, help="skip running: write the table from this folder")
     parser.add_argument(
         "--table", type=pathlib.Path, help=f"write the table here (default {DEFAULT_TABLE} on a full run)"
@@ -97,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.from_results is None:
         start = time.monotonic()
         for lib in LIBS if args.lib == "both" else (args.lib,):
-            run_lib(lib, tests, results, args.timeout, args.budget)
+            run_lib(lib, tests, results, args.timeout, args.budget, args.rerun)
         print(f"[torch_suite] {len(tests)} tests in {time.monotonic() - start:.0f} s; results in {results}")
     rows = report.rows(tests, results)
     print(report.summary(rows))

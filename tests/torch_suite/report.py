@@ -12,6 +12,10 @@ from typing import Any
 from tests.torch_suite import exclusions
 from tests.torch_suite.suites import NOT_SELECTED, TestId
 
+# How a failure caused by TorchScript RPC reads: a TorchScript function that cannot compile
+# against rpc_core's types (routing), or rpc_core's own refusal (a scriptable RemoteModule).
+TORCHSCRIPT_SIGNS = ("NeedsTorchScript", "rpc_core has no TorchScript RPC")
+
 
 @dataclass(frozen=True)
 class Row:
@@ -31,7 +35,7 @@ def read(path: pathlib.Path) -> list[dict[str, Any]]:
 def rows(tests: list[TestId], results: pathlib.Path) -> list[Row]:
     got = {lib: {r["test"]: r for r in read(results / f"{lib}.jsonl")} for lib in ("torch", "rpc_core")}
     out = []
-    for test in tests:
+    for test in [*tests, *(TestId.parse(t) for t in exclusions.EXCLUDED)]:
         key = str(test)
         if key in exclusions.EXCLUDED:
             out.append(Row(test, "not run", "not run", exclusions.EXCLUDED[key], "excluded"))
@@ -45,7 +49,7 @@ def rows(tests: list[TestId], results: pathlib.Path) -> list[Row]:
 def _why(key: str, theirs: dict[str, Any], ours: dict[str, Any]) -> tuple[str, str]:
     if ours["outcome"] == "passed":
         return "", "same" if theirs["outcome"] == "passed" else "differs"
-    if "NeedsTorchScript" in ours["detail"]:
+    if any(sign in ours["detail"] for sign in TORCHSCRIPT_SIGNS):
         return f"needs TorchScript RPC: {ours['detail']}", "excluded"
     if key in exclusions.TORCH_PRIVATE:
         return exclusions.TORCH_PRIVATE[key], "torch-private"

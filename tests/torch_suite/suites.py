@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 import multiprocessing
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,7 +120,10 @@ def test_classes(lib: str, suites: list[str]) -> dict[str, dict[str, Any]]:
         out[suite] = {}
         for name in class_names:
             base = getattr(module, name)
-            out[suite][name] = type(f"{lib}_{name}", (base, fixture, helper), {"__module__": __name__})
+            cls = type(f"{lib}_{name}", (base, fixture, helper), {"__module__": __name__})
+            # Found by name when a test pickles itself into an RPC (test_my_parameter_server).
+            setattr(sys.modules[__name__], cls.__name__, cls)
+            out[suite][name] = cls
     return out
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import rpc_core
+import rpc_core.nn
 import rpc_core.profiler
 import rpc_core.rref
 
@@ -37,4 +38,8 @@ BACKEND_REGISTRY: dict[str, Any] = {
 }
 
 # torch.distributed.nn.api.remote_module
-REMOTE_MODULE: dict[str, Any] = {}
+REMOTE_MODULE: dict[str, Any] = {
+    # torch's base class, which also takes ``_module_interface_cls`` (a scriptable
+    # RemoteModule: rpc_core raises NotImplementedError, "no TorchScript RPC").
+    "_RemoteModule": rpc_core.nn.RemoteModule,
+}
