@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch._C._autograd import _profiler_enabled
 
 from ..agent import agent as _agent_mod
 from ..agent import calls
@@ -125,7 +126,7 @@ def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = Fa
     if not isinstance(context_id, int) or isinstance(context_id, bool):
         raise TypeError(f"incompatible function arguments: context_id must be an int, got {type(context_id).__name__}")
     roots = _check_roots(roots)
-    if torch.autograd._profiler_enabled():  # a profile shows the pass under torch's name
+    if _profiler_enabled():  # a profile shows the pass under torch's name
         with torch.autograd.profiler.record_function(PROFILED_BACKWARD):
             _backward(context_id, roots)
     else:
@@ -207,7 +208,7 @@ def _pass_from_sends(
             raise RpcError(on_node(me, f"no send with autograd message id {msg_id} in context {ctx.context_id}"))
         pairs += [(t, g) for t, g in zip(sent, grads, strict=False) if g is not None]
     try:
-        if torch.autograd._profiler_enabled():
+        if _profiler_enabled():
             with torch.autograd.profiler.record_function(PROFILED_SEND):
                 return local_pass(ctx, [t for t, _ in pairs], [g for _, g in pairs], waited=waited, reply=reply)
         return local_pass(ctx, [t for t, _ in pairs], [g for _, g in pairs], waited=waited, reply=reply)

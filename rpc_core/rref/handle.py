@@ -166,9 +166,11 @@ class RRef(Generic[T]):
         if self._type is not None:
             if blocking:
                 return self._type
-            f: torch.futures.Future[Any] = torch.futures.Future()
-            f.set_result(self._type)
-            return f
+            if self._type_fetch is None:  # the type came without a fetch: one future for every later call
+                f: torch.futures.Future[Any] = torch.futures.Future()
+                f.set_result(self._type)
+                self._type_fetch = f
+            return self._type_fetch  # the same future each time, as torch's cached one
         fut = self._type_future(timeout)
         return fut.wait() if blocking else fut
 

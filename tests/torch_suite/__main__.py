@@ -110,9 +110,12 @@ def main(argv: list[str] | None = None) -> int:
     print(report.summary(rows))
     table = args.table or (DEFAULT_TABLE if full or args.from_results else None)
     if table is not None:
-        table.write_text(
-            report.markdown(rows, command=" ".join(["python -m tests.torch_suite", *(argv or sys.argv[1:])]))
+        given = sys.argv[1:] if argv is None else argv
+        # A table rewritten from results names the run that made them (into one --results folder).
+        command = (
+            "python -m tests.torch_suite" if args.from_results else " ".join(["python -m tests.torch_suite", *given])
         )
+        table.write_text(report.markdown(rows, command=command))
         print(f"[torch_suite] wrote {table}")
     return 1 if report.unexplained(rows) else 0
 

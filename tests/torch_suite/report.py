@@ -3,11 +3,15 @@ and the markdown table ``python -m tests.torch_suite`` writes (docs/torch_suite.
 
 from __future__ import annotations
 
+import datetime
 import json
 import pathlib
+import platform
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from tests.torch_suite import exclusions
 from tests.torch_suite.suites import NOT_SELECTED, TestId
@@ -23,7 +27,7 @@ class Row:
     torch: str  # passed | failed | skipped | not run
     rpc_core: str
     why: str  # why rpc_core's outcome differs from torch's, or why the test is excluded
-    kind: str  # same | excluded | torch-private | differs | fails on torch | gap
+    kind: str  # same | rpc_core only | skipped | excluded | torch-private | differs | fails on torch | gap
 
 
 def read(path: pathlib.Path) -> list[dict[str, Any]]:
@@ -48,7 +52,11 @@ def rows(tests: list[TestId], results: pathlib.Path) -> list[Row]:
 
 def _why(key: str, theirs: dict[str, Any], ours: dict[str, Any]) -> tuple[str, str]:
     if ours["outcome"] == "passed":
-        return "", "same" if theirs["outcome"] == "passed" else "differs"
+        if theirs["outcome"] == "passed":
+            return "", "same"
+        return f"torch: {theirs['outcome']} ({theirs['detail']})", "rpc_core only"
+    if ours["outcome"] == "skipped" and theirs["outcome"] == "skipped":
+        return f"skipped by the test itself: {theirs['detail']}", "skipped"
     if any(sign in ours["detail"] for sign in TORCHSCRIPT_SIGNS):
         return f"needs TorchScript RPC: {ours['detail']}", "excluded"
     if key in exclusions.TORCH_PRIVATE:
@@ -75,6 +83,7 @@ def summary(table: list[Row]) -> str:
         f"{len(table)} tests: {len(ran)} run, {kinds['excluded']} excluded (CUDA/TorchScript); "
         f"torch passes {torch_pass}, rpc_core passes {ours} ({both} of torch's); "
         f"listed differences: {kinds['torch-private']} torch-private, {kinds['differs']} on purpose; "
+        f"skipped by the tests themselves: {kinds['skipped']}; "
         f"unexplained gaps: {kinds['gap']}"
     )
 
@@ -93,11 +102,12 @@ def markdown(table: list[Row], command: str) -> str:
         "`nn.api.remote_module_test`), run unchanged on torch (TensorPipe) and with their "
         "`torch.distributed.rpc` / `.autograd` / `.optim` / `.nn` imports routed to rpc_core "
         "(`tests/torch_suite/routing.py`). Excluded: what needs CUDA or TorchScript RPC. "
-        "Every other test torch passes passes on rpc_core, or is listed with the torch-private "
-        "object it touches or the difference rpc_core keeps on purpose "
-        "(docs/torch_compatibility.md).",
+        "The target: every other test torch passes passes on rpc_core, or is listed with the torch-private "
+        "object it touches or the difference rpc_core keeps on purpose (docs/torch_compatibility.md); a "
+        "test that misses it is marked `gap`.",
         "",
-        f"Command: `{command}`",
+        f"Command: `{command}`; torch {torch.__version__}, {platform.python_implementation()} "
+        f"{platform.python_version()}, {datetime.date.today().isoformat()}.",
         "",
         summary(table),
         "",
