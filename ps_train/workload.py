@@ -90,6 +90,12 @@ class Workload:
     # Heavy modules its roles use (its trainer, its table service), which the launcher's
     # forkserver imports once so that forked roles start without importing them.
     preload: tuple[str, ...] = ()
+    # The modules that define the functions its roles call on each other by RPC (``rpc_sync``
+    # / ``rpc_async`` / ``remote`` of a function, not an RRef's methods) and the record classes
+    # those calls carry, each marked ``@ps_train.backend.called_by_name``. Under
+    # ``cluster.serializer=safe`` every role imports them before ``init_rpc``
+    # (``ps_train.rpc_allowlist``): a peer may name only what they marked.
+    rpc_modules: tuple[str, ...] = ()
 
 
 _REGISTRY: dict[str, Workload] = {}
