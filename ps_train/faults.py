@@ -206,6 +206,7 @@ def maybe_inject_fault(role: str, step: int, ps0: Any = None) -> None:
     die(role, step, "killing" if fault.action == "kill" else "freezing", _ACTIONS[fault.action])
 
 
+@backend.called_by_name  # the answer of ``_ps0_view``
 class Ps0View(NamedTuple):
     """What a hold waits for, as ps0 sees it."""
 
@@ -214,6 +215,7 @@ class Ps0View(NamedTuple):
     updates: dict[str, int]  # updates it applied per trainer name
 
 
+@backend.called_by_name
 def _ps0_view(server: Any) -> Ps0View:
     """Run on ps0 (``server``: the RRef to its ParameterServer, owned there)."""
     ps = server.local_value()

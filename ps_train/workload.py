@@ -92,6 +92,12 @@ class Workload:
     preload: tuple[str, ...] = ()
     # Heavy modules only some configs use (a dataset's loader): preloaded for those runs only.
     preload_for: Callable[[Config], tuple[str, ...]] = lambda cfg: ()
+    # The modules that define the functions its roles call on each other by RPC (``rpc_sync``
+    # / ``rpc_async`` / ``remote`` of a function, not an RRef's methods) and the record classes
+    # those calls carry, each marked ``@ps_train.backend.called_by_name``. Under
+    # ``cluster.serializer=safe`` every role imports them before ``init_rpc``
+    # (``ps_train.rpc_allowlist``): a peer may name only what they marked.
+    rpc_modules: tuple[str, ...] = ()
 
 
 _REGISTRY: dict[str, Workload] = {}

@@ -60,6 +60,7 @@ __all__ = [
 log = logging.getLogger("ps_train.membership")
 
 
+@backend.called_by_name  # ps0's answer to ``assignment``
 class Assignment(NamedTuple):
     """Trainer ``slot`` of ``world`` reads ``partition(n, slot, world, seed, epoch)`` in ``epoch``."""
 
@@ -349,6 +350,7 @@ def serve_elastic(ps: ElasticServer) -> None:
 _stop = threading.Event()
 
 
+@backend.called_by_name
 def request_stop() -> None:
     _stop.set()
 
@@ -365,28 +367,34 @@ def membership() -> Membership:
 
 
 # -- what trainers call on ps0 -------------------------------------------------------------------------
+@backend.called_by_name
 def resume_point(trainer: int) -> dict[str, Any]:
     return membership().resume_point(trainer)
 
 
+@backend.called_by_name
 def join_step() -> int:
     return membership().join_step()
 
 
 @async_execution
+@backend.called_by_name
 def assignment(trainer: int, epoch: int) -> torch.futures.Future[Any]:
     return membership().assignment(trainer, epoch)
 
 
+@backend.called_by_name
 def finish(trainer: int, stats: dict[str, Any]) -> None:
     membership().finish(trainer, stats)
 
 
 @async_execution
+@backend.called_by_name
 def final_reports() -> torch.futures.Future[Any]:
     return membership().final_reports()
 
 
+@backend.called_by_name
 def events() -> list[dict[str, Any]]:
     with membership().cond:
         return list(membership().events)

@@ -115,7 +115,7 @@ def run_rank(
         sampler = _server_metrics(cfg, ps, writer) if sampled and cfg.logging.tensorboard else None
     init_method = init_method or f"tcp://{master_addr}:{master_port}"
     if cfg.cluster.serializer == "safe":
-        rpc_allowlist.register()  # before init_rpc: the first calls may come at once
+        rpc_allowlist.register(cfg)  # before init_rpc: the first calls may come at once
     opts = backend.make_options(
         init_method,
         cfg.cluster.rpc_timeout,

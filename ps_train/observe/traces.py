@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
+from ps_train import backend
 from ps_train.files import atomic_write_text
 
 __all__ = [
@@ -126,6 +127,7 @@ _served: list[TraceEvent] = []
 _served_lock = threading.Lock()
 
 
+@backend.called_by_name
 def deposit(events: list[tuple[Any, ...]]) -> None:
     """Called by a trainer on a server (over RPC): what this server ran in its profiled steps."""
     with _served_lock:

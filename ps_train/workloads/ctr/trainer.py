@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ps_train import backend
 from ps_train.config import CtrDataConfig, DLRMConfig
 from ps_train.roles.trainer import Trainer
 from ps_train.workloads.ctr.data.bags import Bags
@@ -217,6 +218,7 @@ class CtrTrainer(Trainer):
         return out
 
 
+@backend.called_by_name
 def _lookup(
     rows: Tensor, offsets: Tensor, weights: Tensor | None, trainer: int, step: int, ids: Tensor | None = None
 ) -> Tensor:
@@ -231,6 +233,7 @@ def _lookup(
     return local_server().lookup(rows, offsets, weights, trainer, step, ids)
 
 
+@backend.called_by_name
 def _prefetch(rows: Tensor) -> None:
     """Runs on a server: a trainer's next request names ``rows`` (``ParameterServer.prefetch_rows``)."""
     from ps_train.roles.server import local_server
@@ -238,6 +241,7 @@ def _prefetch(rows: Tensor) -> None:
     local_server().prefetch_rows(rows)
 
 
+@backend.called_by_name
 def _push_gradients(context_id: int, rows: Tensor, grad: Tensor) -> None:
     """Runs on a server: a trainer's gradients of rows it read from its cache."""
     from ps_train.roles.server import local_server

@@ -59,5 +59,6 @@ CTR = register_workload(
         table_service=_table_service,
         module=__name__,
         preload=("ps_train.workloads.ctr.trainer", "ps_train.workloads.ctr.tables.service"),
+        rpc_modules=("ps_train.workloads.ctr.trainer",),  # a trainer's lookups, prefetches, cached rows' gradients
     )
 )
