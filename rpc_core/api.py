@@ -217,7 +217,7 @@ def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -
             for hook in lifecycle.pre_shutdown_hooks:
                 hook()
             _rref.delete_all_user_rrefs(left())
-            lifecycle.wait_quiescent(agent, left())
+            lifecycle.wait_quiescent(agent, left(), whole=timeout)
     except RpcError as e:
         error = e
     finally:

@@ -163,14 +163,31 @@ def preload_modules(cfg: Config) -> list[str]:
     return [*_PRELOAD, *dynamo, *w.preload, *w.preload_for(cfg)]
 
 
+def os_threads() -> int:
+    """Threads of this process, native ones included (a library's C++ thread pool is no
+    Python thread but holds locks a fork copies all the same)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:  # no /proc: what Python knows of
+        return threading.active_count()
+
+
 class RoleProcesses:
-    """Starts role processes: forked from a ``ForkServer`` where there is ``os.fork``, else
-    spawned by ``multiprocessing`` (each imports what it needs)."""
+    """Starts role processes: forked from a ``ForkServer`` where there is ``os.fork`` and the
+    launcher is single-threaded (as ``python -m ps_train`` is when it launches); else from
+    ``multiprocessing``'s forkserver, a fresh interpreter that imports ``preload`` once (a
+    launcher embedded in a threaded program: a fork of it could copy a lock some thread
+    holds, and a role would wait on it forever); else spawned (each imports what it needs)."""
 
     def __init__(self, launch: RoleLaunch, preload: list[str]) -> None:
         self.launch = launch
-        self.server = ForkServer(preload, partial(_child, launch)) if hasattr(os, "fork") else None
-        self.spawn = mp.get_context("spawn")
+        forkable = hasattr(os, "fork") and os_threads() == 1
+        self.server = ForkServer(preload, partial(_child, launch)) if forkable else None
+        if not forkable and "forkserver" in mp.get_all_start_methods():
+            self.spawn: Any = mp.get_context("forkserver")
+            self.spawn.set_forkserver_preload(preload)
+        else:
+            self.spawn = mp.get_context("spawn")
 
     def start(self, starts: list[tuple[RoleStart, str]]) -> list[Any]:
         """A process for each ``(start, role name)``, in order."""

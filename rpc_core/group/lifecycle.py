@@ -173,13 +173,14 @@ class _CallCounts(NamedTuple):
     answered: int
 
 
-def wait_quiescent(agent: Agent, timeout: float) -> None:
+def wait_quiescent(agent: Agent, timeout: float, whole: float | None = None) -> None:
     """Termination detection: every worker reports (sent, done, received, answered) call
     counts; work is over when no worker has a call pending (sent == done) or a request
     unanswered (received == answered), every request sent has arrived (a timed-out call may
     still be on its way), and the counts did not move between two rounds. Requests from
     connections that are not workers' calls (raw clients) count as received only, so
-    "arrived" is received >= sent rather than equality."""
+    "arrived" is received >= sent rather than equality. ``whole``: the shutdown's own timeout,
+    of which ``timeout`` is what is left (the error names the one the user gave)."""
     deadline = time.monotonic() + timeout if timeout > 0 else None
     previous = None
     while True:
@@ -198,7 +199,8 @@ def wait_quiescent(agent: Agent, timeout: float) -> None:
         if not idle:
             time.sleep(0.005)  # work is still running somewhere; let it progress before re-polling
         if deadline is not None and time.monotonic() > deadline:
-            raise RpcTimeoutError(f"shutdown timed out after {timeout:g} s: workers still have calls in flight")
+            said = timeout if whole is None else whole
+            raise RpcTimeoutError(f"shutdown timed out after {said:g} s: workers still have calls in flight")
 
 
 # Barrier arrivals at rank 0: called by name under serializer='safe'.

@@ -63,7 +63,7 @@ def test_help_lists_config_groups_and_examples(commands):
     folder, r = commands["help"]
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("ps_train: parameter-server, model-parallel training")
-    for line in ("mode: async, hybrid, ssp, sync", "cluster: env, local", "optim: adam, adamw, sgd"):
+    for line in ("mode: async, hybrid, ssp, sync", "cluster: env, local", "optim: adagrad, adam, adamw, sgd"):
         assert line in r.stdout
     assert "python -m ps_train -m optim.lr=0.01,0.1 mode=sync,async" in r.stdout
     assert not (folder / "runs").exists()
