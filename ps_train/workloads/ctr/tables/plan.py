@@ -166,15 +166,22 @@ class BagPlanner:
             # Final bags' entries from server s: its single rows, once per id using them, and
             # its partial of each pooled bag; grouped by final bag.
             s_mine = s_owner == s
-            bag_ids = torch.cat([s_bag[s_mine], pbags])
-            items = torch.cat([sinv[s_mine] - lo, (hi - lo) + torch.arange(len(pbags))])
-            order = torch.argsort(bag_ids, stable=True)
-            plan.entries.append(items[order])
+            # The single rows' bags ascend already (bag_of does, masks keep order): only the
+            # partials of pooled bags need merging in, so without any the stable sort is the
+            # identity and is skipped (the plan is the same).
+            if len(pbags):
+                bag_ids = torch.cat([s_bag[s_mine], pbags])
+                items = torch.cat([sinv[s_mine] - lo, (hi - lo) + torch.arange(len(pbags))])
+                order: Tensor | None = torch.argsort(bag_ids, stable=True)
+            else:
+                bag_ids, items, order = s_bag[s_mine], sinv[s_mine] - lo, None
+            plan.entries.append(items if order is None else items[order])
             plan.entry_offsets.append(_exclusive_cumsum(torch.bincount(bag_ids, minlength=T * B)))
             if s_weight is None:
                 plan.entry_weights.append(None)
             else:
-                plan.entry_weights.append(torch.cat([s_weight[s_mine], torch.ones(len(pbags))])[order])
+                w = torch.cat([s_weight[s_mine], torch.ones(len(pbags))])
+                plan.entry_weights.append(w if order is None else w[order])
         return plan
 
     def _pooled_tables(
