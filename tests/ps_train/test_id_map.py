@@ -14,7 +14,7 @@ from ps_train.workloads.ctr.tables.id_map import IdSlotMap
 @pytest.mark.parametrize("room", [1, 40, 500])
 def test_the_map_answers_as_a_dict_through_inserts_removals_and_rebuilds(room: int) -> None:
     rng = random.Random(room)
-    ids_map, ref = IdSlotMap(room), {}
+    ids_map, ref = IdSlotMap(room), dict[int, int]()
     for _ in range(400):
         if ref and rng.random() < 0.5:
             gone = rng.sample(sorted(ref), rng.randint(1, len(ref)))
