@@ -86,6 +86,21 @@ def _exclusive_cumsum(counts: Tensor) -> Tensor:
     return out
 
 
+def _unique_triples(a: Tensor, b: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
+    """``torch.unique(torch.stack([a, b, c], 1), dim=0, return_inverse=True)`` (the distinct
+    triples [U, 3] in ascending order, and each one's index [N]) by three stable 1-D sorts:
+    several times faster than ``unique`` over rows for a step's ids."""
+    order = torch.arange(len(a))
+    for col in (c, b, a):  # last key first: stable sorts leave ties in the later keys' order
+        order = order[torch.argsort(col[order], stable=True)]
+    sa, sb, sc = a[order], b[order], c[order]
+    first = torch.ones(len(a), dtype=torch.bool)  # [N]: a sorted triple unlike the one before
+    first[1:] = (sa[1:] != sa[:-1]) | (sb[1:] != sb[:-1]) | (sc[1:] != sc[:-1])
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.cumsum(first, 0) - 1
+    return torch.stack([sa[first], sb[first], sc[first]], 1), inverse
+
+
 class BagPlanner:
     """Plans every step of one run: the layout's per-table constants as tensors, built once."""
 
@@ -131,7 +146,7 @@ class BagPlanner:
             row = torch.where(dyn, -1 - table, row)
             ident = torch.where(dyn, v, 0)
             # Keys: the rank of (owner, row, id) among the batch's distinct triples (sorted).
-            triples, key = torch.unique(torch.stack([owner, row, ident], 1), dim=0, return_inverse=True)
+            triples, key = _unique_triples(owner, row, ident)
             key_start = torch.searchsorted(triples[:, 0].contiguous(), torch.arange(S + 1))
             key_row, key_id = triples[:, 1], triples[:, 2]
         pooled = self._pooled_tables(bags, lengths, bag_of, table, owner, key)[table]  # [N] bool
