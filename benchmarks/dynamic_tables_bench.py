@@ -20,21 +20,18 @@ import json
 import os
 import sys
 import tempfile
-import tracemalloc
 from typing import Any
 
 from benchmarks._ctr_job import run_dlrm_job
 from benchmarks._results import add_result_option, run_recorded
 
 
-def dict_bytes_per_entry() -> float:
-    """What the server's id -> slot dict costs per entry (large int keys, small int values),
-    measured here on 200,000 entries."""
-    tracemalloc.start()
-    d = {(1 << 40) + 7919 * i: i for i in range(200_000)}
-    size, _ = tracemalloc.get_traced_memory()
-    tracemalloc.stop()
-    return size / len(d)
+def id_map_bytes(cap: int) -> int:
+    """What one table's id -> slot map (``IdSlotMap``) holds for ``cap`` slots: its flat tensors."""
+    from ps_train.workloads.ctr.tables.id_map import IdSlotMap
+
+    m = IdSlotMap(cap)
+    return m.keys.nbytes + m.values.nbytes
 
 
 def run(kind: str, args: argparse.Namespace, run_dir: str) -> dict[str, Any]:
@@ -83,14 +80,14 @@ def run(kind: str, args: argparse.Namespace, run_dir: str) -> dict[str, Any]:
     return row
 
 
-def bound(args: argparse.Namespace, per_entry: float) -> dict[str, float]:
-    """What the cap implies per server, in bytes: rows, row-wise Adagrad, bookkeeping, dict."""
+def bound(args: argparse.Namespace, map_bytes: int) -> dict[str, float]:
+    """What the cap implies per server, in bytes: rows, row-wise Adagrad, bookkeeping, id map."""
     slots = args.tables * args.cap
     return {
         "rows": slots * args.dim * 4,
         "rowwise_adagrad": slots * 4,
         "bookkeeping": slots * 26,  # id, last use, free list (8 B each), two 1-byte marks
-        "dict": slots * per_entry,
+        "id_map": args.tables * map_bytes,
     }
 
 
@@ -109,18 +106,18 @@ def main() -> None:
     ap.add_argument("--json", help="also write the rows here")
     add_result_option(ap, "dynamic_tables_bench")
     args = ap.parse_args()
-    per_entry = dict_bytes_per_entry()
+    map_bytes = id_map_bytes(args.cap)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for kind in args.only or ("baseline", "dynamic", "hashed"):
             rows.append(run(kind, args, os.path.join(tmp, kind)))
             print(json.dumps(rows[-1]), flush=True)
-    b = bound(args, per_entry)
+    b = bound(args, map_bytes)
     base = next((r["server_peak_rss"] for r in rows if r["kind"] == "baseline" and r["status"] == "ok"), None)
     print(f"\n{args.tables} tables x {args.ids:,} ids, Zipf {args.zipf}, cap {args.cap:,} rows per table, d={args.dim}")
     print(
         f"bound from the cap: {', '.join(f'{k} {v / 2**20:.0f} MiB' for k, v in b.items())}"
-        f" (dict: {per_entry:.0f} B/entry); total {sum(b.values()) / 2**20:.0f} MiB"
+        f" (id map: {map_bytes / args.cap:.0f} B/slot); total {sum(b.values()) / 2**20:.0f} MiB"
         + (
             f" + server without tables {base / 2**20:.0f} MiB = {(sum(b.values()) + base) / 2**20:.0f} MiB"
             if base
@@ -141,9 +138,20 @@ def main() -> None:
             f"| {r['kind']} | {auc} | {r['server_peak_rss'] / 2**20:.0f} MiB | {live} | "
             f"{r['samples_per_s']:.0f} | {r['load_before']:.1f} / {r['load_after']:.1f} |"
         )
+    ok = {r["kind"]: r for r in rows if r["status"] == "ok"}
+    if "dynamic" in ok and "hashed" in ok:
+        speed = ok["dynamic"]["samples_per_s"] / ok["hashed"]["samples_per_s"]
+        print(f"\ndynamic / hashed samples/s: {speed:.2f}x (target >= 0.8x: {'PASS' if speed >= 0.8 else 'FAIL'})")
+    if "dynamic" in ok and base:
+        over = ok["dynamic"]["server_peak_rss"] - base  # what the dynamic tables cost the server
+        limit = sum(b.values()) + 300 * 2**20
+        print(
+            f"dynamic server RSS over the server without tables: {over / 2**20:.0f} MiB, bound + 300 MiB = "
+            f"{limit / 2**20:.0f} MiB ({'PASS' if over <= limit else 'FAIL'})"
+        )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "bound": b, "dict_bytes_per_entry": per_entry, "runs": rows}, f, indent=1)
+            json.dump({"args": vars(args), "bound": b, "id_map_bytes": map_bytes, "runs": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

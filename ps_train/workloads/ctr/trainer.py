@@ -113,17 +113,26 @@ class CtrTrainer(Trainer):
             self.cache.begin_step(self.step)
             splits = [self.cache.split(s, req) for s, req in enumerate(plan.requests)]
             requests = [sp.request for sp in splits]
-        # Every server's lookup leaves at once; the bottom MLP's forward runs meanwhile.
+        # Every server's lookup leaves at once. The bottom MLP's server gets its lookup and
+        # the bottom forward in one call: one request and one answer fewer per step (the
+        # backward already sends each server one gradient call for everything it returned).
+        (bottom, bottom_server), (top, top_server) = self.shard_servers
         t0 = time.perf_counter()
         futs = [
-            self.rpc.rpc_async(f"ps{s}", _lookup, args=(*requests[s], self.index, self.step, plan.ids[s]))
+            self.rpc.rpc_async(
+                f"ps{s}",
+                _lookup_forward,
+                args=(*requests[s], self.index, self.step, plan.ids[s], bottom, dense),
+            )
+            if s == bottom_server
+            else self.rpc.rpc_async(f"ps{s}", _lookup, args=(*requests[s], self.index, self.step, plan.ids[s]))
             for s in range(len(self.servers))
         ]
-        (bottom, bottom_server), (top, top_server) = self.shard_servers
-        x = self.call_server(bottom_server, "forward", bottom, dense, self.index, self.step)  # [B, d]
-        rows = [f.wait() for f in futs]
-        for s in range(len(rows)):
+        answers = [f.wait() for f in futs]
+        for s in range(len(answers)):
             self.latency[s].record(time.perf_counter() - t0)
+        rows, x = list(answers), answers[bottom_server][1]  # x: [B, d], the bottom MLP's output
+        rows[bottom_server] = answers[bottom_server][0]
         pulled = sum(len(r) for r in rows)
         if self.cache is not None:
             context_id = self.dist_autograd._current_context()._context_id()
@@ -231,6 +240,26 @@ def _lookup(
     from ps_train.roles.server import local_server
 
     return local_server().lookup(rows, offsets, weights, trainer, step, ids)
+
+
+@backend.called_by_name
+def _lookup_forward(
+    rows: Tensor,
+    offsets: Tensor,
+    weights: Tensor | None,
+    trainer: int,
+    step: int,
+    ids: Tensor | None,
+    shard: int,
+    dense: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """Runs on the bottom MLP's server: ``_lookup``'s vectors [P, dim] and ``shard``'s
+    forward of ``dense`` [B, d], both in the caller's distributed-autograd context."""
+    from ps_train.roles.server import local_server
+
+    server = local_server()
+    vectors = server.lookup(rows, offsets, weights, trainer, step, ids)
+    return vectors, server.forward(shard, dense, trainer, step)
 
 
 @backend.called_by_name

@@ -86,6 +86,21 @@ def _exclusive_cumsum(counts: Tensor) -> Tensor:
     return out
 
 
+def _unique_triples(a: Tensor, b: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
+    """``torch.unique(torch.stack([a, b, c], 1), dim=0, return_inverse=True)`` (the distinct
+    triples [U, 3] in ascending order, and each one's index [N]) by three stable 1-D sorts:
+    several times faster than ``unique`` over rows for a step's ids."""
+    order = torch.arange(len(a))
+    for col in (c, b, a):  # last key first: stable sorts leave ties in the later keys' order
+        order = order[torch.argsort(col[order], stable=True)]
+    sa, sb, sc = a[order], b[order], c[order]
+    first = torch.ones(len(a), dtype=torch.bool)  # [N]: a sorted triple unlike the one before
+    first[1:] = (sa[1:] != sa[:-1]) | (sb[1:] != sb[:-1]) | (sc[1:] != sc[:-1])
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.cumsum(first, 0) - 1
+    return torch.stack([sa[first], sb[first], sc[first]], 1), inverse
+
+
 class BagPlanner:
     """Plans every step of one run: the layout's per-table constants as tensors, built once."""
 
@@ -131,7 +146,7 @@ class BagPlanner:
             row = torch.where(dyn, -1 - table, row)
             ident = torch.where(dyn, v, 0)
             # Keys: the rank of (owner, row, id) among the batch's distinct triples (sorted).
-            triples, key = torch.unique(torch.stack([owner, row, ident], 1), dim=0, return_inverse=True)
+            triples, key = _unique_triples(owner, row, ident)
             key_start = torch.searchsorted(triples[:, 0].contiguous(), torch.arange(S + 1))
             key_row, key_id = triples[:, 1], triples[:, 2]
         pooled = self._pooled_tables(bags, lengths, bag_of, table, owner, key)[table]  # [N] bool
@@ -166,15 +181,22 @@ class BagPlanner:
             # Final bags' entries from server s: its single rows, once per id using them, and
             # its partial of each pooled bag; grouped by final bag.
             s_mine = s_owner == s
-            bag_ids = torch.cat([s_bag[s_mine], pbags])
-            items = torch.cat([sinv[s_mine] - lo, (hi - lo) + torch.arange(len(pbags))])
-            order = torch.argsort(bag_ids, stable=True)
-            plan.entries.append(items[order])
+            # The single rows' bags ascend already (bag_of does, masks keep order): only the
+            # partials of pooled bags need merging in, so without any the stable sort is the
+            # identity and is skipped (the plan is the same).
+            if len(pbags):
+                bag_ids = torch.cat([s_bag[s_mine], pbags])
+                items = torch.cat([sinv[s_mine] - lo, (hi - lo) + torch.arange(len(pbags))])
+                order: Tensor | None = torch.argsort(bag_ids, stable=True)
+            else:
+                bag_ids, items, order = s_bag[s_mine], sinv[s_mine] - lo, None
+            plan.entries.append(items if order is None else items[order])
             plan.entry_offsets.append(_exclusive_cumsum(torch.bincount(bag_ids, minlength=T * B)))
             if s_weight is None:
                 plan.entry_weights.append(None)
             else:
-                plan.entry_weights.append(torch.cat([s_weight[s_mine], torch.ones(len(pbags))])[order])
+                w = torch.cat([s_weight[s_mine], torch.ones(len(pbags))])
+                plan.entry_weights.append(w if order is None else w[order])
         return plan
 
     def _pooled_tables(
