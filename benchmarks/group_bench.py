@@ -133,7 +133,7 @@ def run_group(world_size: int, timeout: float) -> tuple[list[RankOutcome], list[
     outcomes: list[RankOutcome] = []
     deadline = start + timeout
     while pending:
-        ready = multiprocessing.connection.wait(list(pending), timeout=max(0.0, deadline - time.monotonic()))
+        ready: list[Any] = multiprocessing.connection.wait(list(pending), timeout=max(0.0, deadline - time.monotonic()))
         if not ready:
             break
         for c in ready:
