@@ -113,11 +113,11 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_group(world_size: int, timeout: float) -> tuple[list[RankOutcome], list[int], float]:
+def run_group(world_size: int, timeout: float, preload: list[str]) -> tuple[list[RankOutcome], list[int], float]:
     """Run one group; return the outcomes that came back, the ranks that never reported, and
     the wall time."""
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch"])
+    ctx.set_forkserver_preload(preload)
     port, secret = _free_port(), secrets.token_hex(16)
     procs, pending = [], {}
     start = time.monotonic()
@@ -196,14 +196,20 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, nargs="+", default=[128, 512, 1024], help="group sizes to run")
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds for one group (also its init_timeout)")
+    parser.add_argument(
+        "--preload",
+        default="torch",
+        help="modules the fork server imports before forking the ranks, comma-separated; torch,rpc_core "
+        "shares rpc_core's ~10 MB of module objects between the ranks instead of one copy each",
+    )
     add_result_option(parser, "group_bench")
     args = parser.parse_args()
     if any(n < 2 for n in args.workers):
         parser.error("--workers: each size must be at least 2")
-    print(f"# Large groups on one host ({os.cpu_count()} cores, RLIMIT_NOFILE {_nofile()})")
+    print(f"# Large groups on one host ({os.cpu_count()} cores, RLIMIT_NOFILE {_nofile()}, preloaded {args.preload})")
     code = 0
     for n in args.workers:
-        outcomes, missing, wall = run_group(n, args.timeout)
+        outcomes, missing, wall = run_group(n, args.timeout, args.preload.split(","))
         _report(n, outcomes, missing, wall)
         if missing or any(o.phase != "done" for o in outcomes):
             code = 1
