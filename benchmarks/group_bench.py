@@ -206,7 +206,11 @@ def main() -> int:
     args = parser.parse_args()
     if any(n < 2 for n in args.workers):
         parser.error("--workers: each size must be at least 2")
-    print(f"# Large groups on one host ({os.cpu_count()} cores, RLIMIT_NOFILE {_nofile()}, preloaded {args.preload})")
+    handshake = os.environ.get("RPC_CORE_HANDSHAKE_TIMEOUT", "10 (default)")
+    print(
+        f"# Large groups on one host ({os.cpu_count()} cores, RLIMIT_NOFILE {_nofile()}, preloaded {args.preload}, "
+        f"RPC_CORE_HANDSHAKE_TIMEOUT {handshake})"
+    )
     code = 0
     for n in args.workers:
         outcomes, missing, wall = run_group(n, args.timeout, args.preload.split(","))

@@ -38,7 +38,7 @@ def handshake_timeout() -> float:
 
 
 # The most accepted connections one worker (or rank 0's rendezvous) keeps while they have
-# not proven they know the secret. One more makes room by closing the oldest (see Admission).
+# not proven they know the secret. One more waits for a slot, or evicts a stale one (see Admission).
 MAX_PENDING_HANDSHAKES = 64
 
 

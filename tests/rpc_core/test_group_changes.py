@@ -70,6 +70,12 @@ def _user_tables() -> dict[str, int]:
     return state.debug_info()
 
 
+def _user_tables_once_left(name: str) -> dict[str, int]:
+    """This worker's user tables once it heard that ``name`` left (each member hears it on its own)."""
+    _wait_for(f"{name} left")
+    return _user_tables()
+
+
 def _call_through(rref: rpc_core.RRef) -> tuple[str, str | None, str | None]:
     try:
         rref.to_here()
@@ -214,7 +220,7 @@ def _body_rrefs_of_a_leaver(ctx: Any, joined: Any) -> Any:
         before = (_user_tables(), rpc_core.rpc_sync("worker2", _user_tables))
         _post("worker1 may leave")
         _wait_for("worker1 left")
-        after = (_user_tables(), rpc_core.rpc_sync("worker2", _user_tables))
+        after = (_user_tables(), rpc_core.rpc_sync("worker2", _user_tables_once_left, args=("worker1",)))
         calls = (_call_through(rrefs[0]), rpc_core.rpc_sync("worker2", _call_through, args=(rrefs[1],)))
         kept_call = rpc_core.rpc_sync("worker2", _call_through, args=(rrefs[3],))
         del rrefs
@@ -225,6 +231,7 @@ def _body_rrefs_of_a_leaver(ctx: Any, joined: Any) -> Any:
     if not joined.wait(STEP):
         raise TimeoutError(f"{ctx.name} was not let in within {STEP:g} s")
     _join(ctx, ctx.name, ctx.rank)
+    _post_on_leave("worker1", "worker1 left")
     rpc_core.rpc_sync("worker0", _post, args=(f"{ctx.name} in",))
     if ctx.rank == 1:
         rpc_core.rpc_sync("worker0", _wait_for, args=("worker1 may leave",))
