@@ -10,13 +10,16 @@ its ``Workload.table_service`` builds (``ps_train.workload``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import nn
 
 from ps_train.checkpoint.files import ShardFile
+from ps_train.checkpoint.forked_writer import FrozenRows
+
+T = TypeVar("T")
 
 
 class TableCheckpoint(Protocol):
@@ -84,5 +87,16 @@ class TablePart(Protocol):
     def begin_snapshot(self, name: str, base: str | None) -> TableCheckpoint:
         """Freeze the rows for checkpoint ``name`` (differential on ``base`` if it can); the
         caller holds the server's lock."""
+
+    @property
+    def forks_writer(self) -> bool:
+        """Whether ``freeze_rows`` can hand its rows to a forked writer (else the writer is a thread)."""
+
+    def freeze_rows(self, name: str, base: str | None, take: Callable[[FrozenRows], T]) -> T:
+        """Freeze the rows for checkpoint ``name`` as ``begin_snapshot`` does, but without
+        copying anything: call ``take`` with the live rows while nothing can change them
+        (the caller holds the server's lock; this holds the storage's own) and return its
+        result. ``take`` forks a writer (``ps_train.checkpoint.forked_writer``), so the rows
+        must be CPU tensors in private memory. ``end_snapshot`` once written."""
 
     def end_snapshot(self, written: bool) -> None: ...

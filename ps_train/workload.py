@@ -85,11 +85,13 @@ class Workload:
     table_service: Callable[[Config, int, str], TablePart | None] = lambda cfg, rank, run_dir: None
     # Model config schemas (``model.name`` -> dataclass) this workload adds to Hydra's model group.
     model_schemas: tuple[tuple[str, type[ModelConfig]], ...] = ()
-    # The module that registered it: role processes import it (the forkserver preloads it).
+    # The module that registered it: role processes import it (the launcher has imported it).
     module: str = ""
     # Heavy modules its roles use (its trainer, its table service), which the launcher's
-    # forkserver imports once so that forked roles start without importing them.
+    # fork server imports once so that forked roles start without importing them.
     preload: tuple[str, ...] = ()
+    # Heavy modules only some configs use (a dataset's loader): preloaded for those runs only.
+    preload_for: Callable[[Config], tuple[str, ...]] = lambda cfg: ()
 
 
 _REGISTRY: dict[str, Workload] = {}

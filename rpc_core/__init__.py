@@ -143,16 +143,12 @@ _LAYERS: tuple[tuple[str, ...], ...] = (
 
 
 def _get_debug_info() -> dict[str, Any]:
-    """Counters for tests and debugging: RRef tables, agent state."""
+    """Counters for tests and debugging, as torch's: the RRef tables, the agent's and
+    distributed autograd's (``_rref.debug_info()``, ``agent.get_debug_info()``,
+    ``autograd._get_debug_info()``)."""
     info = dict(_rref.debug_info())
-    agent = _current_agent()
-    info.update(
-        {
-            "agent.thread_pool_size": agent.pool.size,
-            "agent.num_pending_requests": agent.pending.in_flight(),
-            "agent.num_idle_threads": agent.pool.idle,
-        }
-    )
+    info.update(_current_agent().get_debug_info())
+    info.update(autograd._get_debug_info())
     return info
 
 

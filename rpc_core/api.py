@@ -21,7 +21,7 @@ from .agent.calls import call_wrappers, rpc_async, rpc_sync  # noqa: F401 (re-ex
 from .agent.calls import invoke_async as _invoke_async  # noqa: F401 (re-exported: its historical home)
 from .agent.connections import ConnectionStats
 from .agent.worlds import WorkerInfo
-from .errors import RpcError, WorkerUnavailableError
+from .errors import RpcError, RpcTimeoutError, WorkerUnavailableError
 from .group import lifecycle, registry
 from .group.lifecycle import all_gather as _all_gather  # noqa: F401 (re-exported)
 from .group.lifecycle import barrier as _barrier  # noqa: F401 (re-exported)
@@ -61,6 +61,7 @@ __all__ = [
 # How long a leaving member (shutdown without a timeout) lets the requests that reached it
 # as it left finish before it closes.
 _LEAVE_GRACE = 5.0
+_PEERS_CLOSE_FIRST = 5.0  # s rank 0 waits at the end of a graceful shutdown for its peers to close first
 
 
 class BackendType(enum.Enum):
@@ -192,18 +193,31 @@ def watch_all_peers(wanted: Callable[[], bool]) -> None:
 def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> None:
     """Stop this worker. Graceful: wait until every worker has called shutdown and no worker
     has work in flight (including nested and callback-spawned calls), then tear down. A dead
-    peer makes it fail fast with an error naming that peer, after local teardown."""
+    peer makes it fail fast with an error naming that peer, after local teardown. A positive
+    ``timeout`` bounds the whole wait, whatever the peers do (frozen, never calling shutdown,
+    dying meanwhile): past it, shutdown tears down and raises."""
     agent = current_agent()
+    deadline = time.monotonic() + timeout if timeout > 0 else None
+
+    def left() -> float:
+        """What is left of ``timeout`` for the next step (0: no limit, as ``timeout`` 0)."""
+        if deadline is None:
+            return 0.0
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise RpcTimeoutError(f"shutdown of {agent.me.name!r} timed out after {timeout:g} s")
+        return remaining
+
     error: BaseException | None = None
     try:
         if graceful and agent.roster.dynamic:
             _leave(agent, timeout)
         elif graceful:
-            _wait_all_workers(timeout)
+            _wait_all_workers(left())
             for hook in lifecycle.pre_shutdown_hooks:
                 hook()
-            _rref.delete_all_user_rrefs(timeout)
-            lifecycle.wait_quiescent(agent, timeout)
+            _rref.delete_all_user_rrefs(left())
+            lifecycle.wait_quiescent(agent, left())
     except RpcError as e:
         error = e
     finally:
@@ -214,7 +228,9 @@ def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -
         ):
             # Let the peers close first, so they read our last replies before our sockets go
             # away: with a dead or silent worker, those replies tell them which one it was.
-            agent.connections.wait_incoming_closed(5.0)
+            agent.connections.wait_incoming_closed(
+                _PEERS_CLOSE_FIRST if deadline is None else min(_PEERS_CLOSE_FIRST, deadline - time.monotonic())
+            )
         for hook in lifecycle.shutdown_hooks:
             hook()
         agent.close()

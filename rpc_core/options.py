@@ -68,8 +68,9 @@ class RpcBackendOptions:
         _channels: list[str] | None = None,
     ) -> None:
         if isinstance(rpc_timeout, datetime.timedelta) or not isinstance(rpc_timeout, (int, float)):
-            raise TypeError(
-                f"rpc_timeout must be a number of seconds (float), got {type(rpc_timeout).__name__}; "
+            raise TypeError(  # torch's words first ("incompatible constructor arguments"), which programs match
+                "incompatible constructor arguments: rpc_timeout must be a number of seconds (float), "
+                f"got {type(rpc_timeout).__name__}; "
                 "pass e.g. rpc_timeout=60.0"
             )
         # torch's words (and class: RuntimeError) first; RpcValueError is a ValueError as well

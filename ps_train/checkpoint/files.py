@@ -15,7 +15,8 @@ it, in order; pruning keeps every checkpoint a kept one builds on.
 
 A checkpoint exists only once its manifest does. Every file is written to a temporary name
 and moved into place with ``os.replace`` (atomic on POSIX, ``ps_train.files``), and the manifest records each
-shard file's size and SHA-256, so a crash at any point leaves either the previous complete
+shard file's size and checksum (``ps_train.checkpoint.checksums``: XXH3-128; SHA-256 in
+manifests of format 2 and before), so a crash at any point leaves either the previous complete
 checkpoint or a new complete one -- never a half-written one that ``latest_checkpoint``
 would pick up.
 
@@ -45,7 +46,8 @@ import numpy as np
 import torch
 
 from ps_train import backend
-from ps_train.files import atomic_write, atomic_write_text, file_sha256
+from ps_train.checkpoint.checksums import ALGORITHM, Checksum, file_matches, hasher
+from ps_train.files import atomic_write, atomic_write_text
 
 __all__ = [
     "CheckpointError",
@@ -75,8 +77,10 @@ __all__ = [
 
 MANIFEST_NAME = "manifest.json"
 CHECKPOINTS_DIRNAME = "checkpoints"
-FORMAT_VERSION = 2  # 2: rows files and bases; a version-1 checkpoint has none and still loads
-_READABLE_VERSIONS = (1, 2)
+# 2: rows files and bases (a version-1 checkpoint has none and still loads); 3: each file's
+# ``checksum`` ("<algorithm>:<hex>") instead of its ``sha256``
+FORMAT_VERSION = 3
+_READABLE_VERSIONS = (1, 2, 3)
 _STEP_DIR = re.compile(r"step_(\d+)")
 _SHARD_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
@@ -94,7 +98,15 @@ class ShardFile:
     name: str
     file: str
     bytes: int
-    sha256: str
+    checksum: str  # "<algorithm>:<hex digest>" (ps_train.checkpoint.checksums)
+
+    @staticmethod
+    def from_dict(raw: Mapping[str, Any]) -> ShardFile:
+        """A manifest's entry; one of format 2 or before has a ``sha256`` field instead."""
+        fields = dict(raw)
+        if "sha256" in fields and "checksum" not in fields:
+            fields["checksum"] = Checksum.of("sha256", fields.pop("sha256"))
+        return ShardFile(**fields)
 
 
 @backend.called_by_name
@@ -132,8 +144,8 @@ class Manifest:
     @classmethod
     def from_json(cls, text: str) -> Manifest:
         raw = json.loads(text)
-        raw["shards"] = [ShardFile(**s) for s in raw["shards"]]
-        raw["row_files"] = [ShardFile(**s) for s in raw.get("row_files", [])]
+        raw["shards"] = [ShardFile.from_dict(s) for s in raw["shards"]]
+        raw["row_files"] = [ShardFile.from_dict(s) for s in raw.get("row_files", [])]
         return cls(**raw)
 
 
@@ -158,19 +170,19 @@ def save_shard_state(ckpt_dir: str | os.PathLike[str], shard_name: str, state: M
     if not _SHARD_NAME.fullmatch(shard_name):
         raise ValueError(f"shard name {shard_name!r} must match [A-Za-z0-9_.-]+ (it becomes a file name)")
     file = f"{shard_name}.pt"
-    size, digest = atomic_write(Path(ckpt_dir) / file, lambda f: torch.save(dict(state), f))
-    return ShardFile(shard_name, file, size, digest)
+    size, digest = atomic_write(Path(ckpt_dir) / file, lambda f: torch.save(dict(state), f), hasher=hasher(ALGORITHM))
+    return ShardFile(shard_name, file, size, Checksum.of(ALGORITHM, digest))
 
 
 def load_shard_state(ckpt_dir: str | os.PathLike[str], entry: ShardFile, verify: bool = True) -> dict[str, Any]:
-    """Load a shard file listed in a manifest, checking its SHA-256 unless ``verify=False``."""
+    """Load a shard file listed in a manifest, checking its checksum unless ``verify=False``."""
     path = Path(ckpt_dir) / entry.file
     if not path.is_file():
         raise CheckpointError(f"checkpoint {ckpt_dir}: shard file {entry.file} is missing")
-    if verify and file_sha256(path)[1] != entry.sha256:
+    if verify and not file_matches(path, entry.checksum):
         raise CheckpointError(
-            f"checkpoint {ckpt_dir}: {entry.file} does not match the manifest's SHA-256 "
-            "(corrupt or overwritten); resume from an earlier checkpoint"
+            f"checkpoint {ckpt_dir}: {entry.file} does not match the manifest's checksum "
+            f"({Checksum.algorithm(entry.checksum)}; corrupt or overwritten); resume from an earlier checkpoint"
         )
     # weights_only: a checkpoint is data; loading it must not run code from the file.
     return torch.load(path, map_location="cpu", weights_only=True)
@@ -207,7 +219,7 @@ def read_manifest(ckpt_dir: str | os.PathLike[str]) -> Manifest:
 
 def is_complete(ckpt_dir: str | os.PathLike[str]) -> bool:
     """Manifest readable and every shard file present with its recorded size (cheap check;
-    ``load_shard_state`` verifies the hashes)."""
+    ``load_shard_state`` verifies the checksums)."""
     try:
         manifest = read_manifest(ckpt_dir)
     except CheckpointError:
@@ -307,7 +319,7 @@ def save_checkpoint(
 
 
 def load_checkpoint(ckpt_dir: str | os.PathLike[str]) -> tuple[Manifest, dict[str, dict[str, Any]]]:
-    """The manifest and every shard's state (hash-verified), keyed by shard name."""
+    """The manifest and every shard's state (checksum-verified), keyed by shard name."""
     manifest = read_manifest(ckpt_dir)
     return manifest, {s.name: load_shard_state(ckpt_dir, s) for s in manifest.shards}
 

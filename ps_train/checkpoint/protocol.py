@@ -20,12 +20,16 @@ skipped, and a trainer retrains at most its one step in flight at the snapshot.
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence, Sized
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from ps_train.checkpoint.checksums import Checksum, file_matches
 from ps_train.checkpoint.files import (
     CheckpointError,
     Manifest,
@@ -43,7 +47,6 @@ from ps_train.checkpoint.files import (
 from ps_train.checkpoint.positions import TrainerPositions, earliest, trainer_name
 from ps_train.config import Config, ConfigError, config_to_dict
 from ps_train.faults import die, fault_at
-from ps_train.files import file_sha256
 from ps_train.partition import steps_per_epoch
 
 log = logging.getLogger("ps_train.checkpoint")
@@ -88,6 +91,10 @@ class CheckpointingTrainer(Protocol):
     def settle(self) -> dict[str, float]:
         """Wait until the servers applied its last step's update."""
 
+    def waited_for_checkpoint(self, seconds: float) -> None:
+        """After its last step it waited ``seconds`` for the last checkpoint to be complete
+        (reported apart from the training's samples/s)."""
+
 
 def load_server_state(ps: RestoredServer, resume_state: dict[str, Any]) -> None:
     """Before the job starts: give server ``ps`` its saved state, and where each trainer
@@ -129,14 +136,19 @@ class Checkpointer:
     ``save`` fixes the job's state after a step (each server's ``begin_save``: in sync mode
     nothing can move meanwhile, see the module docstring) and returns; the servers write
     their files while training goes on, and a thread here writes the manifest once they
-    are all written. One checkpoint is in flight at a time: the next ``save`` (and the last
-    step) waits for the previous one, and raises its error if it failed."""
+    are all written. One checkpoint is in flight at a time: ``checkpoint_hook`` starts the
+    next only once the previous one is complete (``busy``), and ``save`` raises the previous
+    one's error if it failed."""
 
     def __init__(self) -> None:
         self.last: Path | None = None  # the newest checkpoint this process completed
         self.differential_since_full = 0  # differential checkpoints written after it
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+
+    def busy(self) -> bool:
+        """A checkpoint is still being completed."""
+        return self._thread is not None and self._thread.is_alive()
 
     def wait(self) -> None:
         """Until the checkpoint in flight (if any) is complete; raises if it failed."""
@@ -198,22 +210,72 @@ class Checkpointer:
         return ckpt
 
 
+class Action(enum.Enum):
+    """What trainer0 does after a step (``CheckpointSchedule.after``)."""
+
+    NOTHING = "nothing"
+    SAVE = "save"  # start a checkpoint; training goes on while it is written
+    SAVE_AND_WAIT = "save and wait"  # the last step: a checkpoint, complete before the run ends
+    WAIT = "wait"  # the last step: the checkpoint in flight completes before the run ends
+
+
+@dataclass
+class CheckpointSchedule:
+    """When checkpoints are taken: every ``every`` steps and after the last step (``final``).
+    A checkpoint due while the previous one is still being written is taken after the first
+    step that finds the previous one complete: a slow disk delays checkpoints, never steps
+    (``wait_when_busy``: the step waits for the previous one instead)."""
+
+    every: int
+    final: bool
+    wait_when_busy: bool = False
+    deferred: int | None = None  # the step a due checkpoint found the previous one unfinished
+
+    def after(self, step: int, last: bool, busy: bool) -> Action:
+        """After ``step`` (``last``: the run's last), with a checkpoint still being written (``busy``)."""
+        due = bool(self.every) and step % self.every == 0
+        if last:
+            return Action.SAVE_AND_WAIT if due or self.final else Action.WAIT
+        if not (due or self.deferred is not None):
+            return Action.NOTHING
+        if busy and not self.wait_when_busy:
+            if self.deferred is None:
+                self.deferred = step
+            return Action.NOTHING
+        if self.deferred is not None:
+            log.info(
+                "checkpoint due after step %d taken after step %d: the previous one was still being written",
+                self.deferred,
+                step,
+            )
+            self.deferred = None
+        return Action.SAVE
+
+
 def checkpoint_hook(cfg: Config, run_dir: str) -> Callable[[CheckpointingTrainer, int], None]:
-    """The per-step callback trainer0 runs: checkpoint every ``checkpoint.every`` steps and
-    after the last step (unless ``checkpoint.final`` is false), full or differential
-    (``checkpoint.differential``, ``checkpoint.full_every``); the last step waits until the
-    checkpoint in flight is complete."""
+    """The per-step callback trainer0 runs: checkpoint as ``CheckpointSchedule`` says (every
+    ``checkpoint.every`` steps and after the last step unless ``checkpoint.final`` is false;
+    ``checkpoint.when_busy``),
+    full or differential (``checkpoint.differential``, ``checkpoint.full_every``); the last
+    step waits until the checkpoint in flight is complete, and tells the trainer how long."""
     checkpointer = Checkpointer()
+    schedule = CheckpointSchedule(cfg.checkpoint.every, cfg.checkpoint.final, cfg.checkpoint.when_busy == "wait")
 
     def hook(trainer: CheckpointingTrainer, step: int) -> None:
         if trainer.index != 0:
             return
-        every = cfg.checkpoint.every
-        last = step == trainer.steps
-        if (every and step % every == 0) or (last and cfg.checkpoint.final):
-            checkpointer.save(trainer, step, wait=last)
-        elif last:
-            checkpointer.wait()
+        action = schedule.after(step, step == trainer.steps, checkpointer.busy())
+        if action is Action.SAVE:
+            checkpointer.save(trainer, step)
+        elif action is Action.WAIT and not checkpointer.busy():
+            checkpointer.wait()  # nothing to wait for; raises the last one's error if it failed
+        elif action in (Action.SAVE_AND_WAIT, Action.WAIT):
+            t0 = time.perf_counter()
+            if action is Action.SAVE_AND_WAIT:
+                checkpointer.save(trainer, step, wait=True)
+            else:
+                checkpointer.wait()
+            trainer.waited_for_checkpoint(time.perf_counter() - t0)
 
     return hook
 
@@ -222,8 +284,8 @@ def load_resume_state(path: str, server: str | None = None) -> dict[str, Any]:
     """Read the latest complete checkpoint under ``path`` (a run dir or checkpoint dir) and
     check that every server's chain of rows files is there (``checkpoint_chain``).
 
-    ``server``: also load that server's state file (``ps0``, ...), hash-verified, and name
-    its rows files (hash-verified too) in its ``tables`` entry; trainers need only the
+    ``server``: also load that server's state file (``ps0``, ...), checksum-verified, and name
+    its rows files (checksum-verified too) in its ``tables`` entry; trainers need only the
     manifest.
     """
     ckpt = resolve_resume(path)
@@ -243,10 +305,10 @@ def load_resume_state(path: str, server: str | None = None) -> dict[str, Any]:
         state = load_shard_state(ckpt, entry)
         if server in chains:
             for folder, rows in chains[server]:
-                if file_sha256(folder / rows.file)[1] != rows.sha256:
+                if not file_matches(folder / rows.file, rows.checksum):
                     raise CheckpointError(
-                        f"{folder / rows.file} does not match its manifest's SHA-256 (corrupt or "
-                        f"overwritten); {resume_hint(folder)}"
+                        f"{folder / rows.file} does not match its manifest's checksum "
+                        f"({Checksum.algorithm(rows.checksum)}; corrupt or overwritten); {resume_hint(folder)}"
                     )
             state["tables"]["rows_files"] = [str(folder / rows.file) for folder, rows in chains[server]]
         servers[server] = state

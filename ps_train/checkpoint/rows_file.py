@@ -15,7 +15,9 @@ little-endian::
 
 Chunks are written as a writer produces them (one per block of rows), so neither writing
 nor reading holds more than a chunk beside the live tensors. The checkpoint manifest
-records each file's size and SHA-256 (``ps_train.checkpoint.files``).
+records each file's size and checksum (``ps_train.checkpoint.files``). ``RowsStream`` gives
+the same bytes from plain arrays, for a writer that must not use torch (a forked child,
+``ps_train.checkpoint.forked_writer``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, NamedTuple
@@ -32,6 +34,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ps_train.checkpoint.checksums import ALGORITHM, Checksum, hasher
 from ps_train.files import HashingWriter, atomic_write
 
 __all__ = [
@@ -39,6 +42,7 @@ __all__ = [
     "RowChunk",
     "RowsFileError",
     "write_rows_file",
+    "rows_file_pieces",
     "read_rows_header",
     "apply_rows_file",
     "rows_file_chunks",
@@ -79,6 +83,11 @@ class RowsHeader:
             out["lazy"] = True
         return json.dumps(out)
 
+    def preamble(self) -> bytes:
+        """The file's first bytes: the magic and this header."""
+        encoded = self.to_json().encode("utf-8")
+        return MAGIC + struct.pack("<I", len(encoded)) + encoded
+
 
 class RowChunk(NamedTuple):
     rows: Tensor  # int64 [n], ascending
@@ -86,11 +95,10 @@ class RowChunk(NamedTuple):
 
 
 def write_rows_file(path: Path, header: RowsHeader, chunks: Iterable[RowChunk]) -> tuple[int, str]:
-    """Write ``chunks`` under ``header`` atomically; the file's size and SHA-256."""
-    encoded = header.to_json().encode("utf-8")
+    """Write ``chunks`` under ``header`` atomically; the file's size and checksum."""
 
     def write(f: HashingWriter) -> None:
-        f.write(MAGIC + struct.pack("<I", len(encoded)) + encoded)
+        f.write(header.preamble())
         for chunk in chunks:
             f.write(struct.pack("<q", len(chunk.rows)))
             # Views of the chunk's tensors, not copies: [n] int64, then [n, *shape] per column.
@@ -99,7 +107,33 @@ def write_rows_file(path: Path, header: RowsHeader, chunks: Iterable[RowChunk]) 
                 f.write(_numpy(v.contiguous()).data)
         f.write(struct.pack("<q", _END))
 
-    return atomic_write(path, lambda f: None, sequential=write)
+    size, digest = atomic_write(path, lambda f: None, sequential=write, hasher=hasher(ALGORITHM))
+    return size, Checksum.of(ALGORITHM, digest)
+
+
+def rows_file_pieces(
+    header: RowsHeader, columns: Sequence[np.ndarray], wanted: np.ndarray | None, block: int
+) -> Iterator[bytes | memoryview]:
+    """A rows file's bytes, in order, for the rows ``wanted`` (bool [R]; None: all) of the
+    arrays ``columns`` (each [R, ...], ``header``'s columns in order), ``block`` rows a chunk.
+    NumPy only, no torch: a forked child writes with it (``ps_train.checkpoint.forked_writer``).
+    A full file's values are views of ``columns``, not copies."""
+    yield header.preamble()
+    for lo in range(0, header.num_rows, block):
+        hi = min(header.num_rows, lo + block)
+        if wanted is None:
+            rows = np.arange(lo, hi, dtype="<i8")
+            values = [c[lo:hi] for c in columns]  # [n, *shape] views
+        else:
+            rows = np.flatnonzero(wanted[lo:hi]).astype("<i8") + lo
+            if len(rows) == 0:
+                continue
+            values = [c[rows] for c in columns]  # [n, *shape] copies of the chosen rows
+        yield struct.pack("<q", len(rows))
+        yield rows.data.cast("B")
+        for v in values:
+            yield np.ascontiguousarray(v).data.cast("B")
+    yield struct.pack("<q", _END)
 
 
 def _numpy(t: Tensor) -> np.ndarray:

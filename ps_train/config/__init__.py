@@ -38,6 +38,7 @@ from ps_train.config.data import (
 )
 from ps_train.config.loading import from_dictconfig, register_configs, register_model_schema
 from ps_train.config.model import (
+    INTERACTIONS,
     MODEL_NAMES,
     MODEL_SCHEMAS,
     POOLINGS,
@@ -102,6 +103,7 @@ __all__ = [
     "TABLE_OPTIMIZER_NAMES",
     "BAG_SIZE_DISTS",
     "POOLINGS",
+    "INTERACTIONS",
     "register_configs",
     "from_dictconfig",
     "validate",

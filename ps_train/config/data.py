@@ -204,6 +204,7 @@ class SyntheticCtrConfig(CtrDataConfig):
     num_samples: int = 500000  # train + test
     num_dense: int = 13  # dense (float) features per sample, the bottom MLP's input
     zipf_alpha: float = 1.05  # id popularity ~ rank ** -alpha; 0 = uniform
+    zipf_alphas: list[float] = field(default_factory=list)  # one skew per table; []: zipf_alpha for every table
     positive_rate: float = 0.25  # share of samples labelled 1 (clicks)
     signal_std: float = 1.4  # std of the hidden model's logit: higher = easier (best AUC up)
     interaction: float = 0.0  # share of the logit's variance from pairwise table interactions
@@ -236,6 +237,10 @@ class SyntheticCtrConfig(CtrDataConfig):
             else list(self.bag_sizes)
         )
 
+    def zipf_alpha_list(self) -> list[float]:
+        """Every table's id skew: ``zipf_alphas``, or ``zipf_alpha`` for every table."""
+        return list(self.zipf_alphas) if self.zipf_alphas else [self.zipf_alpha] * len(self.sizes())
+
     def train_samples(self) -> int:
         # What ps_train.workloads.ctr.data.split.time_split keeps: the last round(n * test_fraction)
         # samples are the test split.
@@ -246,6 +251,15 @@ class SyntheticCtrConfig(CtrDataConfig):
         p.need(self.num_samples >= 4, f"data.num_samples: {self.num_samples} must be >= 4")
         p.need(self.num_dense >= 1, f"data.num_dense: {self.num_dense} must be >= 1 (model=dlrm's bottom MLP)")
         p.need(self.zipf_alpha >= 0, f"data.zipf_alpha: {self.zipf_alpha} must be >= 0")
+        p.need(
+            len(self.zipf_alphas) in (0, len(self.sizes())),
+            f"data.zipf_alphas: {self.zipf_alphas} lists {len(self.zipf_alphas)} skews for {len(self.sizes())} "
+            "tables; give one per table, or [] (data.zipf_alpha for every table)",
+        )
+        p.need(
+            all(a >= 0 and math.isfinite(a) for a in self.zipf_alphas),
+            f"data.zipf_alphas: {self.zipf_alphas} must all be finite and >= 0 (0: uniform ids)",
+        )
         p.need(
             self.drawn_ids == 0 or self.drawn_ids >= 2,
             f"data.drawn_ids: {self.drawn_ids} must be >= 2 (or 0: ids as the tables' rows)",

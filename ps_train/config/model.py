@@ -24,6 +24,7 @@ __all__ = [
     "MODEL_NAMES",
     "TABLE_SHARDINGS",
     "POOLINGS",
+    "INTERACTIONS",
     "TABLE_DTYPES",
     "LAZY_TABLE_OPTIMIZERS",
     "parse_size",
@@ -31,6 +32,9 @@ __all__ = [
 
 TABLE_SHARDINGS = ("range", "mod")
 POOLINGS = ("sum", "mean")  # how a table's bag of rows becomes one vector (nn.EmbeddingBag's modes)
+# model.interaction: dot (DLRM's pairwise dot products) | dcn (DCN-v2's low-rank cross layers)
+INTERACTIONS = ("dot", "dcn")
+DCN_DEFAULTS = {"dcn_layers": 3, "dcn_rank": 16}
 
 
 @dataclass
@@ -153,9 +157,11 @@ class ResNetConfig(ModelConfig):
 @dataclass
 class DLRMConfig(ModelConfig):
     """A DLRM-style CTR model: bottom MLP on the dense features, one embedding table per
-    categorical feature (sizes from the ``data`` group), dot interaction, top MLP, BCE.
+    categorical feature (sizes from the ``data`` group), an interaction (``dot``, or
+    DCN-v2's cross layers), top MLP, BCE.
 
-    The bottom and top MLPs are two stages placed on servers like any model's; every
+    The bottom MLP and the top stage (the cross layers, if any, and the top MLP) are two
+    stages placed on servers like any model's; every
     table is split by rows across all servers (``table_sharding``) and updated sparsely by
     ``table_optim``."""
 
@@ -163,6 +169,10 @@ class DLRMConfig(ModelConfig):
     embedding_dim: int = 16  # width of every table row (and of the bottom MLP's output)
     bottom_mlp: list[int] = field(default_factory=lambda: [64, 32])  # hidden sizes; its output is embedding_dim
     top_mlp: list[int] = field(default_factory=lambda: [64, 32])  # hidden sizes; its output is 1 logit
+    # dot (pairwise dot products) | dcn (DCN-v2 low-rank cross layers before the top MLP, docs/ctr.md)
+    interaction: str = "dot"
+    dcn_layers: int = DCN_DEFAULTS["dcn_layers"]  # interaction=dcn: cross layers
+    dcn_rank: int = DCN_DEFAULTS["dcn_rank"]  # interaction=dcn: rank r of each layer's U [N, r] V [r, N]
     table_sharding: str = "range"  # range (contiguous rows per server) | mod (id % num_servers)
     table_optim: str = "adagrad"  # sgd | adagrad | sparse_adam | rowwise_adagrad: touched rows only (ctr.optimizers)
     table_lr: float | None = None  # null: optim.lr
@@ -260,6 +270,7 @@ class DLRMConfig(ModelConfig):
         p.need(self.embedding_dim >= 1, f"model.embedding_dim: {self.embedding_dim} must be >= 1")
         p.need(all(h > 0 for h in self.bottom_mlp), f"model.bottom_mlp: {self.bottom_mlp} must all be > 0")
         p.need(all(h > 0 for h in self.top_mlp), f"model.top_mlp: {self.top_mlp} must all be > 0")
+        p += self.interaction_problems()
         p.need(
             self.table_sharding in TABLE_SHARDINGS,
             f"model.table_sharding: unknown {self.table_sharding!r}; choose one of {list(TABLE_SHARDINGS)}",
@@ -305,6 +316,22 @@ class DLRMConfig(ModelConfig):
             "model.cache_rows: the trainers' row cache keeps a score per row of every table, which lazy and "
             "tiered tables do not pay for; set model.cache_rows=0 with them",
         )
+        return p
+
+    def interaction_problems(self) -> Problems:
+        """Problems of ``interaction`` and the cross layers' settings."""
+        p = Problems()
+        if self.interaction not in INTERACTIONS:
+            p.append(f"model.interaction: unknown {self.interaction!r}; choose one of {list(INTERACTIONS)}")
+        elif self.interaction == "dcn":
+            p.need(self.dcn_layers >= 1, f"model.dcn_layers: {self.dcn_layers} must be >= 1 (cross layers)")
+            p.need(self.dcn_rank >= 1, f"model.dcn_rank: {self.dcn_rank} must be >= 1 (each cross layer's rank)")
+        else:
+            for key, default in DCN_DEFAULTS.items():
+                p.need(
+                    getattr(self, key) == default,
+                    f"model.{key}: only model.interaction=dcn takes it; drop it or set model.interaction=dcn",
+                )
         return p
 
     def input_problems(self, shape: tuple[int, ...], data_name: str) -> Problems:

@@ -28,7 +28,7 @@ TABLE_OPTIMIZER_NAMES = ("sgd", "adagrad", "sparse_adam", "rowwise_adagrad")
 @dataclass
 class OptimConfig:
     # The servers' torch.optim optimizer: sgd | adam | adamw | rmsprop | adagrad (the choices
-    # optim=sgd|adam|adamw set their fields; the others: optim.name=... with optim.momentum=0).
+    # optim=sgd|adam|adamw|adagrad set their fields; the others: optim.name=... with optim.momentum=0).
     name: str = "sgd"
     lr: float = 0.05  # learning rate (async/ssp: divided by the staleness, mode.staleness_rule)
     momentum: float = 0.9  # optimizers without momentum (adam, ...) need 0 here

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from dataclasses import dataclass
 
 from ps_train.config.base import Problems
@@ -19,7 +20,12 @@ __all__ = [
     "MODE_NAMES",
     "AGGREGATES",
     "STALENESS_RULES",
+    "CHECKPOINT_WRITERS",
+    "CHECKPOINT_WHEN_BUSY",
 ]
+
+CHECKPOINT_WRITERS = ("fork", "thread")
+CHECKPOINT_WHEN_BUSY = ("defer", "wait")
 
 
 @dataclass
@@ -75,9 +81,30 @@ class CheckpointConfig:
     # and every full_every-th checkpoint all of them (docs/ctr.md#checkpoints-that-do-not-stop-training).
     differential: bool = False
     full_every: int = 4  # every n-th checkpoint writes every row (with differential=true)
+    # Embedding tables: how a server writes its rows while training goes on. fork: a forked
+    # child writes the copy-on-write image of the rows, around the page cache (O_DIRECT where
+    # the filesystem takes it), POSIX only; thread: a thread of the server copies each block
+    # of rows before an update changes it, and writes through the page cache.
+    writer: str = "fork"
+    # A checkpoint due while the previous one is still being written: defer (taken after the
+    # first step that finds the previous one complete; steps never wait) or wait (the step
+    # waits for the previous one: checkpoints exactly every `every` steps).
+    when_busy: str = "defer"
 
     def problems(self) -> Problems:
         p = Problems()
+        p.need(
+            self.writer in CHECKPOINT_WRITERS,
+            f"checkpoint.writer: unknown writer {self.writer!r}; use one of {list(CHECKPOINT_WRITERS)}",
+        )
+        p.need(
+            self.when_busy in CHECKPOINT_WHEN_BUSY,
+            f"checkpoint.when_busy: {self.when_busy!r} is not one of {list(CHECKPOINT_WHEN_BUSY)}",
+        )
+        p.need(
+            self.writer != "fork" or hasattr(os, "fork"),
+            "checkpoint.writer=fork needs os.fork, which this platform lacks; use checkpoint.writer=thread",
+        )
         p.need(self.every >= 0, f"checkpoint.every: {self.every} must be >= 0 (0 = only at the end)")
         p.need(self.keep >= 0, f"checkpoint.keep: {self.keep} must be >= 0 (0 = keep all)")
         p.need(

@@ -12,8 +12,8 @@ Counters rather than timestamps: the launcher measures the silence on its own cl
 nothing assumes the processes share one. Until a role's first beat the allowance is
 ``startup_grace`` instead, never less than the timeout, counted from when the launcher
 started that role's process (``started``), not from the launch: the first process a launcher
-starts also starts its forkserver, which imports torch first (a minute on a busy machine), and
-that time is nobody's silence.
+starts waits for its fork server, which imports what roles need first (seconds on a busy
+machine), and that time is nobody's silence.
 
 A dead role is not this module's business: the launcher sees its process exit at once.
 """
@@ -66,7 +66,7 @@ class HeartbeatBoard:
 
     def started(self, rank: int) -> None:
         """The process for ``rank`` exists now (the launcher's ``Process.start`` returned: with
-        a forkserver, once it forked it): its startup allowance counts from now. It may have
+        the fork server, once it forked it): its startup allowance counts from now. It may have
         beaten already; then its silence counts from now, with the usual timeout."""
         self._seen[rank], self._moved[rank] = self.counters[rank], self._clock()
 

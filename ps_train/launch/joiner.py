@@ -33,8 +33,9 @@ from ps_train.config import from_dictconfig
 from ps_train.elastic.files import read_job_file
 from ps_train.faults import ATTEMPT_ENV, REPLACED_ENV
 from ps_train.launch.failures import RoleError, RoleFailed, role_name
-from ps_train.launch.local import BLAME_GRACE, exit_with_parent, report_error
+from ps_train.launch.local import BLAME_GRACE
 from ps_train.launch.rank import run_rank
+from ps_train.launch.role_processes import exit_with_parent, report_error
 
 __all__ = ["keep_joined", "JOB_POLL"]
 

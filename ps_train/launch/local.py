@@ -12,11 +12,13 @@ every role's traceback. Restarting the run is the caller's choice
 (``ps_train.launch.restarts``). Each process runs ``ps_train.launch.rank.run_rank`` (which,
 with ``cluster.launcher=env``, a torchrun/SLURM-started process runs directly).
 
-Local roles are forked from a ``forkserver`` that has imported torch and ps_train once, so
-a role starts in well under a second instead of re-importing torch (seconds per process on
-a busy machine). Each role gets the launcher's environment and working directory as of the
-launch (not the forkserver's), exits as soon as it is done (no slow interpreter teardown),
-and exits by itself if the launcher dies.
+Local roles are forked from a fork server that is itself a fork of the launcher
+(``ps_train.launch.fork_server``, ``ps_train.launch.role_processes``): torch and ps_train are
+imported once, by the launcher, and what only roles need (``preload_modules``) once more by
+the fork server, so a role starts in a fraction of a second. Each role gets the launcher's
+environment and working directory as of the launch, exits as soon as it is done (no slow
+interpreter teardown), and exits by itself if the launcher dies. Each process marks where
+its time went (``ps_train.observe.phases``): ``metrics.json``'s ``phases``.
 
 Roles inherit the launcher's environment, so a test can set ``PS_TRAIN_FAULT`` here to
 make one of them die at a chosen step (see ``ps_train.faults``).
@@ -30,121 +32,24 @@ import multiprocessing.connection
 import os
 import secrets
 import signal
-import sys
 import threading
 import time
-import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
-from ps_train.config import Config, config_to_dict, from_dictconfig
+from ps_train.config import Config, config_to_dict
 from ps_train.elastic.files import record_replacement, write_job_file
 from ps_train.faults import ATTEMPT_ENV, REPLACED_ENV
 from ps_train.launch.failures import FailedRole, RoleError, RoleFailed, failure_report, first_cause, role_name
-from ps_train.launch.heartbeat import HeartbeatBoard, process_state, start_heartbeat
+from ps_train.launch.heartbeat import HeartbeatBoard, process_state
 from ps_train.launch.ports import free_port
-from ps_train.launch.rank import run_rank, setup_role_logging
+from ps_train.launch.role_processes import RoleLaunch, RoleProcesses, RoleStart, preload_modules, workload_modules
+from ps_train.observe import phases
 from ps_train.observe.console import CONSOLE
-from ps_train.workload import import_plugins, registered_workloads
 
 log = logging.getLogger("ps_train")
 
 BLAME_GRACE = 5.0  # seconds a failed run waits for the role the first failures blame to fail too
-
-# What the forkserver imports once, so forked roles start without importing anything heavy.
-_PRELOAD = [
-    "ps_train.launch.local",
-    "ps_train.launch.rank",
-    "ps_train.roles.server",
-    "ps_train.roles.trainer",
-    "ps_train.checkpoint.protocol",
-    "ps_train.metrics",
-    "rpc_core",
-    "rpc_core.autograd",
-    "torch.utils.tensorboard",
-    "torch._dynamo",
-]  # the first torch.optim optimizer imports it: ~2.5 s of CPU per server
-
-
-def exit_with_parent() -> None:
-    """A role must not outlive its launcher (e.g. killed by a test timeout)."""
-    parent = mp.parent_process()
-    if parent is None:
-        return
-
-    def watch() -> None:
-        multiprocessing.connection.wait([parent.sentinel])
-        os._exit(1)
-
-    threading.Thread(target=watch, name="exit-with-launcher", daemon=True).start()
-
-
-def _child(
-    cfg_dict: dict[str, Any],
-    rank: int,
-    port: int,
-    secret: str,
-    run_dir: str,
-    resume: str | None,
-    results: Connection,
-    errors: Connection,
-    env: dict[str, str],
-    cwd: str,
-    heartbeats: Any,
-    beat_every: float,
-    attempt: int,
-    workloads: list[str],
-) -> None:
-    name = role_name(rank, cfg_dict["cluster"]["num_servers"])
-    start_heartbeat(heartbeats, rank, beat_every)  # first: the launcher counts silence from its start
-    try:
-        # The forkserver was started by an earlier launch: take this launch's environment.
-        os.environ.clear()
-        os.environ.update(env)
-        os.chdir(cwd)
-        exit_with_parent()
-        import_plugins(workloads)  # already imported when forked from the preloaded forkserver
-        cfg = from_dictconfig(cfg_dict)
-        out = run_rank(cfg, rank, cfg.cluster.master_addr, port, secret, run_dir, resume, attempt=attempt)
-        if out is not None:
-            results.send(out)  # returns once it is all in the pipe (the launcher reads as it comes)
-    except BaseException as e:  # noqa: BLE001 - any failure of a role is reported, then it exits 1
-        report_error(name, run_dir, cfg_dict["logging"]["level"], e, errors)
-        os._exit(1)
-    # Done: skip the interpreter teardown (torch's takes seconds on a busy machine, and
-    # rpc threads have nothing left to do).
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def report_error(name: str, run_dir: str, level: str, error: BaseException, errors: Connection) -> None:
-    """A failed role's traceback goes to its log, and only there; the launcher gets one
-    ``RoleError`` and tells the user, once for the whole run (``failures.failure_report``)."""
-    if not logging.getLogger().handlers:  # it failed before run_rank set up its log
-        setup_role_logging(run_dir, name, level)
-    logging.getLogger("ps_train").error("%s failed:\n%s", name, traceback.format_exc())
-    try:
-        # Sent before the process exits: the launcher finds it in the pipe once it sees the exit.
-        errors.send(RoleError.of(name, error))
-    except OSError:  # the launcher is gone: nobody to tell
-        pass
-    logging.shutdown()
-
-
-def workload_modules() -> list[str]:
-    """The registered workloads' modules and what they want preloaded (``ps_train.workload``):
-    a forked role finds its workload registered, a spawned one imports these first."""
-    return [m for w in registered_workloads() for m in (w.module, *w.preload) if m]
-
-
-def context() -> Any:
-    if "forkserver" in mp.get_all_start_methods():
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(_PRELOAD + workload_modules())
-        return ctx
-    return mp.get_context("spawn")
 
 
 def launch_local(
@@ -167,41 +72,39 @@ def launch_local(
     log.info(
         "starting %d servers + %d trainers on %s:%d; logs in %s/logs", S, T, cfg.cluster.master_addr, port, run_dir
     )
-    ctx = context()
+    launched_at, launched_cpu = time.time(), time.process_time()
+    ctx = mp.get_context("fork" if hasattr(os, "fork") else "spawn")
     # Pipes, not queues: a queue's semaphores outlive a launcher that leaves with os._exit
     # (python -m ps_train after a failure), and the resource tracker warns about them.
     results_in, results_out = ctx.Pipe(duplex=False)  # trainer0's metrics
     env, cwd = dict(os.environ, **{ATTEMPT_ENV: str(attempt)}), os.getcwd()
     board = HeartbeatBoard(ctx, S + T, cfg.cluster.role_timeout)
     errors_in, errors_out = ctx.Pipe(duplex=False)  # RoleErrors from the roles that fail (see _report)
-    procs = {}
+    procs: dict[int, Any] = {}
     deadline = None if timeout is None else time.monotonic() + timeout
+    workloads = workload_modules()
+    launch = RoleLaunch(
+        cfg_dict,
+        port,
+        secret,
+        run_dir,
+        results_out,
+        errors_out,
+        env,
+        cwd,
+        board.counters,
+        board.interval,
+        attempt,
+        workloads,
+    )
+    # Before any thread of this launch: the fork server is a copy of this process.
+    roles = RoleProcesses(launch, preload_modules(cfg))
 
-    def start(rank: int, resume: str | None = resume, env: dict[str, str] = env) -> Any:
-        p = ctx.Process(
-            target=_child,
-            args=(
-                cfg_dict,
-                rank,
-                port,
-                secret,
-                run_dir,
-                resume,
-                results_out,
-                errors_out,
-                env,
-                cwd,
-                board.counters,
-                board.interval,
-                attempt,
-                workload_modules(),
-            ),
-            name=role_name(rank, S),
-            daemon=False,
-        )
-        p.start()
-        board.started(rank)  # its startup allowance counts from here, not from the forkserver's start
-        return p
+    def start(ranks: list[int], resume: str | None = resume, env: dict[str, str] | None = None) -> list[Any]:
+        started = roles.start([(RoleStart(rank, resume, env), role_name(rank, S)) for rank in ranks])
+        for rank in ranks:
+            board.started(rank)  # its startup allowance counts from here, not from the fork server's start
+        return started
 
     def replace(rank: int, reason: str) -> Any:
         """Elastic: start a trainer in place of a dead one (it continues where ps0 says)."""
@@ -217,7 +120,7 @@ def launch_local(
         )
         board.restart(rank)
         # ps0 says where it starts (the attempt's checkpoint may be pruned by now).
-        return start(rank, resume=None, env=dict(env, **{REPLACED_ENV: "1"}))
+        return start([rank], resume=None, env=dict(env, **{REPLACED_ENV: "1"}))[0]
 
     # Read trainer0's metrics as they come: a long run's (per-step losses) fill the pipe, and
     # trainer0 cannot exit before they are read.
@@ -232,8 +135,7 @@ def launch_local(
     collector = threading.Thread(target=collect, name="metrics-collector", daemon=True)
     collector.start()
     try:
-        for rank in range(S + T):
-            procs[rank] = start(rank)
+        procs.update(enumerate(start(list(range(S + T)))))
         _Watch(procs, S, run_dir, deadline, board, errors_in, replace if cfg.cluster.elastic else None).run()
     finally:
         for p in procs.values():
@@ -241,6 +143,8 @@ def launch_local(
                 p.kill()  # a role of a failed run holds nothing worth a graceful stop
         for p in procs.values():
             p.join(5)
+        exited_at = time.time()
+        roles.close()  # it holds copies of the pipes too
         results_out.close()  # the roles' copies are closed: the collector reads what is left, then EOF
         errors_in.close()
         errors_out.close()
@@ -248,6 +152,17 @@ def launch_local(
         results_in.close()
     if not got:
         raise RoleFailed(f"all roles exited cleanly but trainer0 reported no metrics; see {run_dir}/logs")
+    launcher = {
+        "start": phases.process_start_time(),
+        "launch": launched_at,
+        "exited": exited_at,
+        "finished": time.time(),
+    }
+    cpu = {"launcher start-up": launched_cpu, "collect": time.process_time() - launched_cpu}
+    if roles.server is not None and roles.server.preloaded_at is not None:
+        launcher["preloaded"] = roles.server.preloaded_at
+        cpu["preload"] = roles.server.preload_cpu_s or 0.0
+    got[0]["phases"] = phases.run_phases(run_dir, launcher, cpu, role_name(S, S))
     return got[0]
 
 

@@ -24,6 +24,7 @@ from ps_train.elastic.trainer import join_group, wait_for_servers
 from ps_train.faults import die, fault_at
 from ps_train.launch.failures import role_name
 from ps_train.metrics import MetricsWriter, make_writer, mark_attempt
+from ps_train.observe import phases
 from ps_train.observe.console import ConsoleHandler
 from ps_train.observe.dashboard import swept_values, write_dashboard
 from ps_train.observe.server_metrics import ServerMetrics, rpc_byte_counts
@@ -141,6 +142,7 @@ def run_rank(
             log.info("joined the running job as %s (rank %d)", name, rank)
     else:
         try:
+            phases.mark("rendezvous")
             rpc.init_rpc(name, rank=rank, world_size=S + T, rpc_backend_options=opts)
         except RendezvousError as e:
             if not e.missing_ranks:
@@ -149,6 +151,7 @@ def run_rank(
             roles = ", ".join(role_name(r, S) for r in e.missing_ranks)
             raise RendezvousError(f"{e} [missing: {roles}]", missing_ranks=e.missing_ranks) from e
         backend.restore_rpc_timeout(cfg.cluster.rpc_timeout)
+        phases.mark("joined")
         log.info("%s joined the job: all %d ranks are up", name, S + T)  # benchmarks/scale_bench.py reads it
     if rank < S and resume_state is not None and fault_at(name, resume_state["step"], "restore"):
         die(name, resume_state["step"])  # a test fault: in the middle of a restart's recovery
@@ -173,7 +176,11 @@ def run_rank(
     except BaseException:
         _abandon(rpc)
         raise
+    # A server serves the trainers inside shutdown's wait for every worker: its time until
+    # the group is down counts as training (ps_train.observe.phases).
+    phases.mark("shutdown" if rank >= S else "serving")
     rpc.shutdown()
+    phases.mark("shut_down" if rank >= S else "served")
     if sampler is not None:
         sampler.close()
     if rank < S and cfg.profile.enabled:
@@ -202,7 +209,16 @@ def _step_hooks(cfg: Config, run_dir: str, rank: int) -> Any:
     ``profile.enabled``, the profiled window (``ps_train.observe.traces``)."""
     from ps_train.checkpoint.protocol import checkpoint_hook
 
-    checkpoint = checkpoint_hook(cfg, run_dir)
+    saves = checkpoint_hook(cfg, run_dir)
+
+    def checkpoint(trainer: Any, step: int) -> None:
+        last = step == trainer.steps  # the final checkpoint: a phase of its own (ps_train.observe.phases)
+        if last:
+            phases.mark("checkpoint_start")
+        saves(trainer, step)
+        if last:
+            phases.mark("checkpoint_end")
+
     if not cfg.profile.enabled:
         return checkpoint
     rpc = backend.rpc()

@@ -42,7 +42,7 @@ from torch import nn
 from ps_train import backend
 from ps_train.checkpoint.files import SaveStarted, ShardFile
 from ps_train.checkpoint.positions import TrainerPositions
-from ps_train.config import Config, optimizer_spec
+from ps_train.config import Config
 from ps_train.elastic.membership import Membership
 from ps_train.faults import maybe_inject_fault
 from ps_train.metrics import peak_rss_bytes
@@ -51,6 +51,7 @@ from ps_train.modes.aggregation import scaled_lr
 from ps_train.modes.base import UPDATE_IN_BACKWARD, UpdateRequest
 from ps_train.observe.server_metrics import UpdateCounters
 from ps_train.roles.checkpointing import CheckpointWriter
+from ps_train.roles.server_optimizer import make_server_optimizer
 from ps_train.roles.shards import ServerShards
 from ps_train.table_service import TablePart
 from rpc_core.functions import async_execution
@@ -77,15 +78,16 @@ class ParameterServer:
         self.params: list[nn.Parameter] = self.dense_params + (self.tables.params if self.tables is not None else [])
         self._param_ids = frozenset(id(p) for p in self.params)  # gradients(): which of a context's leaves are ours
         self.has_running_stats = self.held.has_running_stats  # BatchNorm (see ServerShards)
-        cls, kwargs = optimizer_spec(cfg.optim)
-        self.optimizer = cls(self.dense_params, **kwargs) if self.dense_params else None
+        self.optimizer = make_server_optimizer(cfg.optim, self.dense_params) if self.dense_params else None
         self.updates = {i: 0 for i in self.shards}
         self.membership: Membership | None = None  # ps0 of a cluster.elastic=true job (ps_train.elastic.membership)
         # async/ssp: each trainer's data position after its last update applied here (the mode
         # notes it under self.lock); a checkpoint saves it, ps0's membership reads it
         self.positions = TrainerPositions()
         self._released = threading.Event()  # elastic: trainer0 is done with the servers
-        self.checkpoints = CheckpointWriter(self)  # the checkpoint being written (begin_save .. finish_save)
+        self.checkpoints = CheckpointWriter(
+            self, cfg.checkpoint.writer
+        )  # the checkpoint being written (begin_save .. finish_save)
         # autograd context -> (rows [H], gradients [H, d]) pushed for it by a trainer's row cache
         self._pushed: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._pushed_lock = threading.Lock()

@@ -58,6 +58,7 @@ from ps_train import backend
 from ps_train.elastic.membership import stop_requested
 from ps_train.faults import maybe_inject_fault
 from ps_train.metrics import peak_rss_bytes, write_metrics_json
+from ps_train.observe import phases
 from ps_train.observe.console import summary_lines
 from ps_train.observe.dashboard import end_session
 from ps_train.observe.server_metrics import rpc_byte_counts
@@ -105,6 +106,8 @@ class Trainer(StepTrainer):
     """A trainer: ``StepTrainer``'s steps in a loop to the last one, with evaluation, the
     metrics and, on trainer0, the run's final metrics (see the module docstring)."""
 
+    checkpoint_wait_s = 0.0  # trainer0: seconds after its last step waiting for the last checkpoint
+
     # -- evaluation -------------------------------------------------------------------------------
     def evaluate(self) -> dict[str, float]:
         """The workload's metrics on the test split (trainer0, at the end and every
@@ -146,6 +149,8 @@ class Trainer(StepTrainer):
         ``on_step(trainer, step)`` runs after each step (trainer0 checkpoints there)."""
         is_chief = self.index == 0
         t_start = self._t_start = time.perf_counter()
+        self.checkpoint_wait_s = 0.0  # trainer0: after its last step, for the last checkpoint
+        phases.mark("loop_start")
         self._first_step = self.step
         self.meter.start()
         losses: list[float] = []
@@ -154,7 +159,9 @@ class Trainer(StepTrainer):
         with self._closing_on_failure():
             last = self._loop(batch, losses, on_step)
             self.settle()
-        wall = time.perf_counter() - t_start
+        # The training loop's time: the wait for the last checkpoint to become durable is
+        # reported on its own (final_checkpoint_wait_s), not as slower training.
+        wall = time.perf_counter() - t_start - self.checkpoint_wait_s
         moved = rpc_byte_counts()
         self.mode.trainer_done(self)  # ssp: this trainer no longer holds the others back
         mine = {
@@ -162,7 +169,8 @@ class Trainer(StepTrainer):
             "first_step": self._first_step,
             "samples": self.meter.total,
             "wall_time_s": wall,
-            "samples_per_s": self.meter.overall(),
+            "samples_per_s": self.meter.total / wall if wall > 0 else 0.0,
+            "final_checkpoint_wait_s": self.checkpoint_wait_s,
             "losses": losses,
             "max_steps_ahead": self.max_steps_ahead,
             "trainer": self.name,
@@ -186,6 +194,8 @@ class Trainer(StepTrainer):
         last: dict[str, float] = {}
         while self.step < self.steps and batch is not None and not stop_requested():  # None: elastic job over
             last = self.train_step(batch)
+            if not losses:
+                phases.mark("first_step")
             losses.append(last["loss"])
             self.step += 1
             self.meter.update(len(batch[-1]))  # every batch ends with its labels [B]
@@ -214,6 +224,11 @@ class Trainer(StepTrainer):
     def upcoming(self, batch: Any) -> None:
         """The next step's batch, fetched while the servers apply this step's update: a
         workload may tell its servers what that step will ask for (table rows to prefetch)."""
+
+    def waited_for_checkpoint(self, seconds: float) -> None:
+        """``ps_train.checkpoint.protocol.CheckpointingTrainer``: trainer0 waited ``seconds``
+        after its last step for the last checkpoint to be complete."""
+        self.checkpoint_wait_s += seconds
 
     def log_train(self, step: int, last: dict[str, float]) -> None:
         """TensorBoard scalars and the progress line of a logged step (a workload adds its own)."""
@@ -255,7 +270,9 @@ class Trainer(StepTrainer):
             all_stats = [mine] + sorted(others, key=lambda s: int(s["trainer"].removeprefix("trainer")))
         # Before the final evaluation, so the servers' byte counts are the training's.
         server_stats = [s.rpc_sync().stats() for s in self.servers]
+        phases.mark("eval_start")
         ev = self.evaluate()
+        phases.mark("eval_end")
         wall = max(s["wall_time_s"] for s in all_stats)
         samples = sum(s["samples"] for s in all_stats)
         metrics = {
@@ -265,6 +282,8 @@ class Trainer(StepTrainer):
             "samples": samples,
             "samples_per_s": samples / wall if wall > 0 else 0.0,
             "wall_time_s": wall,
+            # trainer0, after the last step: until the last checkpoint was durable (not in wall_time_s)
+            "final_checkpoint_wait_s": mine["final_checkpoint_wait_s"],
             "mode": cfg.mode.name,
             "backend": backend.name(),
             "num_servers": cfg.cluster.num_servers,
@@ -302,5 +321,11 @@ class Trainer(StepTrainer):
             f"{wall:.1f}s",
             flush=True,
         )
+        if self.checkpoint_wait_s:
+            print(
+                f"[{self.name}] then waited {self.checkpoint_wait_s:.1f}s for the last checkpoint to become "
+                "durable (not counted in samples/s)",
+                flush=True,
+            )
         print("\n".join(summary_lines(all_stats, server_stats)), flush=True)
         return metrics

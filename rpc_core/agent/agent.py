@@ -250,6 +250,14 @@ class Agent:
         after; ``fn`` must be quick and must not block (see ``Deadlines.call_later``)."""
         self._deadlines.call_later(when, fn)
 
+    def get_debug_info(self) -> dict[str, Any]:
+        """The agent's counters under torch's keys (``RpcAgent.get_debug_info``)."""
+        return {
+            "agent.thread_pool_size": self.pool.size,
+            "agent.num_pending_requests": self.pending.in_flight(),
+            "agent.num_idle_threads": self.pool.idle,
+        }
+
     def close(self) -> None:
         """Stop: close every connection and thread; calls still pending fail."""
         self._closing = self.dispatch.closing = self.heartbeats.closing = True

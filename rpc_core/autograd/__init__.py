@@ -23,6 +23,7 @@ import torch
 from ..agent import agent as _agent_mod
 from ..group import lifecycle
 from . import context as _context
+from . import local_pass as _local_pass
 from . import release as _release
 from .context import DistAutogradContext
 from .engine import backward
@@ -113,4 +114,5 @@ def _get_max_id() -> int:
 
 
 def _get_debug_info() -> dict[str, Any]:
-    return {"num_autograd_contexts": _context.count()}
+    """torch's counters: backward passes running on this worker, contexts it holds."""
+    return {"num_current_backward_passes": _local_pass.running(), "num_autograd_contexts": _context.count()}

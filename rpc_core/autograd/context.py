@@ -107,10 +107,53 @@ class DistAutogradContext:
     def _known_worker_ids(self) -> set[int]:
         return set(self.known_workers)
 
-    def accumulate(self, leaf: torch.Tensor, grad: torch.Tensor) -> None:
+    def accumulate(self, leaf: torch.Tensor, grad: torch.Tensor, shared: bool = False) -> None:
+        """Add ``grad`` to ``leaf``'s gradient here. The first one is kept as it is (no copy)
+        when nothing else holds it (``shared``: the pass gave the same tensor to another
+        leaf) and its layout is the one ``leaf.grad`` would have; else a copy is kept, so
+        a later in-place accumulation never writes into a tensor someone else sees, as
+        torch's AccumulateGrad decides."""
         with self.lock:
             old = self.grads.get(leaf)
-            self.grads[leaf] = grad if old is None else old + grad
+            if old is not None:
+                self.grads[leaf] = old + grad
+            elif not shared and _obeys_layout(leaf, grad):
+                self.grads[leaf] = grad.detach()
+            else:
+                self.grads[leaf] = _copy_like(leaf, grad)
+
+
+def _obeys_layout(leaf: torch.Tensor, grad: torch.Tensor) -> bool:
+    """Whether ``grad`` may be kept as ``leaf``'s gradient without a copy: dense with the
+    leaf's strides (or contiguous, for a leaf that overlaps or has gaps), or sparse with
+    contiguous indices and values."""
+    if grad.is_sparse:
+        return bool(grad._indices().is_contiguous() and grad._values().is_contiguous())
+    if grad.layout != torch.strided or leaf.layout != torch.strided:
+        return True
+    if _dense(leaf):
+        return bool(grad.stride() == leaf.stride())
+    return bool(grad.is_contiguous())
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Non-overlapping and dense: its elements fill its storage span exactly, in some order of dims."""
+    expected = 1
+    for size, stride in sorted(
+        ((s, st) for s, st in zip(t.shape, t.stride(), strict=True) if s != 1), key=lambda p: p[1]
+    ):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _copy_like(leaf: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    if grad.is_sparse:
+        return grad.detach().clone()
+    if grad.layout == torch.strided and leaf.layout == torch.strided and _dense(leaf):
+        return torch.empty_strided(leaf.size(), leaf.stride(), dtype=grad.dtype, device=grad.device).copy_(grad)
+    return grad.detach().clone(memory_format=torch.contiguous_format)
 
 
 def init(worker_id: int, base: int = 0) -> None:

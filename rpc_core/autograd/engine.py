@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch._C._autograd import _profiler_enabled
 
 from ..agent import agent as _agent_mod
 from ..agent import calls
@@ -126,6 +127,21 @@ def backward(context_id: int, roots: list[torch.Tensor], retain_graph: bool = Fa
     if not isinstance(context_id, int) or isinstance(context_id, bool):
         raise TypeError(f"incompatible function arguments: context_id must be an int, got {type(context_id).__name__}")
     roots = _check_roots(roots)
+    if _profiler_enabled():  # a profile shows the pass under torch's name
+        with torch.autograd.profiler.record_function(PROFILED_BACKWARD):
+            _backward(context_id, roots)
+    else:
+        _backward(context_id, roots)
+
+
+# The names torch's profiles give distributed autograd's work, which rpc_core's keep: the
+# whole backward, the part that continues from this worker's sends once their gradients
+# came back, and a received tensor's gradient leaving for its sender (recording's _Recv).
+PROFILED_BACKWARD = "torch::distributed::autograd::backward"
+PROFILED_SEND = "torch::distributed::autograd::SendRpcBackward"
+
+
+def _backward(context_id: int, roots: list[torch.Tensor]) -> None:
     ctx = _context.retrieve(context_id)
     me = _agent_mod.current_agent().me
     if ctx.info is not None:  # hooks run once per backward (rpc_core.autograd.hooks)
@@ -193,6 +209,9 @@ def _pass_from_sends(
             raise RpcError(on_node(me, f"no send with autograd message id {msg_id} in context {ctx.context_id}"))
         pairs += [(t, g) for t, g in zip(sent, grads, strict=False) if g is not None]
     try:
+        if _profiler_enabled():
+            with torch.autograd.profiler.record_function(PROFILED_SEND):
+                return local_pass(ctx, [t for t, _ in pairs], [g for _, g in pairs], waited=waited, reply=reply)
         return local_pass(ctx, [t for t, _ in pairs], [g for _, g in pairs], waited=waited, reply=reply)
     except Exception as e:
         raise RuntimeError(on_node(me, e)) from e

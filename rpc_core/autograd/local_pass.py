@@ -23,6 +23,7 @@ many concurrent passes), so DDP modules belong on the worker that calls ``backwa
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -45,6 +46,8 @@ Outgoing = list[tuple[int, int, list[Any]]]
 # them: autograd.grad never accumulates into its inputs, and a local .backward() only ever
 # hands it None. A pass finds it among its leaves and skips it.
 ANCHOR = torch.empty(0, requires_grad=True)
+_running = [0]  # passes in run() now, for the debug counters
+_running_lock = threading.Lock()
 _accumulating = threading.Lock()  # root passes that run AccumulateGrad take turns with .grad
 
 # What torch.autograd.grad and .backward call once they have checked their arguments (None
@@ -58,8 +61,9 @@ def is_anchor(t: torch.Tensor) -> bool:
     return t is ANCHOR
 
 
-def _discover(starts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Leaves (including recv anchors) reachable from ``starts``: the inputs of the pass."""
+def _discover(starts: Sequence[torch.Tensor], accumulators: dict[int, Any] | None = None) -> list[torch.Tensor]:
+    """Leaves (including recv anchors) reachable from ``starts``: the inputs of the pass.
+    ``accumulators``, when given, gets each leaf's AccumulateGrad node by ``id(leaf)``."""
     leaves: list[torch.Tensor] = []
     seen: set[object] = set()  # nodes, and ids of leaf tensors (a tensor's __eq__ is elementwise)
     stack = []
@@ -76,6 +80,8 @@ def _discover(starts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         seen.add(node)
         var = getattr(node, "variable", None)
         if var is not None:  # AccumulateGrad: a leaf
+            if accumulators is not None:
+                accumulators[id(var)] = node
             if id(var) not in seen:
                 seen.add(id(var))
                 leaves.append(var)
@@ -87,22 +93,47 @@ def _discover(starts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _accumulate_pass(
-    starts: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], inputs: list[torch.Tensor]
-) -> list[torch.Tensor | None]:
+    starts: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    inputs: list[torch.Tensor],
+    accumulators: dict[int, Any],
+) -> tuple[list[torch.Tensor | None], list[bool]]:
     """The leaves' gradients, through their AccumulateGrad nodes (so the hooks after those
-    run: DDP's), read back from ``.grad``, which is then restored."""
+    run: DDP's), read back from ``.grad``, which is then restored; and for each, whether it
+    is a tensor the pass handed to another leaf too. torch's AccumulateGrad keeps the last
+    of such a shared tensor as the leaf's ``.grad`` (the others let go of it first), where
+    distributed autograd, which holds every gradient of the pass until the end, copies it:
+    what each node received tells which ``.grad`` is such a tensor."""
+    received: dict[int, int] = {}  # id(leaf) -> storage of the gradient its AccumulateGrad received
+
+    def note(key: int) -> Callable[[tuple[torch.Tensor | None, ...]], None]:
+        def hook(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
+            if grad_outputs and grad_outputs[0] is not None:
+                received[key] = _storage(grad_outputs[0])
+
+        return hook
+
     with _accumulating:
         saved = [t.grad for t in inputs]
+        handles = [accumulators[id(t)].register_prehook(note(id(t))) for t in inputs if id(t) in accumulators]
         for t in inputs:
             t.grad = None
         try:
             _run_pass(starts, grads, inputs, accumulate=True)
             # A DDP gradient may be a view of its bucket (gradient_as_bucket_view=True),
             # which the next backward overwrites: the context keeps its own copy.
-            return [None if t.grad is None else t.grad.clone() if t.grad._base is not None else t.grad for t in inputs]
+            out = [None if t.grad is None else t.grad.clone() if t.grad._base is not None else t.grad for t in inputs]
         finally:
+            for handle in handles:
+                handle.remove()
             for t, g in zip(inputs, saved, strict=True):
                 t.grad = g
+    counts = Counter(received.values())
+    shared = [
+        g is not None and counts[received.get(id(t), -1)] > 1 and _storage(g) == received[id(t)]
+        for t, g in zip(inputs, out, strict=True)
+    ]
+    return out, shared
 
 
 def _run_pass(
@@ -126,6 +157,10 @@ def _run_pass(
     return out
 
 
+def _storage(grad: torch.Tensor) -> int:
+    return int(grad._values().data_ptr() if grad.is_sparse else grad.data_ptr())
+
+
 def run(
     ctx: _context.DistAutogradContext,
     starts: Sequence[torch.Tensor],
@@ -139,23 +174,51 @@ def run(
     AccumulateGrad nodes (see the module docstring). ``reply``: (rank, list) of a pass
     serving that rank's gradient call: gradients for its sends go into the list, for the
     answer, instead of into the returned list."""
-    inputs = _discover(starts)
+    accumulators: dict[int, Any] = {}
+    inputs = _discover(starts, accumulators)
     if not inputs:
         return []
+    with _running_lock:
+        _running[0] += 1
+    try:
+        return _run(ctx, starts, grads, inputs, accumulators, root, reply)
+    finally:
+        with _running_lock:
+            _running[0] -= 1
+
+
+def running() -> int:
+    """Backward passes running on this worker now (torch's ``num_current_backward_passes``)."""
+    return _running[0]
+
+
+def _run(
+    ctx: _context.DistAutogradContext,
+    starts: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    inputs: list[torch.Tensor],
+    accumulators: dict[int, Any],
+    root: bool,
+    reply: tuple[int, list[tuple[int, list[Any]]]] | None,
+) -> Outgoing:
     prev = (getattr(pass_tls, "outgoing", None), getattr(pass_tls, "reply", None))
     outgoing: Outgoing = []
     pass_tls.outgoing, pass_tls.reply = outgoing, reply
     prev_ctx = _context.set_current(ctx.context_id)
     try:
         if root and any(not is_anchor(t) for t in inputs):
-            results = _accumulate_pass(starts, grads, inputs)
+            results, shared = _accumulate_pass(starts, grads, inputs, accumulators)
         else:
             results = list(_run_pass(starts, grads, inputs, accumulate=False))
+            # A tensor the pass handed to two leaves (a backward that returned one grad for
+            # both) is copied for each, so neither's later accumulation writes into the other's.
+            storages = Counter(_storage(g) for g in results if g is not None)
+            shared = [g is not None and storages[_storage(g)] > 1 for g in results]
     finally:
         pass_tls.outgoing, pass_tls.reply = prev
         _context.set_current(prev_ctx)
-    for leaf, g in zip(inputs, results, strict=True):
+    for leaf, g, g_shared in zip(inputs, results, shared, strict=True):
         if g is not None and not is_anchor(leaf):
-            ctx.accumulate(leaf, g)
+            ctx.accumulate(leaf, g, shared=g_shared)
     ctx.backward_passes += 1
     return outgoing

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch._C._autograd import _profiler_enabled
 
 from ..agent import agent as _agent_mod
 from ..agent import calls
@@ -34,6 +35,13 @@ class _Recv(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
+        if _profiler_enabled():  # torch's name for this node, in a profile
+            with torch.autograd.profiler.record_function("torch::distributed::autograd::RecvRpcBackward"):
+                return _Recv._send_back(ctx, grads)
+        return _Recv._send_back(ctx, grads)
+
+    @staticmethod
+    def _send_back(ctx: Any, grads: tuple[torch.Tensor | None, ...]) -> Any:
         info: _RecvInfo = ctx.info
         if any(g is not None for g in grads):
             reply = getattr(pass_tls, "reply", None)

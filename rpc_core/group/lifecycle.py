@@ -121,8 +121,11 @@ def gather_round(tag: str, payload: Any, timeout: float, worker_names: list[str]
         payloads: dict[int, Any] = fut.wait()
         return payloads
     except RpcTimeoutError:
+        # torch's words after ours ("timed out in _all_gather after 0.10 seconds" on its
+        # leader, "RPC ran for more than" on the others), which programs match.
         raise RpcTimeoutError(
-            f"{tag} on {agent.me.name!r} timed out after {timeout:g} s waiting for the other workers"
+            f"{tag} on {agent.me.name!r} timed out after {timeout:g} s waiting for the other workers "
+            f"(timed out in _{tag} after {timeout:.2f} seconds: the RPC ran for more than its timeout)"
         ) from None
 
 
@@ -183,7 +186,8 @@ def wait_quiescent(agent: Agent, timeout: float) -> None:
         agent.pending.wait_idle(deadline)
         calls, requests = agent.pending, agent.dispatch
         mine = _CallCounts(calls.n_sent, calls.n_done, requests.n_received, requests.n_answered)
-        got: dict[int, _CallCounts] = gather_round("quiesce", mine, timeout)
+        left = timeout if deadline is None else max(deadline - time.monotonic(), 1e-3)
+        got: dict[int, _CallCounts] = gather_round("quiesce", mine, left)
         counts = tuple(sorted(got.items()))
         idle = all(c.sent == c.done and c.received == c.answered for c in got.values()) and sum(
             c.received for c in got.values()

@@ -28,15 +28,17 @@ from ..agent import agent as _agent_mod
 from . import rpc_events as _rpc
 from .rpc_events import (
     REMOTE_OP,
+    RpcExecMode,
     _Collector,
     _ensure_middleware,
     _flatten,
     _Options,
     _parse,
+    rpc_profiling_key,
 )
 from .rpc_events import _Middleware as _Middleware  # re-exported: tests and benchmarks look for it
 
-__all__ = ["profile", "record_function"]
+__all__ = ["RpcExecMode", "profile", "record_function", "rpc_profiling_key"]
 
 record_function = torch.autograd.profiler.record_function  # user scopes, shown on every node
 

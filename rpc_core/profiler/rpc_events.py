@@ -18,6 +18,7 @@ so traces from several machines still nest correctly.
 
 from __future__ import annotations
 
+import enum
 import threading
 import time
 from collections.abc import Callable
@@ -35,6 +36,23 @@ from ..protocol.serialization import register_reducer
 from ..rref import HANDLER_DISPLAY_NAMES
 
 REMOTE_OP = "#remote_op: "
+
+
+class RpcExecMode(enum.Enum):
+    """How an RPC was made, as its profiled event names it (torch's ``RPCExecMode`` values)."""
+
+    SYNC = "sync"
+    ASYNC = "async"
+    ASYNC_JIT = "async_jit"
+    REMOTE = "remote"
+
+
+def rpc_profiling_key(exec_mode: RpcExecMode, func_name: str, caller: str, callee: str) -> str:
+    """The name of an RPC's profiled event: ``rpc_async#aten::add(worker0 -> worker1)``; a
+    callee's events are named ``{key}#remote_op: {op}`` under it."""
+    return f"rpc_{exec_mode.value}#{func_name}({caller} -> {callee})"
+
+
 _EXIT_WAIT = 10.0  # s a response waits for the executing thread to stop its profiler
 _IGNORED_OPS = frozenset(
     (
@@ -257,7 +275,7 @@ def _wrap_call(
         _ensure_middleware(agent)
         col.agent = agent
     callee = agent.roster.workers[dst].name
-    call = _Call(f"rpc_{exec_mode}#{_func_name(func)}({agent.me.name} -> {callee})", col.options)
+    call = _Call(rpc_profiling_key(RpcExecMode(exec_mode), _func_name(func), agent.me.name, callee), col.options)
     fut = send(extras={wire.EXTRA_PROFILE: call})
     col.calls.append(call)
     out = _futures.RpcFuture()  # the user waits on this one, so the end is stamped first

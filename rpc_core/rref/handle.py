@@ -156,15 +156,22 @@ class RRef(Generic[T]):
         f.set_result(None)
         return f
 
+    def _get_profiling_future(self) -> torch.futures.Future[Any]:
+        """Completes when the ``remote()`` call that made this RRef has its profiled event
+        (its creation answered), as torch's: the creation future."""
+        return self._get_future()
+
     def _get_type(self, timeout: float = -1, blocking: bool = True) -> Any:
         """The type of the value (``blocking=False``: a Future of it). A user handle asks
         its owner once (one call); the type is then kept on the handle, as torch keeps it."""
         if self._type is not None:
             if blocking:
                 return self._type
-            f: torch.futures.Future[Any] = torch.futures.Future()
-            f.set_result(self._type)
-            return f
+            if self._type_fetch is None:  # the type came without a fetch: one future for every later call
+                f: torch.futures.Future[Any] = torch.futures.Future()
+                f.set_result(self._type)
+                self._type_fetch = f
+            return self._type_fetch  # the same future each time, as torch's cached one
         fut = self._type_future(timeout)
         return fut.wait() if blocking else fut
 

@@ -150,8 +150,13 @@ class _Context:
 
     def debug_info(self) -> dict[str, int]:
         with self.lock:
+            # torch's keys first. Owner RRefs count once another worker knows them (a user
+            # holds a fork, or a remote() made the value here): a local RRef() never shared
+            # is not in torch's owner table either.
             return {
-                "num_owner_rrefs": len(self.owners),
+                "num_owner_rrefs": sum(1 for e in self.owners.values() if e.forks or e.handles <= 0),
+                "num_pending_futures": sum(1 for f in self.in_flight if not f.done()),
+                "num_owner_entries": len(self.owners),  # rpc_core's: every value held here, shared or not
                 "num_forks": sum(len(e.forks) for e in self.owners.values()),
                 "num_user_rrefs": len(self.users),
                 "num_pending_users": len(self.unconfirmed),
@@ -232,11 +237,6 @@ def _on_fetch(rref_id: Id) -> torch.futures.Future[Any]:
     return _ctx.live_entry(rref_id).value
 
 
-# The owner's handlers that users know under another name, by the (module, qualified name)
-# a request carries: what a profile calls them.
-HANDLER_DISPLAY_NAMES: dict[tuple[str, str], str] = {(_on_fetch.__module__, _on_fetch.__qualname__): "RRef.to_here"}
-
-
 def owned_value(rref_id: Id) -> Any:
     """The value this worker owns under ``rref_id`` (``RRef.local_value`` by id, for calls that
     name an RRef instead of forking it), once created; an RpcError if it was already freed."""
@@ -247,6 +247,14 @@ def owned_value(rref_id: Id) -> Any:
 def _on_type(rref_id: Id) -> torch.futures.Future[Any]:
     # A creation error reaches the caller as it was raised (torch's _get_type passes it on).
     return _futures.map_result(_ctx.live_entry(rref_id).value, type)
+
+
+# The owner's handlers that users know under another name, by the (module, qualified name)
+# a request carries: what a profile calls them.
+HANDLER_DISPLAY_NAMES: dict[tuple[str, str], str] = {
+    (_on_fetch.__module__, _on_fetch.__qualname__): "RRef.to_here",
+    (_on_type.__module__, _on_type.__qualname__): "_rref_typeof_on_owner",  # torch's name for it
+}
 
 
 def _on_fork(rref_id: Id, fork_id: Id) -> None:

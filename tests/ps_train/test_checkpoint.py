@@ -82,7 +82,7 @@ def test_corrupt_shard_fails_the_hash_check(tmp_path):
     data = bytearray(shard.read_bytes())
     data[-5] ^= 0xFF  # same size, different bytes
     shard.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match=r"shard0.pt does not match the manifest's SHA-256"):
+    with pytest.raises(CheckpointError, match=r"shard0.pt does not match the manifest.s checksum"):
         load_checkpoint(ckpt)
 
 

@@ -17,7 +17,7 @@ def test_the_startup_allowance_counts_from_each_process_start_not_from_the_launc
     clock = _Clock()
     board = HeartbeatBoard(mp.get_context("spawn"), 2, timeout=10.0, clock=clock)
     assert board.startup_grace == 60.0
-    clock.now += 100  # the first start also started the forkserver, which imported torch meanwhile
+    clock.now += 100  # the first start waited for the fork server, which imported what roles need meanwhile
     board.started(0)
     clock.now += 5
     board.started(1)

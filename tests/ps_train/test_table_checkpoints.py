@@ -174,6 +174,7 @@ RUN = (
     "train.steps=8",
     "checkpoint.every=2",
     "checkpoint.keep=0",
+    "checkpoint.when_busy=wait",  # a checkpoint after every second step, however fast the steps
 )
 DIFFERENTIAL = ("checkpoint.differential=true", "checkpoint.full_every=3")
 
@@ -181,6 +182,9 @@ DIFFERENTIAL = ("checkpoint.differential=true", "checkpoint.full_every=3")
 @pytest.mark.timeout(600)  # two small runs and a restart: ~1 min on a quiet machine
 def test_a_run_killed_and_resumed_from_a_differential_chain_ends_like_the_uninterrupted_run(tmp_path, monkeypatch):
     whole = run_app(tmp_path / "whole", *RUN, timeout=240)  # full checkpoints only
+    # The wait after the last step for the step-8 checkpoint is reported apart from the training's rate.
+    assert whole["final_checkpoint_wait_s"] > 0
+    assert whole["samples_per_s"] == pytest.approx(whole["samples"] / whole["wall_time_s"])
     # trainer0 dies while the step-8 checkpoint is written (the servers wrote their files, the
     # manifest is missing): the run restarts from step 6, a chain of steps 2 (full), 4 and 6.
     monkeypatch.setenv(FAULT_ENV, "trainer0@8:checkpoint#0")
@@ -227,5 +231,5 @@ def test_a_run_killed_and_resumed_from_a_differential_chain_ends_like_the_uninte
     assert load_resume_state(str(ckpts / "step_000000006"), "ps0")["step"] == 6
     rows = ckpts / "step_000000002" / "ps1.rows"
     rows.write_bytes(rows.read_bytes()[:-8] + b"\0" * 8)  # same size, other bytes
-    with pytest.raises(CheckpointError, match=f"{rows} does not match its manifest's SHA-256"):
+    with pytest.raises(CheckpointError, match=f"{rows} does not match its manifest's checksum"):
         load_resume_state(str(ckpts / "step_000000006"), "ps1")

@@ -24,7 +24,15 @@ from rpc_core.rref import release as rref_release
 from rpc_core.rref import state as rref_state
 from tests._world import run_world
 
-EMPTY = {"num_owner_rrefs": 0, "num_forks": 0, "num_user_rrefs": 0, "num_pending_users": 0, "num_pending_children": 0}
+EMPTY = {
+    "num_owner_rrefs": 0,
+    "num_owner_entries": 0,
+    "num_forks": 0,
+    "num_user_rrefs": 0,
+    "num_pending_users": 0,
+    "num_pending_children": 0,
+    "num_pending_futures": 0,
+}
 
 
 # -- helpers every body can call --------------------------------------------------------------------

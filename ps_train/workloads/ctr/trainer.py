@@ -7,8 +7,8 @@ step's distributed-autograd context::
     every server s, at once: out[s] = ps<s>.lookup(*plan.requests[s])  # [P_s, d]: rows, partial bags
     x   = bottom shard's forward(dense)                   # [B, d], on its server
     emb = combine(plan, out)                              # [B, T, d], here
-    z   = interact(x, emb)                                # [B, d + T(T+1)/2], here
-    logit = top shard's forward(z)                        # [B], on its server
+    z   = interact(x, emb)                                # here: [B, d + T(T+1)/2] (dot), [B, (T+1) d] (dcn)
+    logit = top shard's forward(z)                        # [B], on its server (dcn: cross layers, then top MLP)
     loss  = binary_cross_entropy_with_logits(logit, labels)
 
 The backward sends each server the gradient of each vector it returned, which the server
@@ -33,7 +33,7 @@ from ps_train.workloads.ctr.data.batches import CtrBatch, CtrBatchIterator, iter
 from ps_train.workloads.ctr.data.jagged import KeyedJagged, to_bags
 from ps_train.workloads.ctr.data.loading import load_ctr_data
 from ps_train.workloads.ctr.metrics import ctr_metrics, format_ctr_metrics
-from ps_train.workloads.ctr.model import interact
+from ps_train.workloads.ctr.model import cross_spec, interaction
 from ps_train.workloads.ctr.tables.cache import CacheSplit, RowCache
 from ps_train.workloads.ctr.tables.plan import BagPlan, BagPlanner, combine
 from ps_train.workloads.ctr.tables.rows import FusedLayout
@@ -71,6 +71,7 @@ class CtrTrainer(Trainer):
             cfg.model.table_sharding, tuple(sizes), cfg.cluster.num_servers, dynamic_rows if dynamic else ()
         )
         self.feature_names = cfg.model.feature_list(len(sizes))  # KeyedJagged keys, table order
+        self.interact = interaction(cross_spec(cfg.model))  # between the bottom and top stages, here
         self.planner = BagPlanner(layout, cfg.model.embedding_dim, cfg.model.pooling_list(len(sizes)))
         self.cache = (  # hot rows kept here for up to model.cache_staleness steps (ps_train.workloads.ctr.tables.cache)
             RowCache(
@@ -130,7 +131,7 @@ class CtrTrainer(Trainer):
                 for s in range(len(rows))
             ]
         emb = combine(plan, rows)  # [B, T, d]
-        logit = self.call_server(top_server, "forward", top, interact(x, emb), self.index, self.step).squeeze(1)  # [B]
+        logit = self.call_server(top_server, "forward", top, self.interact(x, emb), self.index, self.step).squeeze(1)
         pushed = sum(plan.answers)  # every vector, pulled or cached, gets a gradient
         self.rows_pulled += pulled
         self.rows_pushed += pushed
@@ -156,7 +157,7 @@ class CtrTrainer(Trainer):
         (bottom, bottom_server), (top, top_server) = self.shard_servers
         x = self.servers[bottom_server].rpc_sync().predict(bottom, dense)
         emb = combine(plan, [f.wait() for f in futs])
-        return self.servers[top_server].rpc_sync().predict(top, interact(x, emb)).squeeze(1)
+        return self.servers[top_server].rpc_sync().predict(top, self.interact(x, emb)).squeeze(1)
 
     def evaluate(self) -> dict[str, float]:
         logits, labels = [], []

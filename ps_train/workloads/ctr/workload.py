@@ -15,15 +15,16 @@ __all__ = ["CTR"]
 
 
 def _stages(cfg: Config) -> StagePlan:
-    """Its dense stages (bottom and top MLP), one shard each, on at most two servers (its
-    tables live on all of them: ``tables.service``)."""
-    from ps_train.workloads.ctr.model import dense_stages
+    """Its dense stages (bottom MLP; top MLP, after the cross layers for
+    ``model.interaction=dcn``), one shard each, on at most two servers (its tables live on
+    all of them: ``tables.service``)."""
+    from ps_train.workloads.ctr.model import cross_spec, dense_stages
 
     m, d = cfg.model, cfg.data
     if not (isinstance(m, DLRMConfig) and isinstance(d, CtrDataConfig)):
         raise TypeError(f"model={m.name} needs CTR data (data=synthetic_ctr or data=criteo), not data={d.name}")
     stages: list[nn.Module] = list(
-        dense_stages(d.dense_count(), len(d.sizes()), m.embedding_dim, m.bottom_mlp, m.top_mlp, cfg.seed)
+        dense_stages(d.dense_count(), len(d.sizes()), m.embedding_dim, m.bottom_mlp, m.top_mlp, cfg.seed, cross_spec(m))
     )
     return StagePlan(stages, merge=False, max_servers=len(stages))
 

@@ -39,6 +39,8 @@ VISION = register_workload(
         trainer=_trainer,
         check_data=_check_data,
         module=__name__,
-        preload=("ps_train.workloads.vision.trainer", "sklearn.datasets", "sklearn.model_selection"),
+        preload=("ps_train.workloads.vision.trainer",),
+        # scikit-learn (~1 CPU-second to import) only for its bundled digits
+        preload_for=lambda cfg: ("sklearn.datasets", "sklearn.model_selection") if cfg.data.name == "digits" else (),
     )
 )

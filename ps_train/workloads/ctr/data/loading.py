@@ -52,7 +52,7 @@ def load_ctr_data(cfg: CtrDataConfig, raw_ids: Sequence[int] = ()) -> CtrData:
             cfg.num_samples,
             cfg.num_dense,
             drawn,
-            cfg.zipf_alpha,
+            cfg.zipf_alpha_list(),
             cfg.data_seed,
             cfg.test_fraction,
             positive_rate=cfg.positive_rate,

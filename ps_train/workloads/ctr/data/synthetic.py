@@ -3,7 +3,8 @@
 A sample has ``num_dense`` standard-normal features, one id per table and a click label:
 
 - **Ids** follow a bounded power law per table: the row of popularity rank ``k`` (0-based) has
-  probability roughly proportional to ``(k + 1) ** -zipf_alpha`` (``zipf_alpha=0``: uniform).
+  probability roughly proportional to ``(k + 1) ** -alpha_t`` (``alpha_t = 0``: uniform), with
+  one ``zipf_alpha`` for every table or one per table.
   Ranks are drawn by inverting the CDF of the continuous density ``x ** -alpha`` on
   ``[1, rows + 1)`` and flooring -- O(1) per draw and nothing of size ``rows`` is ever built,
   so tables can have tens of millions of rows. The continuous law slightly under-weights the
@@ -17,7 +18,8 @@ A sample has ``num_dense`` standard-normal features, one id per table and a clic
 - **Labels** come from a hidden logistic model, ``label ~ Bernoulli(sigmoid(logit))`` with
   ``logit = bias + dense @ w + sum_t c_t * (e_t(ids[:, t]) - m_t)``, where ``e_t(row)`` is a
   standard normal computed by hashing ``(seed, table, row)`` -- a per-row effect with no
-  per-row storage. ``w``, ``c_t``, ``m_t`` and ``bias`` are fixed on a calibration draw of
+  per-row storage, so a table of 40 M rows costs the generator nothing more than one of 40.
+  ``w``, ``c_t``, ``m_t`` and ``bias`` are fixed on a calibration draw of
   65,536 samples from their own seeded stream: the dense part gets 30% of the logit's
   variance and the tables share the rest equally, the total standard deviation is
   ``signal_std`` and ``bias`` makes the expected click rate ``positive_rate``. The defaults
@@ -53,7 +55,7 @@ import torch
 
 from ps_train.workloads.ctr.data.bags import BagColumns
 from ps_train.workloads.ctr.data.split import CtrSplit
-from ps_train.workloads.ctr.data.synthetic_bags import BagShape, NumpyBags, draw_bags
+from ps_train.workloads.ctr.data.synthetic_bags import BagShape, NumpyBags, concat_columns, draw_bags
 from ps_train.workloads.ctr.metrics import auc
 
 __all__ = ["SyntheticCtr", "synthetic_ctr", "zipf_ranks", "MAX_TABLE_ROWS", "INTERACTION_DIM"]
@@ -127,15 +129,16 @@ class SyntheticCtr:
     """The generator and its hidden labelling model for one setting (see the module docstring).
 
     ``table_sizes``: rows per table, each in ``[1, MAX_TABLE_ROWS]``. Building it costs a
-    calibration draw of 65,536 samples, independent of the table sizes. ``bag_shape``:
-    multi-hot bags (None: one id per table).
+    calibration draw of 65,536 samples, independent of the table sizes. ``zipf_alpha``: the
+    skew of every table, or one per table. ``bag_shape``: multi-hot bags (None: one id per
+    table).
     """
 
     def __init__(
         self,
         num_dense: int,
         table_sizes: Sequence[int],
-        zipf_alpha: float,
+        zipf_alpha: float | Sequence[float],
         seed: int,
         *,
         positive_rate: float = 0.25,
@@ -147,7 +150,8 @@ class SyntheticCtr:
         if bag_shape is not None and len(bag_shape.sizes) != len(self.table_sizes):
             raise ValueError(f"bag sizes {list(bag_shape.sizes)}: need one per table ({len(self.table_sizes)})")
         self.bag_shape = bag_shape if bag_shape is not None and bag_shape.multi_hot else None
-        self.num_dense, self.zipf_alpha, self.seed = int(num_dense), float(zipf_alpha), int(seed)
+        self.zipf_alphas = _per_table(zipf_alpha, len(self.table_sizes))
+        self.num_dense, self.seed = int(num_dense), int(seed)
         if self.num_dense < 0:
             raise ValueError(f"num_dense={num_dense}: must be >= 0")
         if self.num_dense == 0 and not self.table_sizes:
@@ -155,8 +159,9 @@ class SyntheticCtr:
         bad = [s for s in self.table_sizes if not 1 <= s <= MAX_TABLE_ROWS]
         if bad:
             raise ValueError(f"table_sizes: {bad[0]} rows; each table needs 1..{MAX_TABLE_ROWS} rows")
-        if zipf_alpha < 0 or not math.isfinite(zipf_alpha):
-            raise ValueError(f"zipf_alpha={zipf_alpha}: must be a finite number >= 0 (0 = uniform ids)")
+        bad_alpha = [a for a in self.zipf_alphas if a < 0 or not math.isfinite(a)]
+        if bad_alpha:
+            raise ValueError(f"zipf_alpha={bad_alpha[0]}: must be a finite number >= 0 (0 = uniform ids)")
         if not 0.0 < positive_rate < 1.0:
             raise ValueError(f"positive_rate={positive_rate}: must be strictly between 0 and 1")
         if not signal_std > 0.0:
@@ -208,14 +213,14 @@ class SyntheticCtr:
         u = rng.random((len(self.table_sizes), n))
         ids = np.empty((n, len(self.table_sizes)), dtype=np.int64)
         for t, rows in enumerate(self.table_sizes):
-            ranks = zipf_ranks(u[t], rows, self.zipf_alpha)
+            ranks = zipf_ranks(u[t], rows, self.zipf_alphas[t])
             ids[:, t] = (ranks * self._stride[t] + self._offset[t]) % rows
         return dense, ids
 
     def _table_ids(self, t: int, u: np.ndarray) -> np.ndarray:
         """Table ``t``'s ids (int64) for uniforms ``u`` in [0, 1), any shape."""
         rows = self.table_sizes[t]
-        return (zipf_ranks(u, rows, self.zipf_alpha) * self._stride[t] + self._offset[t]) % rows
+        return (zipf_ranks(u, rows, self.zipf_alphas[t]) * self._stride[t] + self._offset[t]) % rows
 
     def _bags(self, first: np.ndarray, rng: np.random.Generator) -> NumpyBags | None:
         """Multi-hot bags whose first ids are ``first`` [n, T], the rest from ``rng``; None if one-hot."""
@@ -312,17 +317,17 @@ class SyntheticCtr:
             dense[start:end], ids[start:end], probs[start:end], labels[start:end] = d[:m], i[:m], p[:m], y[:m]
             if bags is not None:
                 chunks.append(bags.take(m).to_columns())
-        return dense, ids, labels, probs, _concat_columns(chunks, len(self.table_sizes)) if chunks else None
+        return dense, ids, labels, probs, concat_columns(chunks, len(self.table_sizes)) if chunks else None
 
 
-def _concat_columns(parts: list[BagColumns], num_tables: int) -> BagColumns:
-    lengths = torch.cat([p.offsets[1:] - p.offsets[:-1] for p in parts])
-    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
-    torch.cumsum(lengths, 0, out=offsets[1:])
-    weights = [p.weights for p in parts if p.weights is not None]
-    return BagColumns(
-        torch.cat([p.values for p in parts]), offsets, torch.cat(weights) if weights else None, num_tables
-    )
+def _per_table(alpha: float | Sequence[float], num_tables: int) -> list[float]:
+    """``zipf_alpha`` as one skew per table: a number for every table, or a list of one per table."""
+    if isinstance(alpha, int | float):
+        return [float(alpha)] * num_tables
+    alphas = [float(a) for a in alpha]
+    if len(alphas) != num_tables:
+        raise ValueError(f"zipf_alpha {alphas}: give one skew for every table or one per table ({num_tables})")
+    return alphas
 
 
 def _solve_bias(logits: np.ndarray, rate: float) -> float:
@@ -341,7 +346,7 @@ def synthetic_ctr(
     num_samples: int,
     num_dense: int,
     table_sizes: Sequence[int],
-    zipf_alpha: float,
+    zipf_alpha: float | Sequence[float],
     seed: int,
     test_fraction: float,
     *,

@@ -20,7 +20,7 @@ import torch
 from ps_train.config import BAG_SIZE_DISTS
 from ps_train.workloads.ctr.data.bags import BagColumns
 
-__all__ = ["BagShape", "NumpyBags", "draw_bags"]
+__all__ = ["BagShape", "NumpyBags", "draw_bags", "concat_columns"]
 
 
 @dataclass(frozen=True)
@@ -85,22 +85,23 @@ class NumpyBags:
         )
 
     def to_columns(self) -> BagColumns:
-        """Sample-major ``BagColumns`` (int32 ids)."""
+        """Sample-major ``BagColumns`` (int32 ids). Each table's ids are scattered to their
+        places one table at a time, so the work arrays are one table's ``[n, L_t]``, never
+        ``[n, T, max L]`` (MLPerf's shape: 214 ids a sample, but 26 x 100 slots)."""
         n, T = len(self.lengths[0]), len(self.ids)
-        width = max(a.shape[1] for a in self.ids)
-        padded = np.zeros((n, T, width), dtype=np.int32)
-        valid = np.zeros((n, T, width), dtype=bool)
-        weights = np.zeros((n, T, width), dtype=np.float32) if self.weights is not None else None
-        for t, a in enumerate(self.ids):
-            padded[:, t, : a.shape[1]] = a
-            valid[:, t, : a.shape[1]] = self._valid(t)
-            if weights is not None and self.weights is not None:
-                weights[:, t, : a.shape[1]] = self.weights[t]
         lengths = np.stack(self.lengths, axis=1).reshape(-1)  # [n * T], sample-major
         offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
-        w = torch.from_numpy(weights[valid]) if weights is not None else None
-        return BagColumns(torch.from_numpy(padded[valid]), torch.from_numpy(offsets), w, T)
+        values = np.empty(int(offsets[-1]), dtype=np.int32)
+        weights = np.empty(int(offsets[-1]), dtype=np.float32) if self.weights is not None else None
+        for t, a in enumerate(self.ids):
+            valid = self._valid(t)  # [n, L_t]
+            places = offsets[np.arange(n) * T + t][:, None] + np.arange(a.shape[1])  # [n, L_t]
+            values[places[valid]] = a[valid]
+            if weights is not None and self.weights is not None:
+                weights[places[valid]] = self.weights[t][valid]
+        w = torch.from_numpy(weights) if weights is not None else None
+        return BagColumns(torch.from_numpy(values), torch.from_numpy(offsets), w, T)
 
     @staticmethod
     def from_columns(cols: BagColumns) -> NumpyBags:
@@ -145,3 +146,14 @@ def draw_bags(
         if shape.weighted:
             weights.append((1.0 - rng.random((n, size))).astype(np.float32))  # (0, 1]
     return NumpyBags(ids, lengths, weights if shape.weighted else None)
+
+
+def concat_columns(parts: list[BagColumns], num_tables: int) -> BagColumns:
+    """The samples of ``parts`` one after another, as one ``BagColumns``."""
+    lengths = torch.cat([p.offsets[1:] - p.offsets[:-1] for p in parts])
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    torch.cumsum(lengths, 0, out=offsets[1:])
+    weights = [p.weights for p in parts if p.weights is not None]
+    return BagColumns(
+        torch.cat([p.values for p in parts]), offsets, torch.cat(weights) if weights else None, num_tables
+    )

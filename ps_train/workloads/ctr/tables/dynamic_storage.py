@@ -13,15 +13,18 @@ the checkpoint beside the rows.
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
 
+from ps_train.checkpoint.forked_writer import FrozenRows
 from ps_train.workloads.ctr.tables.dynamic import DynamicCounts, DynamicTable
 from ps_train.workloads.ctr.tables.rows import dynamic_init_rows
 from ps_train.workloads.ctr.tables.storage import StorageSnapshot, TableRequest, TableStorage
+
+T = TypeVar("T")
 
 __all__ = ["DynamicStorage"]
 
@@ -43,6 +46,7 @@ class DynamicStorage(TableStorage):
         where: str,
     ) -> None:
         self.inner, self.dynamic = inner, dict(tables)
+        self.forks_writer = inner.forks_writer
         self.row_offsets, self.default_row = list(row_offsets), default_row
         self.seed, self.sizes, self.where = seed, list(sizes), where
         self.dim, self.num_rows = inner.dim, inner.num_rows
@@ -141,6 +145,15 @@ class DynamicStorage(TableStorage):
             snapshot = self.inner.begin_snapshot(name, base)
             snapshot.state.update(self._dynamic_state())
             return snapshot
+
+    def freeze_rows(self, name: str, base: str | None, take: Callable[[FrozenRows], T]) -> T:
+        with self._lock:  # no lookup creates rows until ``take`` (the fork) returns
+
+            def with_slots(rows: FrozenRows) -> T:
+                rows.state.update(self._dynamic_state())
+                return take(rows)
+
+            return self.inner.freeze_rows(name, base, with_slots)
 
     def end_snapshot(self, written: bool) -> None:
         self.inner.end_snapshot(written)

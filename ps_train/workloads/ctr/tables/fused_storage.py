@@ -12,17 +12,20 @@ since the previous checkpoint) copy-on-write by blocks while a thread writes the
 from __future__ import annotations
 
 import copy as copy_module
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
 
+from ps_train.checkpoint.forked_writer import FrozenRows
 from ps_train.checkpoint.rows_file import RowsHeader, apply_rows_file
 from ps_train.workloads.ctr.tables.optimizers import TableOptimizer
 from ps_train.workloads.ctr.tables.shards import TableShards
 from ps_train.workloads.ctr.tables.snapshot import RowSnapshot, TableSnapshot
 from ps_train.workloads.ctr.tables.storage import TableRequest, TableStorage
+
+T = TypeVar("T")
 
 __all__ = ["FusedStorage"]
 
@@ -101,6 +104,22 @@ class FusedStorage(TableStorage):
         )
         self.since = name
         return self.snapshot
+
+    forks_writer = True  # every row lives in one private CPU tensor per column
+
+    def freeze_rows(self, name: str, base: str | None, take: Callable[[FrozenRows], T]) -> T:
+        if self.snapshot is not None:
+            raise RuntimeError(f"checkpoint {name}: the tables of {self.snapshot.name} are still being written")
+        differential = base is not None and base == self.since
+        changed, self.changed = self.changed, torch.zeros_like(self.changed)
+        rows = FrozenRows(
+            self.columns(),
+            changed if differential else None,
+            base if differential else None,
+            {"format": "rows", "base": base if differential else None, "optimizer": self.optimizer.scalar_state()},
+        )
+        self.since = name
+        return take(rows)
 
     def end_snapshot(self, written: bool) -> None:
         self.snapshot = None

@@ -23,12 +23,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from torch import Tensor, nn
 
+from ps_train.checkpoint.forked_writer import FrozenRows
 from ps_train.config import Config, CtrDataConfig, DLRMConfig
 from ps_train.workloads.ctr.tables.dynamic import DynamicCounts, DynamicSpec, DynamicTable
 from ps_train.workloads.ctr.tables.dynamic_storage import DynamicStorage
@@ -39,6 +40,8 @@ from ps_train.workloads.ctr.tables.shards import TableShards
 from ps_train.workloads.ctr.tables.storage import StorageSnapshot, TableRequest, TableStorage
 
 __all__ = ["TableServer", "make_storage", "make_table_server"]
+
+T = TypeVar("T")
 
 log = logging.getLogger("ps_train.server")
 
@@ -165,6 +168,21 @@ class TableServer:
         snapshot = self.storage.begin_snapshot(name, base)
         snapshot.state["rows_updated"] = self.rows_updated
         return snapshot
+
+    @property
+    def forks_writer(self) -> bool:
+        """Whether a forked writer may write these tables (``TablePart.forks_writer``)."""
+        return self.storage.forks_writer
+
+    def freeze_rows(self, name: str, base: str | None, take: Callable[[FrozenRows], T]) -> T:
+        """``TablePart.freeze_rows``: the storage's live rows handed to ``take`` (which forks
+        a writer) while nothing can change them; no copy-on-write here."""
+
+        def counted(rows: FrozenRows) -> T:
+            rows.state["rows_updated"] = self.rows_updated
+            return take(rows)
+
+        return self.storage.freeze_rows(name, base, counted)
 
     def end_snapshot(self, written: bool) -> None:
         """The snapshot's files are written (``written``), or failed: then the rows changed

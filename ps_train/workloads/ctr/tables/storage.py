@@ -27,13 +27,19 @@ storage is a subclass here plus an entry in that test's list (docs/tables.md).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 from torch import Tensor, nn
 
 from ps_train.checkpoint.files import ShardFile
+
+if TYPE_CHECKING:
+    from ps_train.checkpoint.forked_writer import FrozenRows
+
+T = TypeVar("T")
 
 __all__ = ["TableRequest", "StorageSnapshot", "TableStorage", "check_request"]
 
@@ -144,6 +150,19 @@ class TableStorage(ABC):
         """Freeze the rows for checkpoint ``name``: differential on checkpoint ``base`` if
         that is the one this storage counted changes from, else every row. The caller holds
         the server's lock (no update runs), then writes the snapshot while updates go on."""
+
+    # Whether ``freeze_rows`` can hand a forked writer its rows: private, contiguous CPU
+    # tensors that hold every row (a disk tier's rows live in its store, not in the image).
+    forks_writer: bool = False
+
+    def freeze_rows(self, name: str, base: str | None, take: Callable[[FrozenRows], T]) -> T:
+        """As ``begin_snapshot``, without copying: call ``take`` with the live rows (all, or
+        those changed since checkpoint ``base``) while nothing can change them, and return its
+        result (``take`` forks the writer: ``ps_train.checkpoint.forked_writer``). Only for a
+        storage whose ``forks_writer`` is true; ``end_snapshot`` once written."""
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot hand its rows to a forked writer; use checkpoint.writer=thread"
+        )
 
     @abstractmethod
     def end_snapshot(self, written: bool) -> None:

@@ -1,0 +1,121 @@
+"""The launcher's fork server (``ps_train.launch.fork_server``): each role is a fresh copy of
+the fork server, whatever the roles before it did; a role's exit code (or the signal that
+killed it) reaches the launcher; a role whose launcher is gone exits."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+from functools import partial
+from typing import Any
+
+import pytest
+
+from ps_train.launch.fork_server import ForkServer, ForkServerError
+
+# What a role may change: the next role must still see these values.
+SETTINGS: dict[str, Any] = {"lr": 0.1}
+
+
+def _role(fd: int, action: str) -> None:
+    """Write what this process sees to ``fd``, then change it (as a role could, by mistake)."""
+    os.write(fd, f"{SETTINGS['lr']} {os.environ.get('FORK_TEST_VAR', '-')}\n".encode())
+    SETTINGS["lr"] = 99.0
+    os.environ["FORK_TEST_VAR"] = "changed"
+    if action == "exit3":
+        sys.exit(3)
+    if action == "raise":
+        raise RuntimeError("the role's own error")
+    if action == "abort":
+        os.kill(os.getpid(), signal.SIGKILL)
+    os._exit(0)
+
+
+@pytest.fixture
+def served():
+    """A pipe the roles report on (created first: roles inherit what the launcher had when it
+    started the fork server), and the fork server; its read end and the server."""
+    r, w = os.pipe()
+    fork_server = ForkServer(["json"], partial(_role, w))
+    yield r, fork_server
+    fork_server.close()
+    os.close(r)
+    os.close(w)
+
+
+def _read_line(fd: int) -> str:
+    out = b""
+    while not out.endswith(b"\n"):
+        out += os.read(fd, 100)
+    return out.decode().strip()
+
+
+@pytest.mark.timeout(30)
+def test_a_role_that_changes_a_global_does_not_affect_the_next_role(served):
+    r, server = served
+    for name in ("trainer0", "trainer1"):
+        p = server.start("ok", name)
+        assert _read_line(r) == "0.1 -", name  # as the launcher had it, not as trainer0 left it
+        p.join(20)
+        assert p.exitcode == 0
+    assert SETTINGS["lr"] == 0.1  # and the launcher's own copy is untouched
+
+
+@pytest.mark.timeout(30)
+def test_exit_codes_and_signals_reach_the_launcher(served):
+    _, server = served
+    procs = {action: server.start(action, f"role-{action}") for action in ("exit3", "raise", "abort", "ok")}
+    for p in procs.values():
+        p.join(20)
+        assert not p.is_alive()
+    assert procs["exit3"].exitcode == 3
+    assert procs["raise"].exitcode == 1
+    assert procs["abort"].exitcode == -signal.SIGKILL
+    assert procs["ok"].exitcode == 0
+    assert procs["abort"].name == "role-abort"
+
+
+@pytest.mark.timeout(30)
+def test_a_module_that_cannot_be_preloaded_is_named():
+    fork_server = ForkServer(["no_such_module_for_the_fork_server"], partial(_role, 1))
+    try:
+        with pytest.raises(ForkServerError, match="no_such_module_for_the_fork_server"):
+            fork_server.start("ok", "ps0")
+    finally:
+        fork_server.close()
+
+
+LAUNCHER = textwrap.dedent(
+    """
+    import os, sys, time
+    from ps_train.launch.fork_server import ForkServer
+
+    def role(_):
+        time.sleep(600)  # until its launcher is gone
+
+    server = ForkServer([], role)
+    p = server.start(None, "trainer0")
+    print(p.pid, flush=True)
+    os.kill(os.getpid(), 9)  # the launcher dies without stopping anyone
+    """
+)
+
+
+@pytest.mark.timeout(60)
+def test_a_role_exits_when_its_launcher_dies():
+    out = subprocess.run([sys.executable, "-c", LAUNCHER], capture_output=True, text=True, timeout=50)
+    pid = int(out.stdout.split()[0])
+    # The role's watcher exits it as soon as the launcher's end of its pipe closes: wait for
+    # its exit (a pidfd is readable once the process has ended).
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return  # gone already
+    try:
+        assert select.select([pidfd], [], [], 40)[0], f"role {pid} still runs after its launcher died"
+    finally:
+        os.close(pidfd)
