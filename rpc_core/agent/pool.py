@@ -17,7 +17,7 @@ couple of milliseconds (a lock, a sleep, a long computation).
 
 Idle threads form a stack and the most recently idle one is woken first: a thread's first
 torch op (autograd, BLAS) costs milliseconds of per-thread setup, so warm threads win.
-Threads beyond ``core_threads`` exit after idling.
+Threads start on demand; those beyond ``core_threads`` exit after idling.
 """
 
 from __future__ import annotations
@@ -140,9 +140,9 @@ class ElasticPool:
         self._watch_sleeping = False
         self._inline: list[_InlineRun] = []  # runs in progress, for the watchdog
         self._inline_runs = 0  # runs started so far
-        with self._lock:
-            for _ in range(core_threads):
-                self._idle.append(self._spawn_locked(start_draining=False))
+        # Threads start when work first needs them (at most core_threads stay once started):
+        # a worker that is rarely called (one of a thousand on a host, each thread a pid and
+        # its stack) holds none until then.
         self._group.start(self._watchdog, f"{name}-watchdog")
 
     @property

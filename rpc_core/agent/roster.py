@@ -52,7 +52,8 @@ class Roster:
         # Why each departed name / rank is gone, for the errors of calls to it.
         self._departed_names: dict[str, str] = {}
         self._departed_ranks: dict[int, str] = {}
-        self._departed_members: dict[tuple[int, int], str] = {}  # (rank, generation) -> why
+        # (rank, generation) -> (its name, why)
+        self._departed_members: dict[tuple[int, int], tuple[str, str]] = {}
         self._roster_lock = threading.Lock()
         # Called with each WorkerInfo that joined or left: (info, joined).
         self.on_membership: list[Callable[[WorkerInfo, bool], None]] = []
@@ -130,10 +131,11 @@ class Roster:
         held the rank at ``generation``) has left, even if a newcomer holds the rank now."""
         if rank in self.workers and self.generations.get(rank, 0) == generation:
             return
-        gone = self._departed_members.get((rank, generation or 0), f"the worker of rank {rank} left the group")
+        unknown: tuple[str | None, str] = (None, f"the worker of rank {rank} left the group")
+        name, gone = self._departed_members.get((rank, generation or 0), unknown)
         if rank in self.workers:
             gone += f"; rank {rank} now belongs to a new member, {self.workers[rank].name!r}"
-        raise WorkerLeftError(f"{what}: {gone}")
+        raise WorkerLeftError(f"{what}: {gone}", worker=name)
 
     # -- connections: tell the departed's from the members' ------------------------------------------
     def tag_connection(self, conn: Any, peer: int) -> None:
@@ -202,12 +204,12 @@ class Roster:
         _trim(self._departed_members)
         self._departed_names[info.name] = reason
         self._departed_ranks[rank] = reason
-        self._departed_members[(rank, self.generations.get(rank, 0))] = reason
+        self._departed_members[(rank, self.generations.get(rank, 0))] = (info.name, reason)
         if rank != self.me.id:
             self._on_forget(rank, info.name, reason, graceful)
 
 
-def _trim(table: dict[Any, str]) -> None:
+def _trim(table: dict[Any, Any]) -> None:
     """Make room for one more departed member, forgetting the oldest."""
     while len(table) >= _MAX_DEPARTED:
         del table[next(iter(table))]

@@ -17,11 +17,22 @@ from typing import Any
 import torch
 
 from ..agent import agent as _agent_mod
+from ..agent.worlds import WorkerInfo
 from ..protocol import allowlist, wire
 from ..protocol.serialization import defer_until, note_for_reply, register_reducer
 from .handle import RRef
 from .release import start_release_thread, track
-from .state import Id, _ctx, _on_child_accept, _on_fork, _on_user_deletes, new_id, start_ids, store_creation_error
+from .state import (
+    Id,
+    _ctx,
+    _on_child_accept,
+    _on_fork,
+    _on_user_deletes,
+    forget_owner,
+    new_id,
+    start_ids,
+    store_creation_error,
+)
 
 
 def _reduce(rref: RRef[Any]) -> tuple[Any, tuple[Any, ...]]:
@@ -107,9 +118,17 @@ class RRefMiddleware(_agent_mod.Middleware):
                 _on_child_accept(tuple(fork_id))
 
 
+def _release_departed_owner(info: WorkerInfo, joined: bool) -> None:
+    """A membership listener: the user RRefs of a member that left are released here."""
+    agent = _agent_mod.current_agent_or_none()
+    if not joined and agent is not None:
+        forget_owner(info.id, agent.roster.generations.get(info.id, 0))
+
+
 def install(agent: _agent_mod.Agent) -> None:
     """At init_rpc, before the agent starts: the release loop and the protocol's plug-ins."""
     start_release_thread()
     start_ids(agent.roster.id_base)
     agent.request_failed_hooks.append(on_request_failed)
+    agent.roster.on_membership.append(_release_departed_owner)
     agent.middleware.append(RRefMiddleware())

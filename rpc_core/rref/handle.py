@@ -55,6 +55,7 @@ class RRef(Generic[T]):
         self._confirmed = confirmed
         self._creation = creation
         self._deleted = False
+        self._owner_left = False  # set by state.forget_owner: nothing to delete on the owner
         self._type: type | None = None  # the value's type, once known (see _get_type)
         self._type_fetch: torch.futures.Future[Any] | None = None
         if fork_id is None:
@@ -78,7 +79,7 @@ class RRef(Generic[T]):
         return r
 
     def __del__(self) -> None:
-        if getattr(self, "_rref_id", None) is None or self._deleted:
+        if getattr(self, "_rref_id", None) is None or self._deleted or self._owner_left:
             return
         if self._fork_id is not None and (self._creation is None or self._confirmed):
             collect(self._owner_id, self._rref_id, self._fork_id)  # the common case: wakes no thread

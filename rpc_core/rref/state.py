@@ -350,3 +350,26 @@ def _call_method(obj: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, A
 allowlist.internal(
     _on_create, _on_fetch, _on_type, _on_fork, _on_child_accept, _on_user_delete, _on_user_deletes, _on_invoke
 )
+
+
+def forget_owner(owner: int, generation: int) -> int:
+    """The member that held rank ``owner`` at ``generation`` left: release this worker's user
+    RRefs of its values. Their entries leave the user tables (a handle still held stays
+    usable only for the error: a call through it raises WorkerLeftError naming the worker),
+    and no delete is kept or sent for them (nobody would apply it). Returns how many handles
+    and deletes were dropped."""
+    dropped = 0
+    with _ctx.lock:
+        _ctx.gather()
+        dropped += len(_ctx.deletes.pop(owner, []))
+        for fork_id, handle in list(_ctx.users.items()):
+            if handle._owner_id == owner and handle._owner_gen == generation:
+                handle._owner_left = True  # its __del__ then sends nothing
+                del _ctx.users[fork_id]
+                _ctx.unconfirmed.discard(fork_id)
+                dropped += 1
+        for fork_id, parent in list(_ctx.pending_children.items()):
+            if parent._owner_id == owner and parent._owner_gen == generation:
+                del _ctx.pending_children[fork_id]
+                dropped += 1
+    return dropped

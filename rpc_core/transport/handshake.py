@@ -38,8 +38,22 @@ def handshake_timeout() -> float:
 
 
 # The most accepted connections one worker (or rank 0's rendezvous) keeps while they have
-# not proven they know the secret. One more makes room by closing the oldest (see Admission).
+# not proven they know the secret. One more waits for a slot, or evicts a stale one (see Admission).
 MAX_PENDING_HANDSHAKES = 64
+
+
+def eviction_grace() -> float:
+    """How long a connection in its handshake keeps its slot against a newcomer once all
+    MAX_PENDING_HANDSHAKES are taken: a quarter of handshake_timeout() (2.5 s by default),
+    long enough for a real peer on a loaded host, short enough that silent clients cannot
+    keep real ones waiting past their own handshake deadline."""
+    return handshake_timeout() / 4
+
+
+# How many connections a listener lets the kernel queue before they are accepted: a flood of
+# peers dialling at once (see Admission) waits there instead of having its SYNs dropped and
+# retried seconds later. The kernel caps it at net.core.somaxconn (4096 on current Linux).
+LISTEN_BACKLOG = 4096
 # The largest first frame read under the handshake deadline (an identity or join request).
 MAX_INTRO_BYTES = 64 << 10
 
@@ -203,30 +217,41 @@ class Admission:
     """The accepted connections of one listener's owner whose peer has not yet proven it
     knows the secret: at most MAX_PENDING_HANDSHAKES (read at each admission) at once.
 
-    One more closes the oldest of them (a warning says so) instead of turning the newcomer
-    away: a client that opens connections and stays silent then cannot lock real peers out;
-    it would have to open new ones faster than a real peer completes its few round trips.
-    Closing means shutting the socket down, which wakes the thread in its handshake; that
-    thread closes it."""
+    One more waits (the accepting thread blocks, later dials queue in the listener's backlog)
+    until a handshake ends or the oldest has been pending for ``eviction_grace()``; then that
+    oldest is closed (a warning says so) to make room. Real peers arriving all at once (a
+    thousand ranks dialling rank 0 at the rendezvous or at shutdown, on a loaded host) so
+    complete at the rate rank 0 can serve them instead of evicting each other, and a client
+    that opens connections and stays silent still cannot lock real peers out: it holds a slot
+    for the grace at most. Closing means shutting the socket down, which wakes the thread in
+    its handshake; that thread closes it."""
 
     def __init__(self, where: str) -> None:
         self._where = where
         self._lock = threading.Lock()
-        self._pending: dict[socket.socket, tuple[str, int]] = {}  # insertion order = age
+        self._slot_freed = threading.Condition(self._lock)
+        # insertion order = age; the value: the peer, and when it was admitted (monotonic)
+        self._pending: dict[socket.socket, tuple[tuple[str, int], float]] = {}
         self._evicted = 0
         self._closed = False
 
     def admit(self, sock: socket.socket, peer: tuple[str, int]) -> bool:
-        """Count ``sock`` as in its handshake; False once closed (the caller closes ``sock``)."""
+        """Count ``sock`` as in its handshake, waiting for a slot if all are taken (see the
+        class); False once closed (the caller closes ``sock``)."""
         victims = []
         with self._lock:
+            while not self._closed and len(self._pending) >= MAX_PENDING_HANDSHAKES:
+                oldest, (oldest_peer, since) = next(iter(self._pending.items()))
+                wait = since + eviction_grace() - time.monotonic()
+                if wait <= 0:
+                    del self._pending[oldest]
+                    victims.append(oldest_peer)
+                    _hang_up(oldest)  # under the lock: its thread cannot have closed it yet (see discard)
+                else:
+                    self._slot_freed.wait(wait)
             if self._closed:
                 return False
-            self._pending[sock] = peer
-            while len(self._pending) > MAX_PENDING_HANDSHAKES:
-                oldest = next(iter(self._pending))
-                victims.append(self._pending.pop(oldest))
-                _hang_up(oldest)  # under the lock: its thread cannot have closed it yet (see discard)
+            self._pending[sock] = (peer, time.monotonic())
             self._evicted += len(victims)
             evicted = self._evicted
         for peer_host, peer_port in victims:
@@ -246,12 +271,14 @@ class Admission:
     def authenticated(self, sock: socket.socket) -> bool:
         """``sock``'s peer proved it knows the secret; False if it was closed to make room."""
         with self._lock:
+            self._slot_freed.notify()
             return self._pending.pop(sock, None) is not None
 
     def discard(self, sock: socket.socket) -> None:
         """``sock`` leaves (before its owner closes it)."""
         with self._lock:
-            self._pending.pop(sock, None)
+            if self._pending.pop(sock, None) is not None:
+                self._slot_freed.notify()
 
     def close(self) -> None:
         """Close every connection still in its handshake, and admit no more."""
@@ -260,6 +287,7 @@ class Admission:
             for sock in self._pending:
                 _hang_up(sock)
             self._pending.clear()
+            self._slot_freed.notify_all()
 
 
 def _hang_up(sock: socket.socket) -> None:

@@ -22,7 +22,7 @@ class Tcp(Transport):
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind(sockaddr)
-            sock.listen(128)
+            sock.listen(handshake.LISTEN_BACKLOG)
         except BaseException:
             sock.close()
             raise

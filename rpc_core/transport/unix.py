@@ -36,7 +36,7 @@ class Unix(Transport):
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.bind(address(tcp_address[1]))
-            sock.listen(128)
+            sock.listen(handshake.LISTEN_BACKLOG)
         except OSError:
             sock.close()
             return None
