@@ -68,6 +68,9 @@ def _table(t: Table) -> list[str]:
     return out
 
 
+NOTES_SHOWN = 2  # lines of a result's notes on the page
+
+
 def _machine(r: Result) -> str:
     m = r.machine
     parts = [m.cpu or "", f"{m.cores} cores"]
@@ -88,7 +91,11 @@ def section(r: Result) -> list[str]:
     for t in r.tables:
         out += [*_table(t), ""]
     if r.notes:
-        out += ["```text", *r.notes, "```", ""]
+        # The page holds the current tables; a long run log stays in the result file.
+        shown = r.notes[:NOTES_SHOWN]
+        more = len(r.notes) - len(shown)
+        tail = [f"... {more} more lines in its file under benchmarks/results/"] if more > 0 else []
+        out += ["```text", *shown, *tail, "```", ""]
     return out
 
 

@@ -15,8 +15,8 @@ import importlib
 
 from ps_train import backend
 from ps_train.config import Config
+from ps_train.modes import ANSWER_RECORDS
 from ps_train.modes.base import UpdateRequest
-from ps_train.modes.ssp import ClockedUpdate
 from ps_train.workload import workload_for
 
 MODULES = (
@@ -45,4 +45,5 @@ def register(cfg: Config) -> None:
                 f"Workload.rpc_modules: {e}; list only importable modules there"
             ) from e
     backend.called_by_name(UpdateRequest)  # a trainer's update call carries one
-    backend.called_by_name(ClockedUpdate)  # ssp: ps0's answer to an update that rode on the backward
+    for record in ANSWER_RECORDS:  # e.g. ssp: ps0's answer to an update that rode on the backward
+        backend.called_by_name(record)

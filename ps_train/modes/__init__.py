@@ -19,10 +19,14 @@ from ps_train.modes.aggregation import AGGREGATES, STALENESS_RULES
 from ps_train.modes.asynchronous import AsyncMode
 from ps_train.modes.base import Mode, ModeOptions, RunConfig
 from ps_train.modes.hybrid import HybridMode
-from ps_train.modes.ssp import SspMode
+from ps_train.modes.ssp import ClockedUpdate, SspMode
 from ps_train.modes.sync import SyncMode
 
+# The records a mode's answers carry over RPC (the safe serializer must be told of them).
+ANSWER_RECORDS: tuple[type, ...] = (ClockedUpdate,)
+
 __all__ = [
+    "ANSWER_RECORDS",
     "MODES",
     "MODE_NAMES",
     "AGGREGATES",
