@@ -8,6 +8,8 @@ job with budgets that evict nothing.
 512) with 2 servers and 2 trainers, sync, ``--steps`` steps, twice: **tiered** with
 ``--budget`` per server (default: the preset's 1GB) and **in RAM** with ``--large-budget``
 (the same lazy rows and dtype, a budget no run of this length fills: nothing is evicted).
+No checkpoint is written (``--final-checkpoint``: the one after the last step), so the figures
+are training's alone.
 Before the runs the disk under the run folders is probed (``benchmarks/_disk_probe.py``).
 
 Reported: samples/s of each run and their ratio (target >= 0.5x); each server's peak RSS
@@ -58,6 +60,7 @@ def run_job(name: str, budget: str, args: argparse.Namespace, run_dir: Path) -> 
         f"train.steps={args.steps}", f"data.num_samples={samples}",
         f"cluster.num_servers={SERVERS}", f"cluster.num_trainers={TRAINERS}", "mode=sync",
         f"model.table_memory_budget={budget}", "train.eval_every=0", "checkpoint.every=0",
+        f"checkpoint.final={'true' if args.final_checkpoint else 'false'}",
         "logging.progress=false", f"hydra.run.dir={run_dir}",
     ]  # fmt: skip
     before, t0 = load1(), time.perf_counter()
@@ -141,6 +144,11 @@ def main() -> int:
     ap.add_argument(
         "--large-budget", default="64GB", help="the in-RAM run's budget: more than its rows take (nothing evicted)"
     )
+    ap.add_argument(
+        "--final-checkpoint",
+        action="store_true",
+        help="also write the checkpoint after the last step (its flush and memory count in the figures)",
+    )
     ap.add_argument("--only", choices=["tiered", "ram"], nargs="*", help="run only these (default: both)")
     ap.add_argument("--dir", default=None, help="where the run folders (and the tier's stores) go; default: a temp dir")
     ap.add_argument("--probe-mb", type=int, default=256, help="the disk probe's file size (MiB)")
@@ -153,6 +161,7 @@ def main() -> int:
         parse_size(getattr(args, name))  # a clear error for a malformed size before any run
     if args.steps < 1:
         raise SystemExit(f"--steps {args.steps}: must be >= 1")
+    print(f"final checkpoint: {'yes' if args.final_checkpoint else 'no'}")
     print(f"load average at start: {os.getloadavg()[0]:.1f}", flush=True)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         args.dir = args.dir or tempfile.gettempdir()
