@@ -71,6 +71,18 @@ def _table(t: Table) -> list[str]:
 NOTES_SHOWN = 2  # lines of a result's notes on the page
 
 
+def _unwrapped(markdown: str) -> list[str]:
+    """A summary's lines with each prose paragraph on one line (Markdown renders them alike;
+    the page stays short): lists, tables and code keep their lines."""
+    out: list[str] = []
+    for para in markdown.strip().split("\n\n"):
+        lines = para.splitlines()
+        structured = any(re.match(r"\s*([-*|>#]|\d+\.|```)", line) for line in lines)
+        out += lines if structured else [" ".join(line.strip() for line in lines)]
+        out.append("")
+    return out[:-1]
+
+
 def _machine(r: Result) -> str:
     m = r.machine
     parts = [m.cpu or "", f"{m.cores} cores"]
@@ -87,7 +99,7 @@ def section(r: Result) -> list[str]:
     out.append(f"{r.date}, commit {r.commit}, {_machine(r)}; `{r.command}`.")
     out.append("")
     if r.summary:
-        out += [*r.summary.rstrip().splitlines(), ""]
+        out += [*_unwrapped(r.summary), ""]
     for t in r.tables:
         out += [*_table(t), ""]
     if r.notes:

@@ -7,7 +7,9 @@ state (the rows optimizer's per-row tensors, float32, aligned with the slots:
 cost of a row never touched (4 bytes). A row comes into a slot when a request or an update
 needs it (``ensure``): from the store if it was evicted there, else created with its
 initial value (``init``: a function of (seed, table, row) only) and zero state. Without a
-budget the pool grows as rows arrive; with one (``capacity`` slots) the least recently
+budget the pool grows as rows arrive; with one it holds its ``capacity`` slots from the
+start (their values' pages mapped as rows are written; a budget beyond a quarter of the
+machine's RAM grows as without one) and, once they are full, the least recently
 used rows outside the current request leave: written to the store if *dirty* (changed
 since they were last stored), dropped otherwise (an untouched row is re-created equal, a
 clean one is in the store). A row's bytes go to disk and back unchanged (``pack`` /
@@ -16,6 +18,7 @@ clean one is in the store). A row's bytes go to disk and back unchanged (``pack`
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -61,6 +64,14 @@ def unpack_rows(blobs: list[bytes], specs: list[tuple[str, torch.dtype, tuple[in
     return out
 
 
+_SLOT_BYTES = 30  # a slot's bookkeeping besides its values: row, last use, free-list entry, flags
+
+
+def _reservable() -> int:
+    """The most bytes a budgeted pool reserves at start: a quarter of the machine's RAM."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
+
+
 class RowPool:
     """RAM slots for ``num_rows`` storage rows of ``dim`` values in ``dtype``, with the
     per-row state of ``optimizer`` (module docstring). ``capacity`` None: no budget (grows);
@@ -83,8 +94,18 @@ class RowPool:
         self.optimizer, self.init, self.store, self.where = optimizer, init, store, where
         self.capacity, self.budget = capacity, budget
         self.slot_of = torch.full((num_rows,), -1, dtype=torch.int32)
-        start = start if capacity is None else min(capacity, start)
-        self.values = torch.zeros(start, dim, dtype=dtype)
+        if capacity is not None and capacity * (dim * dtype.itemsize + _SLOT_BYTES) <= _reservable():
+            # Under a budget the machine can hold, every slot is taken at once, the values
+            # uninitialised: the OS maps their pages only when a row is written there, so RAM
+            # follows the rows held, and the pool never grows (a doubling step holds the old
+            # and the new arrays at once: up to 1.5x the budget's rows). A slot's values are
+            # written before they are read. A larger budget (one that means "no eviction")
+            # grows as without one.
+            start = capacity
+            self.values = torch.empty(start, dim, dtype=dtype)
+        else:
+            start = start if capacity is None else min(capacity, start)
+            self.values = torch.zeros(start, dim, dtype=dtype)
         self.slot_row = torch.full((start,), -1, dtype=torch.int64)
         self.dirty = torch.zeros(start, dtype=torch.bool)  # changed since last stored
         self.touched = torch.zeros(start, dtype=torch.bool)  # differs from its initial value
@@ -125,7 +146,10 @@ class RowPool:
         if new <= old:
             return
         extra = new - old
-        self.values = torch.cat([self.values, self.values.new_zeros(extra, self.dim)])
+        values = self.values.new_empty(new, self.dim)  # not cat: no third copy of the new rows
+        values[:old] = self.values
+        values[old:].zero_()
+        self.values = values
         self.slot_row = torch.cat([self.slot_row, torch.full((extra,), -1, dtype=torch.int64)])
         self.dirty = torch.cat([self.dirty, torch.zeros(extra, dtype=torch.bool)])
         self.touched = torch.cat([self.touched, torch.zeros(extra, dtype=torch.bool)])

@@ -31,6 +31,8 @@ __all__ = ["RowStore", "StoreError", "STORE_FORMAT", "iter_store"]
 STORE_FORMAT = 1
 _META = "ps_train_store.json"
 _KEY = struct.Struct(">q")
+_BLOCK_CACHE = 16 << 20  # bytes
+_MEMTABLE = 16 << 20  # bytes per memtable
 
 
 class StoreError(RuntimeError):
@@ -45,7 +47,13 @@ def _options() -> rocksdict.Options:
     opts.set_compression_type(rocksdict.DBCompressionType.none())
     table = rocksdict.BlockBasedOptions()
     table.set_bloom_filter(10, False)
+    # The RAM pool is the rows' cache and the budget pays for it; RocksDB's own memory is
+    # outside the budget, so it is kept small: a 16 MB block cache, memtables of 16 MB, at
+    # most 2 (the defaults allow 2 x 64 MB of memtables besides the cache).
+    table.set_block_cache(rocksdict.Cache(_BLOCK_CACHE))
     opts.set_block_based_table_factory(table)
+    opts.set_write_buffer_size(_MEMTABLE)
+    opts.set_max_write_buffer_number(2)
     return opts
 
 

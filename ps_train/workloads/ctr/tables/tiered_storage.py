@@ -117,7 +117,7 @@ class TieredStorage(TableStorage):
     def __init__(
         self, layout: FusedLayout, server: int, settings: TierSettings, where: str, start_rows: int = 1024
     ) -> None:
-        """``start_rows``: the RAM pool's first size (it doubles as rows arrive, up to the budget)."""
+        """``start_rows``: the RAM pool's first size without a budget (it doubles as rows arrive)."""
         self.layout, self.server, self.settings, self.where = layout, server, settings, where
         self.start_rows = start_rows
         self.dim, self.num_rows = settings.dim, layout.storage_rows(server)
@@ -135,7 +135,9 @@ class TieredStorage(TableStorage):
         self.store: RowStore | None = None
         capacity = None
         if settings.budget is not None:
-            probe = self._new_pool(1)  # what a row costs
+            # What a row costs, from a pool of one row: a pool of the whole address space would
+            # allocate (and fill) another 4-byte index of every row just to be dropped.
+            probe = self._new_pool(1, num_rows=1)
             capacity = self._capacity(settings.budget, probe.row_bytes())
             if settings.store_dir is None:
                 raise ValueError(f"{where}: model.table_memory_budget needs a run folder for its disk store")
@@ -144,11 +146,11 @@ class TieredStorage(TableStorage):
         self._prefetches: queue.Queue[Tensor | None] = queue.Queue(maxsize=4)
         self._prefetcher: threading.Thread | None = None
 
-    def _new_pool(self, capacity: int | None) -> RowPool:
+    def _new_pool(self, capacity: int | None, num_rows: int | None = None) -> RowPool:
         init = lambda rows: self.layout.initial_rows(self.server, self.settings.seed, self.dim, rows)  # noqa: E731
         return RowPool(
-            self.num_rows, self.dim, self.dtype, self.optimizer, init, capacity, self.store, self.where,
-            self.settings.budget_text, self.start_rows,
+            self.num_rows if num_rows is None else num_rows, self.dim, self.dtype, self.optimizer, init,
+            capacity, self.store, self.where, self.settings.budget_text, self.start_rows,
         )  # fmt: skip
 
     def _capacity(self, budget: int, row_bytes: int) -> int:
