@@ -173,7 +173,12 @@ class RRef(Generic[T]):
                 self._type_fetch = f
             return self._type_fetch  # the same future each time, as torch's cached one
         fut = self._type_future(timeout)
-        return fut.wait() if blocking else fut
+        if not blocking:
+            return fut
+        # Kept here too: the done-callback that keeps it may still be running on the thread
+        # that completed the future when wait() returns, and the next proxy call must see it.
+        self._type = fut.wait()
+        return self._type
 
     def _type_future(self, timeout: float) -> torch.futures.Future[Any]:
         """A Future of the value's type, kept on the handle once it succeeded."""
