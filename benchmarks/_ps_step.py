@@ -102,7 +102,7 @@ class StepCpu:
 
 # -- in the roles --------------------------------------------------------------------------------------------------
 def profile_start() -> None:
-    import yappi  # type: ignore[import-untyped]
+    import yappi
 
     yappi.clear_stats()
     yappi.set_clock_type("cpu")
