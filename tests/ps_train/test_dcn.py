@@ -47,6 +47,9 @@ SMALL_DCN = (
 # As test_dlrm's oracle: a row used by several samples gets their gradients summed in another
 # order than EmbeddingBag's, so table values may differ in their last bits.
 ATOL = 1e-6
+# Parameters after six Adagrad steps are up to ~0.2 in size: their last bits, relative, differ
+# with the CPU's vector kernels, which sum in another order on another machine.
+RTOL = 1e-5
 
 
 class PlainDCN(nn.Module):
@@ -190,7 +193,7 @@ def test_sync_dcn_run_equals_plain_torch_dcn(tmp_path: Path, setup: tuple[str, .
     want_dense = [p.detach() for p in model.dense_parameters()]
     assert [g.shape for g in got_dense] == [w.shape for w in want_dense]
     for i, (g, w) in enumerate(zip(got_dense, want_dense, strict=True)):
-        torch.testing.assert_close(g, w, atol=ATOL, rtol=0, msg=f"dense parameter {i}")
+        torch.testing.assert_close(g, w, atol=ATOL, rtol=RTOL, msg=lambda m, i=i: f"dense parameter {i}: {m}")
     # The tables, row by row.
     S = cfg.cluster.num_servers
     tables = saved_tables(tmp_path)
@@ -200,7 +203,9 @@ def test_sync_dcn_run_equals_plain_torch_dcn(tmp_path: Path, setup: tuple[str, .
         for s in range(S):
             lo, hi = layout.row_offsets(s)[t : t + 2]
             rows = w.detach()[sharding.global_ids(s)]
-            torch.testing.assert_close(tables[f"ps{s}"]["weight"][lo:hi], rows, atol=ATOL, rtol=0, msg=f"table {t}")
+            torch.testing.assert_close(
+                tables[f"ps{s}"]["weight"][lo:hi], rows, atol=ATOL, rtol=RTOL, msg=lambda m, t=t: f"table {t}: {m}"
+            )
 
 
 def test_dlrm_with_cross_layers_is_the_plain_dcn() -> None:
