@@ -133,6 +133,9 @@ class CtrTrainer(Trainer):
             self.latency[s].record(time.perf_counter() - t0)
         rows, x = list(answers), answers[bottom_server][1]  # x: [B, d], the bottom MLP's output
         rows[bottom_server] = answers[bottom_server][0]
+        # Half-precision tables answer in their dtype; the model computes in float32 (the
+        # widening's backward sends the gradients back in the answers' dtype).
+        rows = [r.float() for r in rows]
         pulled = sum(len(r) for r in rows)
         if self.cache is not None:
             context_id = self.dist_autograd._current_context()._context_id()
@@ -166,7 +169,7 @@ class CtrTrainer(Trainer):
         futs = [server.rpc_async().read_rows(*plan.requests[s], plan.ids[s]) for s, server in enumerate(self.servers)]
         (bottom, bottom_server), (top, top_server) = self.shard_servers
         x = self.servers[bottom_server].rpc_sync().predict(bottom, dense)
-        emb = combine(plan, [f.wait() for f in futs])
+        emb = combine(plan, [f.wait().float() for f in futs])
         return self.servers[top_server].rpc_sync().predict(top, self.interact(x, emb)).squeeze(1)
 
     def evaluate(self) -> dict[str, float]:

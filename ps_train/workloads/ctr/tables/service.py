@@ -34,6 +34,7 @@ from ps_train.config import Config, CtrDataConfig, DLRMConfig
 from ps_train.workloads.ctr.tables.dynamic import DynamicCounts, DynamicSpec, DynamicTable
 from ps_train.workloads.ctr.tables.dynamic_storage import DynamicStorage
 from ps_train.workloads.ctr.tables.fused_storage import FusedStorage
+from ps_train.workloads.ctr.tables.half_rows import TABLE_DTYPES
 from ps_train.workloads.ctr.tables.optimizers import make_table_optimizer
 from ps_train.workloads.ctr.tables.rows import FusedLayout
 from ps_train.workloads.ctr.tables.shards import TableShards
@@ -106,6 +107,9 @@ class TableServer:
         self.rank = rank
         self.storage = make_storage(model, data, cfg, rank, store_dir)
         self.params: list[nn.Parameter] = [self.storage.handle]
+        # Half-precision rows travel in their dtype: the answers [P, dim] leave in it, and
+        # autograd brings their gradients back in it (the trainer widens them to float32).
+        self.wire_dtype = TABLE_DTYPES[model.table_dtype]
         self.rows_updated = 0  # rows the optimizer changed so far, summed over tables and steps
         self.rows_read = 0  # rows trainers looked up for training so far
         self._count_lock = threading.Lock()
@@ -129,17 +133,18 @@ class TableServer:
         step: int = -1,
         trainer: int = 0,
     ) -> Tensor:
-        """Training lookup of a ``ServerRequest`` (``ps_train.workloads.ctr.tables.plan``): one vector per single
-        row and pooled bag, [P, dim], whose backward leaves the storage's sparse gradient in
-        the caller's autograd context. ``ids``: the raw ids of the dynamic tables' rows (the
-        request's negative rows, in order), by ``trainer`` at ``step``."""
+        """Training lookup of a ``ServerRequest`` (``ps_train.workloads.ctr.tables.plan``): one
+        vector per single row and pooled bag, [P, dim] in the rows' dtype (``model.table_dtype``),
+        whose backward leaves the storage's sparse gradient in the caller's autograd context.
+        ``ids``: the raw ids of the dynamic tables' rows (the request's negative rows, in
+        order), by ``trainer`` at ``step``."""
         with self._count_lock:
             self.rows_read += len(rows)
-        return self.storage.lookup(TableRequest(rows, offsets, weights, ids, step, trainer))
+        return self.storage.lookup(TableRequest(rows, offsets, weights, ids, step, trainer)).to(self.wire_dtype)
 
     def read(self, rows: Tensor, offsets: Tensor, weights: Tensor | None, ids: Tensor | None = None) -> Tensor:
         """Evaluation lookup: the same vectors, without autograd; ids without a row read zeros."""
-        return self.storage.read(TableRequest(rows, offsets, weights, ids, None, 0))
+        return self.storage.read(TableRequest(rows, offsets, weights, ids, None, 0)).to(self.wire_dtype)
 
     def prefetch(self, rows: Tensor) -> None:
         """A hint: a coming request names ``rows`` (storage rows; dynamic markers are skipped)."""
