@@ -11,7 +11,11 @@ backward pass 30% slower than the same computation in one process.
 ``MMAP_THRESHOLD`` come from the heap and are reused, and a heap keeps up to
 ``TRIM_THRESHOLD`` of free memory at its top instead of trimming it. The price is a
 resident size that stays near its peak (up to ``TRIM_THRESHOLD`` above the live data per
-malloc arena). ``RPC_CORE_MALLOC_TUNE=0`` leaves malloc alone, and so does any malloc
+malloc arena), so it also caps the arenas at ``arena_max()`` (one per core, at least 2)
+where glibc allows eight per core: a worker's threads mostly take turns on the GIL, so more
+arenas buy little parallelism, while each keeps its own free memory and fragments. A DLRM-DCNv2
+parameter server with 22 threads held 0.9 GiB in 23 arena heaps; with 2 arenas its peak RSS
+fell from 3.75 to 2.26 GiB, its step no slower. ``RPC_CORE_MALLOC_TUNE=0`` leaves malloc alone, and so does any malloc
 setting of the user's own (``MALLOC_*_`` variables, ``GLIBC_TUNABLES``). Other C
 libraries (musl, macOS) are left alone.
 
@@ -37,10 +41,22 @@ MMAP_THRESHOLD = 32 << 20
 TRIM_THRESHOLD = 64 << 20
 _M_TRIM_THRESHOLD = -1  # mallopt parameters, from glibc's malloc.h
 _M_MMAP_THRESHOLD = -3
-_USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
+_M_ARENA_MAX = -8
+_USER_SETTINGS = (
+    "MALLOC_MMAP_THRESHOLD_",
+    "MALLOC_TRIM_THRESHOLD_",
+    "MALLOC_TOP_PAD_",
+    "MALLOC_MMAP_MAX_",
+    "MALLOC_ARENA_MAX",
+)
 
 _lock = threading.Lock()
 _done = False
+
+
+def arena_max() -> int:
+    """The most malloc arenas ``tune`` lets glibc make: one per core, at least 2."""
+    return max(2, os.cpu_count() or 2)
 
 
 def tune() -> bool:
@@ -63,4 +79,6 @@ def tune() -> bool:
         mallopt.restype = ctypes.c_int
         # The mmap threshold first: setting either one ends glibc's adaptive adjustment.
         _done = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+        # Threads started from here on share these arenas (those made before keep theirs).
+        _done = _done and bool(mallopt(_M_ARENA_MAX, arena_max()))
         return _done

@@ -9,7 +9,7 @@ it shares nothing with ps_train but the initial values (copied in) and the batch
 from __future__ import annotations
 
 import tracemalloc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -50,6 +50,11 @@ ATOL = 1e-6
 # Parameters after six Adagrad steps are up to ~0.2 in size: their last bits, relative, differ
 # with the CPU's vector kernels, which sum in another order on another machine.
 RTOL = 1e-5
+
+
+def _prefixed(what: str) -> Callable[[str], str]:
+    """An ``assert_close`` message that keeps torch's own (the mismatch's size) after ``what``."""
+    return lambda message: f"{what}: {message}"
 
 
 class PlainDCN(nn.Module):
@@ -193,7 +198,7 @@ def test_sync_dcn_run_equals_plain_torch_dcn(tmp_path: Path, setup: tuple[str, .
     want_dense = [p.detach() for p in model.dense_parameters()]
     assert [g.shape for g in got_dense] == [w.shape for w in want_dense]
     for i, (g, w) in enumerate(zip(got_dense, want_dense, strict=True)):
-        torch.testing.assert_close(g, w, atol=ATOL, rtol=RTOL, msg=lambda m, i=i: f"dense parameter {i}: {m}")
+        torch.testing.assert_close(g, w, atol=ATOL, rtol=RTOL, msg=_prefixed(f"dense parameter {i}"))
     # The tables, row by row.
     S = cfg.cluster.num_servers
     tables = saved_tables(tmp_path)
@@ -204,7 +209,7 @@ def test_sync_dcn_run_equals_plain_torch_dcn(tmp_path: Path, setup: tuple[str, .
             lo, hi = layout.row_offsets(s)[t : t + 2]
             rows = w.detach()[sharding.global_ids(s)]
             torch.testing.assert_close(
-                tables[f"ps{s}"]["weight"][lo:hi], rows, atol=ATOL, rtol=RTOL, msg=lambda m, t=t: f"table {t}: {m}"
+                tables[f"ps{s}"]["weight"][lo:hi], rows, atol=ATOL, rtol=RTOL, msg=_prefixed(f"table {t}")
             )
 
 

@@ -91,3 +91,47 @@ def test_tuned_malloc_reuses_freed_tensor_memory_instead_of_faulting_it_back(cas
 def test_a_malloc_setting_of_the_users_own_is_left_alone(cases):
     tuned, _ = cases["users_own"]
     assert not tuned
+
+
+# Twelve threads that each allocate and free tensors: glibc gives each new thread an arena of
+# its own up to its limit (eight per core), so the count of arenas shows the cap.
+_ARENAS = textwrap.dedent("""
+    import ctypes, re, sys, tempfile, threading, torch
+    import rpc_core.memory
+    tuned = rpc_core.memory.tune()
+    def work():
+        for _ in range(5):
+            del [torch.ones(256, 1024) for _ in range(8)][:]
+    threads = [threading.Thread(target=work) for _ in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    libc = ctypes.CDLL(None)
+    libc.fopen.restype = ctypes.c_void_p
+    libc.fopen.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+    libc.malloc_info.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    libc.fclose.argtypes = [ctypes.c_void_p]
+    with tempfile.NamedTemporaryFile(suffix=".xml") as f:
+        fp = libc.fopen(f.name.encode(), b"w")
+        libc.malloc_info(0, fp)
+        libc.fclose(fp)
+        arenas = len(re.findall(r'<heap nr="', open(f.name).read()))
+    print(tuned, arenas, rpc_core.memory.arena_max())
+""")
+
+
+@pytest.mark.timeout(180)
+def test_tuned_malloc_caps_the_arenas_that_keep_free_memory():
+    def run(**env_overrides):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+        env.update(env_overrides)
+        out = subprocess.run(
+            [sys.executable, "-c", _ARENAS], env=env, capture_output=True, text=True, timeout=150, check=True
+        ).stdout.split()
+        return out[0] == "True", int(out[1]), int(out[2])
+
+    tuned, arenas, cap = run()
+    untuned, arenas_untuned, _ = run(RPC_CORE_MALLOC_TUNE="0")
+    assert tuned and not untuned
+    assert arenas <= cap < arenas_untuned, (arenas, cap, arenas_untuned)
