@@ -16,12 +16,13 @@ if TYPE_CHECKING:
 __all__ = ["CTR"]
 
 
-def _stages(m: ModelConfig, d: DataConfig, seed: int) -> StagePlan:
+def _stages(model: ModelConfig, data: DataConfig, seed: int) -> StagePlan:
     """Its dense stages (bottom MLP; top MLP, after the cross layers for
     ``model.interaction=dcn``), one shard each, on at most two servers (its tables live on
     all of them: ``tables.service``)."""
     from ps_train.workloads.ctr.model import cross_spec, dense_stages
 
+    m, d = model, data
     if not (isinstance(m, DLRMConfig) and isinstance(d, CtrDataConfig)):
         raise TypeError(f"model={m.name} needs CTR data (data=synthetic_ctr or data=criteo), not data={d.name}")
     stages: list[nn.Module] = list(
