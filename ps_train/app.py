@@ -71,7 +71,7 @@ def run(
             f"; torchrun restarted the job {attempt} time(s)" if attempt else "",
         )
     if cfg.cluster.launcher == "local":
-        # before any role starts (DataCheckError)
+        # The data, before any role starts (DataCheckError).
         check_data(cfg.model, cfg.data, cfg.cluster.num_trainers, cfg.train.batch_size)
         write_provenance(run_dir, cfg, overrides or [])
         return run_local(cfg.cluster, partial(launch_local, cfg), run_dir, resume, timeout=timeout)
