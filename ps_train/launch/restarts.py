@@ -3,9 +3,9 @@
 Local launcher (``run_local``, around the attempts of ``ps_train.launch.local.launch_local``
 that the caller hands it, bound to the run's config): when a role dies or stops sending
 heartbeats, the launcher stops the other roles (``ps_train.launch.local``); then, at most
-``cluster.max_restarts`` times, this module starts the whole run again in the same run folder from the latest complete
-checkpoint there (or, if the run wrote none yet, from where it started: the original
-``resume=`` or step 0). Each restart is logged (console and run log) and recorded as
+``cluster.max_restarts`` times, this module starts the whole run again in the same run
+folder from the latest complete checkpoint there (or, if the run wrote none yet, from where
+it started: the original ``resume=`` or step 0). Each restart is logged (console and run log) and recorded as
 ``{"role", "reason", "from_step", "checkpoint"}`` in ``<run_dir>/restarts.json`` as it
 happens and in ``metrics.json``'s ``restarts`` list at the end; trainer0 plots
 ``train/restarts`` in TensorBoard. Sync runs are bit-reproducible across a resume, so a
