@@ -229,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     ideal = {}
     for n in names:
         for s, t in CONFIGS[n][1]:
-            ideal[(n, s, t)] = replay_ideal_bytes(compose(overrides_for(n, s, t, "rpc_core", steps[n])), steps[n])
+            c = compose(overrides_for(n, s, t, "rpc_core", steps[n]))
+            ideal[(n, s, t)] = replay_ideal_bytes(c.model, c.data, c.cluster, c.train.batch_size, c.seed, steps[n])
     raw: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     jobs: list[tuple[Any, ...]] = []
     for n in names:

@@ -11,6 +11,7 @@ import os
 import platform
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from ps_train.config import Config, ConfigError, config_to_dict
 from ps_train.files import atomic_write_text
 from ps_train.launch.environment import EnvRank, env_rank
 from ps_train.launch.failures import role_name
+from ps_train.launch.local import launch_local
 from ps_train.launch.prechecks import check_data
 from ps_train.launch.rank import run_rank
 from ps_train.launch.restarts import (
@@ -60,7 +62,7 @@ def run(
     if resume:
         from ps_train.checkpoint.protocol import check_resumable
 
-        state = check_resumable(cfg, resume)  # fails here, before any process starts
+        state = check_resumable(config_to_dict(cfg), resume)  # fails here, before any process starts
         resume = state["checkpoint"]
         (log.warning if attempt else log.info)(
             "resuming from %s (step %d)%s",
@@ -69,9 +71,10 @@ def run(
             f"; torchrun restarted the job {attempt} time(s)" if attempt else "",
         )
     if cfg.cluster.launcher == "local":
-        check_data(cfg)  # before any role starts (DataCheckError)
+        # The data, before any role starts (DataCheckError).
+        check_data(cfg.model, cfg.data, cfg.cluster.num_trainers, cfg.train.batch_size)
         write_provenance(run_dir, cfg, overrides or [])
-        return run_local(cfg, run_dir, resume, timeout=timeout)
+        return run_local(cfg.cluster, partial(launch_local, cfg), run_dir, resume, timeout=timeout)
     place = env_rank(cfg.cluster, os.environ)
     rank, world = place.rank, place.world_size
     expected = cfg.cluster.num_servers + cfg.cluster.num_trainers

@@ -9,13 +9,33 @@ is a ``PartitionCursor`` that turns the next indices into a batch.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["partition", "steps_per_epoch", "total_steps", "PartitionCursor"]
+__all__ = ["partition", "steps_per_epoch", "total_steps", "PartitionCursor", "TrainerSplit"]
 
 _MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class TrainerSplit:
+    """How a run deals its training set out to the trainers it launched: ``world`` trainers
+    (``cluster.num_trainers``), ``batch_size`` samples a step, the partitions seeded by ``seed``.
+    What places a trainer's data after a step (a checkpoint's positions, an elastic trainer's
+    batches) needs these and nothing else of the config."""
+
+    world: int
+    batch_size: int
+    seed: int
+
+    def position(self, n_items: int, step: int) -> dict[str, int]:
+        """Where every trainer's batch iterator stands after ``step`` steps of the same length
+        (sync mode: the same for all)."""
+        spe = steps_per_epoch(n_items, self.world, self.batch_size)
+        return {"epoch": step // spe, "offset": (step % spe) * self.batch_size}
 
 
 def partition(n_items: int, rank: int, world: int, seed: int, epoch: int) -> Tensor:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 
 from ps_train import backend
-from ps_train.config import Config
+from ps_train.config import ModelConfig
 from ps_train.modes import ANSWER_RECORDS
 from ps_train.modes.base import UpdateRequest
 from ps_train.workload import workload_for
@@ -30,12 +30,12 @@ MODULES = (
 )
 
 
-def register(cfg: Config) -> None:
+def register(model: ModelConfig) -> None:
     """Import the modules whose RPC functions and classes mark themselves (before init_rpc):
-    ps_train's, and those of ``cfg``'s workload."""
+    ps_train's, and those of the workload that trains ``model`` (the run's ``cfg.model``)."""
     for module in MODULES:
         importlib.import_module(module)
-    workload = workload_for(cfg)
+    workload = workload_for(model)
     for module in workload.rpc_modules:
         try:
             importlib.import_module(module)

@@ -4,7 +4,7 @@
 that share a server into ``Shard``s, the unit a server hosts and a trainer calls in forward
 order. Composing the shards in order is, by construction, the same computation as the
 single-process model (the stages in order). Every process computes the same shards from the
-config (``model_shards``), so the layout is never sent over RPC.
+model's, the data's and the cluster's configs and the seed (``model_shards``), so the layout is never sent over RPC.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ps_train.config import Config
+from ps_train.config import ClusterConfig, DataConfig, ModelConfig
 from ps_train.workload import workload_for
 
 __all__ = [
@@ -132,10 +132,11 @@ def shards_of_server(shards: Sequence[Shard], server: int) -> list[Shard]:
     return [s for s in shards if s.server == server]
 
 
-def model_shards(cfg: Config) -> list[Shard]:
-    """The run's model split into shards: the same list in every process of the run. The
-    stages are the workload's (``ps_train.workload.StagePlan``); a plan may keep them on
-    fewer servers than the run has (DLRM's two MLPs; its tables live on every server)."""
-    plan = workload_for(cfg).stages(cfg)
-    servers = cfg.cluster.num_servers if plan.max_servers is None else min(cfg.cluster.num_servers, plan.max_servers)
-    return build_shards(plan.stages, place_stages(plan.stages, servers, cfg.cluster.placement), merge=plan.merge)
+def model_shards(model: ModelConfig, data: DataConfig, cluster: ClusterConfig, seed: int) -> list[Shard]:
+    """The run's model split into shards over ``cluster.num_servers`` servers (as
+    ``cluster.placement`` says): the same list in every process of the run. The stages are the
+    workload's (``ps_train.workload.StagePlan``); a plan may keep them on fewer servers than
+    the run has (DLRM's two MLPs; its tables live on every server)."""
+    plan = workload_for(model).stages(model, data, seed)
+    servers = cluster.num_servers if plan.max_servers is None else min(cluster.num_servers, plan.max_servers)
+    return build_shards(plan.stages, place_stages(plan.stages, servers, cluster.placement), merge=plan.merge)

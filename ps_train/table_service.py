@@ -5,12 +5,14 @@ their optimizer; ``TableCheckpoint`` is one checkpoint of them being written. Th
 (``ps_train.roles.server``) and its checkpoint writer (``ps_train.roles.checkpointing``) use
 them through these Protocols only, so ``roles/`` does not import the workload: the CTR
 workload's are ``ps_train.workloads.ctr.tables.service.TableServer`` and ``TableSnapshot``, which
-its ``Workload.table_service`` builds (``ps_train.workload``).
+its ``Workload.table_service`` builds (``ps_train.workload``) from the model's and data's
+configs and a ``TableSettings``: the little else of the run's config that tables read.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 import torch
@@ -18,8 +20,21 @@ from torch import nn
 
 from ps_train.checkpoint.files import ShardFile
 from ps_train.checkpoint.forked_writer import FrozenRows
+from ps_train.config import OptimConfig
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class TableSettings:
+    """What a server's tables read of the run besides the model's and the data's configs,
+    built where the run's whole config is (``ps_train.launch.rank.table_settings``)."""
+
+    optim: OptimConfig  # the tables' optimizer: its hyper-parameters, unless the model's own
+    num_servers: int  # the tables' rows are split over them
+    num_trainers: int  # with batch_size: how many new rows one step may bring (dynamic tables,
+    batch_size: int  # a disk tier's rows in memory)
+    seed: int  # the rows' initial values
 
 
 class TableCheckpoint(Protocol):

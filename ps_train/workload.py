@@ -6,7 +6,8 @@ in forward order), the trainer class (its data, its step's loss, its evaluation 
 metrics), a check of the data files before any process starts, and, for a model with
 embedding tables, the servers' table service (``ps_train.table_service.TablePart``). The
 launcher, the roles and the modes never import a workload: they ask this registry for the
-run's (``workload_for(cfg)``), keyed by ``model.name``.
+run's (``workload_for(cfg.model)``), keyed by ``model.name``. A workload's functions take the
+config groups they read (the model's, the data's, a ``TableSettings``), never the whole config.
 
 Each workload registers itself when its module is imported (``register_workload``); the
 built-in ones are ``ps_train.workloads.vision.workload`` and ``ps_train.workloads.ctr.workload``,
@@ -23,12 +24,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ps_train.config import Config, DataConfig, ModelConfig, register_model_schema
+from ps_train.config import DataConfig, ModelConfig, register_model_schema
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from ps_train.table_service import TablePart
+    from ps_train.table_service import TablePart, TableSettings
 
 __all__ = [
     "DatasetNotFoundError",
@@ -72,17 +73,21 @@ class Workload:
     name: str
     # The ``model.name`` values (Hydra's model group choices) this workload trains.
     models: tuple[str, ...]
-    # The seeded dense stages every process builds identically from the config.
-    stages: Callable[[Config], StagePlan]
+    # The seeded dense stages every process builds identically from the model's and the data's
+    # configs and the run's ``seed``: ``stages(model, data, seed)``.
+    stages: Callable[[ModelConfig, DataConfig, int], StagePlan]
     # The trainer class: a ``ps_train.roles.trainer.Trainer`` with the workload's ``load``,
     # ``step_loss`` and ``evaluate`` (imported lazily: it pulls in the roles).
     trainer: Callable[[], type[Any]]
     # Raises OSError/ValueError when the data cannot be trained on; returns the number of
     # training samples when only the files know it (None: the config knows).
     check_data: Callable[[DataConfig], int | None]
-    # Server ``rank``'s part of the model's embedding tables (None: the model has none); the
-    # run folder is where it may keep files (a disk tier's store).
-    table_service: Callable[[Config, int, str], TablePart | None] = lambda cfg, rank, run_dir: None
+    # Server ``rank``'s part of the model's embedding tables (None: the model has none):
+    # ``table_service(model, data, settings, rank, run_dir)``; the run folder is where it may
+    # keep files (a disk tier's store).
+    table_service: Callable[[ModelConfig, DataConfig, TableSettings, int, str], TablePart | None] = (
+        lambda model, data, settings, rank, run_dir: None
+    )
     # Model config schemas (``model.name`` -> dataclass) this workload adds to Hydra's model group.
     model_schemas: tuple[tuple[str, type[ModelConfig]], ...] = ()
     # The module that registered it: role processes import it (the launcher has imported it).
@@ -90,8 +95,8 @@ class Workload:
     # Heavy modules its roles use (its trainer, its table service), which the launcher's
     # fork server imports once so that forked roles start without importing them.
     preload: tuple[str, ...] = ()
-    # Heavy modules only some configs use (a dataset's loader): preloaded for those runs only.
-    preload_for: Callable[[Config], tuple[str, ...]] = lambda cfg: ()
+    # Heavy modules only some data configs use (a dataset's loader): preloaded for those runs only.
+    preload_for: Callable[[DataConfig], tuple[str, ...]] = lambda data: ()
     # The modules that define the functions its roles call on each other by RPC (``rpc_sync``
     # / ``rpc_async`` / ``remote`` of a function, not an RRef's methods) and the record classes
     # those calls carry, each marked ``@ps_train.backend.called_by_name``. Under
@@ -123,9 +128,8 @@ def registered_workloads() -> list[Workload]:
     return list(_REGISTRY.values())
 
 
-def workload_for(cfg: Config | ModelConfig) -> Workload:
-    """The registered workload that trains ``cfg``'s model."""
-    model = cfg.model if isinstance(cfg, Config) else cfg
+def workload_for(model: ModelConfig) -> Workload:
+    """The registered workload that trains ``model`` (a run's ``cfg.model``)."""
     for w in _REGISTRY.values():
         if model.name in w.models:
             return w

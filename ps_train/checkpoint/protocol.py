@@ -45,9 +45,9 @@ from ps_train.checkpoint.files import (
     write_manifest,
 )
 from ps_train.checkpoint.positions import TrainerPositions, earliest, trainer_name
-from ps_train.config import Config, ConfigError, config_to_dict
+from ps_train.config import CheckpointConfig, ConfigError
 from ps_train.faults import die, fault_at
-from ps_train.partition import steps_per_epoch
+from ps_train.partition import TrainerSplit
 
 log = logging.getLogger("ps_train.checkpoint")
 
@@ -66,9 +66,6 @@ class RestoredServer(Protocol):
 
 class CheckpointingTrainer(Protocol):
     """What the coordinator uses of trainer0 (``ps_train.roles.trainer.Trainer``)."""
-
-    @property
-    def cfg(self) -> Config: ...
 
     @property
     def index(self) -> int: ...
@@ -103,29 +100,24 @@ def load_server_state(ps: RestoredServer, resume_state: dict[str, Any]) -> None:
     ps.positions.start = {name: dict(p) for name, p in resume_state["trainer_positions"].items()}
 
 
-def data_position(cfg: Config, n_items: int, step: int) -> dict[str, int]:
-    """Where every trainer's batch iterator stands after ``step`` steps (sync: the same for all)."""
-    spe = steps_per_epoch(n_items, cfg.cluster.num_trainers, cfg.train.batch_size)
-    return {"epoch": step // spe, "offset": (step % spe) * cfg.train.batch_size}
-
-
 def trainer_positions(
-    cfg: Config, n_items: int, step: int, started: Sequence[SaveStarted]
+    split: TrainerSplit, n_items: int, step: int, started: Sequence[SaveStarted]
 ) -> dict[str, dict[str, int]]:
-    """The manifest's positions: by trainer name, its data position and completed ``step``.
+    """The manifest's positions: by trainer name, its data position in ``split`` (of
+    ``n_items`` training samples) and completed ``step``.
 
     sync (the servers keep no positions): every trainer after ``step``, trainer0's. async/ssp:
     each trainer's own, after its last update every server's saved state holds (the fewest
     steps among the servers' records); a trainer none of whose updates every server holds
     starts from the beginning."""
-    T = cfg.cluster.num_trainers
+    T, seed = split.world, split.seed
     records = [s.positions for s in started if s.positions is not None]
     if not records:
-        pos = data_position(cfg, n_items, step)
-        return {trainer_name(k): dict(pos, rank=k, world=T, seed=cfg.seed, step=step) for k in range(T)}
+        pos = split.position(n_items, step)
+        return {trainer_name(k): dict(pos, rank=k, world=T, seed=seed, step=step) for k in range(T)}
     out = earliest(records)
     for k in range(T):
-        out.setdefault(trainer_name(k), dict(data_position(cfg, n_items, 0), rank=k, world=T, seed=cfg.seed, step=0))
+        out.setdefault(trainer_name(k), dict(split.position(n_items, 0), rank=k, world=T, seed=seed, step=0))
     return out
 
 
@@ -138,9 +130,16 @@ class Checkpointer:
     their files while training goes on, and a thread here writes the manifest once they
     are all written. One checkpoint is in flight at a time: ``checkpoint_hook`` starts the
     next only once the previous one is complete (``busy``), and ``save`` raises the previous
-    one's error if it failed."""
+    one's error if it failed.
 
-    def __init__(self) -> None:
+    ``settings``: the ``checkpoint`` group; ``split``: how the trainers' data is dealt out
+    (their positions); ``config``: the run's whole config as a plain dict
+    (``ps_train.config.config_to_dict``), which every manifest keeps for resume's checks."""
+
+    def __init__(self, settings: CheckpointConfig, split: TrainerSplit, config: dict[str, Any]) -> None:
+        self.settings = settings
+        self.split = split
+        self.config = config
         self.last: Path | None = None  # the newest checkpoint this process completed
         self.differential_since_full = 0  # differential checkpoints written after it
         self._thread: threading.Thread | None = None
@@ -161,11 +160,10 @@ class Checkpointer:
 
     def save(self, trainer: CheckpointingTrainer, step: int, wait: bool = False) -> Path:
         """Checkpoint the job after ``step``; ``wait``: return once it is complete."""
-        cfg = trainer.cfg
         trainer.settle()  # the servers have applied step ``step``'s update
         self.wait()
         ckpt = begin_checkpoint(trainer.run_dir, step)
-        c = cfg.checkpoint
+        c = self.settings
         base = None
         if c.differential and self.last is not None and self.differential_since_full + 1 < c.full_every:
             base = self.last.name
@@ -174,13 +172,13 @@ class Checkpointer:
         started: list[SaveStarted] = [f.wait() for f in begun]
         # No RPC timeout: writing gigabytes of rows may take longer than any call should.
         written = [server.rpc_async(timeout=0).finish_save(str(ckpt)) for server in trainer.servers]
-        positions = trainer_positions(cfg, len(trainer.train_set), step, started)
+        positions = trainer_positions(self.split, len(trainer.train_set), step, started)
         manifest = Manifest(
             step=step,
             shards=[],
             trainer_positions=positions,
             rng_states={"trainer0": capture_rng_state()},
-            extra={"mode": cfg.mode.name, "backend": cfg.backend, "config": config_to_dict(cfg)},
+            extra={"mode": self.config["mode"]["name"], "backend": self.config["backend"], "config": self.config},
             bases={s.shard: s.base for s in started if s.base is not None},
         )
 
@@ -252,14 +250,17 @@ class CheckpointSchedule:
         return Action.SAVE
 
 
-def checkpoint_hook(cfg: Config, run_dir: str) -> Callable[[CheckpointingTrainer, int], None]:
+def checkpoint_hook(
+    settings: CheckpointConfig, split: TrainerSplit, config: dict[str, Any]
+) -> Callable[[CheckpointingTrainer, int], None]:
     """The per-step callback trainer0 runs: checkpoint as ``CheckpointSchedule`` says (every
     ``checkpoint.every`` steps and after the last step unless ``checkpoint.final`` is false;
     ``checkpoint.when_busy``),
     full or differential (``checkpoint.differential``, ``checkpoint.full_every``); the last
-    step waits until the checkpoint in flight is complete, and tells the trainer how long."""
-    checkpointer = Checkpointer()
-    schedule = CheckpointSchedule(cfg.checkpoint.every, cfg.checkpoint.final, cfg.checkpoint.when_busy == "wait")
+    step waits until the checkpoint in flight is complete, and tells the trainer how long.
+    ``split`` and ``config``: as ``Checkpointer`` takes them."""
+    checkpointer = Checkpointer(settings, split, config)
+    schedule = CheckpointSchedule(settings.every, settings.final, settings.when_busy == "wait")
 
     def hook(trainer: CheckpointingTrainer, step: int) -> None:
         if trainer.index != 0:
@@ -322,13 +323,13 @@ def load_resume_state(path: str, server: str | None = None) -> dict[str, Any]:
     }
 
 
-def check_resumable(cfg: Config, path: str) -> dict[str, Any]:
+def check_resumable(now: dict[str, Any], path: str) -> dict[str, Any]:
     """In the launcher, before any role starts: the checkpoint to resume from exists and was
-    written by a run this config can continue (same model, cluster shape, seed and data)."""
+    written by a run whose config can continue as ``now`` (the run's whole config as a plain
+    dict, ``ps_train.config.config_to_dict``): same model, cluster shape, seed and data."""
     state = load_resume_state(path)
     saved = state["extra"].get("config")
     if saved:
-        now = config_to_dict(cfg)
         problems = [
             f"{key}: the checkpoint has {saved.get(key)!r}, this run {now.get(key)!r}"
             for key in _RESUME_MUST_MATCH

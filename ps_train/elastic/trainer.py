@@ -22,10 +22,10 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from ps_train import backend
-from ps_train.config import Config
 from ps_train.elastic import membership
 from ps_train.elastic.membership import Assignment
 from ps_train.observe.console import CONSOLE
+from ps_train.partition import TrainerSplit
 from rpc_core.errors import WorkerLeftError
 
 __all__ = ["ElasticBatches", "ElasticRole", "join_group", "wait_for_servers", "JOINER_STEPS"]
@@ -146,9 +146,6 @@ class ElasticTrainer(Protocol):
     batches: Any  # its batch iterator (replaced by ElasticBatches)
 
     @property
-    def cfg(self) -> Config: ...
-
-    @property
     def index(self) -> int: ...
 
     @property
@@ -164,17 +161,17 @@ class ElasticTrainer(Protocol):
 
 class ElasticRole:
     """Sets up ``trainer`` for an elastic run: its first step, its batches, and for a joiner
-    its length."""
+    its length. ``split``: how the run deals its data out to the trainers it launched."""
 
-    def __init__(self, trainer: ElasticTrainer) -> None:
+    def __init__(self, trainer: ElasticTrainer, split: TrainerSplit) -> None:
         self.trainer = trainer
-        cfg = trainer.cfg
+        self.split = split
         self.rpc = backend.rpc()
-        self.joiner = trainer.index >= cfg.cluster.num_trainers
+        self.joiner = trainer.index >= split.world
         template = trainer.batches  # built for slot index % T; only its type and data are used here
 
         def make(slot: int, world: int) -> Any:
-            return type(template)(trainer.train_set, slot, world, cfg.train.batch_size, cfg.seed)
+            return type(template)(trainer.train_set, slot, world, split.batch_size, split.seed)
 
         point = self._ps0(membership.resume_point, trainer.index)
         if self.joiner:
@@ -232,9 +229,8 @@ class ElasticRole:
     def extra_metrics(self, server_stats: list[dict[str, Any]]) -> dict[str, Any]:
         """metrics.json entries of an elastic run: updates and samples per trainer as the
         servers counted them (a replaced trainer's predecessors included), and the membership."""
-        cfg = self.trainer.cfg
         per_server = {f"ps{r}": s["updates_by_trainer"] for r, s in enumerate(server_stats)}
-        samples = {name: n * cfg.train.batch_size for name, n in server_stats[0]["updates_by_trainer"].items()}
+        samples = {name: n * self.split.batch_size for name, n in server_stats[0]["updates_by_trainer"].items()}
         return {
             "updates_by_trainer": per_server,
             "samples_by_trainer": samples,

@@ -98,7 +98,7 @@ def launch_local(
         workloads,
     )
     # Before any thread of this launch: the fork server is a copy of this process.
-    roles = RoleProcesses(launch, preload_modules(cfg))
+    roles = RoleProcesses(launch, preload_modules(cfg.model, cfg.data, cfg.optim))
 
     def start(ranks: list[int], resume: str | None = resume, env: dict[str, str] | None = None) -> list[Any]:
         started = roles.start([(RoleStart(rank, resume, env), role_name(rank, S)) for rank in ranks])

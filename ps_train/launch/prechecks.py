@@ -16,7 +16,7 @@ trainers run.
 
 from __future__ import annotations
 
-from ps_train.config import Config, batch_problems
+from ps_train.config import DataConfig, ModelConfig, batch_problems
 from ps_train.workload import workload_for
 
 __all__ = ["DataCheckError", "check_data"]
@@ -27,14 +27,15 @@ class DataCheckError(ValueError):
     how to fix it."""
 
 
-def check_data(cfg: Config) -> None:
-    """Raise ``DataCheckError`` if ``cfg``'s data would make the trainers fail at start-up."""
-    data = cfg.data
+def check_data(model: ModelConfig, data: DataConfig, num_trainers: int, batch_size: int) -> None:
+    """Raise ``DataCheckError`` if ``data`` would make the trainers fail at start-up: the check
+    of the workload that trains ``model``, and each of ``num_trainers`` trainers' share of the
+    samples holding a full batch of ``batch_size``."""
     samples = data.train_samples()
     try:
-        samples = workload_for(cfg).check_data(data) or samples
+        samples = workload_for(model).check_data(data) or samples
     except (OSError, ValueError) as e:  # missing files, malformed lines, an incomplete prepared folder
         raise DataCheckError(str(e)) from e
-    problems = batch_problems(samples, cfg.cluster.num_trainers, cfg.train.batch_size)
+    problems = batch_problems(samples, num_trainers, batch_size)
     if problems:
         raise DataCheckError(problems[0])

@@ -5,6 +5,11 @@
 (``ps_train.app``). It builds the role -- a server with the model's parts (its embedding
 tables, ``ps_train.workloads.ctr.tables.service``), or the model's trainer (``ps_train.workloads.ctr.trainer``) --
 joins the group, runs it, and shuts down.
+
+It is one of the few places that hold the run's whole config (``ps_train.config.Config``):
+what it starts takes the groups it reads, or a record of them built here
+(``server_settings``, ``table_settings``, the trainers' ``TrainerSplit``); only the trainer,
+whose workload's subclass may read any group, takes the whole config.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,11 +34,16 @@ from ps_train.observe.console import ConsoleHandler
 from ps_train.observe.dashboard import swept_values, write_dashboard
 from ps_train.observe.server_metrics import ServerMetrics, rpc_byte_counts
 from ps_train.observe.traces import ProfileWindow, write_served
+from ps_train.partition import TrainerSplit
 from ps_train.workload import workload_for
 from rpc_core import tune_malloc
 from rpc_core.errors import RendezvousError
 
-__all__ = ["run_rank", "setup_role_logging"]
+__all__ = ["run_rank", "setup_role_logging", "server_settings", "table_settings"]
+
+if TYPE_CHECKING:  # imported where used: the launcher imports this module, the fork server the roles
+    from ps_train.roles.server import ServerSettings
+    from ps_train.table_service import TableSettings
 
 log = logging.getLogger("ps_train")
 
@@ -48,6 +58,36 @@ def setup_role_logging(run_dir: str, name: str, level: str) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler, ConsoleHandler(name)]
     root.setLevel(level)
+
+
+def server_settings(cfg: Config) -> ServerSettings:
+    """What a parameter server of the run ``cfg`` reads of it."""
+    from ps_train.roles.server import ServerSettings
+
+    return ServerSettings(
+        model=cfg.model,
+        data=cfg.data,
+        cluster=cfg.cluster,
+        mode=cfg.mode,
+        optim=cfg.optim,
+        checkpoint_writer=cfg.checkpoint.writer,
+        backend=cfg.backend,
+        seed=cfg.seed,
+    )
+
+
+def table_settings(cfg: Config) -> TableSettings:
+    """What a server's embedding tables (a workload's ``table_service``) read of the run ``cfg``
+    besides its model and data."""
+    from ps_train.table_service import TableSettings
+
+    return TableSettings(
+        optim=cfg.optim,
+        num_servers=cfg.cluster.num_servers,
+        num_trainers=cfg.cluster.num_trainers,
+        batch_size=cfg.train.batch_size,
+        seed=cfg.seed,
+    )
 
 
 def run_rank(
@@ -93,13 +133,14 @@ def run_rank(
     from ps_train.checkpoint.protocol import load_resume_state, load_server_state
     from ps_train.roles import server as server_mod
 
-    workload = workload_for(cfg)  # the model's: ps_train.workload
+    workload = workload_for(cfg.model)  # the model's: ps_train.workload
 
     resume_state = load_resume_state(resume, server=name if rank < S else None) if resume else None
     sampler: ServerMetrics | None = None
     if rank < S:
         # Before init_rpc: trainers may ask for it at once. The model's tables, if any, are its own part.
-        ps = server_mod.create(cfg, rank, workload.table_service(cfg, rank, run_dir))
+        tables = workload.table_service(cfg.model, cfg.data, table_settings(cfg), rank, run_dir)
+        ps = server_mod.create(server_settings(cfg), rank, tables)
         if resume_state is not None:
             load_server_state(ps, resume_state)
         # One TensorBoard writer per folder: TensorBoard reads a folder's event files one after
@@ -115,7 +156,7 @@ def run_rank(
         sampler = _server_metrics(cfg, ps, writer) if sampled and cfg.logging.tensorboard else None
     init_method = init_method or f"tcp://{master_addr}:{master_port}"
     if cfg.cluster.serializer == "safe":
-        rpc_allowlist.register(cfg)  # before init_rpc: the first calls may come at once
+        rpc_allowlist.register(cfg.model)  # before init_rpc: the first calls may come at once
     opts = backend.make_options(
         init_method,
         cfg.cluster.rpc_timeout,
@@ -209,7 +250,8 @@ def _step_hooks(cfg: Config, run_dir: str, rank: int) -> Any:
     ``profile.enabled``, the profiled window (``ps_train.observe.traces``)."""
     from ps_train.checkpoint.protocol import checkpoint_hook
 
-    saves = checkpoint_hook(cfg, run_dir)
+    split = TrainerSplit(cfg.cluster.num_trainers, cfg.train.batch_size, cfg.seed)
+    saves = checkpoint_hook(cfg.checkpoint, split, config_to_dict(cfg))
 
     def checkpoint(trainer: Any, step: int) -> None:
         last = step == trainer.steps  # the final checkpoint: a phase of its own (ps_train.observe.phases)

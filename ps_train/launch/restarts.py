@@ -1,10 +1,11 @@
 """Restarting a failed run from its latest checkpoint (``cluster.max_restarts``).
 
-Local launcher (``run_local``): when a role dies or stops sending heartbeats, the launcher
-stops the other roles (``ps_train.launch.local``); then, at most ``cluster.max_restarts`` times,
-this module starts the whole run again in the same run folder from the latest complete
-checkpoint there (or, if the run wrote none yet, from where it started: the original
-``resume=`` or step 0). Each restart is logged (console and run log) and recorded as
+Local launcher (``run_local``, around the attempts of ``ps_train.launch.local.launch_local``
+that the caller hands it, bound to the run's config): when a role dies or stops sending
+heartbeats, the launcher stops the other roles (``ps_train.launch.local``); then, at most
+``cluster.max_restarts`` times, this module starts the whole run again in the same run
+folder from the latest complete checkpoint there (or, if the run wrote none yet, from where
+it started: the original ``resume=`` or step 0). Each restart is logged (console and run log) and recorded as
 ``{"role", "reason", "from_step", "checkpoint"}`` in ``<run_dir>/restarts.json`` as it
 happens and in ``metrics.json``'s ``restarts`` list at the end; trainer0 plots
 ``train/restarts`` in TensorBoard. Sync runs are bit-reproducible across a resume, so a
@@ -27,20 +28,20 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from ps_train.checkpoint.files import latest_checkpoint, read_manifest
-from ps_train.config import RESUME_AUTO, Config
+from ps_train.config import RESUME_AUTO, ClusterConfig
 from ps_train.elastic.files import read_replacements, remove_job_file
 from ps_train.files import atomic_write_text
 from ps_train.launch.failures import RoleFailed
-from ps_train.launch.local import launch_local
 from ps_train.metrics import write_metrics_json
 from ps_train.observe.console import CONSOLE
 from rpc_core.errors import failed_worker
 
 __all__ = [
     "Restart",
+    "LaunchAttempt",
     "RESTARTS_FILE",
     "FAILURES_FILE",
     "run_local",
@@ -94,33 +95,45 @@ def read_restarts(run_dir: str) -> list[dict[str, Any]]:
     return list(json.loads(path.read_text())) if path.is_file() else []
 
 
-def run_local(cfg: Config, run_dir: str, resume: str | None, timeout: float | None = None) -> dict[str, Any]:
-    """Run with the local launcher, restarting after a failure up to ``cluster.max_restarts``
-    times; returns trainer0's metrics with the ``restarts`` list (also in metrics.json).
+class LaunchAttempt(Protocol):
+    """One attempt of a run with the local launcher (``launch_local`` with the run's config):
+    trainer0's metrics, or ``RoleFailed``."""
+
+    def __call__(self, run_dir: str, resume: str | None, *, timeout: float | None, attempt: int) -> dict[str, Any]: ...
+
+
+def run_local(
+    cluster: ClusterConfig, launch: LaunchAttempt, run_dir: str, resume: str | None, timeout: float | None = None
+) -> dict[str, Any]:
+    """Run ``launch`` (the run's ``cluster`` group: ``max_restarts``, ``elastic``), restarting
+    after a failure up to ``cluster.max_restarts`` times; returns trainer0's metrics with the
+    ``restarts`` list (also in metrics.json).
 
     ``timeout`` bounds all attempts together; running out of time is not restarted.
     """
     try:
-        return _run_local(cfg, run_dir, resume, timeout)
+        return _run_local(cluster, launch, run_dir, resume, timeout)
     finally:
-        if cfg.cluster.elastic:  # the job is over: nobody can join it (kept between attempts)
+        if cluster.elastic:  # the job is over: nobody can join it (kept between attempts)
             remove_job_file(run_dir)
 
 
-def _run_local(cfg: Config, run_dir: str, resume: str | None, timeout: float | None) -> dict[str, Any]:
+def _run_local(
+    cluster: ClusterConfig, launch: LaunchAttempt, run_dir: str, resume: str | None, timeout: float | None
+) -> dict[str, Any]:
     deadline = None if timeout is None else time.monotonic() + timeout
     restarts: list[Restart] = []
     while True:
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
-            metrics = launch_local(cfg, run_dir, resume, timeout=remaining, attempt=len(restarts))
+            metrics = launch(run_dir, resume, timeout=remaining, attempt=len(restarts))
             break
         except RoleFailed as failure:
-            if failure.role is None or len(restarts) >= cfg.cluster.max_restarts:
+            if failure.role is None or len(restarts) >= cluster.max_restarts:
                 if restarts:
                     raise RoleFailed(
                         f"{failure} (after {len(restarts)} restart(s), the most cluster.max_restarts="
-                        f"{cfg.cluster.max_restarts} allows)",
+                        f"{cluster.max_restarts} allows)",
                         role=failure.role,
                         reason=failure.reason,
                         checkpoint=failure.checkpoint,
@@ -134,14 +147,14 @@ def _run_local(cfg: Config, run_dir: str, resume: str | None, timeout: float | N
             log.warning(
                 "restart %d of %d: %s failed (%s); stopped the other roles; restarting the run from %s",
                 len(restarts),
-                cfg.cluster.max_restarts,
+                cluster.max_restarts,
                 restart.role,
                 restart.reason,
                 where,
                 extra=CONSOLE,
             )
     metrics["restarts"] = [dataclasses.asdict(r) for r in restarts]
-    if cfg.cluster.elastic:  # trainers replaced without a restart (ps_train.elastic.files)
+    if cluster.elastic:  # trainers replaced without a restart (ps_train.elastic.files)
         metrics["replacements"] = read_replacements(run_dir)
     write_metrics_json(Path(run_dir) / "metrics.json", metrics)  # trainer0 wrote it without the restarts
     return metrics

@@ -22,7 +22,7 @@ from functools import partial
 from multiprocessing.connection import Connection
 from typing import Any
 
-from ps_train.config import Config, from_dictconfig
+from ps_train.config import DataConfig, ModelConfig, OptimConfig, from_dictconfig
 from ps_train.launch.failures import RoleError, role_name
 from ps_train.launch.fork_server import ForkServer
 from ps_train.launch.heartbeat import start_heartbeat
@@ -154,13 +154,14 @@ def workload_modules() -> list[str]:
     return [w.module for w in registered_workloads() if w.module]
 
 
-def preload_modules(cfg: Config) -> list[str]:
-    """What the fork server imports for ``cfg``'s roles: what every role uses and the launcher
-    has not imported (``_PRELOAD``), and what the run's workload asks for."""
-    w = workload_for(cfg)
+def preload_modules(model: ModelConfig, data: DataConfig, optim: OptimConfig) -> list[str]:
+    """What the fork server imports for the roles of a run of ``model`` on ``data`` with
+    ``optim``: what every role uses and the launcher has not imported (``_PRELOAD``), and
+    what the run's workload asks for."""
+    w = workload_for(model)
     # A torch.optim optimizer imports torch._dynamo (~1.5 s of CPU): once here, not per server.
-    dynamo = ["torch._dynamo"] if imports_dynamo(cfg.optim) else []
-    return [*_PRELOAD, *dynamo, *w.preload, *w.preload_for(cfg)]
+    dynamo = ["torch._dynamo"] if imports_dynamo(optim) else []
+    return [*_PRELOAD, *dynamo, *w.preload, *w.preload_for(data)]
 
 
 def os_threads() -> int:

@@ -82,7 +82,7 @@ def compose_job(overrides: list[str]) -> PlanJob:
         raise ConfigError(f"invalid ps_train override: {e}") from e
     cfg = _checked(from_dictconfig(dcfg, check=False))
     try:
-        workload = workload_from_config(cfg)
+        workload = workload_from_config(cfg.model, cfg.data, cfg.train.batch_size)
         cal = load_calibration(Path(settings.calibration) if settings.calibration else None)
         cluster = Cluster(
             cfg.cluster.num_trainers,

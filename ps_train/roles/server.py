@@ -34,6 +34,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -42,7 +43,7 @@ from torch import nn
 from ps_train import backend
 from ps_train.checkpoint.files import SaveStarted, ShardFile
 from ps_train.checkpoint.positions import TrainerPositions
-from ps_train.config import Config
+from ps_train.config import ClusterConfig, DataConfig, ModeConfig, ModelConfig, OptimConfig
 from ps_train.elastic.membership import Membership
 from ps_train.faults import maybe_inject_fault
 from ps_train.metrics import peak_rss_bytes
@@ -53,6 +54,7 @@ from ps_train.observe.server_metrics import UpdateCounters
 from ps_train.roles.checkpointing import CheckpointWriter
 from ps_train.roles.server_optimizer import make_server_optimizer
 from ps_train.roles.shards import ServerShards
+from ps_train.stage_sharding import model_shards, shards_of_server
 from ps_train.table_service import TablePart
 from rpc_core.functions import async_execution
 
@@ -61,24 +63,41 @@ log = logging.getLogger("ps_train.server")
 _server: ParameterServer | None = None
 
 
+@dataclass(frozen=True)
+class ServerSettings:
+    """What a parameter server reads of the run's config, built where the whole config is
+    (``ps_train.launch.rank.server_settings``). Its ``mode``, ``cluster``, ``model`` and
+    ``backend`` are what the update mode reads (``ps_train.modes.base.RunConfig``)."""
+
+    model: ModelConfig  # with data, cluster and seed: the model's shards and which are this server's
+    data: DataConfig
+    cluster: ClusterConfig
+    mode: ModeConfig
+    optim: OptimConfig  # the dense parameters' optimizer
+    checkpoint_writer: str  # checkpoint.writer: how it writes its part of a checkpoint
+    backend: str
+    seed: int
+
+
 @backend.called_by_name
 class ParameterServer:
     """``tables``: the model's embedding tables on this server, if it has any (model=dlrm)."""
 
-    def __init__(self, cfg: Config, rank: int, tables: TablePart | None = None) -> None:
+    def __init__(self, settings: ServerSettings, rank: int, tables: TablePart | None = None) -> None:
         self.rank = rank
-        self.mode = make_mode(cfg)  # when reads run, how updates apply (ps_train.modes)
+        self.mode = make_mode(settings)  # when reads run, how updates apply (ps_train.modes)
         self.lock = threading.Lock()
         self.version = 0  # updates applied so far: the version of every shard here (they step together)
         # Every server builds the whole seeded model and keeps its own shards (module docstring).
-        self.held = ServerShards(cfg, rank, self.lock, lambda: self.version)
+        shards = model_shards(settings.model, settings.data, settings.cluster, settings.seed)
+        self.held = ServerShards(shards_of_server(shards, rank), settings.seed, self.lock, lambda: self.version)
         self.shards: dict[int, nn.Module] = self.held.modules
         self.dense_params = [p for m in self.shards.values() for p in m.parameters()]
         self.tables = tables
         self.params: list[nn.Parameter] = self.dense_params + (self.tables.params if self.tables is not None else [])
         self._param_ids = frozenset(id(p) for p in self.params)  # gradients(): which of a context's leaves are ours
         self.has_running_stats = self.held.has_running_stats  # BatchNorm (see ServerShards)
-        self.optimizer = make_server_optimizer(cfg.optim, self.dense_params) if self.dense_params else None
+        self.optimizer = make_server_optimizer(settings.optim, self.dense_params) if self.dense_params else None
         self.updates = {i: 0 for i in self.shards}
         self.membership: Membership | None = None  # ps0 of a cluster.elastic=true job (ps_train.elastic.membership)
         # async/ssp: each trainer's data position after its last update applied here (the mode
@@ -86,7 +105,7 @@ class ParameterServer:
         self.positions = TrainerPositions()
         self._released = threading.Event()  # elastic: trainer0 is done with the servers
         self.checkpoints = CheckpointWriter(
-            self, cfg.checkpoint.writer
+            self, settings.checkpoint_writer
         )  # the checkpoint being written (begin_save .. finish_save)
         # autograd context -> (rows [H], gradients [H, d]) pushed for it by a trainer's row cache
         self._pushed: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -360,11 +379,11 @@ class ParameterServer:
 _remove_hook: Any = None
 
 
-def create(cfg: Config, rank: int, tables: TablePart | None = None) -> ParameterServer:
+def create(settings: ServerSettings, rank: int, tables: TablePart | None = None) -> ParameterServer:
     """This process's server. On rpc_core its updates ride on the trainers' backward:
     a hook runs the mode's ``in_backward`` once a context's gradients are all here."""
     global _server, _remove_hook
-    _server = ParameterServer(cfg, rank, tables)
+    _server = ParameterServer(settings, rank, tables)
     if _remove_hook is not None:
         _remove_hook()
         _remove_hook = None

@@ -15,25 +15,24 @@ from __future__ import annotations
 
 import copy
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.func import functional_call
 
-from ps_train.config import Config
-from ps_train.stage_sharding import model_shards, shards_of_server
+from ps_train.stage_sharding import Shard
 
 
 class ServerShards:
-    """The shards of server ``rank``; ``lock``: the server's, held while the parameters
-    change; ``version()``: the server's count of the changes."""
+    """A server's ``shards`` (``stage_sharding.shards_of_server``); ``seed``: the run's (its
+    dropout masks); ``lock``: the server's, held while the parameters change; ``version()``:
+    the server's count of the changes."""
 
-    def __init__(self, cfg: Config, rank: int, lock: threading.Lock, version: Callable[[], int]) -> None:
-        shards = shards_of_server(model_shards(cfg), rank)
+    def __init__(self, shards: Sequence[Shard], seed: int, lock: threading.Lock, version: Callable[[], int]) -> None:
         self.modules: dict[int, nn.Module] = {s.index: s.module for s in shards}
-        self.seed = cfg.seed
+        self.seed = seed
         modules = [x for m in self.modules.values() for x in m.modules()]
         self.has_dropout = any(isinstance(x, nn.Dropout) and x.p > 0 for x in modules)
         # BatchNorm updates its running statistics in place during the forward (sync mode

@@ -6,6 +6,10 @@ and the update requests; the protocol is described in ``ps_train.roles.trainer``
 ``ps_train.roles.trainer.Trainer`` adds what goes around the steps: the loop, evaluation,
 the metrics and the end of the run. A model with another forward
 (every workload's trainer: ``ps_train.workload``) defines ``load`` and ``step_loss``.
+
+A trainer takes the run's whole config (``self.cfg``): its workload's subclass may read any
+group of it. What the trainer builds takes the groups it reads (the shards, the update mode,
+the elastic role's ``TrainerSplit``).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from ps_train.faults import die, fault_at
 from ps_train.metrics import LatencyStats, ThroughputMeter, make_writer
 from ps_train.modes import make_mode
 from ps_train.modes.base import UPDATE_IN_BACKWARD, UpdateRequest, resolved
-from ps_train.partition import total_steps
+from ps_train.partition import TrainerSplit, total_steps
 from ps_train.sample_log import SampleLog
 from ps_train.stage_sharding import model_shards
 
@@ -82,10 +86,11 @@ class StepTrainer:
         )
         self.step = start_step
         # The shard layout is computed, not asked for: every process derives the same one.
-        self.shard_servers = [(s.index, s.server) for s in model_shards(cfg)]
+        self.shard_servers = [(s.index, s.server) for s in model_shards(cfg.model, cfg.data, cfg.cluster, cfg.seed)]
         self.servers = [self.rpc.rpc_sync(f"ps{r}", _get_server_rref) for r in range(cfg.cluster.num_servers)]
         # cluster.elastic: start step, batches and length come from ps0 (ps_train.elastic.trainer).
-        self.elastic = ElasticRole(self) if cfg.cluster.elastic else None
+        split = TrainerSplit(cfg.cluster.num_trainers, cfg.train.batch_size, cfg.seed)
+        self.elastic = ElasticRole(self, split) if cfg.cluster.elastic else None
         self.writer = make_writer(cfg.logging.tensorboard, f"{run_dir}/tb/{self.name}", filename_suffix=f".{self.name}")
         self.latency = {r: LatencyStats() for r in range(cfg.cluster.num_servers)}
         self.meter = ThroughputMeter()

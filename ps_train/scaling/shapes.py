@@ -9,7 +9,7 @@ one update request. A DLRM's tables are split by rows over all servers: each ser
 gets its share of the rows a step pulls and of their gradients.
 
 Sizes are float32 per sample (``*_floats``); bytes below are a trainer step's, both ways.
-``workload_from_config`` reads them off a composed ps_train ``Config``.
+``workload_from_config`` reads them off a composed ps_train config's model, data and batch size.
 """
 
 from __future__ import annotations
@@ -18,9 +18,8 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from ps_train.config import Config
-from ps_train.config.data import CtrDataConfig, SyntheticCtrConfig
-from ps_train.config.model import CNNConfig, DLRMConfig, MLPConfig
+from ps_train.config.data import CtrDataConfig, DataConfig, SyntheticCtrConfig
+from ps_train.config.model import CNNConfig, DLRMConfig, MLPConfig, ModelConfig
 from ps_train.workloads.ctr.model import interaction_size
 
 __all__ = [
@@ -199,25 +198,25 @@ def _mean_ids(data: CtrDataConfig) -> float:
     return sum(most) / len(most)
 
 
-def workload_from_config(cfg: Config) -> Workload:
-    """The shapes of the job ``cfg`` (a validated ps_train config) describes."""
-    batch = cfg.train.batch_size
-    model, shape = cfg.model, cfg.data.sample_shape()
+def workload_from_config(model: ModelConfig, data: DataConfig, batch: int) -> Workload:
+    """The shapes of a job of ``model`` on ``data`` with ``batch`` samples a step (the
+    ``model``, ``data`` and ``train.batch_size`` of a validated ps_train config)."""
+    shape = data.sample_shape()
     if isinstance(model, MLPConfig):
-        return mlp(tuple(model.hidden_sizes), batch, math.prod(shape), cfg.data.class_count())
+        return mlp(tuple(model.hidden_sizes), batch, math.prod(shape), data.class_count())
     if isinstance(model, CNNConfig):
         c, h, w = shape  # validation checked [C, H, W]
-        return cnn(tuple(model.channels), model.fc_size, batch, (c, h, w), cfg.data.class_count())
-    if isinstance(model, DLRMConfig) and isinstance(cfg.data, CtrDataConfig):
-        tables = len(model.tables) or len(cfg.data.sizes())
+        return cnn(tuple(model.channels), model.fc_size, batch, (c, h, w), data.class_count())
+    if isinstance(model, DLRMConfig) and isinstance(data, CtrDataConfig):
+        tables = len(model.tables) or len(data.sizes())
         return dlrm(
-            cfg.data.dense_count(),
+            data.dense_count(),
             tables,
             model.embedding_dim,
             tuple(model.bottom_mlp),
             tuple(model.top_mlp),
             batch,
-            _mean_ids(cfg.data),
+            _mean_ids(data),
         )
     raise ValueError(
         f"model={model.name}: the cost model knows the shapes of mlp, cnn and dlrm only; "

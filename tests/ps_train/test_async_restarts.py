@@ -18,7 +18,7 @@ from ps_train.checkpoint.protocol import load_resume_state, trainer_positions
 from ps_train.config import DigitsConfig
 from ps_train.faults import FAULT_ENV, parse_faults
 from ps_train.modes.asynchronous import AsyncMode
-from ps_train.partition import partition, steps_per_epoch
+from ps_train.partition import TrainerSplit, partition, steps_per_epoch
 from ps_train.sample_log import SAMPLE_LOG_ENV, read_sample_log
 from tests.ps_train._app import make_cfg, read_json, run_app
 
@@ -116,9 +116,10 @@ def test_the_checkpoint_keeps_each_trainer_at_its_fewest_steps_among_the_servers
 
 def test_sync_keeps_every_trainer_at_trainer0s_step_and_async_each_at_its_own():
     cfg = make_cfg(*RUN)
+    split = TrainerSplit(cfg.cluster.num_trainers, cfg.train.batch_size, cfg.seed)
     n = DigitsConfig().train_samples()  # 14 steps per epoch
     sync = [SaveStarted("ps0", None, False), SaveStarted("ps1", None, False)]
-    assert trainer_positions(cfg, n, 15, sync)["trainer2"] == {
+    assert trainer_positions(split, n, 15, sync)["trainer2"] == {
         "epoch": 1,
         "offset": 32,
         "rank": 2,
@@ -129,7 +130,7 @@ def test_sync_keeps_every_trainer_at_trainer0s_step_and_async_each_at_its_own():
     at = {"trainer0": {"epoch": 1, "offset": 32, "step": 15}, "trainer1": {"epoch": 0, "offset": 96, "step": 3}}
     ahead = dict(at, trainer0={"epoch": 1, "offset": 64, "step": 16})
     started = [SaveStarted("ps0", None, False, positions=ahead), SaveStarted("ps1", None, False, positions=at)]
-    out = trainer_positions(cfg, n, 15, started)
+    out = trainer_positions(split, n, 15, started)
     assert (out["trainer0"]["step"], out["trainer1"]["step"]) == (15, 3)
     # trainer2 had no update every server holds: from the beginning.
     assert out["trainer2"] == {"epoch": 0, "offset": 0, "rank": 2, "world": 3, "seed": 0, "step": 0}

@@ -49,7 +49,7 @@ def test_replay_counts_each_servers_distinct_rows_of_every_batch() -> None:
         "cluster.num_trainers=2",
     )
     assert isinstance(cfg.data, CtrDataConfig) and isinstance(cfg.model, DLRMConfig)
-    got = replay_ideal_bytes(cfg, steps)
+    got = replay_ideal_bytes(cfg.model, cfg.data, cfg.cluster, cfg.train.batch_size, cfg.seed, steps)
 
     # Independently: distinct ids per table and owner (range sharding: the first ceil(n / 2)
     # rows on ps0), from the batches each trainer takes; bottom MLP on ps0, top MLP on ps1.

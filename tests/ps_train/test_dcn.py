@@ -192,7 +192,7 @@ def test_sync_dcn_run_equals_plain_torch_dcn(tmp_path: Path, setup: tuple[str, .
     saved = final_weights(tmp_path)
     got_dense = [
         saved[(f"ps{shard.server}", shard.index, key)]
-        for shard in model_shards(cfg)
+        for shard in model_shards(cfg.model, cfg.data, cfg.cluster, cfg.seed)
         for key, _ in shard.module.named_parameters()
     ]
     want_dense = [p.detach() for p in model.dense_parameters()]
@@ -249,7 +249,7 @@ def test_preset_dlrmv2_has_the_reference_shape() -> None:
     assert (m.embedding_dim, m.interaction, m.dcn_layers, m.dcn_rank) == (128, "dcn", 3, 512)
     assert (m.table_optim, cfg.optim.name, cfg.train.batch_size) == ("rowwise_adagrad", "adagrad", 512)
     assert (m.lazy_rows, m.table_memory_budget, m.table_dtype) == (True, "1GB", "float16")
-    bottom, top = model_shards(cfg)
+    bottom, top = model_shards(cfg.model, cfg.data, cfg.cluster, cfg.seed)
     linears = [mod for mod in top.module.modules() if isinstance(mod, nn.Linear)]
     assert [lin.out_features for lin in linears] == [1024, 1024, 512, 256, 1]
     assert [lin.out_features for lin in bottom.module.modules() if isinstance(lin, nn.Linear)] == [512, 256, 128]

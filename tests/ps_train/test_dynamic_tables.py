@@ -23,6 +23,7 @@ from ps_train.checkpoint.files import latest_checkpoint
 from ps_train.checkpoint.protocol import load_resume_state
 from ps_train.checkpoint.rows_file import load_rows
 from ps_train.config import Config, ConfigError, CriteoConfig, CtrDataConfig, DLRMConfig, SyntheticCtrConfig
+from ps_train.launch.rank import table_settings
 from ps_train.workloads.ctr.data import CtrSplit
 from ps_train.workloads.ctr.data.loading import load_ctr_data
 from ps_train.workloads.ctr.model import DLRM
@@ -97,7 +98,7 @@ def table_server(*overrides: str) -> tuple[TableServer, Config, DLRMConfig]:
     """Server 0's tables of a one-server config, built in this process."""
     cfg = make_cfg(*BASE, "cluster.num_servers=1", "cluster.num_trainers=1", *overrides)
     assert isinstance(cfg.model, DLRMConfig) and isinstance(cfg.data, CtrDataConfig)
-    return TableServer(cfg.model, cfg.data, cfg, 0), cfg, cfg.model
+    return TableServer(cfg.model, cfg.data, table_settings(cfg), 0), cfg, cfg.model
 
 
 @pytest.mark.timeout(180)

@@ -32,6 +32,7 @@ from ps_train.checkpoint.forked_writer import ForkedWrite, FrozenRows, WriteRepo
 from ps_train.checkpoint.protocol import Action, CheckpointSchedule, load_resume_state
 from ps_train.checkpoint.rows_file import load_rows
 from ps_train.config import CtrDataConfig, DLRMConfig
+from ps_train.launch.rank import table_settings
 from ps_train.workloads.ctr.tables.fused_storage import FusedStorage
 from ps_train.workloads.ctr.tables.service import TableServer
 from tests.ps_train._app import make_cfg
@@ -50,7 +51,7 @@ def _server(optim: str) -> TableServer:
         "cluster.num_servers=1",
     )
     assert isinstance(cfg.model, DLRMConfig) and isinstance(cfg.data, CtrDataConfig)
-    return TableServer(cfg.model, cfg.data, cfg, rank=0)
+    return TableServer(cfg.model, cfg.data, table_settings(cfg), rank=0)
 
 
 def _fused(ts: TableServer) -> FusedStorage:

@@ -121,15 +121,16 @@ def test_check_data_names_what_the_trainers_would_fail_on(tmp_path, overrides, m
     (tmp_path / "empty").mkdir()
     cfg = make_cfg("model=dlrm", "data=criteo", "data.table_rows=50", *(o.format(root=tmp_path) for o in overrides))
     if message is None:
-        check_data(cfg)
+        check_data(cfg.model, cfg.data, cfg.cluster.num_trainers, cfg.train.batch_size)
         return
     with pytest.raises(DataCheckError, match=message):
-        check_data(cfg)
+        check_data(cfg.model, cfg.data, cfg.cluster.num_trainers, cfg.train.batch_size)
 
 
 def test_check_data_names_missing_vision_files(tmp_path):
     with pytest.raises(Exception, match=r"data=mnist: dataset files not found in .*data\.download=true"):
-        check_data(make_cfg("data=mnist", f"data.root={tmp_path}", "model=mlp"))
+        cfg = make_cfg("data=mnist", f"data.root={tmp_path}", "model=mlp")
+        check_data(cfg.model, cfg.data, cfg.cluster.num_trainers, cfg.train.batch_size)
 
 
 @pytest.mark.timeout(120)

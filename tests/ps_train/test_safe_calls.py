@@ -135,7 +135,7 @@ from rpc_core.protocol.allowlist import resolve
 from tests.ps_train._app import make_cfg
 
 overrides, names = json.loads(sys.argv[1])
-rpc_allowlist.register(make_cfg(*overrides))
+rpc_allowlist.register(make_cfg(*overrides).model)
 refused = []
 for module, qualname in names:
     try:
@@ -194,7 +194,7 @@ def test_a_workload_rpc_module_that_does_not_import_is_named(monkeypatch: pytest
     broken = Workload(
         name="broken",
         models=("mlp",),
-        stages=lambda c: None,  # type: ignore[arg-type,return-value]  # never built here
+        stages=lambda model, data, seed: None,  # type: ignore[arg-type,return-value]  # never built here
         trainer=lambda: object,
         check_data=lambda d: None,
         module="tests.ps_train.broken_workload",
@@ -204,7 +204,7 @@ def test_a_workload_rpc_module_that_does_not_import_is_named(monkeypatch: pytest
     with pytest.raises(
         ImportError, match=r"workload 'broken' .*'no_such_package.calls', named in its Workload.rpc_modules"
     ):
-        rpc_allowlist.register(cfg)
+        rpc_allowlist.register(cfg.model)
 
 
 # -- real runs ---------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from ps_train.config import (
     TrainConfig,
     validate,
 )
+from ps_train.launch.rank import server_settings
 from ps_train.roles.server import ParameterServer
 
 
@@ -30,7 +31,7 @@ def test_sync_forwards_with_batchnorm_run_in_trainer_order_whatever_order_reques
             train=TrainConfig(steps=1),
         )
     )
-    ps = ParameterServer(cfg, rank=0)
+    ps = ParameterServer(server_settings(cfg), rank=0)
     assert ps.has_running_stats  # so sync mode runs its forwards in trainer order
     module = ps.shards[0]
     reference = copy.deepcopy(module)
@@ -54,7 +55,7 @@ def test_sync_forwards_with_batchnorm_run_in_trainer_order_whatever_order_reques
 def test_a_sync_forward_runs_only_once_the_previous_steps_update_is_applied(monkeypatch):
     # A pipelined trainer sends its step-1 forward before it knows its step-0 update landed.
     cfg = validate(Config(cluster=ClusterConfig(num_servers=1, num_trainers=2), train=TrainConfig(steps=2)))
-    ps = ParameterServer(cfg, rank=0)
+    ps = ParameterServer(server_settings(cfg), rank=0)
     monkeypatch.setattr(ps, "gradients", lambda context_id: {})  # no RPC here: an update without gradients
     x = torch.randn(4, *cfg.data.sample_shape())
     first = ps.shards[0]
@@ -72,7 +73,7 @@ def test_a_sync_forward_runs_only_once_the_previous_steps_update_is_applied(monk
     assert not early.is_alive() and pending.done() and done.done() and ps.mode.rounds == 1
     torch.testing.assert_close(ps.forward(0, x, 1, 1), first(x))  # step 1 itself does not wait
 
-    restored = ParameterServer(cfg, rank=0)
+    restored = ParameterServer(server_settings(cfg), rank=0)
     restored.load_state_dict(ps.state_dict())
     assert restored.mode.rounds == 1
 
@@ -80,7 +81,7 @@ def test_a_sync_forward_runs_only_once_the_previous_steps_update_is_applied(monk
 @pytest.mark.timeout(60)
 def test_a_failed_sync_update_fails_its_round_and_what_waits_for_it_naming_it(monkeypatch):
     cfg = validate(Config(cluster=ClusterConfig(num_servers=1, num_trainers=2), train=TrainConfig(steps=2)))
-    ps = ParameterServer(cfg, rank=0)
+    ps = ParameterServer(server_settings(cfg), rank=0)
 
     def grads(context_id):
         if context_id == 7:
@@ -113,7 +114,7 @@ def test_a_sync_round_steps_once_with_the_mean_or_the_sum_of_the_trainers_gradie
             train=TrainConfig(steps=1),
         )
     )
-    ps = ParameterServer(cfg, rank=0)
+    ps = ParameterServer(server_settings(cfg), rank=0)
     before = [p.detach().clone() for p in ps.params]
     # Trainer k's gradient (context k) is k + 1 everywhere.
     monkeypatch.setattr(
@@ -137,7 +138,7 @@ def test_an_async_update_steps_at_the_learning_rate_its_staleness_gives(monkeypa
             train=TrainConfig(steps=2),
         )
     )
-    ps = ParameterServer(cfg, rank=0)  # the MLP's shards 0 (input [B, 64]) and 2 (input [B, 64])
+    ps = ParameterServer(server_settings(cfg), rank=0)  # the MLP's shards 0 (input [B, 64]) and 2 (input [B, 64])
     assert sorted(ps.shards) == [0, 2]
     before = [p.detach().clone() for p in ps.params]
     monkeypatch.setattr(ps, "gradients", lambda context_id: {p: torch.ones_like(p) for p in ps.params})

@@ -25,6 +25,7 @@ from ps_train.checkpoint.protocol import load_resume_state
 from ps_train.checkpoint.rows_file import RowChunk, RowsFileError, load_rows, write_rows_file
 from ps_train.config import ConfigError, CtrDataConfig, DLRMConfig
 from ps_train.faults import FAULT_ENV
+from ps_train.launch.rank import table_settings
 from ps_train.workloads.ctr.tables.fused_storage import FusedStorage
 from ps_train.workloads.ctr.tables.service import TableServer
 from ps_train.workloads.ctr.tables.snapshot import TableSnapshot
@@ -44,7 +45,7 @@ def _server(optim: str) -> TableServer:
         "cluster.num_servers=1",
     )
     assert isinstance(cfg.model, DLRMConfig) and isinstance(cfg.data, CtrDataConfig)
-    return TableServer(cfg.model, cfg.data, cfg, rank=0)
+    return TableServer(cfg.model, cfg.data, table_settings(cfg), rank=0)
 
 
 def _fused(ts: TableServer) -> FusedStorage:

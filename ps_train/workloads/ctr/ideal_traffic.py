@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ps_train.config import Config
+    from ps_train.config import ClusterConfig, DataConfig, ModelConfig
 
 __all__ = ["INDEX_BYTES", "FLOAT_BYTES", "step_ideal_bytes", "TrafficReplay", "replay_ideal_bytes"]
 
@@ -88,10 +88,12 @@ class TrafficReplay:
     trainer_steps: int
 
 
-def replay_ideal_bytes(cfg: Config, steps: int) -> TrafficReplay:
-    """Replay the batches every trainer of the run ``cfg`` (a ps_train ``Config`` with
-    model=dlrm) takes in ``steps`` steps, plan each as the trainers do, and sum
-    ``step_ideal_bytes`` per server."""
+def replay_ideal_bytes(
+    model: ModelConfig, data: DataConfig, cluster: ClusterConfig, batch_size: int, seed: int, steps: int
+) -> TrafficReplay:
+    """Replay the batches every trainer of a run (model=dlrm, its ``data``, ``cluster``,
+    ``train.batch_size`` and ``seed``) takes in ``steps`` steps, plan each as the trainers do,
+    and sum ``step_ideal_bytes`` per server."""
     from ps_train.config import CtrDataConfig, DLRMConfig
     from ps_train.stage_sharding import model_shards
     from ps_train.workloads.ctr.data.bags import as_bags
@@ -100,22 +102,21 @@ def replay_ideal_bytes(cfg: Config, steps: int) -> TrafficReplay:
     from ps_train.workloads.ctr.tables.plan import BagPlanner
     from ps_train.workloads.ctr.tables.rows import FusedLayout
 
-    model, data = cfg.model, cfg.data
     if not isinstance(model, DLRMConfig) or not isinstance(data, CtrDataConfig):
         raise ValueError(
             f"replay_ideal_bytes needs model=dlrm with CTR data (data=synthetic_ctr or data=criteo), "
             f"not model={type(model).__name__} data={type(data).__name__}: set both in the run's overrides"
         )
-    S, K = cfg.cluster.num_servers, cfg.cluster.num_trainers
-    d, B = model.embedding_dim, cfg.train.batch_size
+    S, K = cluster.num_servers, cluster.num_trainers
+    d, B = model.embedding_dim, batch_size
     sizes = data.sizes()
     planner = BagPlanner(FusedLayout(model.table_sharding, tuple(sizes), S), d, model.pooling_list(len(sizes)))
-    (_, bottom_server), (_, top_server) = [(sh.index, sh.server) for sh in model_shards(cfg)]
+    (_, bottom_server), (_, top_server) = [(sh.index, sh.server) for sh in model_shards(model, data, cluster, seed)]
     train = load_ctr_data(data).train
     totals = [0] * S
     vectors = 0
     for k in range(K):
-        batches = CtrBatchIterator(train, k, K, B, cfg.seed)
+        batches = CtrBatchIterator(train, k, K, B, seed)
         for _ in range(steps):
             _, ids, _ = next(batches)
             bags = as_bags(ids)

@@ -5,26 +5,28 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ps_train.config import Config, CtrDataConfig, DataConfig, DLRMConfig
+from ps_train.config import CtrDataConfig, DataConfig, DLRMConfig, ModelConfig
 from ps_train.workload import StagePlan, Workload, register_workload
 
 if TYPE_CHECKING:
     from torch import nn
 
+    from ps_train.table_service import TableSettings
+
 __all__ = ["CTR"]
 
 
-def _stages(cfg: Config) -> StagePlan:
+def _stages(model: ModelConfig, data: DataConfig, seed: int) -> StagePlan:
     """Its dense stages (bottom MLP; top MLP, after the cross layers for
     ``model.interaction=dcn``), one shard each, on at most two servers (its tables live on
     all of them: ``tables.service``)."""
     from ps_train.workloads.ctr.model import cross_spec, dense_stages
 
-    m, d = cfg.model, cfg.data
+    m, d = model, data
     if not (isinstance(m, DLRMConfig) and isinstance(d, CtrDataConfig)):
         raise TypeError(f"model={m.name} needs CTR data (data=synthetic_ctr or data=criteo), not data={d.name}")
     stages: list[nn.Module] = list(
-        dense_stages(d.dense_count(), len(d.sizes()), m.embedding_dim, m.bottom_mlp, m.top_mlp, cfg.seed, cross_spec(m))
+        dense_stages(d.dense_count(), len(d.sizes()), m.embedding_dim, m.bottom_mlp, m.top_mlp, seed, cross_spec(m))
     )
     return StagePlan(stages, merge=False, max_servers=len(stages))
 
@@ -43,10 +45,10 @@ def _check_data(data: DataConfig) -> int | None:
     return None
 
 
-def _table_service(cfg: Config, rank: int, run_dir: str) -> Any:
+def _table_service(model: ModelConfig, data: DataConfig, settings: TableSettings, rank: int, run_dir: str) -> Any:
     from ps_train.workloads.ctr.tables.service import make_table_server
 
-    return make_table_server(cfg, rank, run_dir)
+    return make_table_server(model, data, settings, rank, run_dir)
 
 
 CTR = register_workload(

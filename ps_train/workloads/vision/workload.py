@@ -5,15 +5,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from ps_train.config import Config, DataConfig, VisionDataConfig
+from ps_train.config import DataConfig, ModelConfig, VisionDataConfig
 from ps_train.workload import StagePlan, Workload, register_workload
 from ps_train.workloads.vision.models import build_stages
 
 __all__ = ["VISION"]
 
 
-def _stages(cfg: Config) -> StagePlan:
-    stages = build_stages(cfg.model, cfg.data.sample_shape(), cfg.data.class_count(), seed=cfg.seed)
+def _stages(model: ModelConfig, data: DataConfig, seed: int) -> StagePlan:
+    stages = build_stages(model, data.sample_shape(), data.class_count(), seed=seed)
     return StagePlan(stages)
 
 
@@ -41,6 +41,6 @@ VISION = register_workload(
         module=__name__,
         preload=("ps_train.workloads.vision.trainer",),
         # scikit-learn (~1 CPU-second to import) only for its bundled digits
-        preload_for=lambda cfg: ("sklearn.datasets", "sklearn.model_selection") if cfg.data.name == "digits" else (),
+        preload_for=lambda data: ("sklearn.datasets", "sklearn.model_selection") if data.name == "digits" else (),
     )
 )

@@ -30,7 +30,8 @@ from typing import Any, TypeVar
 from torch import Tensor, nn
 
 from ps_train.checkpoint.forked_writer import FrozenRows
-from ps_train.config import Config, CtrDataConfig, DLRMConfig
+from ps_train.config import CtrDataConfig, DataConfig, DLRMConfig, ModelConfig
+from ps_train.table_service import TableSettings
 from ps_train.workloads.ctr.tables.dynamic import DynamicCounts, DynamicSpec, DynamicTable
 from ps_train.workloads.ctr.tables.dynamic_storage import DynamicStorage
 from ps_train.workloads.ctr.tables.fused_storage import FusedStorage
@@ -47,7 +48,7 @@ T = TypeVar("T")
 log = logging.getLogger("ps_train.server")
 
 
-def _dynamic_tables(model: DLRMConfig, data: CtrDataConfig, cfg: Config) -> dict[int, DynamicTable]:
+def _dynamic_tables(model: DLRMConfig, data: CtrDataConfig, run: TableSettings) -> dict[int, DynamicTable]:
     """The dynamic tables' slot maps on one server (table -> its slots)."""
     bags = data.max_bag_sizes()
     out: dict[int, DynamicTable] = {}
@@ -55,28 +56,28 @@ def _dynamic_tables(model: DLRMConfig, data: CtrDataConfig, cfg: Config) -> dict
         decl = model.tables[t]
         if decl.max_rows is None:
             raise ValueError(f"model.tables[{t}].max_rows: a dynamic table needs its row slots per server")
-        spare = cfg.cluster.num_trainers * cfg.train.batch_size * bags[t]  # one step's new ids, at most
+        spare = run.num_trainers * run.batch_size * bags[t]  # one step's new ids, at most
         out[t] = DynamicTable(DynamicSpec(decl.max_rows, decl.admit_after, decl.eviction, decl.ttl_steps, spare))
     return out
 
 
 def make_storage(
-    model: DLRMConfig, data: CtrDataConfig, cfg: Config, rank: int, store_dir: Path | None = None
+    model: DLRMConfig, data: CtrDataConfig, run: TableSettings, rank: int, store_dir: Path | None = None
 ) -> TableStorage:
     """Server ``rank``'s table storage as the config asks (module docstring); ``store_dir``:
     where a disk tier keeps its store (``model.table_memory_budget``)."""
     sizes = data.sizes()
     where = f"ps{rank}"
-    dynamic = _dynamic_tables(model, data, cfg)
+    dynamic = _dynamic_tables(model, data, run)
     dynamic_rows = tuple(dynamic[t].spec.max_rows if t in dynamic else 0 for t in range(len(sizes)))
-    layout = FusedLayout(model.table_sharding, tuple(sizes), cfg.cluster.num_servers, dynamic_rows if dynamic else ())
+    layout = FusedLayout(model.table_sharding, tuple(sizes), run.num_servers, dynamic_rows if dynamic else ())
     storage: TableStorage
     if model.tiered():
         from ps_train.workloads.ctr.tables.tiered_storage import TieredStorage, TierSettings
 
         # The most rows one step can touch here: every trainer's every lookup, all distinct.
-        step_rows = cfg.cluster.num_trainers * cfg.train.batch_size * sum(data.max_bag_sizes())
-        settings = TierSettings.of(model, cfg.optim, cfg.seed, store_dir, min(step_rows, layout.storage_rows(rank)))
+        step_rows = run.num_trainers * run.batch_size * sum(data.max_bag_sizes())
+        settings = TierSettings.of(model, run.optim, run.seed, store_dir, min(step_rows, layout.storage_rows(rank)))
         storage = TieredStorage(layout, rank, settings, where)
     else:
         shards = TableShards(
@@ -84,16 +85,16 @@ def make_storage(
             model.embedding_dim,
             model.table_sharding,
             rank,
-            cfg.cluster.num_servers,
-            cfg.seed,
+            run.num_servers,
+            run.seed,
             dynamic_rows if dynamic else (),
         )
-        optimizer = make_table_optimizer(model.table_optim, [shards.weight], cfg.optim, model.table_lr)
+        optimizer = make_table_optimizer(model.table_optim, [shards.weight], run.optim, model.table_lr)
         storage = FusedStorage(shards, optimizer, where)
     if dynamic:
         default = layout.default_row(rank)
         assert default is not None  # a layout with dynamic tables has one
-        storage = DynamicStorage(storage, dynamic, layout.row_offsets(rank), default, cfg.seed, sizes, where)
+        storage = DynamicStorage(storage, dynamic, layout.row_offsets(rank), default, run.seed, sizes, where)
     return storage
 
 
@@ -101,11 +102,11 @@ class TableServer:
     """Server ``rank``'s rows of every table (its ``TableStorage``) and the service's counts."""
 
     def __init__(
-        self, model: DLRMConfig, data: CtrDataConfig, cfg: Config, rank: int, store_dir: Path | None = None
+        self, model: DLRMConfig, data: CtrDataConfig, run: TableSettings, rank: int, store_dir: Path | None = None
     ) -> None:
         t0 = time.perf_counter()
         self.rank = rank
-        self.storage = make_storage(model, data, cfg, rank, store_dir)
+        self.storage = make_storage(model, data, run, rank, store_dir)
         self.params: list[nn.Parameter] = [self.storage.handle]
         # Half-precision rows travel in their dtype: the answers [P, dim] leave in it, and
         # autograd brings their gradients back in it (the trainer widens them to float32).
@@ -216,10 +217,12 @@ class TableServer:
         self.storage.close()
 
 
-def make_table_server(cfg: Config, rank: int, run_dir: str | None = None) -> TableServer | None:
+def make_table_server(
+    model: ModelConfig, data: DataConfig, run: TableSettings, rank: int, run_dir: str | None = None
+) -> TableServer | None:
     """The tables of server ``rank`` if the model has any (model=dlrm), else None; a disk
     tier keeps its store under ``run_dir``/tables."""
-    if isinstance(cfg.model, DLRMConfig) and isinstance(cfg.data, CtrDataConfig):
+    if isinstance(model, DLRMConfig) and isinstance(data, CtrDataConfig):
         store = Path(run_dir) / "tables" if run_dir is not None else None
-        return TableServer(cfg.model, cfg.data, cfg, rank, store)
+        return TableServer(model, data, run, rank, store)
     return None
