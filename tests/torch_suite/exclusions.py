@@ -35,6 +35,19 @@ _GRAPH = (
     "a Python autograd Function, with the same gradients (the backward tests above compare them with local "
     "autograd)"
 )
+# The tests that inspect those nodes, each with a dense and a sparse (``_sparse``) variant.
+_GRAPH_TESTS = (
+    "graph_for_builtin_call",
+    "graph_for_builtin_remote_call",
+    "graph_for_py_nested_call",
+    "graph_for_py_nested_call_itself",
+    "graph_for_py_nested_remote_call",
+    "graph_for_py_nested_remote_call_itself",
+    "graph_for_python_call",
+    "graph_for_python_remote_call",
+    "remote_complex_args",
+    "rpc_complex_args",
+)
 TORCH_PRIVATE: dict[str, str] = {
     "rpc.RpcTest.test_duplicate_name": (
         "`torch.distributed.rpc._init_rpc_backend` over a c10d store from `torch.distributed.rendezvous`: "
@@ -85,21 +98,9 @@ TORCH_PRIVATE: dict[str, str] = {
     "rpc.TensorPipeAgentRpcTest.test_infer_backend_from_options": (
         "`rpc.TensorPipeAgent`, torch's C++ agent class (docs/torch_compatibility.md: not supported)"
     ),
-    **{
-        f"dist_autograd.DistAutogradTest.test_{name}": _GRAPH
-        for name in (
-            "graph_for_builtin_call",
-            "graph_for_builtin_remote_call",
-            "graph_for_py_nested_call",
-            "graph_for_py_nested_call_itself",
-            "graph_for_py_nested_remote_call",
-            "graph_for_py_nested_remote_call_itself",
-            "graph_for_python_call",
-            "graph_for_python_remote_call",
-            "remote_complex_args",
-            "rpc_complex_args",
-        )
-    },
+    **{f"dist_autograd.DistAutogradTest.test_{name}": _GRAPH for name in _GRAPH_TESTS},
+    # The same graphs with sparse tensors (their gradients: the *_sparse backward tests).
+    **{f"dist_autograd.TensorPipeAgentDistAutogradTest.test_{name}_sparse": _GRAPH for name in _GRAPH_TESTS},
 }
 
 DIFFERS: dict[str, str] = {
