@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..errors import NotAllowedError, ProtocolError, RemoteFunctionError
-from . import allowlist, serialization
+from . import allowlist
 from .safe_encoding import MAGIC, MAX_BIG_INT, MAX_DEPTH, is_plain
 
 _Q = struct.Struct("<q")
