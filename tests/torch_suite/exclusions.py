@@ -104,6 +104,14 @@ TORCH_PRIVATE: dict[str, str] = {
 }
 
 DIFFERS: dict[str, str] = {
+    "rpc.RpcTest.test_rref_timeout": (
+        "a call's own timeout bounds its dial too (docs/rpc_core.md, `RPC_CORE_HANDSHAKE_TIMEOUT`): the test's "
+        "`remote()` with a 10 ms timeout is its first call to worker1, and on a loaded machine the connection "
+        "is not up within 10 ms, so the request is never sent and worker1 has no owner RRef and no fork (0 and "
+        "0, which its debug counters say); `to_here()` raises that the RRef may not exist, as in torch. torch "
+        "always sends the request and only stops waiting. It passes when the dial is quicker (alone: 1 owner, 1 "
+        "fork)"
+    ),
     "rpc.RpcTest.test_cannot_infer_backend_from_options": (
         "rpc_core has one options class (`TensorPipeRpcBackendOptions` is `RpcBackendOptions`, "
         "docs/torch_compatibility.md), so options of a class derived from it are rpc_core's and start it"
