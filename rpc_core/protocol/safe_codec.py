@@ -25,11 +25,11 @@ class SafeCodec:
     name = "safe"
 
     def serialize(self, obj: Any) -> Serialized:
-        body, tensors = encode(obj)
-        return serialization.packed(body, tensors)
+        body, tensors, sparse = encode(obj)
+        return serialization.packed(body, tensors, sparse)
 
     def encode_head(self, metas: Sequence[TensorMeta], extras: dict[str, Any] | None) -> bytes:
-        body, tensors = encode((metas, extras or None))
+        body, tensors, _ = encode((metas, extras or None))
         if tensors:
             raise TypeError("a frame head's extras hold a tensor; send tensors in the message itself")
         return body

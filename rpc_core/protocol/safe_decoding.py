@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..errors import NotAllowedError, ProtocolError, RemoteFunctionError
-from . import allowlist, serialization
+from . import allowlist
 from .safe_encoding import MAGIC, MAX_BIG_INT, MAX_DEPTH, is_plain
 
 _Q = struct.Struct("<q")
@@ -146,22 +146,6 @@ def _big_int(d: _Decoder) -> int:
     return int.from_bytes(d.take(n), "little", signed=True)
 
 
-def _sparse_coo(d: _Decoder) -> torch.Tensor:
-    indices, values, size, coalesced, leaf_grad = d.tuple_of(5)
-    return serialization.sparse_coo(indices, values, _ints(size), bool(coalesced), bool(leaf_grad))
-
-
-def _sparse_compressed(d: _Decoder) -> torch.Tensor:
-    compressed, plain, values, size, layout, leaf_grad = d.tuple_of(6)
-    return serialization.sparse_compressed(compressed, plain, values, _ints(size), layout, bool(leaf_grad))
-
-
-def _ints(v: Any) -> tuple[int, ...]:
-    if not isinstance(v, tuple) or not all(type(n) is int for n in v):
-        raise ProtocolError(f"a safe message gives a tensor size {v!r}, not a tuple of ints")
-    return v
-
-
 def _dtype(d: _Decoder) -> torch.dtype:
     name = d.string()
     dtype = getattr(torch, name, None) if not name.startswith("_") else None
@@ -278,8 +262,6 @@ _TABLE: dict[bytes, Callable[[_Decoder], Any]] = {
     b"S": lambda d: set(d.items()),
     b"Z": lambda d: frozenset(d.items()),
     b"t": _tensor,
-    b"o": _sparse_coo,
-    b"q": _sparse_compressed,
     b"D": _dtype,
     b"L": _torch_enum,
     b"v": lambda d: torch.device(d.string()),

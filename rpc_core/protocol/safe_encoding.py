@@ -9,8 +9,8 @@ rpc_core's own, a tag byte then the value's bytes (little endian)::
     s u32 utf8 / b u32 / B u32    str / bytes / bytearray
     ( [ { } S Z  u32 n    tuple, list, dict (n key-value pairs), OrderedDict, set, frozenset
     t u32                 a tensor: index into the frame's tensor table (serialization: its
-                          bytes travel out of band, as under pickle)
-    o / q                 a sparse COO / compressed tensor: its parts, then size and flags
+                          bytes travel out of band, as under pickle; a sparse tensor is an
+                          entry of the table too, after its parts)
     D s / L s / v s / z   torch dtype / layout or memory format (by name) / device / Size
     / . R                 slice(start, stop, step) / Ellipsis / range(start, stop, step)
     r s s                 a function or class: module, qualified name (resolved by ``allowlist``)
@@ -32,7 +32,7 @@ import collections
 import dataclasses
 import struct
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -51,16 +51,16 @@ _TAG_U32 = struct.Struct("<BI")
 _TAG_Q = struct.Struct("<Bq")
 _MAX_U32 = (1 << 32) - 1
 
-_COMPRESSED = {torch.sparse_csr: 0, torch.sparse_csc: 1, torch.sparse_bsr: 2, torch.sparse_bsc: 3}
 _TORCH_ENUMS = (torch.layout, torch.memory_format)
 
 
 class _Encoder:
-    __slots__ = ("out", "tensors", "depth")
+    __slots__ = ("out", "tensors", "sparse", "depth")
 
     def __init__(self) -> None:
         self.out = bytearray(MAGIC)
         self.tensors: list[torch.Tensor] = []
+        self.sparse: list[int] = []  # indices of the table's sparse entries
         self.depth = 0
 
     def value(self, obj: Any) -> None:
@@ -108,22 +108,10 @@ class _Encoder:
     def tensor(self, t: torch.Tensor) -> None:
         if t.is_nested:
             raise TypeError("rpc_core cannot send nested tensors; send the list of its parts (t.unbind())")
-        if t.layout is torch.sparse_coo:
-            self.out += b"o"
-            leaf_grad = t.requires_grad and t.is_leaf
-            self.items(b"(", (t._indices(), t._values(), tuple(t.size()), t.is_coalesced(), leaf_grad))
+        if t.layout is not torch.strided:  # an entry of its own, after its parts (serialization.add_sparse)
+            self.sparse.append(serialization.add_sparse(self.tensors, t))
+            self.out += b"t" + _U32.pack(self.sparse[-1])
             return
-        code = _COMPRESSED.get(t.layout)
-        if code is not None:
-            parts = serialization.compressed_parts(t)
-            self.out += b"q"
-            self.items(b"(", (*parts, tuple(t.size()), code, t.requires_grad and t.is_leaf))
-            return
-        if t.layout is not torch.strided:
-            raise TypeError(
-                f"rpc_core cannot send tensors with layout {t.layout}; send .to_dense(), "
-                "or a COO/CSR/CSC/BSR/BSC sparse tensor"
-            )
         if not t.is_cpu:
             raise TypeError(
                 f"rpc_core sends CPU tensors only, got a tensor on {t.device}; move it with "
@@ -270,16 +258,22 @@ def is_plain(cls: type) -> bool:
     )
 
 
-def encode(obj: Any) -> tuple[bytes, list[torch.Tensor]]:
+class Encoded(NamedTuple):
+    body: bytes
+    tensors: list[torch.Tensor]  # the tensor table its references index
+    sparse: list[int]  # the indices of the table's sparse entries (serialization.add_sparse)
+
+
+def encode(obj: Any) -> Encoded:
     """``obj`` as safe bytes, and the tensors its table references (in table order)."""
     e = _Encoder()
     e.value(obj)
-    return bytes(e.out), e.tensors
+    return Encoded(bytes(e.out), e.tensors, e.sparse)
 
 
 def dumps_plain(obj: Any) -> bytes:
     """Bytes of a value without tensors (the rendezvous' and the identity frame's)."""
-    raw, tensors = encode(obj)
+    raw, tensors, _ = encode(obj)
     if tensors:
         raise ValueError("dumps_plain takes values without tensors")
     return raw

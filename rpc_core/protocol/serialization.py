@@ -10,6 +10,12 @@ there), then unpickles the body with the references resolved.
 Tensors that share a storage in one message share it again on the receiver, so views stay
 views; a small view of a large storage only ships the bytes it spans.
 
+A sparse tensor is an entry of the table too, right after its dense parts (indices and
+values), which travel like any other tensor; its meta says how to rebuild it from them.
+Being an entry of its own, it keeps ``requires_grad`` as a dense tensor does, and
+distributed autograd attaches its recv node to it like to any other (a gradient pass
+through it carries the whole gradient of the sparse tensor, not only its values').
+
 Functions travel by reference (module + qualified name), never as code. Higher layers
 register reducers for their own types (``register_reducer``), e.g. RRef forks.
 """
@@ -36,8 +42,11 @@ _REDUCERS: dict[type, Callable[[Any], Any]] = {}
 # and costs a Python call per tensor to rebuild):
 #   (buffer index, dtype code, size, stride, offset in elements from the buffer's start, flags)
 # The dtype code indexes _DTYPES; a dtype not listed there travels as the dtype itself.
+# A sparse tensor's meta: (-1, dtype code of its values, size, (), layout code, flags), its
+# parts being the 2 (COO: indices, values) or 3 (compressed: compressed indices, plain
+# indices, values) entries right before it (_SPARSE_LAYOUTS: the layout codes).
 TensorMeta = tuple[int, Any, tuple[int, ...], tuple[int, ...], int, int]
-_REQUIRES_GRAD, _IS_PARAM = 1, 2
+_REQUIRES_GRAD, _IS_PARAM, _COALESCED = 1, 2, 4
 _DTYPES = (
     torch.float32,
     torch.float64,
@@ -110,9 +119,9 @@ def _tensor_from_table(index: int) -> torch.Tensor:
     return t
 
 
-# Compressed sparse layouts by the code they travel under.
-_COMPRESSED = {torch.sparse_csr: 0, torch.sparse_csc: 1, torch.sparse_bsr: 2, torch.sparse_bsc: 3}
-_COMPRESSED_LAYOUTS = list(_COMPRESSED)
+# Sparse layouts by the code their meta names them with.
+_SPARSE_LAYOUTS = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
+_SPARSE_CODES = {layout: i for i, layout in enumerate(_SPARSE_LAYOUTS)}
 
 
 def compressed_parts(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -122,63 +131,82 @@ def compressed_parts(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     return t.ccol_indices(), t.row_indices(), t.values()
 
 
+def add_sparse(table: list[torch.Tensor], t: torch.Tensor) -> int:
+    """Append sparse ``t`` to a message's tensor ``table``, its dense parts first; its index.
+    The parts are detached: the gradient of a sparse tensor is the sparse tensor's, which
+    travels with the tensor itself (an entry of its own), not through its parts."""
+    code = _SPARSE_CODES.get(t.layout)
+    if code is None:
+        raise TypeError(
+            f"rpc_core cannot send tensors with layout {t.layout}; send .to_dense(), "
+            "or a COO/CSR/CSC/BSR/BSC sparse tensor"
+        )
+    if not t.is_cpu:
+        raise TypeError(
+            f"rpc_core sends CPU tensors only, got a tensor on {t.device}; move it with "
+            ".cpu() before sending (torch RPC needs a device map for this)"
+        )
+    parts = (t._indices(), t._values()) if code == 0 else compressed_parts(t)
+    table.extend(p.detach() for p in parts)
+    table.append(t)
+    return len(table) - 1
+
+
+def _sparse_meta(t: torch.Tensor) -> TensorMeta:
+    flags = _REQUIRES_GRAD if t.requires_grad else 0
+    if isinstance(t, _Parameter):
+        flags |= _IS_PARAM
+    code = _SPARSE_CODES[t.layout]
+    if code == 0 and t.is_coalesced():
+        flags |= _COALESCED
+    return (-1, _DTYPE_CODES.get(t.dtype, t.dtype), tuple(t.size()), (), code, flags)
+
+
 # Sparse tensors are rebuilt with their invariants checked (indices in range, compressed
 # indices sorted): the bytes come from a peer, and torch reads out of bounds on a sparse
 # tensor that breaks them.
-def sparse_coo(
-    indices: torch.Tensor, values: torch.Tensor, size: tuple[int, ...], coalesced: bool, leaf_grad: bool
-) -> torch.Tensor:
-    t = torch.sparse_coo_tensor(indices, values, size, check_invariants=True, is_coalesced=coalesced)
-    return t.requires_grad_() if leaf_grad and not t.requires_grad else t
-
-
-def sparse_compressed(
-    compressed: torch.Tensor,
-    plain: torch.Tensor,
-    values: torch.Tensor,
-    size: tuple[int, ...],
-    layout: int,
-    leaf_grad: bool,
-) -> torch.Tensor:
-    if not isinstance(layout, int) or not 0 <= layout < len(_COMPRESSED_LAYOUTS):
-        raise ValueError(f"unknown compressed sparse layout code {layout!r}")
-    t = torch.sparse_compressed_tensor(
-        compressed, plain, values, size, layout=_COMPRESSED_LAYOUTS[layout], check_invariants=True
-    )
-    return t.requires_grad_() if leaf_grad and not t.requires_grad else t
+def _rebuild_sparse(built: list[torch.Tensor], dtype: Any, size: Any, code: Any, flags: int) -> torch.Tensor:
+    """The sparse tensor of a meta, from its parts: the last entries of ``built``."""
+    if type(code) is not int or not 0 <= code < len(_SPARSE_LAYOUTS):
+        raise ValueError(f"a sparse tensor's meta names layout code {code!r}, which no rpc_core version sends")
+    n = 2 if code == 0 else 3
+    parts = built[-n:]
+    if len(parts) != n or any(p.layout is not torch.strided or p.requires_grad for p in parts):
+        raise ValueError(
+            f"a sparse {_SPARSE_LAYOUTS[code]} tensor's meta comes without the {n} dense parts it is built "
+            "from right before it; the peer is broken or not rpc_core"
+        )
+    if not isinstance(size, tuple) or not all(type(d) is int for d in size):
+        raise ValueError(f"a sparse tensor's meta gives size {size!r}, not a tuple of ints")
+    if parts[-1].dtype != (_DTYPES[dtype] if type(dtype) is int and 0 <= dtype < len(_DTYPES) else dtype):
+        raise ValueError(f"a sparse tensor's meta names dtype {dtype!r}, its values are {parts[-1].dtype}")
+    t: torch.Tensor
+    if code == 0:
+        t = torch.sparse_coo_tensor(
+            parts[0], parts[1], size, check_invariants=True, is_coalesced=bool(flags & _COALESCED)
+        )
+    else:
+        t = torch.sparse_compressed_tensor(
+            parts[0], parts[1], parts[2], size, layout=_SPARSE_LAYOUTS[code], check_invariants=True
+        )
+    if flags & _IS_PARAM:
+        return _Parameter(t, requires_grad=bool(flags & _REQUIRES_GRAD))
+    return t.requires_grad_() if flags & _REQUIRES_GRAD else t
 
 
 class _Pickler(pickle.Pickler):
     def __init__(self, file: io.BytesIO, tensors: list[torch.Tensor]) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self._tensors = tensors
+        self.sparse: list[int] = []  # indices of the table's sparse entries
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
             if obj.is_nested:
                 raise TypeError("rpc_core cannot send nested tensors; send the list of its parts (t.unbind())")
-            if obj.layout is not torch.strided:
-                # Sparse tensors travel as their dense parts, which are tensors themselves
-                # (their buffers out of band like any other).
-                if obj.layout == torch.sparse_coo:
-                    return sparse_coo, (
-                        obj._indices(),
-                        obj._values(),
-                        tuple(obj.size()),
-                        obj.is_coalesced(),
-                        obj.requires_grad and obj.is_leaf,
-                    )
-                if obj.layout in _COMPRESSED:
-                    return sparse_compressed, (
-                        *compressed_parts(obj),
-                        tuple(obj.size()),
-                        _COMPRESSED[obj.layout],
-                        obj.requires_grad and obj.is_leaf,
-                    )
-                raise TypeError(
-                    f"rpc_core cannot send tensors with layout {obj.layout}; send .to_dense(), "
-                    "or a COO/CSR/CSC/BSR/BSC sparse tensor"
-                )
+            if obj.layout is not torch.strided:  # an entry of its own, after its parts (add_sparse)
+                self.sparse.append(add_sparse(self._tensors, obj))
+                return _tensor_from_table, (self.sparse[-1],)
             if not obj.is_cpu:
                 raise TypeError(
                     f"rpc_core sends CPU tensors only, got a tensor on {obj.device}; move it with "
@@ -309,26 +337,43 @@ def serialize(obj: Any) -> Serialized:
         if getattr(_tls, "slot", None) is None:
             _tls.slot = slot
     slot.busy = True
-    f, tensors = slot.file, slot.tensors
+    f, tensors, pickler = slot.file, slot.tensors, slot.pickler
     try:
-        slot.pickler.dump(obj)
+        pickler.dump(obj)
         body = f.getvalue()
     finally:
-        slot.pickler.clear_memo()
+        pickler.clear_memo()
         f.seek(0)
         f.truncate()
         tensors = list(tensors)
         slot.tensors.clear()
+        sparse, pickler.sparse = pickler.sparse, []
         slot.busy = False
-    return packed(body, tensors)
+    return packed(body, tensors, sparse)
 
 
-def packed(body: bytes, tensors: list[torch.Tensor]) -> Serialized:
-    """A message of ``body`` and the tensors its references index, their buffers packed."""
+def packed(body: bytes, tensors: list[torch.Tensor], sparse: Sequence[int] = ()) -> Serialized:
+    """A message of ``body`` and the tensors its references index, their buffers packed.
+    ``sparse``: the indices of the table's sparse entries (``add_sparse``)."""
     if not tensors:
         return _new_tuple(Serialized, ([], body, [], tensors, []))  # tuple.__new__: no Python-level constructor
-    metas, buffers, keepalive = _pack_tensors(tensors)
+    if sparse:
+        metas, buffers, keepalive = _pack_with_sparse(tensors, sparse)
+    else:
+        metas, buffers, keepalive = _pack_tensors(tensors)
     return _new_tuple(Serialized, (metas, body, buffers, tensors, keepalive))
+
+
+def _pack_with_sparse(
+    tensors: Sequence[torch.Tensor], sparse: Sequence[int]
+) -> tuple[list[TensorMeta], list[memoryview], list[Any]]:
+    """``_pack_tensors`` for a table with sparse entries: the dense ones packed, the sparse
+    ones described by their metas, in table order."""
+    at = set(sparse)
+    dense_metas, buffers, keepalive = _pack_tensors([t for i, t in enumerate(tensors) if i not in at])
+    dense = iter(dense_metas)
+    metas = [_sparse_meta(t) if i in at else next(dense) for i, t in enumerate(tensors)]
+    return metas, buffers, keepalive
 
 
 def encode_head(metas: Sequence[TensorMeta], extras: dict[str, Any] | None) -> bytes:
@@ -355,8 +400,11 @@ _TEMPLATES: dict[torch.dtype, torch.Tensor] = {}
 
 
 def rebuild_tensors(metas: Sequence[TensorMeta], storages: Sequence[torch.UntypedStorage]) -> list[torch.Tensor]:
-    out = []
+    out: list[torch.Tensor] = []
     for buffer, dtype, size, stride, offset, flags in metas:
+        if buffer < 0:  # a sparse tensor, from the entries before it (its meta's buffer is -1)
+            out.append(_rebuild_sparse(out, dtype, size, offset, flags))
+            continue
         if type(dtype) is int:
             if not 0 <= dtype < len(_DTYPES):
                 raise ValueError(

@@ -6,7 +6,8 @@ and coalesced state; a peer's malformed sparse tensor is refused, not built. An 
 with ``sparse=True`` on a callee leaves a sparse gradient in the context there, and a sparse
 gradient for a tensor the caller sent travels back sparse. ``DistributedOptimizer`` steps
 SGD, Adagrad and SparseAdam on those gradients exactly as the same optimizer does in one
-process (the oracle).
+process (the oracle). A sparse tensor that requires grad, as an argument or a result, keeps
+its autograd edge both ways: its gradients are those of one-process autograd (the oracle).
 """
 
 from __future__ import annotations
@@ -215,3 +216,139 @@ def test_a_sparse_gradient_for_a_tensor_the_caller_sent_comes_back_sparse(grad_w
     assert layout == str(torch.sparse_coo) and rows == [0, 3, 5]
     assert table.grad is not None
     torch.testing.assert_close(torch.tensor(got), table.grad.coalesce().to_dense(), rtol=0, atol=0)
+
+
+# -- sparse tensors that require grad, through distributed autograd ------------------------------
+# A sparse tensor that requires grad keeps its autograd edge across the wire both ways: sent
+# as an argument (a leaf here) or returned (a result there), its gradient comes back whole,
+# sparse or dense as the receiver's graph made it. The oracle: the same functions run in one
+# process with plain autograd.
+W2 = "worker2"
+
+
+def _sparse_leaf(coalesce: bool) -> torch.Tensor:
+    # Index (1, 2) twice, out of order: not coalesced unless asked.
+    t = torch.sparse_coo_tensor(torch.tensor([[1, 0, 1, 2], [2, 0, 2, 1]]), torch.tensor([3.0, 4.0, 5.0, -1.5]), (3, 3))
+    return (t.coalesce() if coalesce else t).requires_grad_()
+
+
+def _leaves() -> dict[str, torch.Tensor]:
+    torch.manual_seed(5)
+    return {
+        "s1": _sparse_leaf(False),
+        "s2": _sparse_leaf(True),
+        "d": torch.randn(3, 3, requires_grad=True),
+        "w": torch.randn(3, 2, requires_grad=True),
+    }
+
+
+@rpc.safe.allow
+def _sparse_add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.add(a, b * 2)  # a sparse result that requires grad goes back
+
+
+@rpc.safe.allow
+def _sparse_mm(s: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.sparse.mm(s, w)  # dense result; s's gradient is sparse
+
+
+@rpc.safe.allow
+def _sparse_plus_dense(s: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    return d * d + s  # dense result; s's gradient is dense
+
+
+@rpc.safe.allow
+def _sparse_nested(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    # Through a third worker: the tensors hop twice each way.
+    return rpc.rpc_sync(W2, _sparse_add, args=(a, b)) * 3
+
+
+def _nested_locally(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return _sparse_add(a, b) * 3
+
+
+CASES = ("sparse_result", "sparse_grad_of_dense_result", "dense_grad_of_sparse_arg", "nested", "sent_twice")
+
+
+def _case_loss(case: str, leaves: dict[str, torch.Tensor], call: Any) -> torch.Tensor:
+    """The loss of ``case``; ``call(worker, fn, args)`` runs ``fn`` there (or here: the oracle)."""
+    s1, s2, d, w = leaves["s1"], leaves["s2"], leaves["d"], leaves["w"]
+    if case == "sparse_result":
+        return torch.sparse.sum(call(W1, _sparse_add, (s1, s2)) * 1.5)
+    if case == "sparse_grad_of_dense_result":
+        coef = torch.tensor([[1.0, -2.0], [0.5, 3.0], [2.0, 1.0]])
+        return (call(W1, _sparse_mm, (s1, w)) * coef).sum()
+    if case == "dense_grad_of_sparse_arg":
+        return (call(W1, _sparse_plus_dense, (s2, d)) ** 2).sum()
+    if case == "nested":
+        return torch.sparse.sum(call(W1, _sparse_nested, (s1, s2)))
+    # s1 sent twice in one context: its gradients add up, as in one process.
+    return torch.sparse.sum(call(W1, _sparse_add, (s1, s2))) + call(W1, _sparse_mm, (s1, w)).sum()
+
+
+def _remote_call(worker: str, fn: Any, args: tuple[Any, ...]) -> Any:
+    return rpc.remote(worker, fn, args=args).to_here() if fn is _sparse_mm else rpc.rpc_sync(worker, fn, args=args)
+
+
+def _local_call(worker: str, fn: Any, args: tuple[Any, ...]) -> Any:
+    return _nested_locally(*args) if fn is _sparse_nested else fn(*args)
+
+
+def _local_grads() -> dict[str, dict[str, Any]]:
+    """The oracle: each case's gradients for the leaves it reaches, with plain autograd."""
+    out = {}
+    for case in CASES:
+        leaves = _leaves()  # fresh leaves per case: nothing accumulates across them
+        loss = _case_loss(case, leaves, _local_call)
+        names = list(leaves)
+        grads = torch.autograd.grad([loss], [leaves[n] for n in names], allow_unused=True)
+        out[case] = {n: _described(g) for n, g in zip(names, grads, strict=True) if g is not None}
+    return out
+
+
+def _sparse_autograd_world(ctx: Any) -> dict[str, dict[str, Any]]:
+    if ctx.rank != 0:
+        return {}
+    out = {}
+    for case in CASES:
+        leaves = _leaves()
+        with dist_autograd.context() as cid:
+            loss = _case_loss(case, leaves, _remote_call)
+            assert loss.requires_grad, f"{case}: the loss lost its autograd graph across the wire"
+            dist_autograd.backward(cid, [loss])
+            grads = dist_autograd.get_gradients(cid)
+            out[case] = {n: _described(grads[t]) for n, t in leaves.items() if t in grads}
+    return out
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("serializer", ["pickle", "safe"])
+def test_sparse_tensors_that_require_grad_get_the_gradients_of_one_process_autograd(serializer: str) -> None:
+    got = run_world(_sparse_autograd_world, 3, options={"serializer": serializer}, timeout=120)[0]
+    want = _local_grads()
+    assert sorted(got) == sorted(want) == sorted(CASES)
+    for case, grads in want.items():
+        assert sorted(got[case]) == sorted(grads), case
+        for name, (layout, _, dense) in grads.items():
+            got_layout, _, got_dense = got[case][name]
+            assert got_layout == layout, (case, name)
+            torch.testing.assert_close(torch.tensor(got_dense), torch.tensor(dense), rtol=1e-6, atol=1e-6)
+
+
+def test_a_sparse_result_that_requires_grad_arrives_requiring_grad_its_parts_do_not() -> None:
+    s = _sparse_leaf(False)
+    result = torch.add(s, s)  # not a leaf
+    sent = ser.serialize({"r": result})
+    assert any(t is result for t in sent.tensors)  # an entry of its own: distributed autograd sees it
+    assert [t.requires_grad for t in sent.tensors].count(True) == 1
+    got = _send_receive({"r": result})["r"]
+    assert got.requires_grad and got.is_leaf and got.layout == torch.sparse_coo
+    assert not got._values().requires_grad
+    assert torch.equal(got.detach().to_dense(), result.detach().to_dense())
+
+
+def test_a_sparse_meta_without_its_parts_before_it_is_refused() -> None:
+    s = ser.serialize(_uncoalesced())
+    metas = s.metas[-1:]  # the sparse entry alone, its parts dropped
+    with pytest.raises(ValueError, match="without the 2 dense parts"):
+        ser.rebuild_tensors(metas, ser.loopback(s.buffers))
