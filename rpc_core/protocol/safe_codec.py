@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from .. import errors
-from . import allowlist, serialization, wire
+from . import allowlist, safe_decoding, safe_encoding, serialization, wire
 from .safe_decoding import decode
 from .safe_encoding import encode
 from .serialization import Serialized, TensorMeta
@@ -29,22 +29,10 @@ class SafeCodec:
         return serialization.packed(body, tensors, sparse)
 
     def encode_head(self, metas: Sequence[TensorMeta], extras: dict[str, Any] | None) -> bytes:
-        body, tensors, _ = encode((metas, extras or None))
-        if tensors:
-            raise TypeError("a frame head's extras hold a tensor; send tensors in the message itself")
-        return body
+        return safe_encoding.encode_head(metas, extras)
 
     def decode_head(self, head: bytes) -> tuple[Sequence[TensorMeta], dict[str, Any] | None]:
-        decoded = decode(head, ())
-        if not (isinstance(decoded, tuple) and len(decoded) == 2 and isinstance(decoded[0], (list, tuple))):
-            raise errors.ProtocolError("a frame head is not (tensor metas, extras)")
-        metas, extras = decoded
-        if extras is not None and not isinstance(extras, dict):
-            raise errors.ProtocolError("a frame head's extras are not a dict")
-        for m in metas:
-            if not (isinstance(m, tuple) and len(m) == 6 and isinstance(m[1], (int, torch.dtype))):
-                raise errors.ProtocolError(f"a frame head's tensor meta {m!r} is malformed")
-        return metas, extras
+        return safe_decoding.decode_head(head)
 
     def loads(self, body: Any, tensors: Sequence[torch.Tensor]) -> Any:
         return decode(body, tensors)

@@ -18,8 +18,18 @@ from typing import Any
 import torch
 
 from ..errors import NotAllowedError, ProtocolError, RemoteFunctionError
-from . import allowlist
-from .safe_encoding import MAGIC, MAX_BIG_INT, MAX_DEPTH, is_plain
+from . import allowlist, serialization
+from .safe_encoding import (
+    HEAD_TAG,
+    MAGIC,
+    MAX_BIG_INT,
+    MAX_DEPTH,
+    MAX_INT_RUN,
+    MAX_META_DIMS,
+    META_PREFIX,
+    is_plain,
+    meta_struct,
+)
 
 _Q = struct.Struct("<q")
 _D = struct.Struct("<d")
@@ -27,6 +37,10 @@ _DD = struct.Struct("<dd")
 _U32 = struct.Struct("<I")
 _TORCH_ENUMS = (torch.layout, torch.memory_format)
 _INT_TAG = ord("i")
+_STR_TAG = ord("s")
+_NAME_TAG = ord("r")
+_INT_RUNS = [struct.Struct(f"<{n}q") for n in range(MAX_INT_RUN + 1)]
+_TOO_DEEP = f"a safe message nests values more than {MAX_DEPTH} deep"
 
 
 class _Decoder:
@@ -49,6 +63,18 @@ class _Decoder:
             return n
         self.pos = pos + 1
         return _DECODE[tag](self)
+
+    def string_at(self, pos: int) -> str:
+        """The string whose length starts at ``pos`` (its tag read already)."""
+        buf = self.buf
+        if pos + 4 > len(buf):
+            raise ProtocolError("a safe message ends in the middle of a length")
+        start = pos + 4
+        end = start + _U32.unpack_from(buf, pos)[0]
+        if end > len(buf):
+            raise ProtocolError(f"a safe message announces {end - start} bytes where {len(buf) - start} are left")
+        self.pos = end
+        return buf[start:end].decode("utf-8", "surrogatepass")
 
     def take(self, n: int) -> bytes:
         pos, end = self.pos, self.pos + n
@@ -76,9 +102,13 @@ class _Decoder:
 
     def count(self) -> int:
         """An item count: each item takes at least a byte, so more than are left is a lie."""
-        n = self.u32()
-        if n > len(self.buf) - self.pos:
-            raise ProtocolError(f"a safe message announces {n} items where {len(self.buf) - self.pos} bytes are left")
+        buf, pos = self.buf, self.pos + 4
+        if pos > len(buf):
+            raise ProtocolError("a safe message ends in the middle of a length")
+        n: int = _U32.unpack_from(buf, pos - 4)[0]
+        if n > len(buf) - pos:
+            raise ProtocolError(f"a safe message announces {n} items where {len(buf) - pos} bytes are left")
+        self.pos = pos
         return n
 
     def expect(self, tag: bytes) -> None:
@@ -87,19 +117,33 @@ class _Decoder:
             raise ProtocolError(f"a safe message has tag {got!r} where {tag!r} belongs")
 
     def text(self) -> str:
-        self.expect(b"s")
-        return self.string()
+        pos = self.pos
+        if pos >= len(self.buf) or self.buf[pos] != _STR_TAG:
+            self.expect(b"s")  # raises, naming what is there instead
+        return self.string_at(pos + 1)
 
     def string(self) -> str:
-        return self.take(self.u32()).decode("utf-8", "surrogatepass")
+        return self.string_at(self.pos)
 
     def items(self) -> list[Any]:
         n = self.count()
-        self.depth += 1
-        if self.depth > MAX_DEPTH:
-            raise ProtocolError(f"a safe message nests values more than {MAX_DEPTH} deep")
-        out = [self.value() for _ in range(n)]
-        self.depth -= 1
+        depth = self.depth = self.depth + 1
+        if depth > MAX_DEPTH:
+            raise ProtocolError(_TOO_DEEP)
+        # value() inlined: this loop runs for every item of every container.
+        buf, end, table, out = self.buf, len(self.buf), _DECODE, []
+        for _ in range(n):
+            pos = self.pos
+            if pos >= end:
+                raise ProtocolError("a safe message ends in the middle of a value")
+            tag = buf[pos]
+            if tag == _INT_TAG and pos + 9 <= end:
+                self.pos = pos + 9
+                out.append(_Q.unpack_from(buf, pos + 1)[0])
+            else:
+                self.pos = pos + 1
+                out.append(table[tag](self))
+        self.depth = depth - 1
         return out
 
     def tuple_of(self, n: int | None = None) -> tuple[Any, ...]:
@@ -111,15 +155,21 @@ class _Decoder:
 
     def pairs(self) -> list[tuple[Any, Any]]:
         n = self.count()
-        self.depth += 1
-        if self.depth > MAX_DEPTH:
-            raise ProtocolError(f"a safe message nests values more than {MAX_DEPTH} deep")
-        out = [(self.value(), self.value()) for _ in range(n)]
-        self.depth -= 1
+        if not n:
+            return []
+        depth = self.depth = self.depth + 1
+        if depth > MAX_DEPTH:
+            raise ProtocolError(_TOO_DEEP)
+        value = self.value
+        out = [(value(), value()) for _ in range(n)]
+        self.depth = depth - 1
         return out
 
     def name(self) -> tuple[str, str]:
-        self.expect(b"r")
+        pos = self.pos
+        if pos >= len(self.buf) or self.buf[pos] != _NAME_TAG:
+            self.expect(b"r")  # raises, naming what is there instead
+        self.pos = pos + 1
         return self.text(), self.text()
 
     def ref(self) -> Any:
@@ -130,6 +180,19 @@ class _Decoder:
         if not isinstance(obj, type):
             raise NotAllowedError(f"a safe message builds {what} of {obj!r}, which is not a class")
         return obj
+
+
+def _int_run(d: _Decoder) -> tuple[int, ...]:
+    n = d.u32()
+    if not 0 < n <= MAX_INT_RUN:
+        raise ProtocolError(f"a safe message holds a run of {n} ints (1 to {MAX_INT_RUN})")
+    pos = d.pos
+    end = pos + 8 * n
+    if end > len(d.buf):
+        raise ProtocolError(f"a safe message announces {n} ints where {len(d.buf) - pos} bytes are left")
+    d.pos = end
+    out: tuple[int, ...] = _INT_RUNS[n].unpack_from(d.buf, pos)
+    return out
 
 
 def _tensor(d: _Decoder) -> torch.Tensor:
@@ -256,6 +319,7 @@ _TABLE: dict[bytes, Callable[[_Decoder], Any]] = {
     b"b": lambda d: d.take(d.u32()),
     b"B": lambda d: bytearray(d.take(d.u32())),
     b"(": lambda d: tuple(d.items()),
+    b"k": _int_run,
     b"[": _Decoder.items,
     b"{": lambda d: dict(d.pairs()),
     b"}": _ordered,
@@ -296,6 +360,50 @@ def decode(raw: bytes | memoryview, tensors: Sequence[torch.Tensor]) -> Any:
     if d.pos != len(buf):
         raise ProtocolError(f"{len(buf) - d.pos} stray bytes after a safe message's value")
     return obj
+
+
+def decode_head(raw: bytes | memoryview) -> tuple[Sequence[serialization.TensorMeta], dict[str, Any] | None]:
+    """(tensor metas, extras) of ``safe_encoding.encode_head``'s bytes, in its head layout or
+    (metas it cannot hold) the generic encoding of the pair."""
+    buf = bytes(raw)
+    if len(buf) < 3 or buf[:2] != MAGIC or buf[2] != HEAD_TAG:
+        return _generic_head(decode(buf, ()))
+    d = _Decoder(buf, ())
+    d.pos = 3
+    n = d.count()
+    pos, end = d.pos, len(buf)
+    metas: list[Any] = []
+    for _ in range(n):
+        if pos + META_PREFIX.size > end:
+            raise ProtocolError("a safe frame head ends in the middle of a tensor meta")
+        ndim = buf[pos + 5]
+        if ndim > MAX_META_DIMS:
+            raise ProtocolError(f"a safe frame head gives a tensor {ndim} dimensions (at most {MAX_META_DIMS})")
+        layout = meta_struct(ndim)
+        if pos + layout.size > end:
+            raise ProtocolError("a safe frame head ends in the middle of a tensor meta")
+        v = layout.unpack_from(buf, pos)
+        pos += layout.size
+        metas.append((v[0], v[1], v[3 : 3 + ndim], v[3 + ndim : 3 + 2 * ndim], v[-2], v[-1]))
+    d.pos = pos
+    extras = d.value()
+    if d.pos != end:
+        raise ProtocolError(f"{end - d.pos} stray bytes after a safe frame head")
+    if extras is not None and not isinstance(extras, dict):
+        raise ProtocolError("a frame head's extras are not a dict")
+    return metas, extras
+
+
+def _generic_head(decoded: Any) -> tuple[Sequence[serialization.TensorMeta], dict[str, Any] | None]:
+    if not (isinstance(decoded, tuple) and len(decoded) == 2 and isinstance(decoded[0], (list, tuple))):
+        raise ProtocolError("a frame head is not (tensor metas, extras)")
+    metas, extras = decoded
+    if extras is not None and not isinstance(extras, dict):
+        raise ProtocolError("a frame head's extras are not a dict")
+    for m in metas:
+        if not (isinstance(m, tuple) and len(m) == 6 and isinstance(m[1], (int, torch.dtype))):
+            raise ProtocolError(f"a frame head's tensor meta {m!r} is malformed")
+    return metas, extras
 
 
 def loads_plain(raw: bytes) -> Any:

@@ -8,6 +8,7 @@ rpc_core's own, a tag byte then the value's bytes (little endian)::
     f d / c dd            float / complex
     s u32 utf8 / b u32 / B u32    str / bytes / bytearray
     ( [ { } S Z  u32 n    tuple, list, dict (n key-value pairs), OrderedDict, set, frozenset
+    k u32 n q*n           a tuple of 1..32 ints that each fit 64 bits, in one run
     t u32                 a tensor: index into the frame's tensor table (serialization: its
                           bytes travel out of band, as under pickle; a sparse tensor is an
                           entry of the table too, after its parts)
@@ -21,6 +22,8 @@ rpc_core's own, a tag byte then the value's bytes (little endian)::
     x r (                 an object rpc_core reduces (``serialization.register_reducer``: RRefs,
                           WorkerInfo, RemoteModule): the rebuilding function and its arguments
 
+A frame head is "H u32 n", n tensor metas of a fixed layout, then the extras (``encode_head``).
+
 Decoding calls only what ``allowlist.resolve`` returns for a name (and builds containers,
 numbers, tensors); a name outside the allowlist raises ``NotAllowedError`` naming it. Every
 length is checked against the bytes left before anything is allocated, and nesting is bounded.
@@ -31,8 +34,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import struct
-from collections.abc import Callable
-from typing import Any, NamedTuple
+import types
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, NoReturn
 
 import torch
 
@@ -50,8 +54,38 @@ _U32 = struct.Struct("<I")
 _TAG_U32 = struct.Struct("<BI")
 _TAG_Q = struct.Struct("<Bq")
 _MAX_U32 = (1 << 32) - 1
+_MIN_Q, _END_Q = -(1 << 63), 1 << 63
+
+# A tuple of at most MAX_INT_RUN int64s (tensor sizes, ids, autograd message ids) travels as
+# one run, "k u32 n q*n", packed and unpacked by one struct call instead of one per item.
+MAX_INT_RUN = 32
+INT_RUN_TAG = ord("k")
+_INT_RUNS = [struct.Struct(f"<BI{n}q") for n in range(MAX_INT_RUN + 1)]
+_ONLY_INT = {int}
+# A frame head under the safe serializer: "H u32 n" then n tensor metas, each one struct
+# (buffer u32, dtype code u8, ndim u8, size q*ndim, stride q*ndim, offset q, flags u8), then
+# the extras as one value. Metas this layout cannot hold (a dtype sent as itself) take the
+# generic encoding of (metas, extras), which decode_head also reads.
+HEAD_TAG = ord("H")
+MAX_META_DIMS = 64  # torch's own limit on a tensor's dimensions
+META_PREFIX = struct.Struct("<IBB")
+_META_STRUCTS: dict[int, struct.Struct] = {}
+
+
+def meta_struct(ndim: int) -> struct.Struct:
+    """The layout of one tensor meta of ``ndim`` dimensions in a safe frame head."""
+    s = _META_STRUCTS.get(ndim)
+    if s is None:
+        s = _META_STRUCTS[ndim] = struct.Struct(f"<IBB{2 * ndim}qqB")
+    return s
+
 
 _TORCH_ENUMS = (torch.layout, torch.memory_format)
+_TOO_DEEP = f"the value is nested more than {MAX_DEPTH} deep; the safe serializer refuses it"
+# The "r s s" bytes of each function or class sent so far (the same few travel in every
+# message); bounded, since a process may send many distinct classes over its life.
+_NAMES: dict[Any, bytes] = {}
+_MAX_NAMES = 4096
 
 
 class _Encoder:
@@ -75,24 +109,51 @@ class _Encoder:
             raise ValueError(f"a container of {n} items is too large for one message")
         self.out += _TAG_U32.pack(tag[0], n)
 
+    # items and mapping run for every container: the per-item dispatch is inlined, and an
+    # int (the most frequent item) is packed without a call.
     def items(self, tag: bytes, seq: Any) -> None:
-        self.depth += 1
-        if self.depth > MAX_DEPTH:
-            raise ValueError(f"the value is nested more than {MAX_DEPTH} deep; the safe serializer refuses it")
-        self.count(tag, len(seq))
+        depth = self.depth = self.depth + 1
+        if depth > MAX_DEPTH:
+            raise ValueError(_TOO_DEEP)
+        n = len(seq)
+        if n > _MAX_U32:
+            raise ValueError(f"a container of {n} items is too large for one message")
+        out = self.out
+        out += _TAG_U32.pack(tag[0], n)
+        get = _ENCODE.get
         for item in seq:
-            self.value(item)
-        self.depth -= 1
+            cls = type(item)
+            if cls is int and _MIN_Q <= item < _END_Q:
+                out += _TAG_Q.pack(105, item)  # b"i"
+                continue
+            fn = get(cls)
+            if fn is not None:
+                fn(self, item)
+            else:
+                self.other(item)
+        self.depth = depth - 1
 
     def mapping(self, tag: bytes, d: Any) -> None:
-        self.depth += 1
-        if self.depth > MAX_DEPTH:
-            raise ValueError(f"the value is nested more than {MAX_DEPTH} deep; the safe serializer refuses it")
-        self.count(tag, len(d))
+        depth = self.depth = self.depth + 1
+        if depth > MAX_DEPTH:
+            raise ValueError(_TOO_DEEP)
+        n = len(d)
+        if n > _MAX_U32:
+            raise ValueError(f"a container of {n} items is too large for one message")
+        self.out += _TAG_U32.pack(tag[0], n)
+        get = _ENCODE.get
         for k, v in d.items():
-            self.value(k)
-            self.value(v)
-        self.depth -= 1
+            fn = get(type(k))
+            if fn is not None:
+                fn(self, k)
+            else:
+                self.other(k)
+            fn = get(type(v))
+            if fn is not None:
+                fn(self, v)
+            else:
+                self.other(v)
+        self.depth = depth - 1
 
     def text(self, tag: bytes, s: str) -> None:
         raw = s.encode("utf-8", "surrogatepass")
@@ -100,10 +161,17 @@ class _Encoder:
         self.out += raw
 
     def name(self, obj: Any) -> None:
-        module, qualname = allowlist.name_of(obj)
-        self.out += b"r"
-        self.text(b"s", module)
-        self.text(b"s", qualname)
+        try:
+            raw = _NAMES.get(obj)
+        except TypeError:  # unhashable: name_of refuses it below
+            raw = None
+        if raw is None:
+            module, qualname = allowlist.name_of(obj)
+            m, q = module.encode("utf-8", "surrogatepass"), qualname.encode("utf-8", "surrogatepass")
+            raw = b"r" + _TAG_U32.pack(115, len(m)) + m + _TAG_U32.pack(115, len(q)) + q  # r s.. s..
+            if len(_NAMES) < _MAX_NAMES:
+                _NAMES[obj] = raw
+        self.out += raw
 
     def tensor(self, t: torch.Tensor) -> None:
         if t.is_nested:
@@ -123,58 +191,107 @@ class _Encoder:
     def other(self, obj: Any) -> None:
         """Everything the exact-type table does not cover."""
         cls = type(obj)
-        if isinstance(obj, torch.Tensor):
-            self.tensor(obj)
-            return
+        # A registered reducer wins (looked up every time: one may be registered later).
         reducer = serialization.reducer_for(cls)
-        if reducer is not None:
+        if reducer is not None and not isinstance(obj, torch.Tensor):
             fn, args = reducer(obj)
             self.out += b"x"
             self.name(fn)
             self.items(b"(", tuple(args))
             return
-        if isinstance(obj, (type, *allowlist.FUNCTION_TYPES)):
-            self.name(obj)
-            return
-        if isinstance(obj, tuple) and hasattr(cls, "_fields"):
-            self.out += b"n"
-            self.name(cls)
-            self.items(b"(", obj)
-            return
-        if isinstance(obj, BaseException):
-            self.out += b"e"
-            self.name(cls)
-            self.items(b"(", obj.args)
-            self.text(b"s", str(obj))
-            return
-        if isinstance(obj, collections.OrderedDict):
-            self.mapping(b"}", obj)
-            return
-        if isinstance(obj, _TORCH_ENUMS):
-            self.text(b"L", str(obj).rsplit(".", 1)[-1])
-            return
-        if dataclasses.is_dataclass(obj):
-            names = _field_names(cls)
-            self.out += b"d"
-            self.name(cls)
-            self.count(b"(", len(names))
-            self.depth += 1
-            for n in names:
-                self.text(b"s", n)
-                self.value(getattr(obj, n))
-            self.depth -= 1
-            return
-        if is_plain(cls) and isinstance(getattr(obj, "__dict__", None), dict):
-            self.out += b"O"
-            self.name(cls)
-            self.mapping(b"{", obj.__dict__)
-            return
-        raise NotAllowedError(
-            f"the safe serializer cannot send a {cls.__module__}.{cls.__qualname__}: it sends tensors, numbers, "
-            "strings, bytes, None, containers, RRefs, WorkerInfo, exceptions, allowed functions and classes, and "
-            "dataclasses, NamedTuples or plain objects of allowed classes (a class with a __reduce__, "
-            "__getstate__ or __setstate__ of its own is refused: send its fields instead)"
-        )
+        # How a class travels depends on the class only: decided once per class.
+        handler = _BY_CLASS.get(cls)
+        if handler is None:
+            handler = _handler_for(cls)
+            if len(_BY_CLASS) < _MAX_NAMES:
+                _BY_CLASS[cls] = handler
+        handler(self, obj)
+
+
+def _other_tensor(e: _Encoder, obj: Any) -> None:
+    e.tensor(obj)
+
+
+def _other_name(e: _Encoder, obj: Any) -> None:
+    e.name(obj)
+
+
+def _other_named_tuple(e: _Encoder, obj: Any) -> None:
+    e.out += b"n"
+    e.name(type(obj))
+    e.items(b"(", obj)
+
+
+def _other_exception(e: _Encoder, obj: Any) -> None:
+    e.out += b"e"
+    e.name(type(obj))
+    e.items(b"(", obj.args)
+    e.text(b"s", str(obj))
+
+
+def _other_ordered(e: _Encoder, obj: Any) -> None:
+    e.mapping(b"}", obj)
+
+
+def _other_enum(e: _Encoder, obj: Any) -> None:
+    e.text(b"L", str(obj).rsplit(".", 1)[-1])
+
+
+def _other_dataclass(e: _Encoder, obj: Any) -> None:
+    cls = type(obj)
+    names = _field_names(cls)
+    e.out += b"d"
+    e.name(cls)
+    e.count(b"(", len(names))
+    e.depth += 1
+    for n in names:
+        e.text(b"s", n)
+        e.value(getattr(obj, n))
+    e.depth -= 1
+
+
+def _other_plain(e: _Encoder, obj: Any) -> None:
+    state = getattr(obj, "__dict__", None)
+    if not isinstance(state, dict):
+        _refuse(e, obj)
+    e.out += b"O"
+    e.name(type(obj))
+    e.mapping(b"{", state)
+
+
+def _refuse(e: _Encoder, obj: Any) -> NoReturn:
+    cls = type(obj)
+    raise NotAllowedError(
+        f"the safe serializer cannot send a {cls.__module__}.{cls.__qualname__}: it sends tensors, numbers, "
+        "strings, bytes, None, containers, RRefs, WorkerInfo, exceptions, allowed functions and classes, and "
+        "dataclasses, NamedTuples or plain objects of allowed classes (a class with a __reduce__, "
+        "__getstate__ or __setstate__ of its own is refused: send its fields instead)"
+    )
+
+
+def _handler_for(cls: type) -> Callable[[_Encoder, Any], None]:
+    """How an object of ``cls`` (not in the exact-type table, no reducer) travels; the
+    checks in the order a class could pass several of them."""
+    if issubclass(cls, torch.Tensor):
+        return _other_tensor
+    if issubclass(cls, (type, *allowlist.FUNCTION_TYPES)):
+        return _other_name
+    if issubclass(cls, tuple) and hasattr(cls, "_fields"):
+        return _other_named_tuple
+    if issubclass(cls, BaseException):
+        return _other_exception
+    if issubclass(cls, collections.OrderedDict):
+        return _other_ordered
+    if issubclass(cls, _TORCH_ENUMS):
+        return _other_enum
+    if dataclasses.is_dataclass(cls):
+        return _other_dataclass
+    if is_plain(cls):
+        return _other_plain
+    return _refuse
+
+
+_BY_CLASS: dict[type, Callable[[_Encoder, Any], None]] = {}
 
 
 def _enc_int(e: _Encoder, v: int) -> None:
@@ -207,6 +324,17 @@ def _enc_slice(e: _Encoder, v: slice) -> None:
     e.items(b"(", (v.start, v.stop, v.step))
 
 
+def _enc_tuple(e: _Encoder, v: tuple[Any, ...]) -> None:
+    n = len(v)
+    if 0 < n <= MAX_INT_RUN and {*map(type, v)} == _ONLY_INT:
+        try:
+            e.out += _INT_RUNS[n].pack(INT_RUN_TAG, n, *v)
+            return
+        except struct.error:  # an int beyond 64 bits: item by item
+            pass
+    e.items(b"(", v)
+
+
 def _enc_range(e: _Encoder, v: range) -> None:
     e.out += b"R" + _Q.pack(v.start) + _Q.pack(v.stop) + _Q.pack(v.step)
 
@@ -220,7 +348,7 @@ _ENCODE: dict[type, Callable[[_Encoder, Any], None]] = {
     str: lambda e, v: e.text(b"s", v),
     bytes: _enc_bytes(b"b"),
     bytearray: _enc_bytes(b"B"),
-    tuple: lambda e, v: e.items(b"(", v),
+    tuple: _enc_tuple,
     list: lambda e, v: e.items(b"[", v),
     dict: lambda e, v: e.mapping(b"{", v),
     set: lambda e, v: e.items(b"S", v),
@@ -233,6 +361,10 @@ _ENCODE: dict[type, Callable[[_Encoder, Any], None]] = {
     slice: _enc_slice,
     type(Ellipsis): lambda e, v: e.out.extend(b"."),
     range: _enc_range,
+    # Functions and plain classes go by name (a reducer registered for them would not apply,
+    # as for the containers above; other() decides for metaclasses and builtins' kinds).
+    types.FunctionType: lambda e, v: e.name(v),
+    type: lambda e, v: e.name(v),
 }
 
 _FIELDS: dict[type, tuple[str, ...]] = {}
@@ -269,6 +401,28 @@ def encode(obj: Any) -> Encoded:
     e = _Encoder()
     e.value(obj)
     return Encoded(bytes(e.out), e.tensors, e.sparse)
+
+
+def encode_head(metas: Sequence[Any], extras: dict[str, Any] | None) -> bytes:
+    """A frame head's bytes: its tensor metas (``serialization.TensorMeta``) in their own
+    layout (HEAD_TAG), then the extras; ``safe_decoding.decode_head`` reads them."""
+    e = _Encoder()
+    out = e.out
+    out += _TAG_U32.pack(HEAD_TAG, len(metas))
+    try:
+        for buffer, dtype, size, stride, offset, flags in metas:
+            ndim = len(size)
+            if type(dtype) is not int or len(stride) != ndim or ndim > MAX_META_DIMS:
+                raise ValueError("not a meta of the head layout")
+            out += meta_struct(ndim).pack(buffer, dtype, ndim, *size, *stride, offset, flags)
+    except (ValueError, TypeError, struct.error):  # a dtype by itself, a field out of range
+        e = _Encoder()
+        e.value((metas, extras or None))
+    else:
+        e.value(extras or None)
+    if e.tensors:
+        raise TypeError("a frame head's extras hold a tensor; send tensors in the message itself")
+    return bytes(e.out)
 
 
 def dumps_plain(obj: Any) -> bytes:

@@ -77,7 +77,8 @@ from typing import NamedTuple
 MAGIC = b"RPCc"
 # 2: cross-memory attach step, REMOTE flag, RELEASE kind; 3: tensor metas as plain tuples;
 # 4: rendezvous messages and identity frames in the safe encoding (no pickle); 5: sparse
-# tensors as entries of the tensor table (serialization.add_sparse), not rebuilt by the body
+# tensors as entries of the tensor table (serialization.add_sparse), not rebuilt by the body,
+# and the safe encoding's int runs and frame head layout (safe_encoding: "k", "H")
 VERSION = 5
 NONCE_LEN = 32
 MAC_LEN = 32
