@@ -8,7 +8,9 @@ and ``ps_train.workloads.ctr.tables.service.TableServer`` writes the rows it say
 - **Map.** ``slots``: id -> slot in two flat tensors (``id_map.IdSlotMap``: 12 bytes per
   place at a load of at most a half, a batch looked up in whole-tensor passes), and per slot its id (``slot_ids``
   int64 [max_rows], -1 when free) and the step it was last used (``last_used`` int64
-  [max_rows]), tensors scanned with torch ops for eviction.
+  [max_rows]). The use log (``uses``: step -> the slots last used then, int32, at most
+  ``2 x max_rows`` entries) finds the least recently used rows without a pass over every
+  slot: a step's eviction costs the rows it evicts.
 - **Clock.** Every training lookup carries its step; the first lookup of a later step calls
   ``advance``, which is where rows are evicted and sightings counted: in sync mode every
   lookup of step s comes after every update of step s - 1, so a step's lookups never see
