@@ -86,7 +86,7 @@ def bound(args: argparse.Namespace, map_bytes: int) -> dict[str, float]:
     return {
         "rows": slots * args.dim * 4,
         "rowwise_adagrad": slots * 4,
-        "bookkeeping": slots * 26,  # id, last use, free list (8 B each), two 1-byte marks
+        "bookkeeping": slots * 34,  # id, last use, free list (8 B each), two 1-byte marks, use log (8 B)
         "id_map": args.tables * map_bytes,
     }
 

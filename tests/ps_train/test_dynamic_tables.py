@@ -236,6 +236,38 @@ def test_admission_and_eviction_follow_the_policy(spec: DynamicSpec) -> None:
     assert c.live == len(table.slots) and c.created == c.live + c.evicted
 
 
+def whole_array_lru(held: torch.Tensor, last_used: torch.Tensor, ids: torch.Tensor, k: int) -> torch.Tensor:
+    """The LRU victims by a pass over every slot: all held slots if at most ``k`` (ascending),
+    else those used before the k-th oldest step (ascending slots), then that step's by id."""
+    if k <= 0:
+        return torch.zeros(0, dtype=torch.int64)
+    slots = torch.nonzero(held).squeeze(1)
+    if len(slots) <= k:
+        return slots
+    order = sorted(slots.tolist(), key=lambda s: (int(last_used[s]), int(ids[s])))[:k]
+    kth = int(last_used[order[-1]])
+    below = sorted(s for s in order if int(last_used[s]) < kth)
+    return torch.tensor(below + [s for s in order if int(last_used[s]) == kth], dtype=torch.int64)
+
+
+@pytest.mark.parametrize("max_rows", [9, 30])
+def test_lru_victims_from_the_use_log_equal_a_pass_over_every_slot(max_rows: int) -> None:
+    """The use log (a step's rows found without scanning every slot) picks the same victims
+    in the same order as a whole-array selection, with a trainer behind the clock and a log
+    compacted many times over."""
+    rng = random.Random(max_rows)
+    spec = DynamicSpec(max_rows=max_rows, spare=4)
+    table = DynamicTable(spec)
+    for step in range(1, 300):
+        held = table.slot_ids >= 0
+        want = whole_array_lru(held, table.last_used, table.slot_ids, spec.spare - len(table.free))
+        assert table.advance(step).tolist() == want.tolist(), f"step {step}"
+        for trainer, behind in enumerate((0, 0, rng.randrange(3))):  # trainer 2 lags up to 2 steps
+            ids = [rng.randrange(3) if rng.random() < 0.3 else rng.randrange(60) for _ in range(rng.randrange(1, 4))]
+            table.lookup(torch.tensor(ids), max(1, step - behind), trainer)
+    assert table.counters().evicted > 10 * max_rows
+
+
 @pytest.mark.filterwarnings("ignore:Sparse invariant checks")
 def test_a_reused_slot_starts_with_the_new_ids_row_and_fresh_optimizer_state() -> None:
     server, cfg, model = table_server("model.table_optim=adagrad", tables(40))

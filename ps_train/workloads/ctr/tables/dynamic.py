@@ -8,7 +8,9 @@ and ``ps_train.workloads.ctr.tables.service.TableServer`` writes the rows it say
 - **Map.** ``slots``: id -> slot in two flat tensors (``id_map.IdSlotMap``: 12 bytes per
   place at a load of at most a half, a batch looked up in whole-tensor passes), and per slot its id (``slot_ids``
   int64 [max_rows], -1 when free) and the step it was last used (``last_used`` int64
-  [max_rows]), tensors scanned with torch ops for eviction.
+  [max_rows]). The use log (``uses``: step -> the slots last used then, int32, at most
+  ``2 x max_rows`` entries) finds the least recently used rows without a pass over every
+  slot: a step's eviction costs the rows it evicts.
 - **Clock.** Every training lookup carries its step; the first lookup of a later step calls
   ``advance``, which is where rows are evicted and sightings counted: in sync mode every
   lookup of step s comes after every update of step s - 1, so a step's lookups never see
@@ -38,7 +40,7 @@ from torch import Tensor
 
 from ps_train.workloads.ctr.tables.id_map import IdSlotMap
 
-__all__ = ["DynamicSpec", "Resolved", "DynamicCounts", "DynamicTable", "lru_victims"]
+__all__ = ["DynamicSpec", "Resolved", "DynamicCounts", "DynamicTable"]
 
 
 @dataclass(frozen=True)
@@ -71,27 +73,6 @@ class DynamicCounts(NamedTuple):
     admitted: int  # sightings of ids without a row that passed admission (created, or found no slot)
 
 
-def lru_victims(eligible: Tensor, last_used: Tensor, ids: Tensor, k: int) -> Tensor:
-    """The ``k`` slots of ``eligible`` (bool [max_rows]) least recently used: smallest
-    ``last_used``, ties by smaller ``ids`` (both [max_rows]); all eligible slots if at most
-    ``k``. Those older than the k-th come first, in slot order, then its ties by id.
-
-    Whole-array passes (a masked copy, a partial top-k, one compare) instead of gathering
-    the eligible slots and a full selection: at a full table of 1M slots ~3x less per step."""
-    if k <= 0:
-        return torch.zeros(0, dtype=torch.int64)
-    if int(eligible.sum()) <= k:
-        return torch.nonzero(eligible).squeeze(1)
-    key = last_used.masked_fill(~eligible, torch.iinfo(torch.int64).max)  # [max_rows]
-    kth = int(torch.topk(key, k, largest=False, sorted=False).values.max())  # the k-th smallest
-    upto = torch.nonzero(key <= kth).squeeze(1)  # ascending slots: k and the k-th's ties
-    at = key[upto]
-    below, tied = upto[at < kth], upto[at == kth]
-    # The smallest ids among the ties, ascending (ids are distinct: one order only).
-    order = torch.topk(ids[tied], k - len(below), largest=False, sorted=True).indices
-    return torch.cat([below, tied[order]])
-
-
 class DynamicTable:
     """The slot map and policy of one dynamic table on one server (see the module docstring).
     Not thread-safe: the caller serialises calls."""
@@ -111,6 +92,11 @@ class DynamicTable:
         self.counts: dict[int, tuple[int, int]] = {}  # id without a row -> (batches seen in, last step seen)
         self.pending: dict[int, int] = {}  # this step's sightings: id -> bit mask of the trainers that saw it
         self.created = self.evicted = self.admitted = 0
+        # The use log: step -> chunks of the slots whose ``last_used`` became that step (int32).
+        # An entry is stale once its slot is used later or freed; stale entries are skipped
+        # when read and dropped when the log outgrows ``2 x max_rows`` entries (``_compact``).
+        self.uses: dict[int, list[Tensor]] = {}
+        self.use_entries = 0
 
     # -- the clock --------------------------------------------------------------------------------
     def advance(self, step: int) -> Tensor:
@@ -119,19 +105,80 @@ class DynamicTable:
         self._commit()
         self.clock = step
         victims = []
-        held = self.slot_ids >= 0
         if self.spec.eviction == "ttl":
             assert self.spec.ttl_steps is not None
-            expired = torch.nonzero(held & (self.last_used < step - self.spec.ttl_steps)).squeeze(1)
+            expired = self._oldest(None, step - self.spec.ttl_steps)
             victims.append(expired)
             self._evict(expired)
-            held = self.slot_ids >= 0
         short = self.spec.spare - len(self.free)
         if short > 0:
-            lru = lru_victims(held, self.last_used, self.slot_ids, short)
+            lru = self._oldest(short, None)
             victims.append(lru)
             self._evict(lru)
         return torch.cat(victims) if victims else torch.zeros(0, dtype=torch.int64)
+
+    # -- least recently used rows, from the use log --------------------------------------------------
+    def _used(self, step: int, slots: Tensor) -> None:
+        """``slots`` (int64) were just given ``last_used`` = ``step``."""
+        if len(slots) == 0:
+            return
+        self.uses.setdefault(step, []).append(slots.to(torch.int32))
+        self.use_entries += len(slots)
+        if self.use_entries > 2 * self.spec.max_rows:
+            self._compact()
+
+    def _compact(self) -> None:
+        """The use log rebuilt from the held slots' ``last_used``: one entry per held slot."""
+        held = torch.nonzero(self.slot_ids >= 0).squeeze(1)
+        used = self.last_used[held]
+        order = torch.argsort(used, stable=True)
+        steps, counts = torch.unique_consecutive(used[order], return_counts=True)
+        chunks = torch.split(held[order].to(torch.int32), counts.tolist())
+        self.uses = {s: [c] for s, c in zip(steps.tolist(), chunks, strict=True)}
+        self.use_entries = len(held)
+
+    def _live_at(self, step: int) -> Tensor:
+        """The held slots whose ``last_used`` is ``step`` (int64, ascending), from the log."""
+        slots = torch.unique(torch.cat(self.uses[step]).to(torch.int64))
+        return slots[(self.last_used[slots] == step) & (self.slot_ids[slots] >= 0)]
+
+    def _oldest(self, k: int | None, before: int | None) -> Tensor:
+        """The ``k`` held slots least recently used (smallest ``last_used``, ties by smaller
+        id) among those last used before step ``before`` (None: any); all of them if at most
+        ``k`` (``k`` None: all). Order: ascending slots, except when ``k`` cuts a step's rows:
+        then the rows used before that step (ascending slots), then that step's by id.
+
+        Reads the log from its oldest step until ``k`` rows are found, so a step costs the
+        rows it evicts, not a pass over ``max_rows`` (at 1M slots a full scan and top-k was
+        ~10 ms per table and step). The log's steps read wholly are dropped: their live rows
+        are evicted by the caller, the rest are stale."""
+        if k is not None and k <= 0:
+            return torch.zeros(0, dtype=torch.int64)
+        below: list[Tensor] = []
+        need = k
+        for step in sorted(self.uses):
+            if (before is not None and step >= before) or need == 0:
+                break
+            live = self._live_at(step)
+            self.use_entries -= sum(len(c) for c in self.uses.pop(step))
+            if need is None or len(live) < need or (len(live) == need and not self._more_after(before, step)):
+                below.append(live)
+                need = None if need is None else need - len(live)
+                continue
+            # ``k`` cuts this step's rows: the smallest ids of them (ids are distinct).
+            pick = torch.topk(self.slot_ids[live], need, largest=False, sorted=True).indices
+            rest = torch.ones(len(live), dtype=torch.bool)
+            rest[pick] = False
+            if bool(rest.any()):
+                self.uses[step] = [live[rest].to(torch.int32)]
+                self.use_entries += int(rest.sum())
+            first = torch.cat(below).sort().values if below else torch.zeros(0, dtype=torch.int64)
+            return torch.cat([first, live[pick]])
+        return torch.cat(below).sort().values if below else torch.zeros(0, dtype=torch.int64)
+
+    def _more_after(self, before: int | None, step: int) -> bool:
+        """Whether a held slot was last used after ``step`` and before ``before`` (None: any later)."""
+        return any(len(self._live_at(s)) > 0 for s in sorted(self.uses) if s > step and (before is None or s < before))
 
     def _commit(self) -> None:
         if not self.pending:
@@ -166,7 +213,9 @@ class DynamicTable:
         found = self.slots.get(uniq)
         have = found >= 0
         used = found[have]
-        self.last_used[used] = self.last_used[used].clamp(min=step)  # an async trainer may be behind
+        raised = used[self.last_used[used] < step]  # an async trainer may be behind: never lowered
+        self.last_used[raised] = step
+        self._used(step, raised)
         new = torch.nonzero(~have).squeeze(1)
         empty = torch.zeros(0, dtype=torch.int64)
         if len(new) == 0:
@@ -187,8 +236,7 @@ class DynamicTable:
         chosen = torch.tensor(admit, dtype=torch.int64)
         short = len(chosen) - len(self.free)
         if short > 0:  # out of free slots mid-step: rows not used this step go now
-            idle = (self.slot_ids >= 0) & (self.last_used < step)
-            self._evict(lru_victims(idle, self.last_used, self.slot_ids, short))
+            self._evict(self._oldest(short, step))
             chosen = chosen[: len(self.free)]  # the rest stay on the zero row, admitted again next time
             for i in admit[len(chosen) :]:
                 self.pending[keys[i]] = self.pending.get(keys[i], 0) | bit
@@ -201,6 +249,7 @@ class DynamicTable:
                 self.counts.pop(x, None)
         self.slot_ids[take] = new_ids
         self.last_used[take] = step
+        self._used(step, take)
         found[chosen] = take
         self.created += len(chosen)
         return Resolved(found[inverse], take, new_ids)
@@ -243,3 +292,4 @@ class DynamicTable:
         held = torch.nonzero(self.slot_ids >= 0).squeeze(1)
         self.slots = IdSlotMap(self.spec.max_rows)
         self.slots.put(self.slot_ids[held], held)
+        self._compact()

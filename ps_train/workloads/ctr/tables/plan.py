@@ -86,19 +86,18 @@ def _exclusive_cumsum(counts: Tensor) -> Tensor:
     return out
 
 
-def _unique_triples(a: Tensor, b: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
-    """``torch.unique(torch.stack([a, b, c], 1), dim=0, return_inverse=True)`` (the distinct
-    triples [U, 3] in ascending order, and each one's index [N]) by three stable 1-D sorts:
-    several times faster than ``unique`` over rows for a step's ids."""
-    order = torch.arange(len(a))
-    for col in (c, b, a):  # last key first: stable sorts leave ties in the later keys' order
-        order = order[torch.argsort(col[order], stable=True)]
-    sa, sb, sc = a[order], b[order], c[order]
-    first = torch.ones(len(a), dtype=torch.bool)  # [N]: a sorted triple unlike the one before
-    first[1:] = (sa[1:] != sa[:-1]) | (sb[1:] != sb[:-1]) | (sc[1:] != sc[:-1])
+def _unique_pairs(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    """The distinct pairs (``a[i]``, ``b[i]``) in ascending order, as the index of one
+    element of each (int64 [U]), and each element's pair (int64 [N]): two 1-D sorts, several
+    times faster than ``unique`` over the rows of a stacked [N, 2] tensor."""
+    order = torch.argsort(b)  # any order among equal b: they are the same pair when a ties too
+    order = order[torch.argsort(a[order], stable=True)]
+    sa, sb = a[order], b[order]
+    first = torch.ones(len(a), dtype=torch.bool)  # [N]: a sorted pair unlike the one before
+    first[1:] = (sa[1:] != sa[:-1]) | (sb[1:] != sb[:-1])
     inverse = torch.empty_like(order)
     inverse[order] = torch.cumsum(first, 0) - 1
-    return torch.stack([sa[first], sb[first], sc[first]], 1), inverse
+    return order[first], inverse
 
 
 class BagPlanner:
@@ -115,6 +114,9 @@ class BagPlanner:
         self.base = torch.tensor([o[:-1] for o in offsets], dtype=torch.int64)  # [S, T]: table t's first row on s
         # Rows of every server laid end to end: one key per (server, row) for deduplication.
         self.server_start = torch.tensor([0] + [o[-1] for o in offsets], dtype=torch.int64).cumsum(0)  # [S + 1]
+        # Where server s's (row + T) values start when every server's rows and T markers are
+        # laid end to end ([S]: the dynamic path's dedup key).
+        self.pair_start = self.server_start[:-1] + T * torch.arange(1, S + 1)
         self.mean = torch.tensor([p == "mean" for p in pooling])  # [T]
         self.dynamic = torch.tensor([layout.is_dynamic(t) for t in range(T)])  # [T]
         self.any_dynamic = bool(self.dynamic.any())
@@ -145,10 +147,13 @@ class BagPlanner:
             owner = torch.where(dyn, dynamic_owner(v, S), owner)
             row = torch.where(dyn, -1 - table, row)
             ident = torch.where(dyn, v, 0)
-            # Keys: the rank of (owner, row, id) among the batch's distinct triples (sorted).
-            triples, key = _unique_triples(owner, row, ident)
-            key_start = torch.searchsorted(triples[:, 0].contiguous(), torch.arange(S + 1))
-            key_row, key_id = triples[:, 1], triples[:, 2]
+            # Keys: the rank of (owner, row, id) among the batch's distinct triples (sorted),
+            # (owner, row) packed into one ascending int64: owner s's rows -T .. rows_s - 1
+            # (markers included) after server s - 1's.
+            place = self.pair_start[owner] + row
+            first, key = _unique_pairs(place, ident)
+            key_start = torch.searchsorted(owner[first], torch.arange(S + 1))
+            key_row, key_id = row[first], ident[first]
         pooled = self._pooled_tables(bags, lengths, bag_of, table, owner, key)[table]  # [N] bool
 
         single = ~pooled
