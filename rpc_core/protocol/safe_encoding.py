@@ -115,11 +115,8 @@ class _Encoder:
         depth = self.depth = self.depth + 1
         if depth > MAX_DEPTH:
             raise ValueError(_TOO_DEEP)
-        n = len(seq)
-        if n > _MAX_U32:
-            raise ValueError(f"a container of {n} items is too large for one message")
+        self.count(tag, len(seq))
         out = self.out
-        out += _TAG_U32.pack(tag[0], n)
         get = _ENCODE.get
         for item in seq:
             cls = type(item)
@@ -137,10 +134,7 @@ class _Encoder:
         depth = self.depth = self.depth + 1
         if depth > MAX_DEPTH:
             raise ValueError(_TOO_DEEP)
-        n = len(d)
-        if n > _MAX_U32:
-            raise ValueError(f"a container of {n} items is too large for one message")
-        self.out += _TAG_U32.pack(tag[0], n)
+        self.count(tag, len(d))
         get = _ENCODE.get
         for k, v in d.items():
             fn = get(type(k))
