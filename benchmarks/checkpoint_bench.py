@@ -231,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fork-gb", type=float, default=2.6, help="memory of the fork probe (0: none)")
     ap.add_argument("--timeout", type=float, default=1500)
     ap.add_argument("--run-root", default=None)
+    ap.add_argument(
+        "--keep-runs", action="store_true", help="keep each run's folder (a large preset's checkpoints are ~5 GB each)"
+    )
     ap.add_argument("--json", default=None)
     add_result_option(ap, "checkpoint_bench")
     args = ap.parse_args(argv)
@@ -261,6 +264,10 @@ def main(argv: list[str] | None = None) -> int:
                 "final_checkpoint_wait_s": metrics.get("final_checkpoint_wait_s", 0.0),
                 "run_s": metrics["wall_time_s"] + metrics.get("final_checkpoint_wait_s", 0.0),
             }
+            if not args.keep_runs:
+                # Everything the report needs is read: free the disk before the next run
+                # (rounds x kinds x ~5 GB would otherwise fill it).
+                shutil.rmtree(run_dir, ignore_errors=True)
         for rec in runs.values():
             analyse(rec, runs["none"], args.warmup)
         rounds.append(runs)
