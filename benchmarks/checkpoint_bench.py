@@ -1,30 +1,20 @@
 """Checkpoints of embedding tables while training: what the steps lose while a full
-checkpoint is written, how long each checkpoint takes to become complete, and the disk's
-own bandwidth measured in the same run (its floor).
+checkpoint is written, how long each takes to become complete, and the disk's own bandwidth
+measured in the same run (its floor).
 
     python -m benchmarks.checkpoint_bench                     # preset=dlrm_large, 200 steps, every 100
     python -m benchmarks.checkpoint_bench --shape medium      # 26 x 100,000 rows (1.3 GB with Adagrad)
     python -m benchmarks.checkpoint_bench --kinds none,fork,thread,differential --rounds 2
 
-Sync runs of the same job (2 servers + 2 trainers, ``model.table_optim`` Adagrad, so a full
-checkpoint holds the rows and as many Adagrad sums), one after another:
-
-- ``none``: no checkpoints (``checkpoint.every=0 checkpoint.final=false``);
-- ``fork``: full checkpoints every ``--every`` steps, written by a forked child around the
-  page cache (``checkpoint.writer=fork``, the default);
-- ``thread``: the same, written by a thread of each server through the page cache
-  (``checkpoint.writer=thread``);
-- ``differential``: ``checkpoint.differential=true``: the first full, then the changed rows.
-
-Every step's end is timed by trainer0's TensorBoard events (``train.log_every=1``). A
-checkpoint is *being written* from the moment trainer0 asks for it (the manifest's
-``created_unix``) until its manifest is in place (the file's mtime): that is the time it took
-to become complete. Reported per run: the steps that ended inside those windows against the
-same steps of the ``none`` run (``x none``), the whole run's wall (training loop plus the
-wait for the last checkpoint) against ``none``'s, metrics.json's samples/s and
-``final_checkpoint_wait_s``, and each checkpoint's bytes, time to complete and (forked
-writer) its fork time. The disk: ``--disk-gb`` written dd-style with ``O_DIRECT`` and
-through the page cache, each with a final fsync.
+Sync runs of one job (2 servers + 2 trainers, Adagrad tables) one after another: ``none`` (no
+checkpoints), ``fork`` (a forked child writes each full checkpoint, the default writer),
+``thread`` (a thread of each server writes it), ``differential`` (the first full, then changed
+rows). Step ends come from trainer0's TensorBoard events; a checkpoint is being written from
+its manifest's ``created_unix`` until the manifest's mtime (its time to complete). Per run: the
+steps that ended inside those windows against the same steps of ``none`` (``x none``), the
+whole run's wall (loop plus the wait for the last checkpoint) against ``none``'s, samples/s,
+``final_checkpoint_wait_s``, and per checkpoint its bytes, time to complete and fork time. The
+disk: ``--disk-gb`` written with ``O_DIRECT`` and through the page cache, each then fsync'd.
 """
 
 from __future__ import annotations

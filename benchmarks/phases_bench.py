@@ -3,23 +3,16 @@
     python -m benchmarks.phases_bench                       # 2+2, 8+2, 32+2, 64+3
     python -m benchmarks.phases_bench --shapes 8+2 --rounds 2 --png docs/phases.png
 
-Before each run it times ``python -c "import torch"`` (the yardstick: the fixed cost's targets
-are multiples of it, so it is measured in the same invocation, under the same load; the table
-uses the median), then it runs
-``python -m ps_train data=synthetic mode=async train.steps=30 checkpoint.every=0`` with T
-trainers and S servers per shape and reads the phases the run recorded
-(``metrics.json``'s ``phases``, ``ps_train.observe.phases``). "exit" is what the launcher
-spends after it wrote metrics.json (the command's wall time minus the phases').
-
-Tables: per shape, the wall time, the training loop (``wall_time_s``), the fixed cost (wall
-minus the loop) and it over the import of torch, the CPU seconds of every process of the run
-(the launcher's children's usage: the fork server and the roles it reaped), and the memory
-the run used: the peak of MemTotal - MemAvailable (what ``free`` calls used) over the run
-minus its value just before (other jobs on the machine move it too), the peak of the summed
-PSS of the run's processes (shared pages split among the processes sharing them: what the run
-itself holds), and the sum of the roles' peak RSS (which counts torch's shared pages once per
-role); then each phase's wall seconds and CPU seconds. Medians over
-rounds. ``--png``: the phases as stacked bars per shape.
+Per shape (T trainers + S servers) it times ``python -c "import torch"`` (the yardstick: the
+fixed cost's targets are multiples of it, measured under the same load), then runs
+``python -m ps_train data=synthetic mode=async train.steps=30 checkpoint.every=0`` and reads
+the phases the run recorded (``metrics.json``'s ``phases``); "exit" is the command's wall time
+minus the phases'. Tables (medians over rounds): wall time, training loop (``wall_time_s``),
+fixed cost (wall minus loop) and it over the import of torch, CPU seconds of every process of
+the run, memory used (the rise of MemTotal - MemAvailable, what ``free`` calls used; other jobs
+move it too), the summed PSS of the run's processes (shared pages counted once) and the sum of
+the roles' peak RSS (torch's shared pages once per role); then each phase's wall and CPU
+seconds. ``--png``: the phases as stacked bars per shape.
 """
 
 from __future__ import annotations

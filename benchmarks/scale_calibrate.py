@@ -1,24 +1,19 @@
 """Fit the cost model's constants on emulated hosts and write them, with the machine they came
-from, as a calibration file that ``ps_train.scaling.cost_model.load_calibration`` and
-``python -m ps_train.plan calibration=FILE`` read.
+from, as a calibration file (``ps_train.scaling.cost_model.load_calibration``,
+``python -m ps_train.plan calibration=FILE``).
 
-    sudo python -m benchmarks.scale_calibrate --out calib.json [--cores 0.25] [--steps 60 240] \\
-        [--grid 2x1 4x1 8x2 16x2] [--modes async sync] [--links-kbit 1000000 20000] \\
+    sudo python -m benchmarks.scale_calibrate --out calib.json [--cores 0.25] [--steps 60 240] \
+        [--grid 2x1 4x1 8x2 16x2] [--modes async sync] [--links-kbit 1000000 20000] \
         [--machine "idle 8-core VM"] [--records records.json] [--dry-run]
     python -m benchmarks.scale_calibrate --out calib.json --from-records records.json
 
-Each grid point ``TxS`` (trainers x servers, one rank per emulated host: ``scale_hosts.py``)
-runs for each mode and link rate at two lengths (``--steps SHORT LONG``), every host held to
-``--cores`` by a CPU quota. A rank's CPU is its whole process tree's (start-up, final
-evaluation and shutdown included), so the per-step CPU is the difference between the two
-lengths over the difference in steps; samples/s and bytes per step come from the long run's
-``metrics.json``. The fit (``ps_train.scaling.fit``) takes those per-step figures; then every
-run is predicted for its cluster (its hosts' cores, its link) and the largest error becomes the
-calibration's stated error. ``--records`` keeps the raw runs, ``--from-records`` refits them
-without running anything (no root needed).
-
-Keep the machine quiet, and ``--cores`` x (T + S) of the largest point within its cores, or
-the quota never binds and the machine's load does instead (docs/scaling.md).
+Each grid point ``TxS`` (one rank per emulated host: ``scale_hosts.py``, each held to
+``--cores`` by a CPU quota) runs for each mode and link at two lengths (``--steps SHORT LONG``):
+the per-step CPU is the difference of a rank's whole CPU between them over the difference in
+steps; samples/s and bytes per step come from the long run's ``metrics.json``. After the fit
+(``ps_train.scaling.fit``) every run is predicted and the largest error becomes the stated
+error. ``--records`` keeps the raw runs; ``--from-records`` refits them (no root needed). Keep
+the machine quiet and ``--cores`` x (T + S) within its cores, or the load binds, not the quota.
 """
 
 from __future__ import annotations
