@@ -72,3 +72,29 @@ def test_replay_counts_each_servers_distinct_rows_of_every_batch() -> None:
     assert got.ideal_per_step == pytest.approx(want, rel=1e-12)
     assert got.rows_per_step == sum(rows) / (2 * steps)
     assert got.trainer_steps == 2 * steps
+
+
+@pytest.mark.timeout(120)
+def test_replay_works_in_a_fresh_process_that_imported_no_workload() -> None:
+    # A tool (ctr_bench) calls it without ``python -m ps_train``'s set-up: nothing has
+    # registered the CTR workload yet, and the stage plan comes from the registry.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import os, ps_train\n"
+        "from hydra import compose, initialize_config_dir\n"
+        "from ps_train.config import from_dictconfig\n"
+        "from ps_train.workloads.ctr.ideal_traffic import replay_ideal_bytes\n"
+        "conf = os.path.join(os.path.dirname(ps_train.__file__), 'conf')\n"
+        "with initialize_config_dir(config_dir=conf, version_base='1.3'):\n"
+        "    o = ['model=dlrm', 'data=synthetic_ctr', 'data.num_samples=2000', 'cluster.num_servers=2']\n"
+        "    c = from_dictconfig(compose('config', overrides=o))\n"
+        "r = replay_ideal_bytes(c.model, c.data, c.cluster, c.train.batch_size, c.seed, 2)\n"
+        "print(sorted(r.ideal_per_step), r.trainer_steps)\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=100)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split("]")[0].startswith("['ps0', 'ps1'")

@@ -96,6 +96,10 @@ def replay_ideal_bytes(
     and sum ``step_ideal_bytes`` per server."""
     from ps_train.config import CtrDataConfig, DLRMConfig
     from ps_train.stage_sharding import model_shards
+
+    # model_shards asks the workload registry for the stage plan: register the CTR workload
+    # here, so that a tool calling this outside ``python -m ps_train`` (ctr_bench) needs no set-up.
+    from ps_train.workloads.ctr import workload as _registers  # noqa: F401
     from ps_train.workloads.ctr.data.bags import as_bags
     from ps_train.workloads.ctr.data.batches import CtrBatchIterator
     from ps_train.workloads.ctr.data.loading import load_ctr_data
