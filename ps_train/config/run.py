@@ -84,7 +84,7 @@ class CheckpointConfig:
     # Embedding tables: how a server writes its rows while training goes on. fork: a forked
     # child writes the copy-on-write image of the rows, around the page cache (O_DIRECT where
     # the filesystem takes it), POSIX only; thread: a thread of the server copies each block
-    # of rows before an update changes it, and writes through the page cache.
+    # of rows before an update changes it, and writes them around the page cache too.
     writer: str = "fork"
     # A checkpoint due while the previous one is still being written: defer (taken after the
     # first step that finds the previous one complete; steps never wait) or wait (the step
