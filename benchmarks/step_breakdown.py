@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import collections
 import cProfile
+import importlib.util
 import os
 import pstats
 import secrets
@@ -277,6 +278,10 @@ def report(impl_name, spin, results):
 
 
 def report_ps_train(steps: int, windows: int, top: int) -> None:
+    # Checked first: without it both roles would train their windows, then fail in the
+    # profiled one with a traceback from each process.
+    if importlib.util.find_spec("yappi") is None:
+        raise SystemExit("--ps-train profiles both roles with yappi, not installed: pip install -e '.[profile]'")
     single = _ps_step.measure_single(steps, windows)
     run = _ps_step.measure(steps, windows, profile=True)
     one = sorted(c for c, _ in single)[len(single) // 2]

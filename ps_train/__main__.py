@@ -7,21 +7,30 @@ configuration, setup or data (nothing was started).
 
 from __future__ import annotations
 
-import logging
 import os
-import sys
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+# Before anything imports numpy: its OpenBLAS starts a pool of (cores - 1) threads at import,
+# and a launcher with a thread beside its own does not fork its roles from the fork server
+# (ps_train.launch.role_processes: a fork could copy a lock another thread holds); they would
+# start from multiprocessing's forkserver instead, slower, and without the preload phase.
+# A role computes with one thread anyway (torch.set_num_threads(1) in each rank); the roles
+# inherit the setting. A value the user set is kept.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-import ps_train.config  # noqa: F401  (registers the config schemas with Hydra)
-from ps_train.app import run
-from ps_train.checkpoint.files import CheckpointError
-from ps_train.config import ConfigError, from_dictconfig
-from ps_train.launch.failures import RoleFailed
-from ps_train.launch.prechecks import DataCheckError
-from ps_train.workload import DatasetNotFoundError
+import logging  # noqa: E402
+import sys  # noqa: E402
+
+import hydra  # noqa: E402
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+import ps_train.config  # noqa: E402, F401  (registers the config schemas with Hydra)
+from ps_train.app import run  # noqa: E402
+from ps_train.checkpoint.files import CheckpointError  # noqa: E402
+from ps_train.config import ConfigError, from_dictconfig  # noqa: E402
+from ps_train.launch.failures import RoleFailed  # noqa: E402
+from ps_train.launch.prechecks import DataCheckError  # noqa: E402
+from ps_train.workload import DatasetNotFoundError  # noqa: E402
 
 log = logging.getLogger("ps_train")
 

@@ -39,11 +39,12 @@ def test_no_test_imports_benchmarks() -> None:
     offenders = []
     for path in _modules(ROOT / "tests"):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            names = []
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 names = [node.module]
+            else:
+                continue
             if any(n == "benchmarks" or n.startswith("benchmarks.") for n in names):
                 offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not offenders, f"tests import from benchmarks/ (run its command as a subprocess instead): {offenders}"

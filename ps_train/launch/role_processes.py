@@ -182,7 +182,16 @@ class RoleProcesses:
 
     def __init__(self, launch: RoleLaunch, preload: list[str]) -> None:
         self.launch = launch
-        forkable = hasattr(os, "fork") and os_threads() == 1
+        threads = os_threads()
+        forkable = hasattr(os, "fork") and threads == 1
+        if hasattr(os, "fork") and not forkable:
+            # Said, because it costs start-up time and is easy to cause by accident (a BLAS
+            # pool started at import: python -m ps_train sets OPENBLAS_NUM_THREADS=1 for that).
+            logging.getLogger("ps_train").info(
+                "the launcher runs %d threads: roles start from multiprocessing's forkserver, "
+                "not forked from a preloaded copy of it",
+                threads,
+            )
         self.server = ForkServer(preload, partial(_child, launch)) if forkable else None
         if not forkable and "forkserver" in mp.get_all_start_methods():
             self.spawn: Any = mp.get_context("forkserver")

@@ -119,3 +119,23 @@ def test_a_role_exits_when_its_launcher_dies():
         assert select.select([pidfd], [], [], 40)[0], f"role {pid} still runs after its launcher died"
     finally:
         os.close(pidfd)
+
+
+@pytest.mark.timeout(150)
+def test_python_m_ps_train_forks_its_roles_from_the_fork_server(tmp_path):
+    # numpy's OpenBLAS starts a thread pool when torch imports numpy; a launcher with threads
+    # falls back to multiprocessing's forkserver, so ``python -m ps_train`` must keep that pool
+    # from starting. The fork server's preload is then a phase of its own in metrics.json.
+    from tests.ps_train._app import QUICK, read_json
+
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+    run_dir = tmp_path / "run"
+    args = ["data=synthetic", "train.steps=3", "checkpoint.every=0", "cluster.num_servers=1"]
+    args += ["cluster.num_trainers=1", *QUICK, f"hydra.run.dir={run_dir}"]
+    done = subprocess.run(
+        [sys.executable, "-m", "ps_train", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=140
+    )
+    assert done.returncode == 0, done.stderr
+    assert "forkserver" not in done.stdout + done.stderr
+    phases = {p["name"]: p for p in read_json(run_dir / "metrics.json")["phases"]["phases"]}
+    assert phases["preload"]["wall_s"] > 0 and phases["preload"]["cpu_s"] > 0, phases
