@@ -313,6 +313,13 @@ class RowWiseAdagrad(_SummedRowsOptimizer):
         self.sums = [torch.zeros(p.shape[0], dtype=p.dtype) for p in self.tables]  # [rows_t]
 
     def _update(self, t: int, weight: RowTarget, rows: Tensor, grad: Tensor, lr: float) -> None:
+        # A slice of the rows at a time (each row's update is its own): a step's gradient
+        # times its rates is as large as the gradient, tens of MB on a table server.
+        n = max(1, (1 << 21) // max(1, grad[0].numel())) if len(grad) else 1
+        for at in range(0, len(rows), n):
+            self._update_rows(t, weight, rows[at : at + n], grad[at : at + n], lr)
+
+    def _update_rows(self, t: int, weight: RowTarget, rows: Tensor, grad: Tensor, lr: float) -> None:
         if self.weight_decay:
             grad = grad + self.weight_decay * weight.index_select(0, rows)
         total = self.sums[t].index_select(0, rows).add_(grad.pow(2).mean(dim=1))  # [U]
