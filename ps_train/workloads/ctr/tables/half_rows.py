@@ -44,9 +44,11 @@ def stochastic_round(x: Tensor, dtype: torch.dtype, generator: torch.Generator) 
 
 
 def chunk_rows(values: Tensor) -> int:
-    """How many rows of ``values`` [rows, ...] an update takes at a time: about 2 M values
-    (8 MB per float32 temporary)."""
-    return max(1, (1 << 21) // max(1, math.prod(values.shape[1:])))
+    """How many rows of ``values`` [rows, ...] an update takes at a time: about 128 K values,
+    so a float32 temporary (512 KiB) stays under a table server's mmap threshold (1 MiB,
+    ``ps_train.launch.rank``) and the next slice reuses its memory instead of faulting in
+    fresh pages."""
+    return max(1, (1 << 17) // max(1, math.prod(values.shape[1:])))
 
 
 class HalfRows:
