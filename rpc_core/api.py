@@ -154,12 +154,14 @@ def connection_stats() -> ConnectionStats:
     return current_agent().connections.connection_stats()
 
 
-def tune_malloc() -> bool:
+def tune_malloc(mmap_threshold: int = memory.MMAP_THRESHOLD, trim_threshold: int = memory.TRIM_THRESHOLD) -> bool:
     """Fix glibc's malloc thresholds for this process as ``init_rpc`` does (``rpc_core.memory``),
     for a launcher that wants the allocator settled before it builds its model, or a process
-    that runs another RPC backend. Returns whether they are set: False with
-    ``RPC_CORE_MALLOC_TUNE=0``, the user's own ``MALLOC_*`` / ``GLIBC_TUNABLES``, or no glibc."""
-    return memory.tune()
+    that runs another RPC backend. The first call's thresholds stay: a process whose tensors
+    are tens of MB and whose RAM must stay near its data passes lower ones (bytes) before
+    ``init_rpc``. Returns whether they are set: False with ``RPC_CORE_MALLOC_TUNE=0``, the
+    user's own ``MALLOC_*`` / ``GLIBC_TUNABLES``, or no glibc."""
+    return memory.tune(mmap_threshold, trim_threshold)
 
 
 def add_membership_listener(listener: Callable[[WorkerInfo, bool], None]) -> None:

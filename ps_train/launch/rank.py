@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ps_train import backend, rpc_allowlist
-from ps_train.config import Config, config_to_dict
+from ps_train.config import Config, DLRMConfig, config_to_dict
 from ps_train.elastic.membership import keep_membership, serve_elastic
 from ps_train.elastic.trainer import join_group, wait_for_servers
 from ps_train.faults import die, fault_at
@@ -38,6 +38,7 @@ from ps_train.partition import TrainerSplit
 from ps_train.workload import workload_for
 from rpc_core import tune_malloc
 from rpc_core.errors import RendezvousError
+from rpc_core.memory import MMAP_THRESHOLD, TRIM_THRESHOLD, Thresholds
 
 __all__ = ["run_rank", "setup_role_logging", "server_settings", "table_settings"]
 
@@ -90,6 +91,24 @@ def table_settings(cfg: Config) -> TableSettings:
     )
 
 
+# A table server under a RAM budget (model.table_memory_budget) makes and frees tensors of
+# tens of MB each step (a DLRM-DCNv2 server's rows, their gradients and the update's float32
+# copies: ~40 MB each) and should stay near its budget. From 1 MiB up they get mappings of
+# their own, handed back when freed: under rpc_core's default 32 MiB threshold they came out
+# of heaps whose free gaps stayed resident (0.6-0.8 GB per server at preset=dlrmv2). Its steps
+# take seconds, so the page faults of fresh mappings cost little (docs/ctr.md, Sizing).
+BUDGETED_SERVER_MALLOC = Thresholds(mmap_threshold=1 << 20, trim_threshold=32 << 20)
+
+
+def malloc_thresholds(cfg: Config, rank: int) -> Thresholds:
+    """The malloc thresholds of role ``rank`` (``rpc_core.tune_malloc``): lower ones for a
+    server holding tables under a RAM budget, rpc_core's own for every other role."""
+    budgeted = isinstance(cfg.model, DLRMConfig) and cfg.model.table_memory_budget is not None
+    if rank < cfg.cluster.num_servers and budgeted:
+        return BUDGETED_SERVER_MALLOC
+    return Thresholds(MMAP_THRESHOLD, TRIM_THRESHOLD)
+
+
 def run_rank(
     cfg: Config,
     rank: int,
@@ -120,7 +139,7 @@ def run_rank(
     # own MALLOC_*/GLIBC_TUNABLES settings turn it off). init_rpc applies it on rpc_core, but
     # torch's init_rpc does not: calling it here gives both backends the same allocator, and
     # before the server builds its model rather than after.
-    malloc_tuned = tune_malloc()
+    malloc_tuned = tune_malloc(*malloc_thresholds(cfg, rank))
     setup_role_logging(run_dir, name, cfg.logging.level)
     log.info(
         "malloc thresholds: %s",

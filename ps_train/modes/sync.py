@@ -184,7 +184,12 @@ class SyncMode(Mode):
         try:
             self._await_round(server, step)
             with server.lock:
-                server.step(combine(r.grads, self.aggregate))  # rank order: the same floats every run
+                grads = combine(r.grads, self.aggregate)  # rank order: the same floats every run
+                # The trainers' own gradients go with their autograd contexts (released as
+                # their next step starts) instead of living through this step beside the sum.
+                r.grads.clear()
+                server.step(grads)
+                del grads
         except BaseException as e:
             self._fail_round(server, step, r, e)
             raise

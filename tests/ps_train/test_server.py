@@ -10,6 +10,7 @@ import torch
 from ps_train.config import (
     ClusterConfig,
     Config,
+    DLRMConfig,
     ModeConfig,
     OptimConfig,
     ResNetConfig,
@@ -17,8 +18,9 @@ from ps_train.config import (
     TrainConfig,
     validate,
 )
-from ps_train.launch.rank import server_settings
+from ps_train.launch.rank import BUDGETED_SERVER_MALLOC, malloc_thresholds, server_settings
 from ps_train.roles.server import ParameterServer
+from rpc_core.memory import MMAP_THRESHOLD, TRIM_THRESHOLD
 
 
 @pytest.mark.timeout(60)
@@ -158,3 +160,15 @@ def test_an_async_update_steps_at_the_learning_rate_its_staleness_gives(monkeypa
         for f in factors:
             w = w.add(torch.ones_like(w), alpha=-cfg.optim.lr * f)
         assert torch.equal(p.detach(), w)
+
+
+def test_only_servers_holding_tables_under_a_ram_budget_take_the_lower_malloc_thresholds():
+    cluster = ClusterConfig(num_servers=2, num_trainers=2)
+    budgeted = Config(model=DLRMConfig(table_memory_budget="1GB"), cluster=cluster)
+    in_ram = Config(model=DLRMConfig(lazy_rows=True), cluster=cluster)
+    default = (MMAP_THRESHOLD, TRIM_THRESHOLD)
+    assert [tuple(malloc_thresholds(budgeted, r)) for r in range(4)] == [tuple(BUDGETED_SERVER_MALLOC)] * 2 + [
+        default
+    ] * 2
+    assert BUDGETED_SERVER_MALLOC.mmap_threshold < MMAP_THRESHOLD
+    assert [tuple(malloc_thresholds(in_ram, r)) for r in range(4)] == [default] * 4

@@ -20,8 +20,8 @@ from ps_train.config import OptimConfig
 from ps_train.workloads.ctr.tables.dynamic import DynamicSpec, DynamicTable
 from ps_train.workloads.ctr.tables.dynamic_storage import DynamicStorage
 from ps_train.workloads.ctr.tables.fused_storage import FusedStorage
-from ps_train.workloads.ctr.tables.half_rows import stochastic_round
-from ps_train.workloads.ctr.tables.optimizers import make_table_optimizer
+from ps_train.workloads.ctr.tables.half_rows import HalfRows, chunk_rows, stochastic_round
+from ps_train.workloads.ctr.tables.optimizers import RowWiseAdagrad, make_table_optimizer
 from ps_train.workloads.ctr.tables.row_pool import BudgetError
 from ps_train.workloads.ctr.tables.row_store import RowStore, StoreError
 from ps_train.workloads.ctr.tables.rows import FusedLayout
@@ -241,6 +241,48 @@ def test_stochastic_rounding_picks_a_neighbour_with_the_mean_of_the_value(dtype:
     assert bool(((draws >= torch.minimum(lo, x.to(dtype).float())) & (draws <= hi)).all())
     ulp = (hi - lo) / 2
     assert bool(((draws.mean(0) - x).abs() < 0.1 * ulp).all())  # unbiased, within sampling noise
+
+
+def _reference_round(x: torch.Tensor, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
+    """Stochastic rounding written out plainly, a new tensor per operation."""
+    near = x.to(dtype)
+    gap = x - near.float()
+    other = torch.nextafter(near, torch.where(gap > 0, torch.inf, -torch.inf).to(dtype))
+    step = other.float() - near.float()
+    p = torch.where(gap == 0, torch.zeros_like(gap), gap / step)
+    return torch.where(torch.rand(x.shape, generator=generator) < p, other, near)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_stochastic_rounding_in_place_rounds_as_the_plain_formula_bit_for_bit(dtype: torch.dtype) -> None:
+    # Values of every scale, ties, the format's edges (overflow to inf), zeros, infinities, NaN.
+    special = [0.0, -0.0, 0.5, 1.0, 1.00048828125, 3e-8, 6e-8, 65504.0, 65520.0, 7e4, -7e4, 1e39]
+    special += [float("inf"), -float("inf"), float("nan")]
+    x = torch.cat([torch.randn(4096) * 10.0 ** torch.randint(-9, 7, (4096,)), torch.tensor(special)])
+    before = x.clone()
+    ours = stochastic_round(x, dtype, torch.Generator().manual_seed(3))
+    plain = _reference_round(x, dtype, torch.Generator().manual_seed(3))
+    assert torch.equal(ours.view(torch.int16), plain.view(torch.int16))
+    assert torch.equal(x.view(torch.int32), before.view(torch.int32))  # the input is left as it was
+
+
+def test_a_large_update_a_slice_of_rows_at_a_time_equals_the_whole_at_once() -> None:
+    # More rows than one slice takes (chunk_rows), and a last slice that is not full.
+    n, dim, lr, eps = 3 * chunk_rows(torch.empty(0, 128)) + 123, 128, 0.01, 1e-8
+    rows = torch.randperm(n + 50, generator=torch.Generator().manual_seed(0))[:n]
+    grad = torch.randn(n, dim, generator=torch.Generator().manual_seed(1))
+    values = torch.randn(n + 50, dim, generator=torch.Generator().manual_seed(2)).to(torch.float16)
+    optimizer = RowWiseAdagrad([nn.Parameter(torch.zeros(n + 50, dim))], lr=lr, eps=eps)
+    optimizer.sums[0].uniform_(0, 1, generator=torch.Generator().manual_seed(3))
+    sums = optimizer.sums[0].clone()
+    # The whole at once, as written in RowWiseAdagrad's docstring.
+    total = sums[rows] + grad.pow(2).mean(dim=1)
+    want_sums = sums.index_copy(0, rows, total)
+    moved = values[rows].float() + grad * (-lr / (total.sqrt() + eps)).unsqueeze(1)
+    want = values.index_copy(0, rows, stochastic_round(moved, torch.float16, torch.Generator().manual_seed(4)))
+    optimizer.step_rows(HalfRows(values, torch.Generator().manual_seed(4)), rows, grad)
+    assert torch.equal(optimizer.sums[0], want_sums)
+    assert torch.equal(values.view(torch.int16), want.view(torch.int16))
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

@@ -135,3 +135,51 @@ def test_tuned_malloc_caps_the_arenas_that_keep_free_memory():
     untuned, arenas_untuned, _ = run(RPC_CORE_MALLOC_TUNE="0")
     assert tuned and not untuned
     assert arenas <= cap < arenas_untuned, (arenas, cap, arenas_untuned)
+
+
+# A process whose tensors are tens of MB passes lower thresholds: a 4 MiB tensor then gets a
+# mapping of its own (handed back when freed) instead of a piece of a heap. malloc_info counts
+# the live mappings.
+_THRESHOLDS = textwrap.dedent("""
+    import ctypes, re, sys, tempfile, torch
+    import rpc_core.memory
+    libc = ctypes.CDLL(None)
+    libc.fopen.restype = ctypes.c_void_p
+    libc.fopen.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+    libc.malloc_info.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    libc.fclose.argtypes = [ctypes.c_void_p]
+    def mappings():
+        with tempfile.NamedTemporaryFile(suffix=".xml") as f:
+            fp = libc.fopen(f.name.encode(), b"w")
+            libc.malloc_info(0, fp)
+            libc.fclose(fp)
+            return int(re.findall(r'<total type="mmap" count="(\\d+)"', open(f.name).read())[-1])
+    low = sys.argv[1] == "low"
+    first = rpc_core.memory.tune(1 << 20, 32 << 20) if low else rpc_core.memory.tune()
+    again = rpc_core.memory.tune()  # as init_rpc calls it after a launcher's call
+    before = mappings()
+    x = torch.ones(1 << 20)  # 4 MiB
+    print(first, again, *rpc_core.memory.thresholds(), mappings() - before)
+""")
+
+
+@pytest.mark.timeout(180)
+def test_lower_thresholds_map_large_tensors_apart_and_the_first_call_keeps_them():
+    def run(which):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+        out = subprocess.run(
+            [sys.executable, "-c", _THRESHOLDS, which], env=env, capture_output=True, text=True, timeout=150, check=True
+        ).stdout.split()
+        return out[0] == "True", out[1] == "True", int(out[2]), int(out[3]), int(out[4])
+
+    assert run("low") == (True, True, 1 << 20, 32 << 20, 1)
+    assert run("default") == (True, True, 32 << 20, 64 << 20, 0)
+
+
+def test_thresholds_outside_glibcs_range_are_refused():
+    import rpc_core.memory
+
+    with pytest.raises(ValueError, match="mmap_threshold"):
+        rpc_core.memory.tune(mmap_threshold=1024)
+    with pytest.raises(ValueError, match="trim_threshold"):
+        rpc_core.memory.tune(trim_threshold=1 << 30)

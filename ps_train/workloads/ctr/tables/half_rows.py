@@ -14,10 +14,12 @@ per step, so a run is reproducible and a resumed run draws what the uninterrupte
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
-__all__ = ["stochastic_round", "HalfRows", "TABLE_DTYPES"]
+__all__ = ["stochastic_round", "chunk_rows", "HalfRows", "TABLE_DTYPES"]
 
 TABLE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -25,14 +27,28 @@ TABLE_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 def stochastic_round(x: Tensor, dtype: torch.dtype, generator: torch.Generator) -> Tensor:
     """``x`` (float32) in ``dtype``, each value rounded up or down at random with the
     probabilities that make the result's mean ``x``."""
+    # In place where it can be: a table server rounds a step's rows at once (~100 K rows of
+    # 128 values, 50 MB per float32 temporary), and each temporary counted in its peak RSS.
     near = x.to(dtype)  # round to nearest
-    gap = x - near.float()  # [...]: how far the nearest value is off, and in which direction
-    toward = torch.where(gap > 0, torch.inf, -torch.inf).to(dtype)
+    gap = near.float()
+    torch.sub(x, gap, out=gap)  # x - near: how far the nearest value is off, and in which direction
+    toward = torch.full_like(near, -torch.inf).masked_fill_(gap > 0, torch.inf)
     other = torch.nextafter(near, toward)  # the neighbour on x's other side
-    step = other.float() - near.float()  # same sign as gap (or gap == 0)
-    p = torch.where(gap == 0, torch.zeros_like(gap), gap / step)  # in [0, 1/2]
+    del toward
+    step = other.float().sub_(near)  # same sign as gap (or gap == 0)
+    # In [0, 1/2]; where gap == 0 it is 0 or NaN (0 / 0), and u < p is false either way.
+    p = gap.div_(step)
+    del step
     u = torch.rand(x.shape, generator=generator)
-    return torch.where(u < p, other, near)
+    return torch.where(u.lt_(p).bool(), other, near)
+
+
+def chunk_rows(values: Tensor) -> int:
+    """How many rows of ``values`` [rows, ...] an update takes at a time: about 128 K values,
+    so a float32 temporary (512 KiB) stays under a table server's mmap threshold (1 MiB,
+    ``ps_train.launch.rank``) and the next slice reuses its memory instead of faulting in
+    fresh pages."""
+    return max(1, (1 << 17) // max(1, math.prod(values.shape[1:])))
 
 
 class HalfRows:
@@ -47,6 +63,13 @@ class HalfRows:
         return self.values.index_select(dim, index).float()
 
     def index_add_(self, dim: int, index: Tensor, source: Tensor, *, alpha: float = 1) -> Tensor:
-        rows = self.values.index_select(dim, index).float().add_(source, alpha=alpha)
-        self.values.index_copy_(dim, index, stochastic_round(rows, self.values.dtype, self.generator))
+        # A slice of the rows at a time: the float32 copies and the rounding's temporaries of
+        # a step's ~100 K rows would be hundreds of MB at once. The random numbers are drawn
+        # in the same order as for all rows at once (slices follow each other), so the rows
+        # round alike.
+        for at in range(0, len(index), chunk_rows(self.values)):
+            part = index[at : at + chunk_rows(self.values)]
+            rows = self.values.index_select(dim, part).float()
+            rows.add_(source.narrow(dim, at, len(part)), alpha=alpha)
+            self.values.index_copy_(dim, part, stochastic_round(rows, self.values.dtype, self.generator))
         return self.values

@@ -37,6 +37,7 @@ from torch import Tensor, nn
 
 from ps_train.config import ConfigError, OptimConfig
 from ps_train.modes.aggregation import scaled_lr
+from ps_train.workloads.ctr.tables.half_rows import chunk_rows
 
 _ROW_MARK = "<rows>:"  # scalar_state's stand-in for a per-row tensor
 
@@ -313,6 +314,13 @@ class RowWiseAdagrad(_SummedRowsOptimizer):
         self.sums = [torch.zeros(p.shape[0], dtype=p.dtype) for p in self.tables]  # [rows_t]
 
     def _update(self, t: int, weight: RowTarget, rows: Tensor, grad: Tensor, lr: float) -> None:
+        # A slice of the rows at a time (each row's update is its own): a step's gradient
+        # times its rates is as large as the gradient, tens of MB on a table server.
+        n = chunk_rows(grad)
+        for at in range(0, len(rows), n):
+            self._update_rows(t, weight, rows[at : at + n], grad[at : at + n], lr)
+
+    def _update_rows(self, t: int, weight: RowTarget, rows: Tensor, grad: Tensor, lr: float) -> None:
         if self.weight_decay:
             grad = grad + self.weight_decay * weight.index_select(0, rows)
         total = self.sums[t].index_select(0, rows).add_(grad.pow(2).mean(dim=1))  # [U]
