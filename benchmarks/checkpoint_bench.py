@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
                 w = c["writers"]
                 fork_ms = max((x["fork_ms"] for x in w), default=None)
                 write_s = max((x["write_s"] for x in w), default=None)
-                io = w[0]["io"] if w else "thread (rows: direct I/O)"
+                io = w[0]["io"] if w else "thread (O_DIRECT where the file system takes it)"
                 cells = [kind, str(r), str(c["step"]), f"{c['bytes'] / 1e9:.2f}", f"{c['complete_s']:.1f}"]
                 cells += [f"{c['bytes'] / 1e9 / disk['direct']:.1f}", _fmt(fork_ms, ".0f"), _fmt(write_s, ".1f"), io]
                 print("| " + " | ".join(cells) + " |")

@@ -67,8 +67,9 @@ class HalfRows:
         # a step's ~100 K rows would be hundreds of MB at once. The random numbers are drawn
         # in the same order as for all rows at once (slices follow each other), so the rows
         # round alike.
-        for at in range(0, len(index), chunk_rows(self.values)):
-            part = index[at : at + chunk_rows(self.values)]
+        n = chunk_rows(self.values)
+        for at in range(0, len(index), n):
+            part = index[at : at + n]
             rows = self.values.index_select(dim, part).float()
             rows.add_(source.narrow(dim, at, len(part)), alpha=alpha)
             self.values.index_copy_(dim, part, stochastic_round(rows, self.values.dtype, self.generator))
