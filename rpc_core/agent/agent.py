@@ -251,9 +251,12 @@ class Agent:
         self._deadlines.call_later(when, fn)
 
     def get_debug_info(self) -> dict[str, Any]:
-        """The agent's counters under torch's keys (``RpcAgent.get_debug_info``)."""
+        """The agent's counters under torch's keys (``RpcAgent.get_debug_info``); the pool's
+        size is the configured ``num_worker_threads`` (or more, once it grew) as torch's, the
+        threads started so far (they start lazily) under ``agent.threads_started``."""
         return {
-            "agent.thread_pool_size": self.pool.size,
+            "agent.thread_pool_size": self.pool.capacity,
+            "agent.threads_started": self.pool.size,
             "agent.num_pending_requests": self.pending.in_flight(),
             "agent.num_idle_threads": self.pool.idle,
         }

@@ -147,7 +147,13 @@ class ElasticPool:
 
     @property
     def size(self) -> int:
+        """Threads started so far (they start as work first needs them)."""
         return self._threads
+
+    @property
+    def capacity(self) -> int:
+        """The configured ``num_worker_threads``, or more once the pool grew past it."""
+        return max(self._core, self._threads)
 
     @property
     def idle(self) -> int:

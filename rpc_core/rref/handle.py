@@ -54,6 +54,9 @@ class RRef(Generic[T]):
         self._fork_id = fork_id
         self._confirmed = confirmed
         self._creation = creation
+        # what _get_profiling_future waits on: the creation call (also a remote() to itself,
+        # whose owner handle has no creation to confirm)
+        self._profiling = creation
         self._deleted = False
         self._owner_left = False  # set by state.forget_owner: nothing to delete on the owner
         self._type: type | None = None  # the value's type, once known (see _get_type)
@@ -158,7 +161,10 @@ class RRef(Generic[T]):
 
     def _get_profiling_future(self) -> torch.futures.Future[Any]:
         """Completes when the ``remote()`` call that made this RRef has its profiled event
-        (its creation answered), as torch's: the creation future."""
+        (its creation answered), as torch's: the creation future, also for a ``remote()`` to
+        this worker itself (whose value may be set before the call's event is)."""
+        if self._profiling is not None:
+            return self._profiling
         return self._get_future()
 
     def _get_type(self, timeout: float = -1, blocking: bool = True) -> Any:
@@ -322,7 +328,7 @@ def remote(
     extras = {wire.EXTRA_RREF_CREATE: rref_id}
     if dst == agent.me.id:
         handle = RRef._owner_handle(rref_id)  # registers the entry; the value follows
-        calls.invoke_async(
+        handle._profiling = calls.invoke_async(
             dst,
             _on_create,
             (rref_id, None, func) + call_args,

@@ -150,7 +150,7 @@ _pool_size_seen: list[int] = []
 
 
 def _pool_size():
-    return rpc_core._get_debug_info()["agent.thread_pool_size"]
+    return rpc_core._get_debug_info()["agent.threads_started"]
 
 
 @async_execution
@@ -205,3 +205,22 @@ def test_waiting_async_calls_hold_no_server_thread():
     # the connection's reader runs one of them inline, pool threads the others.
     assert blocking_threads >= N_WAITING - 1
     assert async_threads < N_WAITING // 2, async_threads
+
+
+def _debug_pool():
+    info = rpc_core._get_debug_info()
+    return info["agent.thread_pool_size"], info["agent.threads_started"]
+
+
+def _body_pool_size_reported(ctx):
+    if ctx.rank == 0:
+        return rpc_core.rpc_sync(1, _debug_pool)
+    return None
+
+
+def test_debug_info_reports_the_configured_pool_size_like_torch():
+    # torch's agent reports num_worker_threads as its pool size; rpc_core's threads start
+    # lazily, so the size is the configured one while far fewer threads have started.
+    (size, started), _ = run_world(_body_pool_size_reported, 2, options={"num_worker_threads": 27})
+    assert size == 27
+    assert 0 <= started < 27  # the call itself may run inline on its connection's reader

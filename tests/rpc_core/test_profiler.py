@@ -254,3 +254,26 @@ def test_nested_async_scopes_remote_and_backward():
     assert out["tanh_shapes"] == [[[4]]]  # record_shapes reaches the callee
     _check_remote_events_nest(out["events"])
     assert out["wrappers"] == w1["wrappers"] == w2["wrappers"] == 0
+
+
+def _self_remote_body(ctx):
+    import rpc_core
+    from rpc_core import profiler
+
+    if ctx.rank != 0:
+        return None
+    found = []
+    for _ in range(5):  # to_here() may return before the call's answer is stamped: not once here
+        with profiler.profile() as prof:
+            rref = rpc_core.remote("worker0", torch.mul, args=(torch.ones(1), torch.ones(1)))
+            rref.to_here()
+            rref._get_profiling_future().wait()
+        found.append(sum(e.name == "rpc_remote#aten::mul(worker0 -> worker0)" for e in prof.function_events))
+    return found
+
+
+def test_remote_to_itself_is_profiled_once_its_profiling_future_completes():
+    # torch's test_profiler_with_remote_*: an RRef's profiling future covers a remote() to the
+    # caller itself too, whose owner value is set before the call's answer arrives.
+    found, _ = run_world(_self_remote_body, 2, timeout=120)
+    assert found == [1] * 5, found
