@@ -119,9 +119,12 @@ class Kill:
 class Killer(threading.Thread):
     """Kills a random role of the job in ``run_dir`` every Exp(``mtbf``) seconds.
 
-    ``servers`` / ``trainers``: how many of each the job has; a kill takes a running server
-    with probability ``server_share``, else a running trainer, each uniformly. When no role
-    runs (the job restarts) it kills at the next tick that finds one. Stops after
+    ``servers`` / ``trainers``: how many of each the job has; a failure hits a server with
+    probability ``server_share``, else a trainer, each uniformly among all of the job's roles,
+    running or not. A victim that is not running when its failure is due (the run restarts, or
+    it is being replaced) is killed as soon as it runs again: its node failed while it started.
+    Drawing only among the roles already up would put the failures that fall due during a
+    restart on the first role to come back (ps0), restart after restart. Stops after
     ``max_failures`` kills, or when ``stop`` is set. ``max_gap``: gaps longer than this many
     seconds are cut to it (a bounded test needs its kills inside a short job).
     """
@@ -150,42 +153,37 @@ class Killer(threading.Thread):
         gap = self.rng.expovariate(1.0 / self.mtbf)
         return gap if self.max_gap is None else min(gap, self.max_gap)
 
-    def _victim(self, running: dict[str, int]) -> str | None:
-        """A role to kill among those ``running`` (name -> pid): a server with probability
-        ``server_share`` (if one runs), else a trainer, each uniformly. Drawn from the running
-        ones, so that roles that start late (trainers, after the servers) are not spared."""
-        servers = sorted(r for r in running if r.startswith("ps"))
-        trainers = sorted(r for r in running if not r.startswith("ps"))
-        if not servers and not trainers:
-            return None
-        pick_server = bool(servers) and (not trainers or self.rng.random() < self.server_share)
-        return self.rng.choice(servers if pick_server else trainers)
-
-    def _running(self) -> dict[str, int]:
-        roles = [f"ps{k}" for k in range(self.servers)] + [f"trainer{k}" for k in range(self.trainers)]
-        pids = {role: current_pid(self.run_dir, role) for role in roles}
-        return {role: pid for role, pid in pids.items() if pid is not None}
+    def _victim(self) -> str:
+        """The role the next failure hits: a server with probability ``server_share``, else a
+        trainer, each uniformly (the job's roles, whether they run at this moment or not)."""
+        pick_server = self.servers > 0 and (self.trainers == 0 or self.rng.random() < self.server_share)
+        if pick_server:
+            return f"ps{self.rng.randrange(self.servers)}"
+        return f"trainer{self.rng.randrange(self.trainers)}"
 
     def run(self) -> None:
         t0 = time.monotonic()
         due = self._gap()
+        victim: str | None = None  # drawn when its failure falls due; killed once it runs
         while self.max_failures is None or len(self.kills) < self.max_failures:
             if self.stop.wait(max(0.0, min(self.TICK, due - (time.monotonic() - t0)))):
                 return  # the job ended
             if time.monotonic() - t0 < due:
                 continue
-            running = self._running()
-            role = self._victim(running)
-            if role is None:
-                continue  # nothing runs now (the job restarts): look again at the next tick
-            pid = running[role]
+            if victim is None:
+                victim = self._victim()
+            pid = current_pid(self.run_dir, victim)
+            if pid is None:
+                continue  # not running now (a restart, a replacement): at the next tick that finds it
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 continue
             now = time.monotonic() - t0
-            self.kills.append(Kill(round(now, 2), role, pid))
-            print(f"  [{now:7.1f} s] killed {role} (pid {pid})", flush=True)
+            late = f", {now - due:.1f} s after its failure fell due" if now - due > 2 * self.TICK else ""
+            self.kills.append(Kill(round(now, 2), victim, pid))
+            print(f"  [{now:7.1f} s] killed {victim} (pid {pid}{late})", flush=True)
+            victim = None
             due = now + self._gap()
 
 

@@ -5,6 +5,11 @@ process (``_oracle``; an uninterrupted sync job has them, tests/ps_train/test_re
 
 from __future__ import annotations
 
+import collections
+import subprocess
+import time
+from pathlib import Path
+
 import pytest
 
 from ps_train.chaos import Killer, checkpoint_problems, job_config, run_with_killer
@@ -32,15 +37,48 @@ def test_a_sync_job_killed_at_random_three_times_ends_as_the_uninterrupted_one(t
 
 
 def test_the_killer_draws_its_gaps_and_victims_from_its_seed(tmp_path):
-    running = {"ps0": 1, "ps1": 2, "trainer0": 3, "trainer1": 4, "trainer2": 5}
+    roles = {"ps0", "ps1", "trainer0", "trainer1", "trainer2"}
     a, b = (Killer(tmp_path, servers=2, trainers=3, mtbf=10.0, seed=7) for _ in range(2))
-    draws = [[(k._gap(), k._victim(running)) for _ in range(50)] for k in (a, b)]
+    draws = [[(k._gap(), k._victim()) for _ in range(400)] for k in (a, b)]
     assert draws[0] == draws[1]
     gaps = [g for g, _ in draws[0]]
-    assert 5.0 < sum(gaps) / len(gaps) < 20.0  # exponential with mean 10 s
-    assert {v for _, v in draws[0]} == set(running)
+    assert 8.0 < sum(gaps) / len(gaps) < 12.5  # exponential with mean 10 s
+    victims = collections.Counter(v for _, v in draws[0])
+    assert set(victims) == roles
+    assert 0.2 < (victims["ps0"] + victims["ps1"]) / 400 < 0.4  # server_share 0.3
     capped = Killer(tmp_path, servers=2, trainers=1, mtbf=10.0, seed=7, max_gap=1.0)
     assert max(capped._gap() for _ in range(50)) <= 1.0
-    # Only what runs is drawn: the servers alone while the trainers start; nothing, nobody.
-    assert {capped._victim({"ps0": 1, "ps1": 2}) for _ in range(20)} == {"ps0", "ps1"}
-    assert capped._victim({}) is None
+
+
+def _start(run_dir: Path, role: str) -> subprocess.Popen:
+    proc = subprocess.Popen(["sleep", "60"])
+    with open(run_dir / "logs" / f"{role}.log", "a") as log:  # the line every role logs first
+        log.write(f"ps_train: starting {role} (rank 0 of 3, pid {proc.pid}) on the rpc_core backend\n")
+    return proc
+
+
+@pytest.mark.timeout(60)
+def test_a_victim_not_running_when_its_failure_falls_due_is_killed_once_it_runs(tmp_path):
+    # Only ps0 runs at first (a restart brings the roles back one by one): the failures that
+    # fall due meanwhile must not all land on ps0; the trainer's waits until it runs.
+    (tmp_path / "logs").mkdir()
+    procs = {"ps0": _start(tmp_path, "ps0")}
+    killer = Killer(tmp_path, servers=1, trainers=2, mtbf=0.05, seed=1, server_share=0.0, max_failures=2)
+    killer.start()
+    try:
+        deadline = time.monotonic() + 30
+        while killer.is_alive() and time.monotonic() < deadline:
+            if time.monotonic() > deadline - 29 and "trainer0" not in procs:  # after ~1 s
+                procs["trainer0"] = _start(tmp_path, "trainer0")
+                procs["trainer1"] = _start(tmp_path, "trainer1")
+            killer.join(0.05)
+        ps0_alive = procs["ps0"].poll() is None
+    finally:
+        killer.stop.set()
+        killer.join()
+        for p in procs.values():
+            p.kill()
+            p.wait()
+    assert ps0_alive and len(killer.kills) == 2, killer.kills  # ps0, the only one up at first, was spared
+    assert {k.role for k in killer.kills} <= {"trainer0", "trainer1"}
+    assert all(k.time_s >= 0.9 for k in killer.kills), killer.kills  # none before the trainers ran
