@@ -182,9 +182,11 @@ def main() -> None:
                   f"{args.cores:g} cores a host, {short} and {long} steps")  # fmt: skip
         if args.dry_run:
             return
-        records = [measure(pt, args.cores, (short, long), args.timeout) for pt in points]
-        if args.records:
-            args.records.write_text(json.dumps([asdict(r) for r in records], indent=1) + "\n")
+        records = []
+        for pt in points:
+            records.append(measure(pt, args.cores, (short, long), args.timeout))
+            if args.records:  # after every point: a failed or stopped grid keeps the runs it made
+                args.records.write_text(json.dumps([asdict(r) for r in records], indent=1) + "\n")
     if not records:
         raise SystemExit("no runs to fit")
     cal, table = calibrate(records, args.machine, " ".join(["python -m benchmarks.scale_calibrate", *sys.argv[1:]]))
