@@ -145,7 +145,7 @@ def _commit() -> str:
     return done.stdout.strip() or "unknown"
 
 
-def _record_from(doc: dict[str, Any]) -> Record:
+def record_from(doc: dict[str, Any]) -> Record:
     p = Point(**doc["point"])
     cpu = doc["rank_cpu_s"]
     return Record(
@@ -174,7 +174,7 @@ def main() -> None:
     if args.cores <= 0:
         raise SystemExit(f"--cores must be > 0, got {args.cores}")
     if args.from_records:
-        records = [_record_from(d) for d in json.loads(args.from_records.read_text())]
+        records = [record_from(d) for d in json.loads(args.from_records.read_text())]
     else:
         points = grid(args.grid, args.modes, args.links_kbit)
         for pt in points:
