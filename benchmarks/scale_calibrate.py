@@ -133,7 +133,7 @@ def calibrate(records: list[Record], machine: str, command: str) -> tuple[Calibr
             command,
         ),
         error_where_fitted=worst,
-        error_elsewhere=max(worst, 0.45),  # until other machines are checked: the largest seen so far
+        error_elsewhere=max(worst, 0.58),  # until other machines are checked: the largest seen so far
         notes=f"fitted on {len(records)} emulated-host grid points, one rank per host at {records[0].cores:g} cores",
     )
     header = ["| mode | T | S | link kbit/s | cores/host | measured samples/s | predicted | error | binds |"]
