@@ -16,6 +16,13 @@ the model so: with a fast link (e.g. ``--rate-kbit 1000000``) the run then check
 terms per host instead of the link's, and ``--mode sync`` the sync barrier's. The budget
 binds only while the machine has C cores to spare for every host at once (``--cores 0.25``
 with four hosts: one of its cores); the report says how many periods each host was held back.
+
+``--straggler-cores C2`` gives the last trainer's host C2 cores instead (a straggler: the same
+work on less CPU). ``--kill-trainer K --kill-after-step N [--kill-delay D]`` SIGKILLs trainer K
+D seconds after the checkpoint of step N is written, stops the other ranks and starts the job
+again in the same folder, as ``torchrun --max-restarts=1`` would (it resumes from that
+checkpoint); ``elapsed_s`` then spans both attempts. ``scale_check.py`` compares both with the
+simulator.
 """
 
 from __future__ import annotations
