@@ -133,7 +133,7 @@ def calibrate(records: list[Record], machine: str, command: str) -> tuple[Calibr
             command,
         ),
         error_where_fitted=worst,
-        error_elsewhere=max(worst, 0.45),  # until other machines are checked: the largest seen so far
+        error_elsewhere=max(worst, 0.58),  # until other machines are checked: the largest seen so far
         notes=f"fitted on {len(records)} emulated-host grid points, one rank per host at {records[0].cores:g} cores",
     )
     header = ["| mode | T | S | link kbit/s | cores/host | measured samples/s | predicted | error | binds |"]
@@ -145,7 +145,7 @@ def _commit() -> str:
     return done.stdout.strip() or "unknown"
 
 
-def _record_from(doc: dict[str, Any]) -> Record:
+def record_from(doc: dict[str, Any]) -> Record:
     p = Point(**doc["point"])
     cpu = doc["rank_cpu_s"]
     return Record(
@@ -174,7 +174,7 @@ def main() -> None:
     if args.cores <= 0:
         raise SystemExit(f"--cores must be > 0, got {args.cores}")
     if args.from_records:
-        records = [_record_from(d) for d in json.loads(args.from_records.read_text())]
+        records = [record_from(d) for d in json.loads(args.from_records.read_text())]
     else:
         points = grid(args.grid, args.modes, args.links_kbit)
         for pt in points:
@@ -182,9 +182,11 @@ def main() -> None:
                   f"{args.cores:g} cores a host, {short} and {long} steps")  # fmt: skip
         if args.dry_run:
             return
-        records = [measure(pt, args.cores, (short, long), args.timeout) for pt in points]
-        if args.records:
-            args.records.write_text(json.dumps([asdict(r) for r in records], indent=1) + "\n")
+        records = []
+        for pt in points:
+            records.append(measure(pt, args.cores, (short, long), args.timeout))
+            if args.records:  # after every point: a failed or stopped grid keeps the runs it made
+                args.records.write_text(json.dumps([asdict(r) for r in records], indent=1) + "\n")
     if not records:
         raise SystemExit("no runs to fit")
     cal, table = calibrate(records, args.machine, " ".join(["python -m benchmarks.scale_calibrate", *sys.argv[1:]]))

@@ -35,7 +35,7 @@ import simpy
 from ps_train.plan.steps import Call, StepPlan
 from ps_train.scaling.cost_model import BARRIER_MODES, MODES, Cluster
 
-__all__ = ["Stragglers", "Failures", "SimResult", "Server", "simulate", "STRAGGLER_KINDS"]
+__all__ = ["Stragglers", "Kill", "Failures", "SimResult", "Server", "simulate", "STRAGGLER_KINDS"]
 
 STRAGGLER_KINDS = ("none", "one_in", "lognormal")
 Proc = Generator[simpy.Event, Any, None]
@@ -61,13 +61,32 @@ class Stragglers:
 
 
 @dataclass(frozen=True)
+class Kill:
+    """One node killed once, ``delay_s`` after every trainer has committed step ``after_step``
+    (a measured run's kill, replayed: ``benchmarks/scale_hosts.py --kill-trainer``); the mode
+    recovers from it as from any failure."""
+
+    node: int  # 0..T-1 a trainer, then the servers
+    after_step: int
+    delay_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.node < 0 or self.after_step < 0 or self.delay_s < 0:
+            raise ValueError(
+                f"kill: node={self.node}, after_step={self.after_step} and delay_s={self.delay_s} must be >= 0"
+            )
+
+
+@dataclass(frozen=True)
 class Failures:
-    """Node failures at exponential times, ``mtbf_s`` per node (0: none)."""
+    """Node failures at exponential times, ``mtbf_s`` per node (0: none), and ``kills`` at set
+    points of the job."""
 
     mtbf_s: float = 0.0
     checkpoint_every: int = 100  # steps per trainer between checkpoints (what a restart resumes)
     restart_s: float = 30.0  # a restarted job's time to start again (processes, rendezvous, loading)
     replace_s: float = 10.0  # a replacement trainer's time to start and join
+    kills: tuple[Kill, ...] = ()
 
     def __post_init__(self) -> None:
         if self.mtbf_s < 0 or self.checkpoint_every < 1 or self.restart_s < 0 or self.replace_s < 0:
@@ -257,12 +276,20 @@ class _Job:
         rng = random.Random(self.rng.random())
         while True:
             yield self.env.timeout(rng.expovariate(nodes / self.fail.mtbf_s))
-            self.failures += 1
-            node = rng.randrange(nodes)
-            if node < self.cl.trainers and self.cl.mode in ("async", "ssp"):
-                self.env.process(self._replace(node, steps))
-            else:
-                self.env.process(self._restart(steps))
+            self._fail(rng.randrange(nodes), steps)
+
+    def kill_process(self, kill: Kill, steps: float) -> Proc:
+        """``kill``: once every trainer has committed its step, wait its delay, fail its node."""
+        yield self._level(kill.after_step)
+        yield self.env.timeout(kill.delay_s)
+        self._fail(kill.node, steps)
+
+    def _fail(self, node: int, steps: float) -> None:
+        self.failures += 1
+        if node < self.cl.trainers and self.cl.mode in ("async", "ssp"):
+            self.env.process(self._replace(node, steps))
+        else:
+            self.env.process(self._restart(steps))
 
     def _replace(self, k: int, steps: float) -> Proc:
         """Async and ssp: the failed trainer's step in flight is lost; a new one takes its place."""
@@ -317,7 +344,9 @@ def simulate(
     Without failures, samples/s is the sum of every trainer's own steady rate, each measured
     between its steps' completions before the first trainer is done (``_steady_steps_per_s``).
     With failures, it is the committed samples over ``horizon_s`` simulated seconds (the job
-    runs until then; ``steps`` is not a bound)."""
+    runs until then; ``steps`` is not a bound). With ``failures.kills`` and no MTBF, the job runs
+    its ``steps`` through the kills, and samples/s is every committed sample over the whole
+    simulated time (``sim_seconds``: compare it with a run without the kills for the time lost)."""
     if cl.mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, got {cl.mode!r}")
     if steps < 2:
@@ -325,11 +354,23 @@ def simulate(
     fail = failures or Failures()
     if fail.mtbf_s > 0 and not (horizon_s and horizon_s > 0):
         raise ValueError("failures: a simulation with failures needs horizon_s > 0 (the simulated time to run)")
+    nodes = cl.trainers + cl.servers
+    bad = [k for k in fail.kills if k.node >= nodes or k.after_step >= steps]
+    if bad:
+        raise ValueError(
+            f"failures.kills: {bad[0]} is outside the job: nodes 0..{nodes - 1} (trainers first), "
+            f"after_step below its {steps} steps"
+        )
     job = _Job(cl, plan, stragglers or Stragglers(), fail, staleness, seed)
     bound = steps if not fail.mtbf_s else math.inf
     for k in range(cl.trainers):
         job.start(k, bound)  # inf with failures: until the horizon
-    if fail.mtbf_s:
+    for kill in fail.kills:
+        job.env.process(job.kill_process(kill, bound))
+    if fail.kills and not fail.mtbf_s:
+        job.env.run()
+        rate = sum(job.done) * plan.batch / job.env.now
+    elif fail.mtbf_s:
         job.env.process(job.failures_process(bound))
         job.env.run(until=horizon_s)
         rate = sum(job.done) * plan.batch / job.env.now

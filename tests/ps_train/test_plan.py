@@ -15,7 +15,7 @@ import pytest
 import simpy
 
 from ps_train.plan.cli import compose_job, main
-from ps_train.plan.simulator import Failures, Server, Stragglers, simulate
+from ps_train.plan.simulator import Failures, Kill, Server, Stragglers, simulate
 from ps_train.plan.steps import Call, StepPlan, step_plan
 from ps_train.scaling.cost_model import Cluster, load_calibration, predict
 from ps_train.scaling.shapes import WORKLOADS, Stage
@@ -140,6 +140,33 @@ def test_a_failure_restarts_sync_from_its_checkpoint_and_replaces_an_async_train
     assert 0.8 * 2.0 < lost < 2.0 + 0.5
     with pytest.raises(ValueError, match="needs horizon_s"):
         simulate(_cluster(4, 1, "sync"), plan, failures=fail)
+
+
+def test_a_kill_at_a_set_step_costs_the_restart_and_the_steps_since_the_checkpoint() -> None:
+    # Four trainers stepping every 10 ms (the light plan, sync): trainer 1 killed 50 ms after
+    # every trainer committed step 20, which the checkpoint holds. The kill lands in step 25:
+    # steps 21-24 of every trainer are lost, so the job ends the restart's 1 s plus those 4
+    # steps' 40 ms and step 25's first 10 ms later than without the kill.
+    plan, steps = _light_plan(), 50
+    fail = Failures(checkpoint_every=20, restart_s=1.0, replace_s=1.0, kills=(Kill(1, 20, 0.05),))
+    free = simulate(_cluster(4, 1, "sync"), plan, steps=steps)
+    s = simulate(_cluster(4, 1, "sync"), plan, steps=steps, failures=fail)
+    assert (s.failures, s.restarts, s.replacements, s.steps_lost) == (1, 1, 0, 4 * 4)
+    assert s.steps_done == 4 * steps  # the job still runs all its steps
+    assert s.sim_seconds - free.sim_seconds == pytest.approx(1.0 + 0.05, rel=0.01)
+    assert s.samples_per_s == pytest.approx(4 * steps * 10 / s.sim_seconds, rel=1e-9)
+    # Async replaces the trainer, which goes on from its own last step: only its start-up and
+    # its step in flight are lost, and the others finish meanwhile.
+    a = simulate(_cluster(4, 1, "async"), plan, steps=steps, failures=fail)
+    assert (a.restarts, a.replacements, a.steps_lost) == (0, 1, 1)
+    assert a.sim_seconds - free.sim_seconds == pytest.approx(1.0 + 0.01, rel=0.01)
+    # A server's kill restarts async too (node 4: the first server after the four trainers).
+    srv = Failures(checkpoint_every=20, restart_s=1.0, kills=(Kill(4, 20, 0.05),))
+    assert simulate(_cluster(4, 1, "async"), plan, steps=steps, failures=srv).restarts == 1
+    with pytest.raises(ValueError, match="outside the job"):
+        simulate(_cluster(4, 1, "sync"), plan, steps=steps, failures=Failures(kills=(Kill(5, 20),)))
+    with pytest.raises(ValueError, match="outside the job"):
+        simulate(_cluster(4, 1, "sync"), plan, steps=steps, failures=Failures(kills=(Kill(1, 50),)))
 
 
 def test_the_plan_takes_the_models_sizes_from_the_composed_config() -> None:
