@@ -205,7 +205,10 @@ class StepTrainer:
         if accepted and not ordered:
             futs = [server.rpc_async().applied(step) for server in self.servers]
         with scope if scope is not None else nullcontext():  # then the step's context is closed
-            results = torch.futures.wait_all(futs)
+            if all(f.done() for f in futs):  # answers that came with the backward: no collect_all
+                results = [f.wait() for f in futs]
+            else:
+                results = torch.futures.wait_all(futs)
         out = self.mode.settled(self, results, step)  # staleness; ssp: waits while too far ahead
         if "steps_ahead" in out:
             self.max_steps_ahead = max(self.max_steps_ahead, int(out["steps_ahead"]))
