@@ -208,14 +208,22 @@ class ParameterServer:
         if self.optimizer is None and self.tables is None:
             return
         t0 = time.perf_counter()
+        # By identity, as in gradients(): a Parameter's __hash__ is a Python call per lookup.
+        by_id = {id(p): g for p, g in grads.items()}
+        dense_grads = False
         for p in self.dense_params:
-            p.grad = grads.get(p)
+            g = by_id.get(id(p))
+            p.grad = g
+            dense_grads = dense_grads or g is not None
         # A part none of whose parameters has a gradient is left alone (mode=hybrid steps
         # the tables and the dense shards apart): its optimizer counts no step.
-        if self.optimizer is not None and any(p.grad is not None for p in self.dense_params):
-            with scaled_lr(self.optimizer, lr_factor):
+        if self.optimizer is not None and dense_grads:
+            if lr_factor == 1.0:
                 self.optimizer.step()
-        if self.tables is not None and any(p in grads for p in self.tables.params):
+            else:
+                with scaled_lr(self.optimizer, lr_factor):
+                    self.optimizer.step()
+        if self.tables is not None and any(id(p) in by_id for p in self.tables.params):
             self.tables.step(grads, lr_factor)
         for p in self.dense_params:
             p.grad = None

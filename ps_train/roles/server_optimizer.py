@@ -62,7 +62,17 @@ class PlainSGD:
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             grads = [p.grad for p in params]
-            bufs = [self.state.get(p, {}).get("momentum_buffer") for p in params] if group["momentum"] != 0 else []
+            if group["momentum"] != 0:
+                # By identity: a Parameter's __hash__ is a Python call per lookup.
+                state = {id(p): s for p, s in self.state.items()}
+                bufs = [state[id(p)].get("momentum_buffer") if id(p) in state else None for p in params]
+            else:
+                bufs = []
+            foreach, fused = group["foreach"], group["fused"]
+            if foreach is None and fused is None and all(p.device.type == "cpu" for p in params):
+                # What sgd() would pick for CPU tensors (torch's foreach and fused kernels are
+                # for accelerators), without its per-step look at every parameter.
+                foreach = fused = False
             sgd(
                 params,
                 grads,
@@ -74,14 +84,18 @@ class PlainSGD:
                 nesterov=group["nesterov"],
                 maximize=group["maximize"],
                 has_sparse_grad=any(g.is_sparse for g in grads),
-                foreach=group["foreach"],
-                fused=group["fused"],
+                foreach=foreach,
+                fused=fused,
                 grad_scale=None,
                 found_inf=None,
             )
             if group["momentum"] != 0:  # sgd() made the first step's buffers: keep them
                 for p, buf in zip(params, bufs, strict=True):
-                    self.state.setdefault(p, {})["momentum_buffer"] = buf
+                    held = state.get(id(p))
+                    if held is None:
+                        self.state[p] = {"momentum_buffer": buf}
+                    else:
+                        held["momentum_buffer"] = buf
 
     def zero_grad(self) -> None:
         for group in self.param_groups:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -35,6 +35,9 @@ from ps_train.sample_log import SampleLog
 from ps_train.stage_sharding import model_shards
 
 log = logging.getLogger("ps_train.trainer")
+
+# A step metric (``StepTrainer.step_loss``): its value, or a function that computes it after the backward.
+StepMetric = float | Callable[[], float]
 
 
 def update_in_backward(cfg: Config, applies_after_answer: bool) -> bool:
@@ -123,9 +126,12 @@ class StepTrainer:
         self.latency[server].record(time.perf_counter() - t0)
         return out
 
-    def step_loss(self, batch: Any) -> tuple[torch.Tensor, dict[str, float]]:
+    def step_loss(self, batch: Any) -> tuple[torch.Tensor, Mapping[str, StepMetric]]:
         """The forward of one step through the servers: the loss to backpropagate, and the
-        step's metrics besides the loss (the workload's)."""
+        step's metrics besides the loss (the workload's). A metric may be a function of no
+        arguments, called once the step's backward returned: its work then stays off the
+        path between the forward's answer and the backward's request, which the servers
+        wait on."""
         raise NotImplementedError(f"{type(self).__name__} must define step_loss(): its workload's forward")
 
     def train_step(self, batch: Any) -> dict[str, float]:
@@ -158,7 +164,7 @@ class StepTrainer:
             # Kept open until settle() (the servers read the gradients from it); pipelined: closed here.
             kept = None if self.pipelined else scope.pop_all()
         self._in_flight = InFlight(kept, futs, self.step, self.in_backward and self.mode.applies_after_answer)
-        return {"loss": loss.item(), **out}
+        return {"loss": loss.item(), **{k: v() if callable(v) else v for k, v in out.items()}}
 
     def _position(self) -> dict[str, int] | None:
         """The data position after the step being trained, sent with its update: every server
@@ -199,7 +205,10 @@ class StepTrainer:
         if accepted and not ordered:
             futs = [server.rpc_async().applied(step) for server in self.servers]
         with scope if scope is not None else nullcontext():  # then the step's context is closed
-            results = torch.futures.wait_all(futs)
+            if all(f.done() for f in futs):  # answers that came with the backward: no collect_all
+                results = [f.wait() for f in futs]
+            else:
+                results = torch.futures.wait_all(futs)
         out = self.mode.settled(self, results, step)  # staleness; ssp: waits while too far ahead
         if "steps_ahead" in out:
             self.max_steps_ahead = max(self.max_steps_ahead, int(out["steps_ahead"]))

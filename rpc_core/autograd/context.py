@@ -131,8 +131,13 @@ def _obeys_layout(leaf: torch.Tensor, grad: torch.Tensor) -> bool:
         return bool(grad._indices().is_contiguous() and grad._values().is_contiguous())
     if grad.layout != torch.strided or leaf.layout != torch.strided:
         return True
+    stride = grad.stride()
+    if stride == leaf.stride() and leaf.is_contiguous():
+        # The common case (a parameter's gradient), decided without _dense's sort: a
+        # contiguous leaf is dense, or empty (then a gradient with its strides is contiguous).
+        return True
     if _dense(leaf):
-        return bool(grad.stride() == leaf.stride())
+        return bool(stride == leaf.stride())
     return bool(grad.is_contiguous())
 
 

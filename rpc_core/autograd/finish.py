@@ -11,6 +11,7 @@ are ``engine``'s, the hooks and their bookkeeping ``hooks``'.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -51,7 +52,7 @@ def end_call(ctx: _context.DistAutogradContext, returned: Returned, done: torch.
         done.set_result(hooks.Answer(returned, results) if results else returned)
 
     if go:
-        finish(ctx).add_done_callback(answer)
+        _when_done(finish(ctx), answer)
     else:
         answer(None)
 
@@ -83,7 +84,7 @@ def finish(ctx: _context.DistAutogradContext) -> torch.futures.Future[None]:
                 return
             for v in values:
                 hooks.merge_results(ctx, v)
-        hooks.run_hooks(ctx).add_done_callback(own_done)
+        _when_done(hooks.run_hooks(ctx), own_done)
 
     if futs:
         torch_collect_all(futs).add_done_callback(run_own)
@@ -120,8 +121,17 @@ def _on_finish(context_id: int) -> torch.futures.Future[Any]:
             return
         done.set_result(hooks.take_results(ctx) or None)
 
-    finish(ctx).add_done_callback(answer)
+    _when_done(finish(ctx), answer)
     return done
+
+
+def _when_done(fut: torch.futures.Future[Any], callback: Callable[[torch.futures.Future[Any]], None]) -> None:
+    """``fut.add_done_callback(callback)``, but a future that is done already (the hooks
+    usually are, on every step) is handed to ``callback`` here, without torch's callback machinery."""
+    if fut.done():
+        callback(fut)
+    else:
+        fut.add_done_callback(callback)
 
 
 # A context's hooks, run where it ends: called by name under serializer='safe'.

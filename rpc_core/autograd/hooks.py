@@ -175,7 +175,7 @@ def run_hooks(ctx: _context.DistAutogradContext) -> torch.futures.Future[dict[st
         out.set_result(values)
         return out
 
-    def done(_: Any) -> None:
+    def done(_: Any = None) -> None:
         try:
             for key, fut in pending:
                 values[key] = fut.wait()
@@ -184,5 +184,8 @@ def run_hooks(ctx: _context.DistAutogradContext) -> torch.futures.Future[dict[st
             return
         out.set_result(values)
 
-    torch_collect_all([f for _, f in pending]).add_done_callback(done)
+    if all(f.done() for _, f in pending):
+        done()  # values that were ready (an update answered at once): no collect_all, no callback
+    else:
+        torch_collect_all([f for _, f in pending]).add_done_callback(done)
     return out

@@ -157,6 +157,16 @@ def _run_pass(
     return out
 
 
+def _shared(results: Sequence[torch.Tensor | None]) -> list[bool]:
+    """For each gradient, whether the pass handed its storage to another leaf too."""
+    ptrs = [None if g is None else _storage(g) for g in results]
+    found = [p for p in ptrs if p is not None]
+    if len(set(found)) == len(found):  # the usual case: no gradient is shared, no Counter needed
+        return [False] * len(ptrs)
+    counts = Counter(found)
+    return [p is not None and counts[p] > 1 for p in ptrs]
+
+
 def _storage(grad: torch.Tensor) -> int:
     return int(grad._values().data_ptr() if grad.is_sparse else grad.data_ptr())
 
@@ -212,8 +222,7 @@ def _run(
             results = list(_run_pass(starts, grads, inputs, accumulate=False))
             # A tensor the pass handed to two leaves (a backward that returned one grad for
             # both) is copied for each, so neither's later accumulation writes into the other's.
-            storages = Counter(_storage(g) for g in results if g is not None)
-            shared = [g is not None and storages[_storage(g)] > 1 for g in results]
+            shared = _shared(results)
     finally:
         pass_tls.outgoing, pass_tls.reply = prev
         _context.set_current(prev_ctx)

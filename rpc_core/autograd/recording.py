@@ -103,7 +103,12 @@ class AutogradMiddleware(_agent_mod.Middleware):
     def admit(self, src: int, extras: dict[str, Any]) -> None:
         released = extras.get(wire.EXTRA_RELEASED_CONTEXTS)
         if released:  # contexts ``src`` left, after every request it sent before this one
-            release_on_arrival(released, src)
+            gone = release_on_arrival(released, src)
+            if gone:
+                # Released now, freed once this request is answered (exit_call): a trainer's
+                # release rides on its next step's forward, which should not wait while the
+                # last step's graph and gradients are freed.
+                extras[wire.LOCAL_RELEASED_CONTEXTS] = gone
         ag = extras.get(wire.EXTRA_AUTOGRAD)
         if ag:
             context_id, _ = ag
@@ -195,6 +200,9 @@ class AutogradMiddleware(_agent_mod.Middleware):
     def exit_call(self, token: Any, extras: dict[str, Any], result_future: torch.futures.Future[Any] | None) -> None:
         if token is not _NO_TOKEN:
             _context.set_current(token)
+        # After the answer of a function that returned (or whose future was done): the
+        # contexts this request's arrival released are freed here, off the caller's wait.
+        extras.pop(wire.LOCAL_RELEASED_CONTEXTS, None)
 
 
 _NO_TOKEN = object()

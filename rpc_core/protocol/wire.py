@@ -114,6 +114,7 @@ EXTRA_PROFILE = "prof"  # request: the caller's profiler options; response: the 
 # Local only, never sent:
 LOCAL_REPLY_NOTES = "_reply"  # callee's request extras: notes for the response (serialization.note_for_reply)
 LOCAL_AUTOGRAD_CONTEXT = "_ag_ctx"  # callee's request extras: the autograd context the request was admitted into
+LOCAL_RELEASED_CONTEXTS = "_ag_released"  # callee's request extras: contexts its arrival released, freed once answered
 LOCAL_PROFILE_SERVED = "prof.served"  # callee's request extras: the profile of this request
 LOCAL_KEEPALIVE = "keepalive"  # caller's call extras: an object held until the answer (an RRef named by id)
 LOCAL_HEARTBEAT = "heartbeat"  # caller's call extras: the call is a heartbeat (see heartbeats), not a wait on the peer

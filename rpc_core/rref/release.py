@@ -102,7 +102,22 @@ def collect(owner: int, rref_id: Id, fork_id: Id) -> None:
 
 
 def drop_owner_handle(rref_id: Id) -> None:
-    """A collected owner handle: dropped on the release loop's next look (safe in finalizers)."""
+    """A collected owner handle: dropped at once if the state's lock is free, else on the
+    release loop's next look (safe in finalizers either way)."""
+    lock = _ctx.lock
+    # A finalizer may run while this thread holds the lock (its state half-changed: never
+    # re-enter it) or while another thread does (never wait for it: that thread may wait for
+    # a lock this one holds). Neither: the drop costs less here than the loop's wake-up
+    # (an RRef argument unpickled on its owner makes a handle per call).
+    if not lock._is_owned() and lock.acquire(blocking=False):  # type: ignore[attr-defined]
+        try:
+            e = _ctx.owners.get(rref_id)
+            if e is not None:
+                e.handles -= 1
+            _ctx.maybe_free(rref_id)  # re-enters the lock this thread now holds
+        finally:
+            lock.release()
+        return
     _ctx.dropped.append(rref_id)
     _ctx.n_collected += 1
     if _ctx.release_asleep:

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ps_train.faults import die, fault_at
+from ps_train.roles.step import StepMetric
 from ps_train.roles.trainer import Trainer
 from ps_train.workloads.vision.data import BatchIterator, iter_eval_batches, load_data
 
@@ -25,12 +26,13 @@ class VisionTrainer(Trainer):
             self.train_set, self.data_slot, cfg.cluster.num_trainers, cfg.train.batch_size, cfg.seed
         )
 
-    def step_loss(self, batch: Any) -> tuple[torch.Tensor, dict[str, float]]:
-        """Cross-entropy of the logits [B, num_classes] the shards compute; the batch accuracy."""
+    def step_loss(self, batch: Any) -> tuple[torch.Tensor, dict[str, StepMetric]]:
+        """Cross-entropy of the logits [B, num_classes] the shards compute; the batch accuracy
+        (computed after the backward: see ``StepTrainer.step_loss``)."""
         x, y = batch
         logits = self.forward(x, self.step)
-        acc = (logits.detach().argmax(1) == y).float().mean().item()
-        return F.cross_entropy(logits, y), {"accuracy": acc}
+        scores = logits.detach()
+        return F.cross_entropy(logits, y), {"accuracy": lambda: (scores.argmax(1) == y).float().mean().item()}
 
     def evaluate(self) -> dict[str, float]:
         correct, total, loss_sum = 0, 0, 0.0
