@@ -209,7 +209,7 @@ class DynamicTable:
         ``step``: marks the rows used, counts sightings, creates the rows admitted."""
         if step > self.clock:
             raise RuntimeError(f"lookup at step {step} before advance({step}); the table is at step {self.clock}")
-        uniq, inverse = torch.unique(ids, return_inverse=True)  # sorted: creation order is the ids'
+        uniq, inverse = _distinct(ids)  # sorted: creation order is the ids'
         found = self.slots.get(uniq)
         have = found >= 0
         used = found[have]
@@ -219,27 +219,30 @@ class DynamicTable:
         new = torch.nonzero(~have).squeeze(1)
         empty = torch.zeros(0, dtype=torch.int64)
         if len(new) == 0:
-            return Resolved(found[inverse], empty, empty)
+            return Resolved(_spread(found, inverse), empty, empty)
         k = self.spec.admit_after
-        keys = uniq.tolist()
         bit = 1 << trainer
-        admit: list[int] = new.tolist() if k == 1 else []  # k = 1: every new id at its first sighting
-        for i in new.tolist() if k > 1 else ():
-            x = keys[i]
-            if self.counts.get(x, (0, 0))[0] + 1 >= k:
-                admit.append(i)
-            else:
-                self.pending[x] = self.pending.get(x, 0) | bit
-        self.admitted += len(admit)
-        if not admit:
-            return Resolved(found[inverse], empty, empty)
-        chosen = torch.tensor(admit, dtype=torch.int64)
+        if k == 1:  # every new id at its first sighting: no per-id work in Python
+            chosen = new
+        else:
+            admit: list[int] = []
+            keys = uniq.tolist()
+            for i in new.tolist():
+                x = keys[i]
+                if self.counts.get(x, (0, 0))[0] + 1 >= k:
+                    admit.append(i)
+                else:
+                    self.pending[x] = self.pending.get(x, 0) | bit
+            chosen = torch.tensor(admit, dtype=torch.int64)
+        self.admitted += len(chosen)
+        if len(chosen) == 0:
+            return Resolved(_spread(found, inverse), empty, empty)
         short = len(chosen) - len(self.free)
         if short > 0:  # out of free slots mid-step: rows not used this step go now
             self._evict(self._oldest(short, step))
-            chosen = chosen[: len(self.free)]  # the rest stay on the zero row, admitted again next time
-            for i in admit[len(chosen) :]:
-                self.pending[keys[i]] = self.pending.get(keys[i], 0) | bit
+            for x in uniq[chosen[len(self.free) :]].tolist():  # the rest stay on the zero row, admitted again next time
+                self.pending[x] = self.pending.get(x, 0) | bit
+            chosen = chosen[: len(self.free)]
         take = self.free[len(self.free) - len(chosen) :].flip(0)  # [c], popped in order
         self.free = self.free[: len(self.free) - len(chosen)]
         new_ids = uniq[chosen]
@@ -252,12 +255,12 @@ class DynamicTable:
         self._used(step, take)
         found[chosen] = take
         self.created += len(chosen)
-        return Resolved(found[inverse], take, new_ids)
+        return Resolved(_spread(found, inverse), take, new_ids)
 
     def read(self, ids: Tensor) -> Tensor:
         """Evaluation: each id's slot, -1 (the zero row) for ids without a row; changes nothing."""
-        uniq, inverse = torch.unique(ids, return_inverse=True)
-        return self.slots.get(uniq)[inverse]
+        uniq, inverse = _distinct(ids)
+        return _spread(self.slots.get(uniq), inverse)
 
     # -- metrics and checkpoints ------------------------------------------------------------------
     def counters(self) -> DynamicCounts:
@@ -293,3 +296,17 @@ class DynamicTable:
         self.slots = IdSlotMap(self.spec.max_rows)
         self.slots.put(self.slot_ids[held], held)
         self._compact()
+
+
+def _distinct(ids: Tensor) -> tuple[Tensor, Tensor | None]:
+    """``torch.unique(ids, return_inverse=True)``, with the inverse None when ``ids`` are
+    ascending and distinct already (a trainer's rows of a table arrive so unless the
+    servers pool its bags: ``plan``), which skips the sort."""
+    if len(ids) < 2 or bool((ids[1:] > ids[:-1]).all()):
+        return ids, None
+    return torch.unique(ids, return_inverse=True)
+
+
+def _spread(values: Tensor, inverse: Tensor | None) -> Tensor:
+    """``values`` [u] of the distinct ids back at every id (``_distinct``'s inverse)."""
+    return values if inverse is None else values[inverse]

@@ -8,9 +8,17 @@ whole-batch torch passes.
 
 The places form buckets of ``WINDOW`` (16: 128 bytes of keys, aligned); an id hashes to a
 bucket and takes the first free place of it or, when full, of the next buckets in turn.
-A probe round reads one whole bucket per id (``index_select`` of rows: a copy of 128
-bytes, ~30x cheaper than gathering 16 scattered places), so a batch is answered in 1-3
-rounds even with many removed places about.
+A probe round reads one whole bucket per id (a gather of rows: a copy of 128 bytes, ~30x
+cheaper than gathering 16 scattered places), so a batch is answered in 1-3 rounds even
+with many removed places about. The passes run on NumPy views of the tensors: a step's
+few thousand ids make arrays small enough that a call's fixed cost is most of an
+operation's (NumPy's is a third of torch's), and the id map is most of a dynamic table's
+work on the server.
+
+An insert round writes every id into its bucket's first free place at once and reads the
+places back: where several ids of the batch aimed at one place, the one read back holds
+it and the others look again (which one does is immaterial: an id's place is never seen
+outside the map).
 
 Keys: ``EMPTY`` (never used) ends a probe: an id never sits past a bucket with an EMPTY
 place; ``GONE`` (removed) does not, and is reused by inserts. When fewer than a quarter of
@@ -22,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -31,7 +40,7 @@ EMPTY, GONE = -1, -2
 WINDOW = 16  # places per bucket
 _WINDOW_BITS = 4
 _CHUNK = 1 << 16  # ids inserted per pass (``put``)
-_GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64: Fibonacci hashing's multiplier
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing's multiplier
 
 
 class IdSlotMap:
@@ -42,6 +51,12 @@ class IdSlotMap:
         size = 1 << self.bits
         self.keys = torch.full((size,), EMPTY, dtype=torch.int64)
         self.values = torch.full((size,), -1, dtype=torch.int32)
+        # NumPy views of the same memory (the passes run on them).
+        self._keys = self.keys.numpy()
+        self._values = self.values.numpy()
+        self._rows = self._keys.reshape(-1, WINDOW)  # [buckets, WINDOW]
+        self._shift = np.uint64(64 - self.bits + _WINDOW_BITS)
+        self._bmask = (1 << (self.bits - _WINDOW_BITS)) - 1
         self.count = 0
         self.empty = size  # places still EMPTY
 
@@ -60,41 +75,36 @@ class IdSlotMap:
             raise KeyError(x)
         return slot
 
-    def _home(self, ids: Tensor) -> Tensor:
-        # The top bits of the product (wrapping int64 multiplication), as a bucket [n].
-        shift = 64 - self.bits + _WINDOW_BITS
-        return (ids * _GOLDEN >> shift) & ((1 << (self.bits - _WINDOW_BITS)) - 1)
+    def _home(self, ids: np.ndarray) -> np.ndarray:
+        # The top bits of the product (wrapping uint64 multiplication), as a bucket [n] (int64).
+        return ((ids.view(np.uint64) * _GOLDEN) >> self._shift).astype(np.int64)
 
-    def _buckets(self, buckets: Tensor) -> Tensor:
-        """The keys of ``buckets`` [m]: int64 [m, WINDOW] (a copy)."""
-        return self.keys.view(-1, WINDOW).index_select(0, buckets)
-
-    def _find(self, ids: Tensor) -> Tensor:
+    def _find(self, ids: np.ndarray) -> np.ndarray:
         """Each id's place, -1 where absent (int64 [n])."""
-        bmask = (1 << (self.bits - _WINDOW_BITS)) - 1
-        bucket = self._home(ids)
-        out = torch.full_like(ids, -1)
-        todo = torch.arange(len(ids))
+        out = np.full(len(ids), -1, dtype=np.int64)
+        todo = np.arange(len(ids))
+        bucket, want = self._home(ids), ids
         while len(todo):
-            b = bucket[todo]
-            k = self._buckets(b)  # [m, W]
-            hit = k == ids[todo].unsqueeze(1)
+            k = self._rows[bucket]  # [m, W]
+            hit = k == want[:, None]
             found = hit.any(1)
-            out[todo[found]] = b[found] * WINDOW + hit[found].to(torch.uint8).argmax(1)
-            todo = todo[~found & ~(k == EMPTY).any(1)]  # neither found nor ended: the next bucket
-            bucket[todo] = (bucket[todo] + 1) & bmask
+            if found.any():
+                out[todo[found]] = bucket[found] * WINDOW + hit[found].argmax(1)
+            # Neither found nor ended at an EMPTY place: the next bucket.
+            go_on = ~found & ~(k == EMPTY).any(1)
+            todo, bucket, want = todo[go_on], (bucket[go_on] + 1) & self._bmask, want[go_on]
         return out
 
     def get(self, ids: Tensor) -> Tensor:
         """Each id's slot, -1 where absent (int64 [n])."""
-        where = self._find(ids)
-        out = torch.full_like(ids, -1)
+        where = self._find(_as_array(ids))
         found = where >= 0
-        out[found] = self.values[where[found]].to(torch.int64)
-        return out
+        out = np.full(len(where), -1, dtype=np.int64)
+        out[found] = self._values[where[found]]
+        return torch.from_numpy(out)
 
     def contains(self, ids: Tensor) -> Tensor:
-        return self._find(ids) >= 0
+        return torch.from_numpy(self._find(_as_array(ids)) >= 0)
 
     def put(self, ids: Tensor, slots: Tensor) -> None:
         """Add ``ids`` (distinct, none present) at ``slots``."""
@@ -102,47 +112,39 @@ class IdSlotMap:
             return
         if self.count + len(ids) > (1 << self.bits) // 2:
             raise ValueError(f"IdSlotMap: {self.count + len(ids)} entries exceed the room made for {self.capacity}")
+        keys, values = _as_array(ids), _as_array(slots).astype(np.int32)
         # A chunk at a time: a round copies each id's bucket (128 bytes), so a rebuild of 1M
         # entries at once would hold 128 MB of copies beside the map.
-        for lo in range(0, len(ids), _CHUNK):
-            self._put(ids[lo : lo + _CHUNK], slots[lo : lo + _CHUNK])
+        for lo in range(0, len(keys), _CHUNK):
+            self._put(keys[lo : lo + _CHUNK], values[lo : lo + _CHUNK])
         self.count += len(ids)
         self._rebuild_if_crowded()
 
-    def _put(self, ids: Tensor, slots: Tensor) -> None:
-        bmask = (1 << (self.bits - _WINDOW_BITS)) - 1
+    def _put(self, ids: np.ndarray, slots: np.ndarray) -> None:
         bucket = self._home(ids)
-        todo = torch.arange(len(ids))
-        while len(todo):
+        while len(ids):
             # Each id's first free place (EMPTY or GONE) in its bucket; a full one: the next.
-            b = bucket[todo]
-            free = self._buckets(b) < 0  # [m, W]
+            free = self._rows[bucket] < 0  # [m, W]
             has = free.any(1)
-            full = todo[~has]
-            bucket[full] = (bucket[full] + 1) & bmask
-            cand = todo[has]
-            cat = b[has] * WINDOW + free[has].to(torch.uint8).argmax(1)
-            # Ids aiming at one free place: the first in the batch takes it, the rest look
-            # in the same bucket again (``cand`` ascends, so a stable sort by place keeps
-            # each place's first id first).
-            order = torch.argsort(cat, stable=True)
-            by_place = cat[order]
-            lead = torch.ones(len(order), dtype=torch.bool)
-            lead[1:] = by_place[1:] != by_place[:-1]
-            won = torch.zeros(len(cand), dtype=torch.bool)
-            won[order[lead]] = True
-            wins, wat = cand[won], cat[won]
-            self.empty -= int((self.keys[wat] == EMPTY).sum())
-            self.keys[wat] = ids[wins]
-            self.values[wat] = slots[wins].to(torch.int32)
-            todo = torch.cat([full, cand[~won]]).sort().values  # ascending: batch order settles ties
+            place = bucket[has] * WINDOW + free[has].argmax(1)
+            want = ids[has]
+            was = self._keys[place]  # EMPTY or GONE
+            self._keys[place] = want  # ids aiming at one place: one of them is read back
+            won = self._keys[place] == want
+            self._values[place[won]] = slots[has][won]
+            self.empty -= int((was[won] == EMPTY).sum())
+            # Left: the losers (same bucket again) and the ids of full buckets (the next one).
+            left = ~has
+            left[has] = ~won
+            step = (~has).astype(np.int64)
+            ids, slots, bucket = ids[left], slots[left], (bucket[left] + step[left]) & self._bmask
 
     def remove(self, ids: Tensor) -> None:
         """Remove ``ids`` (all present)."""
-        where = self._find(ids)
+        where = self._find(_as_array(ids))
         if bool((where < 0).any()):
-            raise KeyError(f"IdSlotMap.remove: ids not present: {ids[where < 0][:5].tolist()}")
-        self.keys[where] = GONE
+            raise KeyError(f"IdSlotMap.remove: ids not present: {ids[torch.from_numpy(where < 0)][:5].tolist()}")
+        self._keys[where] = GONE
         self.count -= len(ids)
         self._rebuild_if_crowded()
 
@@ -166,3 +168,8 @@ class IdSlotMap:
         self.values.fill_(-1)
         self.count, self.empty = 0, 1 << self.bits
         self.put(ids, slots)
+
+
+def _as_array(x: Tensor) -> np.ndarray:
+    """An int64 tensor's values as a NumPy array (the same memory when it is contiguous)."""
+    return x.detach().to(torch.int64).contiguous().numpy()

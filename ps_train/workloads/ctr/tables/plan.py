@@ -86,10 +86,18 @@ def _exclusive_cumsum(counts: Tensor) -> Tensor:
     return out
 
 
-def _unique_pairs(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+def _unique_pairs(a: Tensor, b: Tensor, a_end: int) -> tuple[Tensor, Tensor]:
     """The distinct pairs (``a[i]``, ``b[i]``) in ascending order, as the index of one
-    element of each (int64 [U]), and each element's pair (int64 [N]): two 1-D sorts, several
-    times faster than ``unique`` over the rows of a stacked [N, 2] tensor."""
+    element of each (int64 [U]), and each element's pair (int64 [N]). ``a`` in 0 ..
+    ``a_end`` - 1. When the pairs fit one int64 (``b`` >= 0, small enough), one ``unique``
+    of ``a * (max(b) + 1) + b``; else two 1-D sorts, several times faster than ``unique``
+    over the rows of a stacked [N, 2] tensor."""
+    if len(b) and int(b.min()) >= 0:
+        span = int(b.max()) + 1
+        if a_end * span < 1 << 62:
+            keys, inverse = torch.unique(a * span + b, return_inverse=True)
+            # Any element of a pair serves: every element of it has the same (a, b).
+            return torch.empty(len(keys), dtype=torch.int64).scatter_(0, inverse, torch.arange(len(b))), inverse
     order = torch.argsort(b)  # any order among equal b: they are the same pair when a ties too
     order = order[torch.argsort(a[order], stable=True)]
     sa, sb = a[order], b[order]
@@ -117,6 +125,7 @@ class BagPlanner:
         # Where server s's (row + T) values start when every server's rows and T markers are
         # laid end to end ([S]: the dynamic path's dedup key).
         self.pair_start = self.server_start[:-1] + T * torch.arange(1, S + 1)
+        self.place_end = int(self.server_start[-1]) + T * S  # those values are below this
         self.mean = torch.tensor([p == "mean" for p in pooling])  # [T]
         self.dynamic = torch.tensor([layout.is_dynamic(t) for t in range(T)])  # [T]
         self.any_dynamic = bool(self.dynamic.any())
@@ -144,20 +153,25 @@ class BagPlanner:
             key_row, key_id = None, None
         else:
             # A dynamic id: its owner by hash, the marker -(1 + t) for a row, and the id itself.
-            owner = torch.where(dyn, dynamic_owner(v, S), owner)
+            if S > 1:  # one server owns every id
+                owner = torch.where(dyn, dynamic_owner(v, S), owner)
             row = torch.where(dyn, -1 - table, row)
             ident = torch.where(dyn, v, 0)
             # Keys: the rank of (owner, row, id) among the batch's distinct triples (sorted),
             # (owner, row) packed into one ascending int64: owner s's rows -T .. rows_s - 1
             # (markers included) after server s - 1's.
             place = self.pair_start[owner] + row
-            first, key = _unique_pairs(place, ident)
+            first, key = _unique_pairs(place, ident, self.place_end)
             key_start = torch.searchsorted(owner[first], torch.arange(S + 1))
             key_row, key_id = row[first], ident[first]
         pooled = self._pooled_tables(bags, lengths, bag_of, table, owner, key)[table]  # [N] bool
 
         single = ~pooled
-        skeys, sinv = torch.unique(key[single], return_inverse=True)  # sorted, so grouped by server
+        if key_row is not None and not bool(pooled.any()):
+            # Every key is a single row's and the keys are ranks: their distinct values are 0 .. U - 1.
+            skeys, sinv = torch.arange(len(first)), key
+        else:
+            skeys, sinv = torch.unique(key[single], return_inverse=True)  # sorted, so grouped by server
         bounds = torch.searchsorted(skeys, key_start).tolist()  # [S + 1]
         s_owner, s_bag = owner[single], bag_of[single]
         s_weight = bags.weights[single] if bags.weights is not None else None

@@ -108,10 +108,22 @@ _U64 = (1 << 64) - 1
 
 def _mix64(x: np.ndarray) -> np.ndarray:
     # SplitMix64's finaliser: a bijection on uint64 with full avalanche (uint64 array ops wrap).
-    x = x + np.uint64(0x9E3779B97F4A7C15)
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
+    return _mix64_(x + np.uint64(0x9E3779B97F4A7C15))
+
+
+def _mix64_(x: np.ndarray) -> np.ndarray:
+    """``_mix64`` without its first addition, in place in ``x`` (uint64): the finaliser's
+    passes over a [n, dim] block reuse one scratch array instead of making six."""
+    tmp = np.empty_like(x)
+    np.right_shift(x, np.uint64(30), out=tmp)
+    x ^= tmp
+    x *= np.uint64(0xBF58476D1CE4E5B9)
+    np.right_shift(x, np.uint64(27), out=tmp)
+    x ^= tmp
+    x *= np.uint64(0x94D049BB133111EB)
+    np.right_shift(x, np.uint64(31), out=tmp)
+    x ^= tmp
+    return x
 
 
 def _as_u64(ids: Tensor) -> np.ndarray:
@@ -145,8 +157,12 @@ def _hashed_uniform(seed: int, table: int, salt: int, num_rows: int, dim: int, i
         return torch.empty(0, dim, dtype=torch.float32)
     key = _mix64(np.array([(seed * 0x9E3779B97F4A7C15 + table * 0xD1B54A32D192ED03 + salt) & _U64], dtype=np.uint64))
     h = _mix64(_as_u64(ids) ^ key)  # [n]
+    # Column j's input: h ^ (j + 1) * C, plus _mix64's constant (added here, in the same pass).
     cols = (np.arange(1, dim + 1, dtype=np.uint64) * np.uint64(0xBF58476D1CE4E5B9)).reshape(1, dim)
-    bits = _mix64(h.reshape(-1, 1) ^ cols) >> np.uint64(40)  # [n, dim]: 24 bits, exact in float32
+    bits = np.bitwise_xor(h.reshape(-1, 1), cols)  # [n, dim]
+    bits += np.uint64(0x9E3779B97F4A7C15)
+    bits = _mix64_(bits)
+    bits >>= np.uint64(40)  # 24 bits, exact in float32
     u = torch.from_numpy(bits.astype(np.float32)).mul_(1.0 / (1 << 24))  # [0, 1)
     return u.mul_(2 * bound).sub_(bound)
 
