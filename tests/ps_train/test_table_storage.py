@@ -226,6 +226,7 @@ def test_a_budget_that_holds_rocksdbs_caches_pays_for_them_a_smaller_one_leaves_
     assert storage.pool.capacity == 10 * STEP_ROWS  # RocksDB's 48 MiB came out of the budget
     storage.close()
     small = _tiered("adagrad", tmp_path / "small", budget_rows=2 * STEP_ROWS)
+    assert isinstance(small, TieredStorage)
     assert small.pool.capacity == 2 * STEP_ROWS  # too small to pay for them: they stay outside
     small.close()
 
