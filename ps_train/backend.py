@@ -42,6 +42,18 @@ def dist_autograd() -> ModuleType:
     return m
 
 
+def take_gradients(context_id: int) -> tuple[dict[Any, Any], bool]:
+    """The gradients accumulated on this worker in autograd context ``context_id``, and
+    whether the caller owns them: on rpc_core the context hands them over
+    (``rpc_core.autograd.take_gradients``: freed once the caller drops them, changeable in
+    place); on torch they stay the context's until it is released."""
+    if name() == "torch":
+        return dict(dist_autograd().get_gradients(context_id)), False
+    import rpc_core.autograd
+
+    return rpc_core.autograd.take_gradients(context_id), True
+
+
 def after_response(fn: Callable[[], Any]) -> None:
     """Run ``fn`` once the answer of the request being served is written (rpc_core's
     ``rpc_core.functions.after_response``); on torch, which has no such call, at once."""

@@ -166,6 +166,11 @@ class ModeServer(Protocol):
         """Its shards' parameters; the others are a model's embedding tables (a mode that
         treats the two differently splits gradients by it)."""
 
+    @property
+    def owns_gradients(self) -> bool:
+        """Whether the tensors ``gradients`` returns are the caller's alone (the autograd
+        context handed them over): a mode may then change them in place."""
+
     def gradients(self, context_id: int) -> dict[Tensor, Tensor]:
         """This server's parameters' gradients in a trainer's autograd context."""
 

@@ -184,9 +184,11 @@ class SyncMode(Mode):
         try:
             self._await_round(server, step)
             with server.lock:
-                grads = combine(r.grads, self.aggregate)  # rank order: the same floats every run
-                # The trainers' own gradients go with their autograd contexts (released as
-                # their next step starts) instead of living through this step beside the sum.
+                # Rank order: the same floats every run. Gradients taken from their contexts
+                # (rpc_core) are summed into the first trainer's: no copy besides them.
+                grads = combine(r.grads, self.aggregate, owned=server.owns_gradients)
+                # The other trainers' gradients go now, not with the round (on torch: with
+                # their autograd contexts, released as the next step starts).
                 r.grads.clear()
                 server.step(grads)
                 del grads

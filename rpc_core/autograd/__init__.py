@@ -9,7 +9,8 @@
 An rpc_core extension beyond torch (``rpc_core.autograd.hooks``): an owner's hook run as soon
 as a context's backward is done on it, answered with the backward itself --
 ``on_backward_done(key, fn)`` on the owner, ``set_backward_info(context_id, key, payload)``
-before ``backward`` and ``backward_results(context_id)`` after it on the caller.
+before ``backward`` and ``backward_results(context_id)`` after it on the caller; and
+``take_gradients(context_id)``, ``get_gradients`` that hands them over (the context keeps none).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ __all__ = [
     "backward",
     "context",
     "get_gradients",
+    "take_gradients",
     "is_available",
     "DistAutogradContext",
     "on_backward_done",
@@ -82,6 +84,13 @@ def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
     ctx = _context.retrieve(context_id)
     with ctx.lock:
         return dict(ctx.grads)
+
+
+def take_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
+    """``get_gradients``, and the context forgets them (an rpc_core extension): the caller
+    owns the tensors and may change them in place, and they are freed once it drops them
+    instead of living until the context is released. Gradients accumulated later start anew."""
+    return _context.retrieve(context_id).take_gradients()
 
 
 # -- private API, as torch.distributed.autograd has it (its tests and ours use these) --------------

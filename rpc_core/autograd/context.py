@@ -93,6 +93,7 @@ class DistAutogradContext:
         self.hooks_ran = False
         self.called: dict[int, bool] = {}
         self.results: dict[int, dict[str, Any]] = {}
+        self.graph_dropped = False  # drop_graph ran: the sends and recvs are gone
 
     # Names used by torch's tests.
     def _context_id(self) -> int:
@@ -106,6 +107,23 @@ class DistAutogradContext:
 
     def _known_worker_ids(self) -> set[int]:
         return set(self.known_workers)
+
+    def drop_graph(self) -> None:
+        """Forget this worker's part of the context's graph (the tensors it sent, with the
+        activations their graph saved, and the recv nodes), keeping the gradients and the
+        bookkeeping of its release. For a worker whose backward hooks ran: no later gradient
+        call of the context may reach it (``engine._on_backward`` refuses them), so the graph
+        is dead here and its saved tensors need not wait for the release."""
+        with self.lock:
+            self.sends = {}
+            self.recvs = {}
+            self.graph_dropped = True
+
+    def take_gradients(self) -> dict[torch.Tensor, torch.Tensor]:
+        """The gradients accumulated here, which the context forgets: the caller owns them."""
+        with self.lock:
+            out, self.grads = self.grads, {}
+        return out
 
     def accumulate(self, leaf: torch.Tensor, grad: torch.Tensor, shared: bool = False) -> None:
         """Add ``grad`` to ``leaf``'s gradient here. The first one is kept as it is (no copy)

@@ -206,7 +206,8 @@ def _pass_from_sends(
     for msg_id, grads in entries:
         sent = ctx.sends.get(msg_id)
         if sent is None:
-            raise RpcError(on_node(me, f"no send with autograd message id {msg_id} in context {ctx.context_id}"))
+            why = ": this worker's part of its graph was freed when its backward hooks ran" if ctx.graph_dropped else ""
+            raise RpcError(on_node(me, f"no send with autograd message id {msg_id} in context {ctx.context_id}{why}"))
         pairs += [(t, g) for t, g in zip(sent, grads, strict=False) if g is not None]
     try:
         if _profiler_enabled():

@@ -40,6 +40,8 @@ def end_call(ctx: _context.DistAutogradContext, returned: Returned, done: torch.
         go = ctx.final_seen and ctx.grad_calls == 0 and not ctx.hooks_ran
         if go:
             ctx.hooks_ran = True
+    if go:
+        ctx.drop_graph()  # this worker's part of the pass is over (hooks' docstring)
 
     def answer(f: torch.futures.Future[Any] | None) -> None:
         try:
@@ -112,6 +114,7 @@ def _on_finish(context_id: int) -> torch.futures.Future[Any]:
     if not go:
         done.set_result(None)
         return done
+    ctx.drop_graph()
 
     def answer(f: torch.futures.Future[None]) -> None:
         try:

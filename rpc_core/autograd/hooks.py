@@ -23,6 +23,14 @@ last call came. A worker whose calls were never flagged last gets an explicit ``
 call once the caller's backward is done (an extra message only in graphs where tensors go
 back and forth between the same two workers). Calls that arrive after a worker's hooks ran
 (a third worker calling it, which the caller could not see) fail the backward.
+
+What the pass leaves behind. Once a worker (not the caller) runs its hooks, no gradient call
+of the context can reach it any more, so it frees its part of the graph then (the tensors
+it sent and the activations their graph saved) instead of at the context's release, which
+comes with the caller's next request: a parameter server's step no longer holds the
+previous step's activations of every trainer. The gradients stay (``get_gradients``) until
+the release, or until a hook takes them (``take_gradients``, which leaves the context none:
+the hook may then change them in place).
 """
 
 from __future__ import annotations

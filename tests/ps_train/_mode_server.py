@@ -20,6 +20,7 @@ class StandInServer:
     has_running_stats: bool = False
     membership: None = None
     positions: TrainerPositions = field(default_factory=TrainerPositions)
+    owns_gradients: bool = False  # gradients() hands out tensors the tests still read
 
     def run_shard(self, shard: int, x: torch.Tensor, trainer: int, step: int) -> torch.Tensor:
         raise AssertionError("no forward in these tests")

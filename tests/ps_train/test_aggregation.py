@@ -73,6 +73,26 @@ def test_combine_leaves_the_trainers_gradients_as_they_were():
             assert torch.equal(v, before[r][k])
 
 
+@pytest.mark.parametrize("how", ["mean", "sum"])
+def test_owned_gradients_sum_in_the_first_trainers_dense_tensor_to_the_same_floats(how):
+    per = {
+        r: {k: torch.randn(257, 129, generator=torch.Generator().manual_seed(10 * r + i)) for i, k in enumerate("ab")}
+        for r in range(3)
+    }
+    per[1]["c"] = torch.randn(7)  # only trainer 1 has it: divided in place (mean) in its own tensor
+    per[0]["e"] = torch.sparse_coo_tensor([[0, 2]], torch.ones(2, 3), (6, 3))
+    per[2]["e"] = torch.sparse_coo_tensor([[2, 5]], 3 * torch.ones(2, 3), (6, 3))
+    want = combine(per, how)
+    firsts = {"a": per[0]["a"], "b": per[0]["b"], "c": per[1]["c"], "e": per[0]["e"]}
+    sparse_before = per[0]["e"].clone()
+    got = combine(per, how, owned=True)
+    for k in want:
+        assert torch.equal(got[k].to_dense(), want[k].to_dense()), k
+    for k in "abc":  # no new tensor: the first trainer's holds the result
+        assert got[k] is firsts[k]
+    assert torch.equal(per[0]["e"].to_dense(), sparse_before.to_dense())  # sparse sums out of place
+
+
 def test_one_trainer_is_its_own_mean_and_sum():
     g = _grads(0)
     for how in ("mean", "sum"):

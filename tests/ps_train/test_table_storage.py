@@ -23,7 +23,7 @@ from ps_train.workloads.ctr.tables.fused_storage import FusedStorage
 from ps_train.workloads.ctr.tables.half_rows import HalfRows, chunk_rows, stochastic_round
 from ps_train.workloads.ctr.tables.optimizers import RowWiseAdagrad, make_table_optimizer
 from ps_train.workloads.ctr.tables.row_pool import BudgetError
-from ps_train.workloads.ctr.tables.row_store import RowStore, StoreError
+from ps_train.workloads.ctr.tables.row_store import STORE_RAM_BYTES, RowStore, StoreError
 from ps_train.workloads.ctr.tables.rows import FusedLayout
 from ps_train.workloads.ctr.tables.shards import TableShards
 from ps_train.workloads.ctr.tables.storage import TableRequest, TableStorage
@@ -213,6 +213,22 @@ def test_a_row_evicted_and_read_back_is_bit_identical_with_its_optimizer_state(t
     assert tier["rows_evicted"] > 0 and tier["rows_read_back"] >= len(rows) and tier["bytes_written"] > 0
     assert 0 < tier["hit_rate"] < 1 and tier["rows_in_ram"] <= 2 * STEP_ROWS
     storage.close()
+
+
+def test_a_budget_that_holds_rocksdbs_caches_pays_for_them_a_smaller_one_leaves_them_out(tmp_path: Path) -> None:
+    row = DIM * 4 + 4 * DIM + 26  # float32 values, Adagrad's state, the slot's bookkeeping
+    index = 4 * NUM_ROWS
+    big = TierSettings(
+        DIM, "float32", "adagrad", OptimConfig(lr=LR), None, SEED, index + STORE_RAM_BYTES + 10 * STEP_ROWS * row,
+        "big", tmp_path / "big", STEP_ROWS,
+    )  # fmt: skip
+    storage = TieredStorage(LAYOUT, SERVER, big, "ps1", start_rows=8)
+    assert storage.pool.capacity == 10 * STEP_ROWS  # RocksDB's 48 MiB came out of the budget
+    storage.close()
+    small = _tiered("adagrad", tmp_path / "small", budget_rows=2 * STEP_ROWS)
+    assert isinstance(small, TieredStorage)
+    assert small.pool.capacity == 2 * STEP_ROWS  # too small to pay for them: they stay outside
+    small.close()
 
 
 def test_a_budget_too_small_for_one_step_names_the_setting_and_the_minimum(tmp_path: Path) -> None:

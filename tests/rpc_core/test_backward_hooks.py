@@ -15,6 +15,7 @@ name; a hook that raises makes the trainer's backward raise, naming the worker.
 from __future__ import annotations
 
 import traceback
+import weakref
 from typing import Any
 
 import pytest
@@ -158,6 +159,61 @@ def check_results_and_errors() -> None:
         assert dist_autograd.backward_results(cid) == {}
 
 
+_saved: list[Any] = []  # weak references to activations a forward saved for its backward
+
+
+def _forward_keeping(x: torch.Tensor) -> torch.Tensor:
+    """On worker1: ``(x @ w) ** 2``, whose graph saves ``x @ w``; a weak reference to it is kept."""
+    w = torch.ones(4, 3, dtype=torch.float64, requires_grad=True)
+    h = x @ w
+    _saved.append(weakref.ref(h))
+    return h * h
+
+
+def _install_graph_hook() -> None:
+    dist_autograd.on_backward_done("graph", lambda context_id, payload: None)
+
+
+def _graph_here(cid: int) -> dict[str, Any]:
+    """On worker1: what context ``cid`` holds here."""
+    ctx = dist_autograd._retrieve_context(cid)
+    return {
+        "sends": len(ctx._send_functions()),
+        "saved_alive": _saved[-1]() is not None,
+        "grads": len(dist_autograd.get_gradients(cid)),
+    }
+
+
+def _take_twice(cid: int) -> tuple[int, int]:
+    first = dist_autograd.take_gradients(cid)
+    return len(first), len(dist_autograd.take_gradients(cid))
+
+
+def check_graph_freed_after_hooks() -> None:
+    """A worker whose hooks ran frees its part of the graph at once (the activations it
+    saved), keeping the gradients until the release or take_gradients; without hooks the
+    graph stays until the release."""
+    x, _ = batch(0)
+    x = x.requires_grad_()
+    rpc.rpc_sync("worker1", _install_graph_hook)
+    with dist_autograd.context() as cid:
+        loss = rpc.rpc_sync("worker1", _forward_keeping, args=(x,)).sum()
+        before = rpc.rpc_sync("worker1", _graph_here, args=(cid,))
+        dist_autograd.set_backward_info(cid, "graph", None)
+        dist_autograd.backward(cid, [loss])
+        after = rpc.rpc_sync("worker1", _graph_here, args=(cid,))
+        taken = rpc.rpc_sync("worker1", _take_twice, args=(cid,))
+        assert dist_autograd.get_gradients(cid)[x].shape == x.shape  # the caller's gradient came back
+    assert before == {"sends": 1, "saved_alive": True, "grads": 0}, before
+    assert after == {"sends": 0, "saved_alive": False, "grads": 1}, after
+    assert taken == (1, 0), taken
+    with dist_autograd.context() as cid:  # no payload: nothing freed before the release
+        loss = rpc.rpc_sync("worker1", _forward_keeping, args=(x,)).sum()
+        dist_autograd.backward(cid, [loss])
+        kept = rpc.rpc_sync("worker1", _graph_here, args=(cid,))
+    assert kept == {"sends": 1, "saved_alive": True, "grads": 1}, kept
+
+
 def _world(ctx: Any) -> dict[str, str | None] | None:
     if ctx.rank != 0:
         return None
@@ -175,6 +231,11 @@ def _world(ctx: Any) -> dict[str, str | None] | None:
         out["results_and_errors"] = None
     except BaseException:  # noqa: BLE001 - reported with the others
         out["results_and_errors"] = traceback.format_exc()
+    try:
+        check_graph_freed_after_hooks()
+        out["graph_freed"] = None
+    except BaseException:  # noqa: BLE001 - reported with the others
+        out["graph_freed"] = traceback.format_exc()
     return out
 
 
@@ -188,7 +249,7 @@ def world() -> Any:
 
 @pytest.mark.timeout(360)
 @pytest.mark.parametrize(
-    "case", [f"{c[0]}-{m}" for c in CONFIGS for m in ("step", "in_backward")] + ["results_and_errors"]
+    "case", [f"{c[0]}-{m}" for c in CONFIGS for m in ("step", "in_backward")] + ["results_and_errors", "graph_freed"]
 )
 def test_backward_hooks(world: Any, case: str) -> None:
     if isinstance(world, WorldError):

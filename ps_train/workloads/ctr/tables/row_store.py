@@ -26,13 +26,17 @@ from typing import Any
 
 import rocksdict
 
-__all__ = ["RowStore", "StoreError", "STORE_FORMAT", "iter_store"]
+__all__ = ["RowStore", "StoreError", "STORE_FORMAT", "STORE_RAM_BYTES", "iter_store"]
 
 STORE_FORMAT = 1
 _META = "ps_train_store.json"
 _KEY = struct.Struct(">q")
 _BLOCK_CACHE = 16 << 20  # bytes
 _MEMTABLE = 16 << 20  # bytes per memtable
+_MEMTABLES = 2  # at most, the one being written and the one being flushed
+# What RocksDB's block cache and memtables take at most: a budget that can pay for them
+# besides one step's rows does (``TieredStorage``), so the rows' share is smaller by it.
+STORE_RAM_BYTES = _BLOCK_CACHE + _MEMTABLES * _MEMTABLE
 
 
 class StoreError(RuntimeError):
@@ -47,13 +51,14 @@ def _options() -> rocksdict.Options:
     opts.set_compression_type(rocksdict.DBCompressionType.none())
     table = rocksdict.BlockBasedOptions()
     table.set_bloom_filter(10, False)
-    # The RAM pool is the rows' cache and the budget pays for it; RocksDB's own memory is
-    # outside the budget, so it is kept small: a 16 MB block cache, memtables of 16 MB, at
-    # most 2 (the defaults allow 2 x 64 MB of memtables besides the cache).
+    # The RAM pool is the rows' cache, so RocksDB's own is kept small: a 16 MB block cache,
+    # memtables of 16 MB, at most 2 (the defaults allow 2 x 64 MB of memtables besides the
+    # cache); the budget pays for them (STORE_RAM_BYTES). Its bloom filters and index blocks
+    # grow with the rows stored and stay outside.
     table.set_block_cache(rocksdict.Cache(_BLOCK_CACHE))
     opts.set_block_based_table_factory(table)
     opts.set_write_buffer_size(_MEMTABLE)
-    opts.set_max_write_buffer_number(2)
+    opts.set_max_write_buffer_number(_MEMTABLES)
     return opts
 
 

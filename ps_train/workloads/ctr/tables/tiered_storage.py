@@ -43,7 +43,7 @@ from ps_train.config import DLRMConfig, OptimConfig
 from ps_train.workloads.ctr.tables.half_rows import TABLE_DTYPES, HalfRows
 from ps_train.workloads.ctr.tables.optimizers import RowsOptimizer, RowTarget, make_table_optimizer
 from ps_train.workloads.ctr.tables.row_pool import BudgetError, RowPool, pack_rows, unpack_rows
-from ps_train.workloads.ctr.tables.row_store import RowStore, iter_store
+from ps_train.workloads.ctr.tables.row_store import STORE_RAM_BYTES, RowStore, iter_store
 from ps_train.workloads.ctr.tables.rows import FusedLayout
 from ps_train.workloads.ctr.tables.shards import rows_gradient
 from ps_train.workloads.ctr.tables.storage import StorageSnapshot, TableRequest, TableStorage, check_request
@@ -154,10 +154,17 @@ class TieredStorage(TableStorage):
         )  # fmt: skip
 
     def _capacity(self, budget: int, row_bytes: int) -> int:
-        """Rows the budget holds after the slot index; a clear error below one step's rows."""
+        """Rows the budget holds after the slot index and RocksDB's caches; a clear error
+        below one step's rows."""
         per_row = row_bytes + _SLOT_OVERHEAD
-        capacity = (budget - 4 * self.num_rows) // per_row
         need = self.settings.step_rows
+        rows_share = budget - 4 * self.num_rows
+        # RocksDB's block cache and memtables (STORE_RAM_BYTES, 48 MiB) come out of the budget
+        # when it holds them besides one step's rows; a smaller budget (a toy run's, a test's)
+        # leaves them outside, as its rows would not fit otherwise.
+        if rows_share - STORE_RAM_BYTES >= need * per_row:
+            rows_share -= STORE_RAM_BYTES
+        capacity = rows_share // per_row
         if capacity < need:
             minimum = 4 * self.num_rows + need * per_row
             raise BudgetError(
