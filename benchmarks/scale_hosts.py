@@ -5,17 +5,11 @@
         [--cores 0.25] [--mode sync]
 
 One rank per host (network namespaces on a bridge, ``cluster=env``), every host's link held to
-``--rate-kbit`` both ways by a token bucket. The rate is chosen low enough that moving a
-step's bytes takes far longer than its CPU, so that the run checks the model's link terms
-rather than this shared machine's cores. Prints the measured samples/s (``metrics.json``) next
-to the model's prediction for the same cluster (a core per host, no delay: ``tbf`` queues, it
-adds no latency of its own) and writes both with the run's byte counts.
-
-``--cores C`` gives every host a CPU budget of C cores (a cgroup v1 ``cpu`` quota) and tells
-the model so: with a fast link (e.g. ``--rate-kbit 1000000``) the run then checks the CPU
-terms per host instead of the link's, and ``--mode sync`` the sync barrier's. The budget
-binds only while the machine has C cores to spare for every host at once (``--cores 0.25``
-with four hosts: one of its cores); the report says how many periods each host was held back.
+``--rate-kbit`` both ways by a token bucket (``tbf`` queues, it adds no latency). Prints the
+measured samples/s (``metrics.json``) next to the model's prediction for the same cluster and
+writes both with the run's byte counts. ``--cores C`` gives every host a CPU budget of C cores
+(a cgroup v1 ``cpu`` quota) and tells the model so; it binds only while the machine has C cores
+to spare for every host at once (the report says how many periods each host was held back).
 
 ``--straggler-cores C2`` gives the last trainer's host C2 cores instead (a straggler: the same
 work on less CPU). ``--kill-trainer K --kill-after-step N [--kill-delay D]`` SIGKILLs trainer K
