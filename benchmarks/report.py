@@ -68,8 +68,6 @@ def _table(t: Table) -> list[str]:
     return out
 
 
-
-
 def _unwrapped(markdown: str) -> list[str]:
     """A summary's lines with each prose paragraph on one line (Markdown renders them alike;
     the page stays short): lists, tables and code keep their lines."""
