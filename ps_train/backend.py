@@ -42,16 +42,21 @@ def dist_autograd() -> ModuleType:
     return m
 
 
-def take_gradients(context_id: int) -> tuple[dict[Any, Any], bool]:
-    """The gradients accumulated on this worker in autograd context ``context_id``, and
-    whether the caller owns them: on rpc_core the context hands them over
-    (``rpc_core.autograd.take_gradients``: freed once the caller drops them, changeable in
-    place); on torch they stay the context's until it is released."""
-    if name() == "torch":
-        return dict(dist_autograd().get_gradients(context_id)), False
+def gradients_handed_over() -> bool:
+    """Whether ``take_gradients`` hands the context's gradients over: on rpc_core the caller
+    then owns them (``rpc_core.autograd.take_gradients``: freed once it drops them, changeable
+    in place); on torch they stay the context's until it is released."""
+    return name() != "torch"
+
+
+def take_gradients(context_id: int) -> dict[Any, Any]:
+    """The gradients accumulated on this worker in autograd context ``context_id``, handed
+    over where the backend can (``gradients_handed_over``)."""
+    if not gradients_handed_over():
+        return dict(dist_autograd().get_gradients(context_id))
     import rpc_core.autograd
 
-    return rpc_core.autograd.take_gradients(context_id), True
+    return rpc_core.autograd.take_gradients(context_id)
 
 
 def after_response(fn: Callable[[], Any]) -> None:

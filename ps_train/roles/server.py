@@ -96,7 +96,7 @@ class ParameterServer:
         self.tables = tables
         self.params: list[nn.Parameter] = self.dense_params + (self.tables.params if self.tables is not None else [])
         self._param_ids = frozenset(id(p) for p in self.params)  # gradients(): which of a context's leaves are ours
-        self.owns_gradients = backend.name() == "rpc_core"  # gradients() hands over the context's tensors
+        self.owns_gradients = backend.gradients_handed_over()  # gradients() hands over the context's tensors
         self.has_running_stats = self.held.has_running_stats  # BatchNorm (see ServerShards)
         self.optimizer = make_server_optimizer(settings.optim, self.dense_params) if self.dense_params else None
         self.updates = {i: 0 for i in self.shards}
@@ -180,7 +180,7 @@ class ParameterServer:
         table rows' gradients a trainer pushed for it (``push_gradients``) added."""
         # Taken from the context where the backend allows (rpc_core): the server's copy is
         # then the only one, freed as soon as the update is done with it.
-        grads, _ = backend.take_gradients(context_id)  # whether taken: self.owns_gradients
+        grads = backend.take_gradients(context_id)
         # By identity: a Parameter's __hash__ is a Python call, and the context holds no other leaves as a rule.
         mine = self._param_ids
         out: dict[torch.Tensor, torch.Tensor] = {p: g for p, g in grads.items() if id(p) in mine}
