@@ -123,11 +123,31 @@ class Server:
             self.busy_s += seconds / self.speed
 
 
-class _Link:
-    """A host's link: one resource per direction."""
+class _Way(simpy.Resource):
+    """One direction of a host's link: one message at a time, and a token bucket of ``burst``
+    bytes (a shaped link's) that refills at the link's rate while the way is idle."""
 
-    def __init__(self, env: simpy.Environment) -> None:
-        self.out, self.into = simpy.Resource(env, capacity=1), simpy.Resource(env, capacity=1)
+    def __init__(self, env: simpy.Environment, burst: float) -> None:
+        super().__init__(env, capacity=1)
+        self.burst, self.tokens, self.stamp = burst, burst, 0.0
+
+    def wait_s(self, nbytes: float, bps: float) -> float:
+        """Seconds until ``nbytes`` have passed, starting now: what the bucket lacks, at the rate."""
+        self.tokens = min(self.burst, self.tokens + (self._env.now - self.stamp) * bps / 8)
+        self.stamp = self._env.now
+        return max(0.0, nbytes - self.tokens) * 8 / bps
+
+    def passed(self, nbytes: float, seconds: float, bps: float) -> None:
+        """``nbytes`` went out over ``seconds`` since ``wait_s``: the bucket spent them, refilling."""
+        self.tokens = max(0.0, min(self.burst, self.tokens + seconds * bps / 8) - nbytes)
+        self.stamp = self._env.now
+
+
+class _Link:
+    """A host's link: one way out, one way in."""
+
+    def __init__(self, env: simpy.Environment, burst: float) -> None:
+        self.out, self.into = _Way(env, burst), _Way(env, burst)
 
 
 class _Job:
@@ -139,8 +159,11 @@ class _Job:
         self.rng = random.Random(seed)
         self.servers = [Server(self.env, cl.server_cores) for _ in range(cl.servers)]
         finite = math.isfinite(cl.link_bps)
-        self.trainer_links = [_Link(self.env) for _ in range(cl.trainers)] if finite else []
-        self.server_links = [_Link(self.env) for _ in range(cl.servers)] if finite else []
+        burst = cl.link_burst_bytes
+        self.trainer_links = [_Link(self.env, burst) for _ in range(cl.trainers)] if finite else []
+        self.server_links = [_Link(self.env, burst) for _ in range(cl.servers)] if finite else []
+        # A trainer's core, for the answers of a phase's calls taken one after the other.
+        self.trainer_cpu = [simpy.Resource(self.env, capacity=1) for _ in range(cl.trainers)]
         self.done = [0] * cl.trainers  # committed steps per trainer
         self.finished: list[list[float]] = [[] for _ in range(cl.trainers)]  # when each trainer finished each step
         self.procs: list[simpy.Process | None] = [None] * cl.trainers
@@ -154,15 +177,23 @@ class _Job:
         self.resumed_at = 0  # the step the job last (re)started from: no round before it to wait for
 
     # -- the network and the servers ------------------------------------------------------------
-    def _send(self, src: simpy.Resource | None, dst: simpy.Resource | None, nbytes: float, delay: bool = True) -> Proc:
+    def _send(self, src: _Way | None, dst: _Way | None, nbytes: float, delay: bool = True) -> Proc:
         """A message: it holds the sender's way out and the receiver's way in (None: free, or
-        no link limit) while its bytes pass, then travels the delay."""
+        no link limit) while its bytes pass (those either bucket lacks, at the rate), then
+        travels the delay."""
         if math.isfinite(self.cl.link_bps):
-            held = [r.request() for r in (src, dst) if r is not None]
+            bps = self.cl.link_bps
+            ways = [r for r in (src, dst) if r is not None]
+            held = [r.request() for r in ways]
             for turn in held:  # always the way out before the way in: no cycle of waits
                 yield turn
             try:
-                yield self.env.timeout(nbytes * 8 / self.cl.link_bps + (self.cl.latency_s if delay else 0.0))
+                passing = max((w.wait_s(nbytes, bps) for w in ways), default=nbytes * 8 / bps)
+                yield self.env.timeout(passing)
+                for w in ways:
+                    w.passed(nbytes, passing, bps)
+                if delay and self.cl.latency_s > 0:
+                    yield self.env.timeout(self.cl.latency_s)
             finally:
                 for turn in held:
                     turn.cancel()  # not granted yet (interrupted while queueing): leave the queue
@@ -177,15 +208,17 @@ class _Job:
             self.round_events[key] = self.env.event()
         return self.round_events[key]
 
-    def _call(self, k: int, step: int, call: Call) -> Proc:
+    def _call(self, k: int, step: int, call: Call, slow: float) -> Proc:
         try:
-            yield from self._play(k, step, call)
+            yield from self._play(k, step, call, slow)
         except simpy.Interrupt:
             pass  # its trainer failed or the job restarts: the call is lost with it
 
-    def _play(self, k: int, step: int, call: Call, alone: bool = False) -> Proc:
+    def _play(self, k: int, step: int, call: Call, slow: float, alone: bool = False) -> Proc:
         """``alone``: the trainer's only call in flight, so its own link is free both ways and
-        the message holds the server's side only."""
+        the message holds the server's side only. The trainer has spent its CPU to send the
+        call; it spends as much again to take the answer (``slow``: its straggler factor over
+        its cores), on its one core, after the other answers that came before."""
         mode = self.cl.mode
         tl = self.trainer_links[k] if self.trainer_links and not alone else None
         sl = self.server_links[call.server] if self.server_links else None
@@ -206,6 +239,13 @@ class _Job:
         yield from self._send(sl.out if sl else None, tl.into if tl else None, call.back_bytes)
         if tl is not None and call.copies > 1:
             yield from self._send(None, tl.into, call.back_bytes * (call.copies - 1), delay=False)
+        receive = self.plan.call_cpu_s(call) / 2 * call.copies * slow
+        if alone:
+            yield self.env.timeout(receive)
+        else:
+            with self.trainer_cpu[k].request() as turn:
+                yield turn
+                yield self.env.timeout(receive)
 
     # -- the trainers ---------------------------------------------------------------------------
     def _slowdown(self, k: int) -> float:
@@ -235,13 +275,13 @@ class _Job:
                     if at == plan.cpu_at:
                         yield self.env.timeout(plan.trainer_cpu_s * slow)
                     if len(phase) == 1:  # played inline: a process per call costs more than the call
-                        yield self.env.timeout(plan.per_call_cpu_s * slow)
-                        yield from self._play(k, s, phase[0], alone=True)
+                        yield self.env.timeout(plan.call_cpu_s(phase[0]) / 2 * slow)
+                        yield from self._play(k, s, phase[0], slow, alone=True)
                         continue
                     calls = []
                     for call in phase:
-                        yield self.env.timeout(plan.per_call_cpu_s * call.copies * slow)
-                        calls.append(self.env.process(self._call(k, s, call)))
+                        yield self.env.timeout(plan.call_cpu_s(call) / 2 * call.copies * slow)
+                        calls.append(self.env.process(self._call(k, s, call, slow)))
                     self.children[k] = calls
                     yield self.env.all_of(calls)
                 self.children[k] = []

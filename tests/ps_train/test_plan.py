@@ -41,6 +41,20 @@ def test_one_trainer_one_server_steps_at_compute_plus_two_transfers_plus_service
     assert simulate(half, plan, steps=10).samples_per_s == pytest.approx(slower, rel=1e-9)
 
 
+def test_a_shaped_links_bucket_passes_what_it_holds_at_once() -> None:
+    # A token bucket of 8,192 bytes on every way at 1 Mbit/s, refilled while the trainer
+    # computes (100 ms a step: 12.5 KB): a message within it takes no time on the wire, and
+    # one beyond it waits for what the bucket lacks, at the rate; the answer's half of the
+    # trainer's CPU for the call comes after it.
+    batch, c0, c1, service, burst = 32, 0.1, 4e-3, 3e-3, 8192.0
+    cl = Cluster(1, 1, 1e6, 0.0, 1.0, 1.0, None, "async", burst)
+    small = StepPlan(batch, c0, c1, ((Call(0, "forward", 4000.0, 4000.0, service),),))
+    assert simulate(cl, small, steps=10).samples_per_s == pytest.approx(batch / (c0 + c1 + service), rel=1e-9)
+    big = StepPlan(batch, c0, c1, ((Call(0, "forward", 12_000.0, 12_000.0, service),),))
+    lacking = 2 * (12_000 - burst) * 8 / 1e6  # both ways
+    assert simulate(cl, big, steps=10).samples_per_s == pytest.approx(batch / (c0 + c1 + service + lacking), rel=1e-9)
+
+
 def test_md1_waiting_time_matches_pollaczek_khinchine() -> None:
     # Poisson arrivals at rate lam to one server of fixed service time d: the mean wait in the
     # queue is rho d / (2 (1 - rho)), rho = lam d.
