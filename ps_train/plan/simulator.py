@@ -7,7 +7,9 @@ resource per direction: a message holds the sender's way out and the receiver's 
 ``bytes x 8 / rate``) and a one-way delay. The update modes wait as ps_train's do:
 
 - ``sync``: a step-s forward waits on each server until that server has every trainer's
-  step s-1 update (the round); the update itself is answered at once;
+  step s-1 update (the round); the update is answered once its round is complete, and the
+  trainer does not wait for that answer before its next forward (``ps_train/modes/sync.py``:
+  pipelined on rpc_core): it takes it after that forward and its loss, before the backward;
 - ``hybrid``: the dense rounds of sync, and the update is answered once its round is
   complete (``ps_train/modes/hybrid.py``); row lookups need no wait of their own then;
 - ``ssp``: a trainer starts step s once the slowest has finished step s - staleness - 1;
@@ -234,8 +236,7 @@ class _Job:
             self.rounds[key] = self.rounds.get(key, 0) + 1
             if self.rounds[key] == self.cl.trainers:
                 self._round(call.server, step).succeed()
-            if mode == "hybrid":
-                yield self._round(call.server, step)  # answered once the round is applied
+            yield self._round(call.server, step)  # answered once the round is applied
         yield from self._send(sl.out if sl else None, tl.into if tl else None, call.back_bytes)
         if tl is not None and call.copies > 1:
             yield from self._send(None, tl.into, call.back_bytes * (call.copies - 1), delay=False)
@@ -265,6 +266,10 @@ class _Job:
 
     def _trainer(self, k: int, steps: float) -> Proc:
         plan, kt = self.plan, min(self.cl.trainer_cores, 1.0)
+        # Sync sends its next forward without waiting for its update's answer, once the step
+        # has a forward to send first (a plan whose update is its only phase has none).
+        pipelined = self.cl.mode == "sync" and 0 < plan.cpu_at < len(plan.phases)
+        pending: list[simpy.Process] = []
         try:
             while self.done[k] < steps:
                 s = self.done[k]
@@ -274,7 +279,11 @@ class _Job:
                 for at, phase in enumerate(plan.phases):
                     if at == plan.cpu_at:
                         yield self.env.timeout(plan.trainer_cpu_s * slow)
-                    if len(phase) == 1:  # played inline: a process per call costs more than the call
+                        if pending:  # sync: the previous step's update answers, before the backward
+                            yield self.env.all_of(pending)
+                            pending = []
+                    last = at == len(plan.phases) - 1
+                    if len(phase) == 1 and not (pipelined and last):  # inline: a process costs more than a call
                         yield self.env.timeout(plan.call_cpu_s(phase[0]) / 2 * slow)
                         yield from self._play(k, s, phase[0], slow, alone=True)
                         continue
@@ -282,10 +291,15 @@ class _Job:
                     for call in phase:
                         yield self.env.timeout(plan.call_cpu_s(call) / 2 * call.copies * slow)
                         calls.append(self.env.process(self._call(k, s, call, slow)))
-                    self.children[k] = calls
-                    yield self.env.all_of(calls)
-                self.children[k] = []
-                self._commit(k)
+                    self.children[k] = pending + calls
+                    if pipelined and last:
+                        pending = calls  # the next forward goes out at once
+                    else:
+                        yield self.env.all_of(calls)
+                self.children[k] = list(pending)
+                self._commit(k)  # pipelined: as its update goes out, as ps_train's trainer counts it
+            if pending:
+                yield self.env.all_of(pending)  # the last step's answers
         except simpy.Interrupt:
             for child in self.children[k]:
                 if child.is_alive:

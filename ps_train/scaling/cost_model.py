@@ -260,6 +260,12 @@ def predict(c: Constants, w: Workload, cl: Cluster) -> Prediction:
         # own shard, and a server serves one trainer's calls while the others compute or send:
         # the round takes the busiest server's work for all T trainers, or the slowest
         # trainer's own step (the expected maximum of T normal step times), whichever is longer.
+        if cl.mode == "sync":
+            # Pipelined (ps_train/modes/sync.py): a trainer sends its next forward as soon as
+            # its update is out; the forward waits on the server for the round, not for the
+            # update's answer to come back and be read (one latency each way, and the call's
+            # CPU at the trainer: half to read the answer, half to send the forward).
+            serial -= c.trainer_cpu_per_message / min(cl.trainer_cores, 1.0) + 2 * cl.latency_s
         barrier = c.jitter * serial * math.sqrt(2 * math.log(t)) if t > 1 else 0.0
         times = {
             "server CPU": server_cpu,
