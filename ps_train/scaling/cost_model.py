@@ -6,21 +6,25 @@ Per trainer step, with ``m_s`` requests, ``n_s`` payload bytes (both ways, from 
 shapes) and ``f_s`` flops on server ``s`` (``shapes.server_loads``):
 
 - bytes on the wire at server s:  ``w_s = beta * n_s + gamma * m_s``  (framing, pickling)
-- server CPU:                     ``u_s = a * m_s + b * w_s + f_s / F``  (F: FLOP/s, assumed)
-- trainer CPU:                    ``c = c0 + c1 * sum_s m_s``
+- server CPU:                     ``u_s = a * m_s + b * w_s + f_s / F``  (F: FLOP/s, assumed),
+  plus ``bp * w_s`` on a paced link (``Constants.paced``)
+- trainer CPU:                    ``c = c0 + c1 * sum_s m_s``, plus ``cp * sum_s w_s`` on a paced link
 - a trainer's own step (serial):  ``c + sum over its shards' servers of u_s + round trips x
-  2 x latency + its bytes the busier way / bandwidth``; round trips = 2 x shards + 1
-  (forward and backward through each shard, then the update to all servers at once).
+  2 x latency + (its bytes the busier way - the link's bucket) / bandwidth``; round trips =
+  2 x shards + 1 (forward and backward through each shard, then the update to all servers at
+  once).
 
 Async (and ssp, whose bound only binds with stragglers): each trainer steps at the least of
 ``1 / serial step``, ``cores_s / (T u_s)`` (server CPU), ``B / (T x server s's bytes the
-busier way)`` (server link) and, all ranks on one machine of ``C`` cores,
+busier way)`` (server link), ``B / (its own bytes the busier way)`` (trainer link) and, all
+ranks on one machine of ``C`` cores,
 ``C / (T (c + sum_s u_s))``. Sync (and hybrid, whose dense rounds wait for every trainer): a
 round waits for all trainers, but the servers work in parallel on their own shards and serve
 one trainer while the others compute, so a round takes the longest of the busiest server's
-work for all T trainers, its link's bytes, and the slowest trainer's own step: ``serial step
-x (1 + jitter x sqrt(2 ln T))`` (the expected maximum of T normal times). A process uses at most one core
-(Python's interpreter lock), so cores above 1 do not count.
+work for all T trainers, the links' bytes, and the slowest trainer's own step: ``serial step
+x (1 + jitter x sqrt(2 ln T))`` (the expected maximum of T normal times); in sync that step
+is pipelined (no wait for the update's answer: ``c1`` and a round trip less). A process uses
+at most one core (Python's interpreter lock), so cores above 1 do not count.
 """
 
 from __future__ import annotations
