@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.scale_hosts import LINK_BURST_BYTES
+from benchmarks.scale_hosts import CPU_PERIOD_S, LINK_BURST_BYTES
 from ps_train.scaling.cost_model import Calibration, Cluster, Machine, predict, save_calibration
 from ps_train.scaling.fit import Observation, fit
 from ps_train.scaling.shapes import mlp
@@ -102,7 +102,8 @@ def observation(rec: Record) -> Observation:
 
 def cluster_of(rec: Record) -> Cluster:
     p = rec.point
-    return Cluster(p.trainers, p.servers, p.rate_kbit * 1e3, 0.0, rec.cores, rec.cores, None, p.mode, LINK_BURST_BYTES)
+    link, cores = p.rate_kbit * 1e3, rec.cores
+    return Cluster(p.trainers, p.servers, link, 0.0, cores, cores, None, p.mode, LINK_BURST_BYTES, CPU_PERIOD_S)
 
 
 def calibrate(records: list[Record], machine: str, command: str) -> tuple[Calibration, list[str]]:

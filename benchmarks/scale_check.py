@@ -30,7 +30,7 @@ from typing import Any
 
 from benchmarks._results import add_result_option, run_recorded
 from benchmarks.scale_calibrate import Record, cluster_of, record_from
-from benchmarks.scale_hosts import LINK_BURST_BYTES
+from benchmarks.scale_hosts import CPU_PERIOD_S, LINK_BURST_BYTES
 from ps_train.plan.simulator import Failures, Kill, Stragglers, simulate
 from ps_train.plan.steps import step_plan
 from ps_train.scaling.cost_model import Cluster, Constants, load_calibration, predict
@@ -89,7 +89,10 @@ def _steady_s(run: dict[str, float], ev: EventRuns) -> float:
 
 
 def event_table(c: Constants, ev: EventRuns) -> list[str]:
-    cl = Cluster(ev.trainers, ev.servers, ev.rate_kbit * 1e3, 0.0, ev.cores, ev.cores, None, ev.mode, LINK_BURST_BYTES)
+    cl = Cluster(
+        ev.trainers, ev.servers, ev.rate_kbit * 1e3, 0.0, ev.cores, ev.cores, None, ev.mode,
+        LINK_BURST_BYTES, CPU_PERIOD_S,
+    )  # fmt: skip
     plan = step_plan(c, mlp(), ev.servers, cl.link_bps)
     model = predict(c, mlp(), cl).samples_per_s
     free = simulate(cl, plan, ev.steps)

@@ -40,6 +40,7 @@ from tests.netns import Network, unavailable_reason
 
 HERE = Path(__file__).resolve().parent
 LINK_BURST_BYTES = 8 * 1024  # every host's token bucket, each way (tc's "8kb"): the cost model's link_burst_bytes
+CPU_PERIOD_S = 0.1  # the CFS period of every host's CPU quota (Network.limit_cpu's default): Cluster.cpu_period_s
 
 JOB = [
     "model=mlp",
@@ -220,8 +221,9 @@ def main() -> None:
     c = load_calibration(args.constants).constants
     cores = args.cores if args.cores is not None else 1.0
     cl = Cluster(
-        args.trainers, args.servers, args.rate_kbit * 1e3, 0.0, cores, cores, None, args.mode, LINK_BURST_BYTES
-    )
+        args.trainers, args.servers, args.rate_kbit * 1e3, 0.0, cores, cores, None, args.mode,
+        LINK_BURST_BYTES, CPU_PERIOD_S,
+    )  # fmt: skip
     p = predict(c, mlp(), cl)
     err = (p.samples_per_s - m["samples_per_s"]) / m["samples_per_s"]
     print(

@@ -37,7 +37,7 @@ import simpy
 from ps_train.plan.steps import Call, StepPlan
 from ps_train.scaling.cost_model import BARRIER_MODES, MODES, Cluster
 
-__all__ = ["Stragglers", "Kill", "Failures", "SimResult", "Server", "simulate", "STRAGGLER_KINDS"]
+__all__ = ["Stragglers", "Kill", "Failures", "SimResult", "Cpu", "Server", "simulate", "STRAGGLER_KINDS"]
 
 STRAGGLER_KINDS = ("none", "one_in", "lognormal")
 Proc = Generator[simpy.Event, Any, None]
@@ -110,19 +110,49 @@ class SimResult:
     server_busy: list[float] = field(default_factory=list)  # each server's share of the time busy
 
 
+class Cpu:
+    """A host's CPU for ``cores`` below 1: a slower core (``period`` 0), or a CFS quota of
+    ``cores x period`` seconds of a full-speed core per period, the work waiting for the next
+    period once it is spent (a cgroup's ``cpu.cfs_quota_us``). A quota lets a host that was
+    idle catch up at full speed; a slower core does not."""
+
+    def __init__(self, env: simpy.Environment, cores: float, period: float = 0.0) -> None:
+        self.env, self.speed, self.period = env, min(cores, 1.0), period
+        self.left, self.ends = self.speed * period, period  # this period's budget, and its end
+
+    def run(self, seconds: float) -> Proc:
+        """``seconds`` of a full core's work."""
+        if not self.period or self.speed >= 1.0:
+            yield self.env.timeout(seconds / self.speed)
+            return
+        while seconds > 1e-12:
+            now = self.env.now
+            if now >= self.ends - 1e-12:  # a new period: a new budget
+                self.left = self.speed * self.period
+                self.ends = (math.floor(now / self.period + 1e-9) + 1) * self.period
+            if self.left <= 1e-12:
+                yield self.env.timeout(self.ends - now)  # throttled to the period's end
+                continue
+            run = min(seconds, self.left, self.ends - now)
+            yield self.env.timeout(run)
+            self.left -= run
+            seconds -= run
+
+
 class Server:
     """One server core: calls queue for it in arrival order and hold it for their service time."""
 
-    def __init__(self, env: simpy.Environment, cores: float) -> None:
-        self.env, self.speed = env, min(cores, 1.0)
+    def __init__(self, env: simpy.Environment, cores: float, period: float = 0.0) -> None:
+        self.env, self.cpu = env, Cpu(env, cores, period)
         self.core = simpy.Resource(env, capacity=1)
         self.busy_s = 0.0
 
     def serve(self, seconds: float) -> Proc:
         with self.core.request() as turn:
             yield turn
-            yield self.env.timeout(seconds / self.speed)
-            self.busy_s += seconds / self.speed
+            started = self.env.now
+            yield from self.cpu.run(seconds)
+            self.busy_s += self.env.now - started
 
 
 class _Way(simpy.Resource):
@@ -159,13 +189,16 @@ class _Job:
         self.env = simpy.Environment()
         self.cl, self.plan, self.strag, self.fail, self.staleness = cl, plan, stragglers, failures, staleness
         self.rng = random.Random(seed)
-        self.servers = [Server(self.env, cl.server_cores) for _ in range(cl.servers)]
+        self.servers = [Server(self.env, cl.server_cores, cl.cpu_period_s) for _ in range(cl.servers)]
         finite = math.isfinite(cl.link_bps)
         burst = cl.link_burst_bytes
         self.trainer_links = [_Link(self.env, burst) for _ in range(cl.trainers)] if finite else []
         self.server_links = [_Link(self.env, burst) for _ in range(cl.servers)] if finite else []
         # A trainer's core, for the answers of a phase's calls taken one after the other.
         self.trainer_cpu = [simpy.Resource(self.env, capacity=1) for _ in range(cl.trainers)]
+        # Each trainer's host: a straggler of ``one_in`` has its cores over ``factor``.
+        kt = min(cl.trainer_cores, 1.0)
+        self.hosts = [Cpu(self.env, kt / self._fixed_slowdown(k), cl.cpu_period_s) for k in range(cl.trainers)]
         self.done = [0] * cl.trainers  # committed steps per trainer
         self.finished: list[list[float]] = [[] for _ in range(cl.trainers)]  # when each trainer finished each step
         self.procs: list[simpy.Process | None] = [None] * cl.trainers
@@ -242,20 +275,22 @@ class _Job:
             yield from self._send(None, tl.into, call.back_bytes * (call.copies - 1), delay=False)
         receive = self.plan.call_cpu_s(call) / 2 * call.copies * slow
         if alone:
-            yield self.env.timeout(receive)
+            yield from self.hosts[k].run(receive)
         else:
             with self.trainer_cpu[k].request() as turn:
                 yield turn
-                yield self.env.timeout(receive)
+                yield from self.hosts[k].run(receive)
 
     # -- the trainers ---------------------------------------------------------------------------
-    def _slowdown(self, k: int) -> float:
+    def _fixed_slowdown(self, k: int) -> float:
+        """A ``one_in`` straggler's factor (its host's cores over it), else 1."""
         s = self.strag
-        if s.kind == "one_in":
-            return s.factor if k % s.every == s.every - 1 else 1.0
-        if s.kind == "lognormal":
-            return self.rng.lognormvariate(-(s.sigma**2) / 2, s.sigma)
-        return 1.0
+        return s.factor if s.kind == "one_in" and k % s.every == s.every - 1 else 1.0
+
+    def _slowdown(self, k: int) -> float:
+        """This step's factor on trainer ``k``'s CPU work, beyond its host's (lognormal draws)."""
+        s = self.strag
+        return self.rng.lognormvariate(-(s.sigma**2) / 2, s.sigma) if s.kind == "lognormal" else 1.0
 
     def _level(self, steps: int) -> simpy.Event:
         if steps not in self.level_events:
@@ -265,7 +300,7 @@ class _Job:
         return self.level_events[steps]
 
     def _trainer(self, k: int, steps: float) -> Proc:
-        plan, kt = self.plan, min(self.cl.trainer_cores, 1.0)
+        plan, cpu = self.plan, self.hosts[k]
         # Sync sends its next forward without waiting for its update's answer, once the step
         # has a forward to send first (a plan whose update is its only phase has none).
         pipelined = self.cl.mode == "sync" and 0 < plan.cpu_at < len(plan.phases)
@@ -275,21 +310,21 @@ class _Job:
                 s = self.done[k]
                 if self.cl.mode == "ssp" and s - self.staleness > 0:
                     yield self._level(s - self.staleness)  # the slowest is at most `staleness` steps behind
-                slow = self._slowdown(k) / kt
+                slow = self._slowdown(k)
                 for at, phase in enumerate(plan.phases):
                     if at == plan.cpu_at:
-                        yield self.env.timeout(plan.trainer_cpu_s * slow)
+                        yield from cpu.run(plan.trainer_cpu_s * slow)
                         if pending:  # sync: the previous step's update answers, before the backward
                             yield self.env.all_of(pending)
                             pending = []
                     last = at == len(plan.phases) - 1
                     if len(phase) == 1 and not (pipelined and last):  # inline: a process costs more than a call
-                        yield self.env.timeout(plan.call_cpu_s(phase[0]) / 2 * slow)
+                        yield from cpu.run(plan.call_cpu_s(phase[0]) / 2 * slow)
                         yield from self._play(k, s, phase[0], slow, alone=True)
                         continue
                     calls = []
                     for call in phase:
-                        yield self.env.timeout(plan.call_cpu_s(call) / 2 * call.copies * slow)
+                        yield from cpu.run(plan.call_cpu_s(call) / 2 * call.copies * slow)
                         calls.append(self.env.process(self._call(k, s, call, slow)))
                     self.children[k] = pending + calls
                     if pipelined and last:

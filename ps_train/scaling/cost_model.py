@@ -155,6 +155,10 @@ class Cluster:
     # fills while the link is idle, and a message passes at once for as many bytes as it holds.
     # 0: every message waits its bytes over the rate.
     link_burst_bytes: float = 0.0
+    # Cores below 1 as a CFS quota (cgroup ``cpu.cfs_period_us``, in seconds): a host may use
+    # ``cores x period`` of one core's time per period, at full speed, then waits for the next
+    # period. 0: a slower core. Only the simulator plays it; the model takes a slower core.
+    cpu_period_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.trainers < 1 or self.servers < 1:
@@ -165,8 +169,10 @@ class Cluster:
             raise ValueError(
                 f"the link needs a rate > 0 and a latency >= 0, got {self.link_bps} b/s and {self.latency_s} s"
             )
-        if self.link_burst_bytes < 0:
-            raise ValueError(f"link_burst_bytes must be >= 0, got {self.link_burst_bytes}")
+        if self.link_burst_bytes < 0 or self.cpu_period_s < 0:
+            raise ValueError(
+                f"link_burst_bytes and cpu_period_s must be >= 0, got {self.link_burst_bytes}, {self.cpu_period_s}"
+            )
         if self.trainer_cores <= 0 or self.server_cores <= 0:
             raise ValueError(f"cores must be > 0, got {self.trainer_cores} (trainer), {self.server_cores} (server)")
 
