@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.scale_hosts import CPU_PERIOD_S, LINK_BURST_BYTES
 from ps_train.scaling.cost_model import Calibration, Cluster, Machine, predict, save_calibration
 from ps_train.scaling.fit import Observation, fit
 from ps_train.scaling.shapes import mlp
@@ -95,13 +96,14 @@ def observation(rec: Record) -> Observation:
     load = sum(rec.load) / 2
     return Observation(
         p.mode, p.trainers, p.servers, long, rec.samples_per_s, trainer, servers, rec.server_bytes_per_step,
-        rec.cores * (p.trainers + p.servers), load, mlp(),
+        rec.cores * (p.trainers + p.servers), load, mlp(), p.rate_kbit * 1e3,
     )  # fmt: skip
 
 
 def cluster_of(rec: Record) -> Cluster:
     p = rec.point
-    return Cluster(p.trainers, p.servers, p.rate_kbit * 1e3, 0.0, rec.cores, rec.cores, None, p.mode)
+    link, cores = p.rate_kbit * 1e3, rec.cores
+    return Cluster(p.trainers, p.servers, link, 0.0, cores, cores, None, p.mode, LINK_BURST_BYTES, CPU_PERIOD_S)
 
 
 def calibrate(records: list[Record], machine: str, command: str) -> tuple[Calibration, list[str]]:

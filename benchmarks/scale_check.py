@@ -30,6 +30,7 @@ from typing import Any
 
 from benchmarks._results import add_result_option, run_recorded
 from benchmarks.scale_calibrate import Record, cluster_of, record_from
+from benchmarks.scale_hosts import CPU_PERIOD_S, LINK_BURST_BYTES
 from ps_train.plan.simulator import Failures, Kill, Stragglers, simulate
 from ps_train.plan.steps import step_plan
 from ps_train.scaling.cost_model import Cluster, Constants, load_calibration, predict
@@ -71,7 +72,7 @@ def grid_table(c: Constants, records: list[Record]) -> tuple[list[str], float, f
     for r in records:
         cl = cluster_of(r)
         m = predict(c, mlp(), cl).samples_per_s
-        s = simulate(cl, step_plan(c, mlp(), cl.servers), SIM_STEPS).samples_per_s
+        s = simulate(cl, step_plan(c, mlp(), cl.servers, cl.link_bps), SIM_STEPS).samples_per_s
         worst_m = max(worst_m, abs(m / r.samples_per_s - 1))
         worst_s = max(worst_s, abs(s / r.samples_per_s - 1))
         p = r.point
@@ -88,8 +89,11 @@ def _steady_s(run: dict[str, float], ev: EventRuns) -> float:
 
 
 def event_table(c: Constants, ev: EventRuns) -> list[str]:
-    cl = Cluster(ev.trainers, ev.servers, ev.rate_kbit * 1e3, 0.0, ev.cores, ev.cores, None, ev.mode)
-    plan = step_plan(c, mlp(), ev.servers)
+    cl = Cluster(
+        ev.trainers, ev.servers, ev.rate_kbit * 1e3, 0.0, ev.cores, ev.cores, None, ev.mode,
+        LINK_BURST_BYTES, CPU_PERIOD_S,
+    )  # fmt: skip
+    plan = step_plan(c, mlp(), ev.servers, cl.link_bps)
     model = predict(c, mlp(), cl).samples_per_s
     free = simulate(cl, plan, ev.steps)
     factor = ev.cores / ev.straggler_cores  # the same CPU work on a smaller budget

@@ -39,6 +39,8 @@ from ps_train.scaling.shapes import mlp
 from tests.netns import Network, unavailable_reason
 
 HERE = Path(__file__).resolve().parent
+LINK_BURST_BYTES = 8 * 1024  # every host's token bucket, each way (tc's "8kb"): the cost model's link_burst_bytes
+CPU_PERIOD_S = 0.1  # the CFS period of every host's CPU quota (Network.limit_cpu's default): Cluster.cpu_period_s
 
 JOB = [
     "model=mlp",
@@ -138,7 +140,7 @@ def run(
     try:
         for host in range(world):
             # Queue for up to 5 s: at these rates a step's request waits that long in the bucket.
-            net.limit_link(host, f"{rate_kbit}kbit", burst="8kb", latency="5s")
+            net.limit_link(host, f"{rate_kbit}kbit", burst=f"{LINK_BURST_BYTES // 1024}kb", latency="5s")
             budget = straggler_cores if straggler_cores is not None and host == world - 1 else cores
             if budget is not None:
                 net.limit_cpu(host, budget)
@@ -218,7 +220,10 @@ def main() -> None:
     )  # fmt: skip
     c = load_calibration(args.constants).constants
     cores = args.cores if args.cores is not None else 1.0
-    cl = Cluster(args.trainers, args.servers, args.rate_kbit * 1e3, 0.0, cores, cores, None, args.mode)
+    cl = Cluster(
+        args.trainers, args.servers, args.rate_kbit * 1e3, 0.0, cores, cores, None, args.mode,
+        LINK_BURST_BYTES, CPU_PERIOD_S,
+    )  # fmt: skip
     p = predict(c, mlp(), cl)
     err = (p.samples_per_s - m["samples_per_s"]) / m["samples_per_s"]
     print(

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from ps_train.scaling.cost_model import Cluster, Constants, load_calibration, predict
+from benchmarks.scale_hosts import LINK_BURST_BYTES
+from ps_train.scaling.cost_model import Cluster, Constants, load_calibration, predict, server_costs
 from ps_train.scaling.fit import Observation, fit, observation_from_run
 from ps_train.scaling.shapes import WORKLOADS, mlp, server_loads
 
@@ -79,6 +80,26 @@ def test_fit_recovers_known_constants() -> None:
     assert got.jitter_fitted and got.jitter == pytest.approx(TRUE.jitter, abs=1e-3)
 
 
+def test_fit_recovers_the_cpu_of_bytes_on_a_paced_link() -> None:
+    # Runs on a fast and a slow link: on the slow one every wire byte costs the server and
+    # the trainer more CPU; the fit separates it from the per-byte cost everywhere.
+    true = Constants(**{**TRUE.__dict__, "server_cpu_per_paced_byte": 5e-8, "trainer_cpu_per_paced_byte": 3e-8})
+    obs = []
+    for link in (math.inf, 1e9, 2e6):
+        for t, s in ((1, 1), (2, 2), (4, 3)):
+            sc = server_costs(true, MLP, s, link)
+            p = predict(true, MLP, Cluster(t, s, link, 0.0, 1.0, 1.0, None, "async"))
+            obs.append(
+                Observation("async", t, s, 50, p.samples_per_s, sc.trainer_cpu, tuple(sc.cpu), tuple(sc.wire), 1.0,
+                            1.0, MLP, link)
+            )  # fmt: skip
+    got = fit(obs, flop_rate=true.flop_rate)
+    for name in ("server_cpu_per_byte", "server_cpu_per_paced_byte", "trainer_cpu_per_message",
+                 "trainer_cpu_per_paced_byte"):  # fmt: skip
+        assert getattr(got, name) == pytest.approx(getattr(true, name), rel=1e-6), name
+    assert not true.paced(1e9) and true.paced(2e6)
+
+
 def test_async_binding_switches_from_the_trainers_step_to_server_cpu_at_t_star() -> None:
     # Links without limit: a trainer's serial step t_1 against T x the busiest server's CPU u.
     u = max(_server_cpu(TRUE, 2)[1])
@@ -117,12 +138,21 @@ def test_latency_binds_a_lone_trainer_on_a_long_link_and_sync_pays_the_barrier()
     far = predict(TRUE, MLP, Cluster(1, 3, 100e9, 0.01, 1.0, 1.0, None, "async"))
     assert far.binding == "round trips"
     assert far.steps_per_s < 1 / (7 * 2 * 0.01)  # 3 shards: 2 x 3 + 1 round trips of 20 ms
-    # Sync never beats async, and its barrier term grows with T while the rest stays.
+    # Below the servers' limit sync pays the slowest of T trainers' own steps, a barrier that
+    # grows with T, on a step that sends its next forward without waiting for its update's
+    # answer (c1 and a round trip less); at the limit the servers, working in parallel and
+    # serving one trainer while the others compute, bind both modes alike.
     for t in (2, 8, 64):
         cl = Cluster(t, 3, 10e9, 5e-5, 1.0, 1.0, None, "async")
         a = predict(TRUE, MLP, cl)
         s = predict(TRUE, MLP, Cluster(**{**cl.__dict__, "mode": "sync"}))
-        assert s.samples_per_s < a.samples_per_s
+        if a.binding != "server CPU":
+            own = (1 / a.steps_per_s - TRUE.trainer_cpu_per_message - 2 * 5e-5) * (
+                1 + TRUE.jitter * math.sqrt(2 * math.log(t))
+            )
+            assert s.steps_per_s == pytest.approx(1 / own)
+        else:
+            assert s.samples_per_s == pytest.approx(a.samples_per_s)
     jittery = Constants(**{**TRUE.__dict__, "jitter": 50.0})
     assert predict(jittery, MLP, Cluster(8, 3, 10e9, 5e-5, 1.0, 1.0, None, "sync")).binding == "sync barrier"
     with pytest.raises(ValueError, match="mode must be one of sync, async, ssp, hybrid"):
@@ -170,7 +200,8 @@ def test_scale_calibrate_refits_recorded_host_runs_into_a_calibration(tmp_path: 
         trainer = TRUE.trainer_cpu_base + TRUE.trainer_cpu_per_message * sum(ld.messages for ld in server_loads(MLP, s))
         for mode in ("async", "sync"):
             for kbit in (1e6, 2e4):
-                p = predict(TRUE, MLP, Cluster(t, s, kbit * 1e3, 0.0, cores, cores, None, mode))
+                cl = Cluster(t, s, kbit * 1e3, 0.0, cores, cores, None, mode, LINK_BURST_BYTES)  # as the hosts
+                p = predict(TRUE, MLP, cl)
                 ranks = [[3.0 + n * t * u for u in cpu] + [3.0 + n * trainer] * t for n in steps]
                 point = {"trainers": t, "servers": s, "mode": mode, "rate_kbit": kbit}
                 records.append(

@@ -110,7 +110,7 @@ def _describe(job: PlanJob) -> str:
 
 def _simulate(job: PlanJob, failures: Failures | None = None, horizon_s: float | None = None) -> SimResult:
     c, cl, sim = job.calibration.constants, job.cluster, job.settings.sim
-    plan = step_plan(c, job.workload, cl.servers)
+    plan = step_plan(c, job.workload, cl.servers, cl.link_bps)
     staleness = job.config.mode.staleness
     steps = sim.steps_per_trainer(cl.trainers, plan.calls())
     return simulate(cl, plan, steps, sim.straggler_spec(), failures, staleness, horizon_s, sim.seed)

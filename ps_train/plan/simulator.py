@@ -7,7 +7,9 @@ resource per direction: a message holds the sender's way out and the receiver's 
 ``bytes x 8 / rate``) and a one-way delay. The update modes wait as ps_train's do:
 
 - ``sync``: a step-s forward waits on each server until that server has every trainer's
-  step s-1 update (the round); the update itself is answered at once;
+  step s-1 update (the round); the update is answered once its round is complete, and the
+  trainer does not wait for that answer before its next forward (``ps_train/modes/sync.py``:
+  pipelined on rpc_core): it takes it after that forward and its loss, before the backward;
 - ``hybrid``: the dense rounds of sync, and the update is answered once its round is
   complete (``ps_train/modes/hybrid.py``); row lookups need no wait of their own then;
 - ``ssp``: a trainer starts step s once the slowest has finished step s - staleness - 1;
@@ -35,7 +37,7 @@ import simpy
 from ps_train.plan.steps import Call, StepPlan
 from ps_train.scaling.cost_model import BARRIER_MODES, MODES, Cluster
 
-__all__ = ["Stragglers", "Kill", "Failures", "SimResult", "Server", "simulate", "STRAGGLER_KINDS"]
+__all__ = ["Stragglers", "Kill", "Failures", "SimResult", "Cpu", "Server", "simulate", "STRAGGLER_KINDS"]
 
 STRAGGLER_KINDS = ("none", "one_in", "lognormal")
 Proc = Generator[simpy.Event, Any, None]
@@ -108,26 +110,76 @@ class SimResult:
     server_busy: list[float] = field(default_factory=list)  # each server's share of the time busy
 
 
+class Cpu:
+    """A host's CPU for ``cores`` below 1: a slower core (``period`` 0), or a CFS quota of
+    ``cores x period`` seconds of a full-speed core per period, the work waiting for the next
+    period once it is spent (a cgroup's ``cpu.cfs_quota_us``). A quota lets a host that was
+    idle catch up at full speed; a slower core does not."""
+
+    def __init__(self, env: simpy.Environment, cores: float, period: float = 0.0) -> None:
+        self.env, self.speed, self.period = env, min(cores, 1.0), period
+        self.left, self.ends = self.speed * period, period  # this period's budget, and its end
+
+    def run(self, seconds: float) -> Proc:
+        """``seconds`` of a full core's work."""
+        if not self.period or self.speed >= 1.0:
+            yield self.env.timeout(seconds / self.speed)
+            return
+        while seconds > 1e-12:
+            now = self.env.now
+            if now >= self.ends - 1e-12:  # a new period: a new budget
+                self.left = self.speed * self.period
+                self.ends = (math.floor(now / self.period + 1e-9) + 1) * self.period
+            if self.left <= 1e-12:
+                yield self.env.timeout(self.ends - now)  # throttled to the period's end
+                continue
+            run = min(seconds, self.left, self.ends - now)
+            yield self.env.timeout(run)
+            self.left -= run
+            seconds -= run
+
+
 class Server:
     """One server core: calls queue for it in arrival order and hold it for their service time."""
 
-    def __init__(self, env: simpy.Environment, cores: float) -> None:
-        self.env, self.speed = env, min(cores, 1.0)
+    def __init__(self, env: simpy.Environment, cores: float, period: float = 0.0) -> None:
+        self.env, self.cpu = env, Cpu(env, cores, period)
         self.core = simpy.Resource(env, capacity=1)
         self.busy_s = 0.0
 
     def serve(self, seconds: float) -> Proc:
         with self.core.request() as turn:
             yield turn
-            yield self.env.timeout(seconds / self.speed)
-            self.busy_s += seconds / self.speed
+            started = self.env.now
+            yield from self.cpu.run(seconds)
+            self.busy_s += self.env.now - started
+
+
+class _Way(simpy.Resource):
+    """One direction of a host's link: one message at a time, and a token bucket of ``burst``
+    bytes (a shaped link's) that refills at the link's rate while the way is idle."""
+
+    def __init__(self, env: simpy.Environment, burst: float) -> None:
+        super().__init__(env, capacity=1)
+        self.burst, self.tokens, self.stamp = burst, burst, 0.0
+
+    def wait_s(self, nbytes: float, bps: float) -> float:
+        """Seconds until ``nbytes`` have passed, starting now: what the bucket lacks, at the rate."""
+        self.tokens = min(self.burst, self.tokens + (self._env.now - self.stamp) * bps / 8)
+        self.stamp = self._env.now
+        return max(0.0, nbytes - self.tokens) * 8 / bps
+
+    def passed(self, nbytes: float, seconds: float, bps: float) -> None:
+        """``nbytes`` went out over ``seconds`` since ``wait_s``: the bucket spent them, refilling."""
+        self.tokens = max(0.0, min(self.burst, self.tokens + seconds * bps / 8) - nbytes)
+        self.stamp = self._env.now
 
 
 class _Link:
-    """A host's link: one resource per direction."""
+    """A host's link: one way out, one way in."""
 
-    def __init__(self, env: simpy.Environment) -> None:
-        self.out, self.into = simpy.Resource(env, capacity=1), simpy.Resource(env, capacity=1)
+    def __init__(self, env: simpy.Environment, burst: float) -> None:
+        self.out, self.into = _Way(env, burst), _Way(env, burst)
 
 
 class _Job:
@@ -137,10 +189,16 @@ class _Job:
         self.env = simpy.Environment()
         self.cl, self.plan, self.strag, self.fail, self.staleness = cl, plan, stragglers, failures, staleness
         self.rng = random.Random(seed)
-        self.servers = [Server(self.env, cl.server_cores) for _ in range(cl.servers)]
+        self.servers = [Server(self.env, cl.server_cores, cl.cpu_period_s) for _ in range(cl.servers)]
         finite = math.isfinite(cl.link_bps)
-        self.trainer_links = [_Link(self.env) for _ in range(cl.trainers)] if finite else []
-        self.server_links = [_Link(self.env) for _ in range(cl.servers)] if finite else []
+        burst = cl.link_burst_bytes
+        self.trainer_links = [_Link(self.env, burst) for _ in range(cl.trainers)] if finite else []
+        self.server_links = [_Link(self.env, burst) for _ in range(cl.servers)] if finite else []
+        # A trainer's core, for the answers of a phase's calls taken one after the other.
+        self.trainer_cpu = [simpy.Resource(self.env, capacity=1) for _ in range(cl.trainers)]
+        # Each trainer's host: a straggler of ``one_in`` has its cores over ``factor``.
+        kt = min(cl.trainer_cores, 1.0)
+        self.hosts = [Cpu(self.env, kt / self._fixed_slowdown(k), cl.cpu_period_s) for k in range(cl.trainers)]
         self.done = [0] * cl.trainers  # committed steps per trainer
         self.finished: list[list[float]] = [[] for _ in range(cl.trainers)]  # when each trainer finished each step
         self.procs: list[simpy.Process | None] = [None] * cl.trainers
@@ -154,15 +212,23 @@ class _Job:
         self.resumed_at = 0  # the step the job last (re)started from: no round before it to wait for
 
     # -- the network and the servers ------------------------------------------------------------
-    def _send(self, src: simpy.Resource | None, dst: simpy.Resource | None, nbytes: float, delay: bool = True) -> Proc:
+    def _send(self, src: _Way | None, dst: _Way | None, nbytes: float, delay: bool = True) -> Proc:
         """A message: it holds the sender's way out and the receiver's way in (None: free, or
-        no link limit) while its bytes pass, then travels the delay."""
+        no link limit) while its bytes pass (those either bucket lacks, at the rate), then
+        travels the delay."""
         if math.isfinite(self.cl.link_bps):
-            held = [r.request() for r in (src, dst) if r is not None]
+            bps = self.cl.link_bps
+            ways = [r for r in (src, dst) if r is not None]
+            held = [r.request() for r in ways]
             for turn in held:  # always the way out before the way in: no cycle of waits
                 yield turn
             try:
-                yield self.env.timeout(nbytes * 8 / self.cl.link_bps + (self.cl.latency_s if delay else 0.0))
+                passing = max((w.wait_s(nbytes, bps) for w in ways), default=nbytes * 8 / bps)
+                yield self.env.timeout(passing)
+                for w in ways:
+                    w.passed(nbytes, passing, bps)
+                if delay and self.cl.latency_s > 0:
+                    yield self.env.timeout(self.cl.latency_s)
             finally:
                 for turn in held:
                     turn.cancel()  # not granted yet (interrupted while queueing): leave the queue
@@ -177,15 +243,17 @@ class _Job:
             self.round_events[key] = self.env.event()
         return self.round_events[key]
 
-    def _call(self, k: int, step: int, call: Call) -> Proc:
+    def _call(self, k: int, step: int, call: Call, slow: float) -> Proc:
         try:
-            yield from self._play(k, step, call)
+            yield from self._play(k, step, call, slow)
         except simpy.Interrupt:
             pass  # its trainer failed or the job restarts: the call is lost with it
 
-    def _play(self, k: int, step: int, call: Call, alone: bool = False) -> Proc:
+    def _play(self, k: int, step: int, call: Call, slow: float, alone: bool = False) -> Proc:
         """``alone``: the trainer's only call in flight, so its own link is free both ways and
-        the message holds the server's side only."""
+        the message holds the server's side only. The trainer has spent its CPU to send the
+        call; it spends as much again to take the answer (``slow``: its straggler factor over
+        its cores), on its one core, after the other answers that came before."""
         mode = self.cl.mode
         tl = self.trainer_links[k] if self.trainer_links and not alone else None
         sl = self.server_links[call.server] if self.server_links else None
@@ -201,20 +269,28 @@ class _Job:
             self.rounds[key] = self.rounds.get(key, 0) + 1
             if self.rounds[key] == self.cl.trainers:
                 self._round(call.server, step).succeed()
-            if mode == "hybrid":
-                yield self._round(call.server, step)  # answered once the round is applied
+            yield self._round(call.server, step)  # answered once the round is applied
         yield from self._send(sl.out if sl else None, tl.into if tl else None, call.back_bytes)
         if tl is not None and call.copies > 1:
             yield from self._send(None, tl.into, call.back_bytes * (call.copies - 1), delay=False)
+        receive = self.plan.call_cpu_s(call) / 2 * call.copies * slow
+        if alone:
+            yield from self.hosts[k].run(receive)
+        else:
+            with self.trainer_cpu[k].request() as turn:
+                yield turn
+                yield from self.hosts[k].run(receive)
 
     # -- the trainers ---------------------------------------------------------------------------
-    def _slowdown(self, k: int) -> float:
+    def _fixed_slowdown(self, k: int) -> float:
+        """A ``one_in`` straggler's factor (its host's cores over it), else 1."""
         s = self.strag
-        if s.kind == "one_in":
-            return s.factor if k % s.every == s.every - 1 else 1.0
-        if s.kind == "lognormal":
-            return self.rng.lognormvariate(-(s.sigma**2) / 2, s.sigma)
-        return 1.0
+        return s.factor if s.kind == "one_in" and k % s.every == s.every - 1 else 1.0
+
+    def _slowdown(self, k: int) -> float:
+        """This step's factor on trainer ``k``'s CPU work, beyond its host's (lognormal draws)."""
+        s = self.strag
+        return self.rng.lognormvariate(-(s.sigma**2) / 2, s.sigma) if s.kind == "lognormal" else 1.0
 
     def _level(self, steps: int) -> simpy.Event:
         if steps not in self.level_events:
@@ -224,28 +300,41 @@ class _Job:
         return self.level_events[steps]
 
     def _trainer(self, k: int, steps: float) -> Proc:
-        plan, kt = self.plan, min(self.cl.trainer_cores, 1.0)
+        plan, cpu = self.plan, self.hosts[k]
+        # Sync sends its next forward without waiting for its update's answer, once the step
+        # has a forward to send first (a plan whose update is its only phase has none).
+        pipelined = self.cl.mode == "sync" and 0 < plan.cpu_at < len(plan.phases)
+        pending: list[simpy.Process] = []
         try:
             while self.done[k] < steps:
                 s = self.done[k]
                 if self.cl.mode == "ssp" and s - self.staleness > 0:
                     yield self._level(s - self.staleness)  # the slowest is at most `staleness` steps behind
-                slow = self._slowdown(k) / kt
+                slow = self._slowdown(k)
                 for at, phase in enumerate(plan.phases):
                     if at == plan.cpu_at:
-                        yield self.env.timeout(plan.trainer_cpu_s * slow)
-                    if len(phase) == 1:  # played inline: a process per call costs more than the call
-                        yield self.env.timeout(plan.per_call_cpu_s * slow)
-                        yield from self._play(k, s, phase[0], alone=True)
+                        yield from cpu.run(plan.trainer_cpu_s * slow)
+                        if pending:  # sync: the previous step's update answers, before the backward
+                            yield self.env.all_of(pending)
+                            pending = []
+                    last = at == len(plan.phases) - 1
+                    if len(phase) == 1 and not (pipelined and last):  # inline: a process costs more than a call
+                        yield from cpu.run(plan.call_cpu_s(phase[0]) / 2 * slow)
+                        yield from self._play(k, s, phase[0], slow, alone=True)
                         continue
                     calls = []
                     for call in phase:
-                        yield self.env.timeout(plan.per_call_cpu_s * call.copies * slow)
-                        calls.append(self.env.process(self._call(k, s, call)))
-                    self.children[k] = calls
-                    yield self.env.all_of(calls)
-                self.children[k] = []
-                self._commit(k)
+                        yield from cpu.run(plan.call_cpu_s(call) / 2 * call.copies * slow)
+                        calls.append(self.env.process(self._call(k, s, call, slow)))
+                    self.children[k] = pending + calls
+                    if pipelined and last:
+                        pending = calls  # the next forward goes out at once
+                    else:
+                        yield self.env.all_of(calls)
+                self.children[k] = list(pending)
+                self._commit(k)  # pipelined: as its update goes out, as ps_train's trainer counts it
+            if pending:
+                yield self.env.all_of(pending)  # the last step's answers
         except simpy.Interrupt:
             for child in self.children[k]:
                 if child.is_alive:

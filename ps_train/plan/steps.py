@@ -19,7 +19,8 @@ still pays its CPU and its link for every copy.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 from ps_train.scaling.cost_model import Constants
 from ps_train.scaling.shapes import FLOAT, Workload, shards
@@ -35,29 +36,41 @@ class Call:
     back_bytes: float  # server -> trainer
     service_s: float  # the server's CPU seconds (one core)
     copies: int = 1  # identical calls to as many servers without stages, this one standing for all
+    # The trainer's CPU for this call: half to send it (before), half to take its answer
+    # (after); None: the plan's ``per_call_cpu_s``.
+    trainer_cpu_s: float | None = None
 
 
 @dataclass(frozen=True)
 class StepPlan:
     batch: int  # samples per step
     trainer_cpu_s: float  # c0: once a step, before phase ``cpu_at``
-    per_call_cpu_s: float  # c1: for each call the trainer sends
+    per_call_cpu_s: float  # c1: for each call the trainer sends (a call's own ``trainer_cpu_s`` first)
     phases: tuple[tuple[Call, ...], ...]  # a phase's calls go out together; the next waits for all answers
     cpu_at: int = 0  # the phase c0 comes before: a model's after its forward (the loss, the backward's start)
+
+    def call_cpu_s(self, call: Call) -> float:
+        """The trainer's CPU seconds for one copy of ``call``, sending and taking its answer."""
+        return self.per_call_cpu_s if call.trainer_cpu_s is None else call.trainer_cpu_s
 
     def calls(self) -> int:
         """Calls the simulation plays per step (copies count once)."""
         return sum(len(p) for p in self.phases)
 
 
-def step_plan(c: Constants, w: Workload, servers: int) -> StepPlan:
-    """The calls of one trainer step of ``w`` on ``servers`` servers, priced by ``c``."""
+def step_plan(c: Constants, w: Workload, servers: int, link_bps: float = math.inf) -> StepPlan:
+    """The calls of one trainer step of ``w`` on ``servers`` servers, priced by ``c``, on links
+    of ``link_bps`` (a slow one costs both ends CPU per byte: ``Constants.paced``)."""
     frame = c.gamma / 2  # a request's framing, half each way
+    paced = c.paced(link_bps)
+    per_byte = c.server_cpu_per_byte + (c.server_cpu_per_paced_byte if paced else 0.0)
+    trainer_per_byte = c.trainer_cpu_per_paced_byte if paced else 0.0
 
     def call(server: int, kind: str, out_payload: float, back_payload: float, flops: float) -> Call:
         out, back = c.beta * out_payload + frame, c.beta * back_payload + frame
-        service = c.server_cpu_per_message + c.server_cpu_per_byte * (out + back) + flops / c.flop_rate
-        return Call(server, kind, out, back, service)
+        service = c.server_cpu_per_message + per_byte * (out + back) + flops / c.flop_rate
+        trainer = c.trainer_cpu_per_message + trainer_per_byte * (out + back)
+        return Call(server, kind, out, back, service, trainer_cpu_s=trainer)
 
     b = w.batch * FLOAT  # bytes per float of a batch
     held = shards(w, servers)
@@ -68,7 +81,7 @@ def step_plan(c: Constants, w: Workload, servers: int) -> StepPlan:
         calls = [call(sh.server, kind, out_payload, back_payload, flops) for sh in held]
         if stageless:
             rest = call(stageless[0], kind, out_payload, back_payload, flops)
-            calls.append(Call(rest.server, kind, rest.out_bytes, rest.back_bytes, rest.service_s, len(stageless)))
+            calls.append(replace(rest, copies=len(stageless)))
         return tuple(calls)
 
     phases: list[tuple[Call, ...]] = []

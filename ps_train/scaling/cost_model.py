@@ -6,20 +6,25 @@ Per trainer step, with ``m_s`` requests, ``n_s`` payload bytes (both ways, from 
 shapes) and ``f_s`` flops on server ``s`` (``shapes.server_loads``):
 
 - bytes on the wire at server s:  ``w_s = beta * n_s + gamma * m_s``  (framing, pickling)
-- server CPU:                     ``u_s = a * m_s + b * w_s + f_s / F``  (F: FLOP/s, assumed)
-- trainer CPU:                    ``c = c0 + c1 * sum_s m_s``
+- server CPU:                     ``u_s = a * m_s + b * w_s + f_s / F``  (F: FLOP/s, assumed),
+  plus ``bp * w_s`` on a paced link (``Constants.paced``)
+- trainer CPU:                    ``c = c0 + c1 * sum_s m_s``, plus ``cp * sum_s w_s`` on a paced link
 - a trainer's own step (serial):  ``c + sum over its shards' servers of u_s + round trips x
-  2 x latency + its bytes the busier way / bandwidth``; round trips = 2 x shards + 1
-  (forward and backward through each shard, then the update to all servers at once).
+  2 x latency + (its bytes the busier way - the link's bucket) / bandwidth``; round trips =
+  2 x shards + 1 (forward and backward through each shard, then the update to all servers at
+  once).
 
 Async (and ssp, whose bound only binds with stragglers): each trainer steps at the least of
 ``1 / serial step``, ``cores_s / (T u_s)`` (server CPU), ``B / (T x server s's bytes the
-busier way)`` (server link) and, all ranks on one machine of ``C`` cores,
+busier way)`` (server link), ``B / (its own bytes the busier way)`` (trainer link) and, all
+ranks on one machine of ``C`` cores,
 ``C / (T (c + sum_s u_s))``. Sync (and hybrid, whose dense rounds wait for every trainer): a
-step waits for all trainers, so the servers' work for the T trainers adds to the trainer's
-instead of overlapping it, plus the slowest of T trainers: ``jitter x serial step x
-sqrt(2 ln T)`` (the expected maximum of T normal times). A process uses at most one core
-(Python's interpreter lock), so cores above 1 do not count.
+round waits for all trainers, but the servers work in parallel on their own shards and serve
+one trainer while the others compute, so a round takes the longest of the busiest server's
+work for all T trainers, the links' bytes, and the slowest trainer's own step: ``serial step
+x (1 + jitter x sqrt(2 ln T))`` (the expected maximum of T normal times); in sync that step
+is pipelined (no wait for the update's answer: ``c1`` and a round trip less). A process uses
+at most one core (Python's interpreter lock), so cores above 1 do not count.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ __all__ = [
     "MODES",
     "BARRIER_MODES",
     "DEFAULT_CALIBRATION",
+    "PACED_BELOW_BPS",
     "load_calibration",
     "save_calibration",
     "server_costs",
@@ -55,6 +61,8 @@ __all__ = [
 MODES = ("sync", "async", "ssp", "hybrid")
 BARRIER_MODES = ("sync", "hybrid")  # a round per step that waits for every trainer
 DEFAULT_CALIBRATION = Path(__file__).with_name("calibration.json")
+# Assumed, between the rates measured: 2 Mbit/s delivered messages by the segment, 1 Gbit/s did not.
+PACED_BELOW_BPS = 1e8
 
 
 @dataclass(frozen=True)
@@ -68,6 +76,17 @@ class Constants:
     flop_rate: float  # F, FLOP/s of one core on these small ops (assumed, not fitted)
     jitter: float  # coefficient of variation of a step's time (sync)
     jitter_fitted: bool = False
+    # On a link slower than ``paced_below_bps`` a message arrives a segment at a time, each
+    # read by a wake-up of its own, so its bytes cost CPU at both ends that they do not cost
+    # on a fast link (emulated hosts: about 3.5 ms more per 2-server step at 2 Mbit/s than at
+    # 1 Gbit/s, on 78 KB). Fitted on the runs whose link is that slow; the threshold is assumed.
+    server_cpu_per_paced_byte: float = 0.0  # seconds per wire byte, at the server
+    trainer_cpu_per_paced_byte: float = 0.0  # seconds per wire byte, at the trainer
+    paced_below_bps: float = PACED_BELOW_BPS
+
+    def paced(self, link_bps: float) -> bool:
+        """Whether a link of ``link_bps`` delivers a message by the segment (see above)."""
+        return link_bps < self.paced_below_bps
 
 
 @dataclass(frozen=True)
@@ -132,6 +151,14 @@ class Cluster:
     server_cores: float
     shared_cores: float | None  # all ranks on one machine with this many cores (None: a host each)
     mode: str  # sync | async | ssp | hybrid
+    # A token bucket's depth on every link, each way (a shaped link: ``tc tbf``'s burst): it
+    # fills while the link is idle, and a message passes at once for as many bytes as it holds.
+    # 0: every message waits its bytes over the rate.
+    link_burst_bytes: float = 0.0
+    # Cores below 1 as a CFS quota (cgroup ``cpu.cfs_period_us``, in seconds): a host may use
+    # ``cores x period`` of one core's time per period, at full speed, then waits for the next
+    # period. 0: a slower core. Only the simulator plays it; the model takes a slower core.
+    cpu_period_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.trainers < 1 or self.servers < 1:
@@ -141,6 +168,10 @@ class Cluster:
         if not self.link_bps > 0 or self.latency_s < 0:
             raise ValueError(
                 f"the link needs a rate > 0 and a latency >= 0, got {self.link_bps} b/s and {self.latency_s} s"
+            )
+        if self.link_burst_bytes < 0 or self.cpu_period_s < 0:
+            raise ValueError(
+                f"link_burst_bytes and cpu_period_s must be >= 0, got {self.link_burst_bytes}, {self.cpu_period_s}"
             )
         if self.trainer_cores <= 0 or self.server_cores <= 0:
             raise ValueError(f"cores must be > 0, got {self.trainer_cores} (trainer), {self.server_cores} (server)")
@@ -164,14 +195,17 @@ class ServerCosts:
     trainer_cpu: float
 
 
-def server_costs(c: Constants, w: Workload, servers: int) -> ServerCosts:
+def server_costs(c: Constants, w: Workload, servers: int, link_bps: float = math.inf) -> ServerCosts:
     loads = server_loads(w, servers)
     wire = [c.beta * ld.bytes + c.gamma * ld.messages for ld in loads]
+    per_byte = c.server_cpu_per_byte + (c.server_cpu_per_paced_byte if c.paced(link_bps) else 0.0)
     cpu = [
-        c.server_cpu_per_message * ld.messages + c.server_cpu_per_byte * wb + ld.flops / c.flop_rate
+        c.server_cpu_per_message * ld.messages + per_byte * wb + ld.flops / c.flop_rate
         for ld, wb in zip(loads, wire, strict=True)
     ]
     trainer = c.trainer_cpu_base + c.trainer_cpu_per_message * sum(ld.messages for ld in loads)
+    if c.paced(link_bps):
+        trainer += c.trainer_cpu_per_paced_byte * sum(wire)  # a trainer's bytes are all its servers' bytes
     return ServerCosts(loads, wire, cpu, trainer)
 
 
@@ -193,7 +227,7 @@ def trainer_ways(c: Constants, loads: list[ServerLoad]) -> tuple[float, float]:
 
 def serial_step(c: Constants, w: Workload, cl: Cluster) -> tuple[float, dict[str, float]]:
     """A trainer's step alone: its total seconds and their parts."""
-    sc = server_costs(c, w, cl.servers)
+    sc = server_costs(c, w, cl.servers, cl.link_bps)
     kt, ks = min(cl.trainer_cores, 1.0), min(cl.server_cores, 1.0)
     on_path = sum(u for ld, u in zip(sc.loads, sc.cpu, strict=True) if ld.shard)
     off_path = [u for ld, u in zip(sc.loads, sc.cpu, strict=True) if not ld.shard]  # table shares, in parallel
@@ -202,40 +236,61 @@ def serial_step(c: Constants, w: Workload, cl: Cluster) -> tuple[float, dict[str
         "trainer CPU": sc.trainer_cpu / kt,
         "server compute on the path": (on_path + max(off_path, default=0.0)) / ks,
         "round trips": (2 * shards + 1 + (1 if w.table_bytes else 0)) * 2 * cl.latency_s,
-        # The busier way of the trainer's link: what the servers receive, or what they send.
-        "trainer link": max(trainer_ways(c, sc.loads)) * 8 / cl.link_bps,
+        # The busier way of the trainer's link (what the servers receive, or what they send),
+        # less what its bucket holds: that much passes at once, having refilled while the
+        # trainer and the servers worked (the link's rate still bounds the average: ``predict``).
+        "trainer link": max(0.0, max(trainer_ways(c, sc.loads)) - cl.link_burst_bytes) * 8 / cl.link_bps,
     }
     return sum(parts.values()), parts
 
 
 def predict(c: Constants, w: Workload, cl: Cluster) -> Prediction:
     """Samples/s of ``cl`` running ``w``, and the resource that binds."""
-    sc = server_costs(c, w, cl.servers)
+    sc = server_costs(c, w, cl.servers, cl.link_bps)
     ks = min(cl.server_cores, 1.0)
     serial, parts = serial_step(c, w, cl)
     t = cl.trainers
     server_cpu = t * max(sc.cpu) / ks  # seconds of the busiest server's CPU per step of every trainer
     server_link = t * max(busier_way(c, w, cl.servers)) * 8 / cl.link_bps
+    trainer_link = max(trainer_ways(c, sc.loads)) * 8 / cl.link_bps  # a bucket does not raise the rate
     machine = t * (sc.trainer_cpu + sum(sc.cpu)) / cl.shared_cores if cl.shared_cores else 0.0
     if cl.mode not in BARRIER_MODES:
-        times = {"server CPU": server_cpu, "server link": server_link, "machine cores": machine}
+        times = {
+            "server CPU": server_cpu,
+            "server link": server_link,
+            "trainer link": trainer_link,
+            "machine cores": machine,
+        }
         slowest = max(times, key=lambda k: times[k])
         step = max(serial, times[slowest])
         binding = max(parts, key=lambda k: parts[k]) if step == serial else slowest
         bounds = {**{k: 1.0 / v for k, v in times.items() if v > 0}, "a trainer's own step": 1.0 / serial}
     else:
-        # The servers serve every trainer's step before any trainer goes on: their time adds.
-        server = max(parts["server compute on the path"], server_cpu, server_link)
+        # A round waits for every trainer, but the servers still work in parallel, each on its
+        # own shard, and a server serves one trainer's calls while the others compute or send:
+        # the round takes the busiest server's work for all T trainers, or the slowest
+        # trainer's own step (the expected maximum of T normal step times), whichever is longer.
+        if cl.mode == "sync":
+            # Pipelined (ps_train/modes/sync.py): a trainer sends its next forward as soon as
+            # its update is out; the forward waits on the server for the round, not for the
+            # update's answer to come back and be read (one latency each way, and the call's
+            # CPU at the trainer: half to read the answer, half to send the forward).
+            serial -= c.trainer_cpu_per_message / min(cl.trainer_cores, 1.0) + 2 * cl.latency_s
         barrier = c.jitter * serial * math.sqrt(2 * math.log(t)) if t > 1 else 0.0
-        terms = {
-            "trainer CPU": parts["trainer CPU"],
-            "round trips": parts["round trips"] + parts["trainer link"],
-            "server CPU" if server > server_link else "server link": server,
-            "sync barrier": barrier,
+        times = {
+            "server CPU": server_cpu,
+            "server link": server_link,
+            "trainer link": trainer_link,
+            "machine cores": machine,
+            "sync barrier": serial + barrier,
         }
-        step = max(sum(terms.values()), machine)
-        binding = "machine cores" if machine > sum(terms.values()) else max(terms, key=lambda k: terms[k])
-        bounds = {}
+        slowest = max(times, key=lambda k: times[k])
+        step = times[slowest]
+        if slowest == "sync barrier" and barrier < max(parts.values()):
+            binding = max(parts, key=lambda k: parts[k])
+        else:
+            binding = slowest
+        bounds = {k: 1.0 / v for k, v in times.items() if v > 0}
     return Prediction(t * w.batch / step, 1.0 / step, binding, bounds)
 
 

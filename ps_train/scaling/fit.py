@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from ps_train.scaling.cost_model import Cluster, Constants, predict
+from ps_train.scaling.cost_model import PACED_BELOW_BPS, Cluster, Constants, predict
 from ps_train.scaling.shapes import Workload, mlp, server_loads
 
 __all__ = ["Observation", "DEFAULT_JITTER", "observation_from_run", "fit", "measured_as_cluster"]
@@ -38,6 +38,7 @@ class Observation:
     cores_used: float  # all roles' CPU while training / training wall time
     load: float  # the machine's load average during the run
     workload: Workload  # what the run trained (an MLP: its hidden sizes and batch)
+    link_bps: float = math.inf  # each host's link (inf: loopback), for the CPU of paced bytes
 
 
 def observation_from_run(run: dict[str, Any]) -> Observation | None:
@@ -84,6 +85,11 @@ def _mlp_of(run: dict[str, Any]) -> Workload | None:
     return mlp(hidden, batch)
 
 
+def paced(link_bps: float) -> float:
+    """1.0 for a link that delivers by the segment (``Constants.paced``), else 0.0."""
+    return float(link_bps < PACED_BELOW_BPS)
+
+
 def _lstsq(columns: list[list[float]], y: list[float]) -> list[float]:
     """Least-squares coefficients, none negative (a negative one is dropped and the rest refitted)."""
     a, target = np.array(columns, dtype=float).T, np.array(y, dtype=float)
@@ -105,15 +111,23 @@ def fit(
     runs' jitter (default ``measured_as_cluster``: one machine, the cores the run got)."""
     cluster_of = cluster_of or measured_as_cluster
     loads = {id(o): server_loads(o.workload, o.servers) for o in obs}
-    pts = [(ld, o.server_bytes_per_step[r], o.server_cpu_per_step[r]) for o in obs for r, ld in enumerate(loads[id(o)])]
-    beta, gamma = _lstsq([[ld.bytes for ld, _, _ in pts], [ld.messages for ld, _, _ in pts]], [b for _, b, _ in pts])
-    a, b = _lstsq(
-        [[ld.messages for ld, _, _ in pts], [wb for _, wb, _ in pts]],
-        [cpu - ld.flops / flop_rate for ld, _, cpu in pts],
+    pts = [
+        (ld, o.server_bytes_per_step[r], o.server_cpu_per_step[r], o.link_bps)
+        for o in obs
+        for r, ld in enumerate(loads[id(o)])
+    ]
+    beta, gamma = _lstsq([[p[0].bytes for p in pts], [p[0].messages for p in pts]], [p[1] for p in pts])
+    # A byte costs CPU at the server everywhere (b), and more on a paced link (see Constants).
+    a, b, bp = _lstsq(
+        [[p[0].messages for p in pts], [p[1] for p in pts], [p[1] * paced(p[3]) for p in pts]],
+        [cpu - ld.flops / flop_rate for ld, _, cpu, _ in pts],
     )
     msgs = [sum(ld.messages for ld in loads[id(o)]) for o in obs]
-    c0, c1 = _lstsq([[1.0] * len(obs), [float(m) for m in msgs]], [o.trainer_cpu_per_step for o in obs])
-    c = Constants(beta, gamma, a, b, c0, c1, flop_rate, DEFAULT_JITTER)
+    paced_bytes = [sum(o.server_bytes_per_step) * paced(o.link_bps) for o in obs]
+    c0, c1, cp = _lstsq(
+        [[1.0] * len(obs), [float(m) for m in msgs], paced_bytes], [o.trainer_cpu_per_step for o in obs]
+    )
+    c = Constants(beta, gamma, a, b, c0, c1, flop_rate, DEFAULT_JITTER, False, bp, cp)
     sync = [o for o in obs if o.mode == "sync" and o.trainers > 1]
     if sync:
         # The jitter that fits the sync runs best (least squared log error), on a grid.

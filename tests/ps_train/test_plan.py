@@ -15,7 +15,7 @@ import pytest
 import simpy
 
 from ps_train.plan.cli import compose_job, main
-from ps_train.plan.simulator import Failures, Kill, Server, Stragglers, simulate
+from ps_train.plan.simulator import Cpu, Failures, Kill, Server, Stragglers, simulate
 from ps_train.plan.steps import Call, StepPlan, step_plan
 from ps_train.scaling.cost_model import Cluster, load_calibration, predict
 from ps_train.scaling.shapes import WORKLOADS, Stage
@@ -39,6 +39,54 @@ def test_one_trainer_one_server_steps_at_compute_plus_two_transfers_plus_service
     half = Cluster(1, 1, 1e9, 1e-4, 0.5, 1.0, None, mode)
     slower = batch / (2 * (c0 + c1) + 2 * transfer + service)
     assert simulate(half, plan, steps=10).samples_per_s == pytest.approx(slower, rel=1e-9)
+
+
+def test_a_shaped_links_bucket_passes_what_it_holds_at_once() -> None:
+    # A token bucket of 8,192 bytes on every way at 1 Mbit/s, refilled while the trainer
+    # computes (100 ms a step: 12.5 KB): a message within it takes no time on the wire, and
+    # one beyond it waits for what the bucket lacks, at the rate; the answer's half of the
+    # trainer's CPU for the call comes after it.
+    batch, c0, c1, service, burst = 32, 0.1, 4e-3, 3e-3, 8192.0
+    cl = Cluster(1, 1, 1e6, 0.0, 1.0, 1.0, None, "async", burst)
+    small = StepPlan(batch, c0, c1, ((Call(0, "forward", 4000.0, 4000.0, service),),))
+    assert simulate(cl, small, steps=10).samples_per_s == pytest.approx(batch / (c0 + c1 + service), rel=1e-9)
+    big = StepPlan(batch, c0, c1, ((Call(0, "forward", 12_000.0, 12_000.0, service),),))
+    lacking = 2 * (12_000 - burst) * 8 / 1e6  # both ways
+    assert simulate(cl, big, steps=10).samples_per_s == pytest.approx(batch / (c0 + c1 + service + lacking), rel=1e-9)
+
+
+def test_a_cpu_quota_is_a_budget_per_period_at_full_speed() -> None:
+    # 0.1 core as a CFS quota of a 100 ms period: 3 ms of work take 3 ms; 25 ms more take
+    # the 7 ms left of that period's budget, 10 of the next and 8 of the third, throttled to
+    # each period's end in between.
+    env = simpy.Environment()
+    cpu = Cpu(env, 0.1, 0.1)
+    ends: list[float] = []
+
+    def job(seconds: float) -> Generator[simpy.Event, Any, None]:
+        yield from cpu.run(seconds)
+        ends.append(env.now)
+
+    env.process(job(0.003))
+    env.run()
+    env.process(job(0.025))
+    env.run()
+    assert ends == pytest.approx([0.003, 0.208])
+    # A slower core (no period) takes 10x as long.
+    slow = Cpu(env, 0.1)
+    env.process(slow.run(0.003))
+    start = env.now
+    env.run()
+    assert env.now - start == pytest.approx(0.03)
+    # One trainer and one server within their budgets (0.6 core: 60 ms a period, each using
+    # under 55) step at full speed; at 0.1 core the server's 3 ms a step bind: 10 ms of its
+    # budget a period is 3.33 steps per 100 ms.
+    batch, c0, c1, service = 32, 2e-3, 5e-4, 3e-3
+    plan = StepPlan(batch, c0, c1, ((Call(0, "forward", 0.0, 0.0, service),),))
+    within = Cluster(1, 1, math.inf, 0.0, 0.6, 0.6, None, "async", cpu_period_s=0.1)
+    assert simulate(within, plan, steps=50).samples_per_s == pytest.approx(batch / (c0 + c1 + service), rel=1e-9)
+    over = Cluster(1, 1, math.inf, 0.0, 0.1, 0.1, None, "async", cpu_period_s=0.1)
+    assert simulate(over, plan, steps=200).samples_per_s == pytest.approx(batch * 0.1 / service, rel=0.05)
 
 
 def test_md1_waiting_time_matches_pollaczek_khinchine() -> None:
