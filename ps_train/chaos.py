@@ -60,7 +60,9 @@ def job_config(mode: str, model: str, trainers: int, max_restarts: int) -> list[
         "train.eval_every=0",
         "logging.progress=false",
         "logging.tensorboard=false",
-        "checkpoint.keep=3",
+        # Every checkpoint stays: the last attempt's trainer positions are read from the one it
+        # resumed from (lost_updates), which a later save would otherwise prune.
+        "checkpoint.keep=0",
     ]
 
 
@@ -231,7 +233,13 @@ def lost_updates(metrics: dict[str, Any], trainers: int, steps: int) -> dict[str
     restarts = metrics.get("restarts", [])
     resumed = {f"trainer{t}": 0 for t in range(trainers)}
     if restarts and restarts[-1].get("checkpoint"):  # None: it started over from step 0
-        manifest = json.loads((Path(restarts[-1]["checkpoint"]) / "manifest.json").read_text())
+        path = Path(restarts[-1]["checkpoint"]) / "manifest.json"
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{path}: the checkpoint the job's last attempt resumed from is gone, so its trainers' "
+                "positions are unknown; run the chaos job with checkpoint.keep=0 (job_config does)"
+            )
+        manifest = json.loads(path.read_text())
         for name in resumed:
             resumed[name] = manifest["trainer_positions"].get(name, {}).get("step", restarts[-1]["from_step"])
     out = {}

@@ -6,13 +6,14 @@ process (``_oracle``; an uninterrupted sync job has them, tests/ps_train/test_re
 from __future__ import annotations
 
 import collections
+import json
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from ps_train.chaos import Killer, checkpoint_problems, job_config, run_with_killer
+from ps_train.chaos import Killer, checkpoint_problems, job_config, lost_updates, run_with_killer
 from tests.ps_train._app import assert_same_weights, final_weights, make_cfg
 from tests.ps_train._oracle import single_process_run
 
@@ -82,3 +83,23 @@ def test_a_victim_not_running_when_its_failure_falls_due_is_killed_once_it_runs(
     assert ps0_alive and len(killer.kills) == 2, killer.kills  # ps0, the only one up at first, was spared
     assert {k.role for k in killer.kills} <= {"trainer0", "trainer1"}
     assert all(k.time_s >= 0.9 for k in killer.kills), killer.kills  # none before the trainers ran
+
+
+def test_lost_updates_counts_from_the_checkpoint_the_last_attempt_resumed_from(tmp_path: Path) -> None:
+    ckpt = tmp_path / "step_000000040"
+    ckpt.mkdir()
+    positions = {"trainer0": {"step": 40}, "trainer1": {"step": 38}}
+    (ckpt / "manifest.json").write_text(json.dumps({"trainer_positions": positions}))
+    metrics = {
+        "restarts": [{"checkpoint": str(ckpt), "from_step": 40}],
+        # After the resume trainer0 ran its 60 remaining steps, trainer1 one fewer than its 62
+        # and ps1 got one of trainer0's twice.
+        "updates_by_trainer": {"ps0": {"trainer0": 60, "trainer1": 61}, "ps1": {"trainer0": 61, "trainer1": 62}},
+    }
+    assert lost_updates(metrics, trainers=2, steps=100) == {"ps0": (1, 0), "ps1": (0, 1)}
+
+
+def test_lost_updates_says_so_when_the_resumed_checkpoint_was_pruned(tmp_path: Path) -> None:
+    metrics = {"restarts": [{"checkpoint": str(tmp_path / "step_000000040"), "from_step": 40}]}
+    with pytest.raises(FileNotFoundError, match="checkpoint.keep=0"):
+        lost_updates(metrics, trainers=2, steps=100)
