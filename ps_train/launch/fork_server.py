@@ -4,7 +4,8 @@
 role needs again, after the launcher already did (seconds of CPU, before the first role can
 start). ``ForkServer`` instead forks a helper from the launcher while the launcher is still
 single-threaded (so no lock can be held by a thread that does not exist in the copy); the
-helper imports what the launcher has not (``preload``) and then forks one child per
+helper imports what the launcher has not (``preload``), runs ``prepare`` (work every role
+would repeat, e.g. drawing a computed data set) and then forks one child per
 ``start`` request. Every child is a copy of the helper: torch is imported, the workload is
 registered, and the objects the launcher created before the helper (pipes, the heartbeat
 array, the run's config) are there without pickling.
@@ -48,7 +49,7 @@ class ForkServerError(RuntimeError):
 
 @dataclass(frozen=True)
 class _Ready:
-    at: float  # wall clock: the helper has imported everything in ``preload``
+    at: float  # wall clock: the helper has imported everything in ``preload`` and run ``prepare``
     cpu_s: float  # the CPU time that took
 
 
@@ -73,7 +74,9 @@ class ForkServer:
     runs in each forked child and must end the process (``os._exit``): a child that returns
     from it exits 0, one that raises exits 1."""
 
-    def __init__(self, preload: Iterable[str], run: Callable[[Any], None]) -> None:
+    def __init__(
+        self, preload: Iterable[str], run: Callable[[Any], None], prepare: Callable[[], None] | None = None
+    ) -> None:
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         alive_r, alive_w = os.pipe()  # only the launcher holds alive_w: EOF on alive_r when it dies
         self._exits: dict[int, int] = {}
@@ -82,7 +85,7 @@ class ForkServer:
         if pid == 0:  # the helper: never returns
             self._sock.close()
             os.close(alive_w)
-            _helper(theirs, alive_r, list(preload), run)
+            _helper(theirs, alive_r, list(preload), run, prepare)
         theirs.close()
         os.close(alive_r)
         self.pid, self._alive_w = pid, alive_w
@@ -204,14 +207,23 @@ def _send(sock: socket.socket, message: Any, fds: list[int] | None = None) -> No
     socket.send_fds(sock, [pickle.dumps(message)], fds or [])
 
 
-def _helper(sock: socket.socket, alive_r: int, preload: list[str], run: Callable[[Any], None]) -> None:
-    """The helper's life: preload, then fork a child per request, report exits; never returns."""
+def _helper(
+    sock: socket.socket,
+    alive_r: int,
+    preload: list[str],
+    run: Callable[[Any], None],
+    prepare: Callable[[], None] | None,
+) -> None:
+    """The helper's life: preload and prepare, then fork a child per request, report exits;
+    never returns."""
     code = 0
     try:
         # The launcher's Ctrl-C reaches the whole process group: the launcher stops the roles.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         for module in preload:
             importlib.import_module(module)
+        if prepare is not None:
+            prepare()
         # Every object so far goes to gc's permanent generation: a child's collections then
         # never walk (and so never copy-on-write) the pages torch's modules live in, which
         # cost each role a third of a CPU-second and a copy of most of the heap.

@@ -65,6 +65,34 @@ def test_a_role_that_changes_a_global_does_not_affect_the_next_role(served):
     assert SETTINGS["lr"] == 0.1  # and the launcher's own copy is untouched
 
 
+def _prepare() -> None:
+    SETTINGS["prepared"] = os.getpid()  # in the fork server, before any role
+
+
+@pytest.mark.timeout(30)
+def test_what_the_fork_server_prepared_is_in_every_role_and_not_in_the_launcher():
+    r, w = os.pipe()
+    server = ForkServer([], partial(_role_prepared, w), _prepare)
+    try:
+        seen = []
+        for name in ("trainer0", "trainer1"):
+            p = server.start("ok", name)
+            seen.append(_read_line(r))
+            p.join(20)
+            assert p.exitcode == 0
+        assert seen[0] == seen[1] == str(server.pid)  # prepared once, by the fork server, before both
+        assert "prepared" not in SETTINGS
+    finally:
+        server.close()
+        os.close(r)
+        os.close(w)
+
+
+def _role_prepared(fd: int, action: str) -> None:
+    os.write(fd, f"{SETTINGS.get('prepared', '-')}\n".encode())
+    os._exit(0)
+
+
 @pytest.mark.timeout(30)
 def test_exit_codes_and_signals_reach_the_launcher(served):
     _, server = served
