@@ -97,6 +97,11 @@ class Workload:
     preload: tuple[str, ...] = ()
     # Heavy modules only some data configs use (a dataset's loader): preloaded for those runs only.
     preload_for: Callable[[DataConfig], tuple[str, ...]] = lambda data: ()
+    # Work every trainer would repeat, done once by the launcher's fork server before it forks
+    # the roles (each finds the result in its copy): e.g. drawing a computed data set, which
+    # its trainer's ``load`` then takes instead of drawing it again. It must leave the result
+    # what each trainer would have computed itself (spawned roles do compute it themselves).
+    prepare: Callable[[DataConfig], None] = lambda data: None
     # The modules that define the functions its roles call on each other by RPC (``rpc_sync``
     # / ``rpc_async`` / ``remote`` of a function, not an RRef's methods) and the record classes
     # those calls carry, each marked ``@ps_train.backend.called_by_name``. Under

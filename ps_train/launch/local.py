@@ -43,7 +43,14 @@ from ps_train.faults import ATTEMPT_ENV, REPLACED_ENV
 from ps_train.launch.failures import FailedRole, RoleError, RoleFailed, failure_report, first_cause, role_name
 from ps_train.launch.heartbeat import HeartbeatBoard, process_state
 from ps_train.launch.ports import free_port
-from ps_train.launch.role_processes import RoleLaunch, RoleProcesses, RoleStart, preload_modules, workload_modules
+from ps_train.launch.role_processes import (
+    RoleLaunch,
+    RoleProcesses,
+    RoleStart,
+    preload_modules,
+    prepare_roles,
+    workload_modules,
+)
 from ps_train.observe import phases
 from ps_train.observe.console import CONSOLE
 
@@ -98,7 +105,7 @@ def launch_local(
         workloads,
     )
     # Before any thread of this launch: the fork server is a copy of this process.
-    roles = RoleProcesses(launch, preload_modules(cfg.model, cfg.data, cfg.optim))
+    roles = RoleProcesses(launch, preload_modules(cfg.model, cfg.data, cfg.optim), prepare_roles(cfg.model, cfg.data))
 
     def start(ranks: list[int], resume: str | None = resume, env: dict[str, str] | None = None) -> list[Any]:
         started = roles.start([(RoleStart(rank, resume, env), role_name(rank, S)) for rank in ranks])

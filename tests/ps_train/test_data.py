@@ -16,6 +16,7 @@ from ps_train.workloads.vision.data import (
     TensorSplit,
     iter_eval_batches,
     load_data,
+    prepare_data,
 )
 
 # ---------------------------------------------------------------- real-format fixtures
@@ -177,6 +178,35 @@ def test_synthetic_is_seeded_and_shaped():
     )
     flat, _ = load_data(SyntheticConfig(shape=[20], train_size=5, test_size=5))
     assert flat[0:2][0].shape == (2, 20)
+
+
+@pytest.mark.parametrize(
+    "cfg", [SyntheticConfig(shape=[3, 8, 8], num_classes=4, train_size=40, test_size=8, data_seed=3), DigitsConfig()]
+)
+def test_prepared_data_is_what_each_trainer_would_draw(cfg, monkeypatch):
+    # The fork server draws computed data once (prepare_data); every trainer's load_data must
+    # then return exactly the samples it would have drawn itself, and only for that config.
+    import ps_train.workloads.vision.data as data
+
+    monkeypatch.setattr(data, "_PREPARED", {})
+    own_train, own_test = load_data(cfg)
+    prepare_data(cfg)
+    train, test = load_data(cfg)
+    assert load_data(cfg)[0] is train  # taken, not drawn again
+    assert torch.equal(train.images, own_train.images) and torch.equal(train.labels, own_train.labels)
+    assert torch.equal(test.images, own_test.images) and torch.equal(test.labels, own_test.labels)
+    assert torch.equal(train[0:5][0], own_train[0:5][0])  # normalised the same way
+    if isinstance(cfg, SyntheticConfig):
+        other = SyntheticConfig(shape=[3, 8, 8], num_classes=4, train_size=40, test_size=8, data_seed=4)
+        assert not torch.equal(load_data(other)[0].images, train.images)
+
+
+def test_files_are_not_prepared(monkeypatch, tmp_path):
+    import ps_train.workloads.vision.data as data
+
+    monkeypatch.setattr(data, "_PREPARED", {})
+    prepare_data(VisionDataConfig(name="mnist", root=str(tmp_path)))  # read from files by each trainer
+    assert data._PREPARED == {}
 
 
 @pytest.mark.parametrize("n,world", [(103, 3), (10, 1), (7, 4), (0, 2)])

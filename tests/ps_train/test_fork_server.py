@@ -65,6 +65,56 @@ def test_a_role_that_changes_a_global_does_not_affect_the_next_role(served):
     assert SETTINGS["lr"] == 0.1  # and the launcher's own copy is untouched
 
 
+@pytest.mark.timeout(60)
+def test_many_roles_at_once_each_a_fresh_copy_with_its_own_name_and_exit_code(served):
+    # Enough at once that several forkers share them out (fork_server._TREE_FROM): each role
+    # still gets its own name, a fresh copy, and its exit code or signal reaches the launcher.
+    r, server = served
+    actions = ["exit3" if i % 5 == 1 else "abort" if i % 7 == 2 else "ok" for i in range(24)]
+    procs = server.start_all([(a, f"role{i}") for i, a in enumerate(actions)])
+    assert [p.name for p in procs] == [f"role{i}" for i in range(24)]
+    assert len({p.pid for p in procs}) == 24
+    out = b""
+    while out.count(b"\n") < 24:  # the roles write at once: one read may hold several lines
+        out += os.read(r, 4096)
+    assert out.decode().split("\n")[:-1] == ["0.1 -"] * 24
+    for p, action in zip(procs, actions, strict=True):
+        p.join(30)
+        assert p.exitcode == {"exit3": 3, "abort": -signal.SIGKILL, "ok": 0}[action], p.name
+    again = server.start("ok", "after")  # the helper still forks, as itself
+    assert _read_line(r) == "0.1 -"
+    again.join(20)
+    assert again.exitcode == 0
+
+
+def _prepare() -> None:
+    SETTINGS["prepared"] = os.getpid()  # in the fork server, before any role
+
+
+@pytest.mark.timeout(30)
+def test_what_the_fork_server_prepared_is_in_every_role_and_not_in_the_launcher():
+    r, w = os.pipe()
+    server = ForkServer([], partial(_role_prepared, w), _prepare)
+    try:
+        seen = []
+        for name in ("trainer0", "trainer1"):
+            p = server.start("ok", name)
+            seen.append(_read_line(r))
+            p.join(20)
+            assert p.exitcode == 0
+        assert seen[0] == seen[1] == str(server.pid)  # prepared once, by the fork server, before both
+        assert "prepared" not in SETTINGS
+    finally:
+        server.close()
+        os.close(r)
+        os.close(w)
+
+
+def _role_prepared(fd: int, action: str) -> None:
+    os.write(fd, f"{SETTINGS.get('prepared', '-')}\n".encode())
+    os._exit(0)
+
+
 @pytest.mark.timeout(30)
 def test_exit_codes_and_signals_reach_the_launcher(served):
     _, server = served

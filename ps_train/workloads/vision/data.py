@@ -24,6 +24,7 @@ __all__ = [
     "TensorSplit",
     "DatasetNotFoundError",
     "load_data",
+    "prepare_data",
     "check_vision_files",
     "BatchIterator",
     "iter_eval_batches",
@@ -86,8 +87,26 @@ class TensorSplit(Dataset[tuple[Tensor, Tensor]]):
         return (x - self._mean) / self._std, self.labels[index]
 
 
+# Splits drawn before the roles were forked (``prepare_data``), by ``repr`` of their config:
+# every trainer of a run finds the same tensors in its copy instead of drawing them again.
+_PREPARED: dict[str, tuple[TensorSplit, TensorSplit]] = {}
+
+
+def prepare_data(cfg: DataConfig) -> None:
+    """Draw ``cfg``'s splits now, for ``load_data`` to return later in this process and in
+    the processes forked from it (the launcher's fork server calls it once, before forking
+    the trainers): data that is computed (``data=synthetic``, ``data=digits``), not read
+    from files. The tensors are the ones ``load_data`` would draw: same seed, same values."""
+    if isinstance(cfg, (SyntheticConfig, DigitsConfig)):
+        _PREPARED[repr(cfg)] = load_data(cfg)
+
+
 def load_data(cfg: DataConfig) -> tuple[TensorSplit, TensorSplit]:
-    """Load ``(train, test)`` for ``cfg``."""
+    """Load ``(train, test)`` for ``cfg`` (the splits ``prepare_data`` drew, if it did: no
+    one writes into a split's tensors, so the processes forked after it share their pages)."""
+    prepared = _PREPARED.get(repr(cfg))
+    if prepared is not None:
+        return prepared
     if isinstance(cfg, DigitsConfig):
         return _digits(cfg)
     if isinstance(cfg, SyntheticConfig):

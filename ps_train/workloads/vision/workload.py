@@ -31,6 +31,12 @@ def _check_data(data: DataConfig) -> int | None:
     return None
 
 
+def _prepare(data: DataConfig) -> None:
+    from ps_train.workloads.vision.data import prepare_data
+
+    prepare_data(data)  # synthetic and digits: drawn once, not by every trainer
+
+
 VISION = register_workload(
     Workload(
         name="vision",
@@ -42,5 +48,6 @@ VISION = register_workload(
         preload=("ps_train.workloads.vision.trainer",),
         # scikit-learn (~1 CPU-second to import) only for its bundled digits
         preload_for=lambda data: ("sklearn.datasets", "sklearn.model_selection") if data.name == "digits" else (),
+        prepare=_prepare,
     )
 )
