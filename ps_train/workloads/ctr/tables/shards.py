@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -48,7 +49,9 @@ def rows_gradient(rows: Tensor, offsets: Tensor, weights: Tensor | None, grad: T
     # Rows all distinct (single rows, as a dynamic table's slots come, in no order): one
     # sort gives the distinct rows and the order grouping them (``argsort(inverse)`` is
     # the sort's permutation then), where ``unique`` and a stable ``argsort`` take two.
-    ranked, order = torch.sort(rows)
+    # NumPy's sort of int64 is ~4x torch's; without ties any sort gives the same order.
+    order = torch.from_numpy(np.argsort(rows.contiguous().numpy()))
+    ranked = rows[order]
     if n < 2 or bool((ranked[1:] != ranked[:-1]).all()):
         unique, starts = ranked, torch.arange(n)
     else:
