@@ -79,7 +79,7 @@ class DynamicStorage(TableStorage):
                 f"{self.where}: a request with {n} dynamic-table rows needs as many int64 ids, got "
                 f"{None if ids is None else (ids.dtype, tuple(ids.shape))}"
             )
-        tables = -rows[marked] - 1  # [n]
+        tables = -(rows if n == len(rows) else rows[marked]) - 1  # [n]
         found = torch.full((n,), -1, dtype=torch.int64)  # storage rows
         with self._lock:
             step = req.step
@@ -87,10 +87,9 @@ class DynamicStorage(TableStorage):
                 for table in self.dynamic.values():
                     table.advance(step)
                 self.clock = step
-            for t in torch.unique(tables).tolist():
+            for t, mine in _by_table(tables):
                 if t not in self.dynamic:
                     raise ValueError(f"{self.where}: table {t} is not a dynamic table here")
-                mine = tables == t
                 base = self.row_offsets[t]
                 dyn = self.dynamic[t]
                 if step is None:
@@ -101,6 +100,8 @@ class DynamicStorage(TableStorage):
                     if len(res.created_slots):
                         self._create(t, res.created_slots + base, res.created_ids)
                 found[mine] = torch.where(local >= 0, local + base, self.default_row)
+        if n == len(rows):
+            return req.with_rows(found)
         out = rows.clone()
         out[marked] = found
         return req.with_rows(out)
@@ -180,6 +181,21 @@ class DynamicStorage(TableStorage):
 
     def close(self) -> None:
         self.inner.close()
+
+
+def _by_table(tables: Tensor) -> list[tuple[int, slice | Tensor]]:
+    """Each table of ``tables`` (int64 [n]) in ascending order, with where it is in
+    ``tables``: a slice when its entries are consecutive (a plan sends each table's rows
+    together), else a mask. The tables are independent, so their order changes nothing
+    but is kept."""
+    if len(tables) == 0:
+        return []
+    cuts = (torch.nonzero(tables[1:] != tables[:-1]).squeeze(1) + 1).tolist()
+    bounds = [0, *cuts, len(tables)]
+    firsts = tables[bounds[:-1]].tolist()
+    if len(set(firsts)) == len(firsts):  # one run per table: slices (views), no masks
+        return sorted((t, slice(lo, hi)) for t, lo, hi in zip(firsts, bounds[:-1], bounds[1:], strict=True))
+    return [(t, tables == t) for t in sorted(set(firsts))]
 
 
 def _without_row(grad: Tensor, row: int) -> Tensor:

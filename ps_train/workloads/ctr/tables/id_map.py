@@ -41,6 +41,9 @@ WINDOW = 16  # places per bucket
 _WINDOW_BITS = 4
 _CHUNK = 1 << 16  # ids inserted per pass (``put``)
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing's multiplier
+# ``_first_true``: a word 1 << 8j times this has j in its top byte (byte k of it is 7 - k).
+_BYTE_INDEX, _TOP_BYTE, _ONE = np.uint64(0x0001020304050607), np.uint64(56), np.uint64(1)
+assert np.little_endian, "IdSlotMap reads a bucket's marks as little-endian words"
 
 
 class IdSlotMap:
@@ -86,22 +89,22 @@ class IdSlotMap:
         bucket, want = self._home(ids), ids
         while len(todo):
             k = self._rows[bucket]  # [m, W]
-            hit = k == want[:, None]
-            found = hit.any(1)
+            found, first = _first_true(k == want[:, None])
             if found.any():
-                out[todo[found]] = bucket[found] * WINDOW + hit[found].argmax(1)
-            # Neither found nor ended at an EMPTY place: the next bucket.
-            go_on = ~found & ~(k == EMPTY).any(1)
+                out[todo[found]] = bucket[found] * WINDOW + first[found]
+            # Neither found nor ended at an EMPTY place: the next bucket. A bucket's EMPTY
+            # places are its last ones (an insert takes the first free place; a removal
+            # leaves GONE), so its last place says whether it has any.
+            go_on = ~found & (k[:, WINDOW - 1] != EMPTY)
             todo, bucket, want = todo[go_on], (bucket[go_on] + 1) & self._bmask, want[go_on]
         return out
 
     def get(self, ids: Tensor) -> Tensor:
         """Each id's slot, -1 where absent (int64 [n])."""
         where = self._find(_as_array(ids))
-        found = where >= 0
-        out = np.full(len(where), -1, dtype=np.int64)
-        out[found] = self._values[where[found]]
-        return torch.from_numpy(out)
+        # One gather and a select (place -1 reads the last place, then is masked): cheaper
+        # than boolean indexing.
+        return torch.from_numpy(np.where(where >= 0, self._values[where], -1).astype(np.int64))
 
     def contains(self, ids: Tensor) -> Tensor:
         return torch.from_numpy(self._find(_as_array(ids)) >= 0)
@@ -124,9 +127,8 @@ class IdSlotMap:
         bucket = self._home(ids)
         while len(ids):
             # Each id's first free place (EMPTY or GONE) in its bucket; a full one: the next.
-            free = self._rows[bucket] < 0  # [m, W]
-            has = free.any(1)
-            place = bucket[has] * WINDOW + free[has].argmax(1)
+            has, first = _first_true(self._rows[bucket] < 0)  # [m] each
+            place = bucket[has] * WINDOW + first[has]
             want = ids[has]
             was = self._keys[place]  # EMPTY or GONE
             self._keys[place] = want  # ids aiming at one place: one of them is read back
@@ -168,6 +170,21 @@ class IdSlotMap:
         self.values.fill_(-1)
         self.count, self.empty = 0, 1 << self.bits
         self.put(ids, slots)
+
+
+def _first_true(marks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Of each row of ``marks`` (bool [m, WINDOW], C-contiguous): whether any is true, and
+    the first true column (meaningless where none is). Read as two uint64 words a row
+    (byte j of a word is column j: little-endian), the lowest set byte isolated by
+    ``w & -w`` and its index read by one multiplication: ``bool.any(1)`` and ``argmax(1)``
+    over 16-byte rows cost ~10x these few [m] passes."""
+    words = marks.view(np.uint64)  # [m, 2]
+    lo, hi = words[:, 0], words[:, 1]
+    lo_idx = ((lo & (~lo + _ONE)) * _BYTE_INDEX) >> _TOP_BYTE
+    hi_idx = ((hi & (~hi + _ONE)) * _BYTE_INDEX) >> _TOP_BYTE
+    nonzero = lo != 0
+    first = np.where(nonzero, lo_idx, hi_idx + np.uint64(8)).astype(np.int64)
+    return nonzero | (hi != 0), first
 
 
 def _as_array(x: Tensor) -> np.ndarray:

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -95,9 +96,17 @@ def _unique_pairs(a: Tensor, b: Tensor, a_end: int) -> tuple[Tensor, Tensor]:
     if len(b) and int(b.min()) >= 0:
         span = int(b.max()) + 1
         if a_end * span < 1 << 62:
-            keys, inverse = torch.unique(a * span + b, return_inverse=True)
-            # Any element of a pair serves: every element of it has the same (a, b).
-            return torch.empty(len(keys), dtype=torch.int64).scatter_(0, inverse, torch.arange(len(b))), inverse
+            # NumPy's argsort (~4x torch's sort of int64), then each sorted key's rank among
+            # the distinct ones; any element of a pair serves as its own (all have its (a, b)).
+            keys = (a * span + b).numpy()
+            by_key = np.argsort(keys)
+            ranked = keys[by_key]
+            new = np.empty(len(keys), dtype=bool)
+            new[:1] = True
+            np.not_equal(ranked[1:], ranked[:-1], out=new[1:])
+            rank = np.empty(len(keys), dtype=np.int64)
+            rank[by_key] = np.cumsum(new) - 1
+            return torch.from_numpy(by_key[new]), torch.from_numpy(rank)
     order = torch.argsort(b)  # any order among equal b: they are the same pair when a ties too
     order = order[torch.argsort(a[order], stable=True)]
     sa, sb = a[order], b[order]
@@ -129,6 +138,7 @@ class BagPlanner:
         self.mean = torch.tensor([p == "mean" for p in pooling])  # [T]
         self.dynamic = torch.tensor([layout.is_dynamic(t) for t in range(T)])  # [T]
         self.any_dynamic = bool(self.dynamic.any())
+        self.all_dynamic = bool(self.dynamic.all())
 
     def plan(self, bags: Bags) -> BagPlan:
         T, B, S = bags.num_tables, bags.batch_size, self.num_servers
@@ -139,24 +149,31 @@ class BagPlanner:
         table = torch.div(bag_of, B, rounding_mode="floor")  # [N]
         v = bags.values
         dyn = self.dynamic[table] if self.any_dynamic else None  # [N] bool: ids of dynamic tables
-        fixed_v = v if dyn is None else torch.where(dyn, 0, v)
-        if self.mod:
-            owner, local = torch.remainder(fixed_v, S), torch.div(fixed_v, S, rounding_mode="floor")
+        if self.all_dynamic:  # no fixed table's row to compute: every id is a marker and its id
+            owner = dynamic_owner(v, S) if S > 1 else torch.zeros(len(v), dtype=torch.int64)
+            row = -1 - table
         else:
-            per = self.per[table]
-            owner = torch.div(fixed_v, per, rounding_mode="floor")
-            local = fixed_v - owner * per
-        row = self.base[owner, table] + local  # [N]: the id's row in its owner's storage
+            fixed_v = v if dyn is None else torch.where(dyn, 0, v)
+            if self.mod:
+                owner, local = torch.remainder(fixed_v, S), torch.div(fixed_v, S, rounding_mode="floor")
+            else:
+                per = self.per[table]
+                owner = torch.div(fixed_v, per, rounding_mode="floor")
+                local = fixed_v - owner * per
+            row = self.base[owner, table] + local  # [N]: the id's row in its owner's storage
         if dyn is None:
             key = self.server_start[owner] + row  # [N]: unique across servers, grouped by server
             key_start = self.server_start  # [S + 1]: server s's keys are key_start[s] .. key_start[s + 1] - 1
             key_row, key_id = None, None
         else:
             # A dynamic id: its owner by hash, the marker -(1 + t) for a row, and the id itself.
-            if S > 1:  # one server owns every id
-                owner = torch.where(dyn, dynamic_owner(v, S), owner)
-            row = torch.where(dyn, -1 - table, row)
-            ident = torch.where(dyn, v, 0)
+            if self.all_dynamic:
+                ident = v
+            else:
+                if S > 1:  # one server owns every id
+                    owner = torch.where(dyn, dynamic_owner(v, S), owner)
+                row = torch.where(dyn, -1 - table, row)
+                ident = torch.where(dyn, v, 0)
             # Keys: the rank of (owner, row, id) among the batch's distinct triples (sorted),
             # (owner, row) packed into one ascending int64: owner s's rows -T .. rows_s - 1
             # (markers included) after server s - 1's.
@@ -194,7 +211,7 @@ class BagPlanner:
                 rows_s = torch.cat([key_row[skeys[lo:hi]], row[mine]])
                 ids_s = torch.cat([key_id[skeys[lo:hi]], v[mine]])
                 plan.requests.append(ServerRequest(rows_s, offsets, weights))
-                plan.ids.append(ids_s[rows_s < 0])
+                plan.ids.append(ids_s if self.all_dynamic else ids_s[rows_s < 0])
             plan.answers.append((hi - lo) + len(pbags))
             plan.pooled_rows.append(len(mine))
             # Final bags' entries from server s: its single rows, once per id using them, and

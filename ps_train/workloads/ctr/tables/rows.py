@@ -111,9 +111,11 @@ def _mix64(x: np.ndarray) -> np.ndarray:
     return _mix64_(x + np.uint64(0x9E3779B97F4A7C15))
 
 
-def _mix64_(x: np.ndarray) -> np.ndarray:
+def _mix64_(x: np.ndarray, low_bits: bool = True) -> np.ndarray:
     """``_mix64`` without its first addition, in place in ``x`` (uint64): the finaliser's
-    passes over a [n, dim] block reuse one scratch array instead of making six."""
+    passes over a [n, dim] block reuse one scratch array instead of making six.
+    ``low_bits`` False: only bits 33-63 are right (the last xor-shift, by 31, changes no
+    higher bit), for callers that keep only the top bits."""
     tmp = np.empty_like(x)
     np.right_shift(x, np.uint64(30), out=tmp)
     x ^= tmp
@@ -121,8 +123,9 @@ def _mix64_(x: np.ndarray) -> np.ndarray:
     np.right_shift(x, np.uint64(27), out=tmp)
     x ^= tmp
     x *= np.uint64(0x94D049BB133111EB)
-    np.right_shift(x, np.uint64(31), out=tmp)
-    x ^= tmp
+    if low_bits:
+        np.right_shift(x, np.uint64(31), out=tmp)
+        x ^= tmp
     return x
 
 
@@ -161,7 +164,7 @@ def _hashed_uniform(seed: int, table: int, salt: int, num_rows: int, dim: int, i
     cols = (np.arange(1, dim + 1, dtype=np.uint64) * np.uint64(0xBF58476D1CE4E5B9)).reshape(1, dim)
     bits = np.bitwise_xor(h.reshape(-1, 1), cols)  # [n, dim]
     bits += np.uint64(0x9E3779B97F4A7C15)
-    bits = _mix64_(bits)
+    bits = _mix64_(bits, low_bits=False)
     bits >>= np.uint64(40)  # 24 bits, exact in float32
     u = torch.from_numpy(bits.astype(np.float32)).mul_(1.0 / (1 << 24))  # [0, 1)
     return u.mul_(2 * bound).sub_(bound)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -45,12 +46,21 @@ def rows_gradient(rows: Tensor, offsets: Tensor, weights: Tensor | None, grad: T
     n, P = len(rows), len(offsets)
     lengths = torch.diff(offsets, append=torch.tensor([n]))
     bag_of = torch.repeat_interleave(torch.arange(P), lengths)  # [N]
-    unique, inverse = torch.unique(rows, return_inverse=True)  # [U], [N]
-    order = torch.argsort(inverse, stable=True)  # rows grouped, each group in request order
-    counts = torch.bincount(inverse, minlength=len(unique))
-    starts = torch.zeros_like(counts)
-    if len(counts) > 1:
-        torch.cumsum(counts[:-1], 0, out=starts[1:])
+    # Rows all distinct (single rows, as a dynamic table's slots come, in no order): one
+    # sort gives the distinct rows and the order grouping them (``argsort(inverse)`` is
+    # the sort's permutation then), where ``unique`` and a stable ``argsort`` take two.
+    # NumPy's sort of int64 is ~4x torch's; without ties any sort gives the same order.
+    order = torch.from_numpy(np.argsort(rows.contiguous().numpy()))
+    ranked = rows[order]
+    if n < 2 or bool((ranked[1:] != ranked[:-1]).all()):
+        unique, starts = ranked, torch.arange(n)
+    else:
+        unique, inverse = torch.unique(rows, return_inverse=True)  # [U], [N]
+        order = torch.argsort(inverse, stable=True)  # rows grouped, each group in request order
+        counts = torch.bincount(inverse, minlength=len(unique))
+        starts = torch.zeros_like(counts)
+        if len(counts) > 1:
+            torch.cumsum(counts[:-1], 0, out=starts[1:])
     w = weights[order] if weights is not None else None
     values = F.embedding_bag(bag_of[order], grad, starts, mode="sum", per_sample_weights=w)  # [U, d]
     return torch.sparse_coo_tensor(
