@@ -230,13 +230,13 @@ class TieredStorage(TableStorage):
             slots = self.pool.ensure(rows)
             self.rows_live += int((~self.pool.touched[slots]).sum())
             self.optimizer.step_rows(self._target(), slots, grad.values(), lr_factor)
-            self._mark(rows, slots)
+            self._mark(rows if grad.is_coalesced() else torch.unique(rows), slots)
         return len(rows)
 
     def _mark(self, rows: Tensor, slots: Tensor) -> None:
+        """``rows``: distinct (a coalesced gradient's), so that their new bits add as an OR."""
         self.pool.dirty[slots] = True
         self.pool.touched[slots] = True
-        rows = torch.unique(rows)  # a step's are already; distinct rows' new bits add as an OR
         byte, bit = rows // 8, (rows % 8).to(torch.uint8)
         mask = torch.ones_like(bit) << bit
         new = (self.changed[byte] & mask) == 0
@@ -248,7 +248,7 @@ class TieredStorage(TableStorage):
             self.pool.values.index_copy_(0, slots, values.to(self.dtype))
             for s in self.optimizer.row_state().values():
                 s.index_fill_(0, slots, 0)
-            self._mark(rows, slots)
+            self._mark(torch.unique(rows), slots)
 
     def take_changed(self) -> Tensor:
         with self.lock:
