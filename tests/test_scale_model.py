@@ -12,12 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.scale_hosts import LINK_BURST_BYTES
 from ps_train.scaling.cost_model import Cluster, Constants, load_calibration, predict, server_costs
 from ps_train.scaling.fit import Observation, fit, observation_from_run
 from ps_train.scaling.shapes import WORKLOADS, mlp, server_loads
 
 MLP = WORKLOADS["mlp"]
+LINK_BURST_BYTES = (
+    8 * 1024
+)  # the emulated hosts' token bucket (benchmarks/scale_hosts.py; tests import nothing from there)
 TRUE = Constants(
     beta=1.1,
     gamma=300.0,

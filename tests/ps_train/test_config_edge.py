@@ -25,6 +25,7 @@ EDGE = {
     "ps_train.app": "trains one experiment from its config (what python -m ps_train calls)",
     "ps_train.launch.local": "the local launcher: starts every role with the run's config",
     "ps_train.launch.rank": "one process's role: builds each part's settings from the config",
+    "ps_train.launch.role_processes": "a role's launch record: builds the Config once per process (the fork server)",
     "ps_train.plan.cli": "python -m ps_train.plan: composes and checks a config to plan",
     "ps_train.roles.step": "the trainer: its workload's subclass may read any group",
 }
