@@ -106,8 +106,9 @@ def _body_shutdown_timeout(ctx):
         rpc_core.rpc_async(1, _sleep, args=(3.0,))
         with pytest.raises(
             RuntimeError,
-            match=r"graceful shutdown of 'worker0' failed.*shutdown timed out after "
-            r"0\.5 s",
+            # Which round of the shutdown runs out of the 0.5 s depends on the machine's load
+            # (the final round, or the quiesce before it with what is left): both say so.
+            match=r"graceful shutdown of 'worker0' failed.*timed out after",
         ):
             rpc_core.shutdown(timeout=0.5)
     else:
