@@ -262,11 +262,17 @@ def _helper(
                 children.update(_fork_all(sock, alive_r, (wake_r, wake_w), requests, run, forkers))
     except BaseException as e:  # noqa: BLE001 - the launcher learns why, then the helper exits
         code = 1
-        try:
-            _send(sock, _Failed(f"{type(e).__name__}: {e}"))
-        except OSError:
-            pass
+        _report_failure(sock, e)
     os._exit(code)
+
+
+def _report_failure(sock: socket.socket, error: BaseException) -> None:
+    """Tell the launcher why this process (the helper or a forker) is giving up; a launcher
+    already gone cannot be told."""
+    try:
+        _send(sock, _Failed(f"{type(error).__name__}: {error}"))
+    except OSError:
+        pass
 
 
 def _become_subreaper() -> bool:
@@ -326,10 +332,7 @@ def _fork_all(
                     os.write(pids_w, b"%d\n" % _fork_child(sock, alive_r, (*wake, pids_w), seq, request, run))
             except BaseException as e:  # noqa: BLE001 - the launcher learns why
                 code = 1
-                try:
-                    _send(sock, _Failed(f"{type(e).__name__}: {e}"))
-                except OSError:
-                    pass
+                _report_failure(sock, e)
             os._exit(code)
         os.close(pids_w)
         started.append((forker, pids_r))
