@@ -215,7 +215,7 @@ def shutdown(graceful: bool = True, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -
         if graceful and agent.roster.dynamic:
             _leave(agent, timeout)
         elif graceful:
-            _wait_all_workers(left())
+            _wait_all_workers(left(), whole=timeout)
             for hook in lifecycle.pre_shutdown_hooks:
                 hook()
             _rref.delete_all_user_rrefs(left())

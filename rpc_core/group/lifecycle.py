@@ -102,8 +102,12 @@ def _coord_arrive(key: Any, rank: int, payload: Any, expected: int) -> torch.fut
 _round_ids: dict[str, int] = {}
 
 
-def gather_round(tag: str, payload: Any, timeout: float, worker_names: list[str] | None = None) -> dict[int, Any]:
-    """Arrive at the next round ``tag`` and return every member's payload by rank."""
+def gather_round(
+    tag: str, payload: Any, timeout: float, worker_names: list[str] | None = None, whole: float | None = None
+) -> dict[int, Any]:
+    """Arrive at the next round ``tag`` and return every member's payload by rank. ``whole``:
+    the caller's own timeout when ``timeout`` is what is left of it (the error names the one
+    the user gave, not the remainder)."""
     agent = current_agent()
     n = _round_ids.get(tag, 0)
     _round_ids[tag] = n + 1
@@ -121,11 +125,12 @@ def gather_round(tag: str, payload: Any, timeout: float, worker_names: list[str]
         payloads: dict[int, Any] = fut.wait()
         return payloads
     except RpcTimeoutError:
+        said = timeout if whole is None else whole
         # torch's words after ours ("timed out in _all_gather after 0.10 seconds" on its
         # leader, "RPC ran for more than" on the others), which programs match.
         raise RpcTimeoutError(
-            f"{tag} on {agent.me.name!r} timed out after {timeout:g} s waiting for the other workers "
-            f"(timed out in _{tag} after {timeout:.2f} seconds: the RPC ran for more than its timeout)"
+            f"{tag} on {agent.me.name!r} timed out after {said:g} s waiting for the other workers "
+            f"(timed out in _{tag} after {said:.2f} seconds: the RPC ran for more than its timeout)"
         ) from None
 
 
@@ -145,8 +150,8 @@ def barrier(worker_names: list[str]) -> None:
     gather_round("barrier", None, 0, list(worker_names))
 
 
-def wait_all_workers(timeout: float = DEFAULT_SHUTDOWN_TIMEOUT) -> None:
-    gather_round("shutdown", None, timeout)
+def wait_all_workers(timeout: float = DEFAULT_SHUTDOWN_TIMEOUT, whole: float | None = None) -> None:
+    gather_round("shutdown", None, timeout, whole=whole)
 
 
 def answer_requests(agent: Agent, deadline: float | None, arriving: bool = False) -> None:
@@ -188,7 +193,7 @@ def wait_quiescent(agent: Agent, timeout: float, whole: float | None = None) -> 
         calls, requests = agent.pending, agent.dispatch
         mine = _CallCounts(calls.n_sent, calls.n_done, requests.n_received, requests.n_answered)
         left = timeout if deadline is None else max(deadline - time.monotonic(), 1e-3)
-        got: dict[int, _CallCounts] = gather_round("quiesce", mine, left)
+        got: dict[int, _CallCounts] = gather_round("quiesce", mine, left, whole=whole)
         counts = tuple(sorted(got.items()))
         idle = all(c.sent == c.done and c.received == c.answered for c in got.values()) and sum(
             c.received for c in got.values()
