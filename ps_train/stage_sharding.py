@@ -5,6 +5,9 @@ that share a server into ``Shard``s, the unit a server hosts and a trainer calls
 order. Composing the shards in order is, by construction, the same computation as the
 single-process model (the stages in order). Every process computes the same shards from the
 model's, the data's and the cluster's configs and the seed (``model_shards``), so the layout is never sent over RPC.
+A trainer needs only which server hosts each shard (``shard_layout``): it is kept per process,
+so roles forked from a process that computed it (the launcher's fork server) do not build
+the model again for it.
 """
 
 from __future__ import annotations
@@ -24,7 +27,11 @@ __all__ = [
     "build_shards",
     "shards_of_server",
     "model_shards",
+    "shard_layout",
 ]
+
+# shard_layout's answers, by the configs' values they depend on (a forked role inherits them).
+_LAYOUTS: dict[tuple[str, str, int, str, int], tuple[tuple[int, int], ...]] = {}
 
 
 def stage_param_bytes(stage: nn.Module) -> int:
@@ -140,3 +147,16 @@ def model_shards(model: ModelConfig, data: DataConfig, cluster: ClusterConfig, s
     plan = workload_for(model).stages(model, data, seed)
     servers = cluster.num_servers if plan.max_servers is None else min(cluster.num_servers, plan.max_servers)
     return build_shards(plan.stages, place_stages(plan.stages, servers, cluster.placement), merge=plan.merge)
+
+
+def shard_layout(
+    model: ModelConfig, data: DataConfig, cluster: ClusterConfig, seed: int
+) -> tuple[tuple[int, int], ...]:
+    """``(shard index, server)`` of each of ``model_shards``' shards, in forward order.
+    Computed once per process for the same configs (building the model to place it costs
+    tens of ms of CPU: 64 trainers each did it at start-up)."""
+    key = (repr(model), repr(data), cluster.num_servers, cluster.placement, seed)
+    layout = _LAYOUTS.get(key)
+    if layout is None:
+        layout = _LAYOUTS[key] = tuple((s.index, s.server) for s in model_shards(model, data, cluster, seed))
+    return layout

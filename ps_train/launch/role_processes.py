@@ -30,6 +30,7 @@ from ps_train.launch.heartbeat import start_heartbeat
 from ps_train.launch.rank import run_rank, setup_role_logging
 from ps_train.observe import phases
 from ps_train.roles.server_optimizer import imports_dynamo
+from ps_train.stage_sharding import shard_layout
 from ps_train.workload import import_plugins, registered_workloads, workload_for
 
 __all__ = [
@@ -150,9 +151,12 @@ def _prepare(launch: RoleLaunch, prepare: Callable[[], None] | None) -> None:
     for itself. A failure here is left to the roles: each then computes it and reports its
     own error, naming itself, as it would without a fork server."""
     try:
-        launch.config()
+        cfg = launch.config()
         if prepare is not None:
             prepare()
+        # Every trainer needs the shard layout, and computing it builds the model (tens of ms
+        # of CPU per trainer, 64 of them at once): here, once.
+        shard_layout(cfg.model, cfg.data, cfg.cluster, cfg.seed)
     except Exception:  # noqa: BLE001, S110 - see the docstring: the roles report it
         pass
 

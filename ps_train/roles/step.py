@@ -32,7 +32,7 @@ from ps_train.modes import make_mode
 from ps_train.modes.base import UPDATE_IN_BACKWARD, UpdateRequest, resolved
 from ps_train.partition import TrainerSplit, total_steps
 from ps_train.sample_log import SampleLog
-from ps_train.stage_sharding import model_shards
+from ps_train.stage_sharding import shard_layout
 
 log = logging.getLogger("ps_train.trainer")
 
@@ -89,8 +89,10 @@ class StepTrainer:
         )
         self.step = start_step
         # The shard layout is computed, not asked for: every process derives the same one.
-        self.shard_servers = [(s.index, s.server) for s in model_shards(cfg.model, cfg.data, cfg.cluster, cfg.seed)]
-        self.servers = [self.rpc.rpc_sync(f"ps{r}", _get_server_rref) for r in range(cfg.cluster.num_servers)]
+        self.shard_servers = list(shard_layout(cfg.model, cfg.data, cfg.cluster, cfg.seed))
+        # All asked at once: the servers' answers come back side by side, not one after the other.
+        asked = [self.rpc.rpc_async(f"ps{r}", _get_server_rref) for r in range(cfg.cluster.num_servers)]
+        self.servers = [f.wait() for f in asked]
         # cluster.elastic: start step, batches and length come from ps0 (ps_train.elastic.trainer).
         split = TrainerSplit(cfg.cluster.num_trainers, cfg.train.batch_size, cfg.seed)
         self.elastic = ElasticRole(self, split) if cfg.cluster.elastic else None

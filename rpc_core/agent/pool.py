@@ -35,6 +35,9 @@ _STALL_SECONDS = 0.002
 # After an inline run the watchdog keeps polling this long before it sleeps until woken:
 # a steady stream of requests then costs no wake-up of the watchdog per request.
 _INLINE_POLL_SECONDS = 0.1
+# A ThreadGroup forgets its ended threads once it holds this many (or twice as many as after
+# the last time it did).
+_PRUNE_FIRST = 64
 
 Job = tuple[Callable[..., Any], tuple[Any, ...]]
 _tls = threading.local()
@@ -53,11 +56,17 @@ class ThreadGroup:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
+        self._prune_at = _PRUNE_FIRST
 
     def start(self, target: Callable[..., Any], name: str, *args: Any) -> None:
         t = threading.Thread(target=target, args=args, name=name, daemon=True)
         with self._lock:
-            self._threads = [x for x in self._threads if x.is_alive()]
+            # Ended threads are dropped once the list has doubled since the last pruning, not
+            # at every start: rank 0 starts a reader per member, and pruning each time cost
+            # it a pass over all of them per member (quadratic in the group's size).
+            if len(self._threads) >= self._prune_at:
+                self._threads = [x for x in self._threads if x.is_alive()]
+                self._prune_at = max(_PRUNE_FIRST, 2 * len(self._threads))
             self._threads.append(t)
         t.start()
 

@@ -41,16 +41,23 @@ class _Round:
 
 
 class _Coordinator:
-    """Runs on rank 0: rounds of 'everyone arrives, everyone gets everyone's payload'."""
+    """Runs on rank 0: rounds of 'everyone arrives, then everyone gets the round's answer'.
+    The answer is what the round's callers use (``_answer``): everyone's payload for
+    ``all_gather``; the verdict for a quiescence round; nothing for a barrier or the
+    shutdown round. Rank 0 sends it to every member, and every member decodes it: an answer
+    of every member's payload costs rank 0 members x members to encode."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.rounds: dict[Any, _Round] = {}
         self.agent: Agent | None = None
+        # The last quiescence round's counts, by its members: (round number, counts).
+        self.quiesced: dict[Any, tuple[int, tuple[tuple[int, _CallCounts], ...]]] = {}
 
     def start(self, agent: Agent) -> None:
         self.agent = agent
         self.rounds = {}
+        self.quiesced = {}
         agent.connections.on_peer_lost.append(self.peer_lost)
         # A member that froze or became unreachable must not hold a round open forever: while
         # one is open, the agent watches every peer (heartbeats) and reports a silent one.
@@ -82,9 +89,43 @@ class _Coordinator:
             if complete:
                 del self.rounds[key]
         if complete:
-            r.future.set_result(dict(r.payloads))
+            try:
+                answer = self._answer(key, r.payloads)
+            except BaseException as e:  # noqa: BLE001 - e.g. a malformed payload: every member hears it
+                r.future.set_exception(e)
+            else:
+                r.future.set_result(answer)
         return r.future
 
+    def _answer(self, key: Any, payloads: dict[int, Any]) -> Any:
+        tag, n, members = key
+        if tag == "quiesce":
+            return self._quiescence(n, members, payloads)
+        if tag in _NO_ANSWER:
+            return None
+        return dict(payloads)
+
+    def _quiescence(self, n: int, members: Any, payloads: dict[int, Any]) -> _Verdict:
+        """Termination detection over every member's call counts (see ``wait_quiescent``):
+        work is over when no member has a call pending (sent == done) or a request
+        unanswered (received == answered), every request sent has arrived (a timed-out call
+        may still be on its way), and the counts did not move since the previous round.
+        Requests from connections that are not members' calls (raw clients) count as
+        received only, so "arrived" is received >= sent rather than equality."""
+        counts = tuple(sorted(payloads.items()))
+        got: list[_CallCounts] = list(payloads.values())
+        idle = all(c.sent == c.done and c.received == c.answered for c in got) and sum(c.received for c in got) >= sum(
+            c.sent for c in got
+        )
+        with self.lock:
+            previous = self.quiesced.get(members)
+            self.quiesced[members] = (n, counts)
+        unchanged = previous is not None and previous[0] == n - 1 and previous[1] == counts
+        return _Verdict(idle and unchanged, idle)
+
+
+# Rounds whose callers only wait for everyone to arrive: the answer is None.
+_NO_ANSWER = frozenset({"barrier", "shutdown"})
 
 _coordinator = _Coordinator()
 
@@ -104,8 +145,9 @@ _round_ids: dict[str, int] = {}
 
 def gather_round(
     tag: str, payload: Any, timeout: float, worker_names: list[str] | None = None, whole: float | None = None
-) -> dict[int, Any]:
-    """Arrive at the next round ``tag`` and return every member's payload by rank. ``whole``:
+) -> Any:
+    """Arrive at the next round ``tag`` and return its answer once every member has arrived
+    (``_Coordinator._answer``): every member's payload by rank for ``all_gather``. ``whole``:
     the caller's own timeout when ``timeout`` is what is left of it (the error names the one
     the user gave, not the remainder)."""
     agent = current_agent()
@@ -122,8 +164,7 @@ def gather_round(
         flags=wire.CONTROL,
     )
     try:
-        payloads: dict[int, Any] = fut.wait()
-        return payloads
+        return fut.wait()
     except RpcTimeoutError:
         said = timeout if whole is None else whole
         # torch's words after ours ("timed out in _all_gather after 0.10 seconds" on its
@@ -178,30 +219,29 @@ class _CallCounts(NamedTuple):
     answered: int
 
 
+class _Verdict(NamedTuple):
+    """A quiescence round's answer: whether the work is over, and whether every member was
+    idle (if not, work is still running somewhere)."""
+
+    over: bool
+    idle: bool
+
+
 def wait_quiescent(agent: Agent, timeout: float, whole: float | None = None) -> None:
     """Termination detection: every worker reports (sent, done, received, answered) call
-    counts; work is over when no worker has a call pending (sent == done) or a request
-    unanswered (received == answered), every request sent has arrived (a timed-out call may
-    still be on its way), and the counts did not move between two rounds. Requests from
-    connections that are not workers' calls (raw clients) count as received only, so
-    "arrived" is received >= sent rather than equality. ``whole``: the shutdown's own timeout,
-    of which ``timeout`` is what is left (the error names the one the user gave)."""
+    counts, in rounds, until the coordinator finds every worker idle with counts that did
+    not move between two rounds (``_Coordinator._quiescence``). ``whole``: the shutdown's
+    own timeout, of which ``timeout`` is what is left (the error names the one the user gave)."""
     deadline = time.monotonic() + timeout if timeout > 0 else None
-    previous = None
     while True:
         agent.pending.wait_idle(deadline)
         calls, requests = agent.pending, agent.dispatch
         mine = _CallCounts(calls.n_sent, calls.n_done, requests.n_received, requests.n_answered)
         left = timeout if deadline is None else max(deadline - time.monotonic(), 1e-3)
-        got: dict[int, _CallCounts] = gather_round("quiesce", mine, left, whole=whole)
-        counts = tuple(sorted(got.items()))
-        idle = all(c.sent == c.done and c.received == c.answered for c in got.values()) and sum(
-            c.received for c in got.values()
-        ) >= sum(c.sent for c in got.values())
-        if idle and counts == previous:
+        verdict: _Verdict = gather_round("quiesce", mine, left, whole=whole)
+        if verdict.over:
             return
-        previous = counts
-        if not idle:
+        if not verdict.idle:
             time.sleep(0.005)  # work is still running somewhere; let it progress before re-polling
         if deadline is not None and time.monotonic() > deadline:
             said = timeout if whole is None else whole
@@ -209,4 +249,4 @@ def wait_quiescent(agent: Agent, timeout: float, whole: float | None = None) -> 
 
 
 # Barrier arrivals at rank 0: called by name under serializer='safe'.
-allowlist.internal(_coord_arrive, _CallCounts)
+allowlist.internal(_coord_arrive, _CallCounts, _Verdict)

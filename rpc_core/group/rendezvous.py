@@ -42,6 +42,9 @@ log = logging.getLogger("rpc_core")
 
 # How long the end of a rendezvous waits for the joiners' handshake threads it stopped.
 _STOP_GRACE = 2.0
+# Rank 0 forgets its ended handshake threads once it holds this many (or twice as many as
+# after the last time it did).
+_PRUNE_FIRST = 64
 # A joiner retries reaching rank 0 (which may not be listening yet) after this, doubling
 # up to _RETRY_MAX, and gives each attempt at least _MIN_ATTEMPT even at its deadline.
 _RETRY_FIRST = 0.02
@@ -197,10 +200,11 @@ def _host(name: str, world_size: int, host: str, port: int, secret: bytes, timeo
     workers = [me] + [joined[r][0] for r in range(1, world_size)]
     addresses = {0: (host, port)}
     addresses.update({r: joined[r][1] for r in joined})
-    table = ([(w.name, w.id) for w in workers], addresses)
+    # Encoded once for every joiner: the table grows with the world, and encoding it per
+    # joiner made rank 0's answer quadratic in the world size (66 joiners x 67 entries).
+    table = _dumps(([(w.name, w.id) for w in workers], addresses))
     for _, _, c, msg_id in joined.values():
-        s = _dumps(table)
-        c.send(wire.RESPONSE, 0, msg_id, b"", s)
+        c.send(wire.RESPONSE, 0, msg_id, b"", table)
     return World(me, workers, addresses, listeners, {r: joined[r][2] for r in joined})
 
 
@@ -219,6 +223,7 @@ class _Joiners:
         self._socks: set[socket.socket] = set()  # in a handshake thread
         self._done: list[tuple[Connection, WorkerInfo, tuple[str, int], int]] = []
         self._threads: list[threading.Thread] = []
+        self._prune_at = _PRUNE_FIRST
         self._closed = False
         self._wake_r, self._wake_w = socket.socketpair()  # a finished handshake wakes collect
         listener.setblocking(False)
@@ -248,7 +253,9 @@ class _Joiners:
             return
         with self._lock:
             self._socks.add(sock)
-        self._threads = [t for t in self._threads if t.is_alive()]
+        if len(self._threads) >= self._prune_at:  # not per joiner: a pass over all of them each time is quadratic
+            self._threads = [t for t in self._threads if t.is_alive()]
+            self._prune_at = max(_PRUNE_FIRST, 2 * len(self._threads))
         t = threading.Thread(
             target=self._run,
             args=(sock, peer, time.monotonic() + transport.handshake_timeout()),

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+# getaddrinfo encodes a host name with the idna codec, which imports it (and stringprep,
+# unicodedata: milliseconds of CPU) at a process's first dial or listen. Imported with this
+# module instead, so a worker forked from a process that imported rpc_core (a launcher's
+# fork server, 67 roles) does not import it again in each role.
+import encodings.idna  # noqa: F401
 import socket
 from collections.abc import Collection
 

@@ -8,11 +8,13 @@ import pytest
 import torch
 from torch import nn
 
-from ps_train.config import CNNConfig, MLPConfig, ResNetConfig
+from ps_train.config import ClusterConfig, CNNConfig, MLPConfig, ResNetConfig, SyntheticConfig
 from ps_train.stage_sharding import (
     _balanced_bounds,
     build_shards,
+    model_shards,
     place_stages,
+    shard_layout,
     shards_of_server,
     stage_param_bytes,
 )
@@ -112,3 +114,25 @@ def test_placement_errors_name_the_field():
         build_shards(stages, [[0, 1], [1, 2]])
     with pytest.raises(ValueError, match=r"stages \[2\] unplaced"):
         build_shards(stages, [[0], [1]])
+
+
+@pytest.mark.parametrize("placement", ["round_robin", "balanced"])
+def test_shard_layout_is_model_shards_servers_and_kept_per_configs(placement):
+    model, data = MLPConfig(hidden_sizes=[32, 16, 8]), SyntheticConfig(shape=[1, 8, 8], train_size=8, test_size=8)
+    cluster = ClusterConfig(num_servers=2, placement=placement)
+    layout = shard_layout(model, data, cluster, 3)
+    assert layout == tuple((s.index, s.server) for s in model_shards(model, data, cluster, 3))
+    # The same configs' values (new objects, as a forked role builds them): the kept answer.
+    again = shard_layout(
+        MLPConfig(hidden_sizes=[32, 16, 8]),
+        SyntheticConfig(shape=[1, 8, 8], train_size=8, test_size=8),
+        ClusterConfig(num_servers=2, placement=placement),
+        3,
+    )
+    assert again is layout
+    # Other servers: another layout, not the kept one.
+    three = shard_layout(model, data, ClusterConfig(num_servers=3, placement=placement), 3)
+    assert three == tuple(
+        (s.index, s.server) for s in model_shards(model, data, ClusterConfig(num_servers=3, placement=placement), 3)
+    )
+    assert {server for _, server in three} == {0, 1, 2}
