@@ -16,6 +16,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -81,6 +82,7 @@ class DynamicStorage(TableStorage):
             )
         tables = -(rows if n == len(rows) else rows[marked]) - 1  # [n]
         found = torch.full((n,), -1, dtype=torch.int64)  # storage rows
+        found_np = found.numpy()
         with self._lock:
             step = req.step
             if step is not None and step > self.clock:
@@ -99,7 +101,9 @@ class DynamicStorage(TableStorage):
                     local = res.slots
                     if len(res.created_slots):
                         self._create(t, res.created_slots + base, res.created_ids)
-                found[mine] = torch.where(local >= 0, local + base, self.default_row)
+                local_np = local.numpy()
+                at = mine if isinstance(mine, slice) else mine.numpy()
+                found_np[at] = np.where(local_np >= 0, local_np + base, self.default_row)
         if n == len(rows):
             return req.with_rows(found)
         out = rows.clone()
@@ -108,7 +112,7 @@ class DynamicStorage(TableStorage):
 
     def _create(self, t: int, rows: Tensor, ids: Tensor) -> None:
         """New rows of dynamic table ``t``: storage rows ``rows`` [c] for ids ``ids`` [c]."""
-        order = torch.argsort(rows)
+        order = torch.from_numpy(np.argsort(rows.numpy()))  # ascending rows, as ``assign`` takes them
         rows, ids = rows[order], ids[order]
         self.inner.assign(rows, dynamic_init_rows(self.seed, t, self.sizes[t], self.dim, ids))
 

@@ -84,20 +84,33 @@ class IdSlotMap:
 
     def _find(self, ids: np.ndarray) -> np.ndarray:
         """Each id's place, -1 where absent (int64 [n])."""
-        out = np.full(len(ids), -1, dtype=np.int64)
-        todo = np.arange(len(ids))
-        bucket, want = self._home(ids), ids
+        # The first round covers every id and nearly always answers all of them: its answer is
+        # the output, and only the few ids that go on to a next bucket are tracked by index.
+        bucket = self._home(ids)
+        k = self._bucket_rows(bucket)  # [n, W]
+        found, first = _first_true(k == ids[:, None])
+        out = np.where(found, bucket * WINDOW + first, -1)
+        # Neither found nor ended at an EMPTY place: the next bucket. A bucket's EMPTY
+        # places are its last ones (an insert takes the first free place; a removal
+        # leaves GONE), so its last place says whether it has any.
+        go_on = ~found & (k[:, WINDOW - 1] != EMPTY)
+        if not go_on.any():
+            return out
+        todo = np.flatnonzero(go_on)
+        bucket, want = (bucket[todo] + 1) & self._bmask, ids[todo]
         while len(todo):
-            k = self._rows[bucket]  # [m, W]
+            k = self._bucket_rows(bucket)
             found, first = _first_true(k == want[:, None])
             if found.any():
                 out[todo[found]] = bucket[found] * WINDOW + first[found]
-            # Neither found nor ended at an EMPTY place: the next bucket. A bucket's EMPTY
-            # places are its last ones (an insert takes the first free place; a removal
-            # leaves GONE), so its last place says whether it has any.
             go_on = ~found & (k[:, WINDOW - 1] != EMPTY)
             todo, bucket, want = todo[go_on], (bucket[go_on] + 1) & self._bmask, want[go_on]
         return out
+
+    def _bucket_rows(self, buckets: np.ndarray) -> np.ndarray:
+        """The keys of buckets ``buckets`` [m]: a copy, [m, WINDOW]. ``np.take`` copies each
+        128-byte row whole, about half the time of indexing ``_rows[buckets]``."""
+        return np.take(self._rows, buckets, axis=0)
 
     def get(self, ids: Tensor) -> Tensor:
         """Each id's slot, -1 where absent (int64 [n])."""
@@ -127,7 +140,7 @@ class IdSlotMap:
         bucket = self._home(ids)
         while len(ids):
             # Each id's first free place (EMPTY or GONE) in its bucket; a full one: the next.
-            has, first = _first_true(self._rows[bucket] < 0)  # [m] each
+            has, first = _first_true(self._bucket_rows(bucket) < 0)  # [m] each
             place = bucket[has] * WINDOW + first[has]
             want = ids[has]
             was = self._keys[place]  # EMPTY or GONE
