@@ -224,7 +224,7 @@ class DynamicTable:
         uniq, inverse = _distinct(ids)  # sorted: creation order is the ids'
         # The per-id passes run on NumPy views of the tensors (a step's few thousand ids: a
         # call's fixed cost is most of a pass, and NumPy's is a third of torch's).
-        found_t = self.slots.get(uniq)  # [u]
+        found_t, room = self.slots.get_with_room(uniq)  # [u]
         found = found_t.numpy()
         last_used = self.last_used.numpy()
         have = found >= 0
@@ -265,7 +265,7 @@ class DynamicTable:
         take = self.free.numpy()[len(self.free) - c :][::-1].copy()  # [c], popped in order
         self.free = self.free[: len(self.free) - c]
         new_ids = uniq_np[chosen]
-        self.slots.put(torch.from_numpy(new_ids), torch.from_numpy(take))
+        self.slots.put(torch.from_numpy(new_ids), torch.from_numpy(take), room.of(chosen))
         if self.counts:
             for x in new_ids.tolist():
                 self.counts.pop(x, None)

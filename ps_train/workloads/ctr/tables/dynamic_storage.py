@@ -71,8 +71,10 @@ class DynamicStorage(TableStorage):
         """``req`` with each marker ``-(1 + t)`` replaced by its id's storage row (or the
         default row); an evaluation read (``step`` None) creates nothing."""
         rows, ids = req.rows, req.ids
-        marked = rows < 0
-        n = int(marked.sum())
+        # NumPy views: a step's few thousand rows make every pass mostly a call's fixed cost.
+        rows_np = rows.numpy()
+        marked = rows_np < 0
+        n = int(np.count_nonzero(marked))
         if n == 0 and ids is None:
             return req
         if ids is None or ids.dtype != torch.int64 or len(ids) != n:
@@ -80,7 +82,7 @@ class DynamicStorage(TableStorage):
                 f"{self.where}: a request with {n} dynamic-table rows needs as many int64 ids, got "
                 f"{None if ids is None else (ids.dtype, tuple(ids.shape))}"
             )
-        tables = -(rows if n == len(rows) else rows[marked]) - 1  # [n]
+        tables = -(rows_np if n == len(rows_np) else rows_np[marked]) - 1  # [n]
         found = torch.full((n,), -1, dtype=torch.int64)  # storage rows
         found_np = found.numpy()
         with self._lock:
@@ -94,20 +96,20 @@ class DynamicStorage(TableStorage):
                     raise ValueError(f"{self.where}: table {t} is not a dynamic table here")
                 base = self.row_offsets[t]
                 dyn = self.dynamic[t]
+                its_ids = ids[mine] if isinstance(mine, slice) else ids[torch.from_numpy(mine)]
                 if step is None:
-                    local = dyn.read(ids[mine])
+                    local = dyn.read(its_ids)
                 else:
-                    res = dyn.lookup(ids[mine], step, req.trainer)
+                    res = dyn.lookup(its_ids, step, req.trainer)
                     local = res.slots
                     if len(res.created_slots):
                         self._create(t, res.created_slots + base, res.created_ids)
                 local_np = local.numpy()
-                at = mine if isinstance(mine, slice) else mine.numpy()
-                found_np[at] = np.where(local_np >= 0, local_np + base, self.default_row)
+                found_np[mine] = np.where(local_np >= 0, local_np + base, self.default_row)
         if n == len(rows):
             return req.with_rows(found)
         out = rows.clone()
-        out[marked] = found
+        out[torch.from_numpy(marked)] = found
         return req.with_rows(out)
 
     def _create(self, t: int, rows: Tensor, ids: Tensor) -> None:
@@ -187,14 +189,14 @@ class DynamicStorage(TableStorage):
         self.inner.close()
 
 
-def _by_table(tables: Tensor) -> list[tuple[int, slice | Tensor]]:
+def _by_table(tables: np.ndarray) -> list[tuple[int, slice | np.ndarray]]:
     """Each table of ``tables`` (int64 [n]) in ascending order, with where it is in
     ``tables``: a slice when its entries are consecutive (a plan sends each table's rows
     together), else a mask. The tables are independent, so their order changes nothing
     but is kept."""
     if len(tables) == 0:
         return []
-    cuts = (torch.nonzero(tables[1:] != tables[:-1]).squeeze(1) + 1).tolist()
+    cuts = (np.flatnonzero(tables[1:] != tables[:-1]) + 1).tolist()
     bounds = [0, *cuts, len(tables)]
     firsts = tables[bounds[:-1]].tolist()
     if len(set(firsts)) == len(firsts):  # one run per table: slices (views), no masks
