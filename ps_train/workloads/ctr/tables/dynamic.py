@@ -96,7 +96,7 @@ class DynamicTable:
         # The use log: step -> chunks of the slots whose ``last_used`` became that step (int32).
         # An entry is stale once its slot is used later or freed; stale entries are skipped
         # when read and dropped when the log outgrows ``2 x max_rows`` entries (``_compact``).
-        self.uses: dict[int, list[Tensor]] = {}
+        self.uses: dict[int, list[np.ndarray]] = {}
         self.use_entries = 0
 
     # -- the clock --------------------------------------------------------------------------------
@@ -105,7 +105,7 @@ class DynamicTable:
         the evicted slots."""
         self._commit()
         self.clock = step
-        victims = []
+        victims: list[np.ndarray] = []
         if self.spec.eviction == "ttl":
             assert self.spec.ttl_steps is not None
             expired = self._oldest(None, step - self.spec.ttl_steps)
@@ -116,39 +116,41 @@ class DynamicTable:
             lru = self._oldest(short, None)
             victims.append(lru)
             self._evict(lru)
-        return torch.cat(victims) if victims else torch.zeros(0, dtype=torch.int64)
+        return torch.from_numpy(np.concatenate(victims)) if victims else torch.zeros(0, dtype=torch.int64)
 
     # -- least recently used rows, from the use log --------------------------------------------------
-    def _used(self, step: int, slots: Tensor) -> None:
+    def _used(self, step: int, slots: np.ndarray) -> None:
         """``slots`` (int64) were just given ``last_used`` = ``step``."""
         if len(slots) == 0:
             return
-        self.uses.setdefault(step, []).append(slots.to(torch.int32))
+        self.uses.setdefault(step, []).append(slots.astype(np.int32))
         self.use_entries += len(slots)
         if self.use_entries > 2 * self.spec.max_rows:
             self._compact()
 
     def _compact(self) -> None:
         """The use log rebuilt from the held slots' ``last_used``: one entry per held slot."""
-        held = torch.nonzero(self.slot_ids >= 0).squeeze(1)
-        used = self.last_used[held]
-        order = torch.argsort(used, stable=True)
-        steps, counts = torch.unique_consecutive(used[order], return_counts=True)
-        chunks = torch.split(held[order].to(torch.int32), counts.tolist())
-        self.uses = {s: [c] for s, c in zip(steps.tolist(), chunks, strict=True)}
+        held = np.flatnonzero(self.slot_ids.numpy() >= 0)
+        used = self.last_used.numpy()[held]
+        order = np.argsort(used, kind="stable")
+        ranked = used[order]
+        cuts = np.flatnonzero(ranked[1:] != ranked[:-1]) + 1
+        chunks = np.split(held[order].astype(np.int32), cuts)
+        steps = ranked[np.concatenate(([0], cuts))].tolist() if len(held) else []
+        self.uses = {s: [c] for s, c in zip(steps, chunks, strict=True)} if len(held) else {}
         self.use_entries = len(held)
 
-    def _live_at(self, step: int) -> Tensor:
+    def _live_at(self, step: int) -> np.ndarray:
         """The held slots whose ``last_used`` is ``step`` (int64, ascending), from the log."""
         # Distinct and ascending: NumPy's sort and a pass (~5x torch.unique at a step's few
         # thousand entries). A step's entries are distinct but for rare reuses of a slot.
-        ranked = np.sort(np.concatenate([c.numpy() for c in self.uses[step]])).astype(np.int64)
+        chunks = self.uses[step]
+        ranked = np.sort(chunks[0] if len(chunks) == 1 else np.concatenate(chunks)).astype(np.int64)
         if len(ranked) > 1:
             ranked = ranked[np.concatenate(([True], ranked[1:] != ranked[:-1]))]
-        slots = torch.from_numpy(ranked)
-        return slots[(self.last_used[slots] == step) & (self.slot_ids[slots] >= 0)]
+        return ranked[(self.last_used.numpy()[ranked] == step) & (self.slot_ids.numpy()[ranked] >= 0)]
 
-    def _oldest(self, k: int | None, before: int | None) -> Tensor:
+    def _oldest(self, k: int | None, before: int | None) -> np.ndarray:
         """The ``k`` held slots least recently used (smallest ``last_used``, ties by smaller
         id) among those last used before step ``before`` (None: any); all of them if at most
         ``k`` (``k`` None: all). Order: ascending slots, except when ``k`` cuts a step's rows:
@@ -158,9 +160,10 @@ class DynamicTable:
         rows it evicts, not a pass over ``max_rows`` (at 1M slots a full scan and top-k was
         ~10 ms per table and step). The log's steps read wholly are dropped: their live rows
         are evicted by the caller, the rest are stale."""
+        none = np.zeros(0, dtype=np.int64)
         if k is not None and k <= 0:
-            return torch.zeros(0, dtype=torch.int64)
-        below: list[Tensor] = []
+            return none
+        below: list[np.ndarray] = []
         need = k
         for step in sorted(self.uses):
             if (before is not None and step >= before) or need == 0:
@@ -171,16 +174,18 @@ class DynamicTable:
                 below.append(live)
                 need = None if need is None else need - len(live)
                 continue
-            # ``k`` cuts this step's rows: the smallest ids of them (ids are distinct).
-            pick = torch.topk(self.slot_ids[live], need, largest=False, sorted=True).indices
-            rest = torch.ones(len(live), dtype=torch.bool)
+            # ``k`` cuts this step's rows: the smallest ids of them (ids are distinct, so the
+            # order is total and any sort gives it).
+            pick = np.argsort(self.slot_ids.numpy()[live])[:need]
+            rest = np.ones(len(live), dtype=bool)
             rest[pick] = False
-            if bool(rest.any()):
-                self.uses[step] = [live[rest].to(torch.int32)]
-                self.use_entries += int(rest.sum())
-            first = torch.cat(below).sort().values if below else torch.zeros(0, dtype=torch.int64)
-            return torch.cat([first, live[pick]])
-        return torch.cat(below).sort().values if below else torch.zeros(0, dtype=torch.int64)
+            if rest.any():
+                kept = live[rest].astype(np.int32)
+                self.uses[step] = [kept]
+                self.use_entries += len(kept)
+            first = np.sort(np.concatenate(below)) if below else none
+            return np.concatenate([first, live[pick]])
+        return np.sort(np.concatenate(below)) if below else none
 
     def _more_after(self, before: int | None, step: int) -> bool:
         """Whether a held slot was last used after ``step`` and before ``before`` (None: any later)."""
@@ -201,12 +206,13 @@ class DynamicTable:
             for x in order[: len(order) - self.spec.max_rows // 2]:
                 del self.counts[x]
 
-    def _evict(self, slots: Tensor) -> None:
+    def _evict(self, slots: np.ndarray) -> None:
         if len(slots) == 0:
             return
-        self.slots.remove(self.slot_ids[slots])
-        self.slot_ids[slots] = -1
-        self.free = torch.cat([self.free, slots.flip(0)])
+        slot_ids = self.slot_ids.numpy()
+        self.slots.remove(torch.from_numpy(slot_ids[slots]))
+        slot_ids[slots] = -1
+        self.free = torch.cat([self.free, torch.from_numpy(slots[::-1].copy())])
         self.evicted += len(slots)
 
     # -- lookups ----------------------------------------------------------------------------------
@@ -216,52 +222,59 @@ class DynamicTable:
         if step > self.clock:
             raise RuntimeError(f"lookup at step {step} before advance({step}); the table is at step {self.clock}")
         uniq, inverse = _distinct(ids)  # sorted: creation order is the ids'
-        found = self.slots.get(uniq)
+        # The per-id passes run on NumPy views of the tensors (a step's few thousand ids: a
+        # call's fixed cost is most of a pass, and NumPy's is a third of torch's).
+        found_t, room = self.slots.get_with_room(uniq)  # [u]
+        found = found_t.numpy()
+        last_used = self.last_used.numpy()
         have = found >= 0
         used = found[have]
-        raised = used[self.last_used[used] < step]  # an async trainer may be behind: never lowered
-        self.last_used[raised] = step
+        raised = used[last_used[used] < step]  # an async trainer may be behind: never lowered
+        last_used[raised] = step
         self._used(step, raised)
-        new = torch.nonzero(~have).squeeze(1)
         empty = torch.zeros(0, dtype=torch.int64)
-        if len(new) == 0:
-            return Resolved(_spread(found, inverse), empty, empty)
+        if len(used) == len(found):
+            return Resolved(_spread(found_t, inverse), empty, empty)
+        new = np.flatnonzero(~have)
         k = self.spec.admit_after
         bit = 1 << trainer
+        uniq_np = uniq.numpy()
         if k == 1:  # every new id at its first sighting: no per-id work in Python
             chosen = new
         else:
             admit: list[int] = []
-            keys = uniq.tolist()
+            keys = uniq_np.tolist()
             for i in new.tolist():
                 x = keys[i]
                 if self.counts.get(x, (0, 0))[0] + 1 >= k:
                     admit.append(i)
                 else:
                     self.pending[x] = self.pending.get(x, 0) | bit
-            chosen = torch.tensor(admit, dtype=torch.int64)
+            chosen = np.array(admit, dtype=np.int64)
         self.admitted += len(chosen)
         if len(chosen) == 0:
-            return Resolved(_spread(found, inverse), empty, empty)
+            return Resolved(_spread(found_t, inverse), empty, empty)
         short = len(chosen) - len(self.free)
         if short > 0:  # out of free slots mid-step: rows not used this step go now
             self._evict(self._oldest(short, step))
-            for x in uniq[chosen[len(self.free) :]].tolist():  # the rest stay on the zero row, admitted again next time
+            # The rest stay on the zero row, admitted again next time.
+            for x in uniq_np[chosen[len(self.free) :]].tolist():
                 self.pending[x] = self.pending.get(x, 0) | bit
             chosen = chosen[: len(self.free)]
-        take = self.free[len(self.free) - len(chosen) :].flip(0)  # [c], popped in order
-        self.free = self.free[: len(self.free) - len(chosen)]
-        new_ids = uniq[chosen]
-        self.slots.put(new_ids, take)
+        c = len(chosen)
+        take = self.free.numpy()[len(self.free) - c :][::-1].copy()  # [c], popped in order
+        self.free = self.free[: len(self.free) - c]
+        new_ids = uniq_np[chosen]
+        self.slots.put(torch.from_numpy(new_ids), torch.from_numpy(take), room.of(chosen))
         if self.counts:
             for x in new_ids.tolist():
                 self.counts.pop(x, None)
-        self.slot_ids[take] = new_ids
-        self.last_used[take] = step
+        self.slot_ids.numpy()[take] = new_ids
+        last_used[take] = step
         self._used(step, take)
         found[chosen] = take
-        self.created += len(chosen)
-        return Resolved(_spread(found, inverse), take, new_ids)
+        self.created += c
+        return Resolved(_spread(found_t, inverse), torch.from_numpy(take), torch.from_numpy(new_ids))
 
     def read(self, ids: Tensor) -> Tensor:
         """Evaluation: each id's slot, -1 (the zero row) for ids without a row; changes nothing."""
@@ -308,7 +321,8 @@ def _distinct(ids: Tensor) -> tuple[Tensor, Tensor | None]:
     """``torch.unique(ids, return_inverse=True)``, with the inverse None when ``ids`` are
     ascending and distinct already (a trainer's rows of a table arrive so unless the
     servers pool its bags: ``plan``), which skips the sort."""
-    if len(ids) < 2 or bool((ids[1:] > ids[:-1]).all()):
+    x = ids.numpy()
+    if len(x) < 2 or bool((x[1:] > x[:-1]).all()):
         return ids, None
     return torch.unique(ids, return_inverse=True)
 

@@ -16,6 +16,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -70,8 +71,10 @@ class DynamicStorage(TableStorage):
         """``req`` with each marker ``-(1 + t)`` replaced by its id's storage row (or the
         default row); an evaluation read (``step`` None) creates nothing."""
         rows, ids = req.rows, req.ids
-        marked = rows < 0
-        n = int(marked.sum())
+        # NumPy views: a step's few thousand rows make every pass mostly a call's fixed cost.
+        rows_np = rows.numpy()
+        marked = rows_np < 0
+        n = int(np.count_nonzero(marked))
         if n == 0 and ids is None:
             return req
         if ids is None or ids.dtype != torch.int64 or len(ids) != n:
@@ -79,8 +82,9 @@ class DynamicStorage(TableStorage):
                 f"{self.where}: a request with {n} dynamic-table rows needs as many int64 ids, got "
                 f"{None if ids is None else (ids.dtype, tuple(ids.shape))}"
             )
-        tables = -(rows if n == len(rows) else rows[marked]) - 1  # [n]
+        tables = -(rows_np if n == len(rows_np) else rows_np[marked]) - 1  # [n]
         found = torch.full((n,), -1, dtype=torch.int64)  # storage rows
+        found_np = found.numpy()
         with self._lock:
             step = req.step
             if step is not None and step > self.clock:
@@ -92,23 +96,25 @@ class DynamicStorage(TableStorage):
                     raise ValueError(f"{self.where}: table {t} is not a dynamic table here")
                 base = self.row_offsets[t]
                 dyn = self.dynamic[t]
+                its_ids = ids[mine] if isinstance(mine, slice) else ids[torch.from_numpy(mine)]
                 if step is None:
-                    local = dyn.read(ids[mine])
+                    local = dyn.read(its_ids)
                 else:
-                    res = dyn.lookup(ids[mine], step, req.trainer)
+                    res = dyn.lookup(its_ids, step, req.trainer)
                     local = res.slots
                     if len(res.created_slots):
                         self._create(t, res.created_slots + base, res.created_ids)
-                found[mine] = torch.where(local >= 0, local + base, self.default_row)
+                local_np = local.numpy()
+                found_np[mine] = np.where(local_np >= 0, local_np + base, self.default_row)
         if n == len(rows):
             return req.with_rows(found)
         out = rows.clone()
-        out[marked] = found
+        out[torch.from_numpy(marked)] = found
         return req.with_rows(out)
 
     def _create(self, t: int, rows: Tensor, ids: Tensor) -> None:
         """New rows of dynamic table ``t``: storage rows ``rows`` [c] for ids ``ids`` [c]."""
-        order = torch.argsort(rows)
+        order = torch.from_numpy(np.argsort(rows.numpy()))  # ascending rows, as ``assign`` takes them
         rows, ids = rows[order], ids[order]
         self.inner.assign(rows, dynamic_init_rows(self.seed, t, self.sizes[t], self.dim, ids))
 
@@ -183,14 +189,14 @@ class DynamicStorage(TableStorage):
         self.inner.close()
 
 
-def _by_table(tables: Tensor) -> list[tuple[int, slice | Tensor]]:
+def _by_table(tables: np.ndarray) -> list[tuple[int, slice | np.ndarray]]:
     """Each table of ``tables`` (int64 [n]) in ascending order, with where it is in
     ``tables``: a slice when its entries are consecutive (a plan sends each table's rows
     together), else a mask. The tables are independent, so their order changes nothing
     but is kept."""
     if len(tables) == 0:
         return []
-    cuts = (torch.nonzero(tables[1:] != tables[:-1]).squeeze(1) + 1).tolist()
+    cuts = (np.flatnonzero(tables[1:] != tables[:-1]) + 1).tolist()
     bounds = [0, *cuts, len(tables)]
     firsts = tables[bounds[:-1]].tolist()
     if len(set(firsts)) == len(firsts):  # one run per table: slices (views), no masks

@@ -162,12 +162,17 @@ def _hashed_uniform(seed: int, table: int, salt: int, num_rows: int, dim: int, i
     h = _mix64(_as_u64(ids) ^ key)  # [n]
     # Column j's input: h ^ (j + 1) * C, plus _mix64's constant (added here, in the same pass).
     cols = (np.arange(1, dim + 1, dtype=np.uint64) * np.uint64(0xBF58476D1CE4E5B9)).reshape(1, dim)
-    bits = np.bitwise_xor(h.reshape(-1, 1), cols)  # [n, dim]
+    bits = np.empty((len(h), dim), dtype=np.uint64)  # [n, dim]
+    np.bitwise_xor(h.reshape(-1, 1), cols, out=bits)
     bits += np.uint64(0x9E3779B97F4A7C15)
     bits = _mix64_(bits, low_bits=False)
     bits >>= np.uint64(40)  # 24 bits, exact in float32
-    u = torch.from_numpy(bits.astype(np.float32)).mul_(1.0 / (1 << 24))  # [0, 1)
-    return u.mul_(2 * bound).sub_(bound)
+    # (bits / 2^24) * 2 bound - bound in float32, as one product and a difference: scaling
+    # by a power of two is exact, so folding 2^-24 into the factor rounds the same.
+    u = bits.astype(np.float32)
+    u *= np.float32(2 * bound / (1 << 24))
+    u -= np.float32(bound)
+    return torch.from_numpy(u)
 
 
 @dataclass(frozen=True)
