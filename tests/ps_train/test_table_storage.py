@@ -246,6 +246,23 @@ def test_a_store_left_by_another_run_or_format_is_refused(tmp_path: Path) -> Non
         RowStore(tmp_path / "other", {}, "ps1")
 
 
+def test_the_stores_index_and_filter_blocks_are_held_in_its_block_cache_not_beside_it(tmp_path: Path) -> None:
+    store = RowStore(tmp_path / "ps1", {}, "ps1")
+    files, per_file = 3, 10_000
+    for f in range(files):  # one flushed file each: a file's index and bloom filter are built
+        rows = list(range(f * per_file, (f + 1) * per_file))
+        store.put(rows, [r.to_bytes(8, "big") * 32 for r in rows])  # 256 bytes a row
+        store.db.flush()
+    asked = list(range(0, files * per_file, 7))
+    assert store.get(asked) == [r.to_bytes(8, "big") * 32 for r in asked]
+    mem = store.memory()
+    # Outside the cache, RocksDB would keep ~2.6 bytes per row (its whole filters and
+    # indexes); inside it, only each open file's reader (~2 KB a file, whatever its rows).
+    assert mem["table_readers"] < 0.5 * files * per_file
+    assert 0 < mem["block_cache_pinned"] <= mem["block_cache"] <= STORE_RAM_BYTES
+    store.close()
+
+
 # -- half-precision rows ----------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_stochastic_rounding_picks_a_neighbour_with_the_mean_of_the_value(dtype: torch.dtype) -> None:

@@ -344,6 +344,7 @@ class TieredStorage(TableStorage):
                     bytes_written=self.store.bytes_written,
                     bytes_read=self.store.bytes_read,
                     budget_bytes=self.settings.budget,
+                    **{f"store_{k}_bytes": v for k, v in self.store.memory().items()},
                 )
             out["tier"] = tier
         return out
