@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ps_train.config import OptimConfig
+from ps_train.workloads.ctr.tables import row_pool
 from ps_train.workloads.ctr.tables.dynamic import DynamicSpec, DynamicTable
 from ps_train.workloads.ctr.tables.dynamic_storage import DynamicStorage
 from ps_train.workloads.ctr.tables.fused_storage import FusedStorage
@@ -213,6 +214,32 @@ def test_a_row_evicted_and_read_back_is_bit_identical_with_its_optimizer_state(t
     assert tier["rows_evicted"] > 0 and tier["rows_read_back"] >= len(rows) and tier["bytes_written"] > 0
     assert 0 < tier["hit_rate"] < 1 and tier["rows_in_ram"] <= 2 * STEP_ROWS
     storage.close()
+
+
+@pytest.mark.filterwarnings("ignore:Sparse invariant checks")
+def test_a_checkpoint_flushes_dirty_rows_in_bounded_write_batches_and_restores_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A checkpoint writes every dirty row of the pool to the store first; in one batch that
+    # held the whole pool several times over at once. A small batch size stands in for 65,536.
+    monkeypatch.setattr(row_pool, "FLUSH_ROWS", 7)
+    storage = _tiered("rowwise_adagrad", tmp_path / "a", budget_rows=4 * STEP_ROWS)
+    assert isinstance(storage, TieredStorage) and storage.store is not None
+    _train(storage, torch.Generator().manual_seed(8), 6)
+    dirty = int(storage.pool.dirty.sum())
+    assert dirty > 7
+    batches: list[int] = []
+    put = storage.store.put
+    monkeypatch.setattr(storage.store, "put", lambda rows, values: (batches.append(len(rows)), put(rows, values))[1])
+    snap = storage.begin_snapshot("step_000000006", None)
+    assert sum(batches) == dirty and max(batches) <= 7 and not storage.pool.dirty.any()
+    entry = snap.write(str(tmp_path), "ps1")
+    storage.end_snapshot(written=True)
+    restored = _tiered("rowwise_adagrad", tmp_path / "b", budget_rows=4 * STEP_ROWS)
+    restored.load_state({**snap.state, "rows_files": [str(tmp_path / entry.file)]})
+    assert torch.equal(_all_rows(restored), _all_rows(storage))
+    storage.close()
+    restored.close()
 
 
 def test_a_budget_that_holds_rocksdbs_caches_pays_for_them_a_smaller_one_leaves_them_out(tmp_path: Path) -> None:
