@@ -170,15 +170,39 @@ def macs_equal(a: bytes, b: bytes) -> bool:
     return hmac.compare_digest(a, b)
 
 
+# The frame header followed by n buffer lengths, and n buffer lengths alone, by n: built once
+# per count up to _CACHED_COUNTS (a format string made and looked up per frame costs a µs
+# of a small call).
+_HEADERS: dict[int, struct.Struct] = {0: FRAME_HEADER}
+_LENS: dict[int, struct.Struct] = {}
+_CACHED_COUNTS = 64
+
+
+def _header_with_lens(n: int) -> struct.Struct:
+    st = struct.Struct(f"<BBHIQQ{n}Q")
+    if n <= _CACHED_COUNTS:
+        _HEADERS[n] = st
+    return st
+
+
+def buffer_lens_struct(n: int) -> struct.Struct:
+    """The struct of ``n`` buffer lengths (a frame's table after its header)."""
+    st = _LENS.get(n)
+    if st is None:
+        st = struct.Struct(f"<{n}Q")
+        if n <= _CACHED_COUNTS:
+            _LENS[n] = st
+    return st
+
+
 def pack_header(kind: int, flags: int, head_len: int, body_len: int, msg_id: int, buffer_lens: Sequence[int]) -> bytes:
-    out = FRAME_HEADER.pack(kind, flags, len(buffer_lens), head_len, body_len, msg_id)
-    if buffer_lens:
-        out += struct.pack(f"<{len(buffer_lens)}Q", *buffer_lens)
-    return out
+    n = len(buffer_lens)
+    st = _HEADERS.get(n) or _header_with_lens(n)
+    return st.pack(kind, flags, n, head_len, body_len, msg_id, *buffer_lens)
 
 
 def unpack_buffer_lens(raw: bytes, nbuf: int) -> tuple[int, ...]:
-    return struct.unpack(f"<{nbuf}Q", raw)
+    return buffer_lens_struct(nbuf).unpack(raw)
 
 
 def pack_remote_table(token: int, addrs: Sequence[int]) -> bytes:

@@ -97,15 +97,25 @@ class Sender:
         buffers: Sequence[memoryview] = (),
         defer: int = 0,
     ) -> None:
-        """Write one frame. ``defer`` (a ``DEFER_*`` mode): a small tensor-free frame may
+        """Write one frame. ``defer`` (a ``DEFER_*`` mode): a small frame may
         instead be queued, and whoever next reads the socket writes everything queued in one
         go before it waits for bytes (a burst of ``rpc_async`` calls, or of their answers,
         then costs a few writes, not one each). The caller promises that some thread keeps
         reading this connection until the frame's answer arrives (``DEFER_BATCH``: or that
         it writes the queue itself soon); frames keep their order either way."""
-        if not buffers and len(body) < DIRECT_READ:
-            # The common small message (no tensors): one write of one bytes object.
-            data = wire.pack_header(kind, flags, len(head), len(body), msg_id, ()) + head + body
+        if not buffers:
+            small = len(body) < DIRECT_READ
+            data = wire.pack_header(kind, flags, len(head), len(body), msg_id, ()) + head + body if small else b""
+        else:
+            # A few small tensors (below DIRECT_READ, so none goes by address): copied into the
+            # frame's one bytes object like a tensor-free message. Copying a few KB costs less
+            # than a gather write, and the frame may then wait in the queue as any other.
+            lens = [len(b) for b in buffers]
+            small = len(body) + sum(lens) < DIRECT_READ
+            header = wire.pack_header(kind, flags, len(head), len(body), msg_id, lens) if small else b""
+            data = b"".join([header, head, body, *buffers]) if small else b""
+        if small:
+            # The common small message: one write of one bytes object.
             # A batched frame is written at once if a reader sleeps in the kernel: it would
             # not write the queue before the frame's answer came, which needs the frame.
             if defer and ((self._end - self._start >= _HEADER) if defer == DEFER_ANSWER else not self._reader_sleeps):

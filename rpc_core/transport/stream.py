@@ -58,6 +58,11 @@ def tune_buffers(sock: socket.socket) -> None:
             pass
 
 
+# A fresh, ordinary (resizable) storage holding a copy of a small buffered tensor buffer.
+_storage_from = torch.UntypedStorage.from_buffer
+_BYTE = torch.uint8
+
+
 def _same(e: BaseException) -> BaseException:
     return e
 
@@ -218,6 +223,10 @@ class Connection(Sender, Waiting, ReadBuffer):
                 self._released.add(h.msg_id)
                 self._wake_waiters()
             return None
+        if not h.flags & wire.REMOTE and h.body_len < READ_CHUNK:
+            frame = self._take_buffered(h)
+            if frame is not None:
+                return frame
         lens: tuple[int, ...] = ()
         if h.nbuf:
             lens = wire.unpack_buffer_lens(self._read_small(wire.BUFFER_LEN.size * h.nbuf), h.nbuf)
@@ -270,6 +279,48 @@ class Connection(Sender, Waiting, ReadBuffer):
         if addrs:
             self._small_q.append(wire.pack_header(wire.RELEASE, 0, 0, 0, token, []))
             self._flush_small()
+        return h, head, body, storages
+
+    def _take_buffered(
+        self, h: wire.FrameHeader
+    ) -> tuple[wire.FrameHeader, bytes, bytes, list[torch.UntypedStorage]] | None:
+        """The rest of the frame after header ``h`` (not REMOTE) if the read buffer holds all
+        of it (a small frame, as most calls and answers are), else None with nothing consumed.
+        Each part is sliced from the buffer where it lies, and each tensor buffer copied into
+        its new storage by one torch call: a frame with tensors takes no more Python steps
+        than one without, where reading part by part cost a small call ~10% of its time."""
+        start = self._start
+        avail = self._end - start
+        nbuf = h.nbuf
+        pos = start + 8 * nbuf
+        end = pos + h.head_len + h.body_len
+        if end - start > avail:
+            return None
+        lens: tuple[int, ...] = ()
+        if nbuf:
+            lens = wire.buffer_lens_struct(nbuf).unpack_from(self._buf, start)
+            try:
+                wire.check_buffer_lens(lens, h)
+            except ValueError as e:
+                raise ProtocolError(f"malformed frame: {e}") from None
+            if end + sum(lens) - start > avail:
+                return None
+        view = self._view
+        head = bytes(view[pos : pos + h.head_len]) if h.head_len else b""
+        pos += h.head_len
+        body = bytes(view[pos : pos + h.body_len])
+        pos += h.body_len
+        storages = []
+        for n in lens:
+            try:
+                storages.append(_storage_from(view[pos : pos + n], dtype=_BYTE))
+            except (RuntimeError, MemoryError) as e:
+                raise ProtocolError(
+                    f"cannot allocate the {n}-byte tensor buffer the peer announced ({e.__class__.__name__}); "
+                    "dropping the connection"
+                ) from None
+            pos += n
+        self._start = pos
         return h, head, body, storages
 
     def set_recv_timeout(self, seconds: float | None) -> None:

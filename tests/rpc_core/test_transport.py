@@ -492,6 +492,24 @@ def test_a_direct_send_writes_the_queued_frames_before_its_own(pair):
     assert bytes(storage_view(got[3][3][0])) == b"tensor bytes"
 
 
+def test_small_frames_with_tensors_are_batched_too_and_each_gets_storage_of_its_own(pair):
+    a, b = pair
+    a._reading = True  # a reader between two waits: the frames are queued for it
+    t1, t2 = torch.arange(100, dtype=torch.float32), torch.ones(3, dtype=torch.int64)
+    a.send(wire.REQUEST, 0, 1, b"h1", b"b1", [storage_view(t1.untyped_storage())], defer=transport.DEFER_BATCH)
+    a.send(wire.REQUEST, 0, 2, b"", b"b2", [storage_view(t2.untyped_storage())], defer=transport.DEFER_BATCH)
+    t1.zero_()  # the queued frame holds a copy: the sender may reuse the tensor's memory at once
+    assert not b.poll(0.05)
+    a.flush_queued()  # one write: b's first read takes both frames
+    first, second = b.recv(), b.recv()
+    assert (first[0].msg_id, first[1], first[2], second[0].msg_id, second[2]) == (1, b"h1", b"b1", 2, b"b2")
+    got1 = torch.empty(0).set_(first[3][0])
+    assert torch.equal(got1, torch.arange(100, dtype=torch.float32))
+    assert torch.equal(torch.empty(0, dtype=torch.int64).set_(second[3][0]), t2)
+    first[3][0].resize_(800)  # an ordinary storage, not a window on the read buffer
+    assert torch.equal(got1[:100], torch.arange(100, dtype=torch.float32))
+
+
 def test_a_batching_sender_writes_at_once_when_the_reader_sleeps_and_takes_the_queue_along(pair):
     a, b = pair
     _frame(a, 1, defer=transport.DEFER_BATCH)  # nobody is reading: queued for the next batch
