@@ -8,7 +8,7 @@ bit-identical, its counters, and its errors (budget too small, a foreign store, 
 from __future__ import annotations
 
 import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -230,7 +230,12 @@ def test_a_checkpoint_flushes_dirty_rows_in_bounded_write_batches_and_restores_t
     assert dirty > 7
     batches: list[int] = []
     put = storage.store.put
-    monkeypatch.setattr(storage.store, "put", lambda rows, values: (batches.append(len(rows)), put(rows, values))[1])
+
+    def counted_put(rows: Sequence[int], values: Sequence[bytes]) -> None:
+        batches.append(len(rows))
+        put(rows, values)
+
+    monkeypatch.setattr(storage.store, "put", counted_put)
     snap = storage.begin_snapshot("step_000000006", None)
     assert sum(batches) == dirty and max(batches) <= 7 and not storage.pool.dirty.any()
     entry = snap.write(str(tmp_path), "ps1")
