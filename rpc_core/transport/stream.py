@@ -67,6 +67,23 @@ def _same(e: BaseException) -> BaseException:
     return e
 
 
+def _checked_lens(lens: tuple[int, ...], h: wire.FrameHeader) -> tuple[int, ...]:
+    """A frame's buffer lengths, refused (``ProtocolError``) when they do not fit its header."""
+    try:
+        wire.check_buffer_lens(lens, h)
+    except ValueError as e:
+        raise ProtocolError(f"malformed frame: {e}") from None
+    return lens
+
+
+def _no_room(n: int, e: BaseException) -> ProtocolError:
+    """The error for a tensor buffer of ``n`` bytes that could not be allocated."""
+    return ProtocolError(
+        f"cannot allocate the {n}-byte tensor buffer the peer announced ({e.__class__.__name__}); "
+        "dropping the connection"
+    )
+
+
 class Connection(Sender, Waiting, ReadBuffer):
     """One authenticated stream socket (a ``base.Connection``). ``send`` is thread-safe;
     ``recv`` serves one caller at a time (concurrent callers queue), from any thread.
@@ -229,11 +246,7 @@ class Connection(Sender, Waiting, ReadBuffer):
                 return frame
         lens: tuple[int, ...] = ()
         if h.nbuf:
-            lens = wire.unpack_buffer_lens(self._read_small(wire.BUFFER_LEN.size * h.nbuf), h.nbuf)
-            try:
-                wire.check_buffer_lens(lens, h)
-            except ValueError as e:
-                raise ProtocolError(f"malformed frame: {e}") from None
+            lens = _checked_lens(wire.unpack_buffer_lens(self._read_small(wire.BUFFER_LEN.size * h.nbuf), h.nbuf), h)
         addrs: tuple[int, ...] = ()
         token = 0
         if h.flags & wire.REMOTE:
@@ -256,10 +269,7 @@ class Connection(Sender, Waiting, ReadBuffer):
             try:
                 st = new_storage(n)  # uninitialised: pages are only touched as bytes arrive
             except (RuntimeError, MemoryError, OSError) as e:
-                raise ProtocolError(
-                    f"cannot allocate the {n}-byte tensor buffer the peer announced ({e.__class__.__name__}); "
-                    "dropping the connection"
-                ) from None
+                raise _no_room(n, e) from None
             if n and addrs and addrs[i]:
                 try:
                     cma.read(self.peer_pid, addrs[i], st.data_ptr(), n)
@@ -292,17 +302,13 @@ class Connection(Sender, Waiting, ReadBuffer):
         start = self._start
         avail = self._end - start
         nbuf = h.nbuf
-        pos = start + 8 * nbuf
+        pos = start + wire.BUFFER_LEN.size * nbuf
         end = pos + h.head_len + h.body_len
         if end - start > avail:
             return None
         lens: tuple[int, ...] = ()
         if nbuf:
-            lens = wire.buffer_lens_struct(nbuf).unpack_from(self._buf, start)
-            try:
-                wire.check_buffer_lens(lens, h)
-            except ValueError as e:
-                raise ProtocolError(f"malformed frame: {e}") from None
+            lens = _checked_lens(wire.buffer_lens_struct(nbuf).unpack_from(self._buf, start), h)
             if end + sum(lens) - start > avail:
                 return None
         view = self._view
@@ -315,10 +321,7 @@ class Connection(Sender, Waiting, ReadBuffer):
             try:
                 storages.append(_storage_from(view[pos : pos + n], dtype=_BYTE))
             except (RuntimeError, MemoryError) as e:
-                raise ProtocolError(
-                    f"cannot allocate the {n}-byte tensor buffer the peer announced ({e.__class__.__name__}); "
-                    "dropping the connection"
-                ) from None
+                raise _no_room(n, e) from None
             pos += n
         self._start = pos
         return h, head, body, storages
