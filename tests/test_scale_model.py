@@ -17,9 +17,8 @@ from ps_train.scaling.fit import Observation, fit, observation_from_run
 from ps_train.scaling.shapes import WORKLOADS, mlp, server_loads
 
 MLP = WORKLOADS["mlp"]
-LINK_BURST_BYTES = (
-    8 * 1024
-)  # the emulated hosts' token bucket (benchmarks/scale_hosts.py; tests import nothing from there)
+# The emulated hosts' token bucket (benchmarks/scale_hosts.py; tests import nothing from there).
+LINK_BURST_BYTES = 8 * 1024
 TRUE = Constants(
     beta=1.1,
     gamma=300.0,
